@@ -1,0 +1,1 @@
+"""Engine adapters: the protocol an inference engine implements to take weight updates."""

@@ -1,0 +1,30 @@
+"""syncd: lossless weight deltas through object storage, applied in place by inference engines.
+
+Public entry points are imported lazily so that ``import syncd`` stays cheap (no torch import until an op
+is used).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "checksum": ("syncd.ops", "checksum"),
+    "materialize": ("syncd.versions", "materialize"),
+    "latest_version": ("syncd.versions", "latest_version"),
+    "DeltaError": ("syncd.errors", "DeltaError"),
+}
+
+__all__ = sorted(_LAZY) + ["__version__"]
+
+
+def __getattr__(name: str):
+    try:
+        module, attr = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'syncd' has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value
+    return value
