@@ -1,0 +1,148 @@
+// pybind11 surface of the native CPU module `syncd._native`. Buffers come in through the buffer protocol
+// (NumPy views of torch tensors); no libtorch. Every entry point releases the GIL while it works.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "checksum.h"
+#include "delta_codec.h"
+
+namespace py = pybind11;
+using namespace syncd;
+
+namespace {
+
+struct View {
+  const uint8_t* ptr;
+  size_t size;
+};
+
+View read_view(const py::buffer& b, py::buffer_info& keep, bool writable = false) {
+  keep = b.request(writable);
+  if (keep.ndim > 1) {
+    ssize_t expect = keep.itemsize;
+    for (ssize_t i = keep.ndim - 1; i >= 0; --i) {
+      if (keep.strides[i] != expect) throw std::invalid_argument("buffer must be C-contiguous");
+      expect *= keep.shape[i];
+    }
+  } else if (keep.ndim == 1 && keep.shape[0] > 1 && keep.strides[0] != keep.itemsize) {
+    throw std::invalid_argument("buffer must be contiguous");
+  }
+  return {static_cast<const uint8_t*>(keep.ptr), size_t(keep.size) * size_t(keep.itemsize)};
+}
+
+std::vector<uint64_t> to_shape(const std::vector<int64_t>& s) {
+  std::vector<uint64_t> r;
+  for (int64_t d : s) {
+    if (d < 0) throw DeltaError("negative dimension in shape");
+    r.push_back(uint64_t(d));
+  }
+  return r;
+}
+
+size_t itemsize_of(int dtype_code) { return size_t(dtype_info(dtype_code).bits / 8); }
+
+void check_size(size_t have, const std::vector<uint64_t>& shape, int dtype_code, const char* what) {
+  unsigned __int128 n = itemsize_of(dtype_code);
+  for (uint64_t d : shape) n *= d;
+  if (n != have) throw std::invalid_argument(std::string(what) + " has " + std::to_string(have) + " bytes, shape and dtype need " + std::to_string(uint64_t(n)));
+}
+
+py::bytes to_bytes(const std::vector<uint8_t>& v) { return py::bytes(reinterpret_cast<const char*>(v.data()), v.size()); }
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+  m.doc() = "syncd native CPU kernels: delta codec (format v1) and content checksum";
+  py::register_exception<DeltaError>(m, "NativeDeltaError", PyExc_ValueError);
+
+  m.attr("FORMAT_VERSION") = kFormatVersion;
+  m.attr("PROB_BITS") = kProbBits;
+  m.attr("RANS_L") = kRansL;
+  m.attr("DEFAULT_BLOCK_LOG2") = kDefaultBlockLog2;
+
+  m.def("checksum", [](const py::buffer& b, int threads) {
+    py::buffer_info keep;
+    View v = read_view(b, keep);
+    py::gil_scoped_release nogil;
+    return checksum(v.ptr, v.size, threads);
+  }, py::arg("data"), py::arg("threads") = 1, "64-bit content checksum of a contiguous buffer's bytes.");
+
+  m.def("checksum_raw", [](const py::buffer& b, uint64_t first_word) {
+    py::buffer_info keep;
+    View v = read_view(b, keep);
+    py::gil_scoped_release nogil;
+    if (first_word == 0) return checksum_raw_parallel(v.ptr, v.size, 1);
+    size_t whole = v.size / 8;
+    uint64_t s = checksum_words(v.ptr, whole, first_word);
+    if (v.size % 8) {
+      uint8_t buf[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      std::memcpy(buf, v.ptr + whole * 8, v.size % 8);
+      s += checksum_term(load_le64(buf), first_word + whole);
+    }
+    return s;
+  }, py::arg("data"), py::arg("first_word") = 0, "Unfinalised checksum sum, word indices starting at first_word.");
+
+  m.def("encode", [](const py::buffer& old_b, const py::buffer& new_b, int dtype_code, const std::vector<int64_t>& shape,
+                     int block_log2, int threads) {
+    py::buffer_info k1, k2;
+    View o = read_view(old_b, k1), n = read_view(new_b, k2);
+    auto sh = to_shape(shape);
+    check_size(o.size, sh, dtype_code, "old");
+    check_size(n.size, sh, dtype_code, "new");
+    std::vector<uint8_t> out;
+    {
+      py::gil_scoped_release nogil;
+      out = delta_encode(o.ptr, n.ptr, dtype_code, sh, block_log2, threads);
+    }
+    return to_bytes(out);
+  }, py::arg("old"), py::arg("new"), py::arg("dtype_code"), py::arg("shape"), py::arg("block_log2") = kDefaultBlockLog2,
+     py::arg("threads") = 1);
+
+  m.def("apply", [](const py::buffer& target, const py::buffer& blob, int dtype_code, const std::vector<int64_t>& shape,
+                    bool verify, int threads) {
+    py::buffer_info kt, kb;
+    View t = read_view(target, kt, /*writable=*/true);
+    View bl = read_view(blob, kb);
+    auto sh = to_shape(shape);
+    check_size(t.size, sh, dtype_code, "target");
+    py::gil_scoped_release nogil;
+    delta_apply(const_cast<uint8_t*>(t.ptr), bl.ptr, bl.size, dtype_code, sh, verify, threads);
+  }, py::arg("target"), py::arg("blob"), py::arg("dtype_code"), py::arg("shape"), py::arg("verify") = true,
+     py::arg("threads") = 1);
+
+  m.def("pack", [](int dtype_code, const std::vector<int64_t>& shape, int block_log2,
+                   py::array_t<uint64_t, py::array::c_style | py::array::forcecast> pos,
+                   py::array_t<uint64_t, py::array::c_style | py::array::forcecast> v,
+                   uint64_t base_checksum, uint64_t new_checksum, int threads) {
+    if (pos.size() != v.size()) throw std::invalid_argument("pos and v differ in length");
+    auto sh = to_shape(shape);
+    std::vector<uint8_t> out;
+    {
+      py::gil_scoped_release nogil;
+      out = delta_pack(dtype_code, sh, block_log2, pos.data(), v.data(), size_t(pos.size()), base_checksum,
+                       new_checksum, threads);
+    }
+    return to_bytes(out);
+  }, py::arg("dtype_code"), py::arg("shape"), py::arg("block_log2"), py::arg("pos"), py::arg("v"),
+     py::arg("base_checksum"), py::arg("new_checksum"), py::arg("threads") = 1);
+
+  m.def("unpack", [](const py::buffer& blob, int dtype_code, const std::vector<int64_t>& shape, int threads) {
+    py::buffer_info kb;
+    View bl = read_view(blob, kb);
+    auto sh = to_shape(shape);
+    std::vector<uint64_t> pos, v;
+    Header h;
+    {
+      py::gil_scoped_release nogil;
+      h = delta_unpack(bl.ptr, bl.size, dtype_code, sh, pos, v, threads);
+    }
+    py::array_t<uint64_t> p_arr(pos.size()), v_arr(v.size());
+    if (!pos.empty()) {
+      std::memcpy(p_arr.mutable_data(), pos.data(), pos.size() * 8);
+      std::memcpy(v_arr.mutable_data(), v.data(), v.size() * 8);
+    }
+    return py::make_tuple(p_arr, v_arr, h.base_checksum, h.new_checksum);
+  }, py::arg("blob"), py::arg("dtype_code"), py::arg("shape"), py::arg("threads") = 1,
+     "Validate a blob for a target of dtype/shape and return (positions, values, base_checksum, new_checksum).");
+}

@@ -1,0 +1,57 @@
+#include "checksum.h"
+
+#include <vector>
+
+#include "parallel.h"
+
+namespace syncd {
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(SYNCD_NO_MULTIVERSION)
+#define SYNCD_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define SYNCD_CLONES
+#endif
+
+SYNCD_CLONES
+uint64_t checksum_words(const uint8_t* p, size_t nwords, uint64_t first_word) {
+  // Eight independent accumulators let the compiler keep a vector of sums.
+  uint64_t acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  size_t i = 0;
+  for (; i + 8 <= nwords; i += 8) {
+    for (int l = 0; l < 8; ++l) {
+      acc[l] += checksum_term(load_le64(p + 8 * (i + l)), first_word + i + l);
+    }
+  }
+  uint64_t s = 0;
+  for (; i < nwords; ++i) s += checksum_term(load_le64(p + 8 * i), first_word + i);
+  for (int l = 0; l < 8; ++l) s += acc[l];
+  return s;
+}
+
+uint64_t checksum_raw_range(const uint8_t* base, size_t begin, size_t end) {
+  size_t whole = (end - begin) / 8;
+  uint64_t s = checksum_words(base + begin, whole, begin / 8);
+  size_t tail = (end - begin) % 8;
+  if (tail) {
+    uint8_t buf[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    std::memcpy(buf, base + begin + whole * 8, tail);
+    s += checksum_term(load_le64(buf), begin / 8 + whole);
+  }
+  return s;
+}
+
+uint64_t checksum_raw_parallel(const uint8_t* p, size_t nbytes, int threads) {
+  constexpr size_t kChunk = size_t(1) << 22;  // 4 MiB per work item
+  size_t items = (nbytes + kChunk - 1) / kChunk;
+  if (items <= 1 || threads <= 1) return checksum_raw_range(p, 0, nbytes);
+  std::vector<uint64_t> part(items, 0);
+  parallel_for(items, threads, [&](size_t k) {
+    size_t b = k * kChunk, e = std::min(nbytes, b + kChunk);
+    part[k] = checksum_raw_range(p, b, e);
+  });
+  uint64_t s = 0;
+  for (uint64_t v : part) s += v;
+  return s;
+}
+
+}  // namespace syncd

@@ -1,0 +1,408 @@
+#include "delta_codec.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <memory>
+#include <type_traits>
+
+#include "checksum.h"
+#include "parallel.h"
+
+namespace syncd {
+
+namespace {
+
+template <class T>
+constexpr T kSign = T(T(1) << (sizeof(T) * 8 - 1));
+
+template <class T>
+inline T to_key(T b, bool is_float) {
+  if (!is_float) return b;
+  return (b & kSign<T>) ? T(~b) : T(b | kSign<T>);
+}
+
+template <class T>
+inline T from_key(T k, bool is_float) {
+  if (!is_float) return k;
+  return (k & kSign<T>) ? T(k ^ kSign<T>) : T(~k);
+}
+
+// v = zigzag(key(new) - key(old)) - 1, the difference taken as a signed W-bit integer.
+template <class T>
+inline uint64_t code_value(T ob, T nb, bool is_float) {
+  using S = std::make_signed_t<T>;
+  T d = T(to_key(nb, is_float) - to_key(ob, is_float));
+  T u = T(T(d << 1) ^ T(S(d) >> (sizeof(T) * 8 - 1)));
+  return uint64_t(u) - 1;
+}
+
+template <class T>
+inline T apply_value(T ob, uint64_t v, bool is_float) {
+  uint64_t u = v + 1;
+  T d = T((u >> 1) ^ (uint64_t(0) - (u & 1)));
+  return from_key(T(to_key(ob, is_float) + d), is_float);
+}
+
+inline uint64_t max_value(int bits) { return bits == 64 ? ~uint64_t(0) - 1 : (uint64_t(1) << bits) - 2; }
+
+// Word `w` of a buffer of `nbytes` bytes, zero-padded past the end.
+inline uint64_t word_at(const uint8_t* p, size_t nbytes, uint64_t w) {
+  size_t off = size_t(w) * 8;
+  if (off + 8 <= nbytes) return load_le64(p + off);
+  uint8_t buf[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  std::memcpy(buf, p + off, nbytes - off);
+  return load_le64(buf);
+}
+
+struct BlockChanges {
+  std::vector<uint32_t> pos;  // block-relative, ascending
+  std::vector<uint64_t> v;
+};
+
+// Entropy-codes one block's changes into `out` (the payload).
+void encode_block(const BlockChanges& c, std::vector<uint8_t>& out) {
+  size_t n = c.pos.size();
+  std::vector<uint8_t> syms(2 * n);
+  std::vector<uint8_t> raw;
+  raw.reserve(n);
+  BitWriter bits(raw);
+  uint64_t counts[2][kAlphabet] = {};
+  int64_t prev = -1;
+  for (size_t i = 0; i < n; ++i) {
+    Bucketed g = bucket(uint64_t(int64_t(c.pos[i]) - prev - 1));
+    prev = c.pos[i];
+    syms[2 * i] = static_cast<uint8_t>(g.sym);
+    counts[0][g.sym]++;
+    bits.write(g.extra, g.nbits);
+    Bucketed x = bucket(c.v[i]);
+    syms[2 * i + 1] = static_cast<uint8_t>(x.sym);
+    counts[1][x.sym]++;
+    bits.write(x.extra, x.nbits);
+  }
+  bits.flush();
+  uint32_t freqs[2][kAlphabet];
+  EncodeModel models[2];
+  for (int m = 0; m < 2; ++m) {
+    normalize(counts[m], freqs[m]);
+    models[m].build(freqs[m]);
+    write_table(out, freqs[m]);
+  }
+  uint32_t rl = static_cast<uint32_t>(raw.size());
+  for (int i = 0; i < 4; ++i) out.push_back(static_cast<uint8_t>(rl >> (8 * i)));
+  out.insert(out.end(), raw.begin(), raw.end());
+  rans_encode(syms.data(), syms.size(), models, out);
+}
+
+// Decodes and validates one block's payload.
+void decode_block(const uint8_t* payload, size_t len, uint32_t n, uint64_t span, int bits_w, size_t b,
+                  BlockChanges& c) {
+  ByteReader r(payload, len, "block " + std::to_string(b));
+  uint32_t f[2][kAlphabet];
+  read_table(r, f[0]);
+  read_table(r, f[1]);
+  std::unique_ptr<DecodeModel[]> models(new DecodeModel[2]);
+  models[0].build(f[0]);
+  models[1].build(f[1]);
+  uint32_t raw_len = r.u32();
+  const uint8_t* raw = r.take(raw_len);
+  BitReader bits(raw, raw_len, r);
+  const uint8_t* s = r.take(8);
+  uint32_t x[2] = {uint32_t(s[0]) | uint32_t(s[1]) << 8 | uint32_t(s[2]) << 16 | uint32_t(s[3]) << 24,
+                   uint32_t(s[4]) | uint32_t(s[5]) << 8 | uint32_t(s[6]) << 16 | uint32_t(s[7]) << 24};
+  const uint8_t* data = r.data();
+  size_t p = r.pos(), end = r.size();
+  const uint64_t vmax = max_value(bits_w);
+  c.pos.resize(n);
+  c.v.resize(n);
+  int64_t prev = -1;
+  for (uint32_t i = 0; i < n; ++i) {
+    uint64_t val[2];
+    for (int st = 0; st < 2; ++st) {
+      const DecodeModel& m = models[st];
+      uint32_t xs = x[st];
+      uint32_t slot = xs & (kProbScale - 1);
+      uint32_t sym = m.lut[slot];
+      xs = m.freq[sym] * (xs >> kProbBits) + slot - m.cum[sym];
+      while (xs < kRansL) {
+        if (p >= end) r.fail("entropy-coded stream truncated");
+        xs = (xs << 8) | data[p++];
+      }
+      x[st] = xs;
+      uint64_t base;
+      uint32_t extra_n;
+      unbucket(sym, &base, &extra_n);
+      val[st] = extra_n ? base + bits.read(extra_n) : base;
+    }
+    if (val[0] >= span || int64_t(val[0]) >= int64_t(span) - 1 - prev)
+      r.fail("change position outside the block of " + std::to_string(span) + " elements");
+    prev = prev + 1 + int64_t(val[0]);
+    if (val[1] > vmax) r.fail("value change " + std::to_string(val[1]) + " too wide for the dtype");
+    c.pos[i] = static_cast<uint32_t>(prev);
+    c.v[i] = val[1];
+  }
+  if (x[0] != kRansL || x[1] != kRansL || p != end) r.fail("entropy-coded stream corrupt (final state check failed)");
+  bits.finish();
+}
+
+void verify_payload(const Header& h, const uint8_t* blob, size_t b) {
+  const BlockEntry& e = h.blocks[b];
+  const uint8_t* p = blob + h.payload_offset[b];
+  if (checksum_finalize(checksum_raw_range(p, 0, e.payload_bytes), e.payload_bytes) != e.payload_checksum)
+    throw DeltaError("block " + std::to_string(b) + ": payload checksum mismatch (corrupt or altered blob)");
+}
+
+template <class T>
+void scan_block(const uint8_t* ob, const uint8_t* nb, uint64_t numel, uint64_t start, uint64_t span, bool is_float,
+                BlockChanges& c, uint64_t* sum_old, uint64_t* adj) {
+  constexpr unsigned E = 8 / sizeof(T);
+  constexpr unsigned W = sizeof(T) * 8;
+  const size_t nbytes = size_t(numel) * sizeof(T);
+  const uint64_t wbeg = start * sizeof(T) / 8;
+  const uint64_t wend = ((start + span) * sizeof(T) + 7) / 8;
+  const uint64_t wfull = std::min<uint64_t>(wend, nbytes / 8);
+  uint64_t so = 0, ad = 0;
+  auto visit = [&](uint64_t w, uint64_t a, uint64_t bw) {
+    ad += checksum_term(bw, w) - checksum_term(a, w);
+    uint64_t x = a ^ bw;
+    for (unsigned l = 0; l < E; ++l) {
+      T ov = T(a >> (l * W % 64)), nv = T(bw >> (l * W % 64));
+      if (T(x >> (l * W % 64)) != 0) {
+        c.pos.push_back(static_cast<uint32_t>(w * E + l - start));
+        c.v.push_back(code_value<T>(ov, nv, is_float));
+      }
+    }
+  };
+  constexpr uint64_t kChunk = 64;
+  for (uint64_t w0 = wbeg; w0 < wfull; w0 += kChunk) {
+    uint64_t m = std::min(kChunk, wfull - w0);
+    const uint8_t* po = ob + 8 * w0;
+    const uint8_t* pn = nb + 8 * w0;
+    so += checksum_words(po, m, w0);
+    uint64_t diff = 0;
+    for (uint64_t i = 0; i < m; ++i) diff |= load_le64(po + 8 * i) ^ load_le64(pn + 8 * i);
+    if (!diff) continue;
+    for (uint64_t i = 0; i < m; ++i) {
+      uint64_t a = load_le64(po + 8 * i), bw = load_le64(pn + 8 * i);
+      if (a != bw) visit(w0 + i, a, bw);
+    }
+  }
+  if (wfull < wend) {  // the tensor's last, partial word (zero-padded in both)
+    uint64_t a = word_at(ob, nbytes, wfull), bw = word_at(nb, nbytes, wfull);
+    so += checksum_term(a, wfull);
+    if (a != bw) visit(wfull, a, bw);
+  }
+  *sum_old = so;
+  *adj = ad;
+}
+
+struct Assembled {
+  std::vector<std::vector<uint8_t>> payloads;
+  std::vector<BlockEntry> entries;
+};
+
+std::vector<uint8_t> assemble(const DTypeInfo& dt, const std::vector<uint64_t>& shape, int block_log2,
+                              const Assembled& a, uint64_t base_ck, uint64_t new_ck) {
+  std::vector<uint8_t> out = pack_header(dt, shape, block_log2, a.entries, base_ck, new_ck);
+  size_t total = out.size();
+  for (const auto& p : a.payloads) total += p.size();
+  out.reserve(total);
+  for (const auto& p : a.payloads) out.insert(out.end(), p.begin(), p.end());
+  return out;
+}
+
+void code_blocks(std::vector<BlockChanges>& changes, Assembled& a, int threads) {
+  size_t nb = changes.size();
+  a.payloads.assign(nb, {});
+  a.entries.assign(nb, {0, 0, 0});
+  parallel_for(nb, threads, [&](size_t b) {
+    BlockChanges& c = changes[b];
+    if (c.pos.empty()) return;
+    encode_block(c, a.payloads[b]);
+    const auto& p = a.payloads[b];
+    if (p.size() > 0xFFFFFFFFull) throw DeltaError("block payload exceeds 4 GiB");
+    a.entries[b] = {static_cast<uint32_t>(p.size()), static_cast<uint32_t>(c.pos.size()),
+                    checksum_finalize(checksum_raw_range(p.data(), 0, p.size()), p.size())};
+    BlockChanges().pos.swap(c.pos);  // release memory early
+    BlockChanges().v.swap(c.v);
+  });
+}
+
+uint64_t numel_of(const std::vector<uint64_t>& shape) {
+  if (shape.size() > kMaxNdim) throw DeltaError("rank exceeds 8");
+  unsigned __int128 n = 1;
+  for (uint64_t d : shape) {
+    n *= d;
+    if (n > kMaxNumel) throw DeltaError("tensor too large for the delta format");
+  }
+  return uint64_t(n);
+}
+
+template <class T>
+std::vector<uint8_t> encode_typed(const uint8_t* ob, const uint8_t* nb, const DTypeInfo& dt,
+                                  const std::vector<uint64_t>& shape, int block_log2, int threads) {
+  uint64_t numel = numel_of(shape);
+  size_t n_blocks = blocks_for(numel, block_log2);
+  std::vector<BlockChanges> changes(n_blocks);
+  std::vector<uint64_t> sums(n_blocks, 0), adjs(n_blocks, 0);
+  parallel_for(n_blocks, threads, [&](size_t b) {
+    uint64_t start = uint64_t(b) << block_log2;
+    uint64_t span = std::min<uint64_t>(uint64_t(1) << block_log2, numel - start);
+    scan_block<T>(ob, nb, numel, start, span, dt.is_float, changes[b], &sums[b], &adjs[b]);
+  });
+  uint64_t so = 0, ad = 0;
+  for (size_t b = 0; b < n_blocks; ++b) {
+    so += sums[b];
+    ad += adjs[b];
+  }
+  uint64_t nbytes = numel * sizeof(T);
+  Assembled a;
+  code_blocks(changes, a, threads);
+  return assemble(dt, shape, block_log2, a, checksum_finalize(so, nbytes), checksum_finalize(so + ad, nbytes));
+}
+
+template <class T>
+void apply_typed(uint8_t* target, const uint8_t* blob, const Header& h, bool verify, int threads) {
+  const uint64_t numel = h.numel;
+  const size_t nbytes = size_t(numel) * sizeof(T);
+  constexpr unsigned E = 8 / sizeof(T);
+  constexpr unsigned W = sizeof(T) * 8;
+  size_t nb = h.blocks.size();
+  std::vector<BlockChanges> changes(nb);
+  std::vector<std::vector<T>> values(nb);
+  std::vector<uint64_t> adjs(nb, 0);
+  uint64_t raw_old = 0;
+  if (verify) {
+    raw_old = checksum_raw_parallel(target, nbytes, threads);
+    uint64_t have = checksum_finalize(raw_old, nbytes);
+    if (have != h.base_checksum) {
+      char msg[160];
+      std::snprintf(msg, sizeof msg, "wrong base: blob expects base checksum %#018llx, target has %#018llx",
+                    (unsigned long long)h.base_checksum, (unsigned long long)have);
+      throw DeltaError(msg);
+    }
+  }
+  const T* tgt = reinterpret_cast<const T*>(target);
+  parallel_for(nb, threads, [&](size_t b) {
+    const BlockEntry& e = h.blocks[b];
+    if (!e.n_changed) return;
+    verify_payload(h, blob, b);
+    BlockChanges& c = changes[b];
+    decode_block(blob + h.payload_offset[b], e.payload_bytes, e.n_changed, h.block_span(b), W, b, c);
+    std::vector<T>& nv = values[b];
+    nv.resize(c.pos.size());
+    uint64_t start = h.block_start(b);
+    uint64_t ad = 0, cur = ~uint64_t(0), oldw = 0, neww = 0;
+    for (size_t i = 0; i < c.pos.size(); ++i) {
+      uint64_t idx = start + c.pos[i];
+      T ov = tgt[idx];
+      T v = apply_value<T>(ov, c.v[i], h.dtype.is_float);
+      nv[i] = v;
+      if (!verify) continue;
+      uint64_t w = idx / E;
+      if (w != cur) {
+        if (cur != ~uint64_t(0)) ad += checksum_term(neww, cur) - checksum_term(oldw, cur);
+        cur = w;
+        oldw = neww = word_at(target, nbytes, w);
+      }
+      unsigned sh = unsigned(idx % E) * W % 64;
+      uint64_t lane = (W == 64) ? ~uint64_t(0) : ((uint64_t(1) << W) - 1) << sh;
+      neww = (neww & ~lane) | ((uint64_t(v) << sh) & lane);
+    }
+    if (verify && cur != ~uint64_t(0)) ad += checksum_term(neww, cur) - checksum_term(oldw, cur);
+    adjs[b] = ad;
+    BlockChanges().v.swap(c.v);
+  });
+  if (verify) {
+    uint64_t ad = 0;
+    for (uint64_t x : adjs) ad += x;
+    if (checksum_finalize(raw_old + ad, nbytes) != h.new_checksum)
+      throw DeltaError("result checksum mismatch: the decoded tensor differs from the encoder's");
+  }
+  T* out = reinterpret_cast<T*>(target);
+  parallel_for(nb, threads, [&](size_t b) {
+    uint64_t start = h.block_start(b);
+    const auto& pos = changes[b].pos;
+    const auto& nv = values[b];
+    for (size_t i = 0; i < pos.size(); ++i) out[start + pos[i]] = nv[i];
+  });
+}
+
+template <class F>
+auto by_width(int bits, F&& f) {
+  switch (bits) {
+    case 8: return f(uint8_t{});
+    case 16: return f(uint16_t{});
+    case 32: return f(uint32_t{});
+    default: return f(uint64_t{});
+  }
+}
+
+}  // namespace
+
+std::vector<uint8_t> delta_encode(const uint8_t* old_bytes, const uint8_t* new_bytes, int dtype_code,
+                                  const std::vector<uint64_t>& shape, int block_log2, int threads) {
+  DTypeInfo dt = dtype_info(dtype_code);
+  if (block_log2 < kMinBlockLog2 || block_log2 > kMaxBlockLog2) throw DeltaError("block_log2 out of range");
+  return by_width(dt.bits, [&](auto tag) {
+    return encode_typed<decltype(tag)>(old_bytes, new_bytes, dt, shape, block_log2, threads);
+  });
+}
+
+void delta_apply(uint8_t* target, const uint8_t* blob, size_t blob_len, int dtype_code,
+                 const std::vector<uint64_t>& shape, bool verify, int threads) {
+  Header h = parse_header(blob, blob_len);
+  check_target(h, dtype_code, shape);
+  by_width(h.dtype.bits, [&](auto tag) { apply_typed<decltype(tag)>(target, blob, h, verify, threads); });
+}
+
+std::vector<uint8_t> delta_pack(int dtype_code, const std::vector<uint64_t>& shape, int block_log2,
+                                const uint64_t* pos, const uint64_t* v, size_t n, uint64_t base_checksum,
+                                uint64_t new_checksum, int threads) {
+  DTypeInfo dt = dtype_info(dtype_code);
+  if (block_log2 < kMinBlockLog2 || block_log2 > kMaxBlockLog2) throw DeltaError("block_log2 out of range");
+  uint64_t numel = numel_of(shape);
+  const uint64_t vmax = max_value(dt.bits);
+  for (size_t i = 0; i < n; ++i) {
+    if (pos[i] >= numel || (i && pos[i] <= pos[i - 1])) throw DeltaError("pack: positions must be ascending and inside the tensor");
+    if (v[i] > vmax) throw DeltaError("pack: value too wide for the dtype");
+  }
+  size_t n_blocks = blocks_for(numel, block_log2);
+  std::vector<BlockChanges> changes(n_blocks);
+  parallel_for(n_blocks, threads, [&](size_t b) {
+    uint64_t lo = uint64_t(b) << block_log2, hi = lo + (uint64_t(1) << block_log2);
+    size_t i0 = std::lower_bound(pos, pos + n, lo) - pos, i1 = std::lower_bound(pos, pos + n, hi) - pos;
+    BlockChanges& c = changes[b];
+    c.pos.resize(i1 - i0);
+    c.v.assign(v + i0, v + i1);
+    for (size_t i = i0; i < i1; ++i) c.pos[i - i0] = static_cast<uint32_t>(pos[i] - lo);
+  });
+  Assembled a;
+  code_blocks(changes, a, threads);
+  return assemble(dt, shape, block_log2, a, base_checksum, new_checksum);
+}
+
+Header delta_unpack(const uint8_t* blob, size_t blob_len, int dtype_code, const std::vector<uint64_t>& shape,
+                    std::vector<uint64_t>& pos, std::vector<uint64_t>& v, int threads) {
+  Header h = parse_header(blob, blob_len);
+  check_target(h, dtype_code, shape);
+  size_t nb = h.blocks.size();
+  std::vector<size_t> first(nb + 1, 0);
+  for (size_t b = 0; b < nb; ++b) first[b + 1] = first[b] + h.blocks[b].n_changed;
+  pos.assign(h.n_changed, 0);
+  v.assign(h.n_changed, 0);
+  parallel_for(nb, threads, [&](size_t b) {
+    const BlockEntry& e = h.blocks[b];
+    if (!e.n_changed) return;
+    verify_payload(h, blob, b);
+    BlockChanges c;
+    decode_block(blob + h.payload_offset[b], e.payload_bytes, e.n_changed, h.block_span(b), h.dtype.bits, b, c);
+    uint64_t start = h.block_start(b);
+    for (size_t i = 0; i < c.pos.size(); ++i) {
+      pos[first[b] + i] = start + c.pos[i];
+      v[first[b] + i] = c.v[i];
+    }
+  });
+  return h;
+}
+
+}  // namespace syncd

@@ -1,0 +1,33 @@
+// Native CPU delta codec (format v1). Torch-free: callers pass raw byte buffers they own for the duration of
+// the call. Thread-safe (no shared state); each call uses up to `threads` threads. All errors are DeltaError
+// and, for apply, leave the target unchanged.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "delta_format.h"
+
+namespace syncd {
+
+// Blob taking `old_bytes` to `new_bytes` (both numel * itemsize bytes, element bits in machine order).
+std::vector<uint8_t> delta_encode(const uint8_t* old_bytes, const uint8_t* new_bytes, int dtype_code,
+                                  const std::vector<uint64_t>& shape, int block_log2, int threads);
+
+// Applies `blob` to `target` in place. With verify, checks the base checksum against the target and the
+// result checksum before writing; otherwise only the blob's own integrity is checked.
+void delta_apply(uint8_t* target, const uint8_t* blob, size_t blob_len, int dtype_code,
+                 const std::vector<uint64_t>& shape, bool verify, int threads);
+
+// Entropy-codes already-found changes: global positions (ascending, < numel) and coded values
+// v = zigzag(key delta) - 1. Used by the GPU encoders.
+std::vector<uint8_t> delta_pack(int dtype_code, const std::vector<uint64_t>& shape, int block_log2,
+                                const uint64_t* pos, const uint64_t* v, size_t n, uint64_t base_checksum,
+                                uint64_t new_checksum, int threads);
+
+// Validates and decodes a blob for a target of the given dtype/shape into global positions and values.
+Header delta_unpack(const uint8_t* blob, size_t blob_len, int dtype_code, const std::vector<uint64_t>& shape,
+                    std::vector<uint64_t>& pos, std::vector<uint64_t>& v, int threads);
+
+}  // namespace syncd

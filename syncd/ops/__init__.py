@@ -1,0 +1,11 @@
+"""The op surface of syncd. Every op takes ``backend="auto"|"cpu"|"cuda"|"triton"|"reference"``.
+
+- :mod:`syncd.ops.delta`: ``encode``, ``decode``, ``apply_``, ``inspect`` (lossless weight deltas)
+- :func:`checksum`: 64-bit content checksum of a tensor, identical on every backend and device
+"""
+
+from syncd.ops import delta
+from syncd.ops._backend import BACKENDS
+from syncd.ops._checksum import checksum, checksum_bytes
+
+__all__ = ["BACKENDS", "checksum", "checksum_bytes", "delta"]

@@ -1,0 +1,37 @@
+"""``checksum``: the 64-bit content checksum of a tensor's bytes, identical on every backend and device.
+
+The definition is in ``syncd/ops/reference/checksum.py`` and ``docs/delta-format.md``. It covers the raw
+bytes in row-major order (a non-contiguous tensor is checksummed as its contiguous copy), not the dtype or
+shape. Thread-safe.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from syncd.ops import _backend
+from syncd.ops._tensors import byte_view
+from syncd.ops.reference import checksum as ref
+
+
+def checksum(tensor: torch.Tensor, *, backend: str = "auto") -> int:
+    """64-bit checksum (an int in [0, 2**64)) of ``tensor``'s bytes.
+
+    Raises ``BackendUnavailable`` when the named backend cannot run on the tensor's device.
+    """
+    name = _backend.resolve(backend, tensor.device.type)
+    if name == "reference":
+        return ref.checksum_bytes(byte_view(tensor.cpu()))
+    if name == "cpu":
+        return int(_backend.native().checksum(byte_view(tensor), _backend.threads()))
+    return _backend.gpu_kernels(name).checksum(tensor.detach().contiguous())
+
+
+def checksum_bytes(data, *, backend: str = "auto") -> int:
+    """The same checksum over a bytes-like object (``bytes``, ``memoryview``, a NumPy array's buffer)."""
+    arr = np.frombuffer(data, np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1).view(np.uint8)
+    name = _backend.resolve(backend, "cpu")
+    if name == "cpu":
+        return int(_backend.native().checksum(arr, _backend.threads()))
+    return ref.checksum_bytes(arr)

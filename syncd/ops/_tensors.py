@@ -1,0 +1,21 @@
+"""Zero-copy views of torch tensors as NumPy byte arrays, for the native and reference backends."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def byte_view(t: torch.Tensor) -> np.ndarray:
+    """The bytes of a CPU tensor as a 1-d uint8 NumPy array. Shares memory when ``t`` is contiguous (so
+    writes through it change ``t``); a non-contiguous tensor is copied."""
+    if t.device.type != "cpu":
+        raise ValueError(f"byte_view needs a CPU tensor, got one on {t.device}")
+    t = t.detach()
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def shape_of(t: torch.Tensor) -> list[int]:
+    return [int(s) for s in t.shape]

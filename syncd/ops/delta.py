@@ -1,0 +1,174 @@
+"""Lossless weight deltas: the public codec surface (format v1, ``docs/delta-format.md``).
+
+``encode(old, new) -> bytes`` makes a blob from which ``decode(old, blob)`` / ``apply_(old, blob)`` reproduce
+``new`` bit for bit. Every backend writes blobs every other backend reads; for the same input the CPU,
+GPU and reference encoders write the same bytes.
+
+Blobs are hostile input: a truncated, altered, oversized or mismatched blob (wrong dtype, shape or base)
+raises :class:`syncd.errors.DeltaError` saying what is wrong, and ``apply_`` leaves the target unchanged
+when it raises. Thread-safety: calls are independent; don't apply to the same tensor from two threads.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from syncd.errors import DeltaError
+from syncd.ops import _backend
+from syncd.ops import _format as fmt
+from syncd.ops._tensors import byte_view, shape_of
+from syncd.ops.reference import checksum as ref_ck
+from syncd.ops.reference import delta as ref
+
+__all__ = ["encode", "decode", "apply_", "inspect"]
+
+
+def _native_call(fn, *args):
+    """Run a native entry point, turning its ValueErrors into DeltaError (same message)."""
+    try:
+        return fn(*args)
+    except DeltaError:
+        raise
+    except ValueError as e:
+        raise DeltaError(str(e)) from None
+
+
+def _check_pair(old: torch.Tensor, new: torch.Tensor) -> fmt.DType:
+    if old.dtype != new.dtype:
+        raise DeltaError(f"old and new differ in dtype: {old.dtype} vs {new.dtype}")
+    if old.shape != new.shape:
+        raise DeltaError(f"old and new differ in shape: {tuple(old.shape)} vs {tuple(new.shape)}")
+    if old.device != new.device:
+        raise DeltaError(f"old and new are on different devices: {old.device} vs {new.device}")
+    return fmt.dtype_of(old.dtype)
+
+
+def encode(old: torch.Tensor, new: torch.Tensor, *, backend: str = "auto",
+           block_log2: int = fmt.DEFAULT_BLOCK_LOG2) -> bytes:
+    """Blob that takes ``old`` to ``new`` (same dtype, shape and device; any layout).
+
+    ``block_log2`` sets the elements per independent block (2**8 .. 2**26). On a GPU the changed-word scan
+    runs on the device and only the compact change list is copied to the host for entropy coding.
+    Raises ``DeltaError`` for mismatched inputs or an unsupported dtype, ``BackendUnavailable`` for a
+    backend that cannot run here.
+    """
+    dt = _check_pair(old, new)
+    if not fmt.MIN_BLOCK_LOG2 <= block_log2 <= fmt.MAX_BLOCK_LOG2:
+        raise DeltaError(f"block_log2 {block_log2} outside {fmt.MIN_BLOCK_LOG2}..{fmt.MAX_BLOCK_LOG2}")
+    name = _backend.resolve(backend, old.device.type)
+    shape = shape_of(old)
+    if name == "cpu":
+        return _native_call(_backend.native().encode, byte_view(old), byte_view(new), dt.code, shape, block_log2,
+                            _backend.threads())
+    if name == "reference":
+        return ref.encode(byte_view(old.cpu()), byte_view(new.cpu()), dt, shape, block_log2)
+    k = _backend.gpu_kernels(name)
+    o, n = old.detach().contiguous(), new.detach().contiguous()
+    pos, v = k.find_changes(o, n, dt.bits, dt.is_float)
+    base_ck, new_ck = k.checksum(o), k.checksum(n)
+    return _pack(dt, shape, block_log2, pos.cpu().numpy().view(np.uint64), v.cpu().numpy().view(np.uint64),
+                 base_ck, new_ck)
+
+
+def _pack(dt, shape, block_log2, pos, v, base_ck, new_ck) -> bytes:
+    if _backend.available("cpu", "cpu") is None:
+        return _native_call(_backend.native().pack, dt.code, shape, block_log2, pos, v, base_ck, new_ck,
+                            _backend.threads())
+    return ref.pack(dt, shape, block_log2, pos.astype(np.int64), v, base_ck, new_ck)
+
+
+def _unpack(blob, dt: fmt.DType, shape) -> tuple[np.ndarray, np.ndarray, int, int]:
+    if _backend.available("cpu", "cpu") is None:
+        pos, v, base_ck, new_ck = _native_call(_backend.native().unpack, blob, dt.code, shape, _backend.threads())
+        return pos, v, base_ck, new_ck
+    h, pos, v = ref.unpack(blob)
+    ref.check_target(h, dt, shape)
+    return pos.view(np.uint64), v, h.base_checksum, h.new_checksum
+
+
+def apply_(tensor: torch.Tensor, blob, *, backend: str = "auto", verify: bool = True) -> None:
+    """Apply ``blob`` to ``tensor`` in place, turning the encoder's ``old`` into its ``new``.
+
+    With ``verify`` (the default) the tensor's checksum must equal the blob's base checksum and the result
+    must equal the blob's new checksum; both are checked before anything is written (on a GPU the result is
+    checked after the scatter and undone exactly on mismatch). ``verify=False`` skips the full read of the
+    tensor but still checks the blob's own integrity. Raises ``DeltaError``; the tensor is then unchanged.
+    """
+    dt = fmt.dtype_of(tensor.dtype)
+    name = _backend.resolve(backend, tensor.device.type)
+    shape = shape_of(tensor)
+    if name in ("cpu", "reference") and not tensor.is_contiguous():
+        tmp = tensor.contiguous()
+        apply_(tmp, blob, backend=name, verify=verify)
+        with torch.no_grad():
+            tensor.copy_(tmp)
+        return
+    if name == "cpu":
+        _native_call(_backend.native().apply, byte_view(tensor), blob, dt.code, shape, verify, _backend.threads())
+        return
+    if name == "reference":
+        if tensor.device.type != "cpu":
+            tmp = tensor.cpu()
+            ref.decode_into(byte_view(tmp), blob, dt, shape, verify)
+            with torch.no_grad():
+                tensor.copy_(tmp)
+            return
+        ref.decode_into(byte_view(tensor), blob, dt, shape, verify)
+        return
+    _apply_gpu(tensor, blob, dt, shape, name, verify)
+
+
+def _apply_gpu(tensor: torch.Tensor, blob, dt: fmt.DType, shape, name: str, verify: bool) -> None:
+    k = _backend.gpu_kernels(name)
+    pos, v, base_ck, new_ck = _unpack(blob, dt, shape)
+    work = tensor if tensor.is_contiguous() else tensor.contiguous()
+    if verify:
+        have = k.checksum(work)
+        if have != base_ck:
+            raise DeltaError(f"wrong base: blob expects base checksum {base_ck:#018x}, target has {have:#018x}")
+    if not len(pos):
+        return
+    pin = work.device.type == "cuda"
+    pos_t = torch.from_numpy(pos.view(np.int64))
+    v_t = torch.from_numpy(v.view(np.int64))
+    if pin:
+        pos_t, v_t = pos_t.pin_memory(), v_t.pin_memory()
+    pos_d = pos_t.to(work.device, non_blocking=pin)
+    v_d = v_t.to(work.device, non_blocking=pin)
+    k.scatter_apply(work, pos_d, v_d, dt.bits, dt.is_float, forward=True)
+    if verify and k.checksum(work) != new_ck:
+        k.scatter_apply(work, pos_d, v_d, dt.bits, dt.is_float, forward=False)
+        raise DeltaError("result checksum mismatch: the decoded tensor differs from the encoder's")
+    if work is not tensor:
+        with torch.no_grad():
+            tensor.copy_(work)
+
+
+def decode(old: torch.Tensor, blob, *, backend: str = "auto", verify: bool = True) -> torch.Tensor:
+    """A new tensor equal to the encoder's ``new``, bit for bit; ``old`` is not modified."""
+    out = old.detach().clone(memory_format=torch.contiguous_format)
+    apply_(out, blob, backend=backend, verify=verify)
+    return out
+
+
+def inspect(blob) -> dict:
+    """Header facts of a blob without decoding it: dtype, shape, changed count, section sizes, format
+    version, block size, and the base and new checksums. Raises ``DeltaError`` for a malformed header."""
+    h = fmt.parse_header(blob, ref_ck.checksum_bytes)
+    payload = sum(b[0] for b in h.blocks)
+    return {
+        "format_version": fmt.FORMAT_VERSION,
+        "dtype": h.dtype.name,
+        "shape": tuple(h.shape),
+        "numel": h.numel,
+        "changed": h.n_changed,
+        "density": (h.n_changed / h.numel) if h.numel else 0.0,
+        "block_elems": h.block_elems,
+        "blocks": len(h.blocks),
+        "header_bytes": h.header_bytes,
+        "payload_bytes": payload,
+        "total_bytes": h.header_bytes + payload,
+        "base_checksum": h.base_checksum,
+        "new_checksum": h.new_checksum,
+    }

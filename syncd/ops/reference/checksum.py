@@ -1,0 +1,76 @@
+"""Reference of the 64-bit content checksum (format in ``docs/delta-format.md``).
+
+The checksum of a byte string ``b`` of length ``n``: pad ``b`` with zero bytes to a multiple of 8, read it as
+little-endian u64 words ``w_i`` (i from 0), then
+
+    raw      = sum_i fmix64(w_i XOR ((i + 1) * GOLDEN))        (mod 2**64)
+    checksum = fmix64(raw + n * LENGTH_MUL)                    (mod 2**64)
+
+where ``fmix64`` is MurmurHash3's 64-bit finaliser. The sum makes it parallel (any split of the words,
+any order, on any device) and incremental: changing word ``i`` from ``a`` to ``b`` changes ``raw`` by
+``fmix64(b ^ k_i) - fmix64(a ^ k_i)``, which lets a decoder check the result of an update before writing it.
+It detects corruption; it is not a cryptographic hash (manifests are signed separately).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+GOLDEN = 0x9E3779B97F4A7C15
+LENGTH_MUL = 0xC2B2AE3D27D4EB4F
+FMIX_C1 = 0xFF51AFD7ED558CCD
+FMIX_C2 = 0xC4CEB9FE1A85EC53
+MASK64 = (1 << 64) - 1
+_CHUNK_WORDS = 1 << 20
+
+
+def fmix64(x: np.ndarray) -> np.ndarray:
+    """MurmurHash3 fmix64 on a uint64 array (wrapping arithmetic)."""
+    x = x ^ (x >> np.uint64(33))
+    x = x * np.uint64(FMIX_C1)
+    x = x ^ (x >> np.uint64(33))
+    x = x * np.uint64(FMIX_C2)
+    return x ^ (x >> np.uint64(33))
+
+
+def fmix64_int(x: int) -> int:
+    x &= MASK64
+    x ^= x >> 33
+    x = (x * FMIX_C1) & MASK64
+    x ^= x >> 33
+    x = (x * FMIX_C2) & MASK64
+    return x ^ (x >> 33)
+
+
+def word_key(index: np.ndarray) -> np.ndarray:
+    """The per-word key ``(i + 1) * GOLDEN`` for word indices ``index`` (uint64)."""
+    return (index.astype(np.uint64) + np.uint64(1)) * np.uint64(GOLDEN)
+
+
+def raw_sum(data: np.ndarray, first_word: int = 0) -> int:
+    """``raw`` of the checksum over ``data`` (any contiguous array, read as bytes), as if its first word
+    had index ``first_word``."""
+    b = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    n = b.size
+    pad = (-n) % 8
+    if pad:
+        b = np.concatenate([b, np.zeros(pad, np.uint8)])
+    words = b.view("<u8")
+    total = 0
+    with np.errstate(over="ignore"):
+        for start in range(0, words.size, _CHUNK_WORDS):
+            w = words[start : start + _CHUNK_WORDS].astype(np.uint64)
+            k = word_key(np.arange(first_word + start, first_word + start + w.size, dtype=np.uint64))
+            total = (total + int(fmix64(w ^ k).sum(dtype=np.uint64))) & MASK64
+    return total
+
+
+def finalize(raw: int, nbytes: int) -> int:
+    return fmix64_int((raw + nbytes * LENGTH_MUL) & MASK64)
+
+
+def checksum_bytes(data) -> int:
+    """Checksum of a bytes-like object or array."""
+    arr = np.frombuffer(data, np.uint8) if not isinstance(data, np.ndarray) else data
+    arr = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+    return finalize(raw_sum(arr), arr.size)
