@@ -1,0 +1,51 @@
+"""Rewards for RL post-training: the SWE-check bug-detection reward and the SWE-1.7 length/cheating rules.
+
+Pure Python and numpy; every function is exact (no sampling) and validates its inputs, raising
+:class:`RewardInputError` (a ``ValueError``) with a message naming the bad argument.
+
+* :mod:`~trainer.rewards.fbeta`: :func:`fbeta`, its gradient, and F_β from pooled TP/FP/FN counts.
+* :mod:`~trainer.rewards.matching`: per-sample scoring, :func:`sample_pr` → (P(τ), R(τ)), with a pluggable
+  scope judge and matcher and one-to-one *maximum* bipartite matching.
+* :mod:`~trainer.rewards.population`: P_pop, R_pop, F_β(P_pop, R_pop), and the pooled alternative.
+* :mod:`~trainer.rewards.linearize`: :func:`linearize` → (a, 1), the sample reward a·P(τ) + R(τ) whose
+  mean climbs F_β(P_pop, R_pop) to first order, with recalibration.
+* :mod:`~trainer.rewards.latency`: latency estimate and :func:`latency_penalty` from users' switch-away
+  times; :mod:`~trainer.rewards.phases`: the capability → product two-phase reward.
+* :mod:`~trainer.rewards.length`: the alternating length penalty and :func:`zero_if_cheating`.
+"""
+
+from __future__ import annotations
+
+from ._validate import RewardInputError
+from .fbeta import fbeta, fbeta_from_counts, fbeta_grad, pr_from_counts
+from .latency import LatencyModel, SwitchAwayCDF, latency_penalty
+from .length import AlternatingLengthPenalty, CostWeights, LengthPhase, zero_if_cheating
+from .linearize import LinearizedReward, linearize
+from .matching import SampleScore, max_bipartite_matching, sample_pr, score_sample
+from .phases import Phase, TwoPhaseReward
+from .population import PopulationMetrics, population_metrics
+
+__all__ = [
+    "AlternatingLengthPenalty",
+    "CostWeights",
+    "LatencyModel",
+    "LengthPhase",
+    "LinearizedReward",
+    "Phase",
+    "PopulationMetrics",
+    "RewardInputError",
+    "SampleScore",
+    "SwitchAwayCDF",
+    "TwoPhaseReward",
+    "fbeta",
+    "fbeta_from_counts",
+    "fbeta_grad",
+    "latency_penalty",
+    "linearize",
+    "max_bipartite_matching",
+    "population_metrics",
+    "pr_from_counts",
+    "sample_pr",
+    "score_sample",
+    "zero_if_cheating",
+]
