@@ -3,6 +3,7 @@
 #include <vector>
 
 #include "parallel.h"
+#include "simd_scan.h"
 
 namespace syncd {
 
@@ -30,7 +31,7 @@ uint64_t checksum_words(const uint8_t* p, size_t nwords, uint64_t first_word) {
 
 uint64_t checksum_raw_range(const uint8_t* base, size_t begin, size_t end) {
   size_t whole = (end - begin) / 8;
-  uint64_t s = checksum_words(base + begin, whole, begin / 8);
+  uint64_t s = whole >= 64 ? checksum_words_fast(base + begin, whole, begin / 8) : checksum_words(base + begin, whole, begin / 8);
   size_t tail = (end - begin) % 8;
   if (tail) {
     uint8_t buf[8] = {0, 0, 0, 0, 0, 0, 0, 0};

@@ -7,6 +7,7 @@
 
 #include "checksum.h"
 #include "parallel.h"
+#include "simd_scan.h"
 
 namespace syncd {
 
@@ -161,29 +162,35 @@ void scan_block(const uint8_t* ob, const uint8_t* nb, uint64_t numel, uint64_t s
   const uint64_t wend = ((start + span) * sizeof(T) + 7) / 8;
   const uint64_t wfull = std::min<uint64_t>(wend, nbytes / 8);
   uint64_t so = 0, ad = 0;
+  c.pos.reserve(span / 32 + 16);
+  c.v.reserve(span / 32 + 16);
   auto visit = [&](uint64_t w, uint64_t a, uint64_t bw) {
     ad += checksum_term(bw, w) - checksum_term(a, w);
     uint64_t x = a ^ bw;
-    for (unsigned l = 0; l < E; ++l) {
+    // one bit per nonzero lane, at the lane's top bit, without branches
+    uint64_t nz = x;
+    if constexpr (W < 64) {
+      constexpr uint64_t lo = ~uint64_t(0) / ((uint64_t(1) << W) - 1) * ((uint64_t(1) << (W - 1)) - 1);
+      nz = ((x & lo) + lo) | x;
+      nz &= ~lo;
+    } else {
+      nz = x ? (uint64_t(1) << 63) : 0;
+    }
+    while (nz) {
+      unsigned l = unsigned(__builtin_ctzll(nz)) / W;
+      nz &= nz - 1;
       T ov = T(a >> (l * W % 64)), nv = T(bw >> (l * W % 64));
-      if (T(x >> (l * W % 64)) != 0) {
-        c.pos.push_back(static_cast<uint32_t>(w * E + l - start));
-        c.v.push_back(code_value<T>(ov, nv, is_float));
-      }
+      c.pos.push_back(static_cast<uint32_t>(w * E + l - start));
+      c.v.push_back(code_value<T>(ov, nv, is_float));
     }
   };
-  constexpr uint64_t kChunk = 64;
-  for (uint64_t w0 = wbeg; w0 < wfull; w0 += kChunk) {
-    uint64_t m = std::min(kChunk, wfull - w0);
-    const uint8_t* po = ob + 8 * w0;
-    const uint8_t* pn = nb + 8 * w0;
-    so += checksum_words(po, m, w0);
-    uint64_t diff = 0;
-    for (uint64_t i = 0; i < m; ++i) diff |= load_le64(po + 8 * i) ^ load_le64(pn + 8 * i);
-    if (!diff) continue;
-    for (uint64_t i = 0; i < m; ++i) {
-      uint64_t a = load_le64(po + 8 * i), bw = load_le64(pn + 8 * i);
-      if (a != bw) visit(w0 + i, a, bw);
+  const uint64_t nwords = wfull > wbeg ? wfull - wbeg : 0;
+  std::vector<uint64_t> masks((nwords + 63) / 64);
+  so += checksum_and_diff_words(ob + 8 * wbeg, nb + 8 * wbeg, nwords, wbeg, masks.data());
+  for (size_t g = 0; g < masks.size(); ++g) {
+    for (uint64_t m = masks[g]; m; m &= m - 1) {
+      uint64_t w = wbeg + g * 64 + unsigned(__builtin_ctzll(m));
+      visit(w, load_le64(ob + 8 * w), load_le64(nb + 8 * w));
     }
   }
   if (wfull < wend) {  // the tensor's last, partial word (zero-padded in both)

@@ -163,15 +163,32 @@ struct DecodeModel {
   }
 };
 
+// Encoder tables of one model. Division by the frequency is replaced by a multiply with a rounded-up
+// reciprocal and a shift (exact for 32-bit states below 2^31, as in Giesen's rans_byte).
 struct EncodeModel {
-  uint32_t freq[kAlphabet];
-  uint32_t cum[kAlphabet];
+  uint32_t x_max[kAlphabet];
+  uint32_t rcp_freq[kAlphabet];
+  uint32_t bias[kAlphabet];
+  uint16_t cmpl_freq[kAlphabet];
+  uint8_t rcp_shift[kAlphabet];
   void build(const uint32_t* f) {
     uint32_t c = 0;
     for (int s = 0; s < kAlphabet; ++s) {
-      freq[s] = f[s];
-      cum[s] = c;
-      c += f[s];
+      uint32_t freq = f[s];
+      x_max[s] = ((kRansL >> kProbBits) << 8) * freq;
+      cmpl_freq[s] = static_cast<uint16_t>(kProbScale - freq);
+      if (freq < 2) {
+        rcp_freq[s] = ~0u;
+        rcp_shift[s] = 0;
+        bias[s] = c + kProbScale - 1;
+      } else {
+        uint32_t shift = 0;
+        while (freq > (1u << shift)) ++shift;
+        rcp_freq[s] = static_cast<uint32_t>(((uint64_t(1) << (shift + 31)) + freq - 1) / freq);
+        rcp_shift[s] = static_cast<uint8_t>(shift - 1);
+        bias[s] = c;
+      }
+      c += freq;
     }
   }
 };
@@ -184,14 +201,15 @@ inline void rans_encode(const uint8_t* symbols, size_t n, const EncodeModel* mod
   for (size_t j = n; j-- > 0;) {
     int st = static_cast<int>(j & 1);
     uint32_t s = symbols[j];
-    uint32_t f = models[st].freq[s], c = models[st].cum[s];
+    const EncodeModel& m = models[st];
     uint32_t xs = x[st];
-    uint32_t x_max = ((kRansL >> kProbBits) << 8) * f;
+    uint32_t x_max = m.x_max[s];
     while (xs >= x_max) {
       buf[--w] = static_cast<uint8_t>(xs);
       xs >>= 8;
     }
-    x[st] = ((xs / f) << kProbBits) + (xs % f) + c;
+    uint32_t q = static_cast<uint32_t>((uint64_t(xs) * m.rcp_freq[s]) >> 32) >> m.rcp_shift[s];
+    x[st] = xs + m.bias[s] + q * m.cmpl_freq[s];
   }
   for (int st = 1; st >= 0; --st) {
     for (int b = 3; b >= 0; --b) buf[--w] = static_cast<uint8_t>(x[st] >> (8 * b));
@@ -199,51 +217,54 @@ inline void rans_encode(const uint8_t* symbols, size_t n, const EncodeModel* mod
   out.insert(out.end(), buf.begin() + static_cast<long>(w), buf.end());
 }
 
+// LSB-first bit packer. Appends to `out`; call flush() once at the end.
 class BitWriter {
  public:
   explicit BitWriter(std::vector<uint8_t>& out) : out_(out) {}
-  void write(uint64_t v, uint32_t n) {  // n <= 61
-    if (!n) return;
+  void write(uint64_t v, uint32_t n) {  // v < 2^n, n <= 61
     if (n > 32) {
       write(v & 0xFFFFFFFFull, 32);
       write(v >> 32, n - 32);
       return;
     }
-    acc_ |= v << fill_;
+    if (fill_ + n > 64) spill();
+    acc_ |= n ? (v << fill_) : 0;
     fill_ += n;
-    while (fill_ >= 8) {
-      out_.push_back(static_cast<uint8_t>(acc_));
-      acc_ >>= 8;
-      fill_ -= 8;
-    }
+    if (fill_ >= 56) spill();
   }
   void flush() {
+    spill();
     if (fill_) out_.push_back(static_cast<uint8_t>(acc_));
     acc_ = 0;
     fill_ = 0;
   }
 
  private:
+  void spill() {  // move whole bytes out of the accumulator
+    uint32_t bytes = fill_ / 8;
+    uint8_t tmp[8];
+    for (uint32_t i = 0; i < 8; ++i) tmp[i] = static_cast<uint8_t>(acc_ >> (8 * i));
+    out_.insert(out_.end(), tmp, tmp + bytes);
+    acc_ = bytes == 8 ? 0 : acc_ >> (8 * bytes);
+    fill_ -= 8 * bytes;
+  }
   std::vector<uint8_t>& out_;
   uint64_t acc_ = 0;
   uint32_t fill_ = 0;
 };
 
+// LSB-first bit reader over untrusted bytes; reading past the end throws via `owner`.
 class BitReader {
  public:
   BitReader(const uint8_t* p, size_t n, const ByteReader& owner) : p_(p), n_(n), owner_(owner) {}
-  uint64_t read(uint32_t n) {
+  uint64_t read(uint32_t n) {  // n <= 61
     if (n > 32) {
       uint64_t lo = read(32);
       return lo | (read(n - 32) << 32);
     }
-    while (fill_ < n) {
-      if (pos_ >= n_) owner_.fail("raw-bits stream truncated");
-      acc_ |= uint64_t(p_[pos_++]) << fill_;
-      fill_ += 8;
-    }
+    if (fill_ < n) refill(n);
     uint64_t v = acc_ & ((uint64_t(1) << n) - 1);
-    acc_ >>= n;
+    acc_ = n == 64 ? 0 : acc_ >> n;
     fill_ -= n;
     return v;
   }
@@ -252,6 +273,13 @@ class BitReader {
   }
 
  private:
+  void refill(uint32_t n) {
+    while (fill_ <= 56 && pos_ < n_) {
+      acc_ |= uint64_t(p_[pos_++]) << fill_;
+      fill_ += 8;
+    }
+    if (fill_ < n) owner_.fail("raw-bits stream truncated");
+  }
   const uint8_t* p_;
   size_t n_, pos_ = 0;
   uint64_t acc_ = 0;

@@ -11,6 +11,8 @@ when it raises. Thread-safety: calls are independent; don't apply to the same te
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import torch
 
@@ -20,6 +22,7 @@ from syncd.ops import _format as fmt
 from syncd.ops._tensors import byte_view, shape_of
 from syncd.ops.reference import checksum as ref_ck
 from syncd.ops.reference import delta as ref
+from syncd.ops.reference import entropy as ref_ent
 
 __all__ = ["encode", "decode", "apply_", "inspect"]
 
@@ -153,10 +156,27 @@ def decode(old: torch.Tensor, blob, *, backend: str = "auto", verify: bool = Tru
 
 
 def inspect(blob) -> dict:
-    """Header facts of a blob without decoding it: dtype, shape, changed count, section sizes, format
-    version, block size, and the base and new checksums. Raises ``DeltaError`` for a malformed header."""
+    """Facts of a blob without decoding its changes: dtype, shape, changed count, format version, block size,
+    base and new checksums, and section sizes in bytes (header; per-block frequency tables, length fields,
+    raw bits and rANS streams). Raises ``DeltaError`` for a malformed header or table."""
     h = fmt.parse_header(blob, ref_ck.checksum_bytes)
     payload = sum(b[0] for b in h.blocks)
+    sections = {"tables": 0, "lengths": 0, "raw_bits": 0, "rans": 0}
+    data = memoryview(blob).cast("B")
+    off = h.header_bytes
+    for b, (plen, _, _) in enumerate(h.blocks):
+        if plen:
+            r = ref_ent.Reader(bytes(data[off : off + plen]), f"block {b}")
+            ref_ent.read_table(r)
+            ref_ent.read_table(r)
+            tables = r.pos
+            (raw_len,) = struct.unpack("<I", r.take(4))
+            r.take(raw_len)
+            sections["tables"] += tables
+            sections["lengths"] += 4
+            sections["raw_bits"] += raw_len
+            sections["rans"] += plen - r.pos
+        off += plen
     return {
         "format_version": fmt.FORMAT_VERSION,
         "dtype": h.dtype.name,
@@ -169,6 +189,7 @@ def inspect(blob) -> dict:
         "header_bytes": h.header_bytes,
         "payload_bytes": payload,
         "total_bytes": h.header_bytes + payload,
+        "sections": sections,
         "base_checksum": h.base_checksum,
         "new_checksum": h.new_checksum,
     }
