@@ -10,6 +10,18 @@ import torch
 from syncd.ops import _format as fmt
 from syncd.ops.reference import checksum as ck
 
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU runs under TRITON_INTERPRET=1
+
+
+def on(t: torch.Tensor, backend: str) -> torch.Tensor:
+    """``t`` on the device a backend runs on in this test session."""
+    if backend == "triton":
+        return t.to(TRITON_DEVICE)
+    if backend == "cuda":
+        return t.cuda()
+    return t
+
+
 ALL_DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8,
               torch.int8, torch.int16, torch.int32, torch.float64, torch.int64, torch.bool]
 ISSUE_DTYPES = ALL_DTYPES[:9]

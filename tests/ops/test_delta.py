@@ -8,7 +8,7 @@ import torch
 from syncd.errors import BackendUnavailable, DeltaError
 from syncd.ops import _format as fmt
 from syncd.ops import checksum, delta
-from tests.ops._util import ALL_DTYPES, perturb, random_bits, same_bits
+from tests.ops._util import ALL_DTYPES, on, perturb, random_bits, same_bits
 
 CPU_BACKENDS = ["cpu", "reference", "triton"]  # triton runs interpreted on CPU tensors in CI
 SHAPES = [(), (0,), (1,), (7,), (3, 5, 1), (1000, 3), (4099,)]
@@ -38,10 +38,10 @@ def test_round_trip_every_dtype_and_shape(dtype, shape):
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
 def test_backends_write_identical_blobs_and_read_each_other(dtype):
     old, new = _pair((37, 41), dtype, 0.1, seed=7)
-    blobs = {b: delta.encode(old, new, backend=b, block_log2=8) for b in CPU_BACKENDS}
+    blobs = {b: delta.encode(on(old, b), on(new, b), backend=b, block_log2=8) for b in CPU_BACKENDS}
     assert blobs["cpu"] == blobs["reference"] == blobs["triton"]
     for b in CPU_BACKENDS:
-        t = old.clone()
+        t = on(old.clone(), b)
         delta.apply_(t, blobs["cpu"], backend=b)
         assert same_bits(t, new), b
 
@@ -57,9 +57,9 @@ def test_every_bit_pattern_round_trips(dtype):
     g = torch.Generator().manual_seed(1)
     new = old[torch.randperm(old.numel(), generator=g)]
     for be in CPU_BACKENDS if bits == 8 else ["cpu", "reference"]:
-        blob = delta.encode(old, new, backend=be)
+        blob = delta.encode(on(old, be), on(new, be), backend=be)
         assert same_bits(delta.decode(old, blob, backend="cpu"), new)
-        assert same_bits(delta.decode(new, delta.encode(new, old, backend=be), backend="reference"), old)
+        assert same_bits(delta.decode(new, delta.encode(on(new, be), on(old, be), backend=be), backend="reference"), old)
 
 
 def test_float_keys_make_one_ulp_a_small_integer():
@@ -89,7 +89,7 @@ def test_apply_non_contiguous_target_and_inputs():
     new = perturb(old.contiguous(), 0.1, g).reshape(48, 64)
     blob = delta.encode(old, new)
     for be in CPU_BACKENDS:
-        target = base.clone().t()
+        target = on(base.clone(), be).t()
         delta.apply_(target, blob, backend=be)
         assert not target.is_contiguous()
         assert same_bits(target.contiguous(), new)

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One run on a GPU machine: build the native modules (CUDA on), run every GPU test, time every GPU path.
+# Usage: bash bench/gpu_check.sh   (results and logs under ${OUT:-bench/results})
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-bench/results}
+mkdir -p "$out"
+py=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+echo "== build (SYNCD_CUDA=on)"
+t0=$(date +%s)
+SYNCD_CUDA=on "$py" -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -20 || exit 1
+echo "build took $(( $(date +%s) - t0 ))s"
+"$py" -c "import syncd._native, syncd._cuda_native; print('modules load')" || exit 1
+echo "== GPU tests + op tests on the GPU machine"
+"$py" -m pytest -q -p no:cacheprovider tests/ops -k "not asan" -x 2>&1 | tee "$out/gpu_tests.log" | tail -25
+rc=${PIPESTATUS[0]}
+echo "== GPU codec timings"
+"$py" -m bench.gpu_codec --gib 1 --density 0.01 --refcheck --out "$out/gpu_codec.json" || rc=1
+"$py" -m bench.gpu_codec --gib 1 --density 0.1 --repeats 5 --out "$out/gpu_codec_d10.json" || rc=1
+exit $rc

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Create .venv (if needed) and install syncd with its test and benchmark dependencies, building the native
+# modules in place. Idempotent. SYNCD_CUDA=auto|on|off picks whether the CUDA module is built (CI: on).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+py=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$py" -m venv .venv
+if [ "${CI:-}" = "true" ]; then export SYNCD_CUDA=${SYNCD_CUDA:-on}; fi
+pip() { .venv/bin/python -m pip "$@"; }
+# torch is pinned: the local CPU wheel; a newer one would pull a multi-GB CUDA build.
+pip install -q --disable-pip-version-check "torch==2.13.0" "triton==3.9.0" "scikit-build-core>=0.10" "pybind11>=2.12" ninja cmake
+SYNCD_CUDA=${SYNCD_CUDA:-auto} pip install -q --disable-pip-version-check --no-build-isolation -e ".[test,bench]"
+.venv/bin/python -c "import syncd._native; print('syncd: native CPU module built')"
+if .venv/bin/python -c "import importlib.util,sys; sys.exit(0 if importlib.util.find_spec('syncd._cuda_native') else 1)"; then
+  echo "syncd: CUDA module built (runs where a GPU is present)"
+fi
