@@ -20,7 +20,7 @@ def checksum(tensor: torch.Tensor, *, backend: str = "auto") -> int:
 
     Raises ``BackendUnavailable`` when the named backend cannot run on the tensor's device.
     """
-    name = _backend.resolve(backend, tensor.device.type)
+    name = _backend.resolve(backend, tensor.device.type, "checksum")
     if name == "reference":
         return ref.checksum_bytes(byte_view(tensor.cpu()))
     if name == "cpu":
@@ -31,7 +31,7 @@ def checksum(tensor: torch.Tensor, *, backend: str = "auto") -> int:
 def checksum_bytes(data, *, backend: str = "auto") -> int:
     """The same checksum over a bytes-like object (``bytes``, ``memoryview``, a NumPy array's buffer)."""
     arr = np.frombuffer(data, np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1).view(np.uint8)
-    name = _backend.resolve(backend, "cpu")
+    name = _backend.resolve(backend, "cpu", "checksum")
     if name == "cpu":
         return int(_backend.native().checksum(arr, _backend.threads()))
     return ref.checksum_bytes(arr)

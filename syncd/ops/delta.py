@@ -59,7 +59,7 @@ def encode(old: torch.Tensor, new: torch.Tensor, *, backend: str = "auto",
     dt = _check_pair(old, new)
     if not fmt.MIN_BLOCK_LOG2 <= block_log2 <= fmt.MAX_BLOCK_LOG2:
         raise DeltaError(f"block_log2 {block_log2} outside {fmt.MIN_BLOCK_LOG2}..{fmt.MAX_BLOCK_LOG2}")
-    name = _backend.resolve(backend, old.device.type)
+    name = _backend.resolve(backend, old.device.type, "encode")
     shape = shape_of(old)
     if name == "cpu":
         return _native_call(_backend.native().encode, byte_view(old), byte_view(new), dt.code, shape, block_log2,
@@ -99,7 +99,7 @@ def apply_(tensor: torch.Tensor, blob, *, backend: str = "auto", verify: bool = 
     tensor but still checks the blob's own integrity. Raises ``DeltaError``; the tensor is then unchanged.
     """
     dt = fmt.dtype_of(tensor.dtype)
-    name = _backend.resolve(backend, tensor.device.type)
+    name = _backend.resolve(backend, tensor.device.type, "apply")
     shape = shape_of(tensor)
     if name in ("cpu", "reference") and not tensor.is_contiguous():
         tmp = tensor.contiguous()
@@ -132,13 +132,9 @@ def _apply_gpu(tensor: torch.Tensor, blob, dt: fmt.DType, shape, name: str, veri
             raise DeltaError(f"wrong base: blob expects base checksum {base_ck:#018x}, target has {have:#018x}")
     if not len(pos):
         return
-    pin = work.device.type == "cuda"
-    pos_t = torch.from_numpy(pos.view(np.int64))
-    v_t = torch.from_numpy(v.view(np.int64))
-    if pin:
-        pos_t, v_t = pos_t.pin_memory(), v_t.pin_memory()
-    pos_d = pos_t.to(work.device, non_blocking=pin)
-    v_d = v_t.to(work.device, non_blocking=pin)
+    # pageable copies: pinning a fresh buffer per call costs more than it saves
+    pos_d = torch.from_numpy(pos.view(np.int64)).to(work.device)
+    v_d = torch.from_numpy(v.view(np.int64)).to(work.device)
     k.scatter_apply(work, pos_d, v_d, dt.bits, dt.is_float, forward=True)
     if verify and k.checksum(work) != new_ck:
         k.scatter_apply(work, pos_d, v_d, dt.bits, dt.is_float, forward=False)

@@ -44,6 +44,8 @@ def _checksum_kernel(words_ptr, n_words, partial_ptr, BLOCK: tl.constexpr):
 def checksum_raw(t: torch.Tensor) -> tuple[int, int]:
     """(raw, nbytes) of a contiguous tensor's bytes; the whole words on the device, the tail on the host."""
     b = t.detach().reshape(-1).view(torch.uint8)
+    if b.storage_offset() % 8:  # a byte view into a buffer: the word view needs 8-byte alignment
+        b = b.clone()
     nbytes = b.numel()
     whole = nbytes // 8
     raw = 0
