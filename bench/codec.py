@@ -6,7 +6,9 @@ steps on a policy-gradient loss at RL learning rates, and compares bf16 snapshot
 decode / apply throughput in GB/s of full-weight bytes, and, measured in the same run over the same bytes:
 (a) zstd of the new weights, (b) zstd of old XOR new, (c) int32 index + bf16 value + zstd, (e) gap varints +
 zigzag key deltas + zstd (our streams with zstd instead of our coder), and (d) a NumPy read pass, the
-memory-speed yardstick. Writes JSON.
+memory-speed yardstick. Encode and apply are timed through ``encode_many`` / ``apply_many`` (all cores
+across and within tensors, what a publisher and an engine call); one-tensor-at-a-time figures are in the
+JSON. Writes JSON.
 
     python -m bench.codec                 # ~110M parameters, lr 1e-6/3e-6/1e-5, K = 1, 2, 4, 8
     python -m bench.codec --preset tiny   # seconds; what the test runs
@@ -37,7 +39,7 @@ log = logging.getLogger("bench.codec")
 
 PRESETS = {
     "default": dict(hidden=768, layers=12, heads=12, kv_heads=4, intermediate=2048, vocab=16000, batch=2, seq=64,
-                    warmup=4, repeats=5),
+                    warmup=10, repeats=5),
     "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=512, batch=2, seq=16,
                  warmup=1, repeats=2),
 }
@@ -188,15 +190,20 @@ def measure_case(old: dict, new: dict, repeats: int, block_log2: int) -> dict:
     for k in old:  # correctness, on every case
         if not torch.equal(delta.decode(old[k], blobs[k], backend="cpu").view(torch.int16), new[k].view(torch.int16)):
             raise AssertionError(f"round trip failed for {k}")
-    enc_s = median_time(lambda: [delta.encode(old[k], new[k], backend="cpu", block_log2=block_log2) for k in old],
-                        repeats)
+    names = list(old)
+    olds, news = [old[k] for k in names], [new[k] for k in names]
+    enc_s = median_time(lambda: delta.encode_many(olds, news, backend="cpu", block_log2=block_log2), repeats)
+    enc1_s = median_time(lambda: [delta.encode(old[k], new[k], backend="cpu", block_log2=block_log2) for k in old],
+                         repeats)
     dec_s = median_time(lambda: [delta.decode(old[k], blobs[k], backend="cpu") for k in old], repeats)
     work = {k: v.clone() for k, v in old.items()}
 
     def reset():
         for k in work:
             work[k].copy_(old[k])
-    app_s = median_time(lambda: [delta.apply_(work[k], blobs[k], backend="cpu") for k in old], repeats, setup=reset)
+    works, blob_list = [work[k] for k in names], [blobs[k] for k in names]
+    app_s = median_time(lambda: delta.apply_many(works, blob_list, backend="cpu"), repeats, setup=reset)
+    app1_s = median_time(lambda: [delta.apply_(work[k], blobs[k], backend="cpu") for k in old], repeats, setup=reset)
     read_s = numpy_read_pass(new, repeats)
     bound = entropy_bound(old, new)
     base = baselines(old, new, repeats)
@@ -216,6 +223,7 @@ def measure_case(old: dict, new: dict, repeats: int, block_log2: int) -> dict:
         "global_bound_bytes": bound["global_bytes"], "bound_positions_bytes": bound["positions_bytes"],
         "bound_values_bytes": bound["values_bytes"], "sections": sections,
         "encode_gbps": gbps(enc_s), "decode_gbps": gbps(dec_s), "apply_gbps": gbps(app_s),
+        "encode_one_by_one_gbps": gbps(enc1_s), "apply_one_by_one_gbps": gbps(app1_s),
         "numpy_read_gbps": gbps(read_s), "encode_vs_read": read_s / enc_s, "apply_vs_read": read_s / app_s,
         "decode_vs_read": read_s / dec_s,
         "baselines": {k: {"bytes": v, "pct": 100 * v / nbytes, "x_ours": v / encoded,

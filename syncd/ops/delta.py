@@ -24,7 +24,7 @@ from syncd.ops.reference import checksum as ref_ck
 from syncd.ops.reference import delta as ref
 from syncd.ops.reference import entropy as ref_ent
 
-__all__ = ["encode", "decode", "apply_", "inspect"]
+__all__ = ["encode", "decode", "apply_", "inspect", "encode_many", "apply_many"]
 
 
 def _native_call(fn, *args):
@@ -142,6 +142,68 @@ def _apply_gpu(tensor: torch.Tensor, blob, dt: fmt.DType, shape, name: str, veri
     if work is not tensor:
         with torch.no_grad():
             tensor.copy_(work)
+
+
+def _many(fn, items: list, sizes: list[int], block_log2: int) -> list:
+    """Run ``fn(item, threads)`` over ``items``: tensors of several blocks one after another with every
+    thread, the one-block rest concurrently with one thread each (the native code releases the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    total = _backend.threads()
+    big = [i for i, n in enumerate(sizes) if n > (1 << block_log2)]
+    small = [i for i, n in enumerate(sizes) if n <= (1 << block_log2)]
+    out: list = [None] * len(items)
+    for i in big:
+        out[i] = fn(items[i], total)
+    if small:
+        with ThreadPoolExecutor(max_workers=total) as pool:
+            for i, r in zip(small, pool.map(lambda i: fn(items[i], 1), small)):
+                out[i] = r
+    return out
+
+
+def encode_many(olds, news, *, backend: str = "auto", block_log2: int = fmt.DEFAULT_BLOCK_LOG2) -> list[bytes]:
+    """``[encode(o, n) for o, n in zip(olds, news)]``, using every core across tensors as well as within
+    them (CPU backend); the blobs are identical to ``encode``'s."""
+    olds, news = list(olds), list(news)
+    if len(olds) != len(news):
+        raise DeltaError(f"{len(olds)} old tensors but {len(news)} new ones")
+    if not olds or any(t.device.type != "cpu" for t in olds) or _backend.resolve(backend, "cpu", "encode") != "cpu":
+        return [encode(o, n, backend=backend, block_log2=block_log2) for o, n in zip(olds, news)]
+
+    def one(pair, threads):
+        o, n = pair
+        dt = _check_pair(o, n)
+        return _native_call(_backend.native().encode, byte_view(o), byte_view(n), dt.code, shape_of(o), block_log2,
+                            threads)
+    return _many(one, list(zip(olds, news)), [o.numel() for o in olds], block_log2)
+
+
+def apply_many(tensors, blobs, *, backend: str = "auto", verify: bool = True) -> None:
+    """``apply_`` over pairs, using every core across tensors as well as within them (CPU backend). Each
+    tensor is checked and written independently: on an error, the tensors whose blobs were good are updated,
+    the failing one is unchanged, and the first ``DeltaError`` is raised after all have run."""
+    tensors, blobs = list(tensors), list(blobs)
+    if len(tensors) != len(blobs):
+        raise DeltaError(f"{len(tensors)} tensors but {len(blobs)} blobs")
+    if (not tensors or any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors)
+            or _backend.resolve(backend, "cpu", "apply") != "cpu"):
+        for t, b in zip(tensors, blobs):
+            apply_(t, b, backend=backend, verify=verify)
+        return
+
+    def one(pair, threads):
+        t, b = pair
+        try:
+            _native_call(_backend.native().apply, byte_view(t), b, fmt.dtype_of(t.dtype).code, shape_of(t), verify,
+                         threads)
+        except DeltaError as e:
+            return e
+        return None
+    errors = [e for e in _many(one, list(zip(tensors, blobs)), [t.numel() for t in tensors],
+                               fmt.DEFAULT_BLOCK_LOG2) if e is not None]
+    if errors:
+        raise errors[0]
 
 
 def decode(old: torch.Tensor, blob, *, backend: str = "auto", verify: bool = True) -> torch.Tensor:

@@ -144,3 +144,21 @@ def test_inspect_reports_sections():
     s = info["sections"]
     assert s["tables"] + s["raw_bits"] + s["rans"] + s["lengths"] == info["payload_bytes"]
     assert s["rans"] > 0
+
+
+def test_many_matches_one_by_one_and_isolates_failures():
+    g = torch.Generator().manual_seed(21)
+    olds = [torch.randn(n, generator=g).to(torch.bfloat16) for n in (5, 3000, 70_000, 1_200_000)]
+    news = [perturb(o, 0.05, g) for o in olds]
+    blobs = delta.encode_many(olds, news, block_log2=16)
+    assert blobs == [delta.encode(o, n, block_log2=16) for o, n in zip(olds, news)]
+    work = [o.clone() for o in olds]
+    delta.apply_many(work, blobs)
+    assert all(same_bits(w, n) for w, n in zip(work, news))
+    work = [o.clone() for o in olds]
+    bad = list(blobs)
+    bad[1] = bad[1][:-3]
+    with pytest.raises(DeltaError, match="truncated"):
+        delta.apply_many(work, bad)
+    assert same_bits(work[1], olds[1])
+    assert all(same_bits(work[i], news[i]) for i in (0, 2, 3))
