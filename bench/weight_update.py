@@ -1,0 +1,230 @@
+"""Weight-update benchmark: publish real optimizer-step versions of a small LM, then materialize them.
+
+Trains a random-init Qwen2-style model (fp32 master weights, AdamW at an RL learning rate on a
+policy-gradient loss), publishes every K-th step with ``trainer.WeightPublisher`` to a store, and then
+reads every version back the way a recovering node does (full version, then one delta at a time). In the
+same run and over the same weights it measures the baseline: uploading, downloading and loading each
+version as a full safetensors file. Prints, per version, bytes uploaded against the full safetensors bytes
+and the time of each stage; writes JSON under ``bench/results/``.
+
+    python -m bench.weight_update                       # ~100M parameters, 8 versions, local store
+    python -m bench.weight_update --model tiny          # seconds; what the test runs
+    python -m bench.weight_update --store s3://bucket/x # any store URL (credentials from the environment)
+
+Stages (seconds): ``step`` training step; ``publish`` time spent inside ``publish()`` = ``snapshot`` (the
+copy) + ``stall`` (waiting for the previous upload); ``encode`` and ``upload`` run in the background;
+``fetch``/``apply`` the read side; ``base_*`` the full-safetensors baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("bench.weight_update")
+
+MODELS = {
+    # ~93M parameters: embeddings 2 x 20.5M, 12 layers x 4.3M
+    "100m": dict(hidden=640, layers=12, heads=10, kv_heads=2, intermediate=1728, vocab=32000),
+    "small": dict(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=704, vocab=8000),
+    "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=512),
+}
+
+
+def build_model(name: str, seed: int, device: str) -> torch.nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    c = MODELS[name]
+    torch.manual_seed(seed)
+    conf = Qwen2Config(hidden_size=c["hidden"], num_hidden_layers=c["layers"], num_attention_heads=c["heads"],
+                       num_key_value_heads=c["kv_heads"], intermediate_size=c["intermediate"],
+                       vocab_size=c["vocab"], max_position_embeddings=256, tie_word_embeddings=False)
+    return Qwen2ForCausalLM(conf).float().to(device)
+
+
+def pg_step(model, opt, gen, batch: int, seq: int) -> None:
+    """One policy-gradient step: sample continuations from the model, +-1 advantages, REINFORCE loss."""
+    vocab = model.config.vocab_size
+    dev = next(model.parameters()).device
+    x = torch.randint(0, vocab, (batch, seq), generator=gen).to(dev)
+    logits = model(input_ids=x).logits.float()
+    logp = torch.log_softmax(logits, -1)
+    with torch.no_grad():
+        actions = torch.multinomial(logp.exp().view(-1, vocab), 1, generator=gen if dev.type == "cpu" else None)
+    adv = (torch.randint(0, 2, (batch, 1), generator=gen).to(dev).float() * 2 - 1)
+    loss = -(adv * logp.view(-1, vocab).gather(1, actions).view(batch, seq)).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run(args) -> dict:
+    from safetensors.torch import load as st_load
+    from safetensors.torch import save as st_save
+
+    import syncd
+    from syncd.store import Store
+    from syncd.versions import apply_delta, fetch_shards, list_versions, load_full
+    from trainer.publisher import WeightPublisher
+
+    torch.set_flush_denormal(True)
+    store = Store(args.store or Path(tempfile.mkdtemp(prefix="syncd-bench-")))
+    run_id = args.run_id or f"bench-{uuid.uuid4().hex[:8]}"
+    model = build_model(args.model, args.seed, args.device)
+    n_params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    gen = torch.Generator().manual_seed(args.seed)
+    log.info("model %s: %.1fM parameters on %s; store %s run %s", args.model, n_params / 1e6, args.device,
+             store.url, run_id)
+
+    alone_s = []  # training steps with no publisher: what the background work is compared against
+    for _ in range(args.warmup):
+        t0 = time.perf_counter()
+        pg_step(model, opt, gen, args.batch, args.seq)
+        _sync(args.device)
+        alone_s.append(time.perf_counter() - t0)
+    pub = WeightPublisher(store, run_id, every_k=args.every_k, full_every=args.full_every,
+                          shard_bytes=args.shard_mb << 20, signing_key=args.signing_key or False)
+    step_s, publish_s = [], []
+    for step in range(args.versions * args.every_k):
+        t0 = time.perf_counter()
+        pg_step(model, opt, gen, args.batch, args.seq)
+        _sync(args.device)
+        t1 = time.perf_counter()
+        pub.publish(model, step)
+        t2 = time.perf_counter()
+        step_s.append(t1 - t0)
+        publish_s.append(t2 - t1)
+    t0 = time.perf_counter()
+    pub.close()
+    drain_s = time.perf_counter() - t0
+    final = {k: v.detach().to(torch.bfloat16).cpu() for k, v in model.state_dict().items()}
+    versions = {s.version: s for s in pub.history}
+
+    # read side, version by version, and the baseline over the very same weights
+    rows, weights, prev = [], None, None
+    for info in list_versions(store, run_id, signing_key=args.signing_key or False):
+        m, st = info.manifest, versions[info.version]
+        t0 = time.perf_counter()
+        shards = fetch_shards(store, run_id, m)
+        t1 = time.perf_counter()
+        if m.kind == "full":
+            weights = load_full(m, shards)
+        else:
+            apply_delta(weights, prev, m, shards)
+        t2 = time.perf_counter()
+        prev = m
+        blob = st_save(weights)
+        t3 = time.perf_counter()
+        key = f"baseline/{run_id}/{m.version:012d}.safetensors"
+        store.put(key, blob)
+        t4 = time.perf_counter()
+        back = store.download(key)
+        t5 = time.perf_counter()
+        loaded = st_load(bytes(back))
+        t6 = time.perf_counter()
+        assert all(torch.equal(loaded[k].view(torch.uint8) if loaded[k].dim() else loaded[k],
+                               weights[k].view(torch.uint8) if weights[k].dim() else weights[k])
+                   for k in weights), "baseline round trip differs"
+        rows.append(dict(version=m.version, kind=m.kind, step=m.step, bytes=st.uploaded_bytes,
+                         base_bytes=len(blob), ratio=st.uploaded_bytes / len(blob),
+                         snapshot=st.snapshot_s, stall=st.stall_s, encode=st.encode_s, upload=st.upload_s,
+                         fetch=t1 - t0, apply=t2 - t1, base_save=t3 - t2, base_upload=t4 - t3,
+                         base_fetch=t5 - t4, base_load=t6 - t5))
+    store.delete([o.key for o in store.list(f"baseline/{run_id}/")])
+    t0 = time.perf_counter()
+    latest = syncd.materialize(store, run_id, signing_key=args.signing_key or False)
+    cold_s = time.perf_counter() - t0
+    exact = all(torch.equal(latest[k].view(torch.int16) if latest[k].dtype == torch.bfloat16 else latest[k],
+                            final[k].view(torch.int16) if final[k].dtype == torch.bfloat16 else final[k])
+                for k in final)
+    return dict(model=args.model, params=n_params, device=args.device, store=store.url, lr=args.lr,
+                every_k=args.every_k, full_every=args.full_every, shard_mb=args.shard_mb,
+                machine=dict(python=platform.python_version(), torch=torch.__version__, cpus=os.cpu_count(),
+                             torch_threads=torch.get_num_threads()),
+                step_s=step_s, step_alone_s=alone_s, publish_s=publish_s, drain_s=drain_s, versions=rows,
+                materialize_latest_s=cold_s, latest_bit_exact=exact)
+
+
+def report(res: dict, out=None) -> None:
+    rows = res["versions"]
+    w = (out or sys.stdout).write
+    w(f"\nweight_update: {res['model']} ({res['params'] / 1e6:.1f}M params, bf16 {rows[0]['base_bytes'] / 1e6:.1f} MB)"
+      f" on {res['device']}, lr {res['lr']:g}, K={res['every_k']}, full every {res['full_every']}, store {res['store']}\n")
+    w(f"{'ver':>4} {'kind':5} {'bytes':>12} {'full st':>12} {'ratio':>7} | {'snap':>6} {'stall':>6} "
+      f"{'encode':>7} {'upload':>7} | {'fetch':>6} {'apply':>6} | {'b.save':>7} {'b.up':>6} {'b.fetch':>7} "
+      f"{'b.load':>7}\n")
+    for r in rows:
+        w(f"{r['version']:>4} {r['kind']:5} {r['bytes']:>12,} {r['base_bytes']:>12,} {r['ratio']:>6.2%} | "
+          f"{r['snapshot']:6.3f} {r['stall']:6.3f} {r['encode']:7.3f} {r['upload']:7.3f} | {r['fetch']:6.3f} "
+          f"{r['apply']:6.3f} | {r['base_save']:7.3f} {r['base_upload']:6.3f} {r['base_fetch']:7.3f} "
+          f"{r['base_load']:7.3f}\n")
+    deltas = [r for r in rows if r["kind"] == "delta"]
+    total, base = sum(r["bytes"] for r in rows), sum(r["base_bytes"] for r in rows)
+    med = statistics.median
+    w(f"total uploaded {total:,} bytes vs {base:,} as full safetensors: {total / base:.2%}\n")
+    if deltas:
+        w(f"delta versions: median {med(r['bytes'] for r in deltas):,.0f} bytes = "
+          f"{med(r['ratio'] for r in deltas):.2%} of full; background encode+upload median "
+          f"{med(r['encode'] + r['upload'] for r in deltas):.3f}s vs baseline save+upload "
+          f"{med(r['base_save'] + r['base_upload'] for r in deltas):.3f}s; read fetch+apply "
+          f"{med(r['fetch'] + r['apply'] for r in deltas):.3f}s vs baseline fetch+load "
+          f"{med(r['base_fetch'] + r['base_load'] for r in deltas):.3f}s\n")
+    pub, snap = res["publish_s"], [r["snapshot"] for r in rows]
+    alone = f" ({med(res['step_alone_s']):.3f}s with no publisher)" if res["step_alone_s"] else ""
+    w(f"training step median {med(res['step_s']):.3f}s{alone}; publish() median {med(pub):.4f}s, max {max(pub):.4f}s "
+      f"(snapshot copy median {med(snap):.4f}s, stall max {max(r['stall'] for r in rows):.4f}s); "
+      f"close() drained in {res['drain_s']:.3f}s\n")
+    w(f"materialize(latest) cold: {res['materialize_latest_s']:.3f}s; bit-exact with the trainer's bf16 weights: "
+      f"{res['latest_bit_exact']}\n")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.weight_update", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=sorted(MODELS), default="100m")
+    p.add_argument("--versions", type=int, default=8, help="versions to publish")
+    p.add_argument("--every-k", type=int, default=1)
+    p.add_argument("--full-every", type=int, default=4)
+    p.add_argument("--shard-mb", type=int, default=64)
+    p.add_argument("--lr", type=float, default=1e-6)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--store", default=None, help="store URL or path (default: a fresh temp dir)")
+    p.add_argument("--run-id", default=None)
+    p.add_argument("--signing-key", default=os.environ.get("SYNCD_SIGNING_KEY"))
+    p.add_argument("--warmup", type=int, default=2, help="training steps timed before publishing starts")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="JSON path (default bench/results/weight_update-<time>.json)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.versions < 1 or args.every_k < 1:
+        p.error("--versions and --every-k must be at least 1")
+    res = run(args)
+    report(res)
+    out = Path(args.out) if args.out else Path(__file__).parent / "results" / \
+        f"weight_update-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1))
+    print(f"results: {out}")
+    return 0 if res["latest_bit_exact"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
