@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import zstandard
 
-from syncd.ops import _backend, delta
+from syncd.ops import _backend, checksum, delta
 from syncd.ops import _format as fmt
 from syncd.ops.reference import delta as ref_delta
 
@@ -205,6 +205,7 @@ def measure_case(old: dict, new: dict, repeats: int, block_log2: int) -> dict:
     app_s = median_time(lambda: delta.apply_many(works, blob_list, backend="cpu"), repeats, setup=reset)
     app1_s = median_time(lambda: [delta.apply_(work[k], blobs[k], backend="cpu") for k in old], repeats, setup=reset)
     read_s = numpy_read_pass(new, repeats)
+    ck_s = median_time(lambda: [checksum(new[k]) for k in names], repeats)
     bound = entropy_bound(old, new)
     base = baselines(old, new, repeats)
     sections = {"tables": 0, "lengths": 0, "raw_bits": 0, "rans": 0, "header": 0}
@@ -224,7 +225,7 @@ def measure_case(old: dict, new: dict, repeats: int, block_log2: int) -> dict:
         "bound_values_bytes": bound["values_bytes"], "sections": sections,
         "encode_gbps": gbps(enc_s), "decode_gbps": gbps(dec_s), "apply_gbps": gbps(app_s),
         "encode_one_by_one_gbps": gbps(enc1_s), "apply_one_by_one_gbps": gbps(app1_s),
-        "numpy_read_gbps": gbps(read_s), "encode_vs_read": read_s / enc_s, "apply_vs_read": read_s / app_s,
+        "numpy_read_gbps": gbps(read_s), "checksum_gbps": gbps(ck_s), "checksum_vs_read": read_s / ck_s, "encode_vs_read": read_s / enc_s, "apply_vs_read": read_s / app_s,
         "decode_vs_read": read_s / dec_s,
         "baselines": {k: {"bytes": v, "pct": 100 * v / nbytes, "x_ours": v / encoded,
                           "encode_gbps": gbps(base["encode_s"][k]) if base["encode_s"][k] else None}
@@ -275,9 +276,11 @@ def main(argv=None) -> int:
                   f"{b['zstd_full']['pct']:9.2f}% {b['zstd_xor']['pct']:8.3f}% {b['idx32_bf16_zstd']['pct']:8.3f}% "
                   f"{b['gapvarint_zigzag_zstd']['pct']:11.3f}%")
     worst = max(r["ratio_to_bound"] for r in results)
-    print(f"\nworst ratio to the entropy bound: {worst:.3f}; "
-          f"median encode/read {statistics.median(r['encode_vs_read'] for r in results):.2f}, "
-          f"median apply/read {statistics.median(r['apply_vs_read'] for r in results):.2f}")
+    med = lambda key: statistics.median(r[key] for r in results)  # noqa: E731
+    print(f"\nworst ratio to the entropy bound: {worst:.3f}; medians over cases: encode/read "
+          f"{med('encode_vs_read'):.2f}, apply/read {med('apply_vs_read'):.2f}, checksum/read "
+          f"{med('checksum_vs_read'):.2f} (checksum {med('checksum_gbps'):.1f} GB/s, NumPy read "
+          f"{med('numpy_read_gbps'):.1f} GB/s)")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"bench": "codec", "preset": args.preset, "config": cfg, "threads": _backend.threads(),

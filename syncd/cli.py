@@ -1,6 +1,6 @@
 """The ``syncd`` command line.
 
-Subcommands (``docs/cli.md`` has the full table of flags and their environment variables)::
+Subcommands (README.md has the full table of flags and their environment variables)::
 
     syncd ls [--run-id RUN]              runs in the store, or the versions of one run
     syncd verify --run-id RUN [--quick]  check every version of a run (exit 1 if any is unusable)

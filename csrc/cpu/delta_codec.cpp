@@ -55,6 +55,15 @@ inline uint64_t word_at(const uint8_t* p, size_t nbytes, uint64_t w) {
   return load_le64(buf);
 }
 
+struct BucketTable {
+  uint64_t base[kAlphabet];
+  uint32_t nbits[kAlphabet];
+  BucketTable() {
+    for (int s = 0; s < kAlphabet; ++s) unbucket(uint32_t(s), &base[s], &nbits[s]);
+  }
+};
+const BucketTable kBuckets;
+
 struct BlockChanges {
   std::vector<uint32_t> pos;  // block-relative, ascending
   std::vector<uint64_t> v;
@@ -129,10 +138,8 @@ void decode_block(const uint8_t* payload, size_t len, uint32_t n, uint64_t span,
         xs = (xs << 8) | data[p++];
       }
       x[st] = xs;
-      uint64_t base;
-      uint32_t extra_n;
-      unbucket(sym, &base, &extra_n);
-      val[st] = extra_n ? base + bits.read(extra_n) : base;
+      uint32_t extra_n = kBuckets.nbits[sym];
+      val[st] = extra_n ? kBuckets.base[sym] + bits.read(extra_n) : kBuckets.base[sym];
     }
     if (val[0] >= span || int64_t(val[0]) >= int64_t(span) - 1 - prev)
       r.fail("change position outside the block of " + std::to_string(span) + " elements");
@@ -184,13 +191,17 @@ void scan_block(const uint8_t* ob, const uint8_t* nb, uint64_t numel, uint64_t s
       c.v.push_back(code_value<T>(ov, nv, is_float));
     }
   };
-  const uint64_t nwords = wfull > wbeg ? wfull - wbeg : 0;
-  std::vector<uint64_t> masks((nwords + 63) / 64);
-  so += checksum_and_diff_words(ob + 8 * wbeg, nb + 8 * wbeg, nwords, wbeg, masks.data());
-  for (size_t g = 0; g < masks.size(); ++g) {
-    for (uint64_t m = masks[g]; m; m &= m - 1) {
-      uint64_t w = wbeg + g * 64 + unsigned(__builtin_ctzll(m));
-      visit(w, load_le64(ob + 8 * w), load_le64(nb + 8 * w));
+  // Sub-ranges of 32 KiB per stream: the changed words are visited while the range is still in L1/L2.
+  constexpr uint64_t kSub = 4096;
+  uint64_t masks[kSub / 64];
+  for (uint64_t s0 = wbeg; s0 < wfull; s0 += kSub) {
+    const uint64_t nwords = std::min(kSub, wfull - s0);
+    so += checksum_and_diff_words(ob + 8 * s0, nb + 8 * s0, nwords, s0, masks);
+    for (size_t g = 0; g < (nwords + 63) / 64; ++g) {
+      for (uint64_t m = masks[g]; m; m &= m - 1) {
+        uint64_t w = s0 + g * 64 + unsigned(__builtin_ctzll(m));
+        visit(w, load_le64(ob + 8 * w), load_le64(nb + 8 * w));
+      }
     }
   }
   if (wfull < wend) {  // the tensor's last, partial word (zero-padded in both)
@@ -217,21 +228,23 @@ std::vector<uint8_t> assemble(const DTypeInfo& dt, const std::vector<uint64_t>& 
   return out;
 }
 
+// Entropy-codes block b's changes into a.payloads[b] / a.entries[b] and frees them.
+void code_block(BlockChanges& c, Assembled& a, size_t b) {
+  if (c.pos.empty()) return;
+  encode_block(c, a.payloads[b]);
+  const auto& p = a.payloads[b];
+  if (p.size() > 0xFFFFFFFFull) throw DeltaError("block payload exceeds 4 GiB");
+  a.entries[b] = {static_cast<uint32_t>(p.size()), static_cast<uint32_t>(c.pos.size()),
+                  checksum_finalize(checksum_raw_range(p.data(), 0, p.size()), p.size())};
+  BlockChanges().pos.swap(c.pos);  // release memory early
+  BlockChanges().v.swap(c.v);
+}
+
 void code_blocks(std::vector<BlockChanges>& changes, Assembled& a, int threads) {
   size_t nb = changes.size();
   a.payloads.assign(nb, {});
   a.entries.assign(nb, {0, 0, 0});
-  parallel_for(nb, threads, [&](size_t b) {
-    BlockChanges& c = changes[b];
-    if (c.pos.empty()) return;
-    encode_block(c, a.payloads[b]);
-    const auto& p = a.payloads[b];
-    if (p.size() > 0xFFFFFFFFull) throw DeltaError("block payload exceeds 4 GiB");
-    a.entries[b] = {static_cast<uint32_t>(p.size()), static_cast<uint32_t>(c.pos.size()),
-                    checksum_finalize(checksum_raw_range(p.data(), 0, p.size()), p.size())};
-    BlockChanges().pos.swap(c.pos);  // release memory early
-    BlockChanges().v.swap(c.v);
-  });
+  parallel_for(nb, threads, [&](size_t b) { code_block(changes[b], a, b); });
 }
 
 uint64_t numel_of(const std::vector<uint64_t>& shape) {
@@ -251,10 +264,15 @@ std::vector<uint8_t> encode_typed(const uint8_t* ob, const uint8_t* nb, const DT
   size_t n_blocks = blocks_for(numel, block_log2);
   std::vector<BlockChanges> changes(n_blocks);
   std::vector<uint64_t> sums(n_blocks, 0), adjs(n_blocks, 0);
+  Assembled a;
+  a.payloads.assign(n_blocks, {});
+  a.entries.assign(n_blocks, {0, 0, 0});
+  // scan and entropy-code each block in one work item, so one thread's coding overlaps another's streaming
   parallel_for(n_blocks, threads, [&](size_t b) {
     uint64_t start = uint64_t(b) << block_log2;
     uint64_t span = std::min<uint64_t>(uint64_t(1) << block_log2, numel - start);
     scan_block<T>(ob, nb, numel, start, span, dt.is_float, changes[b], &sums[b], &adjs[b]);
+    code_block(changes[b], a, b);
   });
   uint64_t so = 0, ad = 0;
   for (size_t b = 0; b < n_blocks; ++b) {
@@ -262,8 +280,6 @@ std::vector<uint8_t> encode_typed(const uint8_t* ob, const uint8_t* nb, const DT
     ad += adjs[b];
   }
   uint64_t nbytes = numel * sizeof(T);
-  Assembled a;
-  code_blocks(changes, a, threads);
   return assemble(dt, shape, block_log2, a, checksum_finalize(so, nbytes), checksum_finalize(so + ad, nbytes));
 }
 
@@ -277,21 +293,28 @@ void apply_typed(uint8_t* target, const uint8_t* blob, const Header& h, bool ver
   std::vector<BlockChanges> changes(nb);
   std::vector<std::vector<T>> values(nb);
   std::vector<uint64_t> adjs(nb, 0);
-  uint64_t raw_old = 0;
-  if (verify) {
-    raw_old = checksum_raw_parallel(target, nbytes, threads);
-    uint64_t have = checksum_finalize(raw_old, nbytes);
-    if (have != h.base_checksum) {
-      char msg[160];
-      std::snprintf(msg, sizeof msg, "wrong base: blob expects base checksum %#018llx, target has %#018llx",
-                    (unsigned long long)h.base_checksum, (unsigned long long)have);
-      throw DeltaError(msg);
-    }
-  }
+  // One work item per block: checksum the block's bytes of the target (the base check), then decode its
+  // changes and compute their new values while that region is still in cache. Nothing is written until the
+  // base and result checksums of the whole tensor have been checked.
+  std::vector<uint64_t> block_sums(nb, 0);
   const T* tgt = reinterpret_cast<const T*>(target);
   parallel_for(nb, threads, [&](size_t b) {
+    const size_t lo = size_t(h.block_start(b)) * sizeof(T);
+    const size_t hi = lo + size_t(h.block_span(b)) * sizeof(T);
+    size_t ck_at = lo;  // the base checksum advances in 32 KiB steps just ahead of the changes' reads
+    uint64_t base_sum = 0;
+    auto checksum_upto = [&](size_t byte) {
+      while (ck_at <= byte && ck_at < hi) {
+        size_t e = std::min(hi, ck_at + (size_t(1) << 15));
+        base_sum += checksum_raw_range(target, ck_at, e);
+        ck_at = e;
+      }
+    };
     const BlockEntry& e = h.blocks[b];
-    if (!e.n_changed) return;
+    if (!e.n_changed) {
+      if (verify) block_sums[b] = checksum_raw_range(target, lo, hi);
+      return;
+    }
     verify_payload(h, blob, b);
     BlockChanges& c = changes[b];
     decode_block(blob + h.payload_offset[b], e.payload_bytes, e.n_changed, h.block_span(b), W, b, c);
@@ -299,8 +322,10 @@ void apply_typed(uint8_t* target, const uint8_t* blob, const Header& h, bool ver
     nv.resize(c.pos.size());
     uint64_t start = h.block_start(b);
     uint64_t ad = 0, cur = ~uint64_t(0), oldw = 0, neww = 0;
-    for (size_t i = 0; i < c.pos.size(); ++i) {
+    const size_t m = c.pos.size();
+    for (size_t i = 0; i < m; ++i) {
       uint64_t idx = start + c.pos[i];
+      if (verify) checksum_upto(size_t(idx) * sizeof(T));
       T ov = tgt[idx];
       T v = apply_value<T>(ov, c.v[i], h.dtype.is_float);
       nv[i] = v;
@@ -315,11 +340,24 @@ void apply_typed(uint8_t* target, const uint8_t* blob, const Header& h, bool ver
       uint64_t lane = (W == 64) ? ~uint64_t(0) : ((uint64_t(1) << W) - 1) << sh;
       neww = (neww & ~lane) | ((uint64_t(v) << sh) & lane);
     }
+    if (verify) {
+      checksum_upto(hi);
+      block_sums[b] = base_sum;
+    }
     if (verify && cur != ~uint64_t(0)) ad += checksum_term(neww, cur) - checksum_term(oldw, cur);
     adjs[b] = ad;
     BlockChanges().v.swap(c.v);
   });
   if (verify) {
+    uint64_t raw_old = 0;
+    for (uint64_t x : block_sums) raw_old += x;
+    uint64_t have = checksum_finalize(raw_old, nbytes);
+    if (have != h.base_checksum) {
+      char msg[160];
+      std::snprintf(msg, sizeof msg, "wrong base: blob expects base checksum %#018llx, target has %#018llx",
+                    (unsigned long long)h.base_checksum, (unsigned long long)have);
+      throw DeltaError(msg);
+    }
     uint64_t ad = 0;
     for (uint64_t x : adjs) ad += x;
     if (checksum_finalize(raw_old + ad, nbytes) != h.new_checksum)
@@ -330,7 +368,11 @@ void apply_typed(uint8_t* target, const uint8_t* blob, const Header& h, bool ver
     uint64_t start = h.block_start(b);
     const auto& pos = changes[b].pos;
     const auto& nv = values[b];
-    for (size_t i = 0; i < pos.size(); ++i) out[start + pos[i]] = nv[i];
+    const size_t m = pos.size();
+    for (size_t i = 0; i < m; ++i) {
+      if (i + 16 < m) __builtin_prefetch(out + start + pos[i + 16], 1, 1);
+      out[start + pos[i]] = nv[i];
+    }
   });
 }
 
