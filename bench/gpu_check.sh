@@ -8,14 +8,22 @@ mkdir -p "$out"
 py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+# wheels carried in .whl (e.g. obstore, which the GPU image lacks) go to a private site dir
+if ls .whl/*.whl >/dev/null 2>&1; then
+  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 echo "== build (SYNCD_CUDA=on)"
 t0=$(date +%s)
 SYNCD_CUDA=on "$py" -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -20 || exit 1
 echo "build took $(( $(date +%s) - t0 ))s"
 "$py" -c "import syncd._native, syncd._cuda_native; print('modules load')" || exit 1
 echo "== GPU tests + op tests on the GPU machine"
-"$py" -m pytest -q -p no:cacheprovider tests/ops -k "not asan" -x 2>&1 | tee "$out/gpu_tests.log" | tail -25
+"$py" -m pytest -q -p no:cacheprovider tests/ops -k "not asan" 2>&1 | tee "$out/gpu_tests.log" | tail -25
 rc=${PIPESTATUS[0]}
+echo "== publisher on CUDA weights (encode on the GPU, materialize onto the GPU)"
+"$py" -m pytest -q -p no:cacheprovider tests/trainer/test_publisher.py -m gpu 2>&1 | tee "$out/gpu_publisher.log" | tail -15
+[ "${PIPESTATUS[0]}" = 0 ] || rc=1
 echo "== GPU codec timings"
 "$py" -m bench.gpu_codec --gib 1 --density 0.01 --refcheck --out "$out/gpu_codec.json" || rc=1
 "$py" -m bench.gpu_codec --gib 1 --density 0.1 --repeats 5 --out "$out/gpu_codec_d10.json" || rc=1

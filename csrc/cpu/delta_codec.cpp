@@ -283,6 +283,10 @@ std::vector<uint8_t> encode_typed(const uint8_t* ob, const uint8_t* nb, const DT
   return assemble(dt, shape, block_log2, a, checksum_finalize(so, nbytes), checksum_finalize(so + ad, nbytes));
 }
 
+// Applies in one pass per block: checksum the block's bytes of the target in 32 KiB steps just ahead of
+// the changes, decode, and write each change in place while its cache line is hot, keeping the old value.
+// If anything fails (a corrupt block, the base or the result checksum), every written change is put back
+// from the kept old values before DeltaError propagates, so the caller sees the target unchanged.
 template <class T>
 void apply_typed(uint8_t* target, const uint8_t* blob, const Header& h, bool verify, int threads) {
   const uint64_t numel = h.numel;
@@ -291,89 +295,90 @@ void apply_typed(uint8_t* target, const uint8_t* blob, const Header& h, bool ver
   constexpr unsigned W = sizeof(T) * 8;
   size_t nb = h.blocks.size();
   std::vector<BlockChanges> changes(nb);
-  std::vector<std::vector<T>> values(nb);
-  std::vector<uint64_t> adjs(nb, 0);
-  // One work item per block: checksum the block's bytes of the target (the base check), then decode its
-  // changes and compute their new values while that region is still in cache. Nothing is written until the
-  // base and result checksums of the whole tensor have been checked.
-  std::vector<uint64_t> block_sums(nb, 0);
-  const T* tgt = reinterpret_cast<const T*>(target);
-  parallel_for(nb, threads, [&](size_t b) {
-    const size_t lo = size_t(h.block_start(b)) * sizeof(T);
-    const size_t hi = lo + size_t(h.block_span(b)) * sizeof(T);
-    size_t ck_at = lo;  // the base checksum advances in 32 KiB steps just ahead of the changes' reads
-    uint64_t base_sum = 0;
-    auto checksum_upto = [&](size_t byte) {
-      while (ck_at <= byte && ck_at < hi) {
-        size_t e = std::min(hi, ck_at + (size_t(1) << 15));
-        base_sum += checksum_raw_range(target, ck_at, e);
-        ck_at = e;
+  std::vector<std::vector<T>> old_values(nb);
+  std::vector<size_t> written(nb, 0);
+  std::vector<uint64_t> adjs(nb, 0), block_sums(nb, 0);
+  T* tgt = reinterpret_cast<T*>(target);
+  auto undo = [&] {
+    parallel_for(nb, threads, [&](size_t b) {
+      uint64_t start = h.block_start(b);
+      for (size_t i = written[b]; i-- > 0;) tgt[start + changes[b].pos[i]] = old_values[b][i];
+    });
+  };
+  try {
+    parallel_for(nb, threads, [&](size_t b) {
+      const size_t lo = size_t(h.block_start(b)) * sizeof(T);
+      const size_t hi = lo + size_t(h.block_span(b)) * sizeof(T);
+      const BlockEntry& e = h.blocks[b];
+      if (!e.n_changed) {
+        if (verify) block_sums[b] = checksum_raw_range(target, lo, hi);
+        return;
       }
-    };
-    const BlockEntry& e = h.blocks[b];
-    if (!e.n_changed) {
-      if (verify) block_sums[b] = checksum_raw_range(target, lo, hi);
-      return;
-    }
-    verify_payload(h, blob, b);
-    BlockChanges& c = changes[b];
-    decode_block(blob + h.payload_offset[b], e.payload_bytes, e.n_changed, h.block_span(b), W, b, c);
-    std::vector<T>& nv = values[b];
-    nv.resize(c.pos.size());
-    uint64_t start = h.block_start(b);
-    uint64_t ad = 0, cur = ~uint64_t(0), oldw = 0, neww = 0;
-    const size_t m = c.pos.size();
-    for (size_t i = 0; i < m; ++i) {
-      uint64_t idx = start + c.pos[i];
-      if (verify) checksum_upto(size_t(idx) * sizeof(T));
-      T ov = tgt[idx];
-      T v = apply_value<T>(ov, c.v[i], h.dtype.is_float);
-      nv[i] = v;
-      if (!verify) continue;
-      uint64_t w = idx / E;
-      if (w != cur) {
+      verify_payload(h, blob, b);
+      BlockChanges& c = changes[b];
+      decode_block(blob + h.payload_offset[b], e.payload_bytes, e.n_changed, h.block_span(b), W, b, c);
+      std::vector<T>& ov_keep = old_values[b];
+      ov_keep.resize(c.pos.size());
+      size_t ck_at = lo;
+      uint64_t base_sum = 0;
+      auto checksum_upto = [&](size_t byte) {  // checksum every 32 KiB step up to and including `byte`
+        while (ck_at <= byte && ck_at < hi) {
+          size_t end_b = std::min(hi, ck_at + (size_t(1) << 15));
+          base_sum += checksum_raw_range(target, ck_at, end_b);
+          ck_at = end_b;
+        }
+      };
+      const uint64_t start = h.block_start(b);
+      uint64_t ad = 0, cur = ~uint64_t(0), oldw = 0, neww = 0;
+      const size_t m = c.pos.size();
+      for (size_t i = 0; i < m; ++i) {
+        uint64_t idx = start + c.pos[i];
+        uint64_t w = idx / E;
+        if (verify) {
+          checksum_upto(size_t(idx) * sizeof(T));
+          if (w != cur) {
+            if (cur != ~uint64_t(0)) ad += checksum_term(neww, cur) - checksum_term(oldw, cur);
+            cur = w;
+            oldw = neww = word_at(target, nbytes, w);  // read before this word's first write
+          }
+        }
+        T ov = tgt[idx];
+        T v = apply_value<T>(ov, c.v[i], h.dtype.is_float);
+        ov_keep[i] = ov;
+        tgt[idx] = v;
+        written[b] = i + 1;
+        if (verify) {
+          unsigned sh = unsigned(idx % E) * W % 64;
+          uint64_t lane = (W == 64) ? ~uint64_t(0) : ((uint64_t(1) << W) - 1) << sh;
+          neww = (neww & ~lane) | ((uint64_t(v) << sh) & lane);
+        }
+      }
+      if (verify) {
         if (cur != ~uint64_t(0)) ad += checksum_term(neww, cur) - checksum_term(oldw, cur);
-        cur = w;
-        oldw = neww = word_at(target, nbytes, w);
+        checksum_upto(hi);
+        block_sums[b] = base_sum;
+        adjs[b] = ad;
       }
-      unsigned sh = unsigned(idx % E) * W % 64;
-      uint64_t lane = (W == 64) ? ~uint64_t(0) : ((uint64_t(1) << W) - 1) << sh;
-      neww = (neww & ~lane) | ((uint64_t(v) << sh) & lane);
-    }
+      BlockChanges().v.swap(c.v);
+    });
     if (verify) {
-      checksum_upto(hi);
-      block_sums[b] = base_sum;
+      uint64_t raw_old = 0, ad = 0;
+      for (uint64_t x : block_sums) raw_old += x;
+      for (uint64_t x : adjs) ad += x;
+      uint64_t have = checksum_finalize(raw_old, nbytes);
+      if (have != h.base_checksum) {
+        char msg[160];
+        std::snprintf(msg, sizeof msg, "wrong base: blob expects base checksum %#018llx, target has %#018llx",
+                      (unsigned long long)h.base_checksum, (unsigned long long)have);
+        throw DeltaError(msg);
+      }
+      if (checksum_finalize(raw_old + ad, nbytes) != h.new_checksum)
+        throw DeltaError("result checksum mismatch: the decoded tensor differs from the encoder's");
     }
-    if (verify && cur != ~uint64_t(0)) ad += checksum_term(neww, cur) - checksum_term(oldw, cur);
-    adjs[b] = ad;
-    BlockChanges().v.swap(c.v);
-  });
-  if (verify) {
-    uint64_t raw_old = 0;
-    for (uint64_t x : block_sums) raw_old += x;
-    uint64_t have = checksum_finalize(raw_old, nbytes);
-    if (have != h.base_checksum) {
-      char msg[160];
-      std::snprintf(msg, sizeof msg, "wrong base: blob expects base checksum %#018llx, target has %#018llx",
-                    (unsigned long long)h.base_checksum, (unsigned long long)have);
-      throw DeltaError(msg);
-    }
-    uint64_t ad = 0;
-    for (uint64_t x : adjs) ad += x;
-    if (checksum_finalize(raw_old + ad, nbytes) != h.new_checksum)
-      throw DeltaError("result checksum mismatch: the decoded tensor differs from the encoder's");
+  } catch (...) {
+    undo();
+    throw;
   }
-  T* out = reinterpret_cast<T*>(target);
-  parallel_for(nb, threads, [&](size_t b) {
-    uint64_t start = h.block_start(b);
-    const auto& pos = changes[b].pos;
-    const auto& nv = values[b];
-    const size_t m = pos.size();
-    for (size_t i = 0; i < m; ++i) {
-      if (i + 16 < m) __builtin_prefetch(out + start + pos[i + 16], 1, 1);
-      out[start + pos[i]] = nv[i];
-    }
-  });
 }
 
 template <class F>

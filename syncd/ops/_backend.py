@@ -141,6 +141,11 @@ def threads() -> int:
     env = os.environ.get("SYNCD_NUM_THREADS")
     if env:
         return max(1, int(env))
+    return _usable_cpus()
+
+
+@functools.cache
+def _usable_cpus() -> int:
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # pragma: no cover - non-Linux
