@@ -15,8 +15,9 @@ namespace syncd {
 std::vector<uint8_t> delta_encode(const uint8_t* old_bytes, const uint8_t* new_bytes, int dtype_code,
                                   const std::vector<uint64_t>& shape, int block_log2, int threads);
 
-// Applies `blob` to `target` in place. With verify, checks the base checksum against the target and the
-// result checksum before writing; otherwise only the blob's own integrity is checked.
+// Applies `blob` to `target` in place in one pass. With verify, checks the base checksum against the target
+// and the result checksum (from the changed words); otherwise only the blob's own integrity is checked. On
+// any failure every written element is restored before DeltaError propagates.
 void delta_apply(uint8_t* target, const uint8_t* blob, size_t blob_len, int dtype_code,
                  const std::vector<uint64_t>& shape, bool verify, int threads);
 

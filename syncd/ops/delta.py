@@ -94,9 +94,10 @@ def apply_(tensor: torch.Tensor, blob, *, backend: str = "auto", verify: bool = 
     """Apply ``blob`` to ``tensor`` in place, turning the encoder's ``old`` into its ``new``.
 
     With ``verify`` (the default) the tensor's checksum must equal the blob's base checksum and the result
-    must equal the blob's new checksum; both are checked before anything is written (on a GPU the result is
-    checked after the scatter and undone exactly on mismatch). ``verify=False`` skips the full read of the
-    tensor but still checks the blob's own integrity. Raises ``DeltaError``; the tensor is then unchanged.
+    must equal the blob's new checksum. ``verify=False`` skips the checksums of the tensor but still checks
+    the blob's own integrity. Raises ``DeltaError``; the tensor is then as it was before the call (the CPU
+    and GPU backends write as they go and restore every written element before raising, so another thread
+    reading the tensor during the call can see a partial update; engines apply while paused).
     """
     dt = fmt.dtype_of(tensor.dtype)
     name = _backend.resolve(backend, tensor.device.type, "apply")
