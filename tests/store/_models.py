@@ -32,7 +32,7 @@ def train_steps(model, n: int, *, lr: float = 1e-5, seed: int = 0, callback=None
     torch.set_num_threads(1)
     try:
         for step in range(n):
-            x = torch.randint(0, model.config.vocab_size, (4, 32), generator=gen)
+            x = torch.randint(0, model.config.vocab_size, (4, 32), generator=gen).to(model.device)
             model(input_ids=x, labels=x).loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
