@@ -131,16 +131,18 @@ PYBIND11_MODULE(_native, m) {
     py::buffer_info kb;
     View bl = read_view(blob, kb);
     auto sh = to_shape(shape);
-    std::vector<uint64_t> pos, v;
     Header h;
     {
       py::gil_scoped_release nogil;
-      h = delta_unpack(bl.ptr, bl.size, dtype_code, sh, pos, v, threads);
+      h = parse_header(bl.ptr, bl.size);
+      check_target(h, dtype_code, sh);
     }
-    py::array_t<uint64_t> p_arr(pos.size()), v_arr(v.size());
-    if (!pos.empty()) {
-      std::memcpy(p_arr.mutable_data(), pos.data(), pos.size() * 8);
-      std::memcpy(v_arr.mutable_data(), v.data(), v.size() * 8);
+    py::array_t<uint64_t> p_arr(h.n_changed), v_arr(h.n_changed);
+    uint64_t* pp = p_arr.mutable_data();
+    uint64_t* vp = v_arr.mutable_data();
+    {
+      py::gil_scoped_release nogil;
+      delta_unpack_into(h, bl.ptr, pp, vp, threads);
     }
     return py::make_tuple(p_arr, v_arr, h.base_checksum, h.new_checksum);
   }, py::arg("blob"), py::arg("dtype_code"), py::arg("shape"), py::arg("threads") = 1,

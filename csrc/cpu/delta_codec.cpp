@@ -5,6 +5,7 @@
 #include <memory>
 #include <type_traits>
 
+#include "block_coder.h"
 #include "checksum.h"
 #include "parallel.h"
 #include "simd_scan.h"
@@ -44,6 +45,13 @@ inline T apply_value(T ob, uint64_t v, bool is_float) {
   return from_key(T(to_key(ob, is_float) + d), is_float);
 }
 
+template <class T>
+inline T unapply_value(T nb, uint64_t v, bool is_float) {
+  uint64_t u = v + 1;
+  T d = T((u >> 1) ^ (uint64_t(0) - (u & 1)));
+  return from_key(T(to_key(nb, is_float) - d), is_float);
+}
+
 inline uint64_t max_value(int bits) { return bits == 64 ? ~uint64_t(0) - 1 : (uint64_t(1) << bits) - 2; }
 
 // Word `w` of a buffer of `nbytes` bytes, zero-padded past the end.
@@ -53,103 +61,6 @@ inline uint64_t word_at(const uint8_t* p, size_t nbytes, uint64_t w) {
   uint8_t buf[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   std::memcpy(buf, p + off, nbytes - off);
   return load_le64(buf);
-}
-
-struct BucketTable {
-  uint64_t base[kAlphabet];
-  uint32_t nbits[kAlphabet];
-  BucketTable() {
-    for (int s = 0; s < kAlphabet; ++s) unbucket(uint32_t(s), &base[s], &nbits[s]);
-  }
-};
-const BucketTable kBuckets;
-
-struct BlockChanges {
-  std::vector<uint32_t> pos;  // block-relative, ascending
-  std::vector<uint64_t> v;
-};
-
-// Entropy-codes one block's changes into `out` (the payload).
-void encode_block(const BlockChanges& c, std::vector<uint8_t>& out) {
-  size_t n = c.pos.size();
-  std::vector<uint8_t> syms(2 * n);
-  std::vector<uint8_t> raw;
-  raw.reserve(n);
-  BitWriter bits(raw);
-  uint64_t counts[2][kAlphabet] = {};
-  int64_t prev = -1;
-  for (size_t i = 0; i < n; ++i) {
-    Bucketed g = bucket(uint64_t(int64_t(c.pos[i]) - prev - 1));
-    prev = c.pos[i];
-    syms[2 * i] = static_cast<uint8_t>(g.sym);
-    counts[0][g.sym]++;
-    bits.write(g.extra, g.nbits);
-    Bucketed x = bucket(c.v[i]);
-    syms[2 * i + 1] = static_cast<uint8_t>(x.sym);
-    counts[1][x.sym]++;
-    bits.write(x.extra, x.nbits);
-  }
-  bits.flush();
-  uint32_t freqs[2][kAlphabet];
-  EncodeModel models[2];
-  for (int m = 0; m < 2; ++m) {
-    normalize(counts[m], freqs[m]);
-    models[m].build(freqs[m]);
-    write_table(out, freqs[m]);
-  }
-  uint32_t rl = static_cast<uint32_t>(raw.size());
-  for (int i = 0; i < 4; ++i) out.push_back(static_cast<uint8_t>(rl >> (8 * i)));
-  out.insert(out.end(), raw.begin(), raw.end());
-  rans_encode(syms.data(), syms.size(), models, out);
-}
-
-// Decodes and validates one block's payload.
-void decode_block(const uint8_t* payload, size_t len, uint32_t n, uint64_t span, int bits_w, size_t b,
-                  BlockChanges& c) {
-  ByteReader r(payload, len, "block " + std::to_string(b));
-  uint32_t f[2][kAlphabet];
-  read_table(r, f[0]);
-  read_table(r, f[1]);
-  std::unique_ptr<DecodeModel[]> models(new DecodeModel[2]);
-  models[0].build(f[0]);
-  models[1].build(f[1]);
-  uint32_t raw_len = r.u32();
-  const uint8_t* raw = r.take(raw_len);
-  BitReader bits(raw, raw_len, r);
-  const uint8_t* s = r.take(8);
-  uint32_t x[2] = {uint32_t(s[0]) | uint32_t(s[1]) << 8 | uint32_t(s[2]) << 16 | uint32_t(s[3]) << 24,
-                   uint32_t(s[4]) | uint32_t(s[5]) << 8 | uint32_t(s[6]) << 16 | uint32_t(s[7]) << 24};
-  const uint8_t* data = r.data();
-  size_t p = r.pos(), end = r.size();
-  const uint64_t vmax = max_value(bits_w);
-  c.pos.resize(n);
-  c.v.resize(n);
-  int64_t prev = -1;
-  for (uint32_t i = 0; i < n; ++i) {
-    uint64_t val[2];
-    for (int st = 0; st < 2; ++st) {
-      const DecodeModel& m = models[st];
-      uint32_t xs = x[st];
-      uint32_t slot = xs & (kProbScale - 1);
-      uint32_t sym = m.lut[slot];
-      xs = m.freq[sym] * (xs >> kProbBits) + slot - m.cum[sym];
-      while (xs < kRansL) {
-        if (p >= end) r.fail("entropy-coded stream truncated");
-        xs = (xs << 8) | data[p++];
-      }
-      x[st] = xs;
-      uint32_t extra_n = kBuckets.nbits[sym];
-      val[st] = extra_n ? kBuckets.base[sym] + bits.read(extra_n) : kBuckets.base[sym];
-    }
-    if (val[0] >= span || int64_t(val[0]) >= int64_t(span) - 1 - prev)
-      r.fail("change position outside the block of " + std::to_string(span) + " elements");
-    prev = prev + 1 + int64_t(val[0]);
-    if (val[1] > vmax) r.fail("value change " + std::to_string(val[1]) + " too wide for the dtype");
-    c.pos[i] = static_cast<uint32_t>(prev);
-    c.v[i] = val[1];
-  }
-  if (x[0] != kRansL || x[1] != kRansL || p != end) r.fail("entropy-coded stream corrupt (final state check failed)");
-  bits.finish();
 }
 
 void verify_payload(const Header& h, const uint8_t* blob, size_t b) {
@@ -228,23 +139,14 @@ std::vector<uint8_t> assemble(const DTypeInfo& dt, const std::vector<uint64_t>& 
   return out;
 }
 
-// Entropy-codes block b's changes into a.payloads[b] / a.entries[b] and frees them.
-void code_block(BlockChanges& c, Assembled& a, size_t b) {
+// Entropy-codes block b's changes into a.payloads[b] / a.entries[b].
+void code_block(const BlockChanges& c, Assembled& a, size_t b) {
   if (c.pos.empty()) return;
   encode_block(c, a.payloads[b]);
   const auto& p = a.payloads[b];
   if (p.size() > 0xFFFFFFFFull) throw DeltaError("block payload exceeds 4 GiB");
   a.entries[b] = {static_cast<uint32_t>(p.size()), static_cast<uint32_t>(c.pos.size()),
                   checksum_finalize(checksum_raw_range(p.data(), 0, p.size()), p.size())};
-  BlockChanges().pos.swap(c.pos);  // release memory early
-  BlockChanges().v.swap(c.v);
-}
-
-void code_blocks(std::vector<BlockChanges>& changes, Assembled& a, int threads) {
-  size_t nb = changes.size();
-  a.payloads.assign(nb, {});
-  a.entries.assign(nb, {0, 0, 0});
-  parallel_for(nb, threads, [&](size_t b) { code_block(changes[b], a, b); });
 }
 
 uint64_t numel_of(const std::vector<uint64_t>& shape) {
@@ -262,17 +164,18 @@ std::vector<uint8_t> encode_typed(const uint8_t* ob, const uint8_t* nb, const DT
                                   const std::vector<uint64_t>& shape, int block_log2, int threads) {
   uint64_t numel = numel_of(shape);
   size_t n_blocks = blocks_for(numel, block_log2);
-  std::vector<BlockChanges> changes(n_blocks);
   std::vector<uint64_t> sums(n_blocks, 0), adjs(n_blocks, 0);
   Assembled a;
   a.payloads.assign(n_blocks, {});
   a.entries.assign(n_blocks, {0, 0, 0});
   // scan and entropy-code each block in one work item, so one thread's coding overlaps another's streaming
   parallel_for(n_blocks, threads, [&](size_t b) {
+    thread_local BlockChanges c;  // keeps its capacity: no page faults on fresh memory per call
+    c.clear();
     uint64_t start = uint64_t(b) << block_log2;
     uint64_t span = std::min<uint64_t>(uint64_t(1) << block_log2, numel - start);
-    scan_block<T>(ob, nb, numel, start, span, dt.is_float, changes[b], &sums[b], &adjs[b]);
-    code_block(changes[b], a, b);
+    scan_block<T>(ob, nb, numel, start, span, dt.is_float, c, &sums[b], &adjs[b]);
+    code_block(c, a, b);
   });
   uint64_t so = 0, ad = 0;
   for (size_t b = 0; b < n_blocks; ++b) {
@@ -283,26 +186,38 @@ std::vector<uint8_t> encode_typed(const uint8_t* ob, const uint8_t* nb, const DT
   return assemble(dt, shape, block_log2, a, checksum_finalize(so, nbytes), checksum_finalize(so + ad, nbytes));
 }
 
-// Applies in one pass per block: checksum the block's bytes of the target in 32 KiB steps just ahead of
-// the changes, decode, and write each change in place while its cache line is hot, keeping the old value.
-// If anything fails (a corrupt block, the base or the result checksum), every written change is put back
-// from the kept old values before DeltaError propagates, so the caller sees the target unchanged.
+// Applies in one pass per block: stream the decoded changes, checksum the target in 32 KiB steps just
+// ahead of them, and write each change in place while its cache line is hot. No per-change buffers. If
+// anything fails (a corrupt block, the base or the result checksum), the written changes are undone by
+// decoding the same blocks again and applying each change backwards, before DeltaError propagates, so the
+// caller sees the target unchanged.
 template <class T>
 void apply_typed(uint8_t* target, const uint8_t* blob, const Header& h, bool verify, int threads) {
   const uint64_t numel = h.numel;
   const size_t nbytes = size_t(numel) * sizeof(T);
   constexpr unsigned E = 8 / sizeof(T);
   constexpr unsigned W = sizeof(T) * 8;
+  const bool is_float = h.dtype.is_float;
   size_t nb = h.blocks.size();
-  std::vector<BlockChanges> changes(nb);
-  std::vector<std::vector<T>> old_values(nb);
-  std::vector<size_t> written(nb, 0);
+  std::vector<uint32_t> written(nb, 0);
   std::vector<uint64_t> adjs(nb, 0), block_sums(nb, 0);
   T* tgt = reinterpret_cast<T*>(target);
+  auto decoder = [&](size_t b) {
+    const BlockEntry& e = h.blocks[b];
+    return std::make_unique<BlockDecoder>(blob + h.payload_offset[b], e.payload_bytes, e.n_changed, h.block_span(b),
+                                          int(W), b);
+  };
   auto undo = [&] {
     parallel_for(nb, threads, [&](size_t b) {
-      uint64_t start = h.block_start(b);
-      for (size_t i = written[b]; i-- > 0;) tgt[start + changes[b].pos[i]] = old_values[b][i];
+      if (!written[b]) return;
+      auto dec = decoder(b);  // replays exactly the changes that were decoded and written before
+      const uint64_t start = h.block_start(b);
+      for (uint32_t i = 0; i < written[b]; ++i) {
+        uint32_t p;
+        uint64_t v;
+        dec->next(&p, &v);
+        tgt[start + p] = unapply_value<T>(tgt[start + p], v, is_float);
+      }
     });
   };
   try {
@@ -315,10 +230,7 @@ void apply_typed(uint8_t* target, const uint8_t* blob, const Header& h, bool ver
         return;
       }
       verify_payload(h, blob, b);
-      BlockChanges& c = changes[b];
-      decode_block(blob + h.payload_offset[b], e.payload_bytes, e.n_changed, h.block_span(b), W, b, c);
-      std::vector<T>& ov_keep = old_values[b];
-      ov_keep.resize(c.pos.size());
+      auto dec = decoder(b);
       size_t ck_at = lo;
       uint64_t base_sum = 0;
       auto checksum_upto = [&](size_t byte) {  // checksum every 32 KiB step up to and including `byte`
@@ -330,9 +242,11 @@ void apply_typed(uint8_t* target, const uint8_t* blob, const Header& h, bool ver
       };
       const uint64_t start = h.block_start(b);
       uint64_t ad = 0, cur = ~uint64_t(0), oldw = 0, neww = 0;
-      const size_t m = c.pos.size();
-      for (size_t i = 0; i < m; ++i) {
-        uint64_t idx = start + c.pos[i];
+      for (uint32_t i = 0; i < e.n_changed; ++i) {
+        uint32_t p;
+        uint64_t v;
+        dec->next(&p, &v);
+        uint64_t idx = start + p;
         uint64_t w = idx / E;
         if (verify) {
           checksum_upto(size_t(idx) * sizeof(T));
@@ -342,24 +256,22 @@ void apply_typed(uint8_t* target, const uint8_t* blob, const Header& h, bool ver
             oldw = neww = word_at(target, nbytes, w);  // read before this word's first write
           }
         }
-        T ov = tgt[idx];
-        T v = apply_value<T>(ov, c.v[i], h.dtype.is_float);
-        ov_keep[i] = ov;
-        tgt[idx] = v;
+        T nv = apply_value<T>(tgt[idx], v, is_float);
+        tgt[idx] = nv;
         written[b] = i + 1;
         if (verify) {
           unsigned sh = unsigned(idx % E) * W % 64;
           uint64_t lane = (W == 64) ? ~uint64_t(0) : ((uint64_t(1) << W) - 1) << sh;
-          neww = (neww & ~lane) | ((uint64_t(v) << sh) & lane);
+          neww = (neww & ~lane) | ((uint64_t(nv) << sh) & lane);
         }
       }
+      dec->finish();
       if (verify) {
         if (cur != ~uint64_t(0)) ad += checksum_term(neww, cur) - checksum_term(oldw, cur);
         checksum_upto(hi);
         block_sums[b] = base_sum;
         adjs[b] = ad;
       }
-      BlockChanges().v.swap(c.v);
     });
     if (verify) {
       uint64_t raw_old = 0, ad = 0;
@@ -421,42 +333,40 @@ std::vector<uint8_t> delta_pack(int dtype_code, const std::vector<uint64_t>& sha
     if (v[i] > vmax) throw DeltaError("pack: value too wide for the dtype");
   }
   size_t n_blocks = blocks_for(numel, block_log2);
-  std::vector<BlockChanges> changes(n_blocks);
+  Assembled a;
+  a.payloads.assign(n_blocks, {});
+  a.entries.assign(n_blocks, {0, 0, 0});
   parallel_for(n_blocks, threads, [&](size_t b) {
+    thread_local BlockChanges c;
     uint64_t lo = uint64_t(b) << block_log2, hi = lo + (uint64_t(1) << block_log2);
     size_t i0 = std::lower_bound(pos, pos + n, lo) - pos, i1 = std::lower_bound(pos, pos + n, hi) - pos;
-    BlockChanges& c = changes[b];
     c.pos.resize(i1 - i0);
     c.v.assign(v + i0, v + i1);
     for (size_t i = i0; i < i1; ++i) c.pos[i - i0] = static_cast<uint32_t>(pos[i] - lo);
+    code_block(c, a, b);
   });
-  Assembled a;
-  code_blocks(changes, a, threads);
   return assemble(dt, shape, block_log2, a, base_checksum, new_checksum);
 }
 
-Header delta_unpack(const uint8_t* blob, size_t blob_len, int dtype_code, const std::vector<uint64_t>& shape,
-                    std::vector<uint64_t>& pos, std::vector<uint64_t>& v, int threads) {
-  Header h = parse_header(blob, blob_len);
-  check_target(h, dtype_code, shape);
+void delta_unpack_into(const Header& h, const uint8_t* blob, uint64_t* pos, uint64_t* v, int threads) {
   size_t nb = h.blocks.size();
   std::vector<size_t> first(nb + 1, 0);
   for (size_t b = 0; b < nb; ++b) first[b + 1] = first[b] + h.blocks[b].n_changed;
-  pos.assign(h.n_changed, 0);
-  v.assign(h.n_changed, 0);
   parallel_for(nb, threads, [&](size_t b) {
     const BlockEntry& e = h.blocks[b];
     if (!e.n_changed) return;
     verify_payload(h, blob, b);
-    BlockChanges c;
-    decode_block(blob + h.payload_offset[b], e.payload_bytes, e.n_changed, h.block_span(b), h.dtype.bits, b, c);
+    BlockDecoder dec(blob + h.payload_offset[b], e.payload_bytes, e.n_changed, h.block_span(b), h.dtype.bits, b);
     uint64_t start = h.block_start(b);
-    for (size_t i = 0; i < c.pos.size(); ++i) {
-      pos[first[b] + i] = start + c.pos[i];
-      v[first[b] + i] = c.v[i];
+    uint64_t* pb = pos + first[b];
+    uint64_t* vb = v + first[b];
+    for (size_t i = 0; i < e.n_changed; ++i) {
+      uint32_t p;
+      dec.next(&p, &vb[i]);
+      pb[i] = start + p;
     }
+    dec.finish();
   });
-  return h;
 }
 
 }  // namespace syncd

@@ -27,8 +27,8 @@ std::vector<uint8_t> delta_pack(int dtype_code, const std::vector<uint64_t>& sha
                                 const uint64_t* pos, const uint64_t* v, size_t n, uint64_t base_checksum,
                                 uint64_t new_checksum, int threads);
 
-// Validates and decodes a blob for a target of the given dtype/shape into global positions and values.
-Header delta_unpack(const uint8_t* blob, size_t blob_len, int dtype_code, const std::vector<uint64_t>& shape,
-                    std::vector<uint64_t>& pos, std::vector<uint64_t>& v, int threads);
+// Decodes a blob whose header `h` was parsed (parse_header) and checked (check_target) into global
+// positions and values; `pos` and `v` hold h.n_changed entries each. Validates every payload.
+void delta_unpack_into(const Header& h, const uint8_t* blob, uint64_t* pos, uint64_t* v, int threads);
 
 }  // namespace syncd

@@ -194,8 +194,10 @@ struct EncodeModel {
 };
 
 // Encodes symbols[0..n) (symbol j uses model and state j % 2) and appends the stream to `out`.
-inline void rans_encode(const uint8_t* symbols, size_t n, const EncodeModel* models, std::vector<uint8_t>& out) {
-  std::vector<uint8_t> buf(2 * n + 8);
+// `buf` is scratch (its capacity is reused).
+inline void rans_encode(const uint8_t* symbols, size_t n, const EncodeModel* models, std::vector<uint8_t>& buf,
+                        std::vector<uint8_t>& out) {
+  buf.resize(2 * n + 8);
   size_t w = buf.size();
   uint32_t x[2] = {kRansL, kRansL};
   for (size_t j = n; j-- > 0;) {
@@ -256,7 +258,7 @@ class BitWriter {
 // LSB-first bit reader over untrusted bytes; reading past the end throws via `owner`.
 class BitReader {
  public:
-  BitReader(const uint8_t* p, size_t n, const ByteReader& owner) : p_(p), n_(n), owner_(owner) {}
+  BitReader(const uint8_t* p, size_t n, const ByteReader& owner) : p_(p), n_(n), owner_(&owner) {}
   uint64_t read(uint32_t n) {  // n <= 61
     if (n > 32) {
       uint64_t lo = read(32);
@@ -269,7 +271,7 @@ class BitReader {
     return v;
   }
   void finish() const {
-    if (pos_ != n_ || fill_ >= 8 || acc_ != 0) owner_.fail("raw-bits stream has unused bits");
+    if (pos_ != n_ || fill_ >= 8 || acc_ != 0) owner_->fail("raw-bits stream has unused bits");
   }
 
  private:
@@ -278,13 +280,13 @@ class BitReader {
       acc_ |= uint64_t(p_[pos_++]) << fill_;
       fill_ += 8;
     }
-    if (fill_ < n) owner_.fail("raw-bits stream truncated");
+    if (fill_ < n) owner_->fail("raw-bits stream truncated");
   }
   const uint8_t* p_;
   size_t n_, pos_ = 0;
   uint64_t acc_ = 0;
   uint32_t fill_ = 0;
-  const ByteReader& owner_;
+  const ByteReader* owner_;
 };
 
 }  // namespace syncd
