@@ -21,8 +21,6 @@ struct Scratch {
 
 }  // namespace
 
-const uint64_t* const BlockDecoder::kBucketBase = kBuckets.base;
-const uint32_t* const BlockDecoder::kBucketNbits = kBuckets.nbits;
 
 void encode_block(const BlockChanges& c, std::vector<uint8_t>& out) {
   thread_local Scratch s;
@@ -78,6 +76,47 @@ BlockDecoder::BlockDecoder(const uint8_t* payload, size_t len, uint32_t n, uint6
   data_ = reader_.data();
   p_ = reader_.pos();
   end_ = reader_.size();
+}
+
+void BlockDecoder::next_batch(uint32_t* pos, uint64_t* v, size_t count) {
+  const DecodeModel& m0 = models_[0];
+  const DecodeModel& m1 = models_[1];
+  uint32_t x0 = x_[0], x1 = x_[1];
+  size_t p = p_;
+  const size_t end = end_;
+  const uint8_t* data = data_;
+  int64_t prev = prev_;
+  const uint64_t span = span_, vmax = vmax_;
+  auto step = [&](const DecodeModel& m, uint32_t& x) -> uint32_t {
+    uint32_t slot = x & (kProbScale - 1);
+    uint32_t sym = m.lut[slot];
+    x = m.freq[sym] * (x >> kProbBits) + slot - m.cum[sym];
+    while (x < kRansL) {
+      if (p >= end) {
+        p_ = p;
+        reader_.fail("entropy-coded stream truncated");
+      }
+      x = (x << 8) | data[p++];
+    }
+    return sym;
+  };
+  for (size_t i = 0; i < count; ++i) {
+    uint32_t s0 = step(m0, x0);
+    uint32_t s1 = step(m1, x1);
+    uint32_t n0 = kBuckets.nbits[s0], n1 = kBuckets.nbits[s1];
+    uint64_t gap = n0 ? kBuckets.base[s0] + bits_.read(n0) : kBuckets.base[s0];
+    uint64_t val = n1 ? kBuckets.base[s1] + bits_.read(n1) : kBuckets.base[s1];
+    if (gap >= span || int64_t(gap) >= int64_t(span) - 1 - prev)
+      reader_.fail("change position outside the block of " + std::to_string(span) + " elements");
+    prev += 1 + int64_t(gap);
+    if (val > vmax) reader_.fail("value change " + std::to_string(val) + " too wide for the dtype");
+    pos[i] = static_cast<uint32_t>(prev);
+    v[i] = val;
+  }
+  x_[0] = x0;
+  x_[1] = x1;
+  p_ = p;
+  prev_ = prev;
 }
 
 void BlockDecoder::finish() {

@@ -32,33 +32,11 @@ class BlockDecoder {
   BlockDecoder(const uint8_t* payload, size_t len, uint32_t n, uint64_t span, int bits_w, size_t block);
   BlockDecoder(const BlockDecoder&) = delete;  // bits_ points into reader_
   BlockDecoder& operator=(const BlockDecoder&) = delete;
-  void next(uint32_t* pos, uint64_t* v) {
-    uint64_t val[2];
-    for (int st = 0; st < 2; ++st) {
-      const DecodeModel& m = models_[st];
-      uint32_t xs = x_[st];
-      uint32_t slot = xs & (kProbScale - 1);
-      uint32_t sym = m.lut[slot];
-      xs = m.freq[sym] * (xs >> kProbBits) + slot - m.cum[sym];
-      while (xs < kRansL) {
-        if (p_ >= end_) reader_.fail("entropy-coded stream truncated");
-        xs = (xs << 8) | data_[p_++];
-      }
-      x_[st] = xs;
-      uint32_t extra_n = kBucketNbits[sym];
-      val[st] = extra_n ? kBucketBase[sym] + bits_.read(extra_n) : kBucketBase[sym];
-    }
-    if (val[0] >= span_ || int64_t(val[0]) >= int64_t(span_) - 1 - prev_)
-      reader_.fail("change position outside the block of " + std::to_string(span_) + " elements");
-    prev_ += 1 + int64_t(val[0]);
-    if (val[1] > vmax_) reader_.fail("value change " + std::to_string(val[1]) + " too wide for the dtype");
-    *pos = static_cast<uint32_t>(prev_);
-    *v = val[1];
-  }
+  // Decodes the next `count` changes into pos[] / v[] (block-relative positions, coded values). The loop
+  // keeps the coder state in locals, so batches of a few hundred run at register speed.
+  void next_batch(uint32_t* pos, uint64_t* v, size_t count);
+  void next(uint32_t* pos, uint64_t* v) { next_batch(pos, v, 1); }
   void finish();
-
-  static const uint64_t* const kBucketBase;
-  static const uint32_t* const kBucketNbits;
 
  private:
   ByteReader reader_;

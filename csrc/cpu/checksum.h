@@ -10,6 +10,14 @@ namespace syncd {
 
 constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
 constexpr uint64_t kLengthMul = 0xC2B2AE3D27D4EB4Full;
+constexpr uint64_t kWordMul = 0xD6E8FEB86659FD93ull;
+
+// The per-word mix: a bijection, one multiply between two xor-shifts (the first folds the high half down so
+// every input bit reaches the multiply's carries).
+inline uint64_t word_mix(uint64_t x) {
+  x = (x ^ (x >> 32)) * kWordMul;
+  return x ^ (x >> 32);
+}
 
 inline uint64_t fmix64(uint64_t x) {
   x ^= x >> 33;
@@ -21,7 +29,7 @@ inline uint64_t fmix64(uint64_t x) {
 }
 
 // Term of word index `i` holding the little-endian value `w`.
-inline uint64_t checksum_term(uint64_t w, uint64_t i) { return fmix64(w ^ ((i + 1) * kGolden)); }
+inline uint64_t checksum_term(uint64_t w, uint64_t i) { return word_mix(w ^ ((i + 1) * kGolden)); }
 
 inline uint64_t load_le64(const uint8_t* p) {
   uint64_t w;

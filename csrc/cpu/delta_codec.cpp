@@ -242,11 +242,14 @@ void apply_typed(uint8_t* target, const uint8_t* blob, const Header& h, bool ver
       };
       const uint64_t start = h.block_start(b);
       uint64_t ad = 0, cur = ~uint64_t(0), oldw = 0, neww = 0;
+      constexpr uint32_t kBatch = 256;
+      uint32_t bp[kBatch];
+      uint64_t bv[kBatch];
       for (uint32_t i = 0; i < e.n_changed; ++i) {
-        uint32_t p;
-        uint64_t v;
-        dec->next(&p, &v);
-        uint64_t idx = start + p;
+        uint32_t k = i % kBatch;
+        if (k == 0) dec->next_batch(bp, bv, std::min<uint32_t>(kBatch, e.n_changed - i));
+        const uint64_t v = bv[k];
+        uint64_t idx = start + bp[k];
         uint64_t w = idx / E;
         if (verify) {
           checksum_upto(size_t(idx) * sizeof(T));
@@ -360,10 +363,12 @@ void delta_unpack_into(const Header& h, const uint8_t* blob, uint64_t* pos, uint
     uint64_t start = h.block_start(b);
     uint64_t* pb = pos + first[b];
     uint64_t* vb = v + first[b];
-    for (size_t i = 0; i < e.n_changed; ++i) {
-      uint32_t p;
-      dec.next(&p, &vb[i]);
-      pb[i] = start + p;
+    constexpr size_t kBatch = 256;
+    uint32_t bp[kBatch];
+    for (size_t i = 0; i < e.n_changed; i += kBatch) {
+      size_t k = std::min<size_t>(kBatch, e.n_changed - i);
+      dec.next_batch(bp, vb + i, k);
+      for (size_t j = 0; j < k; ++j) pb[i + j] = start + bp[j];
     }
     dec.finish();
   });

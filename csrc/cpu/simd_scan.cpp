@@ -28,14 +28,9 @@ uint64_t scalar_checksum_and_diff(const uint8_t* o, const uint8_t* n, size_t nwo
 }
 
 #ifdef SYNCD_HAVE_AVX512_PATH
-__attribute__((target("avx512f,avx512dq"))) inline __m512i fmix512(__m512i x) {
-  const __m512i c1 = _mm512_set1_epi64(int64_t(0xFF51AFD7ED558CCDull));
-  const __m512i c2 = _mm512_set1_epi64(int64_t(0xC4CEB9FE1A85EC53ull));
-  x = _mm512_xor_si512(x, _mm512_srli_epi64(x, 33));
-  x = _mm512_mullo_epi64(x, c1);
-  x = _mm512_xor_si512(x, _mm512_srli_epi64(x, 33));
-  x = _mm512_mullo_epi64(x, c2);
-  return _mm512_xor_si512(x, _mm512_srli_epi64(x, 33));
+__attribute__((target("avx512f,avx512dq"))) inline __m512i mix512(__m512i x) {
+  x = _mm512_mullo_epi64(_mm512_xor_si512(x, _mm512_srli_epi64(x, 32)), _mm512_set1_epi64(int64_t(kWordMul)));
+  return _mm512_xor_si512(x, _mm512_srli_epi64(x, 32));
 }
 
 // Little-endian only (x86). Two independent accumulators hide the multiply latency.
@@ -56,8 +51,8 @@ __attribute__((target("avx512f,avx512dq"))) uint64_t avx512_checksum_and_diff(co
     for (int k = 0; k < 8; k += 2) {
       __m512i a0 = _mm512_loadu_si512(po + 64 * k), a1 = _mm512_loadu_si512(po + 64 * (k + 1));
       __m512i key1 = _mm512_add_epi64(key, step8);
-      acc0 = _mm512_add_epi64(acc0, fmix512(_mm512_xor_si512(a0, key)));
-      acc1 = _mm512_add_epi64(acc1, fmix512(_mm512_xor_si512(a1, key1)));
+      acc0 = _mm512_add_epi64(acc0, mix512(_mm512_xor_si512(a0, key)));
+      acc1 = _mm512_add_epi64(acc1, mix512(_mm512_xor_si512(a1, key1)));
       key = _mm512_add_epi64(key1, step8);
       if (n) {
         const uint8_t* pn = n + g * 512;

@@ -18,7 +18,12 @@ __device__ __forceinline__ uint64_t fmix64(uint64_t x) {
   return x;
 }
 
-__device__ __forceinline__ uint64_t term(uint64_t w, uint64_t i) { return fmix64(w ^ ((i + 1) * 0x9E3779B97F4A7C15ull)); }
+__device__ __forceinline__ uint64_t word_mix(uint64_t x) {
+  x = (x ^ (x >> 32)) * 0xD6E8FEB86659FD93ull;
+  return x ^ (x >> 32);
+}
+
+__device__ __forceinline__ uint64_t term(uint64_t w, uint64_t i) { return word_mix(w ^ ((i + 1) * 0x9E3779B97F4A7C15ull)); }
 
 __device__ __forceinline__ uint64_t warp_sum(uint64_t v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xFFFFFFFFu, v, o);

@@ -49,7 +49,7 @@ def test_every_single_bit_flip_and_swap_changes_it():
 
 
 def test_incremental_update_rule():
-    """Changing word i from a to b changes the raw sum by term(b, i) - term(a, i): the property apply_ uses."""
+    """Changing word i from a to b changes the raw sum by mix(b ^ k_i) - mix(a ^ k_i): the property apply_ uses."""
     data = np.arange(64, dtype=np.uint8)
     raw = ref.raw_sum(data)
     new = data.copy()
@@ -57,5 +57,20 @@ def test_incremental_update_rule():
     a = int(data[16:24].view("<u8")[0])
     b = int(new[16:24].view("<u8")[0])
     k = (2 + 1) * ref.GOLDEN & ref.MASK64
-    delta = (ref.fmix64_int(b ^ k) - ref.fmix64_int(a ^ k)) & ref.MASK64
+    delta = (ref.word_mix_int(b ^ k) - ref.word_mix_int(a ^ k)) & ref.MASK64
     assert (raw + delta) & ref.MASK64 == ref.raw_sum(new)
+
+
+def test_same_bit_flipped_in_two_words_never_cancels():
+    """Sums of per-word terms must not cancel for structured damage: the same bit flipped in two words."""
+    data = torch.randint(0, 256, (8 * 48,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    base = checksum(data)
+    words = data.numel() // 8
+    for bit in (0, 7, 31, 32, 62, 63):
+        byte, mask = bit // 8, 1 << (bit % 8)
+        for i in range(words):
+            for j in range(i + 1, words):
+                d = data.clone()
+                d[8 * i + byte] ^= mask
+                d[8 * j + byte] ^= mask
+                assert checksum(d) != base, (bit, i, j)

@@ -3,12 +3,16 @@
 The checksum of a byte string ``b`` of length ``n``: pad ``b`` with zero bytes to a multiple of 8, read it as
 little-endian u64 words ``w_i`` (i from 0), then
 
-    raw      = sum_i fmix64(w_i XOR ((i + 1) * GOLDEN))        (mod 2**64)
+    raw      = sum_i mix(w_i XOR ((i + 1) * GOLDEN))           (mod 2**64)
+    mix(x)   = y XOR (y >> 32)  with  y = (x XOR (x >> 32)) * WORD_MUL   (mod 2**64)
     checksum = fmix64(raw + n * LENGTH_MUL)                    (mod 2**64)
 
-where ``fmix64`` is MurmurHash3's 64-bit finaliser. The sum makes it parallel (any split of the words,
-any order, on any device) and incremental: changing word ``i`` from ``a`` to ``b`` changes ``raw`` by
-``fmix64(b ^ k_i) - fmix64(a ^ k_i)``, which lets a decoder check the result of an update before writing it.
+where ``fmix64`` is MurmurHash3's 64-bit finaliser. ``mix`` is a bijection (one multiply between two
+xor-shifts; the first folds the high half down so that every input bit reaches the multiply's carries), so
+a change to any single word always changes the sum; it is cheap enough that a full pass runs at memory speed. The sum
+makes it parallel (any split of the words, any order, on any device) and incremental: changing word ``i``
+from ``a`` to ``b`` changes ``raw`` by ``mix(b ^ k_i) - mix(a ^ k_i)``, which lets a decoder check the result
+of an update from the changed words alone.
 It detects corruption; it is not a cryptographic hash (manifests are signed separately).
 """
 
@@ -18,10 +22,22 @@ import numpy as np
 
 GOLDEN = 0x9E3779B97F4A7C15
 LENGTH_MUL = 0xC2B2AE3D27D4EB4F
+WORD_MUL = 0xD6E8FEB86659FD93
 FMIX_C1 = 0xFF51AFD7ED558CCD
 FMIX_C2 = 0xC4CEB9FE1A85EC53
 MASK64 = (1 << 64) - 1
 _CHUNK_WORDS = 1 << 20
+
+
+def word_mix(x: np.ndarray) -> np.ndarray:
+    """``mix`` on a uint64 array (wrapping arithmetic)."""
+    y = (x ^ (x >> np.uint64(32))) * np.uint64(WORD_MUL)
+    return y ^ (y >> np.uint64(32))
+
+
+def word_mix_int(x: int) -> int:
+    y = ((x ^ (x >> 32)) * WORD_MUL) & MASK64
+    return y ^ (y >> 32)
 
 
 def fmix64(x: np.ndarray) -> np.ndarray:
@@ -61,7 +77,7 @@ def raw_sum(data: np.ndarray, first_word: int = 0) -> int:
         for start in range(0, words.size, _CHUNK_WORDS):
             w = words[start : start + _CHUNK_WORDS].astype(np.uint64)
             k = word_key(np.arange(first_word + start, first_word + start + w.size, dtype=np.uint64))
-            total = (total + int(fmix64(w ^ k).sum(dtype=np.uint64))) & MASK64
+            total = (total + int(word_mix(w ^ k).sum(dtype=np.uint64))) & MASK64
     return total
 
 

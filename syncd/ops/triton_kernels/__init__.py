@@ -30,13 +30,19 @@ def _fmix64(x):
 
 
 @triton.jit
+def _word_mix(x):
+    y = (x ^ (x >> 32)) * 0xD6E8FEB86659FD93
+    return y ^ (y >> 32)
+
+
+@triton.jit
 def _checksum_kernel(words_ptr, n_words, partial_ptr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     idx = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = idx < n_words
     w = tl.load(words_ptr + idx, mask=mask, other=0).to(tl.uint64, bitcast=True)
     k = (idx.to(tl.uint64) + 1) * 0x9E3779B97F4A7C15
-    t = _fmix64(w ^ k)
+    t = _word_mix(w ^ k)
     t = tl.where(mask, t, 0)
     tl.store(partial_ptr + pid, tl.sum(t, axis=0).to(tl.int64, bitcast=True))
 
