@@ -22,8 +22,13 @@ struct Scratch {
 }  // namespace
 
 
-void encode_block(const BlockChanges& c, std::vector<uint8_t>& out) {
+__attribute__((noinline)) Scratch& scratch() {  // not inlined: keeps TLS lookups out of loops
   thread_local Scratch s;
+  return s;
+}
+
+void encode_block(const BlockChanges& c, std::vector<uint8_t>& out) {
+  Scratch& s = scratch();  // one TLS lookup per block, not per change
   size_t n = c.pos.size();
   s.syms.resize(2 * n);
   s.raw.clear();

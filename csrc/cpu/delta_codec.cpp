@@ -124,6 +124,11 @@ void scan_block(const uint8_t* ob, const uint8_t* nb, uint64_t numel, uint64_t s
   *adj = ad;
 }
 
+__attribute__((noinline)) BlockChanges& block_scratch() {  // not inlined: keeps TLS lookups out of loops
+  thread_local BlockChanges c;
+  return c;
+}
+
 struct Assembled {
   std::vector<std::vector<uint8_t>> payloads;
   std::vector<BlockEntry> entries;
@@ -170,7 +175,7 @@ std::vector<uint8_t> encode_typed(const uint8_t* ob, const uint8_t* nb, const DT
   a.entries.assign(n_blocks, {0, 0, 0});
   // scan and entropy-code each block in one work item, so one thread's coding overlaps another's streaming
   parallel_for(n_blocks, threads, [&](size_t b) {
-    thread_local BlockChanges c;  // keeps its capacity: no page faults on fresh memory per call
+    BlockChanges& c = block_scratch();  // keeps its capacity: no page faults on fresh memory per call
     c.clear();
     uint64_t start = uint64_t(b) << block_log2;
     uint64_t span = std::min<uint64_t>(uint64_t(1) << block_log2, numel - start);
@@ -340,7 +345,7 @@ std::vector<uint8_t> delta_pack(int dtype_code, const std::vector<uint64_t>& sha
   a.payloads.assign(n_blocks, {});
   a.entries.assign(n_blocks, {0, 0, 0});
   parallel_for(n_blocks, threads, [&](size_t b) {
-    thread_local BlockChanges c;
+    BlockChanges& c = block_scratch();
     uint64_t lo = uint64_t(b) << block_log2, hi = lo + (uint64_t(1) << block_log2);
     size_t i0 = std::lower_bound(pos, pos + n, lo) - pos, i1 = std::lower_bound(pos, pos + n, hi) - pos;
     c.pos.resize(i1 - i0);

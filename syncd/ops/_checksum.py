@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from syncd.ops import _backend
-from syncd.ops._tensors import byte_view
+from syncd.ops._tensors import byte_view, nbytes_of, raw_ptr
 from syncd.ops.reference import checksum as ref
 
 
@@ -24,6 +24,9 @@ def checksum(tensor: torch.Tensor, *, backend: str = "auto") -> int:
     if name == "reference":
         return ref.checksum_bytes(byte_view(tensor.cpu()))
     if name == "cpu":
+        ptr = raw_ptr(tensor)
+        if ptr is not None:
+            return int(_backend.native().checksum_ptr(ptr, nbytes_of(tensor), _backend.threads()))
         return int(_backend.native().checksum(byte_view(tensor), _backend.threads()))
     return _backend.gpu_kernels(name).checksum(tensor.detach().contiguous())
 

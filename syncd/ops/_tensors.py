@@ -17,5 +17,17 @@ def byte_view(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
+def raw_ptr(t: torch.Tensor) -> int | None:
+    """``data_ptr()`` of a contiguous CPU tensor whose memory holds its plain values (not a lazily
+    conjugated or negated view), else None. The caller keeps ``t`` alive while the pointer is used."""
+    if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
+        return None
+    return t.data_ptr()
+
+
+def nbytes_of(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 def shape_of(t: torch.Tensor) -> list[int]:
     return [int(s) for s in t.shape]

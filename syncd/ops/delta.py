@@ -19,7 +19,7 @@ import torch
 from syncd.errors import DeltaError
 from syncd.ops import _backend
 from syncd.ops import _format as fmt
-from syncd.ops._tensors import byte_view, shape_of
+from syncd.ops._tensors import byte_view, raw_ptr, shape_of
 from syncd.ops.reference import checksum as ref_ck
 from syncd.ops.reference import delta as ref
 from syncd.ops.reference import entropy as ref_ent
@@ -62,8 +62,7 @@ def encode(old: torch.Tensor, new: torch.Tensor, *, backend: str = "auto",
     name = _backend.resolve(backend, old.device.type, "encode")
     shape = shape_of(old)
     if name == "cpu":
-        return _native_call(_backend.native().encode, byte_view(old), byte_view(new), dt.code, shape, block_log2,
-                            _backend.threads())
+        return _native_encode(old, new, dt, shape, block_log2, _backend.threads())
     if name == "reference":
         return ref.encode(byte_view(old.cpu()), byte_view(new.cpu()), dt, shape, block_log2)
     k = _backend.gpu_kernels(name)
@@ -72,6 +71,21 @@ def encode(old: torch.Tensor, new: torch.Tensor, *, backend: str = "auto",
     base_ck, new_ck = k.checksum(o), k.checksum(n)
     return _pack(dt, shape, block_log2, pos.cpu().numpy().view(np.uint64), v.cpu().numpy().view(np.uint64),
                  base_ck, new_ck)
+
+
+def _native_encode(old, new, dt, shape, block_log2, threads) -> bytes:
+    po, pn = raw_ptr(old), raw_ptr(new)
+    if po is not None and pn is not None:
+        return _native_call(_backend.native().encode_ptr, po, pn, dt.code, shape, block_log2, threads)
+    return _native_call(_backend.native().encode, byte_view(old), byte_view(new), dt.code, shape, block_log2, threads)
+
+
+def _native_apply(tensor, blob, dt, shape, verify, threads) -> None:
+    ptr = raw_ptr(tensor)
+    if ptr is not None:
+        _native_call(_backend.native().apply_ptr, ptr, blob, dt.code, shape, verify, threads)
+    else:
+        _native_call(_backend.native().apply, byte_view(tensor), blob, dt.code, shape, verify, threads)
 
 
 def _pack(dt, shape, block_log2, pos, v, base_ck, new_ck) -> bytes:
@@ -109,7 +123,7 @@ def apply_(tensor: torch.Tensor, blob, *, backend: str = "auto", verify: bool = 
             tensor.copy_(tmp)
         return
     if name == "cpu":
-        _native_call(_backend.native().apply, byte_view(tensor), blob, dt.code, shape, verify, _backend.threads())
+        _native_apply(tensor, blob, dt, shape, verify, _backend.threads())
         return
     if name == "reference":
         if tensor.device.type != "cpu":
@@ -174,9 +188,7 @@ def encode_many(olds, news, *, backend: str = "auto", block_log2: int = fmt.DEFA
 
     def one(pair, threads):
         o, n = pair
-        dt = _check_pair(o, n)
-        return _native_call(_backend.native().encode, byte_view(o), byte_view(n), dt.code, shape_of(o), block_log2,
-                            threads)
+        return _native_encode(o, n, _check_pair(o, n), shape_of(o), block_log2, threads)
     return _many(one, list(zip(olds, news)), [o.numel() for o in olds], block_log2)
 
 
@@ -196,8 +208,7 @@ def apply_many(tensors, blobs, *, backend: str = "auto", verify: bool = True) ->
     def one(pair, threads):
         t, b = pair
         try:
-            _native_call(_backend.native().apply, byte_view(t), b, fmt.dtype_of(t.dtype).code, shape_of(t), verify,
-                         threads)
+            _native_apply(t, b, fmt.dtype_of(t.dtype), shape_of(t), verify, threads)
         except DeltaError as e:
             return e
         return None
