@@ -6,30 +6,16 @@
 #include <cstdint>
 #include <cstring>
 
+#include "codec_core.h"
+
 namespace syncd {
 
-constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
-constexpr uint64_t kLengthMul = 0xC2B2AE3D27D4EB4Full;
-constexpr uint64_t kWordMul = 0xD6E8FEB86659FD93ull;
-
-// The per-word mix: a bijection, one multiply between two xor-shifts (the first folds the high half down so
-// every input bit reaches the multiply's carries).
-inline uint64_t word_mix(uint64_t x) {
-  x = (x ^ (x >> 32)) * kWordMul;
-  return x ^ (x >> 32);
-}
-
-inline uint64_t fmix64(uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xFF51AFD7ED558CCDull;
-  x ^= x >> 33;
-  x *= 0xC4CEB9FE1A85EC53ull;
-  x ^= x >> 33;
-  return x;
-}
-
-// Term of word index `i` holding the little-endian value `w`.
-inline uint64_t checksum_term(uint64_t w, uint64_t i) { return word_mix(w ^ ((i + 1) * kGolden)); }
+using core::checksum_term;
+using core::fmix64;
+using core::kGolden;
+using core::kLengthMul;
+using core::kWordMul;
+using core::word_mix;
 
 inline uint64_t load_le64(const uint8_t* p) {
   uint64_t w;

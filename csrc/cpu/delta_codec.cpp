@@ -14,43 +14,9 @@ namespace syncd {
 
 namespace {
 
-template <class T>
-constexpr T kSign = T(T(1) << (sizeof(T) * 8 - 1));
-
-template <class T>
-inline T to_key(T b, bool is_float) {
-  if (!is_float) return b;
-  return (b & kSign<T>) ? T(~b) : T(b | kSign<T>);
-}
-
-template <class T>
-inline T from_key(T k, bool is_float) {
-  if (!is_float) return k;
-  return (k & kSign<T>) ? T(k ^ kSign<T>) : T(~k);
-}
-
-// v = zigzag(key(new) - key(old)) - 1, the difference taken as a signed W-bit integer.
-template <class T>
-inline uint64_t code_value(T ob, T nb, bool is_float) {
-  using S = std::make_signed_t<T>;
-  T d = T(to_key(nb, is_float) - to_key(ob, is_float));
-  T u = T(T(d << 1) ^ T(S(d) >> (sizeof(T) * 8 - 1)));
-  return uint64_t(u) - 1;
-}
-
-template <class T>
-inline T apply_value(T ob, uint64_t v, bool is_float) {
-  uint64_t u = v + 1;
-  T d = T((u >> 1) ^ (uint64_t(0) - (u & 1)));
-  return from_key(T(to_key(ob, is_float) + d), is_float);
-}
-
-template <class T>
-inline T unapply_value(T nb, uint64_t v, bool is_float) {
-  uint64_t u = v + 1;
-  T d = T((u >> 1) ^ (uint64_t(0) - (u & 1)));
-  return from_key(T(to_key(nb, is_float) - d), is_float);
-}
+using core::apply_value;
+using core::code_value;
+using core::unapply_value;
 
 inline uint64_t max_value(int bits) { return bits == 64 ? ~uint64_t(0) - 1 : (uint64_t(1) << bits) - 2; }
 

@@ -3,27 +3,18 @@
 #include <stdexcept>
 #include <string>
 
+#include "codec_core.h"
 #include "kernels.cuh"
 
 namespace syncd_cuda {
 
 namespace {
 
-__device__ __forceinline__ uint64_t fmix64(uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xFF51AFD7ED558CCDull;
-  x ^= x >> 33;
-  x *= 0xC4CEB9FE1A85EC53ull;
-  x ^= x >> 33;
-  return x;
-}
+using syncd::core::apply_value;
+using syncd::core::code_value;
+using syncd::core::unapply_value;
 
-__device__ __forceinline__ uint64_t word_mix(uint64_t x) {
-  x = (x ^ (x >> 32)) * 0xD6E8FEB86659FD93ull;
-  return x ^ (x >> 32);
-}
-
-__device__ __forceinline__ uint64_t term(uint64_t w, uint64_t i) { return word_mix(w ^ ((i + 1) * 0x9E3779B97F4A7C15ull)); }
+__device__ __forceinline__ uint64_t term(uint64_t w, uint64_t i) { return syncd::core::checksum_term(w, i); }
 
 __device__ __forceinline__ uint64_t warp_sum(uint64_t v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xFFFFFFFFu, v, o);
@@ -64,18 +55,6 @@ __global__ void checksum_kernel(const uint8_t* __restrict__ p, size_t nbytes, un
 }
 
 template <class T>
-__device__ __forceinline__ T to_key(T b, bool f) {
-  constexpr T s = T(T(1) << (sizeof(T) * 8 - 1));
-  return !f ? b : ((b & s) ? T(~b) : T(b | s));
-}
-
-template <class T>
-__device__ __forceinline__ T from_key(T k, bool f) {
-  constexpr T s = T(T(1) << (sizeof(T) * 8 - 1));
-  return !f ? k : ((k & s) ? T(k ^ s) : T(~k));
-}
-
-template <class T>
 __global__ void count_kernel(const T* __restrict__ a, const T* __restrict__ b, size_t n, int64_t* counts) {
   size_t base = size_t(blockIdx.x) * kScanTile;
   int c = 0;
@@ -99,7 +78,6 @@ __global__ void count_kernel(const T* __restrict__ a, const T* __restrict__ b, s
 template <class T>
 __global__ void compact_kernel(const T* __restrict__ a, const T* __restrict__ b, size_t n, bool is_float,
                                const int64_t* __restrict__ offsets, int64_t* __restrict__ pos, uint64_t* __restrict__ v) {
-  using S = typename std::make_signed<T>::type;
   __shared__ int warp_tot[32];
   __shared__ int64_t running;
   if (threadIdx.x == 0) running = offsets[blockIdx.x];
@@ -126,10 +104,8 @@ __global__ void compact_kernel(const T* __restrict__ a, const T* __restrict__ b,
     }
     if (ch) {
       int64_t slot = running + woff + before;
-      T d = T(to_key<T>(y, is_float) - to_key<T>(x, is_float));
-      T u = T(T(d << 1) ^ T(S(d) >> (sizeof(T) * 8 - 1)));
       pos[slot] = int64_t(j);
-      v[slot] = uint64_t(u) - 1;
+      v[slot] = code_value<T>(x, y, is_float);
     }
     __syncthreads();
     if (threadIdx.x == 0) running += total;
@@ -142,12 +118,8 @@ __global__ void scatter_kernel(T* __restrict__ t, const int64_t* __restrict__ po
                                size_t m, bool is_float, bool forward) {
   size_t j = blockIdx.x * size_t(blockDim.x) + threadIdx.x;
   if (j >= m) return;
-  uint64_t u = v[j] + 1;
-  T d = T((u >> 1) ^ (0ull - (u & 1)));
   int64_t p = pos[j];
-  T k = to_key<T>(t[p], is_float);
-  k = forward ? T(k + d) : T(k - d);
-  t[p] = from_key<T>(k, is_float);
+  t[p] = forward ? apply_value<T>(t[p], v[j], is_float) : unapply_value<T>(t[p], v[j], is_float);
 }
 
 template <class F>
