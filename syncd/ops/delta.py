@@ -160,17 +160,20 @@ def _apply_gpu(tensor: torch.Tensor, blob, dt: fmt.DType, shape, name: str, veri
 
 
 def _many(fn, items: list, sizes: list[int], block_log2: int) -> list:
-    """Run ``fn(item, threads)`` over ``items``: tensors of several blocks one after another with every
-    thread, the one-block rest concurrently with one thread each (the native code releases the GIL)."""
+    """Run ``fn(item, threads)`` over ``items``: tensors of many blocks (at least 4 per thread) one after
+    another with every thread, the rest concurrently with one thread each, which balances the cores better
+    than splitting a two-block tensor two ways (the native code releases the GIL)."""
     from concurrent.futures import ThreadPoolExecutor
 
     total = _backend.threads()
-    big = [i for i, n in enumerate(sizes) if n > (1 << block_log2)]
-    small = [i for i, n in enumerate(sizes) if n <= (1 << block_log2)]
+    wide = 4 * total << block_log2
+    big = [i for i, n in enumerate(sizes) if n >= wide]
+    small = [i for i, n in enumerate(sizes) if n < wide]
     out: list = [None] * len(items)
     for i in big:
         out[i] = fn(items[i], total)
     if small:
+        small.sort(key=lambda i: -sizes[i])  # largest first: the tail of the pool stays short
         with ThreadPoolExecutor(max_workers=total) as pool:
             for i, r in zip(small, pool.map(lambda i: fn(items[i], 1), small)):
                 out[i] = r
