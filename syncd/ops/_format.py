@@ -78,10 +78,17 @@ DTYPES: dict[str, DType] = {
 DTYPE_BY_CODE: dict[int, DType] = {d.code: d for d in DTYPES.values()}
 
 
+_BY_TORCH: dict = {}
+
+
 def dtype_of(torch_dtype) -> DType:
     """The codec's view of a ``torch.dtype``; raises ``DeltaError`` for a dtype the format does not carry."""
+    hit = _BY_TORCH.get(torch_dtype)
+    if hit is not None:
+        return hit
     name = str(torch_dtype).removeprefix("torch.")
     try:
+        _BY_TORCH[torch_dtype] = DTYPES[name]
         return DTYPES[name]
     except KeyError:
         raise DeltaError(
