@@ -2,10 +2,11 @@
 
 - :mod:`syncd.ops.delta`: ``encode``, ``decode``, ``apply_``, ``inspect`` (lossless weight deltas)
 - :func:`checksum`: 64-bit content checksum of a tensor, identical on every backend and device
+  (``checksum_many`` for a whole state dict on every core)
 """
 
 from syncd.ops import delta
 from syncd.ops._backend import BACKENDS
-from syncd.ops._checksum import checksum, checksum_bytes
+from syncd.ops._checksum import checksum, checksum_bytes, checksum_many
 
-__all__ = ["BACKENDS", "checksum", "checksum_bytes", "delta"]
+__all__ = ["BACKENDS", "checksum", "checksum_bytes", "checksum_many", "delta"]

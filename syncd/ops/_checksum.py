@@ -11,7 +11,11 @@ import numpy as np
 import torch
 
 from syncd.ops import _backend
+from syncd.ops._batch import run_many
 from syncd.ops._tensors import byte_view, nbytes_of, raw_ptr
+
+#: log2 of the bytes per work item of the native checksum (csrc/cpu/checksum.cpp)
+CHUNK_LOG2 = 19
 from syncd.ops.reference import checksum as ref
 
 
@@ -29,6 +33,18 @@ def checksum(tensor: torch.Tensor, *, backend: str = "auto") -> int:
             return int(_backend.native().checksum_ptr(ptr, nbytes_of(tensor), _backend.threads()))
         return int(_backend.native().checksum(byte_view(tensor), _backend.threads()))
     return _backend.gpu_kernels(name).checksum(tensor.detach().contiguous())
+
+
+def checksum_many(tensors, *, backend: str = "auto") -> list[int]:
+    """``[checksum(t) for t in tensors]`` using every core across tensors as well as within them (contiguous
+    CPU tensors on the CPU backend; anything else goes one by one). The values equal ``checksum``'s."""
+    tensors = list(tensors)
+    if not tensors or any(_backend.resolve(backend, t.device.type, "checksum") != "cpu" or raw_ptr(t) is None
+                          for t in tensors):
+        return [checksum(t, backend=backend) for t in tensors]
+    native = _backend.native()
+    return run_many(lambda t, threads: int(native.checksum_ptr(raw_ptr(t), nbytes_of(t), threads)), tensors,
+                    [nbytes_of(t) for t in tensors], CHUNK_LOG2)
 
 
 def checksum_bytes(data, *, backend: str = "auto") -> int:

@@ -12,7 +12,6 @@ when it raises. Thread-safety: calls are independent; don't apply to the same te
 from __future__ import annotations
 
 import struct
-import threading
 
 import numpy as np
 import torch
@@ -20,6 +19,7 @@ import torch
 from syncd.errors import DeltaError
 from syncd.ops import _backend
 from syncd.ops import _format as fmt
+from syncd.ops._batch import run_many as _many
 from syncd.ops._tensors import byte_view, raw_ptr, shape_of
 from syncd.ops.reference import checksum as ref_ck
 from syncd.ops.reference import delta as ref
@@ -158,39 +158,6 @@ def _apply_gpu(tensor: torch.Tensor, blob, dt: fmt.DType, shape, name: str, veri
     if work is not tensor:
         with torch.no_grad():
             tensor.copy_(work)
-
-
-def _many(fn, items: list, sizes: list[int], block_log2: int) -> list:
-    """Run ``fn(item, threads)`` over ``items``: tensors of many blocks (at least 4 per thread) one after
-    another with every thread, the rest concurrently with one thread each, which balances the cores better
-    than splitting a two-block tensor two ways (the native code releases the GIL)."""
-    total = _backend.threads()
-    wide = 4 * total << block_log2
-    big = [i for i, n in enumerate(sizes) if n >= wide]
-    small = [i for i, n in enumerate(sizes) if n < wide]
-    out: list = [None] * len(items)
-    for i in big:
-        out[i] = fn(items[i], total)
-    if small:
-        small.sort(key=lambda i: -sizes[i])  # largest first: the tail of the pool stays short
-        for i, r in zip(small, _executor(total).map(lambda i: fn(items[i], 1), small)):
-            out[i] = r
-    return out
-
-
-_EXECUTORS: dict = {}
-_EXECUTORS_LOCK = threading.Lock()
-
-
-def _executor(workers: int):
-    """A process-wide pool of ``workers`` threads for ``_many`` (created once; map calls may overlap)."""
-    with _EXECUTORS_LOCK:
-        pool = _EXECUTORS.get(workers)
-        if pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            pool = _EXECUTORS[workers] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="syncd-delta")
-        return pool
 
 
 def encode_many(olds, news, *, backend: str = "auto", block_log2: int = fmt.DEFAULT_BLOCK_LOG2) -> list[bytes]:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from syncd.ops import checksum, checksum_bytes
+from syncd.ops import checksum, checksum_bytes, checksum_many
 from syncd.ops.reference import checksum as ref
 from tests.ops._util import ALL_DTYPES, on, random_bits
 
@@ -74,3 +74,10 @@ def test_same_bit_flipped_in_two_words_never_cancels():
                 d[8 * i + byte] ^= mask
                 d[8 * j + byte] ^= mask
                 assert checksum(d) != base, (bit, i, j)
+
+
+def test_checksum_many_equals_one_by_one():
+    g = torch.Generator().manual_seed(9)
+    tensors = [random_bits(s, torch.bfloat16, g) for s in [(3,), (0,), (700, 700), (4 << 20,), (17, 5)]]
+    tensors.append(tensors[2].t())  # non-contiguous: falls back to one by one
+    assert checksum_many(tensors) == [checksum(t, backend="reference") for t in tensors]
