@@ -234,6 +234,17 @@ def measure_case(old: dict, new: dict, repeats: int, block_log2: int) -> dict:
     }
 
 
+def measure_case_quiet(old: dict, new: dict, repeats: int, block_log2: int) -> dict:
+    """``measure_case`` with torch's intra-op pool at one thread: the harness's own torch calls (copies,
+    comparisons) otherwise leave OpenMP workers spinning on the two cores the codec is being timed on."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return measure_case(old, new, repeats, block_log2)
+    finally:
+        torch.set_num_threads(before)
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m bench.codec", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="default")
@@ -267,7 +278,7 @@ def main(argv=None) -> int:
               f"{time.perf_counter() - t0:.1f}s")
         print(header)
         for k in ks:
-            r = measure_case(snaps[0], snaps[k], cfg["repeats"], args.block_log2)
+            r = measure_case_quiet(snaps[0], snaps[k], cfg["repeats"], args.block_log2)
             r.update(lr=lr, k=k, params=nparams)
             results.append(r)
             b = r["baselines"]
