@@ -43,6 +43,9 @@ SYNCD_HD T sign_bit() {
   return T(T(1) << (sizeof(T) * 8 - 1));
 }
 
+// Largest coded value v for a W-bit element (u = v + 1 <= 2^W - 1).
+SYNCD_HD uint64_t max_value(int bits) { return bits == 64 ? ~uint64_t(0) - 1 : (uint64_t(1) << bits) - 2; }
+
 // Order-preserving key of a float's bits (negative: flip all; positive: set the sign); ints keep their bits.
 template <class T>
 SYNCD_HD T to_key(T b, bool is_float) {

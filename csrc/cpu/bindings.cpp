@@ -68,21 +68,6 @@ PYBIND11_MODULE(_native, m) {
     return checksum(v.ptr, v.size, threads);
   }, py::arg("data"), py::arg("threads") = 1, "64-bit content checksum of a contiguous buffer's bytes.");
 
-  m.def("checksum_raw", [](const py::buffer& b, uint64_t first_word) {
-    py::buffer_info keep;
-    View v = read_view(b, keep);
-    py::gil_scoped_release nogil;
-    if (first_word == 0) return checksum_raw_parallel(v.ptr, v.size, 1);
-    size_t whole = v.size / 8;
-    uint64_t s = checksum_words(v.ptr, whole, first_word);
-    if (v.size % 8) {
-      uint8_t buf[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      std::memcpy(buf, v.ptr + whole * 8, v.size % 8);
-      s += checksum_term(load_le64(buf), first_word + whole);
-    }
-    return s;
-  }, py::arg("data"), py::arg("first_word") = 0, "Unfinalised checksum sum, word indices starting at first_word.");
-
   m.def("encode", [](const py::buffer& old_b, const py::buffer& new_b, int dtype_code, const std::vector<int64_t>& shape,
                      int block_log2, int threads) {
     py::buffer_info k1, k2;

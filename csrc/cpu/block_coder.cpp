@@ -1,5 +1,7 @@
 #include "block_coder.h"
 
+#include "codec_core.h"
+
 namespace syncd {
 
 namespace {
@@ -13,7 +15,7 @@ struct BucketTable {
 };
 const BucketTable kBuckets;
 
-uint64_t max_value(int bits) { return bits == 64 ? ~uint64_t(0) - 1 : (uint64_t(1) << bits) - 2; }
+using core::max_value;
 
 struct Scratch {
   std::vector<uint8_t> syms, raw, rans;

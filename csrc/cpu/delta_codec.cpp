@@ -18,7 +18,7 @@ using core::apply_value;
 using core::code_value;
 using core::unapply_value;
 
-inline uint64_t max_value(int bits) { return bits == 64 ? ~uint64_t(0) - 1 : (uint64_t(1) << bits) - 2; }
+using core::max_value;
 
 // Word `w` of a buffer of `nbytes` bytes, zero-padded past the end.
 inline uint64_t word_at(const uint8_t* p, size_t nbytes, uint64_t w) {
