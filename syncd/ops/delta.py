@@ -12,6 +12,7 @@ when it raises. Thread-safety: calls are independent; don't apply to the same te
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -25,7 +26,8 @@ from syncd.ops.reference import checksum as ref_ck
 from syncd.ops.reference import delta as ref
 from syncd.ops.reference import entropy as ref_ent
 
-__all__ = ["encode", "decode", "apply_", "inspect", "encode_many", "apply_many"]
+__all__ = ["encode", "decode", "apply_", "inspect", "encode_many", "apply_many", "Changes", "changes",
+           "apply_changes_"]
 
 
 def _native_call(fn, *args):
@@ -246,3 +248,51 @@ def inspect(blob) -> dict:
         "base_checksum": h.base_checksum,
         "new_checksum": h.new_checksum,
     }
+
+
+@dataclass(frozen=True)
+class Changes:
+    """The sparse content of a blob: which elements change and how, without the base tensor.
+
+    ``positions`` (int64, ascending) index the flattened full tensor (row-major ``shape``); ``values`` hold
+    the coded change of each (``zigzag(key delta) - 1`` as int64 bits, see ``docs/delta-format.md``), which
+    ``apply_changes_`` turns into new element bits from the old ones. Used by engines whose local parameter
+    is a slice or part of a fused tensor: they keep the positions they own and drop the rest.
+    """
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    positions: torch.Tensor
+    values: torch.Tensor
+    base_checksum: int
+    new_checksum: int
+
+
+def changes(blob) -> Changes:
+    """Parse and fully validate ``blob`` (every block checksum) into its change list. Raises ``DeltaError``."""
+    h = fmt.parse_header(blob, ref_ck.checksum_bytes)
+    torch_dtype = getattr(torch, h.dtype.name)
+    pos, v, base_ck, new_ck = _unpack(blob, h.dtype, tuple(h.shape))
+    return Changes(torch_dtype, tuple(h.shape), torch.from_numpy(np.asarray(pos).view(np.int64)),
+                   torch.from_numpy(np.asarray(v).view(np.int64)), base_ck, new_ck)
+
+
+def apply_changes_(flat: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
+    """In place: ``flat[index]`` (a 1-D CPU tensor of a codec dtype; ``index`` int64 positions into it) moves
+    by the coded ``values`` (from :func:`changes`, same length as ``index``). Only those elements are written.
+    Raises ``DeltaError`` for mismatched lengths or an index out of range (then nothing is written)."""
+    dt = fmt.dtype_of(flat.dtype)
+    if flat.dim() != 1 or flat.device.type != "cpu":
+        raise DeltaError("apply_changes_ needs a 1-D CPU tensor")
+    if index.numel() != values.numel():
+        raise DeltaError(f"{index.numel()} positions but {values.numel()} values")
+    if index.numel() == 0:
+        return
+    idx = index.to(torch.int64)
+    if int(idx.min()) < 0 or int(idx.max()) >= flat.numel():
+        raise DeltaError(f"change position outside the {flat.numel()}-element tensor")
+    bits = flat.view({8: torch.uint8, 16: torch.int16, 32: torch.int32, 64: torch.int64}[dt.bits])
+    old = bits[idx].numpy().view(dt.np_uint)
+    new = ref.apply_values(old, values.numpy().view(np.uint64), dt)
+    with torch.no_grad():
+        bits[idx] = torch.from_numpy(np.ascontiguousarray(new).view(bits.numpy().dtype))
