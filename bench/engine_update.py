@@ -1,0 +1,313 @@
+"""Engine update benchmark: the reference engine serves a steady load while real deltas are applied in place.
+
+A Qwen2-style model (random init, fp32 master weights) takes AdamW steps on a policy-gradient loss at an RL
+learning rate (``bench.codec.snapshots``); ``trainer.WeightPublisher`` publishes version 0 (full) and one
+delta per step to a local file store. ``ReferenceEngine.from_store`` loads version 0, client threads keep
+``clients`` requests running, and the controller reads each version back (``syncd.versions``), stages it
+while serving, then pauses, applies and resumes, and verifies the checksums after resuming. Measured in the
+same run:
+
+* the stall per update: from ``pause()`` returning (no forward pass running) to ``resume()`` returning,
+  i.e. the in-place apply, median and max; next to a full-weight reload of the same model
+  (``model.load_state_dict`` of the version's bf16 tensors into an fp32 model of the same config, what a
+  reloading engine would do) and the engine's own ``load_full``;
+* the physical limit of the ratio: an in-place apply must move at least the cache lines that hold a changed
+  word (read and write), a full reload reads the new weights and writes every line;
+* tokens/s without updates and while updates are applied, and requests lost (must be 0).
+
+Writes JSON (``--out``).
+
+    python -m bench.engine_update                  # ~110M parameters, lr 1e-6, 5 updates
+    python -m bench.engine_update --preset tiny    # seconds; what the test runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+log = logging.getLogger("bench.engine_update")
+
+PRESETS = {
+    "default": dict(hidden=768, layers=12, heads=12, kv_heads=4, intermediate=2048, vocab=16000, batch=2, seq=64,
+                    warmup=2, updates=5, clients=4, prompt=16, max_tokens=24, window=20.0, interval=3.0,
+                    reload_repeats=5),
+    "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=512, batch=2, seq=16,
+                 warmup=1, updates=3, clients=2, prompt=8, max_tokens=6, window=1.0, interval=0.2,
+                 reload_repeats=2),
+}
+LINE = 64  # bytes per cache line
+
+
+def qwen2_config(cfg: dict):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(hidden_size=cfg["hidden"], num_hidden_layers=cfg["layers"],
+                       num_attention_heads=cfg["heads"], num_key_value_heads=cfg["kv_heads"],
+                       intermediate_size=cfg["intermediate"], vocab_size=cfg["vocab"],
+                       max_position_embeddings=max(128, cfg["seq"], cfg["prompt"] + cfg["max_tokens"] + 8),
+                       tie_word_embeddings=False)
+
+
+class Load:
+    """``clients`` threads, each keeping one request running on the engine until stopped."""
+
+    def __init__(self, engine, cfg: dict, seed: int):
+        self.engine, self.cfg = engine, cfg
+        self.stop = threading.Event()
+        self.submitted = self.completed = 0
+        self.failures: list[str] = []
+        self._lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._client, args=(i, seed), daemon=True)
+                        for i in range(cfg["clients"])]
+
+    def start(self):
+        for t in self.threads:
+            t.start()
+
+    def _client(self, i: int, seed: int):
+        from engine.adapter import GenerationRequest, SamplingParams
+
+        g = np.random.default_rng(seed + i)
+        n = 0
+        while not self.stop.is_set():
+            prompt = tuple(int(x) for x in g.integers(0, self.cfg["vocab"], self.cfg["prompt"]))
+            req = GenerationRequest(f"c{i}-{n}", prompt, SamplingParams(max_tokens=self.cfg["max_tokens"],
+                                                                         temperature=1.0, top_p=0.95, seed=n))
+            n += 1
+            with self._lock:
+                self.submitted += 1
+            try:
+                events = self.engine.generate_sync(req, timeout=600)
+            except Exception as exc:  # noqa: BLE001 - counted as a lost request
+                with self._lock:
+                    self.failures.append(f"{req.request_id}: {exc}")
+                continue
+            ok = (events and events[-1].finish_reason in ("length", "stop")
+                  and [e.index for e in events] == list(range(len(events))))
+            with self._lock:
+                if ok:
+                    self.completed += 1
+                else:
+                    self.failures.append(f"{req.request_id}: ended {events[-1].finish_reason if events else None}")
+
+    def finish(self, timeout: float = 600):
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout)
+
+
+def tokens_during(engine, seconds: float, stop: threading.Event | None = None) -> tuple[int, float]:
+    t0, n0 = time.perf_counter(), engine.stats.tokens
+    (stop or threading.Event()).wait(seconds)
+    return engine.stats.tokens - n0, time.perf_counter() - t0
+
+
+def touched_lines(updater, staged) -> int:
+    """Cache lines (of the engine's storage) holding at least one changed word of ``staged``."""
+    lines = 0
+    for p in staged.params:
+        t = updater.tensors()[p.name]
+        base = t.data_ptr()
+        stride = t.view(-1).stride(0) * t.element_size()
+        addr = base + p.index.numpy() * stride
+        lines += int(np.unique(addr // LINE).size)
+    return lines
+
+
+def median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def run(cfg: dict, lr: float, seed: int, workdir: Path, verify_apply: bool = True) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from bench.codec import snapshots
+    from engine.reference import ReferenceEngine
+    from engine.updater import update_from_manifest
+    from syncd.store import Store
+    from syncd.versions import fetch_shards, read_manifest
+    from trainer import WeightPublisher
+
+    t0 = time.perf_counter()
+    snaps = snapshots(cfg, lr, cfg["updates"], seed)
+    nparams = sum(t.numel() for t in snaps[0].values())
+    weight_bytes = sum(t.numel() * t.element_size() for t in snaps[0].values())
+    print(f"{nparams / 1e6:.1f}M parameters, {cfg['warmup'] + cfg['updates']} AdamW steps (lr {lr:g}) in "
+          f"{time.perf_counter() - t0:.1f}s")
+    store = Store(workdir / "store")
+    t0 = time.perf_counter()
+    with WeightPublisher(store, "bench", signing_key=False, full_every=10**6) as pub:
+        for step, snap in enumerate(snaps):
+            pub.publish(snap, step)
+    print(f"published 1 full + {cfg['updates']} delta versions in {time.perf_counter() - t0:.1f}s")
+
+    config = qwen2_config(cfg)
+    engine = ReferenceEngine.from_store(store, "bench", 0, config=config, signing_key=False,
+                                        max_batch=cfg["clients"], verify_apply=verify_apply)
+    load = Load(engine, cfg, seed)
+    updates = []
+    try:
+        load.start()
+        while engine.stats.tokens == 0:  # warm: every client has produced tokens
+            time.sleep(0.01)
+        tokens_base, secs_base = tokens_during(engine, cfg["window"])
+        t_phase, n_phase = time.perf_counter(), engine.stats.tokens
+        for v in range(1, cfg["updates"] + 1):
+            time.sleep(cfg["interval"])
+            m = read_manifest(store, "bench", v, signing_key=False)
+            shards = fetch_shards(store, "bench", m)
+            t_a = time.perf_counter()
+            engine.stage(update_from_manifest(m, shards))
+            t_b = time.perf_counter()
+            engine.pause()
+            t_c = time.perf_counter()
+            engine.apply()
+            t_d = time.perf_counter()
+            engine.resume()
+            t_e = time.perf_counter()
+            got = engine.checksum()
+            t_f = time.perf_counter()
+            want = {t.name: t.checksum for t in m.tensors}
+            if got != want:
+                raise RuntimeError(f"version {v}: engine checksums differ from the manifest's after apply")
+            staged = engine.updater.last_applied
+            updates.append(dict(version=v, stage_s=t_b - t_a, pause_wait_s=t_c - t_b, apply_s=t_d - t_c,
+                                stall_s=t_e - t_c, verify_s=t_f - t_e, changed=staged.changed,
+                                staged_bytes=staged.nbytes, lines=touched_lines(engine.updater, staged)))
+        tokens_upd, secs_upd = engine.stats.tokens - n_phase, time.perf_counter() - t_phase
+    finally:
+        load.finish()
+    lost = load.submitted - load.completed
+
+    # the same in-place apply without serving load (like the reloads below): rollback, stage again, apply
+    engine.pause()
+    quiet_apply, quiet_rollback = [], []
+    last = read_manifest(store, "bench", cfg["updates"], signing_key=False)
+    last_update = update_from_manifest(last, fetch_shards(store, "bench", last))
+    for _ in range(cfg["reload_repeats"]):
+        t0 = time.perf_counter()
+        engine.rollback()
+        t1 = time.perf_counter()
+        engine.stage(last_update)
+        t2 = time.perf_counter()
+        engine.apply()
+        quiet_rollback.append(t1 - t0)
+        quiet_apply.append(time.perf_counter() - t2)
+    engine.resume()
+
+    # full-weight reloads of the same model, same run
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().requires_grad_(False)
+    reload = []
+    for i in range(cfg["reload_repeats"]):
+        sd = snaps[i % len(snaps)]
+        t0 = time.perf_counter()
+        model.load_state_dict(sd, strict=True)
+        reload.append(time.perf_counter() - t0)
+    del model
+    from engine.adapter import Update
+    engine.pause()
+    load_full = []
+    for i in range(max(1, cfg["reload_repeats"] // 2)):
+        upd = Update(100 + i, "full", snaps[(i + 1) % len(snaps)])
+        t0 = time.perf_counter()
+        engine.load_full(upd)
+        load_full.append(time.perf_counter() - t0)
+    engine.close()
+
+    storage_bytes = sum(t.numel() * t.element_size() for t in engine.runner.model.state_dict().values())
+    lines_total = storage_bytes // LINE
+    med_lines = median([u["lines"] for u in updates])
+    # a full reload reads the bf16 source and writes every line of the storage; an in-place apply must at
+    # least read and write each touched line
+    limit_ratio = (weight_bytes + storage_bytes) / (2 * med_lines * LINE) if med_lines else float("inf")
+    stall = [u["stall_s"] for u in updates]
+    return dict(
+        params=nparams, weight_bytes=weight_bytes, storage_bytes=storage_bytes, lr=lr,
+        density=median([u["changed"] / nparams for u in updates]),
+        lines_touched_fraction=med_lines / lines_total,
+        updates=updates, stall_median_s=median(stall), stall_max_s=max(stall),
+        apply_median_s=median([u["apply_s"] for u in updates]),
+        pause_wait_median_s=median([u["pause_wait_s"] for u in updates]),
+        stage_median_s=median([u["stage_s"] for u in updates]),
+        verify_median_s=median([u["verify_s"] for u in updates]),
+        reload_load_state_dict_median_s=median(reload), engine_load_full_median_s=median(load_full),
+        ratio_reload_to_stall=median(reload) / median(stall), physical_limit_ratio=limit_ratio,
+        quiet_apply_median_s=median(quiet_apply), quiet_rollback_median_s=median(quiet_rollback),
+        ratio_reload_to_quiet_apply=median(reload) / median(quiet_apply),
+        tokens_per_s_baseline=tokens_base / secs_base, tokens_per_s_with_updates=tokens_upd / secs_upd,
+        requests_submitted=load.submitted, requests_completed=load.completed, requests_lost=lost,
+        failures=load.failures[:10],
+    )
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m bench.engine_update", description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="default")
+    p.add_argument("--lr", type=float, default=1e-6)
+    p.add_argument("--updates", type=int, help="delta versions to apply (preset default)")
+    p.add_argument("--clients", type=int, help="concurrent requests kept running (preset default)")
+    p.add_argument("--window", type=float, help="seconds of load measured without updates (preset default)")
+    p.add_argument("--interval", type=float, help="seconds between updates (preset default)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-verify-apply", action="store_true",
+                   help="apply without comparing the staged old words (the checksum after resume still verifies)")
+    p.add_argument("--out", default=os.environ.get("SYNCD_BENCH_OUT_ENGINE", "bench/results/engine_update.json"))
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    cfg = dict(PRESETS[args.preset])
+    for k in ("updates", "clients", "window", "interval"):
+        if getattr(args, k) is not None:
+            cfg[k] = getattr(args, k)
+    if cfg["updates"] < 1 or cfg["clients"] < 1:
+        print("engine_update: --updates and --clients must be at least 1", file=sys.stderr)
+        return 2
+    print(f"syncd engine update benchmark: preset {args.preset}, torch threads {torch.get_num_threads()}, "
+          f"{platform.processor() or platform.machine()}")
+    with tempfile.TemporaryDirectory(prefix="syncd-engine-bench-") as tmp:
+        r = run(cfg, args.lr, args.seed, Path(tmp), verify_apply=not args.no_verify_apply)
+    r["verify_apply"] = not args.no_verify_apply
+    ms = lambda s: f"{1e3 * s:8.2f} ms"  # noqa: E731
+    print(f"\ndensity {100 * r['density']:.3f}% of {r['params'] / 1e6:.1f}M words per update; "
+          f"{100 * r['lines_touched_fraction']:.1f}% of the engine's cache lines hold a changed word")
+    print(f"stall per update (pause returned -> resume returned): median {ms(r['stall_median_s'])}, "
+          f"max {ms(r['stall_max_s'])}  (apply {ms(r['apply_median_s'])})")
+    print(f"full reload, model.load_state_dict:                    median {ms(r['reload_load_state_dict_median_s'])}"
+          f"   -> reload / stall = {r['ratio_reload_to_stall']:.1f}x (goal >= 20x; physical limit at this "
+          f"density {r['physical_limit_ratio']:.1f}x)")
+    print(f"full reload, engine.load_full:                         median {ms(r['engine_load_full_median_s'])}")
+    print(f"without serving load: apply {ms(r['quiet_apply_median_s'])}, rollback {ms(r['quiet_rollback_median_s'])}"
+          f"   -> reload / apply = {r['ratio_reload_to_quiet_apply']:.1f}x")
+    print(f"off the stall: stage while serving {ms(r['stage_median_s'])}, pause wait (one step) "
+          f"{ms(r['pause_wait_median_s'])}, checksum verify after resume {ms(r['verify_median_s'])}")
+    print(f"tokens/s: {r['tokens_per_s_baseline']:.1f} without updates, {r['tokens_per_s_with_updates']:.1f} while "
+          f"updating (ratio {r['tokens_per_s_with_updates'] / r['tokens_per_s_baseline']:.2f})")
+    print(f"requests: {r['requests_submitted']} submitted, {r['requests_completed']} completed, "
+          f"{r['requests_lost']} lost")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"bench": "engine_update", "preset": args.preset, "config": cfg,
+                               "python": sys.version.split()[0], "torch": torch.__version__, "result": r},
+                              indent=1))
+    print(f"results written to {out}")
+    return 0 if r["requests_lost"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,242 @@
+"""``ReplayRecorder``: collect every generated token's replay record per request and write them to the run's
+object store prefix; ``read_request`` reads them back.
+
+Keys (``docs/replay-format.md``)::
+
+    runs/<run_id>/replay/<request key>/<writer>-<first position:012d>.srpl
+
+``<request key>`` is the request id itself when it is 1-128 characters of ``[A-Za-z0-9._-]`` starting with a
+letter or digit, else ``h-`` + the first 32 hex digits of its SHA-256 (the chunk holds the real id).
+``<writer>`` is 16 random hex digits per recorder, so two engines that serve the same request (a migrated
+one) never write the same key; ``<first position>`` is the absolute position of the chunk's first token.
+Objects are written with create-if-absent and never overwritten.
+
+A request's records are buffered in memory and written as one chunk when it finishes, or every
+``chunk_tokens`` tokens while it runs. Writes run on one background thread, so the engine never waits for
+the store. A write that fails is kept and tried again (on the next write and in :meth:`flush`); nothing is
+dropped. :meth:`flush` waits for every buffered and queued chunk and raises :class:`ReplayUploadError` if any
+still cannot be written (they stay queued).
+
+Thread-safety: every method may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import secrets
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from engine.replay.format import ReplayChunk, ReplayFormatError, TokenRecord, decode_chunk, encode_chunk
+from syncd import manifest as mf
+from syncd.errors import ObjectExists, SyncdError
+from syncd.store import Store
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ReplayRecorder", "ReplayUploadError", "read_request", "list_requests", "request_key", "replay_prefix"]
+
+_SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+SUFFIX = ".srpl"
+MAX_CHUNK_BYTES = 1 << 30
+
+
+class ReplayUploadError(SyncdError, RuntimeError):
+    """Replay chunks could not be written to the store; they are kept and retried on the next flush."""
+
+
+def replay_prefix(run_id: str) -> str:
+    return f"{mf.run_prefix(run_id)}replay/"
+
+
+def request_key(request_id: str) -> str:
+    """The key component of ``request_id`` (see the module docstring)."""
+    if _SAFE_ID.match(request_id) and ".." not in request_id:
+        return request_id
+    return "h-" + hashlib.sha256(request_id.encode("utf-8")).hexdigest()[:32]
+
+
+@dataclass
+class _Pending:
+    request_id: str
+    records: list[TokenRecord] = field(default_factory=list)
+    prompt_start: int = 0
+    prompt_routing: np.ndarray | None = None
+
+
+class ReplayRecorder:
+    """Records of one run. ``store``: URL, path or :class:`~syncd.store.Store`. ``vocab_size`` and
+    ``num_experts`` (0: dense) describe the model; an engine fills them in with :meth:`configure` when they
+    are not given. ``chunk_tokens``: a running request is written every that many tokens."""
+
+    def __init__(self, store, run_id: str, *, vocab_size: int | None = None, num_experts: int = 0,
+                 chunk_tokens: int = 1024, writer: str | None = None):
+        if chunk_tokens < 1:
+            raise ValueError("chunk_tokens must be at least 1")
+        self.store = Store.open(store)
+        self.run_id = mf.check_run_id(run_id)
+        self.vocab_size, self.num_experts = vocab_size, num_experts
+        self.chunk_tokens = chunk_tokens
+        self.writer = writer or secrets.token_hex(8)
+        if not re.fullmatch(r"[0-9a-f]{16}", self.writer):
+            raise ValueError("writer must be 16 lower-case hex digits")
+        self.written: list[str] = []  # keys written, in order
+        self._lock = threading.Condition()
+        self._pending: dict[str, _Pending] = {}
+        self._queue: deque[tuple[str, bytes]] = deque()
+        self._failed: deque[tuple[str, bytes]] = deque()
+        self._inflight = 0
+        self._closed = False
+        self._last_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._worker, name=f"replay-{run_id}", daemon=True)
+        self._thread.start()
+
+    def configure(self, *, vocab_size: int, num_experts: int = 0) -> None:
+        """Set the model facts unless they were given to the constructor."""
+        if self.vocab_size is None:
+            self.vocab_size = vocab_size
+            self.num_experts = num_experts
+
+    # ------------------------------------------------------------------------------------ recording
+
+    def add(self, request_id: str, *, position: int, index: int, version: int | None, token_id: int,
+            logprob: float, kept, routing=None) -> None:
+        """One generated token (see :class:`~engine.replay.format.TokenRecord`). ``kept``: ids (tensor or
+        array); ``routing``: ``[layers, top_k]`` expert ids or None."""
+        if self.vocab_size is None:
+            raise RuntimeError("ReplayRecorder needs vocab_size (constructor or configure())")
+        rec = TokenRecord(position, index, version, int(token_id), float(logprob), _np(kept),
+                          None if routing is None else _np(routing))
+        with self._lock:
+            p = self._pending.setdefault(request_id, _Pending(request_id))
+            if p.records and (position != p.records[-1].position + 1 or index != p.records[-1].index + 1):
+                self._cut(p)  # not consecutive (should not happen): start a new chunk
+            p.records.append(rec)
+            if len(p.records) >= self.chunk_tokens:
+                self._cut(p)
+
+    def add_prompt_routing(self, request_id: str, start_position: int, routing) -> None:
+        """Routing of positions ``start_position ...`` processed without sampling (``[layers, m, top_k]``,
+        as the engine captures it)."""
+        r = _np(routing)
+        if r.ndim != 3 or r.shape[1] == 0:
+            return
+        with self._lock:
+            p = self._pending.setdefault(request_id, _Pending(request_id))
+            p.prompt_start, p.prompt_routing = start_position, np.ascontiguousarray(r.transpose(1, 0, 2))
+
+    def finish(self, request_id: str) -> None:
+        """The request ended: write what is buffered for it."""
+        with self._lock:
+            p = self._pending.pop(request_id, None)
+            if p is not None and p.records:
+                self._cut(p)
+
+    def _cut(self, p: _Pending) -> None:
+        """Queue ``p``'s records as one chunk (lock held)."""
+        chunk = ReplayChunk(p.request_id, self.vocab_size, p.records, self.num_experts, p.prompt_start,
+                            p.prompt_routing)
+        key = (f"{replay_prefix(self.run_id)}{request_key(p.request_id)}/"
+               f"{self.writer}-{chunk.first_position:012d}{SUFFIX}")
+        self._queue.append((key, encode_chunk(chunk)))
+        p.records, p.prompt_routing = [], None
+        self._lock.notify_all()
+
+    # ------------------------------------------------------------------------------------ writing
+
+    def _worker(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue and not self._closed:
+                    self._lock.wait()
+                if not self._queue:
+                    return
+                item = self._queue.popleft()
+                self._inflight += 1
+            ok = self._put(*item)
+            with self._lock:
+                self._inflight -= 1
+                if ok:
+                    self.written.append(item[0])
+                    if self._failed:  # the store works again: retry what failed before
+                        self._queue.extend(self._failed)
+                        self._failed.clear()
+                else:
+                    self._failed.append(item)
+                self._lock.notify_all()
+
+    def _put(self, key: str, data: bytes) -> bool:
+        try:
+            self.store.put(key, data, create=True)
+            return True
+        except ObjectExists:
+            try:
+                if self.store.get(key) == data:  # our own earlier attempt landed
+                    return True
+            except SyncdError:
+                pass
+            self._last_error = ObjectExists(f"{key} exists with other content")
+        except Exception as exc:  # noqa: BLE001 - kept and reported by flush()
+            self._last_error = exc
+        log.warning("replay chunk %s not written (%s); kept for retry", key, self._last_error)
+        return False
+
+    def flush(self, timeout: float | None = 60.0) -> None:
+        """Write every buffered request's records (running ones too) and wait until everything queued is
+        written. Raises ReplayUploadError if some chunks could not be written (they stay queued for the next
+        flush) and TimeoutError if the writes take longer than ``timeout`` seconds."""
+        with self._lock:
+            for p in list(self._pending.values()):
+                if p.records:
+                    self._cut(p)
+            self._queue.extend(self._failed)
+            self._failed.clear()
+            self._lock.notify_all()
+            if not self._lock.wait_for(lambda: not self._queue and not self._inflight, timeout):
+                raise TimeoutError(f"replay chunks still being written after {timeout} s")
+            if self._failed:
+                raise ReplayUploadError(f"{len(self._failed)} replay chunk(s) could not be written to "
+                                        f"{self.store.url}: {self._last_error}")
+
+    def close(self, timeout: float | None = 60.0) -> None:
+        """:meth:`flush`, then stop the writer thread."""
+        try:
+            self.flush(timeout)
+        finally:
+            with self._lock:
+                self._closed = True
+                self._lock.notify_all()
+            self._thread.join(timeout)
+
+
+def _np(x) -> np.ndarray:
+    if hasattr(x, "detach"):
+        x = x.detach().cpu().numpy()
+    return np.asarray(x, dtype=np.int64) if np.asarray(x).dtype.kind in "iub" else np.asarray(x)
+
+
+def list_requests(store, run_id: str) -> list[str]:
+    """Request keys that have replay records in the run."""
+    store = Store.open(store)
+    return sorted(store.list_dirs(replay_prefix(run_id)))
+
+
+def read_request(store, run_id: str, request_id: str) -> list[ReplayChunk]:
+    """Every chunk of ``request_id`` (all writers), decoded and sorted by first position. Raises
+    ReplayFormatError for a corrupt chunk."""
+    store = Store.open(store)
+    prefix = f"{replay_prefix(run_id)}{request_key(request_id)}/"
+    chunks = []
+    for o in store.list(prefix):
+        if o.key.endswith(SUFFIX):
+            data = store.get(o.key, limit=MAX_CHUNK_BYTES + 1)
+            if len(data) > MAX_CHUNK_BYTES:
+                raise ReplayFormatError(f"{o.key}: larger than {MAX_CHUNK_BYTES} bytes")
+            chunks.append(decode_chunk(data))
+    chunks = [c for c in chunks if c.request_id == request_id]
+    return sorted(chunks, key=lambda c: c.first_position)

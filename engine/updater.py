@@ -1,0 +1,632 @@
+"""``WeightUpdater``: the weight-update half of ``engine.Adapter`` over a set of local tensors, for any engine.
+
+An engine describes its local parameters with :class:`~engine.adapter.ParamSpec` (renamed, fused and
+tensor-parallel sliced ones included) and hands over the live tensors; the updater implements ``stage``,
+``apply``, ``rollback``, ``load_full``, ``checksum`` and ``version`` on them. The engine keeps the serving
+side (``pause``/``resume``) and calls the updater while paused.
+
+How an update moves (``docs/engine.md``):
+
+* ``stage(update)`` does all the work that can run while serving. Every delta blob is parsed and validated
+  (``syncd.ops.delta.changes``); positions of the full trainer tensor are mapped to local flat positions
+  (dropped when another rank owns them); the current bits at those positions (the *old* words) are read and
+  the new words computed. A parameter that maps 1:1 to a trainer tensor is decoded in full on a scratch copy
+  (``syncd.ops.delta.decode``), which checks the blob's base checksum against the local tensor and the
+  result checksum against the trainer's. A full version is compared with the local weights and only the
+  words that differ are staged. The result is, per local parameter, ascending int64 positions plus the old
+  and new words, in CPU memory (pinned when the parameter is on a GPU): about 12 bytes per changed bf16 word.
+* ``apply()`` first checks, for every parameter, that the staged positions still hold the staged old words
+  (a gather), then scatters the new words. Only changed words move. If anything fails, every parameter
+  already written is restored from the old words and the error is raised: all or nothing.
+* ``rollback()`` scatters the old words of the last apply back: bit-exact and as cheap as the apply.
+* ``load_full(update)`` validates everything first (names, dtypes, shapes, checksums) and then copies.
+
+Local tensors may be any view that flattens without a copy (``t.view(-1)`` works), for example the bf16
+words inside an fp32 tensor that holds bf16-exact values (:func:`bf16_view_of_fp32`), so an engine can
+compute in fp32 while the trainer's bf16 words are updated in place.
+
+Thread-safety: ``stage``/``apply``/``rollback``/``load_full`` follow the Adapter contract (one controller
+thread; ``apply``/``rollback``/``load_full`` only while the engine runs no forward pass). ``stage`` and
+``checksum`` only read the weights and may run while the engine serves. Errors: ``DeltaError`` for a blob
+that is malformed, names an unknown tensor, or does not fit; ``IntegrityError`` for a full tensor whose
+checksum differs from the update's; ``ValueError`` for a ``base_version`` other than ``version``;
+``RuntimeError`` for calls out of order (apply with nothing staged, rollback with nothing applied).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from engine.adapter import ParamPiece, ParamSpec, Update
+from syncd.errors import DeltaError, IntegrityError
+from syncd.ops import checksum as _checksum
+from syncd.ops import checksum_many
+from syncd.ops import delta as _delta
+
+log = logging.getLogger(__name__)
+
+__all__ = ["WeightUpdater", "StagedUpdate", "StagedParam", "expected_checksums", "build_local",
+           "identity_specs", "bf16_view_of_fp32", "map_positions", "update_from_manifest"]
+
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(flat: torch.Tensor) -> torch.Tensor:
+    """A 1-D view of ``flat``'s elements as integers of the same width (bit-exact compares and copies)."""
+    return flat.view(_INT_OF_WIDTH[flat.element_size()])
+
+
+def _flat(t: torch.Tensor, name: str) -> torch.Tensor:
+    try:
+        return t.detach().view(-1)
+    except RuntimeError:
+        raise ValueError(f"local tensor {name!r} cannot be flattened without a copy (strides "
+                         f"{tuple(t.stride())} for shape {tuple(t.shape)}); pass a view that can") from None
+
+
+def bf16_view_of_fp32(t: torch.Tensor) -> torch.Tensor:
+    """The bf16 words of an fp32 tensor whose values are all bf16-exact (low 16 bits zero), as a bf16 view
+    of the same shape sharing its memory: writing a bf16 word through it sets the fp32 value exactly.
+    Little-endian hosts only (the bf16 word is the high half of each fp32 word)."""
+    if t.dtype != torch.float32:
+        raise ValueError(f"bf16_view_of_fp32 needs a float32 tensor, got {t.dtype}")
+    import sys
+    if sys.byteorder != "little":  # pragma: no cover
+        raise ValueError("bf16_view_of_fp32 needs a little-endian host")
+    if not t.is_contiguous():
+        raise ValueError("bf16_view_of_fp32 needs a contiguous tensor")
+    return t.detach().view(torch.bfloat16)[..., 1::2] if t.dim() else t.detach().view(1).view(torch.bfloat16)[1]
+
+
+def identity_specs(tensors: Mapping[str, torch.Tensor]) -> list[ParamSpec]:
+    """One ParamSpec per tensor, mapping it 1:1 to the trainer tensor of the same name."""
+    return [ParamSpec(name, t.dtype, tuple(t.shape), str(t.device), (ParamPiece(name, tuple(t.shape)),))
+            for name, t in tensors.items()]
+
+
+def _check_spec(spec: ParamSpec) -> None:
+    """ValueError unless ``spec``'s pieces tile its local shape exactly, each within its source."""
+    shape = tuple(spec.shape)
+    if not spec.pieces:
+        raise ValueError(f"parameter {spec.name!r} has no pieces")
+    whole = [p for p in spec.pieces if p.dim is None]
+    if whole:
+        p = whole[0]
+        if len(spec.pieces) != 1:
+            raise ValueError(f"parameter {spec.name!r}: a whole-tensor piece ({p.source!r}) must be its only piece")
+        if tuple(p.source_shape) != shape:
+            raise ValueError(f"parameter {spec.name!r} has shape {list(shape)} but maps 1:1 to {p.source!r} of "
+                             f"shape {list(p.source_shape)}")
+        return
+    dims = {p.dim for p in spec.pieces}
+    if len(dims) != 1:
+        raise ValueError(f"parameter {spec.name!r}: pieces cut along different dims {sorted(dims)}")
+    d = dims.pop()
+    if not 0 <= d < len(shape):
+        raise ValueError(f"parameter {spec.name!r}: piece dim {d} outside its {len(shape)} dims")
+    covered = []
+    for p in spec.pieces:
+        src = tuple(p.source_shape)
+        if len(src) != len(shape) or any(a != b for i, (a, b) in enumerate(zip(src, shape)) if i != d):
+            raise ValueError(f"parameter {spec.name!r} {list(shape)}: piece from {p.source!r} {list(src)} differs "
+                             f"outside dim {d}")
+        if not 0 <= p.start < p.stop <= src[d]:
+            raise ValueError(f"parameter {spec.name!r}: piece range [{p.start}, {p.stop}) of {p.source!r} is "
+                             f"outside 0..{src[d]}")
+        covered.append((p.local_start, p.local_start + p.stop - p.start, p.source))
+    covered.sort()
+    at = 0
+    for lo, hi, src in covered:
+        if lo != at:
+            raise ValueError(f"parameter {spec.name!r}: along dim {d}, rows {at}..{lo} are covered by "
+                             f"{'no piece' if lo > at else 'two pieces'} (at {src!r})")
+        at = hi
+    if at != shape[d]:
+        raise ValueError(f"parameter {spec.name!r}: pieces cover {at} of {shape[d]} along dim {d}")
+
+
+def map_positions(positions: torch.Tensor, piece: ParamPiece, local_shape: Sequence[int]):
+    """Map flat positions of the full trainer tensor (int64, row-major ``piece.source_shape``) to flat
+    positions of the local parameter. Returns ``(keep, local)``: a bool mask over ``positions`` (True where
+    this piece owns the position) and the local flat positions of the kept ones, in the same order (so
+    ascending positions stay ascending)."""
+    if piece.dim is None:
+        return torch.ones_like(positions, dtype=torch.bool), positions
+    src = piece.source_shape
+    d = piece.dim
+    inner = math.prod(src[d + 1:])
+    coord = torch.div(positions, inner, rounding_mode="floor") % src[d]
+    keep = (coord >= piece.start) & (coord < piece.stop)
+    p, c = positions[keep], coord[keep]
+    outer = torch.div(p, inner * src[d], rounding_mode="floor")
+    local = (outer * (local_shape[d] * inner) + (c - piece.start + piece.local_start) * inner + p % inner)
+    return keep, local
+
+
+def _slab(full: torch.Tensor, piece: ParamPiece) -> torch.Tensor:
+    return full if piece.dim is None else full.narrow(piece.dim, piece.start, piece.stop - piece.start)
+
+
+def _local_slab(local: torch.Tensor, piece: ParamPiece) -> torch.Tensor:
+    return local if piece.dim is None else local.narrow(piece.dim, piece.local_start, piece.stop - piece.start)
+
+
+def build_local(spec: ParamSpec, full: Mapping[str, torch.Tensor], *, device=None) -> torch.Tensor:
+    """The local tensor ``spec`` describes, cut (and fused) from the trainer's full tensors ``full``.
+    Raises KeyError naming a missing source and ValueError for a dtype or shape mismatch."""
+    out = torch.empty(spec.shape, dtype=spec.dtype, device=device or "cpu")
+    for p in spec.pieces:
+        if p.source not in full:
+            raise KeyError(f"trainer tensor {p.source!r} (needed by {spec.name!r}) is missing")
+        t = full[p.source]
+        if t.dtype != spec.dtype or tuple(t.shape) != tuple(p.source_shape):
+            raise ValueError(f"trainer tensor {p.source!r} is {t.dtype}{list(t.shape)}, {spec.name!r} expects "
+                             f"{spec.dtype}{list(p.source_shape)}")
+        _local_slab(out, p).copy_(_slab(t, p))
+    return out
+
+
+def expected_checksums(specs: Sequence[ParamSpec], full: Mapping[str, object]) -> dict[str, int]:
+    """What each local parameter's ``checksum`` must be, from the trainer's side, by local name.
+
+    ``full`` maps trainer names to full tensors or to their ``syncd.ops.checksum`` (ints, as in a manifest).
+    A 1:1 parameter needs either; a sliced or fused one needs the full tensors of all its sources (it is built
+    and checksummed). Parameters whose sources are missing, or given only as ints when tensors are needed,
+    are left out of the result, so compare on the keys returned."""
+    out: dict[str, int] = {}
+    for spec in specs:
+        if len(spec.pieces) == 1 and spec.pieces[0].dim is None:
+            v = full.get(spec.pieces[0].source)
+            if isinstance(v, int):
+                out[spec.name] = v
+            elif isinstance(v, torch.Tensor):
+                out[spec.name] = _checksum(v)
+            continue
+        if all(isinstance(full.get(p.source), torch.Tensor) for p in spec.pieces):
+            out[spec.name] = _checksum(build_local(spec, full))  # type: ignore[arg-type]
+    return out
+
+
+@dataclass
+class StagedParam:
+    """The staged words of one local parameter: ascending local flat ``index`` (int64) and the ``old`` and
+    ``new`` words there as same-width integers. CPU tensors (pinned when the parameter is on a GPU)."""
+
+    name: str
+    index: torch.Tensor
+    old: torch.Tensor
+    new: torch.Tensor
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """NumPy views (no copies) of ``index``, ``old`` and ``new``."""
+        return self.index.numpy(), self.old.numpy(), self.new.numpy()
+
+
+@dataclass
+class StagedUpdate:
+    """A staged (or last applied) update. ``prev_version`` is the version before it; ``expected_checksums``
+    holds the local checksums the result must have where they are known without the full tensors (1:1
+    parameters of a delta; every parameter of a full version)."""
+
+    version: int
+    prev_version: int | None
+    kind: str
+    params: list[StagedParam]
+    epoch: int
+    expected_checksums: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def changed(self) -> int:
+        """Number of local words that change."""
+        return sum(p.index.numel() for p in self.params)
+
+    @property
+    def nbytes(self) -> int:
+        """Staging memory in bytes."""
+        return sum(p.index.nbytes + p.old.nbytes + p.new.nbytes for p in self.params)
+
+
+class WeightUpdater:
+    """Stage / apply / rollback / load_full / checksum over an engine's live local tensors.
+
+    ``specs`` describe the local parameters (validated: pieces must tile each local shape exactly);
+    ``tensors`` maps each spec's name to its live tensor (same dtype and shape; any device; a view that
+    flattens without a copy). ``version``: the version those tensors hold now (None: not loaded yet).
+    ``ignore_sources``: trainer tensors this engine holds none of (another rank's, or a tied alias of a
+    parameter already mapped); updates naming them are accepted and they are skipped. Any other name an
+    update carries that no piece uses raises ``DeltaError``.
+    See the module docstring for what each call does, costs and raises.
+    """
+
+    def __init__(self, specs: Sequence[ParamSpec], tensors: Mapping[str, torch.Tensor], *,
+                 version: int | None = None, ignore_sources: Iterable[str] = ()):
+        self._specs = list(specs)
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._flat: dict[str, torch.Tensor] = {}
+        self._np: dict[str, np.ndarray] = {}  # word views of CPU targets, for the scatter
+        self._by_source: dict[str, list[tuple[ParamSpec, ParamPiece]]] = {}
+        seen = set()
+        for spec in self._specs:
+            if spec.name in seen:
+                raise ValueError(f"two parameters named {spec.name!r}")
+            seen.add(spec.name)
+            _check_spec(spec)
+            if spec.name not in tensors:
+                raise ValueError(f"no tensor given for parameter {spec.name!r}")
+            t = tensors[spec.name]
+            if t.dtype != spec.dtype or tuple(t.shape) != tuple(spec.shape):
+                raise ValueError(f"tensor {spec.name!r} is {t.dtype}{list(t.shape)}, its spec says "
+                                 f"{spec.dtype}{list(spec.shape)}")
+            self._tensors[spec.name] = t
+            self._flat[spec.name] = _flat(t, spec.name)
+            if t.device.type == "cpu":
+                self._np[spec.name] = _bits(self._flat[spec.name]).numpy()
+            for p in spec.pieces:
+                self._by_source.setdefault(p.source, []).append((spec, p))
+        for src, uses in self._by_source.items():
+            shapes = {tuple(p.source_shape) for _, p in uses}
+            if len(shapes) != 1:
+                raise ValueError(f"trainer tensor {src!r} is given different full shapes {sorted(shapes)}")
+        self._ignore = frozenset(ignore_sources) - set(self._by_source)
+        self._version = version
+        self._epoch = 0  # bumped by every write; a staged update is valid only for the epoch it was made in
+        self._staged: StagedUpdate | None = None
+        self._applied: StagedUpdate | None = None
+
+    # ------------------------------------------------------------------------------------------ facts
+
+    @property
+    def version(self) -> int | None:
+        return self._version
+
+    @property
+    def staged(self) -> StagedUpdate | None:
+        """The staged, not yet applied update (None if there is none)."""
+        return self._staged
+
+    @property
+    def last_applied(self) -> StagedUpdate | None:
+        """The update ``rollback`` would undo (None if there is none)."""
+        return self._applied
+
+    def parameters(self) -> list[ParamSpec]:
+        return list(self._specs)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The live local tensors by local name (not copies)."""
+        return dict(self._tensors)
+
+    def sources(self) -> list[str]:
+        """Trainer tensor names some local parameter is made from."""
+        return list(self._by_source)
+
+    # ------------------------------------------------------------------------------------------ stage
+
+    def stage(self, update: Update) -> StagedUpdate:
+        """Stage ``update`` (see the module docstring); replaces any staged, unapplied update. Reads the live
+        weights but never writes them. Returns what was staged."""
+        if update.kind == "delta":
+            if update.base_version != self._version:
+                raise ValueError(f"update to version {update.version} applies to base version "
+                                 f"{update.base_version}, but the engine holds version {self._version}")
+            staged = self._stage_delta(update)
+        elif update.kind == "full":
+            staged = self._stage_full(update)
+        else:
+            raise ValueError(f"unknown update kind {update.kind!r} (expected 'delta' or 'full')")
+        self._staged = staged
+        log.debug("staged version %d (%s): %d words in %d parameters, %d bytes", staged.version, staged.kind,
+                  staged.changed, len(staged.params), staged.nbytes)
+        return staged
+
+    def _unknown(self, names: Iterable[str]) -> None:
+        bad = [n for n in names if n not in self._by_source and n not in self._ignore]
+        if bad:
+            raise DeltaError(f"update names {len(bad)} tensor(s) this engine does not hold: "
+                             f"{', '.join(map(repr, bad[:5]))}{' ...' if len(bad) > 5 else ''}")
+
+    def _stage_delta(self, update: Update) -> StagedUpdate:
+        self._unknown(update.tensors)
+        parts: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        expected: dict[str, int] = {}
+        for src, blob in update.tensors.items():
+            if src in self._ignore:
+                continue
+            try:
+                ch = _delta.changes(blob)
+            except DeltaError as exc:
+                raise DeltaError(f"tensor {src!r}: {exc}") from None
+            uses = self._by_source[src]
+            spec0, piece0 = uses[0]
+            if ch.dtype != spec0.dtype or tuple(ch.shape) != tuple(piece0.source_shape):
+                raise DeltaError(f"tensor {src!r}: blob is for {ch.dtype}{list(ch.shape)}, the engine holds "
+                                 f"{spec0.dtype}{list(piece0.source_shape)}")
+            want = update.checksums.get(src)
+            if want is not None and int(want) != ch.new_checksum:
+                raise DeltaError(f"tensor {src!r}: blob's result checksum {ch.new_checksum:016x} is not the "
+                                 f"update's {int(want):016x}")
+            for spec, piece in uses:
+                flat = self._flat[spec.name]
+                if piece.dim is None:
+                    idx, old, new = self._stage_whole(spec, flat, blob, ch, src)
+                    expected[spec.name] = ch.new_checksum
+                else:
+                    idx, old, new = self._stage_piece(spec, flat, piece, ch)
+                parts.setdefault(spec.name, []).append((idx, old, new))
+        return StagedUpdate(update.version, self._version, "delta", self._merge(parts), self._epoch, expected)
+
+    def _stage_whole(self, spec, flat, blob, ch, src):
+        """1:1 parameter: decode on a scratch copy (checks base and result checksums), keep the changed words."""
+        try:
+            decoded = _delta.decode(self._tensors[spec.name], blob)
+        except DeltaError as exc:
+            raise DeltaError(f"tensor {src!r} -> {spec.name!r}: {exc}") from None
+        idx = ch.positions.to(flat.device)
+        old = _bits(flat)[idx]
+        new = _bits(decoded.view(-1))[idx]
+        return ch.positions, old, new
+
+    def _stage_piece(self, spec, flat, piece, ch):
+        """Sliced or fused piece: keep the positions this piece owns, compute their new words from the old."""
+        keep, local = map_positions(ch.positions, piece, spec.shape)
+        values = ch.values[keep]
+        gathered = flat[local.to(flat.device)].cpu()  # 1-D contiguous, the local dtype
+        old = _bits(gathered).clone()
+        if local.numel():
+            _delta.apply_changes_(gathered, torch.arange(local.numel()), values)
+        return local, old, _bits(gathered)
+
+    def _stage_full(self, update: Update) -> StagedUpdate:
+        full = self._check_full(update)
+        parts: dict[str, list] = {}
+        expected: dict[str, int] = {}
+        for spec in self._specs:
+            flat = self._flat[spec.name]
+            new_local = build_local(spec, full, device=flat.device)
+            expected[spec.name] = _checksum(new_local)
+            nb, ob = _bits(new_local.view(-1)), _bits(flat)
+            idx = torch.nonzero(nb != ob).view(-1)
+            parts[spec.name] = [(idx.cpu(), ob[idx], nb[idx])]
+        return StagedUpdate(update.version, self._version, "full", self._merge(parts), self._epoch, expected)
+
+    def _check_full(self, update: Update) -> Mapping[str, torch.Tensor]:
+        """Everything a full version must satisfy before any of it is used."""
+        if update.kind != "full":
+            raise ValueError(f"expected a full version, got kind {update.kind!r}")
+        full = update.tensors
+        self._unknown(full)
+        for src, uses in self._by_source.items():
+            t = full.get(src)
+            if t is None:
+                raise DeltaError(f"full version {update.version} lacks tensor {src!r}")
+            if not isinstance(t, torch.Tensor):
+                raise DeltaError(f"full version {update.version}: tensor {src!r} is a {type(t).__name__}, "
+                                 "not a torch.Tensor")
+            spec, piece = uses[0]
+            if t.dtype != spec.dtype or tuple(t.shape) != tuple(piece.source_shape):
+                raise DeltaError(f"full version {update.version}: tensor {src!r} is {t.dtype}{list(t.shape)}, "
+                                 f"the engine holds {spec.dtype}{list(piece.source_shape)}")
+            want = update.checksums.get(src)
+            if want is not None and _checksum(t) != int(want):
+                raise IntegrityError(f"full version {update.version}: tensor {src!r} has checksum "
+                                     f"{_checksum(t):016x}, the update says {int(want):016x}")
+        return full  # type: ignore[return-value]
+
+    def _merge(self, parts: dict[str, list]) -> list[StagedParam]:
+        out = []
+        for name, pieces in parts.items():
+            if len(pieces) == 1:
+                idx, old, new = pieces[0]
+            else:
+                idx = torch.cat([p[0] for p in pieces])
+                order = torch.argsort(idx)
+                idx = idx[order]
+                old = torch.cat([p[1].cpu() for p in pieces])[order]
+                new = torch.cat([p[2].cpu() for p in pieces])[order]
+            if idx.numel() == 0:
+                continue
+            pin = self._flat[name].device.type == "cuda"
+            out.append(StagedParam(name, *(_host(t, pin) for t in (idx.to(torch.int64), old, new))))
+        return out
+
+    # ------------------------------------------------------------------------------------------ apply
+
+    def apply(self, *, verify: bool = True) -> StagedUpdate:
+        """Write the staged update in place, all or nothing; keep it for ``rollback``. With ``verify`` (the
+        default) every staged position must still hold its staged old word, compared just before it is
+        written; on a mismatch (or any other failure) every word written is put back and ``DeltaError`` is
+        raised with the weights exactly as before. Returns what was applied."""
+        s = self._staged
+        if s is None:
+            raise RuntimeError("apply: nothing is staged")
+        if s.epoch != self._epoch:
+            self._staged = None
+            raise DeltaError(f"apply: version {s.version} was staged against version {s.prev_version}, but the "
+                             f"weights changed since (now version {self._version}); stage it again")
+        self._write(s.params, new=True, verify=verify, version=s.version)
+        self._staged, self._applied = None, s
+        self._version = s.version
+        self._epoch += 1
+        return s
+
+    def rollback(self) -> int | None:
+        """Undo the last ``apply`` bit for bit; returns the version restored. RuntimeError if there is none."""
+        s = self._applied
+        if s is None:
+            raise RuntimeError("rollback: no applied update to undo")
+        self._write(s.params, new=False)
+        self._applied = None
+        self._version = s.prev_version
+        self._epoch += 1
+        return self._version
+
+    def _write(self, params: list[StagedParam], *, new: bool, verify: bool = False,
+               version: int | None = None) -> None:
+        """Scatter the new (``new``) or old words of every parameter. With ``verify``, each run of positions
+        must hold the words being replaced, compared just before they are written (the cache lines are then
+        hot). On any failure every word written so far is put back and nothing else is touched, then the
+        error is raised. CPU parameters: NumPy fancy indexing (GIL released) in one balanced group of runs per
+        thread; GPU parameters: ``index_copy_`` on the device."""
+        items = []  # runs of one parameter: (param, target words, positions, words before, words after)
+        for p in params:
+            a = self._np.get(p.name)
+            if a is None:
+                continue
+            i, o, n = p.arrays()
+            before, after = (o, n) if new else (n, o)
+            for lo in range(0, i.size, _SUB):
+                items.append((p, a, i[lo:lo + _SUB], before[lo:lo + _SUB], after[lo:lo + _SUB]))
+        done = [False] * len(items)
+        dev_done: list[StagedParam] = []
+
+        def run(group: range) -> None:
+            for k in group:
+                p, a, i, before, after = items[k]
+                if verify:
+                    bad = int(np.count_nonzero(a[i] != before))
+                    if bad:
+                        raise _mismatch(p, bad, version)
+                a[i] = after
+                done[k] = True
+
+        try:
+            _run_groups(run, [len(it[2]) for it in items])
+            for p in params:
+                if p.name in self._np:
+                    continue
+                bits = _bits(self._flat[p.name])
+                idx = _dev(p.index, bits)
+                before, after = (p.old, p.new) if new else (p.new, p.old)
+                if verify:
+                    bad = int((bits[idx] != _dev(before, bits)).sum())
+                    if bad:
+                        raise _mismatch(p, bad, version)
+                bits.index_copy_(0, idx, _dev(after, bits))
+                dev_done.append(p)
+        except BaseException:
+            for k, ok in enumerate(done):
+                if ok:
+                    _, a, i, before, _ = items[k]
+                    a[i] = before
+            for p in dev_done:
+                bits = _bits(self._flat[p.name])
+                bits.index_copy_(0, _dev(p.index, bits), _dev(p.old if new else p.new, bits))
+            raise
+
+    def discard(self) -> None:
+        """Drop the staged update and the rollback state (frees their memory)."""
+        self._staged = None
+        self._applied = None
+
+    # ------------------------------------------------------------------------------------------ full
+
+    def load_full(self, update: Update) -> None:
+        """Replace every local weight with full version ``update`` (validated first: names, dtypes, shapes,
+        checksums; nothing is written if any fails). Drops the staged update and the rollback state."""
+        full = self._check_full(update)
+        with torch.no_grad():
+            for spec in self._specs:
+                local = self._tensors[spec.name]
+                for p in spec.pieces:
+                    _local_slab(local, p).copy_(_slab(full[p.source], p))
+        self._staged = None
+        self._applied = None
+        self._version = update.version
+        self._epoch += 1
+
+    # ------------------------------------------------------------------------------------------ checksum
+
+    def checksum(self, names: Sequence[str] | None = None) -> dict[str, int]:
+        """``syncd.ops.checksum`` of local parameters by local name (all when ``names`` is None). Raises
+        KeyError for an unknown name. Read-only; safe while serving."""
+        names = list(self._tensors) if names is None else list(names)
+        missing = [n for n in names if n not in self._tensors]
+        if missing:
+            raise KeyError(f"no local parameter named {missing[0]!r}")
+        tensors = [self._tensors[n] for n in names]
+        return dict(zip(names, checksum_many([t if t.is_contiguous() else t.contiguous() for t in tensors])))
+
+    def expected_checksums(self, full: Mapping[str, object]) -> dict[str, int]:
+        """:func:`expected_checksums` for this updater's parameters."""
+        return expected_checksums(self._specs, full)
+
+
+def update_from_manifest(m, shards: Sequence) -> Update:
+    """An :class:`~engine.adapter.Update` for verified manifest ``m`` (``syncd.manifest.Manifest``) and its
+    verified shards (``syncd.versions.fetch_shards``): delta blobs as memoryviews into the shards, or full
+    tensors (checked against the manifest's checksums by ``syncd.versions.load_full``)."""
+    checksums = {t.name: t.checksum for t in m.tensors}
+    if m.kind == "delta":
+        blobs = {t.name: memoryview(shards[t.shard])[t.offset:t.offset + t.length] for t in m.tensors}
+        return Update(m.version, "delta", blobs, base_version=m.base_version, checksums=checksums)
+    from syncd.versions import load_full
+
+    return Update(m.version, "full", load_full(m, list(shards)), checksums=checksums)
+
+
+_SUB = 1 << 13  # words compared and then written while their cache lines are hot
+_PARALLEL_MIN = 1 << 17  # fewer staged words than this are written by the calling thread
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            from syncd.ops import _backend
+            _POOL = ThreadPoolExecutor(max(1, _backend.threads()), thread_name_prefix="engine-update")
+        return _POOL
+
+
+def _run_groups(fn, sizes: list[int]) -> None:
+    """Split ``range(len(sizes))`` into one contiguous group per thread of about equal total size and run
+    ``fn(group)`` on each in parallel (one call when the work is small). The first exception is raised
+    after every group has stopped, so nothing is still writing when the caller undoes."""
+    total = sum(sizes)
+    from syncd.ops import _backend
+
+    threads = max(1, _backend.threads())
+    if threads == 1 or total < _PARALLEL_MIN:
+        fn(range(len(sizes)))
+        return
+    groups, start, acc = [], 0, 0
+    for k, n in enumerate(sizes):
+        acc += n
+        if acc >= total * (len(groups) + 1) / threads and len(groups) < threads - 1:
+            groups.append(range(start, k + 1))
+            start = k + 1
+    groups.append(range(start, len(sizes)))
+    futures = [_pool().submit(fn, g) for g in groups if len(g)]
+    err = None
+    for f in futures:
+        try:
+            f.result()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below once all groups are done
+            err = err or exc
+    if err is not None:
+        raise err
+
+
+def _mismatch(p: StagedParam, bad: int, version) -> DeltaError:
+    return DeltaError(f"apply: parameter {p.name!r} changed since version {version} was staged (at least "
+                      f"{bad} of its {p.index.numel()} staged words differ); nothing was written")
+
+
+def _host(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    t = t.detach().cpu().contiguous()
+    if pin and torch.cuda.is_available():
+        t = t.pin_memory()
+    return t
+
+
+def _dev(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return t if t.device == like.device else t.to(like.device, non_blocking=True)

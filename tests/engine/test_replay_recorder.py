@@ -1,0 +1,101 @@
+"""engine.ReplayRecorder: MoE routing and kept sets recorded by the engine land in the store and read back;
+a failing store loses nothing; a migrated request's records from two engines read back as one sequence."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine.adapter import GenerationRequest, SamplingParams
+from engine.reference import ReferenceEngine
+from engine.reference.sampling import kept_set
+from engine.replay import ReplayRecorder, ReplayUploadError, list_requests, read_request, request_key
+from syncd.errors import StoreError
+from syncd.store import Store
+
+PROMPT = (257, 84, 82, 68, 81, 198, 71)
+
+
+def test_moe_engine_records_routing_kept_sets_and_logprobs(moe_dir, tmp_path):
+    store = Store(tmp_path)
+    rec = ReplayRecorder(store, "moe-run", chunk_tokens=4)
+    sp = SamplingParams(max_tokens=9, temperature=0.8, top_p=0.7, seed=5)
+    with ReferenceEngine.from_pretrained(moe_dir, version=3, recorder=rec) as eng:
+        events = eng.generate_sync(GenerationRequest("req/α 1", PROMPT, sp), timeout=60)
+        # what the engine saw, recomputed step by step with the same runner
+        cache = eng.runner.new_cache()
+        logits, routing = eng.runner.forward(cache, list(PROMPT))
+        steps = [(logits, routing)]
+        for e in events[:-1]:
+            steps.append(eng.runner.forward(cache, [e.token_id]))
+    rec.close()
+    chunks = read_request(store, "moe-run", "req/α 1")
+    assert [len(c.records) for c in chunks] == [4, 4, 1]
+    assert list_requests(store, "moe-run") == [request_key("req/α 1")] and request_key("req/α 1").startswith("h-")
+    recs = [r for c in chunks for r in c.records]
+    assert [r.token_id for r in recs] == [e.token_id for e in events]
+    assert all(r.version == 3 for r in recs)
+    assert [r.position for r in recs] == list(range(len(PROMPT), len(PROMPT) + 9))
+    for r, e, (lg, rt) in zip(recs, events, steps):
+        ids, _ = kept_set(lg, sp)
+        assert np.array_equal(r.kept, np.sort(ids.numpy())) and r.token_id in r.kept
+        assert np.array_equal(r.routing, rt[:, -1].numpy())  # experts at the position that sampled it
+        assert r.logprob == pytest.approx(e.logprob, abs=1e-6) and r.logprob <= 0
+    assert chunks[0].num_experts == 8
+    assert chunks[0].prompt_routing_start == 0
+    assert np.array_equal(chunks[0].prompt_routing, steps[0][1][:, :-1].transpose(0, 1).numpy())
+    assert all(c.prompt_routing is None for c in chunks[1:])
+
+
+class FlakyStore(Store):
+    def __init__(self, root):
+        super().__init__(root)
+        self.fail = True
+
+    def put(self, key, data, *, create=False):
+        if self.fail and "/replay/" in key:
+            raise StoreError(f"injected failure writing {key}")
+        return super().put(key, data, create=create)
+
+
+def _add(rec, rid, start, n, version=1, index0=0):
+    for i in range(n):
+        rec.add(rid, position=start + i, index=index0 + i, version=version, token_id=i, logprob=-0.5,
+                kept=torch.tensor([i, 99]))
+
+
+def test_a_failing_store_loses_nothing(tmp_path):
+    store = FlakyStore(tmp_path)
+    rec = ReplayRecorder(store, "r", vocab_size=100, chunk_tokens=3)
+    _add(rec, "a", 10, 7)
+    rec.finish("a")
+    with pytest.raises(ReplayUploadError, match="3 replay chunk"):
+        rec.flush(timeout=30)
+    assert read_request(store, "r", "a") == []
+    store.fail = False
+    rec.close(timeout=30)
+    recs = [r for c in read_request(store, "r", "a") for r in c.records]
+    assert [r.position for r in recs] == list(range(10, 17))
+    assert len(rec.written) == 3
+
+
+def test_a_migrated_request_reads_back_in_order_across_writers(tmp_path):
+    store = Store(tmp_path)
+    first, second = ReplayRecorder(store, "r", vocab_size=100), ReplayRecorder(store, "r", vocab_size=100)
+    _add(first, "mig", 5, 4, version=1)
+    first.close()
+    _add(second, "mig", 9, 3, version=2)  # continues at position 9 on another engine, its own index 0..2
+    second.close()
+    chunks = read_request(store, "r", "mig")
+    assert [(c.first_position, len(c.records)) for c in chunks] == [(5, 4), (9, 3)]
+    assert first.writer != second.writer and all("/replay/mig/" in k for k in first.written + second.written)
+
+
+def test_recorder_refuses_bad_configuration(tmp_path):
+    with pytest.raises(ValueError, match="run id"):
+        ReplayRecorder(tmp_path, "../escape")
+    rec = ReplayRecorder(tmp_path, "r")
+    with pytest.raises(RuntimeError, match="vocab_size"):
+        _add(rec, "x", 0, 1)
+    rec.close()
