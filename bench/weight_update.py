@@ -14,6 +14,15 @@ and the time of each stage; writes JSON under ``bench/results/``.
 Stages (seconds): ``step`` training step; ``publish`` time spent inside ``publish()`` = ``snapshot`` (the
 copy) + ``stall`` (waiting for the previous upload); ``encode`` and ``upload`` run in the background;
 ``fetch``/``apply`` the read side; ``base_*`` the full-safetensors baseline.
+
+End to end (``--e2e``, on by default): the same trainer snapshots are published again, one version at a
+time, while a ``syncd`` node daemon (``syncd.daemon.NodeDaemon``, its default poll interval) keeps
+``--engines`` in-process engines (``engine.StateDictEngine``) current. Per version: from ``publish()``
+returning to every engine serving it (``e2e``), broken into ``encode``, ``upload`` (shards + manifest),
+``poll`` (manifest committed to the daemon noticing it), ``download`` (into the node cache, verified),
+``decode`` (staging on the engines while they serve), ``pause`` (longest engine pause: apply + checksum
+check) and ``other`` (the rest: scheduling, the hint write, engines paused one after another). The
+baseline runs the same with a full safetensors version every time (``full_every=1``).
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import json
 import logging
 import os
 import platform
+import random
 import statistics
 import sys
 import tempfile
@@ -101,16 +111,18 @@ def run(args) -> dict:
         alone_s.append(time.perf_counter() - t0)
     pub = WeightPublisher(store, run_id, every_k=args.every_k, full_every=args.full_every,
                           shard_bytes=args.shard_mb << 20, signing_key=args.signing_key or False)
-    step_s, publish_s = [], []
+    step_s, publish_s, snapshots = [], [], []
     for step in range(args.versions * args.every_k):
         t0 = time.perf_counter()
         pg_step(model, opt, gen, args.batch, args.seq)
         _sync(args.device)
         t1 = time.perf_counter()
-        pub.publish(model, step)
+        published = pub.publish(model, step)
         t2 = time.perf_counter()
         step_s.append(t1 - t0)
         publish_s.append(t2 - t1)
+        if published and args.e2e:  # the very weights published, for the end-to-end replay
+            snapshots.append({k: v.detach().to(torch.bfloat16).cpu().clone() for k, v in model.state_dict().items()})
     t0 = time.perf_counter()
     pub.close()
     drain_s = time.perf_counter() - t0
@@ -154,12 +166,124 @@ def run(args) -> dict:
     exact = all(torch.equal(latest[k].view(torch.int16) if latest[k].dtype == torch.bfloat16 else latest[k],
                             final[k].view(torch.int16) if final[k].dtype == torch.bfloat16 else final[k])
                 for k in final)
+    del model, opt
+    e2e = None
+    if args.e2e:
+        e2e = {"engines": args.engines, "poll_interval_s": args.poll_interval,
+               "delta": run_e2e(args, store, f"{run_id}-e2e", snapshots, args.full_every),
+               "full": run_e2e(args, store, f"{run_id}-e2e-full", snapshots, 1)}
     return dict(model=args.model, params=n_params, device=args.device, store=store.url, lr=args.lr,
                 every_k=args.every_k, full_every=args.full_every, shard_mb=args.shard_mb,
                 machine=dict(python=platform.python_version(), torch=torch.__version__, cpus=os.cpu_count(),
                              torch_threads=torch.get_num_threads()),
                 step_s=step_s, step_alone_s=alone_s, publish_s=publish_s, drain_s=drain_s, versions=rows,
-                materialize_latest_s=cold_s, latest_bit_exact=exact)
+                materialize_latest_s=cold_s, latest_bit_exact=exact, e2e=e2e)
+
+
+def run_e2e(args, store, run_id: str, snapshots: list, full_every: int) -> dict:
+    """Publish ``snapshots`` one version at a time while a node daemon keeps ``args.engines`` engines current;
+    per version, the end-to-end lag and its parts (see the module docstring)."""
+    import queue
+    import shutil
+    import threading
+
+    import engine
+    from syncd.daemon import DaemonConfig, NodeDaemon
+    from trainer.publisher import WeightPublisher
+
+    key = args.signing_key or False
+    cache_dir = Path(tempfile.mkdtemp(prefix="syncd-bench-cache-"))
+    engines = {f"e{i}": engine.StateDictEngine({k: torch.zeros_like(v) for k, v in snapshots[0].items()}, None)
+               for i in range(args.engines)}
+    records: queue.Queue = queue.Queue()
+    config = DaemonConfig(run_id=run_id, cache_dir=cache_dir, poll_interval_s=args.poll_interval)
+    daemon = NodeDaemon(config, adapters=engines, store=store, signing_key=key, on_update=records.put)
+    ready = threading.Event()
+    loop_box = {}
+
+    def serve():
+        loop = _new_loop()
+        loop_box["loop"] = loop
+        ready.set()
+        loop.run_until_complete(daemon.run())
+        loop.close()
+
+    thread = threading.Thread(target=serve, name="bench-daemon", daemon=True)
+    thread.start()
+    ready.wait()
+    pub = WeightPublisher(store, run_id, full_every=full_every, shard_bytes=args.shard_mb << 20, signing_key=key)
+    rows = []
+    phase = random.Random(args.seed)
+    try:
+        for i, snap in enumerate(snapshots):
+            # a trainer is not in step with the daemon's polls: publish at a random point of the poll cycle
+            time.sleep(phase.uniform(0, args.poll_interval))
+            pub.publish(snap, i)
+            t_ret = time.time()
+            pause, got = {}, None
+            deadline = time.monotonic() + 300
+            while len(pause) < len(engines):
+                try:
+                    rec = records.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    raise RuntimeError(f"e2e: version {i} did not reach every engine within 300s") from None
+                if rec["version"] == i:
+                    got = got or rec
+                    pause.update(rec["pause_s"])
+                    got["done_at"] = max(got["done_at"], rec["done_at"])
+            pub.flush()
+            st = pub.history[-1]
+            if i == 0:
+                continue  # the engines' first load is a rebuild, not an update
+            commit = t_ret + st.encode_s + st.upload_s
+            parts = dict(encode=st.encode_s, upload=st.upload_s, poll=max(0.0, got["noticed_at"] - commit),
+                         download=got["download_s"] or 0.0, decode=got["stage_s"], pause=max(pause.values()))
+            e2e = got["done_at"] - t_ret
+            rows.append(dict(version=i, kind=st.kind, bytes=st.uploaded_bytes, e2e=e2e, pause_sum=sum(pause.values()),
+                             other=e2e - sum(parts.values()) - (sum(pause.values()) - parts["pause"]), **parts))
+        exact = all(torch.equal(t.view(torch.int16) if t.dtype == torch.bfloat16 else t,
+                                snapshots[-1][k].view(torch.int16) if t.dtype == torch.bfloat16 else snapshots[-1][k])
+                    for e in engines.values() for k, t in e.state_dict().items())
+    finally:
+        loop_box["loop"].call_soon_threadsafe(daemon.request_stop)
+        thread.join(timeout=60)
+        pub.close()
+        shutil.rmtree(cache_dir, ignore_errors=True)
+    return {"full_every": full_every, "versions": rows, "engines_bit_exact": exact}
+
+
+def _new_loop():
+    import asyncio
+
+    try:
+        import uvloop
+
+        return uvloop.new_event_loop()
+    except ImportError:  # pragma: no cover
+        return asyncio.new_event_loop()
+
+
+def report_e2e(e2e: dict, out=None) -> None:
+    w = (out or sys.stdout).write
+    med = statistics.median
+    d, f = e2e["delta"]["versions"], e2e["full"]["versions"]
+    parts = ("encode", "upload", "poll", "download", "decode", "pause", "other")
+    w(f"\nend to end: publish() returned -> all {e2e['engines']} engines serve the version (daemon poll interval "
+      f"{e2e['poll_interval_s']}s); seconds\n")
+    w(f"{'ver':>4} {'kind':5} {'bytes':>12} " + " ".join(f"{p:>8}" for p in parts) + f" {'e2e':>7} | "
+      f"{'full st':>7} {'ratio':>6}\n")
+    for r, b in zip(d, f):
+        w(f"{r['version']:>4} {r['kind']:5} {r['bytes']:>12,} " + " ".join(f"{r[p]:8.3f}" for p in parts) +
+          f" {r['e2e']:7.3f} | {b['e2e']:7.3f} {r['e2e'] / b['e2e']:6.2f}\n")
+    deltas = [r for r in d if r["kind"] == "delta"] or d
+    md, mf_ = med(r["e2e"] for r in deltas), med(r["e2e"] for r in f)
+    w(f"median e2e lag: deltas {md:.3f}s vs full safetensors every version {mf_:.3f}s ({md / mf_:.2f}x); "
+      f"pause median {med(r['pause'] for r in deltas):.3f}s = {med(r['pause'] / r['e2e'] for r in deltas):.1%} "
+      f"of the lag (full: {med(r['pause'] for r in f):.3f}s); poll delay median "
+      f"{med(r['poll'] for r in deltas):.3f}s (expected ~half the interval); engines bit-exact: "
+      f"{e2e['delta']['engines_bit_exact'] and e2e['full']['engines_bit_exact']}\n")
+    for name, rows in (("deltas", deltas), ("full", f)):
+        w(f"  {name:6} median parts: " + ", ".join(f"{p} {med(r[p] for r in rows):.3f}" for p in parts) + "\n")
 
 
 def report(res: dict, out=None) -> None:
@@ -211,6 +335,10 @@ def main(argv=None) -> int:
     p.add_argument("--signing-key", default=os.environ.get("SYNCD_SIGNING_KEY"))
     p.add_argument("--warmup", type=int, default=2, help="training steps timed before publishing starts")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--e2e", action=argparse.BooleanOptionalAction, default=True,
+                   help="end-to-end case: a node daemon keeping engines current (default on)")
+    p.add_argument("--engines", type=int, default=2, help="engines the daemon keeps current (e2e)")
+    p.add_argument("--poll-interval", type=float, default=0.5, help="the daemon's poll interval (e2e)")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/weight_update-<time>.json)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -218,12 +346,15 @@ def main(argv=None) -> int:
         p.error("--versions and --every-k must be at least 1")
     res = run(args)
     report(res)
+    if res["e2e"]:
+        report_e2e(res["e2e"])
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / \
         f"weight_update-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
     print(f"results: {out}")
-    return 0 if res["latest_bit_exact"] else 1
+    e2e_ok = not res["e2e"] or (res["e2e"]["delta"]["engines_bit_exact"] and res["e2e"]["full"]["engines_bit_exact"])
+    return 0 if res["latest_bit_exact"] and e2e_ok else 1
 
 
 if __name__ == "__main__":

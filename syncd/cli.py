@@ -1,7 +1,10 @@
 """The ``syncd`` command line.
 
-Subcommands (README.md has the full table of flags and their environment variables)::
+Commands (README.md has the full table of flags and their environment variables)::
 
+    syncd --run-id RUN --engine URL ...  the node daemon (also ``syncd daemon``): keep engines current
+    syncd status --run-id RUN            the node daemon's state (from its status file)
+    syncd demo [--json PATH]             the local end-to-end run (trainer, daemon, two engines, a client)
     syncd ls [--run-id RUN]              runs in the store, or the versions of one run
     syncd verify --run-id RUN [--quick]  check every version of a run (exit 1 if any is unusable)
     syncd gc --run-id RUN [--dry-run]    apply the retention policy
@@ -9,7 +12,7 @@ Subcommands (README.md has the full table of flags and their environment variabl
 Every flag has a ``SYNCD_*`` environment variable; a flag given on the command line wins. The signing key
 is read only from ``SYNCD_SIGNING_KEY`` or a file (``--signing-key-file``), never from a flag, so that it
 does not show up in process listings. Exit status: 0 fine, 1 verification found a problem, 2 usage or
-configuration error, 3 store unreachable or other runtime error.
+configuration error, 3 store unreachable or other runtime error. The daemon exits 0 after SIGTERM/SIGINT.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import json
 import logging
 import os
 import sys
+import time
+from pathlib import Path
 
 from syncd import manifest as mf
 from syncd.errors import SyncdError
@@ -36,6 +41,19 @@ ENV = {
     "keep_last": ("SYNCD_KEEP_LAST", "8"),
     "grace": ("SYNCD_GC_GRACE_S", "300"),
     "orphan_grace": ("SYNCD_GC_ORPHAN_GRACE_S", "3600"),
+    "log_format": ("SYNCD_LOG_FORMAT", "text"),
+    # the node daemon
+    "engine": ("SYNCD_ENGINES", ""),
+    "cache_dir": ("SYNCD_CACHE_DIR", None),
+    "cache_max_bytes": ("SYNCD_CACHE_MAX_BYTES", "16G"),
+    "poll_interval": ("SYNCD_POLL_INTERVAL_S", "0.5"),
+    "poll_jitter": ("SYNCD_POLL_JITTER", "0.2"),
+    "backoff_max": ("SYNCD_BACKOFF_MAX_S", "10"),
+    "engine_check": ("SYNCD_ENGINE_CHECK_S", "1"),
+    "download_concurrency": ("SYNCD_DOWNLOAD_CONCURRENCY", "8"),
+    "metrics_port": ("SYNCD_METRICS_PORT", ""),
+    "metrics_addr": ("SYNCD_METRICS_ADDR", "127.0.0.1"),
+    "status_file": ("SYNCD_STATUS_FILE", None),
 }
 
 
@@ -52,12 +70,55 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--signing-key-file", default=s, metavar="PATH",
                    help="file holding the manifest signing key [SYNCD_SIGNING_KEY_FILE; or SYNCD_SIGNING_KEY]")
     p.add_argument("--log-level", default=s, metavar="LEVEL", help="logging level [SYNCD_LOG_LEVEL]")
+    p.add_argument("--log-format", default=s, choices=("text", "json"),
+                   help="log lines as text or one JSON object each [SYNCD_LOG_FORMAT]")
+
+
+def _daemon_flags(p: argparse.ArgumentParser) -> None:
+    s = argparse.SUPPRESS
+    p.add_argument("--engine", default=s, action="append", metavar="[NAME=]URL",
+                   help="control URL of an engine process to keep current, repeatable "
+                        "[SYNCD_ENGINES, comma-separated]")
+    p.add_argument("--cache-dir", default=s, metavar="DIR",
+                   help="node shard cache [SYNCD_CACHE_DIR; default $XDG_CACHE_HOME/syncd]")
+    p.add_argument("--cache-max-bytes", default=s, metavar="N",
+                   help="cache bound, e.g. 16G (what a restart needs is kept beyond it) [SYNCD_CACHE_MAX_BYTES]")
+    p.add_argument("--poll-interval", default=s, type=float, metavar="S",
+                   help="seconds between polls of the run's newest version [SYNCD_POLL_INTERVAL_S]")
+    p.add_argument("--poll-jitter", default=s, type=float, metavar="F",
+                   help="random spread of the poll interval, a fraction [SYNCD_POLL_JITTER]")
+    p.add_argument("--backoff-max", default=s, type=float, metavar="S",
+                   help="longest wait between polls while the store fails [SYNCD_BACKOFF_MAX_S]")
+    p.add_argument("--engine-check", default=s, type=float, metavar="S",
+                   help="seconds between checks of the engines' versions [SYNCD_ENGINE_CHECK_S]")
+    p.add_argument("--download-concurrency", default=s, type=int, metavar="N",
+                   help="shards downloaded at once [SYNCD_DOWNLOAD_CONCURRENCY]")
+    p.add_argument("--metrics-port", default=s, metavar="PORT",
+                   help="serve Prometheus metrics on this port (0: any free one; empty: off) [SYNCD_METRICS_PORT]")
+    p.add_argument("--metrics-addr", default=s, metavar="ADDR", help="metrics bind address [SYNCD_METRICS_ADDR]")
+    p.add_argument("--status-file", default=s, metavar="PATH",
+                   help="the daemon's state file [SYNCD_STATUS_FILE; default <cache-dir>/status-<run>.json]")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="syncd", description="Weight versions in object storage.")
+    parser = argparse.ArgumentParser(
+        prog="syncd", description="Weight versions in object storage, and the node daemon that keeps engines "
+                                  "on the newest one (run without a command: the daemon).")
     _common(parser)
+    _daemon_flags(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    p = sub.add_parser("daemon", help="the node daemon (the same as giving no command)")
+    _common(p)
+    _daemon_flags(p)
+    p = sub.add_parser("status", help="the node daemon's state")
+    _common(p)
+    p.add_argument("--cache-dir", default=argparse.SUPPRESS, metavar="DIR", help="[SYNCD_CACHE_DIR]")
+    p.add_argument("--status-file", default=argparse.SUPPRESS, metavar="PATH", help="[SYNCD_STATUS_FILE]")
+    p.add_argument("--json", action="store_true", help="print the status file as JSON")
+    from syncd import demo
+
+    sub.add_parser("demo", parents=[demo.build_parser(add_help=False)],
+                   help="local end-to-end run: trainer, daemon, two engines, a client (syncd demo --help)")
     p = sub.add_parser("ls", help="list runs, or the versions of --run-id")
     _common(p)
     p.add_argument("--json", action="store_true", help="one JSON object per line")
@@ -87,7 +148,7 @@ def _resolve(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-def _open(args):
+def _open(args, *, create: bool = False):
     from syncd.signing import key_from_env
     from syncd.store import Store
 
@@ -102,8 +163,87 @@ def _open(args):
         env.pop("SYNCD_SIGNING_KEY", None)
         env["SYNCD_SIGNING_KEY_FILE"] = args.signing_key_file
     key = key_from_env(env)
-    store = Store(args.store, endpoint=args.endpoint, options=options, create=False)
+    store = Store(args.store, endpoint=args.endpoint, options=options, create=create)
     return store, (key if key is not None else False)
+
+
+def _size(text: str) -> int:
+    t = str(text).strip().upper().removesuffix("B")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
+    try:
+        return int(float(t[:-1] if mult > 1 else t) * mult)
+    except ValueError:
+        raise ValueError(f"--cache-max-bytes {text!r} is not a size (e.g. 16G, 500M, 1073741824)") from None
+
+
+def _daemon_config(args):
+    from syncd.daemon import DaemonConfig, EngineSpec
+
+    engines = args.engine if isinstance(args.engine, list) else [e for e in args.engine.split(",") if e.strip()]
+    if not engines:
+        raise ValueError("--engine (or SYNCD_ENGINES) is required: the engines this daemon keeps current")
+    port = str(args.metrics_port).strip()
+    return DaemonConfig(
+        run_id=_need_run(args), store_url=args.store,
+        engines=tuple(EngineSpec.parse(e, i) for i, e in enumerate(engines)),
+        cache_dir=Path(args.cache_dir) if args.cache_dir else None, cache_max_bytes=_size(args.cache_max_bytes),
+        poll_interval_s=float(args.poll_interval), poll_jitter=float(args.poll_jitter),
+        backoff_max_s=float(args.backoff_max), engine_check_s=float(args.engine_check),
+        download_concurrency=int(args.download_concurrency), metrics_port=int(port) if port else None,
+        metrics_addr=args.metrics_addr, status_file=Path(args.status_file) if args.status_file else None)
+
+
+def _run_daemon(args, out) -> int:
+    from syncd.daemon import NodeDaemon, run
+
+    config = _daemon_config(args)
+    store, key = _open(args, create=True)
+    daemon = NodeDaemon(config, store=store, signing_key=key)
+    log.warning("syncd daemon: run %s, store %s, engines %s, cache %s, status %s", config.run_id, store.url,
+                ", ".join(f"{e.name}={e.url}" for e in config.engines), daemon.cache.root, daemon.status.path)
+    run(daemon)
+    return 0
+
+
+def _status(args, out) -> int:
+    from syncd.cache import default_cache_dir
+    from syncd.daemon.status import default_status_file, pid_alive, read_status
+
+    if args.status_file:
+        path = Path(args.status_file)
+    else:
+        cache = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+        path = default_status_file(cache, _need_run(args))
+    try:
+        doc = read_status(path)
+    except (OSError, ValueError) as exc:
+        out.write(f"no daemon status at {path}: {exc}\n")
+        return 3
+    alive = doc.get("state") not in ("stopped",) and pid_alive(int(doc.get("pid", 0)))
+    if args.json:
+        out.write(json.dumps({**doc, "alive": alive}, indent=1) + "\n")
+    else:
+        age = time.time() - float(doc.get("updated_at") or 0)
+        out.write(f"run {doc.get('run_id')}  store {doc.get('store')}\n")
+        out.write(f"daemon pid {doc.get('pid')}: {doc.get('state') if alive else 'not running'} "
+                  f"(status written {age:.1f}s ago)  newest version {doc.get('newest_version')}\n")
+        if doc.get("store_error"):
+            out.write(f"store error: {doc['store_error']}\n")
+        if doc.get("metrics_url"):
+            out.write(f"metrics: {doc['metrics_url']}\n")
+        out.write(f"{'ENGINE':12} {'VERSION':>8} {'LAG':>4} {'LAST PAUSE':>10}  {'STATE':14} URL\n")
+        for name, e in sorted(doc.get("engines", {}).items()):
+            pause = "-" if e.get("last_pause_s") is None else f"{e['last_pause_s'] * 1e3:.1f}ms"
+            out.write(f"{name:12} {str(e.get('version')):>8} {str(e.get('lag')):>4} {pause:>10}  "
+                      f"{str(e.get('state')):14} {e.get('url')}\n")
+            if e.get("error"):
+                out.write(f"{'':12} error: {e['error']}\n")
+        totals = doc.get("totals") or {}
+        if totals:
+            out.write("totals: " + ", ".join(f"{k}={v:g}" for k, v in sorted(totals.items())) + "\n")
+    engines = doc.get("engines", {}).values()
+    healthy = alive and all(e.get("state") == "serving" and e.get("lag") == 0 for e in engines)
+    return 0 if healthy else 1
 
 
 def _need_run(args) -> str:
@@ -183,15 +323,39 @@ def _gc(args, out) -> int:
     return 0
 
 
+class _JsonFormatter(logging.Formatter):
+    """One JSON object per log line: ts (unix seconds), level, logger, msg, and exc when there is one."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        doc = {"ts": round(record.created, 6), "level": record.levelname, "logger": record.name,
+               "msg": record.getMessage(), "pid": record.process}
+        if record.exc_info:
+            doc["exc"] = self.formatException(record.exc_info)
+        return json.dumps(doc)
+
+
+def _setup_logging(level: int, fmt: str) -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(_JsonFormatter() if fmt == "json" else
+                         logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler])
+
+
 def main(argv=None) -> int:
     """Entry point of the ``syncd`` console script; returns the exit status."""
     parser = build_parser()
     args = _resolve(parser.parse_args(argv))
+    if args.command == "demo":
+        from syncd import demo
+
+        return demo.run_main(args, parser)
     level = logging.getLevelName(str(args.log_level).upper())
     if not isinstance(level, int):
         parser.error(f"unknown log level {args.log_level!r}")
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    commands = {"ls": _ls, "verify": _verify, "gc": _gc}
+    _setup_logging(level, args.log_format)
+    commands = {"ls": _ls, "verify": _verify, "gc": _gc, "status": _status, "daemon": _run_daemon}
+    if args.command is None and args.run_id:
+        args.command = "daemon"
     if args.command not in commands:
         parser.print_help(sys.stderr)
         return 2
@@ -203,6 +367,9 @@ def main(argv=None) -> int:
     except ValueError as exc:  # configuration: bad URL, option, key, run id
         print(f"syncd {args.command}: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # e.g. the metrics port is taken, the cache directory is not writable
+        print(f"syncd {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":  # pragma: no cover

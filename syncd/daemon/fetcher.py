@@ -1,0 +1,91 @@
+"""Getting a version's shards into the node cache, verified.
+
+:class:`ShardSource` is the interface: ``await ensure(run_id, manifest)`` returns once every shard of
+``manifest`` is in the node cache as a verified file (``<cache>/shards/<sha256>``), or raises. The daemon
+uses :class:`StoreShardSource` (parallel downloads from the object store); the cluster layer can supply
+its own (shards replicated between nodes) with the same contract.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import time
+from typing import Protocol, runtime_checkable
+
+from syncd import manifest as mf
+from syncd.daemon import testhooks
+from syncd.errors import IntegrityError, ObjectNotFound, VersionNotFound
+
+log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class ShardSource(Protocol):
+    async def ensure(self, run_id: str, manifest: mf.Manifest) -> None:
+        """Return once every shard of ``manifest`` is a verified file in the node cache. Raises
+        :class:`IntegrityError` for a shard whose bytes do not match the manifest, :class:`VersionNotFound`
+        if one is gone, :class:`~syncd.errors.StoreError` if it cannot be had now."""
+
+
+class StoreShardSource:
+    """Downloads missing shards from ``store`` into ``cache``, ``concurrency`` at a time (each large shard
+    itself in parallel ranged parts), checking size first and SHA-256 before a shard enters the cache.
+
+    ``metrics``: a :class:`~syncd.daemon.metrics.DaemonMetrics` (bytes and shards fetched). Safe to call
+    for several manifests at once; a shard already in the cache costs nothing."""
+
+    def __init__(self, store, cache, *, concurrency: int = 8, metrics=None):
+        self.store, self.cache, self.metrics = store, cache, metrics
+        self._sem = asyncio.Semaphore(max(1, concurrency))
+        self.fetched_bytes = 0
+
+    async def ensure(self, run_id: str, manifest: mf.Manifest) -> None:
+        missing = [s for s in manifest.shards if not self.cache.has(s.sha256, s.size)]
+        if not missing:
+            return
+
+        async def one(s):
+            async with self._sem:
+                await asyncio.to_thread(self._fetch, run_id, manifest, s)
+
+        t0 = time.perf_counter()
+        tasks = [asyncio.ensure_future(one(s)) for s in missing]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            raise
+        if self.metrics is not None:
+            self.metrics.download_s.observe(time.perf_counter() - t0)
+
+    def _fetch(self, run_id: str, m: mf.Manifest, s: mf.ShardEntry) -> None:
+        key = mf.run_prefix(run_id) + s.key
+        try:
+            data = self.store.download(key, expect_size=s.size)
+        except ObjectNotFound:
+            raise VersionNotFound(f"{self.store.url}/{key}, a shard of version {m.version}, is gone") from None
+        except IntegrityError as exc:
+            raise IntegrityError(f"shard of version {m.version} does not match its manifest: {exc}") from None
+        got = hashlib.sha256(data).hexdigest()
+        if got != s.sha256:
+            raise IntegrityError(f"{self.store.url}/{key}: SHA-256 {got[:16]}... does not match the manifest "
+                                 f"of version {m.version} ({s.sha256[:16]}...): the shard was altered")
+        if testhooks._HOOKS.get("download"):
+            self._partial_then_hook(s.sha256, data, m.version)
+        self.cache.put_verified(s.sha256, data)
+        self.fetched_bytes += len(data)
+        if self.metrics is not None:
+            self.metrics.count("bytes_fetched", len(data))
+            self.metrics.count("shards_fetched")
+
+    def _partial_then_hook(self, sha256: str, data, version: int) -> None:
+        """Test hook ``download``: leave half a shard in ``tmp/`` (as a crash mid-write would) and hold."""
+        fd, tmp = self.cache.temp_file(sha256[:16])
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(memoryview(data)[: len(data) // 2])
+        testhooks.reached("download", version)
+        os.unlink(tmp)

@@ -1,0 +1,90 @@
+"""Prometheus metrics of the node daemon (``prometheus_client``, one registry per daemon).
+
+Names (all prefixed ``syncd_``): ``engine_version{engine}`` (-1 while unknown), ``newest_version``,
+``engine_lag_versions{engine}``, ``bytes_fetched_total``, ``shards_fetched_total``,
+``versions_applied_total{engine}``, ``rebuilds_total{engine}``, ``failures_total{kind}``,
+``rejected_versions_total{reason}``, ``poll_errors_total``, and histograms ``download_seconds``,
+``stage_seconds``, ``pause_seconds``, ``apply_seconds``, ``update_lag_seconds`` (manifest written to engine
+serving it, on the trainer's clock). :attr:`DaemonMetrics.totals` keeps the counters in plain numbers too
+(for the status file). Thread-safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter as _Tally
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+
+log = logging.getLogger(__name__)
+
+FAILURE_KINDS = ("store", "signature", "manifest", "integrity", "apply", "checksum", "engine", "rebuild")
+_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+
+
+class DaemonMetrics:
+    """The daemon's metrics in their own registry; :meth:`serve` exposes them over HTTP."""
+
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.engine_version = Gauge("syncd_engine_version", "Weight version an engine serves (-1: unknown)",
+                                    ["engine"], registry=r)
+        self.newest_version = Gauge("syncd_newest_version", "Newest version of the run seen in the store",
+                                    registry=r)
+        self.engine_lag = Gauge("syncd_engine_lag_versions", "Versions an engine is behind the newest",
+                                ["engine"], registry=r)
+        self.bytes_fetched = Counter("syncd_bytes_fetched", "Shard bytes downloaded from the store",
+                                     registry=r)
+        self.shards_fetched = Counter("syncd_shards_fetched", "Shards downloaded from the store", registry=r)
+        self.versions_applied = Counter("syncd_versions_applied", "Versions applied to an engine", ["engine"],
+                                        registry=r)
+        self.rebuilds = Counter("syncd_rebuilds", "Engine weights rebuilt from a full version", ["engine"],
+                                registry=r)
+        self.failures = Counter("syncd_failures", "Failures by kind", ["kind"], registry=r)
+        self.rejected = Counter("syncd_rejected_versions", "Versions refused by verification", ["reason"],
+                                registry=r)
+        self.poll_errors = Counter("syncd_poll_errors", "Polls of the store that failed", registry=r)
+        self.download_s = Histogram("syncd_download_seconds", "Downloading a version's missing shards",
+                                    buckets=_SECONDS, registry=r)
+        self.stage_s = Histogram("syncd_stage_seconds", "Staging a version on the engines (while serving)",
+                                 buckets=_SECONDS, registry=r)
+        self.pause_s = Histogram("syncd_pause_seconds", "An engine paused for one update (pause to resume)",
+                                 buckets=_SECONDS, registry=r)
+        self.apply_s = Histogram("syncd_apply_seconds", "An engine's apply call", buckets=_SECONDS, registry=r)
+        self.update_lag_s = Histogram("syncd_update_lag_seconds",
+                                      "Manifest creation (trainer clock) to an engine serving the version",
+                                      buckets=_SECONDS, registry=r)
+        for kind in FAILURE_KINDS:
+            self.failures.labels(kind)
+        self.totals: _Tally = _Tally()
+        self._lock = threading.Lock()
+        self._server = None
+
+    def count(self, name: str, n: float = 1, **labels) -> None:
+        """Increment counter ``name`` (an attribute above) and its plain total ``name[:label]``."""
+        metric = getattr(self, name)
+        (metric.labels(**labels) if labels else metric).inc(n)
+        with self._lock:
+            self.totals[name + "".join(f":{v}" for v in labels.values())] += n
+
+    def failure(self, kind: str) -> None:
+        self.count("failures", kind=kind)
+
+    def render(self) -> bytes:
+        """The exposition text (what ``/metrics`` serves)."""
+        return generate_latest(self.registry)
+
+    def serve(self, port: int, addr: str = "127.0.0.1") -> str:
+        """Serve ``/metrics`` on ``addr:port`` (0: a free port) in a daemon thread; returns the URL."""
+        self._server, _ = start_http_server(port, addr=addr, registry=self.registry)
+        host, bound = self._server.server_address[:2]
+        url = f"http://{host}:{bound}/metrics"
+        log.info("metrics at %s", url)
+        return url
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

@@ -1,0 +1,93 @@
+"""The node's state as a JSON file, for ``syncd status`` and for tools (the demo's progress display).
+
+The daemon rewrites the file atomically (write to a temp file, ``os.replace``) whenever something changes,
+at most every ``min_interval_s``. Content::
+
+    {"pid", "run_id", "store", "cache_dir", "metrics_url", "state": "starting|running|stopping|stopped",
+     "started_at", "updated_at" (unix seconds), "newest_version", "store_error" (last poll error or null),
+     "engines": {name: {"url", "version", "lag", "state", "error", "applied", "last_pause_s"}},
+     "totals": {counter: number}, "updates": [{"version", "kind", "bytes", "download_s", "stage_s",
+     "pause_s": {engine: s}, "noticed_at", "done_at", "created_at"}, ...]  (newest last, at most 200)}
+
+Thread-safe (one lock); writing never raises (a failed write is logged).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+MAX_UPDATES = 200
+
+
+def default_status_file(cache_dir: Path, run_id: str) -> Path:
+    return Path(cache_dir, f"status-{run_id}.json")
+
+
+class StatusBoard:
+    """The daemon's state, mirrored to ``path``."""
+
+    def __init__(self, path: Path, **fields):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._doc = {"pid": os.getpid(), "state": "starting", "started_at": time.time(), "newest_version": None,
+                     "store_error": None, "engines": {}, "totals": {}, **fields}
+        self._updates: deque = deque(maxlen=MAX_UPDATES)
+        self._last_write = 0.0
+
+    def set(self, **fields) -> None:
+        with self._lock:
+            self._doc.update(fields)
+
+    def engine(self, name: str, **fields) -> None:
+        with self._lock:
+            self._doc["engines"].setdefault(name, {}).update(fields)
+
+    def add_update(self, record: dict) -> None:
+        with self._lock:
+            self._updates.append(record)
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            doc = json.loads(json.dumps(self._doc, default=str))
+            doc["updates"] = list(self._updates)
+            return doc
+
+    def write(self, totals: dict | None = None, *, force: bool = False, min_interval_s: float = 0.2) -> None:
+        now = time.time()
+        if not force and now - self._last_write < min_interval_s:
+            return
+        self._last_write = now
+        with self._lock:
+            if totals is not None:
+                self._doc["totals"] = dict(totals)
+            self._doc["updated_at"] = now
+            data = json.dumps({**self._doc, "updates": list(self._updates)}, default=str, indent=1)
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(data)
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            log.warning("cannot write status file %s: %s", self.path, exc)
+
+
+def read_status(path: Path) -> dict:
+    """The status file's content; ``FileNotFoundError`` / ``ValueError`` if missing or unreadable."""
+    return json.loads(Path(path).read_text())
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

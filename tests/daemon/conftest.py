@@ -1,0 +1,53 @@
+"""Shared pieces of the daemon tests: a real file store with versions published by
+``trainer.WeightPublisher`` from real AdamW steps (``tests/store/_models.trajectory``)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+from syncd.store import Store
+from tests.store._models import trajectory
+from trainer.publisher import WeightPublisher
+
+KEY = "daemon-test-key-0123456789abcdef"
+RUN = "r"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Published:
+    """A store, a publisher (``full_every`` 3, small shards) and the trainer's states, published on demand."""
+
+    def __init__(self, root, *, full_every: int = 3, n_states: int = 12):
+        self.store = Store(root)
+        self.states = trajectory(n_states)
+        self.pub = WeightPublisher(self.store, RUN, signing_key=KEY, full_every=full_every, shard_bytes=16 << 10)
+        self.step = 0
+
+    def publish(self, n: int = 1) -> int:
+        """Publish the next ``n`` states; returns the newest version."""
+        for _ in range(n):
+            self.pub.publish(self.states[self.step], self.step)
+            self.step += 1
+        self.pub.flush()
+        return self.pub.last_version
+
+    def zeros(self) -> dict:
+        return {k: torch.zeros_like(v) for k, v in self.states[0].items()}
+
+    def close(self):
+        self.pub.close()
+
+
+@pytest.fixture
+def published(tmp_path):
+    p = Published(tmp_path / "store")
+    yield p
+    p.close()

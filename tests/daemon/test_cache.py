@@ -1,0 +1,117 @@
+"""syncd.cache: verified, atomic shard files; bounded by LRU eviction that never drops pinned shards;
+manifests; building an engine.Update from the cache."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+
+import pytest
+
+from syncd.cache import ShardCache, shard_path, update_from_cache
+from syncd.errors import IntegrityError
+from syncd.versions import fetch_shards, read_manifest
+from tests.daemon.conftest import KEY, RUN, Published
+from tests.store._models import assert_same
+
+
+def sha(b: bytes) -> str:
+    return hashlib.sha256(b).hexdigest()
+
+
+def test_put_checks_the_hash_and_is_atomic(tmp_path):
+    cache = ShardCache(tmp_path / "c")
+    data = os.urandom(1000)
+    with pytest.raises(IntegrityError):
+        cache.put(sha(b"other"), data)
+    assert not cache.has(sha(b"other")) and os.listdir(cache.tmp_dir) == []
+    p = cache.put(sha(data), data)
+    assert p == shard_path(cache.root, sha(data)) and cache.has(sha(data), 1000) and not cache.has(sha(data), 999)
+    assert bytes(cache.read(sha(data))) == data
+    # a file that rotted on disk is detected on read and removed
+    p.write_bytes(b"x" + data[1:])
+    with pytest.raises(IntegrityError, match="no longer matches"):
+        cache.read(sha(data))
+    assert not cache.has(sha(data))
+    with pytest.raises(ValueError):
+        cache.path("../../etc/passwd")
+
+
+def test_eviction_is_lru_and_keeps_pinned_shards(tmp_path):
+    cache = ShardCache(tmp_path / "c", max_bytes=2500)
+    blobs = [os.urandom(1000) for _ in range(4)]
+    for i, b in enumerate(blobs):
+        cache.put(sha(b), b)
+        t = time.time() - 100 + i
+        os.utime(cache.path(sha(b)), (t, t))
+    removed = cache.evict(pinned={sha(blobs[0])})
+    # oldest unpinned go first until the cache fits 2500 bytes: blobs 1 and 2; blob 0 is pinned
+    assert removed == [sha(blobs[1]), sha(blobs[2])]
+    assert cache.has(sha(blobs[0])) and cache.has(sha(blobs[3])) and cache.shard_bytes() == 2000
+    # pinned shards stay even above the bound
+    cache.max_bytes = 500
+    assert cache.evict(pinned={sha(blobs[0]), sha(blobs[3])}) == []
+    assert cache.shard_bytes() == 2000
+
+
+def test_clean_tmp_removes_leftovers_of_dead_writers_only(tmp_path):
+    cache = ShardCache(tmp_path / "c")
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (cache.tmp_dir / f"{int(dead.stdout)}.abc.half-written").write_bytes(b"abc")  # its writer has exited
+    (cache.tmp_dir / "no-pid").write_bytes(b"abc")
+    fd, mine = cache.temp_file("x")  # a live writer's file (this process)
+    os.close(fd)
+    assert cache.clean_tmp() == 2 and os.listdir(cache.tmp_dir) == [os.path.basename(mine)]
+    old = time.time() - 2 * 86400
+    os.utime(mine, (old, old))
+    assert cache.clean_tmp() == 1 and os.listdir(cache.tmp_dir) == []
+
+
+def test_manifests_roundtrip(tmp_path):
+    cache = ShardCache(tmp_path / "c")
+    assert cache.get_manifest(RUN, 3) is None and cache.manifest_versions(RUN) == []
+    cache.put_manifest(RUN, 3, b"{}")
+    cache.put_manifest(RUN, 12, b"{1}")
+    assert cache.get_manifest(RUN, 3) == b"{}" and cache.manifest_versions(RUN) == [3, 12]
+    cache.drop_manifest(RUN, 3)
+    assert cache.manifest_versions(RUN) == [12]
+    with pytest.raises(ValueError):
+        cache.put_manifest("../x", 1, b"{}")
+
+
+def test_update_from_cache_full_and_delta(tmp_path):
+    pub = Published(tmp_path / "store")
+    try:
+        pub.publish(2)
+        cache = ShardCache(tmp_path / "c")
+        raws = {}
+        for v in (0, 1):
+            m = read_manifest(pub.store, RUN, v, signing_key=KEY)
+            for s, data in zip(m.shards, fetch_shards(pub.store, RUN, m)):
+                cache.put(s.sha256, data)
+            raws[v] = pub.store.get(f"runs/{RUN}/versions/{v:012d}/manifest.json")
+        full = update_from_cache(raws[0], cache.root)
+        assert full.kind == "full" and full.version == 0
+        assert_same(dict(full.tensors), pub.states[0])
+        d = update_from_cache(raws[1], cache.root, verify_shards=True)
+        assert d.kind == "delta" and d.base_version == 0 and set(d.tensors) == set(pub.states[1])
+        from syncd.ops import delta
+
+        got = {k: delta.decode(pub.states[0][k], d.tensors[k]) for k in pub.states[1]}
+        assert_same(got, pub.states[1])
+        assert d.checksums == {t.name: t.checksum for t in read_manifest(pub.store, RUN, 1, signing_key=KEY).tensors}
+        # a shard missing from the cache, and one altered in it
+        s0 = read_manifest(pub.store, RUN, 1, signing_key=KEY).shards[0]
+        data = bytes(cache.read(s0.sha256))
+        cache.discard(s0.sha256)
+        with pytest.raises(FileNotFoundError, match="not in the cache"):
+            update_from_cache(raws[1], cache.root)
+        cache.path(s0.sha256).write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+        with pytest.raises(IntegrityError):
+            update_from_cache(raws[1], cache.root, verify_shards=True)
+    finally:
+        pub.close()

@@ -1,0 +1,140 @@
+"""engine.control: the weight routes as pure handlers, over a real loopback HTTP server, and
+RemoteAdapter driving a real engine (engine.StateDictEngine) through them."""
+
+from __future__ import annotations
+
+import http.client
+import json
+
+import pytest
+
+import engine
+from engine.control import (BadRequest, ControlServer, EngineUnreachable, RemoteAdapter, handle,
+                            load_full_from_cache, spec_from_json, spec_to_json, stage_from_cache)
+from syncd.cache import ShardCache
+from syncd.errors import DeltaError
+from syncd.versions import fetch_shards, read_manifest
+from tests.daemon.conftest import KEY, RUN, Published, free_port
+from tests.store._models import assert_same
+
+
+@pytest.fixture
+def setup(tmp_path):
+    """Versions 0 (full), 1, 2 (deltas) in a store; their shards and manifests in a node cache."""
+    pub = Published(tmp_path / "store")
+    pub.publish(3)
+    cache = ShardCache(tmp_path / "cache")
+    raws = {}
+    for v in range(3):
+        m = read_manifest(pub.store, RUN, v, signing_key=KEY)
+        for s, data in zip(m.shards, fetch_shards(pub.store, RUN, m)):
+            cache.put(s.sha256, data)
+        raws[v] = pub.store.get(f"runs/{RUN}/versions/{v:012d}/manifest.json")
+    yield pub, cache, raws
+    pub.close()
+
+
+def test_handlers_drive_an_engine_through_an_update(setup):
+    pub, cache, raws = setup
+    eng = engine.StateDictEngine(pub.zeros(), None)
+    body = lambda v: {"manifest": raws[v].decode(), "cache_root": str(cache.root)}  # noqa: E731
+    assert handle(eng, "version", {}) == {"version": None}
+    handle(eng, "pause", {})
+    assert handle(eng, "load_full", body(0)) == {"version": 0}
+    assert handle(eng, "stage", body(1)) == {"version": 1}
+    assert handle(eng, "apply", {}) == {"version": 1}
+    handle(eng, "resume", {})
+    assert_same(eng.state_dict(), pub.states[1])
+    sums = handle(eng, "checksum", {"names": None})["checksums"]
+    m1 = read_manifest(pub.store, RUN, 1, signing_key=KEY)
+    assert sums == {t.name: f"{t.checksum:016x}" for t in m1.tensors}
+    handle(eng, "pause", {})
+    assert handle(eng, "rollback", {}) == {"version": 0}
+    assert_same(eng.state_dict(), pub.states[0])
+    specs = handle(eng, "parameters", {})["parameters"]
+    assert [spec_from_json(s) for s in specs] == list(eng.parameters())
+    assert spec_to_json(spec_from_json(specs[0])) == specs[0]
+
+
+def test_handlers_refuse_bad_requests(setup):
+    pub, cache, raws = setup
+    eng = engine.StateDictEngine(pub.zeros(), None)
+    with pytest.raises(KeyError, match="unknown engine op"):
+        handle(eng, "explode", {})
+    with pytest.raises(BadRequest, match="manifest"):
+        handle(eng, "stage", {"cache_root": str(cache.root)})
+    with pytest.raises(BadRequest, match="names"):
+        handle(eng, "checksum", {"names": "all"})
+    handle(eng, "pause", {})
+    with pytest.raises(ValueError, match="full version"):  # a delta is not a full version
+        handle(eng, "load_full", {"manifest": raws[1].decode(), "cache_root": str(cache.root)})
+    with pytest.raises(FileNotFoundError, match="not in the cache"):
+        handle(eng, "load_full", {"manifest": raws[0].decode(), "cache_root": str(cache.root / "elsewhere")})
+    assert eng.version is None  # nothing was loaded by the refused requests
+
+
+def test_remote_adapter_over_a_real_server(setup):
+    pub, cache, raws = setup
+    eng = engine.StateDictEngine(pub.zeros(), None)
+    server = ControlServer(eng, port=free_port()).start()
+    try:
+        remote = RemoteAdapter(server.url)
+        assert isinstance(remote, engine.Adapter)
+        assert remote.version is None
+        assert list(remote.parameters()) == list(eng.parameters())
+        remote.pause()
+        load_full_from_cache(remote, raws[0], cache.root)
+        stage_from_cache(remote, raws[1], cache.root)
+        remote.apply()
+        remote.resume()
+        assert remote.version == 1
+        assert remote.checksum() == eng.checksum()
+        assert_same(eng.state_dict(), pub.states[1])
+        # errors come back with their type: applying nothing staged is a state error (409) ...
+        remote.pause()
+        with pytest.raises(RuntimeError):
+            remote.apply()
+        # ... a delta for another base is a ValueError (422), and the weights are untouched
+        with pytest.raises(ValueError, match="base version"):
+            stage_from_cache(remote, raws[1], cache.root)
+        with pytest.raises(TypeError, match="stage_from_cache"):
+            remote.stage(engine.Update(version=2, kind="delta", tensors={}))
+        assert remote.version == 1
+        # unknown routes and malformed bodies
+        conn = http.client.HTTPConnection(server.host, server.port, timeout=10)
+        conn.request("POST", "/engine/weights/explode", body=b"{}")
+        resp = conn.getresponse()
+        assert resp.status == 404 and json.loads(resp.read())["type"] == "KeyError"
+        conn = http.client.HTTPConnection(server.host, server.port, timeout=10)
+        conn.request("POST", "/engine/weights/checksum", body=b"not json")
+        resp = conn.getresponse()
+        assert resp.status == 400 and "not JSON" in json.loads(resp.read())["error"]
+    finally:
+        server.close()
+    with pytest.raises(EngineUnreachable):
+        RemoteAdapter(server.url, connect_timeout_s=2).version
+
+
+def test_a_corrupt_blob_is_a_delta_error_across_the_wire(setup, tmp_path):
+    pub, cache, raws = setup
+    eng = engine.StateDictEngine({k: v.clone() for k, v in pub.states[0].items()}, 0)
+    m1 = read_manifest(pub.store, RUN, 1, signing_key=KEY)
+    # a node cache whose shard bytes were altered after verification (disk rot): the engine must refuse
+    bad = ShardCache(tmp_path / "bad")
+    for s in m1.shards:
+        data = bytearray(cache.read(s.sha256))
+        data[len(data) // 2] ^= 0xFF
+        bad.put_verified(s.sha256, data)
+    server = ControlServer(eng, port=0).start()
+    try:
+        with pytest.raises((DeltaError, ValueError)):
+            stage_from_cache(RemoteAdapter(server.url), raws[1], bad.root)
+        assert eng.version == 0
+        assert_same(eng.state_dict(), pub.states[0])
+    finally:
+        server.close()
+
+
+def test_remote_adapter_rejects_a_non_http_url():
+    with pytest.raises(ValueError, match="http://"):
+        RemoteAdapter("unix:///tmp/engine.sock")
