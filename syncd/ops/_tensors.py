@@ -14,7 +14,10 @@ def byte_view(t: torch.Tensor) -> np.ndarray:
     t = t.detach()
     if t.is_conj() or t.is_neg():
         t = t.resolve_conj().resolve_neg()
-    return t.reshape(-1).view(torch.uint8).numpy()
+    flat = t.reshape(-1)
+    if flat.numel() > 1 and flat.stride(0) != 1:  # a strided view that flattens without a copy
+        flat = flat.contiguous()
+    return flat.view(torch.uint8).numpy()
 
 
 def raw_ptr(t: torch.Tensor) -> int | None:

@@ -81,3 +81,14 @@ def test_checksum_many_equals_one_by_one():
     tensors = [random_bits(s, torch.bfloat16, g) for s in [(3,), (0,), (700, 700), (4 << 20,), (17, 5)]]
     tensors.append(tensors[2].t())  # non-contiguous: falls back to one by one
     assert checksum_many(tensors) == [checksum(t, backend="reference") for t in tensors]
+
+
+@pytest.mark.parametrize("make", [lambda: torch.arange(32, dtype=torch.float32)[::2],
+                                  lambda: torch.arange(48, dtype=torch.float32).reshape(8, 6)[:, :4],
+                                  lambda: torch.arange(32, dtype=torch.bfloat16).reshape(4, 8).t()],
+                         ids=["step", "columns", "transposed"])
+def test_strided_views_checksum_like_their_contiguous_copy(make):
+    t = make()
+    assert not t.is_contiguous()
+    for backend in ("cpu", "reference"):
+        assert checksum(t, backend=backend) == checksum(t.contiguous(), backend=backend)
