@@ -1,0 +1,40 @@
+"""The cluster layer of syncd: many nodes behind one long link to the object store.
+
+One controller (elected among the live nodes) plans each new version; each shard is read from the store
+by one node (its root) and spread to the others by a pipelined tree broadcast over authenticated TCP,
+into each node's local disk cache. See ``docs/cluster.md``.
+
+Modules: :mod:`~syncd.cluster.membership` (who is in the cluster, who is alive),
+:mod:`~syncd.cluster.election` (the controller), :mod:`~syncd.cluster.planner` (roots and trees),
+:mod:`~syncd.cluster.wire` (frames), :mod:`~syncd.cluster.auth` (the cluster secret, handshake),
+:mod:`~syncd.cluster.transfer` (cache, chunk lists, pulls, store reads), :mod:`~syncd.cluster.node`
+(:class:`ClusterNode` and the ``python -m syncd.cluster.node`` process), :mod:`~syncd.cluster.sim`
+(simulated clusters: network namespaces, shaped links, an S3 endpoint over a file store).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {
+    "ClusterNode": ("syncd.cluster.node", "ClusterNode"),
+    "ClusterConfig": ("syncd.cluster.node", "ClusterConfig"),
+    "ClusterSecret": ("syncd.cluster.auth", "ClusterSecret"),
+    "Member": ("syncd.cluster.membership", "Member"),
+    "parse_peers": ("syncd.cluster.membership", "parse_peers"),
+    "ClusterError": ("syncd.cluster.errors", "ClusterError"),
+    "AuthError": ("syncd.cluster.errors", "AuthError"),
+    "ProtocolError": ("syncd.cluster.errors", "ProtocolError"),
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    try:
+        module, attr = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'syncd.cluster' has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value
+    return value

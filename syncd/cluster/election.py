@@ -1,0 +1,60 @@
+"""Choosing the one controller of a cluster.
+
+Rule: the controller is the live node with the lowest rank (liveness from :mod:`syncd.cluster.membership`).
+A node only claims the role after it has been up for ``grace_s`` (at least the dead-after period), so a
+node that has just started cannot take over before it has had the chance to hear from lower ranks. Every
+claim opens a new *term*, one more than the highest term the node has seen in any heartbeat; plans carry
+their term, and nodes follow the plan of the highest term, so a deposed controller's late plans are ignored.
+
+When the controller dies, its heartbeats stop; every node drops it from the live set after ``dead_after_s``
+and the next-lowest live rank claims the role at its next heartbeat tick: a takeover takes between one and
+two dead-after periods (three to six heartbeats by default). The new controller rebuilds what it needs
+from shared state, not from its predecessor: the manifests in the store, each node's delivered version and
+held shards (from heartbeats) and the last plans, which every node has received (see ``ClusterNode``).
+
+Pure logic (the caller passes the clock); not thread-safe.
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger(__name__)
+
+
+class Election:
+    """The state of one node's view of the controller."""
+
+    def __init__(self, me: int, *, grace_s: float, started: float):
+        self.me = me
+        self.grace_s = grace_s
+        self.started = started
+        self.max_term = 0
+        self.term = 0  # the term this node controls, while it is the controller
+        self.controller: int | None = None
+
+    def seen_term(self, term: int) -> None:
+        """A term announced by a peer (heartbeat or plan)."""
+        if isinstance(term, int) and term > self.max_term:
+            self.max_term = term
+
+    def evaluate(self, live: list[int], now: float) -> tuple[int | None, bool]:
+        """``(controller, became)``: who controls now as seen here, and whether this node just took over
+        (then :attr:`term` is its new term). The controller is None while this node is in its grace period
+        and sees no lower live rank."""
+        lowest = min(live) if live else None
+        if lowest == self.me and now - self.started < self.grace_s:
+            lowest = None  # too early to claim: a lower rank may not have been heard yet
+        became = lowest == self.me and self.controller != self.me
+        if became:
+            self.max_term += 1
+            self.term = self.max_term
+            log.info("rank %d takes over as controller, term %d", self.me, self.term)
+        elif lowest != self.me and self.controller == self.me:
+            log.info("rank %d steps down as controller (rank %s is live and lower)", self.me, lowest)
+        self.controller = lowest
+        return lowest, became
+
+    @property
+    def is_controller(self) -> bool:
+        return self.controller == self.me

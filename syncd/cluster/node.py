@@ -1,0 +1,1070 @@
+"""One node of a syncd cluster: :class:`ClusterNode` (runs inside a daemon's asyncio loop) and the standalone
+process ``python -m syncd.cluster.node`` (a node without engines, for tests and benchmarks).
+
+What a node does (see ``docs/cluster.md``):
+
+* listens for authenticated connections (:mod:`syncd.cluster.auth`): *control* connections carry
+  heartbeats and plans, *data* connections carry pulls of shards (:mod:`syncd.cluster.transfer`);
+* sends a heartbeat to every other member every ``heartbeat_s``: its incarnation, the highest controller
+  term it has seen, its delivered version, which shards of the versions in flight it holds, and the rates it
+  receives at from each parent; the controller's heartbeat also carries the version each new node starts at;
+* runs the election (:mod:`syncd.cluster.election`); while it is the controller it polls the store for new
+  versions (conditional GET of ``latest.json``), plans every version some live node still needs
+  (:mod:`syncd.cluster.planner`), and sends each plan, with the signed manifest, to the nodes in it --
+  again whenever membership or the set of slow nodes changes;
+* for every shard of a plan it is in: reads it from the store if it is the shard's root (paced: at most
+  ``store_streams`` shards are read at once, cluster-wide), else pulls it from its parent in the shard's
+  tree, moving up the tree (grandparent, ..., root) when the parent dies or stalls, then to any live node
+  holding it, and to the store only as a last resort -- always resuming at the first chunk it lacks;
+* calls ``on_version_ready(manifest)`` once every shard of a version is in its cache, in version order,
+  never skipping or repeating one.
+
+Thread-safety: a :class:`ClusterNode` belongs to the asyncio loop that called :meth:`ClusterNode.start`;
+call its methods from that loop only. Store reads and file hashing run in worker threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import secrets
+import signal
+import sys
+import time
+from dataclasses import dataclass, fields
+
+from syncd import manifest as mf
+from syncd.cluster import auth, membership, transfer, wire
+from syncd.cluster.auth import ClusterSecret
+from syncd.cluster.election import Election
+from syncd.cluster.errors import AuthError, ClusterError, NotHeld, ProtocolError, Stalled
+from syncd.cluster.membership import Member, Membership
+from syncd.cluster.planner import Plan, plan_version
+from syncd.cluster.wire import T
+from syncd.errors import IntegrityError, ObjectNotFound, SyncdError, VersionNotFound
+from syncd.signing import resolve_key
+from syncd.store import Store
+
+log = logging.getLogger(__name__)
+
+ENV_PREFIX = "SYNCD_CLUSTER_"
+
+
+@dataclass
+class ClusterConfig:
+    """Settings of one node; times in seconds, sizes in bytes.
+
+    ``rank``: this node's rank (unique in the cluster). ``peers``: the static member list
+    (``{rank: Member}``, this node included), or ``cluster_id`` to find members in the store directory
+    ``clusters/<cluster_id>/members/`` (then ``advertise`` is this node's address there). ``listen``:
+    ``(host, port)`` to bind (default: this node's member address). ``fanout``: children per tree node.
+    ``chunk_bytes``: the unit of hashing and forwarding. ``store_streams``: shards read from the store at
+    once, cluster-wide (0: no pacing, every root reads at once -- best when roots stream; with
+    ``verify_first`` a small number keeps shards arriving one after another). ``pull_window``: shards a
+    node pulls at once. ``stall_s``: a source that sends no
+    chunk for that long (while the shard exists upstream) is abandoned for another. ``store_fallback_s``:
+    how long a node with no live source waits for a new plan before it reads the shard from the store itself.
+    ``pace_timeout_s``: a root stops waiting for earlier shards' reads after that long without progress.
+    ``slow_fraction``: a node whose children receive from it at less than this fraction of the cluster's
+    median rate is marked slow (moved to the leaves). ``throttle_bps``: cap this node's upload (tests and
+    benchmarks). ``fsync``: fsync each shard before it is moved into ``shards/``. ``verify_first``: a
+    root checks a whole shard against the manifest before it forwards any chunk (default: it streams, see
+    :mod:`syncd.cluster.transfer`)."""
+
+    rank: int
+    peers: dict | None = None
+    cluster_id: str | None = None
+    advertise: tuple | None = None
+    listen: tuple | None = None
+    heartbeat_s: float = 1.0
+    dead_after_s: float | None = None
+    poll_s: float = 1.0
+    discover_s: float = 10.0
+    fanout: int = 2
+    chunk_bytes: int = 1 << 20
+    store_streams: int = 0
+    pull_window: int = 16
+    stall_s: float = 5.0
+    store_fallback_s: float = 30.0
+    pace_timeout_s: float = 10.0
+    slow_fraction: float = 0.2
+    verify_first: bool = False
+    throttle_bps: float | None = None
+    fsync: bool = True
+    connect_timeout_s: float = 5.0
+
+    def __post_init__(self):
+        if self.dead_after_s is None:
+            self.dead_after_s = 3 * self.heartbeat_s
+        if self.peers is None and self.cluster_id is None:
+            raise ValueError("give the members: a static peer list or a store directory (cluster_id)")
+        if self.cluster_id is not None:
+            membership.check_cluster_id(self.cluster_id)
+            if self.peers is None and self.advertise is None:
+                raise ValueError("a node found through the store directory needs an advertised host:port")
+        if not 4096 <= self.chunk_bytes <= wire.MAX_CHUNK_BYTES:
+            raise ValueError(f"chunk_bytes must be in 4096..{wire.MAX_CHUNK_BYTES}")
+        if not 1 <= self.fanout <= 64 or self.store_streams < 0 or self.pull_window < 1:
+            raise ValueError("fanout must be 1..64, store_streams >= 0, pull_window >= 1")
+        if self.heartbeat_s <= 0 or self.dead_after_s <= self.heartbeat_s:
+            raise ValueError("heartbeat_s must be positive and dead_after_s longer than one heartbeat")
+
+
+@dataclass
+class _PlanState:
+    plan: Plan
+    manifest: mf.Manifest
+    raw: bytes
+
+
+@dataclass
+class _Rate:
+    """Bytes per second received from one parent while it had data ready for us (EWMA)."""
+
+    bytes: float = 0.0
+    secs: float = 0.0
+
+    def add(self, n: int, dt: float) -> None:
+        self.bytes = self.bytes * 0.9 + n
+        self.secs = self.secs * 0.9 + dt
+
+    @property
+    def rate(self) -> float:
+        return self.bytes / self.secs if self.secs > 0 else 0.0
+
+
+class EventLog:
+    """Appends one JSON object per line to a file (for tests and benchmarks); no-op without a path."""
+
+    def __init__(self, path=None):
+        self._fh = open(path, "a", buffering=1) if path else None
+
+    def __call__(self, ev: str, **kw) -> None:
+        if self._fh is not None:
+            self._fh.write(json.dumps({"ev": ev, "t": time.time(), **kw}, default=str) + "\n")
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+
+
+class ClusterNode:
+    """One node of a cluster (see the module docstring).
+
+    ``store``: URL or :class:`~syncd.store.Store` the versions are read from. ``run_id``: the run.
+    ``secret``: the :class:`~syncd.cluster.auth.ClusterSecret`. ``cache_root``: the local cache (shards go
+    to ``<cache_root>/shards/<sha256>``). ``config``: :class:`ClusterConfig`. ``signing_key``: manifest
+    key (None: from the environment; every node verifies every manifest itself).
+    ``on_version_ready``: ``async (manifest) -> None``, called in version order once all of a version's
+    shards are cached; if it raises, the same version is offered again after ``heartbeat_s``.
+    ``delivered``: the version this node's engines already have (None: read
+    ``<cache_root>/cluster/state.json``; with no record the node starts at the newest full version the
+    controller names). ``events``: path of a JSON-lines event log (tests, benchmarks).
+    """
+
+    def __init__(self, store, run_id: str, *, secret: ClusterSecret, cache_root, config: ClusterConfig,
+                 signing_key=None, on_version_ready=None, delivered: int | None = None, events=None):
+        self.store = Store.open(store)
+        self.run_id = mf.check_run_id(run_id)
+        self.secret, self.cfg = secret, config
+        self.key = resolve_key(signing_key)
+        if self.key is None:
+            log.warning("cluster node %d: no signing key; manifests are NOT authenticated", config.rank)
+        self.rank = config.rank
+        self.cache = transfer.ShardCache(cache_root, secret, fsync=config.fsync)
+        self.state_path = os.path.join(self.cache.root, "cluster", "state.json")
+        self.on_version_ready = on_version_ready
+        self.delivered = delivered if delivered is not None else self._load_delivered()
+        self.start_version: int | None = None
+        self.inc = secrets.token_hex(8)
+        self.events = EventLog(events)
+        self.stats = {"refused_connections": 0, "bad_frames": 0, "store_bytes": 0, "store_bytes_by_version": {},
+                      "served_bytes": 0, "received_bytes": 0, "switches": 0, "delivered": []}
+        self.plans: dict[int, _PlanState] = {}
+        self.membership: Membership | None = None
+        self.election: Election | None = None
+        self._ctrl_out: dict[int, wire.Channel] = {}
+        self._dialing: dict[int, asyncio.Task] = {}
+        self._workers: dict[str, asyncio.Task] = {}
+        self._rates: dict[int, _Rate] = {}
+        self._stalled: dict[int, float] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._server = None
+        self._running = False
+        self._pulse_fut: asyncio.Future | None = None
+        self._replan_fut: asyncio.Future | None = None
+        self._pull_sem: asyncio.Semaphore | None = None
+        self._throttle = transfer.Throttle(config.throttle_bps)
+        self._pool = transfer.PeerPool(lambda r: self._dial(r, "data"))
+        # controller state (rebuilt from shared state on takeover)
+        self._manifests: dict[int, tuple[bytes, mf.Manifest]] = {}
+        self._etag: str | None = None
+        self._latest: int | None = None
+        self._sent: dict[tuple, tuple] = {}
+        self._starts: dict[tuple, int] = {}
+        self._slow: dict[int, tuple[float, int]] = {}
+        self._seq = 0
+        self._ctrl_wake: asyncio.Event | None = None
+
+    # ------------------------------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        """Bind the listening socket and start every background task; returns once listening. Raises
+        ``OSError`` if the address cannot be bound."""
+        cfg = self.cfg
+        loop = asyncio.get_running_loop()
+        self._pulse_fut = loop.create_future()
+        self._replan_fut = loop.create_future()
+        self._pull_sem = asyncio.Semaphore(cfg.pull_window)
+        self._ctrl_wake = asyncio.Event()
+        members = dict(cfg.peers or {})
+        if cfg.cluster_id is not None and cfg.advertise is not None:
+            members[self.rank] = Member(self.rank, cfg.advertise[0], int(cfg.advertise[1]))
+        if self.rank not in members:
+            raise ValueError(f"rank {self.rank} has no address (not in the peer list, no advertise)")
+        self.membership = Membership(self.rank, members, dead_after_s=cfg.dead_after_s)
+        self.election = Election(self.rank, grace_s=cfg.dead_after_s, started=time.monotonic())
+        me = members[self.rank]
+        host, port = cfg.listen or (me.host, me.port)
+        self._server = await asyncio.start_server(self._accept, host, port, limit=1 << 20, reuse_address=True)
+        self.cache.on_complete = lambda st: self._pulse()
+        self._running = True
+        for coro in (self._heartbeat_loop(), self._controller_loop(), self._deliver_loop()):
+            self._tasks.append(asyncio.create_task(coro))
+        if cfg.cluster_id is not None:
+            self._tasks.append(asyncio.create_task(self._discover_loop()))
+        self.events("start", rank=self.rank, inc=self.inc, delivered=self.delivered, pid=os.getpid())
+        log.info("cluster node %d listening on %s:%d (incarnation %s)", self.rank, host, port, self.inc)
+
+    async def stop(self) -> None:
+        """Stop every task and close every connection (idempotent)."""
+        if not self._running:
+            return
+        self._running = False
+        if self._server is not None:
+            self._server.close()
+        tasks = self._tasks + list(self._workers.values()) + list(self._dialing.values())
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for ch in self._ctrl_out.values():
+            ch.close()
+        self._pool.close()
+        self.events("stop", rank=self.rank)
+        self.events.close()
+
+    @property
+    def is_controller(self) -> bool:
+        return self.election is not None and self.election.is_controller
+
+    def _pulse(self) -> None:
+        """Wake everything that waits for progress (a chunk, a shard, a plan, a heartbeat)."""
+        if self._pulse_fut is not None and not self._pulse_fut.done():
+            self._pulse_fut.set_result(None)
+        self._pulse_fut = asyncio.get_running_loop().create_future()
+
+    def _replanned(self) -> None:
+        """Wake the pulls that must check whether their source is still the right one."""
+        if not self._replan_fut.done():
+            self._replan_fut.set_result(None)
+        self._replan_fut = asyncio.get_running_loop().create_future()
+        self._pulse()
+
+    async def _wait_pulse(self, timeout: float) -> None:
+        try:
+            await asyncio.wait_for(asyncio.shield(self._pulse_fut), timeout)
+        except asyncio.TimeoutError:
+            pass
+
+    def _load_delivered(self) -> int | None:
+        try:
+            with open(self.state_path) as fh:
+                doc = json.load(fh)
+            if doc.get("run_id") == self.run_id and isinstance(doc.get("delivered"), int):
+                return doc["delivered"]
+        except (OSError, ValueError):
+            pass
+        return None
+
+    def _save_delivered(self) -> None:
+        os.makedirs(os.path.dirname(self.state_path), exist_ok=True)
+        tmp = self.state_path + ".tmp"
+        with open(tmp, "w") as fh:
+            json.dump({"run_id": self.run_id, "delivered": self.delivered}, fh)
+        os.replace(tmp, self.state_path)
+
+    # ------------------------------------------------------------------------------------- connections
+
+    async def _dial(self, rank: int, role: str) -> wire.Channel:
+        m = self.membership.members.get(rank)
+        if m is None:
+            raise ClusterError(f"rank {rank} is not a known member")
+        try:
+            ch = await auth.connect(m.host, m.port, self.secret, rank=self.rank, role=role,
+                                    timeout=self.cfg.connect_timeout_s)
+        except (AuthError, ProtocolError):
+            self.stats["refused_connections"] += 1
+            raise
+        if ch.peer != rank:
+            ch.close()
+            raise AuthError(f"{m.host}:{m.port} answered as rank {ch.peer}, expected {rank}")
+        return ch
+
+    async def _accept(self, reader, writer) -> None:
+        peer = writer.get_extra_info("peername")
+        try:
+            chan = await auth.accept(reader, writer, self.secret, rank=self.rank,
+                                     timeout=self.cfg.connect_timeout_s)
+        except (AuthError, ProtocolError, asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
+            self.stats["refused_connections"] += 1
+            self.events("refused", peer=str(peer), why=f"{type(exc).__name__}: {exc}"[:200])
+            log.warning("node %d: refused connection from %s: %s: %s", self.rank, peer, type(exc).__name__, exc)
+            writer.close()
+            return
+        try:
+            if chan.role == "control":
+                await self._control_reader(chan)
+            else:
+                await self._data_server(chan)
+        except (AuthError, ProtocolError) as exc:
+            self.stats["bad_frames"] += 1
+            self.events("bad_frame", peer=chan.peer, why=str(exc)[:200])
+            log.warning("node %d: closing connection from rank %d: %s", self.rank, chan.peer, exc)
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError, OSError):
+            pass
+        finally:
+            chan.close()
+
+    async def _control_reader(self, chan: wire.Channel) -> None:
+        while True:
+            f = await chan.recv()
+            if f.type == T.HEARTBEAT:
+                self._on_heartbeat(chan.peer, f.json())
+            elif f.type == T.PLAN:
+                await self._on_plan(chan.peer, f.json())
+            else:
+                raise ProtocolError(f"unexpected {f.type.name} on a control connection")
+
+    async def _data_server(self, chan: wire.Channel) -> None:
+        while True:
+            f = await chan.recv()
+            if f.type != T.PULL:
+                raise ProtocolError(f"unexpected {f.type.name} on a data connection")
+            await transfer.serve_pull(chan, f.json(), self.cache, lookup=self._lookup,
+                                      keepalive_s=self.cfg.heartbeat_s, chunk_bytes=self.cfg.chunk_bytes,
+                                      throttle=self._throttle, stats=self.stats)
+
+    async def _lookup(self, sha: str, size: int):
+        """The shard state to serve, waiting briefly for a plan that names it (it may arrive after a
+        child's request). None if this node neither holds nor expects it."""
+        deadline = time.monotonic() + 2 * self.cfg.heartbeat_s
+        while True:
+            st = self.cache.get(sha)
+            if st is not None and (st.complete or st.busy or st.chunk_bytes is not None):
+                return st
+            if sha in self._workers and not self._workers[sha].done():
+                return self.cache.state(sha, size)
+            if time.monotonic() >= deadline:
+                return None
+            await self._wait_pulse(deadline - time.monotonic())
+
+    # ------------------------------------------------------------------------------------- heartbeats
+
+    def _holding(self) -> dict:
+        out = {}
+        for v, ps in self.plans.items():
+            if self.delivered is not None and v <= self.delivered:
+                continue
+            bits = 0
+            for i, s in enumerate(ps.manifest.shards):
+                if self.cache.has(s.sha256):
+                    bits |= 1 << i
+            out[str(v)] = format(bits, "x")
+        return out
+
+    def _heartbeat(self) -> dict:
+        now = time.monotonic()
+        hb = {"rank": self.rank, "inc": self.inc, "term": self.election.max_term,
+              "ctrl": self.election.controller if self.election.controller is not None else -1,
+              "delivered": -1 if self.delivered is None else self.delivered,
+              "start": -1 if self.start_version is None else self.start_version,
+              "hold": self._holding(),
+              "rates": {str(r): int(x.rate) for r, x in self._rates.items() if x.secs >= 0.5},
+              "stalled": [r for r, t in self._stalled.items() if now - t < 30]}
+        if self.is_controller:
+            hb["starts"] = {str(r): v for (r, inc), v in self._starts.items()
+                            if self.membership.peers.get(r) is not None and self.membership.peers[r].incarnation == inc}
+            hb["latest"] = -1 if self._latest is None else self._latest
+        return hb
+
+    def _on_heartbeat(self, rank: int, hb: dict) -> None:
+        if hb.get("rank") != rank or not isinstance(hb.get("inc"), str) or len(hb["inc"]) > 64:
+            raise ProtocolError(f"heartbeat from rank {rank} names rank {str(hb.get('rank'))[:20]}")
+        for k in ("term", "ctrl", "delivered", "start"):
+            if not isinstance(hb.get(k), int) or isinstance(hb.get(k), bool):
+                raise ProtocolError(f"heartbeat from rank {rank}: {k} is not an integer")
+        before = set(self.membership.live())
+        if self.membership.heard(rank, hb):
+            self.events("peer_restarted", peer=rank)
+        self.election.seen_term(hb["term"])
+        if hb["ctrl"] == rank and isinstance(hb.get("starts"), dict):
+            mine = hb["starts"].get(str(self.rank))
+            if isinstance(mine, int) and mine >= 0 and self._adopt_start(mine):
+                self._pulse()
+        if set(self.membership.live()) != before:
+            self._on_membership_change()
+
+    def _adopt_start(self, v: int) -> bool:
+        if self.start_version == v:
+            return False
+        if self.delivered is None or v > self.delivered + 1:
+            if self.delivered is not None:
+                log.warning("node %d: versions %d..%d are gone from the store; continuing at full version %d",
+                            self.rank, self.delivered + 1, v - 1, v)
+            self.start_version = v
+            self.events("start_version", v=v)
+            return True
+        return False
+
+    def _on_membership_change(self) -> None:
+        live = self.membership.live()
+        self.events("live", live=live)
+        if self._ctrl_wake is not None:
+            self._ctrl_wake.set()
+        self._replanned()
+
+    async def _heartbeat_loop(self) -> None:
+        cfg = self.cfg
+        while self._running:
+            before = set(self.membership.live())
+            ctrl, became = self.election.evaluate(self.membership.live(), time.monotonic())
+            if became:
+                self.events("controller", term=self.election.term)
+                self._rebuild_controller_state()
+                self._ctrl_wake.set()
+            payload = wire.dump_json(self._heartbeat())
+            await asyncio.gather(*(self._send_control(r, T.HEARTBEAT, payload)
+                                   for r in self.membership.members if r != self.rank), return_exceptions=True)
+            await asyncio.sleep(cfg.heartbeat_s)
+            if set(self.membership.live()) != before:
+                self._on_membership_change()
+
+    async def _send_control(self, rank: int, t: T, payload: bytes) -> bool:
+        ch = self._ctrl_out.get(rank)
+        if ch is None or ch.closed:
+            if rank not in self._dialing or self._dialing[rank].done():
+                self._dialing[rank] = asyncio.create_task(self._dial_control(rank))
+            return False
+        try:
+            await asyncio.wait_for(ch.send(t, payload), max(self.cfg.heartbeat_s, 5.0 if t == T.PLAN else 0))
+            return True
+        except (OSError, ConnectionError, asyncio.TimeoutError):
+            ch.close()
+            self._ctrl_out.pop(rank, None)
+            return False
+
+    async def _dial_control(self, rank: int) -> None:
+        try:
+            ch = await self._dial(rank, "control")
+        except (OSError, asyncio.TimeoutError, ClusterError, asyncio.IncompleteReadError) as exc:
+            log.debug("node %d: control connection to rank %d failed: %s", self.rank, rank, exc)
+            await asyncio.sleep(self.cfg.heartbeat_s)
+            return
+        old = self._ctrl_out.get(rank)
+        if old is not None:
+            old.close()
+        self._ctrl_out[rank] = ch
+        # the peer never sends on our outgoing connection; reading just notices when it goes away
+        self._tasks.append(asyncio.create_task(self._watch(ch)))
+
+    async def _watch(self, ch: wire.Channel) -> None:
+        try:
+            await ch.reader.read(1)
+        except Exception:  # noqa: BLE001
+            pass
+        ch.close()
+        if self._ctrl_out.get(ch.peer) is ch:
+            del self._ctrl_out[ch.peer]
+
+    async def _discover_loop(self) -> None:
+        me = self.membership.members[self.rank]
+        while self._running:
+            try:
+                await asyncio.to_thread(membership.register, self.store, self.cfg.cluster_id, me, self.inc, self.secret)
+                found = await asyncio.to_thread(membership.discover, self.store, self.cfg.cluster_id, self.secret)
+                new = self.membership.add(found)
+                for r in new:
+                    self.events("member", peer=r)
+                    ch = self._ctrl_out.pop(r, None)
+                    if ch is not None:
+                        ch.close()
+            except (SyncdError, OSError) as exc:
+                log.warning("node %d: store directory discovery failed: %s", self.rank, exc)
+            await asyncio.sleep(self.cfg.discover_s)
+
+    # ------------------------------------------------------------------------------------- plans
+
+    async def _on_plan(self, sender: int, msg: dict) -> None:
+        raw = msg.get("manifest")
+        if not isinstance(raw, str) or not isinstance(msg.get("plan"), dict):
+            raise ProtocolError("PLAN without manifest and plan")
+        raw_b = raw.encode("ascii", errors="strict")
+        v = msg["plan"].get("version")
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= mf.MAX_VERSION:
+            raise ProtocolError("PLAN with a bad version")
+        try:
+            m = mf.parse(raw_b, key=self.key, run_id=self.run_id, version=v, where=f"plan from rank {sender}")
+        except SyncdError as exc:  # a forged or foreign manifest: refuse the plan, keep the connection's peer noted
+            self.events("bad_manifest", peer=sender, why=str(exc)[:200])
+            log.error("node %d: refusing plan from rank %d: %s", self.rank, sender, exc)
+            return
+        plan = Plan.from_json(msg["plan"], m, max_chunk_bytes=wire.MAX_CHUNK_BYTES)
+        self._accept_plan(plan, m, raw_b)
+
+    def _accept_plan(self, plan: Plan, m: mf.Manifest, raw: bytes) -> None:
+        old = self.plans.get(plan.version)
+        if old is not None and (old.plan.term, old.plan.seq) >= (plan.term, plan.seq):
+            return
+        self.election.seen_term(plan.term)
+        self.plans[plan.version] = _PlanState(plan, m, raw)
+        self.events("plan", v=plan.version, term=plan.term, seq=plan.seq, roots=plan.roots(), slow=list(plan.slow),
+                    relays=sorted({r for s in plan.shards for r in s.order[1:] if s.children(r, plan.fanout)}))
+        for sp in sorted(plan.shards, key=lambda s: s.fetch_rank):
+            if self.rank in sp.order and not self.cache.has(sp.sha256):
+                w = self._workers.get(sp.sha256)
+                if w is None or w.done():
+                    self._workers[sp.sha256] = asyncio.create_task(self._shard_worker(sp.sha256, sp.size))
+        # forget old plans (delivered long ago)
+        if self.delivered is not None:
+            for v in [v for v in self.plans if v < self.delivered - 64]:
+                del self.plans[v]
+        self._replanned()
+
+    def _plan_for(self, sha: str):
+        """The newest plan that has shard ``sha`` with this node in its tree: ``(ShardPlan, Plan, version)``."""
+        for v in sorted(self.plans, reverse=True):
+            ps = self.plans[v]
+            for sp in ps.plan.shards:
+                if sp.sha256 == sha and self.rank in sp.order:
+                    return sp, ps.plan, ps.manifest
+        return None
+
+    # ------------------------------------------------------------------------------------- shards
+
+    def _holders(self, sha: str) -> list[int]:
+        """Live peers that report holding ``sha`` complete (from heartbeats)."""
+        out = []
+        live = set(self.membership.live())
+        for r in sorted(live - {self.rank}):
+            info = self.membership.info(r)
+            d = info.get("delivered", -1)
+            for v, ps in self.plans.items():
+                for i, s in enumerate(ps.manifest.shards):
+                    if s.sha256 != sha:
+                        continue
+                    bits = info.get("hold", {}).get(str(v))
+                    held = isinstance(d, int) and d >= v
+                    if not held and isinstance(bits, str) and len(bits) <= 20000:
+                        try:
+                            held = bool(int(bits, 16) >> i & 1)
+                        except ValueError:
+                            held = False
+                    if held and r not in out:
+                        out.append(r)
+        return out
+
+    def _sources(self, sha: str, bad=()):
+        """Where to get ``sha`` from now: ``(candidates, found)``, ``found`` = ``(ShardPlan, Plan, Manifest)``
+        of the newest plan naming this node for it (None: no longer needed). Candidates, best first: the
+        root takes it from a live peer that already holds it, else reads the store (empty list); any other
+        node takes it from its parent, then the ancestors up to the root, then any live holder."""
+        found = self._plan_for(sha)
+        if found is None:
+            return [], None
+        sp, plan, _ = found
+        live = set(self.membership.live())
+        holders = [r for r in self._holders(sha) if r not in bad]
+        if sp.root == self.rank:  # a root reads the store rather than wait on a slow holder
+            cands = [r for r in holders if r not in plan.slow]
+        else:
+            cands = [r for r in sp.ancestors(self.rank, plan.fanout) if r in live and r not in bad]
+            cands += [r for r in holders if r not in cands]
+        slow = set(plan.slow)
+        return sorted(cands, key=lambda r: r in slow), found  # stable: slow sources only as a last choice
+
+    async def _shard_worker(self, sha: str, size: int) -> None:
+        st = self.cache.state(sha, size)
+        await self.cache.recover(st)
+        bad: dict[int, float] = {}
+        last_progress = time.monotonic()
+        try:
+            while self._running and not st.complete:
+                now = time.monotonic()
+                bad = {r: t for r, t in bad.items() if t > now}
+                cands, found = self._sources(sha, bad)
+                if found is None:
+                    return  # no plan names this node for it any more
+                sp, plan, m = found
+                if cands:
+                    src = cands[0]
+                    have0 = st.have
+                    try:
+                        await self._pull_from(src, st, plan, sp)
+                    except (Stalled, NotHeld, ProtocolError, IntegrityError, ClusterError, asyncio.TimeoutError,
+                            asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
+                        if isinstance(exc, (Stalled, asyncio.TimeoutError)) and not getattr(exc, "peer_starved", False):
+                            self._stalled[src] = time.monotonic()  # reported: the controller moves it to a leaf
+                        slow_src = (isinstance(exc, (Stalled, asyncio.TimeoutError))
+                                    and not getattr(exc, "peer_starved", False))
+                        bad[src] = time.monotonic() + (5 * self.cfg.stall_s if slow_src
+                                                       else max(self.cfg.stall_s, 2 * self.cfg.dead_after_s))
+                        self.stats["switches"] += 1
+                        self.events("switch", sha=sha[:16], src=src, have=st.have,
+                                    why=f"{type(exc).__name__}: {exc}"[:160])
+                        log.info("node %d: shard %s from rank %d failed at chunk %d (%s: %s)", self.rank, sha[:12],
+                                 src, st.have, type(exc).__name__, exc)
+                    if st.have > have0 or st.complete:
+                        last_progress = time.monotonic()
+                    continue
+                if sp.root == self.rank:
+                    await self._root_fetch(st, plan, sp, m, why="root")
+                    continue
+                if time.monotonic() - last_progress > self.cfg.store_fallback_s:
+                    await self._root_fetch(st, plan, sp, m, why="fallback")
+                    continue
+                await self._wait_pulse(self.cfg.heartbeat_s)  # no live source: wait for a new plan
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - keep the node alive; the next plan restarts the shard
+            log.exception("node %d: shard %s worker failed", self.rank, sha[:12])
+            self.events("worker_error", sha=sha[:16], why=f"{type(exc).__name__}: {exc}"[:200])
+        finally:
+            if self._workers.get(sha) is asyncio.current_task():
+                del self._workers[sha]
+
+    async def _pull_from(self, src: int, st, plan: Plan, sp) -> None:
+        """One pull of ``st`` from ``src``; cancelled (and the connection dropped) when a new plan makes
+        another source the first choice, or ``src`` is no longer live."""
+        async with self._pull_sem:
+            st.busy, st.source = True, f"rank {src}"
+            ch = await self._pool.acquire(src)
+            ok = False
+            rate = self._rates.setdefault(src, _Rate())
+            last = [time.monotonic()]
+            ok_first = [False]
+
+            def on_bytes(n: int, backlogged: bool) -> None:
+                now = time.monotonic()
+                if not ok_first[0]:
+                    ok_first[0] = True
+                    self.events("pulling", sha=st.sha256[:16], src=src, have=st.have)
+                elif backlogged:  # only gaps where the parent had the chunk ready measure its speed
+                    rate.add(n, now - last[0])
+                last[0] = now
+                self.stats["received_bytes"] += n
+
+            task = asyncio.create_task(transfer.pull(ch, st, self.cache, stall_s=self.cfg.stall_s,
+                                                     dead_s=2 * self.cfg.dead_after_s, on_bytes=on_bytes))
+            try:
+                key = plan.key()
+                while not task.done():
+                    waiter = asyncio.ensure_future(asyncio.shield(self._replan_fut))
+                    done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                    if task in done:
+                        waiter.cancel()
+                        break
+                    found = self._plan_for(st.sha256)
+                    if found is None or src not in self.membership.live():
+                        task.cancel()
+                        self.events("switch", sha=st.sha256[:16], src=src, have=st.have, why="source left")
+                        break
+                    if found[1].key() != key:
+                        key = found[1].key()
+                        cands, _ = self._sources(st.sha256)
+                        if (cands[0] if cands else None) != src:
+                            task.cancel()
+                            self.events("switch", sha=st.sha256[:16], src=src, have=st.have, why="replanned")
+                            break
+                if task.cancelled() or not task.done():
+                    try:
+                        await task
+                    except asyncio.CancelledError:
+                        pass
+                    return
+                task.result()
+                ok = True
+            finally:
+                if not task.done():
+                    task.cancel()
+                st.busy = False
+                if ok:
+                    self._pool.release(ch)
+                else:
+                    ch.close()
+
+    async def _root_fetch(self, st, plan: Plan, sp, m: mf.Manifest, *, why: str) -> None:
+        if why == "root":
+            await self._pace(plan, sp)
+        if st.complete:
+            return
+        key = mf.run_prefix(self.run_id) + m.shards[sp.index].key
+        counted = [0]
+
+        def on_bytes(n: int) -> None:
+            counted[0] += n
+            self.stats["store_bytes"] += n
+            by = self.stats["store_bytes_by_version"]
+            by[m.version] = by.get(m.version, 0) + n
+
+        st.busy, st.source = True, "store"
+        t0 = time.monotonic()
+        try:
+            await transfer.fetch_from_store(self.store, key, st, self.cache, chunk_bytes=plan.chunk_bytes,
+                                            verify_first=self.cfg.verify_first, on_bytes=on_bytes)
+        except ObjectNotFound:
+            self.events("store_missing", v=m.version, key=key)
+            await self._wait_pulse(self.cfg.heartbeat_s)
+        except (IntegrityError, SyncdError, OSError) as exc:
+            log.error("node %d: reading %s from the store failed: %s", self.rank, key, exc)
+            self.events("store_error", v=m.version, key=key, why=str(exc)[:200])
+            await self._wait_pulse(self.cfg.heartbeat_s)
+        finally:
+            st.busy = False
+            self.events("store_read", v=m.version, sha=st.sha256[:16], bytes=counted[0], why=why,
+                        secs=round(time.monotonic() - t0, 4))
+
+    async def _pace(self, plan: Plan, sp) -> None:
+        """Wait until at most ``store_streams - 1`` shards earlier in the plan's fetch order are still
+        being read from the store (seen here as: their chunk list has not reached this node), or until
+        ``pace_timeout_s`` passes without progress."""
+        need = sp.fetch_rank - plan.store_streams + 1
+        if plan.store_streams == 0 or need <= 0:
+            return
+        earlier = [s.sha256 for s in plan.shards if s.fetch_rank < sp.fetch_rank]
+        deadline = time.monotonic() + self.cfg.pace_timeout_s
+        while self._running:
+            ready = 0
+            for sha in earlier:
+                st = self.cache.states.get(sha)
+                if (st is not None and (st.complete or (st.chunk_bytes and st.have == st.n))) or self.cache.has(sha):
+                    ready += 1
+            if ready >= need:
+                return
+            now = time.monotonic()
+            if now >= deadline:
+                log.info("node %d: pacing timed out for shard %d (%d/%d earlier shards available)", self.rank,
+                         sp.index, ready, need)
+                return
+            fut = self._pulse_fut
+            await self._wait_pulse(deadline - now)
+            if fut.done():
+                deadline = max(deadline, time.monotonic() + self.cfg.pace_timeout_s / 4)
+
+    # ------------------------------------------------------------------------------------- delivery
+
+    def _next_version(self) -> int | None:
+        if self.start_version is not None and (self.delivered is None or self.start_version > self.delivered + 1):
+            return self.start_version
+        if self.delivered is None:
+            return None
+        return self.delivered + 1
+
+    async def _deliver_loop(self) -> None:
+        while self._running:
+            nxt = self._next_version()
+            ps = self.plans.get(nxt) if nxt is not None else None
+            if ps is not None and all(self.cache.has(s.sha256) for s in ps.manifest.shards):
+                try:
+                    if self.on_version_ready is not None:
+                        await self.on_version_ready(ps.manifest)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - offered again later
+                    log.exception("node %d: on_version_ready(%d) failed; retrying", self.rank, nxt)
+                    self.events("deliver_error", v=nxt, why=str(exc)[:200])
+                    await asyncio.sleep(self.cfg.heartbeat_s)
+                    continue
+                self.delivered = nxt
+                self.stats["delivered"].append(nxt)
+                self._save_delivered()
+                self.events("delivered", v=nxt, kind=ps.manifest.kind, cpu_s=round(time.process_time(), 4),
+                            shas=[s.sha256 for s in ps.manifest.shards], store_bytes=self.stats["store_bytes"],
+                            store_bytes_v=self.stats["store_bytes_by_version"].get(nxt, 0))
+                log.info("node %d: version %d ready", self.rank, nxt)
+                continue
+            await self._wait_pulse(self.cfg.heartbeat_s)
+
+    # ------------------------------------------------------------------------------------- controller
+
+    def _rebuild_controller_state(self) -> None:
+        """On takeover: continue from shared state -- the plans this node received (every node gets
+        them), each node's delivered version and holdings (heartbeats), the manifests (store)."""
+        self._sent.clear()
+        self._etag = None
+        for v, ps in self.plans.items():
+            self._manifests.setdefault(v, (ps.raw, ps.manifest))
+        self._seq = max([ps.plan.seq for ps in self.plans.values()] + [self._seq])
+
+    async def _controller_loop(self) -> None:
+        while self._running:
+            if self.is_controller:
+                try:
+                    await self._control_once()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - the controller keeps going
+                    log.exception("node %d: controller step failed", self.rank)
+                    self.events("controller_error", why=f"{type(exc).__name__}: {exc}"[:200])
+            self._ctrl_wake.clear()
+            try:
+                await asyncio.wait_for(self._ctrl_wake.wait(), self.cfg.poll_s)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _manifest(self, v: int) -> tuple[bytes, mf.Manifest]:
+        got = self._manifests.get(v)
+        if got is None:
+            k = mf.manifest_key(self.run_id, v)
+            try:
+                raw = await asyncio.to_thread(self.store.get, k, limit=mf.MAX_MANIFEST_BYTES + 1)
+            except ObjectNotFound:
+                raise VersionNotFound(f"run {self.run_id!r} has no version {v}") from None
+            m = mf.parse(raw, key=self.key, run_id=self.run_id, version=v, where=f"{self.store.url}/{k}")
+            got = self._manifests[v] = (raw, m)
+            if len(self._manifests) > 256:
+                del self._manifests[min(self._manifests)]
+        return got
+
+    async def _chain_start(self, v: int) -> int:
+        m = (await self._manifest(v))[1]
+        while m.kind == "delta":
+            m = (await self._manifest(m.base_version))[1]
+        return m.version
+
+    def _slow_set(self, live: list[int]) -> set[int]:
+        """Nodes to keep at the leaves. Children report, per parent, the rate they receive at while the
+        parent has data ready, and parents that stalled while holding data; a parent far below the
+        cluster's median rate, or reported stalled, is slow. Marks last 30 s (plans do not flap), and at
+        most a third of the live nodes are slow at once (the most reported first): when everyone looks
+        slow, the network is, not the nodes."""
+        now = time.monotonic()
+        per_parent: dict[int, list[int]] = {}
+        for r in live:
+            info = self.membership.info(r) if r != self.rank else self._heartbeat()
+            for p, x in (info.get("rates") or {}).items():
+                if isinstance(x, int) and x > 0 and isinstance(p, str) and p.isdigit():
+                    per_parent.setdefault(int(p), []).append(x)
+            for p in info.get("stalled") or []:
+                if isinstance(p, int) and p in live and p != r:
+                    old = self._slow.get(p, (0.0, 0))
+                    self._slow[p] = (now, old[1] + 1 if now - old[0] < 30 else 1)
+        med = {p: sorted(xs)[len(xs) // 2] for p, xs in per_parent.items()}
+        if len(med) >= 3:
+            overall = sorted(med.values())[len(med) // 2]
+            for p, x in med.items():
+                if x < self.cfg.slow_fraction * overall:
+                    old = self._slow.get(p, (0.0, 0))
+                    self._slow[p] = (now, old[1] + 1)
+        marked = sorted((p for p, (t, _) in self._slow.items() if now - t < 30 and p in live),
+                        key=lambda p: (-self._slow[p][1], p))
+        return set(marked[:len(live) // 3])
+
+    async def _control_once(self) -> None:
+        got = await asyncio.to_thread(poll_latest_safe, self.store, self.run_id, self._etag, self.key)
+        if got is not None:
+            latest, self._etag = got
+            if latest is not None and latest != self._latest:
+                self._latest = latest
+                self.events("latest", v=latest)
+        latest = self._latest
+        if latest is None:
+            return
+        live = self.membership.live()
+        nxt: dict[int, int] = {}
+        delivered: dict[int, int] = {}
+        for r in live:
+            info = self._heartbeat() if r == self.rank else self.membership.info(r)
+            inc = self.inc if r == self.rank else info.get("inc")
+            d, s = info.get("delivered", -1), info.get("start", -1)
+            delivered[r] = d
+            if d >= 0 and d + 1 <= latest:
+                try:
+                    await self._manifest(d + 1)
+                    nxt[r] = d + 1
+                except VersionNotFound:  # gone (retention): continue at the newest full version
+                    nxt[r] = self._starts.setdefault((r, inc), await self._chain_start(latest))
+            elif d >= 0:
+                nxt[r] = d + 1
+            elif s >= 0:
+                nxt[r] = s
+            else:
+                nxt[r] = self._starts.setdefault((r, inc), await self._chain_start(latest))
+            if r == self.rank and d < 0 and self._adopt_start(nxt[r]):
+                self._pulse()
+        lo = min(nxt.values())
+        slow = self._slow_set(live)
+        for v in range(lo, latest + 1):
+            try:
+                raw, m = await self._manifest(v)
+            except VersionNotFound:
+                continue
+            needers = {r for r in live if nxt[r] <= v}
+            if not needers:
+                continue
+            holders: dict[str, set[int]] = {}
+            for r in live:
+                if delivered[r] >= v:
+                    for s in m.shards:
+                        holders.setdefault(s.sha256, set()).add(r)
+            for s in m.shards:
+                for r in self._holders(s.sha256) if v in self.plans else ():
+                    holders.setdefault(s.sha256, set()).add(r)
+                if self.cache.has(s.sha256):
+                    holders.setdefault(s.sha256, set()).add(self.rank)
+            prev = self.plans.get(v)
+            cand = plan_version(m, live=live, needers=needers, holders=holders,
+                                prev=prev.plan if prev is not None else None, slow=slow, fanout=self.cfg.fanout,
+                                chunk_bytes=self.cfg.chunk_bytes, store_streams=self.cfg.store_streams,
+                                term=self.election.term, seq=self._seq + 1)
+            if prev is None or prev.plan.key() != cand.key():
+                self._seq += 1
+                self._accept_plan(cand, m, raw)
+                plan = cand
+            else:
+                plan = prev.plan
+            payload = None
+            for r in plan.members:
+                if r == self.rank or r not in live:
+                    continue
+                inc = self.membership.info(r).get("inc")
+                if self._sent.get((r, inc, v)) == plan.key():
+                    continue
+                if payload is None:
+                    payload = wire.dump_json({"plan": plan.to_json(), "manifest": raw.decode("ascii")})
+                if await self._send_control(r, T.PLAN, payload):
+                    self._sent[(r, inc, v)] = plan.key()
+        for k in [k for k in self._sent if k[2] < lo]:
+            del self._sent[k]
+
+
+def poll_latest_safe(store, run_id, etag, key):
+    """:func:`syncd.versions.poll_latest`, with store and manifest errors logged instead of raised."""
+    from syncd.versions import poll_latest
+
+    try:
+        return poll_latest(store, run_id, etag, signing_key=key or False)
+    except (SyncdError, OSError) as exc:
+        log.error("polling run %s for new versions failed: %s", run_id, exc)
+        return None
+
+
+# ---------------------------------------------------------------------------------------------- process
+
+
+def _env(name: str, default=None):
+    return os.environ.get(ENV_PREFIX + name.upper().replace("-", "_"), default)
+
+
+def _hostport(text: str) -> tuple[str, int]:
+    host, port = text.rsplit(":", 1)
+    return host.strip("[]"), int(port)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m syncd.cluster.node",
+                                description="Run one syncd cluster node without engines. Every flag can also "
+                                            "be set as SYNCD_CLUSTER_<FLAG> (e.g. SYNCD_CLUSTER_RANK); a flag "
+                                            "on the command line wins.")
+    a = p.add_argument
+    a("--store", default=_env("store", os.environ.get("SYNCD_STORE")), help="store URL or path")
+    a("--endpoint", default=_env("endpoint", os.environ.get("SYNCD_STORE_ENDPOINT")), help="S3 endpoint")
+    a("--store-option", action="append", default=None, help="K=V obstore option (repeatable)")
+    a("--run-id", default=_env("run_id", os.environ.get("SYNCD_RUN_ID")))
+    a("--rank", type=int, default=_env("rank"))
+    a("--peers", default=_env("peers"), help="static members: RANK=HOST:PORT,...")
+    a("--peers-from-store", dest="cluster_id", default=_env("peers_from_store"),
+      help="find members in the store directory clusters/<ID>/members/")
+    a("--advertise", default=_env("advertise"), help="HOST:PORT other nodes reach this one at (store directory)")
+    a("--listen", default=_env("listen"), help="HOST:PORT to bind (default: this node's address)")
+    a("--cache-root", default=_env("cache_root"), help="local cache directory")
+    a("--cluster-secret-file", default=_env("secret_file"),
+      help="file holding the cluster secret (or set SYNCD_CLUSTER_SECRET)")
+    a("--signing-key-file", default=os.environ.get("SYNCD_SIGNING_KEY_FILE"),
+      help="manifest signing key file (or SYNCD_SIGNING_KEY)")
+    for name, typ in (("heartbeat-s", float), ("dead-after-s", float), ("poll-s", float), ("discover-s", float),
+                      ("fanout", int), ("chunk-bytes", int), ("store-streams", int), ("pull-window", int),
+                      ("stall-s", float), ("store-fallback-s", float), ("pace-timeout-s", float),
+                      ("slow-fraction", float), ("throttle-bps", float)):
+        a("--" + name, type=typ, default=_env(name))
+    a("--no-fsync", action="store_true", default=_env("no_fsync") in ("1", "true", "yes"))
+    a("--verify-first", action="store_true", default=_env("verify_first") in ("1", "true", "yes"),
+      help="roots check a whole shard against the manifest before forwarding any of it")
+    a("--events", default=_env("events"), help="append JSON-lines events here")
+    a("--log-level", default=_env("log_level", os.environ.get("SYNCD_LOG_LEVEL", "WARNING")))
+    return p
+
+
+def config_from_args(args) -> ClusterConfig:
+    if args.rank is None:
+        raise ValueError("--rank (or SYNCD_CLUSTER_RANK) is required")
+    kw = {}
+    for f in fields(ClusterConfig):
+        v = getattr(args, f.name, None)
+        if v is not None and f.name not in ("rank", "peers", "cluster_id", "advertise", "listen", "fsync",
+                                            "verify_first"):
+            kw[f.name] = v
+    return ClusterConfig(rank=int(args.rank), peers=membership.parse_peers(args.peers) if args.peers else None,
+                         cluster_id=args.cluster_id, advertise=_hostport(args.advertise) if args.advertise else None,
+                         listen=_hostport(args.listen) if args.listen else None, fsync=not args.no_fsync,
+                         verify_first=args.verify_first, **kw)
+
+
+async def _amain(args) -> int:
+    cfg = config_from_args(args)
+    secret = ClusterSecret.from_file(args.cluster_secret_file) if args.cluster_secret_file else ClusterSecret.from_env()
+    if secret is None:
+        raise ValueError("no cluster secret: set SYNCD_CLUSTER_SECRET or --cluster-secret-file")
+    key = None
+    if args.signing_key_file:
+        from syncd.signing import key_from_env
+
+        key = key_from_env({"SYNCD_SIGNING_KEY_FILE": args.signing_key_file})
+    options = dict(o.split("=", 1) for o in (args.store_option or []))
+    store = Store(args.store, endpoint=args.endpoint, options=options or None)
+    if not args.run_id or not args.cache_root:
+        raise ValueError("--run-id and --cache-root are required")
+    node = ClusterNode(store, args.run_id, secret=secret, cache_root=args.cache_root, config=cfg,
+                       signing_key=key, events=args.events)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await node.start()
+    try:
+        await stop.wait()
+    finally:
+        await node.stop()
+    return 0
+
+
+def main(argv=None) -> int:
+    """Run one node until SIGTERM/SIGINT. Returns 0, or 2 for bad settings."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=str(args.log_level).upper(),
+                        format=f"%(asctime)s node{args.rank} %(name)s %(levelname)s %(message)s")
+    try:
+        try:
+            import uvloop
+        except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+            return asyncio.run(_amain(args))
+        return uvloop.run(_amain(args))
+    except ValueError as exc:
+        print(f"syncd.cluster.node: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
