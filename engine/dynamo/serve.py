@@ -1,0 +1,379 @@
+"""Start and supervise the Dynamo pieces of one inference node: engine workers and, where wanted, the frontend.
+
+    python -m engine.dynamo.serve --model DIR [--workers N] [--frontend --http-port P] [--migration-limit M]
+                                  [--discovery file|etcd [--start-services]] [--ready-file F] [-- WORKER ARGS]
+
+(``syncd serve`` runs the same :func:`main`.) Each worker is a process ``python -m engine.dynamo.worker`` with
+its own system port (admin routes ``/engine/weights/<op>`` for the node daemon: pass the URLs in the ready
+file to ``syncd --engine``); arguments after ``--`` go to every worker (e.g. ``--engine MODULE:FACTORY``,
+``--replay-store URL --run-id RUN``). Discovery: ``file`` (default, no servers) or ``etcd`` + NATS given by
+``--etcd-endpoints``/``--nats-server``, or started locally with ``--start-services``.
+
+Supervision: a worker or frontend that exits while the node runs is restarted after a backoff (1 s doubling
+to 30 s); one that fails ``--restart-limit`` times within ten minutes stops the node (exit status 1). On
+SIGTERM/SIGINT the workers get SIGTERM first (they leave discovery at once and drain), then the frontend,
+then local services; anything still running after the grace period is killed.
+
+The ready file (JSON, written atomically once every worker is visible through discovery and the frontend
+lists the model, rewritten after each restart) holds ``frontend`` (URL or null), ``model``, ``workers``
+(``name``, ``pid``, ``admin_url``, ``instance_id``, ``restarts``), the discovery settings and the pid of the
+supervisor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from engine.dynamo.procs import MAX_SYSTEM_PORT, free_port, http_json, stop_process, wait_until
+from engine.dynamo.settings import DynamoSettings, add_arguments, from_args
+
+log = logging.getLogger(__name__)
+
+__all__ = ["NodeConfig", "Node", "main", "parser"]
+
+RESTART_WINDOW_S = 600.0
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """What a node runs. ``workers``: worker processes; ``frontend``: start one (on ``http_port``, 0 picks a
+    free port); ``system_port_base``: worker i's admin port is base + i (0: free ports); ``worker_args``:
+    extra worker flags; ``run_dir``: ready files and logs (created); ``start_services``: start etcd + NATS
+    locally (etcd discovery); ``restart_limit``: failures of one child within ten minutes before the node
+    gives up; ``startup_timeout_s``: how long the node may take to come up; ``stop_grace_s``: how long
+    children get to stop before SIGKILL."""
+
+    model: Path
+    run_dir: Path
+    workers: int = 1
+    frontend: bool = False
+    http_host: str = "127.0.0.1"
+    http_port: int = 0
+    migration_limit: int = 3
+    settings: DynamoSettings = field(default_factory=DynamoSettings)
+    served_model_name: str | None = None
+    system_port_base: int = 0
+    worker_args: tuple[str, ...] = ()
+    start_services: bool = False
+    restart_limit: int = 5
+    startup_timeout_s: float = 120.0
+    stop_grace_s: float = 40.0
+    ready_file: Path | None = None
+    python: str = sys.executable
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model).resolve().name
+
+
+@dataclass
+class _Child:
+    name: str
+    argv: list[str]
+    ready_file: Path | None
+    admin_port: int | None = None
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    failures: deque = field(default_factory=deque)
+    restart_at: float | None = None
+    info: dict = field(default_factory=dict)
+
+
+class Node:
+    """The processes of one node (see the module docstring). :meth:`start` brings them up and returns
+    once they serve; :meth:`supervise` (a thread with ``background=True``) restarts what exits;
+    :meth:`close` stops everything. Thread-safe for :meth:`close` against the supervision thread."""
+
+    def __init__(self, config: NodeConfig):
+        if config.workers < 0 or (config.workers == 0 and not config.frontend):
+            raise ValueError("a node needs at least one worker or a frontend")
+        self.config = config
+        self.settings = config.settings
+        self.services = None
+        self.children: list[_Child] = []
+        self.frontend_url: str | None = None
+        self._lock = threading.RLock()
+        self._closing = threading.Event()
+        self._failed: str | None = None
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------------------------ start
+
+    def start(self) -> "Node":
+        cfg = self.config
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            if cfg.start_services:
+                from engine.dynamo.services import LocalServices
+
+                self.services = LocalServices(cfg.run_dir / "services").start()
+                self.settings = replace(self.settings, discovery="etcd",
+                                        etcd_endpoints=self.services.etcd_endpoints,
+                                        nats_server=self.services.nats_server)
+            self.settings = self.settings.resolved()
+            for i in range(cfg.workers):
+                port = (cfg.system_port_base + i if cfg.system_port_base
+                        else free_port(self.settings.host, below=MAX_SYSTEM_PORT))
+                ready = cfg.run_dir / f"worker{i}.ready.json"
+                argv = [cfg.python, "-m", "engine.dynamo.worker", "--model", str(cfg.model),
+                        "--served-model-name", cfg.model_name, "--system-port", str(port),
+                        "--ready-file", str(ready), *self.settings.argv(), *cfg.worker_args]
+                self.children.append(_Child(f"worker{i}", argv, ready, port))
+            if cfg.frontend:
+                port = cfg.http_port or free_port(cfg.http_host)
+                self.frontend_url = f"http://{cfg.http_host}:{port}"
+                argv = [cfg.python, "-m", "engine.dynamo.frontend", "--http-host", cfg.http_host,
+                        "--http-port", str(port), "--migration-limit", str(cfg.migration_limit),
+                        *self.settings.argv()]
+                self.children.append(_Child("frontend", argv, None))
+            for child in self.children:
+                self._spawn(child)
+            self.wait_ready(cfg.startup_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        self._write_ready_file()
+        return self
+
+    def _spawn(self, child: _Child) -> None:
+        if child.ready_file is not None:
+            child.ready_file.unlink(missing_ok=True)
+        logf = open(self.config.run_dir / f"{child.name}.log", "ab")
+        try:
+            child.proc = subprocess.Popen(child.argv, stdout=logf, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, env=self.settings.environ(),
+                                          start_new_session=True)
+        finally:
+            logf.close()
+        child.info = {}
+        log.info("started %s (pid %d)", child.name, child.proc.pid)
+
+    def _log_tail(self, child: _Child, n: int = 3000) -> str:
+        try:
+            return (self.config.run_dir / f"{child.name}.log").read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def _child_ready(self, child: _Child) -> bool:
+        if child.ready_file is not None:
+            try:
+                child.info = json.loads(child.ready_file.read_text())
+                return True
+            except (OSError, ValueError):
+                return False
+        status, body = http_json("GET", f"{self.frontend_url}/v1/models", timeout_s=2)
+        if status != 200 or not isinstance(body, dict):
+            return False
+        names = {m.get("id") for m in body.get("data", [])}
+        return self.config.workers == 0 or self.config.model_name in names
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Wait until every child serves; raises RuntimeError (a child exited) or TimeoutError."""
+        for child in self.children:
+            def exited(child=child):
+                if child.proc.poll() is not None:
+                    return f"{child.name} exited with status {child.proc.returncode}:\n{self._log_tail(child)}"
+                return None
+            wait_until(lambda child=child: self._child_ready(child), timeout_s, f"{child.name} to serve",
+                       interval_s=0.1, alive=exited)
+
+    # ------------------------------------------------------------------------------------ state
+
+    def workers(self) -> list[dict]:
+        """``name``, ``pid``, ``admin_url``, ``instance_id``, ``restarts`` of each worker."""
+        with self._lock:
+            return [{"name": c.name, "pid": c.proc.pid if c.proc else None,
+                     "admin_url": f"http://{self.settings.host}:{c.admin_port}",
+                     "instance_id": c.info.get("instance_id"), "restarts": c.restarts}
+                    for c in self.children if c.ready_file is not None]
+
+    def serving(self) -> bool:
+        """True when every child runs (none exited or waiting for its restart) and every worker has
+        announced itself through discovery since it last started."""
+        with self._lock:
+            return bool(self.children) and all(
+                c.proc is not None and c.proc.poll() is None and c.restart_at is None
+                and (c.ready_file is None or bool(c.info)) for c in self.children)
+
+    def describe(self) -> dict:
+        s = self.settings
+        return {"supervisor_pid": os.getpid(), "frontend": self.frontend_url, "model": self.config.model_name,
+                "workers": self.workers(), "discovery": s.discovery, "namespace": s.namespace,
+                "file_kv": str(s.file_kv) if s.file_kv else None, "etcd_endpoints": s.etcd_endpoints,
+                "nats_server": s.nats_server}
+
+    def _write_ready_file(self) -> None:
+        path = self.ready_path
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.describe(), indent=2))
+        os.replace(tmp, path)
+
+    @property
+    def ready_path(self) -> Path:
+        """Where the node description is written (``ready_file``, else ``run_dir/node.json``)."""
+        return Path(self.config.ready_file or self.config.run_dir / "node.json")
+
+    # ------------------------------------------------------------------------------------ supervision
+
+    def supervise(self, *, background: bool = False, interval_s: float = 0.2) -> str | None:
+        """Restart children that exit until :meth:`close` (returns None) or a child fails too often
+        (returns the reason, after stopping the node). ``background``: run in a daemon thread instead."""
+        if background:
+            self._thread = threading.Thread(target=self.supervise, name="dynamo-node-supervisor", daemon=True)
+            self._thread.start()
+            return None
+        while not self._closing.wait(interval_s):
+            with self._lock:
+                if self._closing.is_set():
+                    break
+                reason = self._check_children()
+            if reason:
+                log.error("%s; stopping the node", reason)
+                self._failed = reason
+                self.close()
+                return reason
+        return None
+
+    def _check_children(self) -> str | None:
+        now = time.monotonic()
+        changed = False
+        for child in self.children:
+            if child.restart_at is not None:
+                if now >= child.restart_at:
+                    child.restart_at = None
+                    child.restarts += 1
+                    self._spawn(child)
+                continue
+            if child.proc.poll() is None:
+                if child.ready_file is not None and not child.info and self._child_ready(child):
+                    changed = True
+                continue
+            child.info = {}  # its instance is gone; a restart announces a new one
+            changed = True
+            while child.failures and now - child.failures[0] > RESTART_WINDOW_S:
+                child.failures.popleft()
+            child.failures.append(now)
+            if len(child.failures) > self.config.restart_limit:
+                return (f"{child.name} failed {len(child.failures)} times in {RESTART_WINDOW_S:.0f} s (last exit "
+                        f"status {child.proc.returncode}):\n{self._log_tail(child)}")
+            delay = min(30.0, 2.0 ** (len(child.failures) - 1))
+            log.warning("%s exited with status %s; restarting in %.0f s", child.name, child.proc.returncode, delay)
+            child.restart_at = now + delay
+        if changed:
+            self._write_ready_file()
+        return None
+
+    # ------------------------------------------------------------------------------------ stop
+
+    def close(self) -> None:
+        """Stop workers (they drain), then the frontend, then local services. Idempotent."""
+        self._closing.set()
+        with self._lock:
+            workers = [c for c in self.children if c.ready_file is not None and c.proc is not None]
+            others = [c for c in self.children if c.ready_file is None and c.proc is not None]
+            for c in workers:
+                if c.proc.poll() is None:
+                    try:
+                        os.kill(c.proc.pid, signal.SIGTERM)
+                    except ProcessLookupError:
+                        pass
+            for c in workers:
+                stop_process(c.proc, self.config.stop_grace_s)
+            for c in others:
+                stop_process(c.proc, self.config.stop_grace_s)
+            if self.services is not None:
+                self.services.close()
+                self.services = None
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(10)
+
+    def __enter__(self) -> "Node":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m engine.dynamo.serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="model folder (config.json, tokenizer, weights)")
+    p.add_argument("--served-model-name", default=None, help="OpenAI model name (default: the folder's name)")
+    p.add_argument("--workers", type=int, default=int(os.environ.get("SYNCD_DYNAMO_WORKERS", "1")))
+    p.add_argument("--frontend", action="store_true", help="also run the OpenAI HTTP frontend")
+    p.add_argument("--http-host", default="127.0.0.1")
+    p.add_argument("--http-port", type=int, default=8000, help="frontend port (0: a free one)")
+    p.add_argument("--migration-limit", type=int, default=3, help="frontend request migrations (0: off)")
+    p.add_argument("--system-port-base", type=int, default=0,
+                   help="worker i's admin port is BASE + i (0: free ports, see the ready file)")
+    p.add_argument("--start-services", action="store_true", help="start etcd + NATS locally (etcd discovery)")
+    p.add_argument("--run-dir", default=None, help="logs and ready files (default: a folder under /tmp)")
+    p.add_argument("--ready-file", default=None, help="copy the node description (JSON) here once up")
+    p.add_argument("--restart-limit", type=int, default=5)
+    p.add_argument("--startup-timeout", type=float, default=180.0)
+    p.add_argument("--log-level", default=os.environ.get("SYNCD_LOG_LEVEL", "INFO"))
+    add_arguments(p)
+    return p
+
+
+def main(argv=None) -> int:
+    """Run a node until SIGTERM/SIGINT. 0: clean stop; 1: a child failed for good or the node did not come
+    up; 2: bad arguments."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    worker_args: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, worker_args = argv[:i], argv[i + 1:]
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.start_services:
+        args.discovery = "file"  # replaced by the etcd + NATS the node starts
+    try:
+        settings = from_args(args)
+        run_dir = Path(args.run_dir) if args.run_dir else Path("/tmp", f"syncd-node-{os.getpid()}")
+        config = NodeConfig(model=Path(args.model), run_dir=run_dir, workers=args.workers, frontend=args.frontend,
+                            http_host=args.http_host, http_port=args.http_port,
+                            migration_limit=args.migration_limit, settings=settings,
+                            served_model_name=args.served_model_name, system_port_base=args.system_port_base,
+                            worker_args=tuple(worker_args), start_services=args.start_services,
+                            restart_limit=args.restart_limit, startup_timeout_s=args.startup_timeout,
+                            ready_file=Path(args.ready_file) if args.ready_file else None)
+        node = Node(config)
+    except ValueError as exc:
+        print(f"engine.dynamo.serve: {exc}", file=sys.stderr)
+        return 2
+    if not Path(args.model, "config.json").is_file():
+        print(f"engine.dynamo.serve: {args.model} has no config.json (need a model folder)", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        node.start()
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        print(f"engine.dynamo.serve: the node did not come up: {exc}", file=sys.stderr)
+        return 1
+    log.info("node up: %s", json.dumps(node.describe()))
+    node.supervise(background=True)
+    while not stop.wait(0.5):
+        if node._closing.is_set():
+            break
+    node.close()
+    if node._failed:
+        print(f"engine.dynamo.serve: {node._failed}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

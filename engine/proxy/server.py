@@ -1,0 +1,601 @@
+"""The per-sandbox OpenAI-compatible proxy in front of the Dynamo frontend.
+
+An agent sandbox talks to ``http://proxy/v1/chat/completions`` and ``/v1/completions`` (streamed or not,
+``/v1/models`` too) exactly as it would to the frontend. For every request the proxy
+
+* asks the frontend for a stream with the prompt's token ids (``nvext.annotations: ["token_ids"]``) and
+  every chunk's ``engine_data`` (token ids, log-probabilities, weight versions and the engine's request
+  id, see ``engine.dynamo.protocol``), whatever the client asked; the client gets back only what it asked
+  for (a streamed or a whole response, ``nvext`` and usage only when requested);
+* retries the request when it fails before any token came back (connection refused, HTTP 404/408/429/5xx,
+  an error event before the first token): up to ``retry_attempts`` tries within ``retry_deadline_s``;
+  after the first token a failure cannot be hidden from the client and fails the turn (Dynamo's own
+  migration is what survives a dead worker mid-stream);
+* records the turn: prompt and output token ids, each token's weight version and log-probability, finish
+  reason, usage, the engine request ids (which link the turn to the engines' replay records) and the
+  workers' segments of a migrated request; the record is checked against the frontend's usage counts.
+
+Turns are grouped into trajectories by the ``X-Syncd-Trajectory`` request header (default: the proxy's
+``default_trajectory``; with ``per_request`` every request is its own trajectory, written when it ends).
+``POST /syncd/trajectories/<id>/finish`` (JSON body, optional ``{"metadata": {...}}``) writes a trajectory's
+record to the store (``engine.proxy.record``) and answers ``{"key", "status", "failure"}``; when the proxy
+stops, every open trajectory is written. A turn that could not complete (upstream failure after tokens,
+client gone, proxy stopped) is kept with what it got and marked failed with the reason; its trajectory is
+then ``failed``. A record the store refuses is kept and retried; on stop, records still unwritten go to
+``spill_dir`` (or are reported in the log as lost, with their keys).
+
+Thread-safety: one asyncio loop (uvloop) runs everything; the store is called from worker threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+from engine.proxy import sse
+from engine.proxy.record import RecordError, Trajectory, Turn, check_id, now
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ProxyConfig", "Proxy", "TRAJECTORY_HEADER"]
+
+TRAJECTORY_HEADER = "X-Syncd-Trajectory"
+RETRYABLE_STATUS = frozenset({404, 408, 429, 500, 502, 503, 504})
+MAX_REQUEST_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """``upstream``: the frontend's base URL. ``run_id``/``sandbox_id``: where records go. Timeouts in
+    seconds: ``connect_timeout_s`` per connection, ``read_timeout_s`` between two upstream reads."""
+
+    upstream: str
+    run_id: str
+    sandbox_id: str
+    default_trajectory: str | None = None
+    per_request: bool = False
+    retry_attempts: int = 5
+    retry_backoff_s: float = 0.25
+    retry_deadline_s: float = 60.0
+    connect_timeout_s: float = 10.0
+    read_timeout_s: float = 600.0
+    write_retry_s: float = 2.0
+    spill_dir: Path | None = None
+
+    def __post_init__(self):
+        check_id(self.run_id, "run id")
+        check_id(self.sandbox_id, "sandbox id")
+        if self.default_trajectory is not None:
+            check_id(self.default_trajectory, "trajectory id")
+        if self.retry_attempts < 1:
+            raise ValueError("retry_attempts must be at least 1")
+
+
+class _Retryable(Exception):
+    """Failed before any token: worth another attempt."""
+
+
+class _Rejected(Exception):
+    def __init__(self, status: int, body: str):
+        super().__init__(f"upstream refused the request: HTTP {status}: {body[:500]}")
+        self.status, self.body = status, body
+
+
+class _Broken(Exception):
+    """Failed after tokens came back: the turn fails."""
+
+
+class _ClientGone(Exception):
+    pass
+
+
+def _client_wants(body: dict) -> tuple[set, bool, bool]:
+    """(nvext extra fields, token_ids annotation, usage chunk) the client itself asked for."""
+    nvext = body.get("nvext") if isinstance(body.get("nvext"), dict) else {}
+    fields = set(nvext.get("extra_fields") or []) if isinstance(nvext.get("extra_fields"), list) else set()
+    annotations = nvext.get("annotations") if isinstance(nvext.get("annotations"), list) else []
+    opts = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
+    return fields, "token_ids" in annotations, bool(opts.get("include_usage"))
+
+
+def _upstream_body(body: dict) -> dict:
+    up = dict(body)
+    up["stream"] = True
+    up["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+    nvext = dict(body.get("nvext") or {})
+    nvext["extra_fields"] = sorted(set(nvext.get("extra_fields") or []) | {"engine_data"})
+    nvext["annotations"] = sorted(set(nvext.get("annotations") or []) | {"token_ids"})
+    up["nvext"] = nvext
+    return up
+
+
+class _TurnState:
+    """What one turn has streamed so far (the engine_data bookkeeping)."""
+
+    def __init__(self, turn: Turn):
+        self.turn = turn
+        self.choices: dict[int, dict] = {}
+        self.last: dict | None = None
+        self.done = asyncio.Event()
+
+    @property
+    def tokens(self) -> int:
+        return len(self.turn.output_token_ids)
+
+    def add_engine_data(self, ed) -> None:
+        t = self.turn
+        if not isinstance(ed, dict) or ed.get("syncd") != 1:
+            raise _Broken(f"a chunk without syncd engine_data (got {str(ed)[:200]}); is the worker an "
+                          "engine.dynamo worker?")
+        ids, versions, lps = ed.get("token_ids"), ed.get("versions"), ed.get("logprobs")
+        rid, index = ed.get("request_id"), ed.get("index")
+        if not (isinstance(ids, list) and isinstance(versions, list) and isinstance(lps, list)
+                and len(ids) == len(versions) == len(lps) and isinstance(index, int) and isinstance(rid, str)):
+            raise _Broken(f"malformed engine_data {str(ed)[:200]}")
+        seg = t.segments[-1] if t.segments else None
+        if seg is None or (index == 0 and seg["count"] > 0):
+            seg = {"request_id": rid, "start": len(t.output_token_ids), "count": 0}
+            t.segments.append(seg)
+            t.request_id = t.request_id or rid
+        elif index != seg["count"]:
+            raise _Broken(f"token {index} of engine request {rid} arrived after {seg['count']} of its tokens: "
+                          "the token record would have a gap")
+        t.output_token_ids += ids
+        t.versions += versions
+        t.logprobs += lps
+        seg["count"] += len(ids)
+
+    def add_choices(self, obj: dict, chat: bool) -> None:
+        for ch in obj.get("choices") or []:
+            i = ch.get("index", 0)
+            acc = self.choices.setdefault(i, {"text": "", "finish_reason": None, "tool_calls": {}, "role": None})
+            if chat:
+                delta = ch.get("delta") or {}
+                acc["text"] += delta.get("content") or ""
+                acc["role"] = acc["role"] or delta.get("role")
+                for tc in delta.get("tool_calls") or []:
+                    slot = acc["tool_calls"].setdefault(tc.get("index", 0), {"id": None, "type": "function",
+                                                                             "function": {"name": "", "arguments": ""}})
+                    slot["id"] = tc.get("id") or slot["id"]
+                    fn = tc.get("function") or {}
+                    slot["function"]["name"] += fn.get("name") or ""
+                    slot["function"]["arguments"] += fn.get("arguments") or ""
+            else:
+                acc["text"] += ch.get("text") or ""
+            if ch.get("finish_reason"):
+                acc["finish_reason"] = ch["finish_reason"]
+        self.turn.text = self.choices.get(0, {}).get("text", "")
+        self.turn.finish_reason = self.choices.get(0, {}).get("finish_reason")
+
+
+class Proxy:
+    """The proxy (see the module docstring). ``store``: a :class:`syncd.store.Store` (or URL) for records."""
+
+    def __init__(self, config: ProxyConfig, store):
+        from syncd.store import Store
+
+        self.config = config
+        self.store = Store.open(store)
+        self.upstream = config.upstream.rstrip("/")
+        self.trajectories: dict[str, Trajectory] = {}
+        self.written: dict[str, str] = {}  # trajectory id -> key, once in the store
+        self._pending: dict[str, bytes] = {}  # key -> record bytes the store refused so far
+        self._running: dict[str, list[_TurnState]] = {}
+        self._session: aiohttp.ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+        self._retry_task: asyncio.Task | None = None
+        self._closing = False
+        self.url: str | None = None
+
+    # ------------------------------------------------------------------------------------ lifecycle
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_REQUEST_BYTES)
+        app.router.add_post("/v1/chat/completions", lambda r: self._completion(r, "chat/completions"))
+        app.router.add_post("/v1/completions", lambda r: self._completion(r, "completions"))
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_post("/syncd/trajectories/{tid}/finish", self._finish_route)
+        app.router.add_get("/syncd/trajectories/{tid}", self._show_route)
+        return app
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Serve on ``host:port`` (0: a free port); returns the base URL."""
+        timeout = aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_s,
+                                        sock_read=self.config.read_timeout_s)
+        self._session = aiohttp.ClientSession(timeout=timeout)
+        self._runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        self.url = f"http://{host}:{port}"
+        self._retry_task = asyncio.ensure_future(self._retry_writes())
+        log.info("proxy for sandbox %s serving at %s -> %s", self.config.sandbox_id, self.url, self.upstream)
+        return self.url
+
+    async def close(self, timeout_s: float = 30.0) -> None:
+        """Stop serving, write every open trajectory, retry unwritten records until ``timeout_s``, spill
+        what is left."""
+        self._closing = True
+        if self._runner is not None:
+            await self._runner.cleanup()  # cancels running handlers: their turns are marked failed
+            self._runner = None
+        for tid in list(self.trajectories):
+            await self.finish(tid)
+        deadline = time.monotonic() + timeout_s
+        while self._pending and time.monotonic() < deadline:
+            await self._flush_pending()
+            if self._pending:
+                await asyncio.sleep(min(self.config.write_retry_s, max(0.0, deadline - time.monotonic())))
+        if self._retry_task is not None:
+            self._retry_task.cancel()
+        if self._pending:
+            self._spill()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    # ------------------------------------------------------------------------------------ trajectories
+
+    def _trajectory_id(self, request: web.Request) -> str:
+        tid = request.headers.get(TRAJECTORY_HEADER)
+        if tid is None:
+            tid = (f"req-{uuid.uuid4().hex}" if self.config.per_request
+                   else self.config.default_trajectory or f"{self.config.sandbox_id}-default")
+        return check_id(tid, f"{TRAJECTORY_HEADER} header")
+
+    def _open(self, tid: str) -> Trajectory:
+        if tid in self.written:
+            raise RecordError(f"trajectory {tid} is already finished and written")
+        traj = self.trajectories.get(tid)
+        if traj is None:
+            traj = self.trajectories[tid] = Trajectory(self.config.run_id, self.config.sandbox_id, tid)
+        return traj
+
+    async def finish(self, tid: str, metadata: dict | None = None, *, wait_s: float = 60.0) -> dict:
+        """Write trajectory ``tid`` (after its running turns end, at most ``wait_s``; turns still running
+        then are marked failed). Returns ``{"key", "status", "failure", "written"}``."""
+        traj = self.trajectories.get(tid)
+        if traj is None:
+            if tid in self.written:
+                raise RecordError(f"trajectory {tid} is already finished and written")
+            raise KeyError(f"no trajectory {tid!r} in this proxy")
+        running = [s.done.wait() for s in self._running.get(tid, [])]
+        if running:
+            try:
+                await asyncio.wait_for(asyncio.gather(*running), wait_s)
+            except asyncio.TimeoutError:
+                pass
+        self.trajectories.pop(tid, None)
+        for t in traj.turns:
+            if t.status == "running":
+                t.fail("the trajectory was finished while this request was still running")
+        traj.metadata.update(metadata or {})
+        traj.finished_at = now()
+        data = traj.encode()
+        written = await self._put(traj.key, data)
+        self.written[tid] = traj.key
+        log.info("trajectory %s: %s, %d turns, %s", tid, traj.status, len(traj.turns),
+                 "written" if written else "store write pending")
+        return {"key": traj.key, "status": traj.status, "failure": traj.failure, "written": written}
+
+    async def _put(self, key: str, data: bytes) -> bool:
+        from syncd.errors import ObjectExists
+
+        try:
+            await asyncio.to_thread(self.store.put, key, data, create=True)
+            return True
+        except ObjectExists:
+            existing = await asyncio.to_thread(self.store.get, key)
+            if bytes(existing) == data:
+                return True
+            raise RecordError(f"{key} already exists with another record")
+        except Exception as exc:  # noqa: BLE001 -- kept and retried; reported on close
+            log.warning("trajectory record %s not written (%s); kept for retry", key, exc)
+            self._pending[key] = data
+            return False
+
+    async def _flush_pending(self) -> None:
+        for key, data in list(self._pending.items()):
+            self._pending.pop(key)
+            try:
+                await self._put(key, data)
+            except RecordError as exc:
+                log.error("%s", exc)
+
+    async def _retry_writes(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.write_retry_s)
+            if self._pending:
+                await self._flush_pending()
+
+    def _spill(self) -> None:
+        if self.config.spill_dir is None:
+            log.error("%d trajectory records could not be written to %s and are lost: %s", len(self._pending),
+                      self.store.url, ", ".join(self._pending))
+            return
+        for key, data in self._pending.items():
+            path = Path(self.config.spill_dir, key)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+        log.error("%d trajectory records could not be written to %s; saved under %s", len(self._pending),
+                  self.store.url, self.config.spill_dir)
+
+    @property
+    def pending_writes(self) -> int:
+        return len(self._pending)
+
+    # ------------------------------------------------------------------------------------ routes
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"ok": True, "open_trajectories": len(self.trajectories),
+                                  "pending_writes": len(self._pending)})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        try:
+            async with self._session.get(f"{self.upstream}/v1/models") as resp:
+                return web.Response(status=resp.status, body=await resp.read(), content_type="application/json")
+        except aiohttp.ClientError as exc:
+            return _error(502, f"upstream {self.upstream} unreachable: {exc}", "upstream_unavailable")
+
+    async def _finish_route(self, request: web.Request) -> web.Response:
+        tid = request.match_info["tid"]
+        try:
+            body = await request.json() if request.can_read_body else {}
+            meta = body.get("metadata") if isinstance(body, dict) else None
+            if meta is not None and not isinstance(meta, dict):
+                return _error(400, "'metadata' must be a JSON object", "invalid_request_error")
+            return web.json_response(await self.finish(tid, meta))
+        except KeyError as exc:
+            return _error(404, str(exc.args[0]), "not_found")
+        except RecordError as exc:
+            return _error(409, str(exc), "conflict")
+        except ValueError as exc:
+            return _error(400, f"body is not JSON: {exc}", "invalid_request_error")
+
+    async def _show_route(self, request: web.Request) -> web.Response:
+        traj = self.trajectories.get(request.match_info["tid"])
+        if traj is None:
+            return _error(404, f"no open trajectory {request.match_info['tid']!r}", "not_found")
+        return web.json_response(traj.to_json())
+
+    # ------------------------------------------------------------------------------------ completions
+
+    async def _completion(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except ValueError as exc:
+            return _error(400, f"request body is not JSON: {exc}", "invalid_request_error")
+        if not isinstance(body, dict):
+            return _error(400, "request body must be a JSON object", "invalid_request_error")
+        try:
+            tid = self._trajectory_id(request)
+            traj = self._open(tid)
+        except RecordError as exc:
+            return _error(400, str(exc), "invalid_request_error")
+        turn = Turn(index=len(traj.turns), endpoint=endpoint, request=body, stream=bool(body.get("stream")))
+        traj.turns.append(turn)
+        state = _TurnState(turn)
+        self._running.setdefault(tid, []).append(state)
+        out = _ClientStream(request, turn, tid)
+        try:
+            return await self._run_turn(state, body, endpoint, out)
+        except asyncio.CancelledError:
+            turn.fail("the proxy stopped while this request was running" if self._closing
+                      else f"the client went away after {state.tokens} tokens")
+            raise
+        finally:
+            if turn.status == "running":
+                turn.fail("the proxy stopped while this request was running")
+            state.done.set()
+            self._running[tid].remove(state)
+            if self.config.per_request and tid in self.trajectories and not self._closing:
+                asyncio.ensure_future(self._finish_logged(tid))
+
+    async def _finish_logged(self, tid: str) -> None:
+        try:
+            await self.finish(tid)
+        except Exception:  # noqa: BLE001 -- a background write; nothing else can report it
+            log.exception("writing trajectory %s failed", tid)
+
+    async def _run_turn(self, state: _TurnState, body: dict, endpoint: str, out: "_ClientStream"):
+        turn = state.turn
+        cfg = self.config
+        deadline = time.monotonic() + cfg.retry_deadline_s
+        up_body = _upstream_body(body)
+        for attempt in range(1, cfg.retry_attempts + 1):
+            record = {"attempt": attempt, "started_at": now(), "error": None}
+            turn.attempts.append(record)
+            try:
+                await self._stream_once(state, up_body, endpoint, out)
+                break
+            except _Retryable as exc:
+                record["error"] = str(exc)
+                left = deadline - time.monotonic()
+                if attempt == cfg.retry_attempts or left <= 0:
+                    turn.fail(f"no token after {attempt} attempts: {exc}")
+                    return _error(502, turn.error, "upstream_unavailable")
+                delay = min(left, cfg.retry_backoff_s * 2 ** (attempt - 1) * (0.5 + random.random()))
+                log.info("turn %d of %s: attempt %d failed before any token (%s); retrying in %.2f s",
+                         turn.index, out.tid, attempt, exc, delay)
+                await asyncio.sleep(delay)
+            except _Rejected as exc:
+                record["error"] = str(exc)
+                turn.fail(str(exc))
+                return web.Response(status=exc.status, body=exc.body.encode(), content_type="application/json")
+            except _Broken as exc:
+                record["error"] = str(exc)
+                turn.fail(f"upstream failed after {state.tokens} tokens: {exc}")
+                return await out.fail(turn.error)
+            except _ClientGone:
+                turn.fail(f"the client went away after {state.tokens} tokens")
+                return out.response
+        self._check_complete(state)
+        if turn.status == "failed":
+            return await out.fail(turn.error)
+        turn.status, turn.finished_at = "ok", now()
+        if turn.stream:
+            return await out.end()
+        return web.json_response(self._whole_response(state, endpoint), headers=out.headers)
+
+    async def _stream_once(self, state: _TurnState, up_body: dict, endpoint: str, out: "_ClientStream") -> None:
+        turn = state.turn
+        wants_fields, wants_ids, wants_usage = _client_wants(turn.request)
+        chat = endpoint == "chat/completions"
+        try:
+            async with self._session.post(f"{self.upstream}/v1/{endpoint}", json=up_body) as resp:
+                if resp.status != 200:
+                    text = await resp.text()
+                    if resp.status in RETRYABLE_STATUS:
+                        raise _Retryable(f"HTTP {resp.status}: {text[:300]}")
+                    raise _Rejected(resp.status, text)
+                async for event, data in sse.events(resp.content.iter_any()):
+                    if event == "token_ids":
+                        turn.prompt_token_ids = _annotation_ids(data)
+                        if wants_ids and turn.stream:
+                            await out.send(sse.format_event(data, event))
+                        continue
+                    if event != "message":
+                        continue
+                    if data.strip() == "[DONE]":
+                        break
+                    try:
+                        obj = json.loads(data)
+                    except ValueError:
+                        raise self._failure(state, f"upstream sent a non-JSON event: {data[:200]}") from None
+                    if "error" in obj:
+                        raise self._failure(state, f"upstream error: {json.dumps(obj['error'])[:500]}")
+                    if obj.get("usage"):
+                        turn.usage = obj["usage"]
+                    turn.response_id = turn.response_id or obj.get("id")
+                    nvext = obj.get("nvext") or {}
+                    if obj.get("choices"):
+                        state.add_engine_data(nvext.get("engine_data"))
+                        state.add_choices(obj, chat)
+                    state.last = obj
+                    if turn.stream:
+                        client_obj = _for_client(obj, wants_fields)
+                        if obj.get("choices") or wants_usage:
+                            await out.send(sse.format_event(client_obj))
+                if state.tokens == 0:
+                    raise _Retryable("the upstream stream ended before any token")
+        except (aiohttp.ClientError, asyncio.TimeoutError, sse.SSEError, ConnectionError) as exc:
+            raise self._failure(state, f"{type(exc).__name__}: {exc}") from None
+
+    def _failure(self, state: _TurnState, reason: str) -> Exception:
+        return _Retryable(reason) if state.tokens == 0 else _Broken(reason)
+
+    def _check_complete(self, state: _TurnState) -> None:
+        """Fail the turn unless its record is whole and agrees with the frontend's counts."""
+        t = state.turn
+        if t.status == "failed":
+            return
+        if t.finish_reason is None:
+            t.fail(f"the upstream stream ended without a finish reason after {state.tokens} tokens")
+        elif not t.prompt_token_ids:
+            t.fail("the frontend sent no prompt token ids (nvext annotation token_ids)")
+        elif t.usage is None:
+            t.fail("the frontend sent no usage counts to check the token record against")
+        elif t.usage.get("completion_tokens") != state.tokens:
+            t.fail(f"token record incomplete: the frontend counted {t.usage.get('completion_tokens')} output "
+                   f"tokens, the proxy recorded {state.tokens}")
+        elif t.usage.get("prompt_tokens") != len(t.prompt_token_ids):
+            t.fail(f"prompt record mismatch: the frontend counted {t.usage.get('prompt_tokens')} prompt tokens, "
+                   f"its token_ids annotation had {len(t.prompt_token_ids)}")
+
+    def _whole_response(self, state: _TurnState, endpoint: str) -> dict:
+        last = state.last or {}
+        wants_fields, _, _ = _client_wants(state.turn.request)
+        choices = []
+        for i, acc in sorted(state.choices.items()):
+            if endpoint == "chat/completions":
+                msg = {"role": acc["role"] or "assistant", "content": acc["text"]}
+                if acc["tool_calls"]:
+                    msg["tool_calls"] = [acc["tool_calls"][k] for k in sorted(acc["tool_calls"])]
+                choices.append({"index": i, "message": msg, "finish_reason": acc["finish_reason"], "logprobs": None})
+            else:
+                choices.append({"index": i, "text": acc["text"], "finish_reason": acc["finish_reason"],
+                                "logprobs": None})
+        out = {"id": state.turn.response_id, "object": "chat.completion" if endpoint == "chat/completions"
+               else "text_completion", "created": last.get("created"), "model": last.get("model"),
+               "choices": choices, "usage": state.turn.usage}
+        if wants_fields:
+            nvext = {k: v for k, v in (last.get("nvext") or {}).items() if k in wants_fields}
+            if "engine_data" in wants_fields:
+                t = state.turn
+                nvext["engine_data"] = {"syncd": 1, "request_id": t.request_id, "token_ids": t.output_token_ids,
+                                        "versions": t.versions, "logprobs": t.logprobs}
+            out["nvext"] = nvext
+        return out
+
+
+def _for_client(obj: dict, wants_fields: set) -> dict:
+    if "nvext" not in obj:
+        return obj
+    obj = dict(obj)
+    nvext = {k: v for k, v in (obj.pop("nvext") or {}).items() if k in wants_fields}
+    if nvext:
+        obj["nvext"] = nvext
+    return obj
+
+
+def _annotation_ids(data: str) -> list[int]:
+    try:
+        ids = json.loads(data)
+        if isinstance(ids, str):
+            ids = json.loads(ids)
+    except ValueError:
+        raise _Broken(f"malformed token_ids annotation {data[:200]}") from None
+    if not isinstance(ids, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
+        raise _Broken(f"malformed token_ids annotation {data[:200]}")
+    return ids
+
+
+def _error(status: int, message: str, kind: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+
+
+class _ClientStream:
+    """The response to the client: headers are sent lazily, at the first streamed event, so a turn that
+    fails before any token can still answer with an error status."""
+
+    def __init__(self, request: web.Request, turn: Turn, tid: str):
+        self.request, self.turn, self.tid = request, turn, tid
+        self.headers = {TRAJECTORY_HEADER: tid, "X-Syncd-Turn": str(turn.index)}
+        self.response: web.StreamResponse | None = None
+
+    async def send(self, data: bytes) -> None:
+        try:
+            if self.response is None:
+                self.response = web.StreamResponse(status=200, headers={
+                    **self.headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                await self.response.prepare(self.request)
+            await self.response.write(data)
+        except (ConnectionError, aiohttp.ClientConnectionResetError) as exc:
+            raise _ClientGone(str(exc)) from None
+
+    async def end(self) -> web.StreamResponse:
+        await self.send(b"data: [DONE]\n\n")
+        await self.response.write_eof()
+        return self.response
+
+    async def fail(self, message: str) -> web.StreamResponse:
+        """Tell the client (an error event on a started stream, else an HTTP 502)."""
+        if self.response is None:
+            return _error(502, message, "upstream_error")
+        try:
+            await self.send(sse.format_event({"error": {"message": message, "type": "upstream_error", "code": 502}}))
+            await self.end()
+        except _ClientGone:
+            pass
+        return self.response
