@@ -31,6 +31,7 @@ import http.client
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -294,6 +295,10 @@ class ControlServer:
 _KNOWN_ERRORS = {c.__name__: c for c in (ValueError, RuntimeError, KeyError, TypeError, FileNotFoundError)}
 
 
+# How Dynamo 1.6's system server reports an exception raised by an engine route (it cannot set the status).
+_DYNAMO_ROUTE_ERROR = re.compile(r"^Python callback failed: (\w+): (.*)\Z", re.DOTALL)
+
+
 def _error_class(name: str):
     from syncd import errors
 
@@ -352,8 +357,12 @@ class RemoteAdapter:
                                     f"{raw[:200]!r}") from None
         if resp.status != 200:
             msg = reply.get("error", f"HTTP {resp.status}") if isinstance(reply, dict) else str(reply)
-            cls = _error_class(reply.get("type", "") if isinstance(reply, dict) else "")
-            raise cls(f"engine at {self.base_url}: {op}: {msg}")
+            kind = reply.get("type", "") if isinstance(reply, dict) else ""
+            if not kind and isinstance(reply, dict):  # Dynamo's system server: its own envelope, status 500
+                m = _DYNAMO_ROUTE_ERROR.match(str(reply.get("message", "")))
+                if m:
+                    kind, msg = m.group(1), m.group(2)
+            raise _error_class(kind)(f"engine at {self.base_url}: {op}: {msg}")
         return reply
 
     @property

@@ -108,6 +108,7 @@ def write_model(out: Path, *, arch: str = "qwen2", seed: int = 0, **size) -> Pat
     out.mkdir(parents=True, exist_ok=True)
     config = model_config(arch, **size)
     model = random_model(config, seed)
+    config.architectures = [type(model).__name__]  # Dynamo's frontend refuses a config without it
     config.save_pretrained(out)
     state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})

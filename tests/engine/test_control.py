@@ -138,3 +138,33 @@ def test_a_corrupt_blob_is_a_delta_error_across_the_wire(setup, tmp_path):
 def test_remote_adapter_rejects_a_non_http_url():
     with pytest.raises(ValueError, match="http://"):
         RemoteAdapter("unix:///tmp/engine.sock")
+
+
+def test_remote_adapter_reads_dynamos_error_envelope():
+    """Dynamo's system server cannot choose a status: a failed route is a 500 with the exception in
+    ``message``. The client still raises the engine's own error type with its text."""
+    import http.server
+    import threading
+
+    from syncd.errors import ManifestError
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = json.dumps({"error": "Handler error",
+                               "message": "Python callback failed: ManifestError: bad schema\nline 2"}).encode()
+            self.send_response(500)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(ManifestError, match="bad schema\nline 2"):
+            RemoteAdapter(f"http://127.0.0.1:{srv.server_port}").call("stage", {})
+    finally:
+        srv.shutdown()

@@ -225,6 +225,7 @@ def test_make_tiny_writes_a_folder_transformers_and_dynamo_can_load(tmp_path, ca
                        (["--moe", "--arch", "mixtral"], "MixtralForCausalLM")):
         out = tmp_path / arch
         assert make_tiny_main(["--out", str(out)] + flag) == 0
+        assert json.loads((out / "config.json").read_text())["architectures"] == [arch]  # Dynamo needs it
         cfg = json.loads((out / "tokenizer_config.json").read_text())
         assert cfg["tokenizer_class"] == "PreTrainedTokenizerFast" and "im_start" in cfg["chat_template"]
         tok = AutoTokenizer.from_pretrained(str(out))
