@@ -10,6 +10,10 @@
 namespace py = pybind11;
 using namespace syncd;
 
+namespace syncd {
+void register_nvfp4(py::module_& m);  // nvfp4_bindings.cpp
+}
+
 namespace {
 
 struct View {
@@ -162,4 +166,6 @@ PYBIND11_MODULE(_native, m) {
     return py::make_tuple(p_arr, v_arr, h.base_checksum, h.new_checksum);
   }, py::arg("blob"), py::arg("dtype_code"), py::arg("shape"), py::arg("threads") = 1,
      "Validate a blob for a target of dtype/shape and return (positions, values, base_checksum, new_checksum).");
+
+  register_nvfp4(m);
 }

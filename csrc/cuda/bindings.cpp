@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 
 #include "kernels.cuh"
+#include "nvfp4.cuh"
 
 namespace py = pybind11;
 using namespace syncd_cuda;
@@ -28,4 +29,5 @@ PYBIND11_MODULE(_cuda_native, m) {
     scatter_apply(reinterpret_cast<void*>(t), reinterpret_cast<const int64_t*>(pos),
                   reinterpret_cast<const uint64_t*>(v), mm, bits, is_float, forward, stream);
   });
+  register_nvfp4(m);
 }

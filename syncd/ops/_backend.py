@@ -25,6 +25,10 @@ GPU_PREFERENCE = {
     "checksum": ("cuda", "triton"),
     "encode": ("triton", "cuda"),
     "apply": ("cuda", "triton"),
+    # NVFP4 (syncd.ops.nvfp4): not yet timed on a GPU; bench/gpu_nvfp4.py (in bench/gpu_check.sh) times CUDA
+    # (one thread per block of 16, 16-byte loads) and Triton (128 blocks per program) side by side.
+    "nvfp4_quantize": ("cuda", "triton"),
+    "nvfp4_dequantize": ("cuda", "triton"),
 }
 
 
