@@ -231,6 +231,15 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    saved = dict(os.environ)  # the direct client sets Dynamo's variables in this process; don't leak them
+    try:
+        return _main(argv)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _main(argv=None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper())
     cfg = dict(PRESETS[args.preset])

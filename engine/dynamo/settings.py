@@ -90,7 +90,7 @@ class DynamoSettings:
         env.setdefault("DYN_LOG", s.log)
         if s.discovery == "file":
             env["DYN_FILE_KV"] = str(s.file_kv)
-            for var in ("ETCD_ENDPOINTS", "NATS_SERVER"):
+            for var in ("ETCD_ENDPOINTS", "NATS_SERVER", "DYN_EVENT_PLANE"):  # a NATS event plane needs NATS
                 env.pop(var, None)
         else:
             env.pop("DYN_FILE_KV", None)

@@ -51,3 +51,13 @@ def test_serve_refuses_bad_arguments(tmp_path, capsys):
     assert "at least one worker" in capsys.readouterr().err
     assert serve.main(["--model", str(tmp_path), "--discovery", "etcd"]) == 2
     assert "etcd endpoints" in capsys.readouterr().err
+
+
+def test_file_discovery_drops_a_leftover_nats_event_plane():
+    """A process that once ran with etcd + NATS must not hand a NATS event plane to file-discovery children."""
+    from engine.dynamo.settings import DynamoSettings
+
+    env = DynamoSettings(discovery="file", file_kv="/tmp/kv").environ(
+        {"DYN_EVENT_PLANE": "nats", "NATS_SERVER": "nats://127.0.0.1:4222", "ETCD_ENDPOINTS": "http://x"})
+    assert not {"DYN_EVENT_PLANE", "NATS_SERVER", "ETCD_ENDPOINTS"} & set(env)
+    assert env["DYN_DISCOVERY_BACKEND"] == "file" and env["DYN_FILE_KV"] == "/tmp/kv"
