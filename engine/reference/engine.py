@@ -119,7 +119,12 @@ class ReferenceEngine:
                         device="cpu", compute_dtype=None, tp_size: int = 1, **kw) -> "ReferenceEngine":
         """From the trainer's tensors (names as the transformers model of ``config`` has them) and its
         config. ``tp_size=2`` runs a simulated tensor-parallel split (dense Llama/Qwen2 only): two ranks each
-        holding half of each sliced parameter, with fused qkv and gate_up (:mod:`engine.reference.tp`)."""
+        holding half of each sliced parameter, with fused qkv and gate_up (:mod:`engine.reference.tp`).
+
+        NVFP4: a state dict holding ``<name>.qdata/.scales/.per_tensor_scale`` triples (what
+        ``trainer.qat.export_nvfp4`` publishes) is detected; those weights are served from their packed
+        parts, which are the engine's parameters under those names (:mod:`engine.reference.nvfp4_weights`).
+        ``tp_size`` must then be 1 (ValueError otherwise)."""
         if tp_size == 1:
             from engine.reference.model import HFRunner
 
@@ -182,15 +187,24 @@ class ReferenceEngine:
 
     def apply(self) -> None:
         self._need_pause("apply")
-        self._updater.apply(verify=self.verify_apply)
+        applied = self._updater.apply(verify=self.verify_apply)
+        try:
+            self._written(applied)
+        except BaseException:  # keep apply all or nothing: the weights and what is computed from them
+            self._updater.rollback()
+            self._written(applied)
+            raise
 
     def rollback(self) -> None:
         self._need_pause("rollback")
+        undone = self._updater.last_applied
         self._updater.rollback()
+        self._written(undone)
 
     def load_full(self, update: Update) -> None:
         self._need_pause("load_full")
         self._updater.load_full(update)
+        self._written(None)
 
     def resume(self) -> None:
         with self._cv:
@@ -199,6 +213,13 @@ class ReferenceEngine:
 
     def checksum(self, names: Sequence[str] | None = None) -> dict[str, int]:
         return self._updater.checksum(names)
+
+    def _written(self, update) -> None:
+        """Tell the runner which local tensors were written (``update``'s positions; None: all), so it can
+        refresh what it computes from them (the dequantized copies of NVFP4 weights)."""
+        written = getattr(self.runner, "weights_written", None)
+        if written is not None:
+            written(None if update is None else {p.name: p.index for p in update.params})
 
     def _need_pause(self, op: str) -> None:
         if not self.paused:

@@ -1,12 +1,16 @@
 """Write a tiny random-init model and a tiny tokenizer to a local folder (nothing is downloaded).
 
     python -m engine.reference.make_tiny --out DIR [--moe] [--arch qwen2|llama|qwen3_moe|mixtral] [--seed N]
+                                         [--nvfp4]
 
 The folder holds ``config.json``, ``model.safetensors`` (bf16), ``generation_config.json``,
 ``tokenizer.json`` (byte-level BPE without merges: every byte is a token, so any text round-trips) and
 ``tokenizer_config.json`` (``tokenizer_class: PreTrainedTokenizerFast``, a ChatML ``chat_template``
 inline), which is what ``transformers.AutoTokenizer``/``AutoModelForCausalLM`` and NVIDIA Dynamo's frontend
 need. Dense: Qwen2 (default, q/k/v biases) or Llama; MoE (``--moe``): Qwen3-MoE (default) or Mixtral.
+``--nvfp4`` (dense only) stores the decoder's linear weights as NVFP4 triples (``<name>.qdata``,
+``.scales``, ``.per_tensor_scale``; ``docs/nvfp4.md``), quantized from the bf16 weights, which
+``ReferenceEngine.from_pretrained`` serves.
 """
 
 from __future__ import annotations
@@ -99,11 +103,18 @@ def write_tokenizer(out: Path) -> None:
     (out / "special_tokens_map.json").write_text(json.dumps({"eos_token": EOS, "pad_token": "<|endoftext|>"}))
 
 
-def write_model(out: Path, *, arch: str = "qwen2", seed: int = 0, **size) -> Path:
-    """Write a tiny random-init model of ``arch`` (bf16 safetensors), its config and the tokenizer to ``out``."""
+DENSE = ("qwen2", "llama")
+
+
+def write_model(out: Path, *, arch: str = "qwen2", seed: int = 0, nvfp4: bool = False, **size) -> Path:
+    """Write a tiny random-init model of ``arch`` (bf16 safetensors), its config and the tokenizer to ``out``.
+    ``nvfp4``: the linear weights of the decoder layers as NVFP4 triples instead (what
+    ``syncd.ops.nvfp4.quantize_state_dict`` picks; dense architectures only, else ValueError)."""
     import torch
     from safetensors.torch import save_file
 
+    if nvfp4 and arch not in DENSE:
+        raise ValueError(f"NVFP4 tiny models are dense ({', '.join(DENSE)}), not {arch}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config = model_config(arch, **size)
@@ -111,12 +122,17 @@ def write_model(out: Path, *, arch: str = "qwen2", seed: int = 0, **size) -> Pat
     config.architectures = [type(model).__name__]  # Dynamo's frontend refuses a config without it
     config.save_pretrained(out)
     state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    if nvfp4:
+        from syncd.ops.nvfp4 import quantize_state_dict
+
+        state = quantize_state_dict(state, dtype=torch.bfloat16)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     ids = special_ids()
     (out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids[EOS], "pad_token_id": ids["<|endoftext|>"]}))
     write_tokenizer(out)
-    log.info("wrote a tiny %s model (%d parameters) to %s", arch, sum(v.numel() for v in state.values()), out)
+    log.info("wrote a tiny %s model (%d parameters%s) to %s", arch, sum(p.numel() for p in model.parameters()),
+             ", NVFP4" if nvfp4 else "", out)
     return out
 
 
@@ -128,6 +144,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=int(os.environ.get("SYNCD_SEED", "0")))
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--nvfp4", action="store_true", help="store the linear weights as NVFP4 (dense models only)")
     p.add_argument("--log-level", default=os.environ.get("SYNCD_LOG_LEVEL", "WARNING"))
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper())
@@ -136,7 +153,7 @@ def main(argv=None) -> int:
         p.error(f"--moe needs a MoE architecture, not {arch}")
     try:
         write_model(Path(a.out), arch=arch, seed=a.seed, hidden=a.hidden, layers=a.layers,
-                    intermediate=2 * a.hidden)
+                    intermediate=2 * a.hidden, nvfp4=a.nvfp4)
     except (OSError, ValueError) as exc:
         print(f"make_tiny: {exc}", file=sys.stderr)
         return 1

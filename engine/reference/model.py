@@ -7,6 +7,11 @@ keeps sampling reproducible), the weights' dtype on a GPU. With fp32 compute and
 parameters hold bf16-exact values and the updater writes the bf16 words in place
 (:func:`engine.updater.bf16_view_of_fp32`); nothing is stored twice.
 
+NVFP4 weights (a state dict with ``<name>.qdata/.scales/.per_tensor_scale`` triples, ``docs/nvfp4.md``) are
+detected and held by :class:`~engine.reference.nvfp4_weights.NVFP4Weights`: the packed parts are the
+updater's parameters under the trainer's names, and the model parameter ``<name>`` is their dequantized
+copy, refreshed by :meth:`HFRunner.weights_written` after every write (only the blocks that changed).
+
 :class:`HFRunner` runs any ``transformers`` causal LM (dense or MoE; the MoE router's top-k expert ids are
 captured by forward hooks). Each request has its own KV cache (``DynamicCache``) and its own forward call,
 so a request's logits never depend on which other requests are running.
@@ -67,16 +72,26 @@ def load_folder_weights(folder: str | Path) -> dict[str, torch.Tensor]:
 
 class HFRunner:
     """A ``transformers`` causal LM built from ``config`` and loaded with ``weights`` (trainer names ->
-    tensors, all of one floating dtype: the weights dtype). ``device``/``compute_dtype`` as above.
-    Raises ValueError when ``weights`` and the model's state dict differ in names or shapes."""
+    tensors, all of one floating dtype: the weights dtype; NVFP4 triples besides, which are dequantized to the
+    weights dtype, the dtype ``trainer.qat.export_nvfp4`` cast the other tensors to). ``device``/
+    ``compute_dtype`` as above. Raises ValueError when ``weights`` and the model's state dict differ in names
+    or shapes, for an incomplete or malformed NVFP4 triple, and for an NVFP4 weight that is tied to another."""
 
     def __init__(self, config, weights: Mapping[str, torch.Tensor], *, device="cpu", compute_dtype=None):
         from transformers import AutoModelForCausalLM
 
-        dtypes = {t.dtype for t in weights.values()}
-        if len(dtypes) != 1:
+        from engine.reference.nvfp4_weights import NVFP4Weights, has_nvfp4
+
+        packed: dict = {}
+        if has_nvfp4(weights):
+            from syncd.ops import nvfp4
+
+            weights = nvfp4.load_state_dict(weights)  # ValueError for an incomplete or malformed triple
+            packed = {n: t for n, t in weights.items() if isinstance(t, nvfp4.NVFP4Tensor)}
+        dtypes = {t.dtype for n, t in weights.items() if n not in packed}
+        if len(dtypes) > 1 or not (dtypes or packed):
             raise ValueError(f"weights must share one dtype, got {sorted(map(str, dtypes))}")
-        self.weights_dtype = dtypes.pop()
+        self.weights_dtype = dtypes.pop() if dtypes else torch.bfloat16
         self.device = torch.device(device)
         self.compute_dtype = compute_dtype or default_compute_dtype(self.device, self.weights_dtype)
         self.config = config
@@ -102,14 +117,23 @@ class HFRunner:
                     raise ValueError(f"weight {name!r} has shape {list(w.shape)}, the model {list(p.shape)}")
                 key = p.data_ptr()
                 if key in seen:
+                    if name in packed or seen[key] in packed:
+                        raise ValueError(f"NVFP4 weights cannot be tied: {seen[key]!r} and {name!r} share storage")
                     self.aliases.append(name)
                     continue
                 seen[key] = name
-                p.copy_(w.to(self.device))
-                local = local_view(p, self.weights_dtype)
-                self.local_tensors[name] = local
-                self.specs.append(ParamSpec(name, self.weights_dtype, tuple(p.shape), str(self.device),
-                                            (ParamPiece(name, tuple(p.shape)),)))
+                if name not in packed:  # NVFP4 weights are dequantized into their parameters below
+                    p.copy_(w.to(self.device))
+        self.nvfp4 = NVFP4Weights(packed, {n: state[n] for n in packed}, serving_dtype=self.weights_dtype)
+        for name in seen.values():  # the model's order; an NVFP4 weight in its place as its three packed parts
+            if name in packed:
+                self.specs += self.nvfp4.specs(name)
+                self.local_tensors.update(self.nvfp4.parts(name))
+                continue
+            p = state[name]
+            self.local_tensors[name] = local_view(p, self.weights_dtype)
+            self.specs.append(ParamSpec(name, self.weights_dtype, tuple(p.shape), str(self.device),
+                                        (ParamPiece(name, tuple(p.shape)),)))
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self._routing: list[torch.Tensor] = []
         self.routers = [m for _, m in model.named_modules() if _is_router(m)]
@@ -117,6 +141,12 @@ class HFRunner:
             m.register_forward_hook(self._capture_routing)
         self.top_k = int(getattr(self.routers[0], "top_k", 0)) if self.routers else 0
         self.num_experts = int(getattr(self.routers[0], "num_experts", 0)) if self.routers else 0
+
+    def weights_written(self, changed: Mapping[str, torch.Tensor] | None) -> None:
+        """The engine wrote the local tensors (while paused): ``changed`` maps local names to the flat
+        positions written (None: every tensor may have changed). Refreshes the dequantized copies of NVFP4
+        weights whose packed parts changed; nothing else to do (the other tensors are the model's own)."""
+        self.nvfp4.refresh(changed)
 
     @property
     def vocab_size(self) -> int:

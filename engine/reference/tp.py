@@ -43,6 +43,9 @@ class TPRunner:
 
     def __init__(self, config, weights: Mapping[str, torch.Tensor], *, world_size: int = 2, device="cpu",
                  compute_dtype=None):
+        if any(k.endswith(".qdata") for k in weights):
+            raise ValueError("the tensor-parallel runner does not slice NVFP4 weights (<name>.qdata/.scales/"
+                             ".per_tensor_scale); serve an NVFP4 model with tp_size=1")
         if config.model_type not in ("llama", "qwen2"):
             raise ValueError(f"the tensor-parallel runner supports llama and qwen2, not {config.model_type}")
         rope = getattr(config, "rope_parameters", None) or {"rope_type": "default",
