@@ -2,7 +2,8 @@
 
 Commands (README.md has the full table of flags and their environment variables)::
 
-    syncd --run-id RUN --engine URL ...  the node daemon (also ``syncd daemon``): keep engines current
+    syncd --run-id RUN --engine URL ...  the node daemon (also ``syncd daemon``): keep engines current;
+                                         with ``--cluster-rank R --cluster-peers ...`` one node of a cluster
     syncd status --run-id RUN            the node daemon's state (from its status file)
     syncd demo [--json PATH]             the local end-to-end run (trainer, daemon, two engines, a client)
     syncd ls [--run-id RUN]              runs in the store, or the versions of one run
@@ -98,6 +99,9 @@ def _daemon_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-addr", default=s, metavar="ADDR", help="metrics bind address [SYNCD_METRICS_ADDR]")
     p.add_argument("--status-file", default=s, metavar="PATH",
                    help="the daemon's state file [SYNCD_STATUS_FILE; default <cache-dir>/status-<run>.json]")
+    from syncd.daemon.cluster import add_cluster_flags
+
+    add_cluster_flags(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -195,10 +199,18 @@ def _daemon_config(args):
 
 def _run_daemon(args, out) -> int:
     from syncd.daemon import NodeDaemon, run
+    from syncd.daemon.cluster import ClusterLink, cluster_settings
 
     config = _daemon_config(args)
+    cluster = cluster_settings(args)
     store, key = _open(args, create=True)
-    daemon = NodeDaemon(config, store=store, signing_key=key)
+    daemon = NodeDaemon(config, store=store, signing_key=key, poll=cluster is None)
+    if cluster is not None:  # the cluster's controller polls; versions arrive through the cluster node
+        daemon.attach(ClusterLink(daemon, cluster, store=store))
+        c = cluster.config
+        log.warning("syncd daemon: cluster node rank %d, members %s", c.rank,
+                    ",".join(f"{r}={m.host}:{m.port}" for r, m in sorted(c.peers.items())) if c.peers
+                    else f"from the store directory {c.cluster_id!r}")
     log.warning("syncd daemon: run %s, store %s, engines %s, cache %s, status %s", config.run_id, store.url,
                 ", ".join(f"{e.name}={e.url}" for e in config.engines), daemon.cache.root, daemon.status.path)
     run(daemon)
@@ -238,12 +250,32 @@ def _status(args, out) -> int:
                       f"{str(e.get('state')):14} {e.get('url')}\n")
             if e.get("error"):
                 out.write(f"{'':12} error: {e['error']}\n")
+        if doc.get("cluster"):
+            out.write(_cluster_lines(doc["cluster"]))
         totals = doc.get("totals") or {}
         if totals:
             out.write("totals: " + ", ".join(f"{k}={v:g}" for k, v in sorted(totals.items())) + "\n")
     engines = doc.get("engines", {}).values()
     healthy = alive and all(e.get("state") == "serving" and e.get("lag") == 0 for e in engines)
     return 0 if healthy else 1
+
+
+def _cluster_lines(c: dict) -> str:
+    """``syncd status``: the cluster node's part (see :meth:`syncd.cluster.ClusterNode.summary`)."""
+    ctrl = c.get("controller")
+    role = ("controller" if c.get("is_controller") else "no controller yet" if ctrl is None
+            else f"controller rank {ctrl}")
+
+    def mib(n) -> str:
+        return f"{(n or 0) / (1 << 20):.2f} MiB"
+
+    return (f"cluster: rank {c.get('rank')} at {c.get('listen')}, {role} (term {c.get('term')}), "
+            f"live {c.get('live')} of {c.get('members')}, delivered version {c.get('delivered')}\n"
+            f"cluster: received {mib(c.get('received_bytes'))} in {c.get('received_chunks')} chunks from peers, "
+            f"{mib(c.get('store_bytes'))} from the store; served {mib(c.get('served_bytes'))} in "
+            f"{c.get('served_chunks')} chunks; relays lost {c.get('relays_lost')}, refused connections "
+            f"{c.get('refused_connections')}, bad frames {c.get('bad_frames')}, peer restarts "
+            f"{c.get('peer_restarts')}\n")
 
 
 def _need_run(args) -> str:

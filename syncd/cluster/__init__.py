@@ -19,6 +19,7 @@ import importlib
 _LAZY = {
     "ClusterNode": ("syncd.cluster.node", "ClusterNode"),
     "ClusterConfig": ("syncd.cluster.node", "ClusterConfig"),
+    "NO_HISTORY": ("syncd.cluster.node", "NO_HISTORY"),
     "ClusterSecret": ("syncd.cluster.auth", "ClusterSecret"),
     "Member": ("syncd.cluster.membership", "Member"),
     "parse_peers": ("syncd.cluster.membership", "parse_peers"),

@@ -51,6 +51,9 @@ from syncd.store import Store
 log = logging.getLogger(__name__)
 
 ENV_PREFIX = "SYNCD_CLUSTER_"
+#: ``ClusterNode(delivered=NO_HISTORY)``: this node's engines hold no version; ignore ``state.json`` and start
+#: at the newest full version the controller names (a node daemon whose engines are fresh).
+NO_HISTORY = -1
 
 
 @dataclass
@@ -161,8 +164,9 @@ class ClusterNode:
     ``on_version_ready``: ``async (manifest) -> None``, called in version order once all of a version's
     shards are cached; if it raises, the same version is offered again after ``heartbeat_s``.
     ``delivered``: the version this node's engines already have (None: read
-    ``<cache_root>/cluster/state.json``; with no record the node starts at the newest full version the
-    controller names). ``events``: path of a JSON-lines event log (tests, benchmarks).
+    ``<cache_root>/cluster/state.json``; with no record, or with :data:`NO_HISTORY`, the node starts at the
+    newest full version the controller names). ``events``: path of a JSON-lines event log (tests,
+    benchmarks). :meth:`summary` reports the node's state and counters (for metrics and status).
     """
 
     def __init__(self, store, run_id: str, *, secret: ClusterSecret, cache_root, config: ClusterConfig,
@@ -177,12 +181,16 @@ class ClusterNode:
         self.cache = transfer.ShardCache(cache_root, secret, fsync=config.fsync)
         self.state_path = os.path.join(self.cache.root, "cluster", "state.json")
         self.on_version_ready = on_version_ready
-        self.delivered = delivered if delivered is not None else self._load_delivered()
+        if delivered is not None and delivered < 0 and delivered != NO_HISTORY:
+            raise ValueError(f"delivered must be a version, None or NO_HISTORY, not {delivered}")
+        self.delivered = (None if delivered == NO_HISTORY else delivered if delivered is not None
+                          else self._load_delivered())
         self.start_version: int | None = None
         self.inc = secrets.token_hex(8)
         self.events = EventLog(events)
         self.stats = {"refused_connections": 0, "bad_frames": 0, "store_bytes": 0, "store_bytes_by_version": {},
-                      "served_bytes": 0, "received_bytes": 0, "switches": 0, "delivered": []}
+                      "served_bytes": 0, "served_chunks": 0, "received_bytes": 0, "received_chunks": 0,
+                      "switches": 0, "delivered": []}
         self.plans: dict[int, _PlanState] = {}
         self.membership: Membership | None = None
         self.election: Election | None = None
@@ -260,6 +268,34 @@ class ClusterNode:
     def is_controller(self) -> bool:
         return self.election is not None and self.election.is_controller
 
+    def manifest_bytes(self, version: int) -> bytes | None:
+        """The exact (signed, verified) manifest bytes of ``version`` as planned here, or None if this node
+        holds no plan of it (e.g. forgotten long after delivery)."""
+        ps = self.plans.get(version)
+        return ps.raw if ps is not None else None
+
+    def summary(self) -> dict:
+        """This node's state and counters as plain JSON values: ``rank``, ``listen`` (``host:port``),
+        ``members`` and ``live`` (ranks), ``controller`` (rank or None), ``is_controller``, ``term`` (the
+        highest controller term seen), ``delivered`` (version or None), ``peer_restarts``, and the counters
+        ``refused_connections``, ``bad_frames``, ``received_bytes``/``received_chunks`` (from peers),
+        ``store_bytes`` (shard bytes read from the store), ``served_bytes``/``served_chunks`` (to peers),
+        ``relays_lost`` (pulls whose source died, stalled or failed, moved to another source). Call from
+        the node's loop (or accept a value a moment old from another thread)."""
+        st = self.stats
+        mem, el = self.membership, self.election
+        me = mem.members.get(self.rank) if mem is not None else None
+        return {"rank": self.rank, "listen": f"{me.host}:{me.port}" if me is not None else None,
+                "members": sorted(mem.members) if mem is not None else [],
+                "live": mem.live() if mem is not None else [],
+                "controller": el.controller if el is not None else None, "is_controller": self.is_controller,
+                "term": el.max_term if el is not None else 0, "delivered": self.delivered,
+                "peer_restarts": sum(mem.restarts.values()) if mem is not None else 0,
+                "refused_connections": st["refused_connections"], "bad_frames": st["bad_frames"],
+                "received_bytes": st["received_bytes"], "received_chunks": st["received_chunks"],
+                "store_bytes": st["store_bytes"], "served_bytes": st["served_bytes"],
+                "served_chunks": st["served_chunks"], "relays_lost": st["switches"]}
+
     def _pulse(self) -> None:
         """Wake everything that waits for progress (a chunk, a shard, a plan, a heartbeat)."""
         if self._pulse_fut is not None and not self._pulse_fut.done():
@@ -335,6 +371,9 @@ class ClusterNode:
             log.warning("node %d: closing connection from rank %d: %s", self.rank, chan.peer, exc)
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError, OSError):
             pass
+        except RuntimeError:
+            if not writer.is_closing():  # uvloop raises RuntimeError on a write after the peer went away
+                raise
         finally:
             chan.close()
 
@@ -665,6 +704,7 @@ class ClusterNode:
                     rate.add(n, now - last[0])
                 last[0] = now
                 self.stats["received_bytes"] += n
+                self.stats["received_chunks"] += 1
 
             task = asyncio.create_task(transfer.pull(ch, st, self.cache, stall_s=self.cfg.stall_s,
                                                      dead_s=2 * self.cfg.dead_after_s, on_bytes=on_bytes))

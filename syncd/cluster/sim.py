@@ -235,14 +235,17 @@ class _S3Handler(BaseHTTPRequestHandler):
         self.end_headers()
         if self.command == "HEAD":
             return
-        with open(f, "rb") as fh:
-            off, left = start, end - start
-            while left > 0:
-                n = os.sendfile(self.connection.fileno(), fh.fileno(), off, min(left, 1 << 20))
-                if n == 0:
-                    break
-                off, left = off + n, left - n
-        self.server.record(key, end - start)
+        sent = 0
+        try:
+            with open(f, "rb") as fh:
+                off, left = start, end - start
+                while left > 0:
+                    n = os.sendfile(self.connection.fileno(), fh.fileno(), off, min(left, 1 << 20))
+                    if n == 0:
+                        break
+                    off, left, sent = off + n, left - n, sent + n
+        finally:  # a reader that died mid-body still cost what was sent
+            self.server.record(key, sent)
 
     def _list(self, q):
         prefix = q.get("prefix", [""])[0]
@@ -284,7 +287,8 @@ class _S3Handler(BaseHTTPRequestHandler):
 
 class S3FileServer(ThreadingHTTPServer):
     """Serves directory ``root`` as bucket ``bucket`` on ``(host, port)``. Every object body sent is
-    appended to ``log_path`` as ``{"key", "bytes", "t"}`` (a JSON line) when given."""
+    appended to ``log_path`` as ``{"key", "bytes", "t"}`` (a JSON line) when given; ``bytes`` counts what
+    was sent, also when the reader went away before the end."""
 
     daemon_threads = True
 
@@ -293,6 +297,12 @@ class S3FileServer(ThreadingHTTPServer):
         self._log = open(log_path, "a", buffering=1) if log_path else None
         self._lock = threading.Lock()
         super().__init__((host, port), _S3Handler)
+
+    def handle_error(self, request, client_address) -> None:
+        if isinstance(sys.exc_info()[1], ConnectionError):  # a reader killed mid-request: not a server error
+            log.debug("s3 client %s went away", client_address)
+            return
+        super().handle_error(request, client_address)
 
     def record(self, key: str, n: int) -> None:
         if self._log is not None:

@@ -393,6 +393,7 @@ async def serve_pull(chan: wire.Channel, req: dict, cache: ShardCache, *, lookup
             await chan.send_data(i, st.have, data, st.digest(i), st.tag(i))
             if stats is not None:
                 stats["served_bytes"] = stats.get("served_bytes", 0) + len(data)
+                stats["served_chunks"] = stats.get("served_chunks", 0) + 1
             i += 1
         elif not await st.wait_change(keepalive_s):
             await chan.send_json(T.WAIT, {"have": st.have})

@@ -3,19 +3,38 @@
 Modules, one concept each: ``config`` (settings), ``poller`` (noticing versions), ``manifests`` (verified
 manifests, rejections), ``planner`` (chain vs newer full version), ``fetcher`` (``ShardSource``: shards
 into the node cache), ``stager`` (staging while serving), ``driver`` (one engine's critical section),
-``recovery`` (rebuilds), ``metrics`` (Prometheus), ``status`` (the status file), ``testhooks``, and
-``daemon`` (``NodeDaemon``, the loop and signal handling). :func:`run` runs one on uvloop.
+``recovery`` (rebuilds), ``metrics`` (Prometheus), ``status`` (the status file), ``testhooks``,
+``cluster`` (the daemon as a node of a cluster: flags, ``ClusterLink``), and ``daemon`` (``NodeDaemon``,
+the loop and signal handling). :func:`run` runs one on uvloop.
+
+The names below are imported on first use, so that ``syncd status`` or building the command line does not
+load the engines' machinery (torch).
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib
 
-from syncd.daemon.config import DaemonConfig, EngineSpec
-from syncd.daemon.daemon import NodeDaemon
-from syncd.daemon.fetcher import ShardSource, StoreShardSource
+_LAZY = {
+    "DaemonConfig": "syncd.daemon.config",
+    "EngineSpec": "syncd.daemon.config",
+    "NodeDaemon": "syncd.daemon.daemon",
+    "ShardSource": "syncd.daemon.fetcher",
+    "StoreShardSource": "syncd.daemon.fetcher",
+}
 
-__all__ = ["DaemonConfig", "EngineSpec", "NodeDaemon", "ShardSource", "StoreShardSource", "run"]
+__all__ = sorted(_LAZY) + ["run"]
+
+
+def __getattr__(name: str):
+    try:
+        module = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'syncd.daemon' has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
 
 def run(daemon: NodeDaemon) -> None:

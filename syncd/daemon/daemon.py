@@ -16,7 +16,8 @@ The loop (asyncio; store and engine calls run in worker threads):
 5. *Retain*: the cache is trimmed to its bound, keeping what a restart needs.
 
 SIGTERM/SIGINT: a download or staging in progress is abandoned (the cache holds only complete shards, and a
-staged update is harmless), an engine's critical section is always finished; then the daemon exits.
+staged update is harmless), an engine's critical section is always finished; then the companions (e.g. the
+cluster node, :mod:`syncd.daemon.cluster`) are stopped and the daemon exits.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ class NodeDaemon:
     :class:`ShardSource` (None: downloads from the store). ``poll=False``: versions arrive only through
     :meth:`on_version_ready`. ``signing_key``: as in :func:`syncd.signing.resolve_key` (None: from the
     environment). ``on_update(record)``: called (on the event loop) after each version reaches an engine
-    group, with the record also added to the status file. Use from one event loop.
+    group, with the record also added to the status file. Companions (:meth:`attach`) run in the daemon's
+    loop alongside it. Use from one event loop.
     """
 
     def __init__(self, config: DaemonConfig, *, adapters: Mapping[str, object] | None = None, store=None,
@@ -103,6 +105,15 @@ class NodeDaemon:
         self._task: asyncio.Task | None = None
         self._critical = 0
         self._fetch_s: float | None = None  # the last plan's download time, for update records
+        self._companions: list = []
+
+    def attach(self, companion) -> None:
+        """Run ``companion`` in the daemon's loop (call before :meth:`run`): ``await companion.start()``
+        once the daemon is up (its metrics served, before the first round; an exception there ends
+        :meth:`run` with it), ``companion.status() -> dict`` merged into the status file on every write,
+        and ``await companion.stop()`` after the loop ended (so never during an engine's critical
+        section; also after a failed ``start``). E.g. :class:`syncd.daemon.cluster.ClusterLink`."""
+        self._companions.append(companion)
 
     # ------------------------------------------------------------------------------------- control
 
@@ -170,13 +181,17 @@ class NodeDaemon:
         self.status.set(state="running", metrics_url=self.metrics_url)
         self._write_status(force=True)
         poller = None
-        if self.poll:
-            poller = Poller(self.store, self.run_id, interval_s=self.config.poll_interval_s,
-                            jitter=self.config.poll_jitter, backoff_max_s=self.config.backoff_max_s,
-                            list_every_s=self.config.list_every_s, on_candidate=self._candidate,
-                            on_error=self._poll_error, on_ok=lambda: self.status.set(store_error=None))
-            poller_task = asyncio.ensure_future(poller.run(self._stop))
+        started = []
         try:
+            for companion in self._companions:
+                started.append(companion)  # stopped in any case: stop() must be safe after a failed start()
+                await companion.start()
+            if self.poll:
+                poller = Poller(self.store, self.run_id, interval_s=self.config.poll_interval_s,
+                                jitter=self.config.poll_jitter, backoff_max_s=self.config.backoff_max_s,
+                                list_every_s=self.config.list_every_s, on_candidate=self._candidate,
+                                on_error=self._poll_error, on_ok=lambda: self.status.set(store_error=None))
+                poller_task = asyncio.ensure_future(poller.run(self._stop))
             while not self._stop.is_set():
                 self._task = asyncio.ensure_future(self._reconcile())
                 try:
@@ -203,6 +218,11 @@ class NodeDaemon:
             self._stop.set()
             if poller is not None:
                 await asyncio.gather(poller_task, return_exceptions=True)
+            for companion in reversed(started):
+                try:
+                    await companion.stop()
+                except Exception:  # noqa: BLE001 -- the daemon still stops cleanly
+                    log.exception("run %s: stopping %r failed", self.run_id, companion)
             if handlers:
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     loop.remove_signal_handler(sig)
@@ -224,6 +244,10 @@ class NodeDaemon:
             self.metrics.engine_version.labels(name).set(-1 if d.version is None else d.version)
             if lag is not None:
                 self.metrics.engine_lag.labels(name).set(lag)
+        for companion in self._companions:
+            fields = companion.status()
+            if fields:
+                self.status.set(**fields)
         self.status.write(self.metrics.totals, force=force)
 
     # ------------------------------------------------------------------------------------- one round

@@ -6,7 +6,8 @@ Names (all prefixed ``syncd_``): ``engine_version{engine}`` (-1 while unknown), 
 ``rejected_versions_total{reason}``, ``poll_errors_total``, and histograms ``download_seconds``,
 ``stage_seconds``, ``pause_seconds``, ``apply_seconds``, ``update_lag_seconds`` (manifest written to engine
 serving it, on the trainer's clock). :attr:`DaemonMetrics.totals` keeps the counters in plain numbers too
-(for the status file). Thread-safe.
+(for the status file). In cluster mode :mod:`syncd.daemon.cluster` adds ``syncd_cluster_*`` to the same
+registry (a collector over the cluster node's counters). Thread-safe.
 """
 
 from __future__ import annotations
