@@ -123,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("demo", parents=[demo.build_parser(add_help=False)],
                    help="local end-to-end run: trainer, daemon, two engines, a client (syncd demo --help)")
+    sub.add_parser("serve", add_help=False,
+                   help="start and supervise this node's Dynamo engine workers and frontend "
+                        "(python -m engine.dynamo.serve; syncd serve --help)")
     p = sub.add_parser("ls", help="list runs, or the versions of --run-id")
     _common(p)
     p.add_argument("--json", action="store_true", help="one JSON object per line")
@@ -375,6 +378,11 @@ def _setup_logging(level: int, fmt: str) -> None:
 
 def main(argv=None) -> int:
     """Entry point of the ``syncd`` console script; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:  # its own flags (engine.dynamo.serve); arguments after `--` go to every worker
+        from engine.dynamo.serve import main as serve_main
+
+        return serve_main(argv[1:])
     parser = build_parser()
     args = _resolve(parser.parse_args(argv))
     if args.command == "demo":

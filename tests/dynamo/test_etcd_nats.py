@@ -1,4 +1,4 @@
-"""The production-style path: ``python -m engine.dynamo.serve --start-services`` runs etcd and NATS (Debian's
+"""The production-style path: ``syncd serve --start-services`` (``engine.dynamo.serve``) runs etcd and NATS (Debian's
 packages, installed by ``scripts/setup_services.sh``), two reference-engine workers and the frontend as
 real processes; a sandbox proxy in front records a trajectory; SIGTERM stops everything cleanly."""
 
@@ -41,7 +41,7 @@ def test_node_with_etcd_and_nats(model_dir, tmp_path):
     ready = tmp_path / "node.json"
     log = open(tmp_path / "serve.log", "wb")
     serve = subprocess.Popen(
-        [sys.executable, "-m", "engine.dynamo.serve", "--model", str(model_dir), "--workers", "2", "--frontend",
+        [sys.executable, "-m", "syncd.cli", "serve", "--model", str(model_dir), "--workers", "2", "--frontend",
          "--http-port", "0", "--start-services", "--namespace", "etcdtest", "--run-dir", str(tmp_path / "run"),
          "--ready-file", str(ready), "--", "--weights-version", "0", "--replay-store", store_url, "--run-id", RUN_ID],
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
