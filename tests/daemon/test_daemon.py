@@ -97,7 +97,13 @@ def test_rebuilds_follows_and_skips_ahead(tmp_path, published):
         d = make_daemon(tmp_path, published, engines, metrics_port=0, on_update=records.append)
         task = asyncio.ensure_future(d.run())
         await wait_until(lambda: all(e.version == 7 for e in engines.values()), "version 7")
-        metrics = urllib.request.urlopen(d.metrics_url, timeout=10).read().decode()
+        scraped = {}
+
+        def metrics_current() -> bool:  # the daemon records an update just after the engine reports it
+            scraped["text"] = urllib.request.urlopen(d.metrics_url, timeout=10).read().decode()
+            return all(f'syncd_engine_version{{engine="{n}"}} 7.0' in scraped["text"] for n in engines)
+        await wait_until(metrics_current, "the metrics to show version 7 on every engine", timeout=20)
+        metrics = scraped["text"]
         d.request_stop()
         await task
         return d, metrics
