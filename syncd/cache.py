@@ -85,13 +85,27 @@ class ShardCache:
         for p in self.tmp_dir.iterdir():
             pid = p.name.split(".", 1)[0]
             try:
-                alive = pid.isdigit() and _pid_alive(int(pid))
+                alive = pid.isdigit() and pid_alive(int(pid))
                 if not alive or now - p.stat().st_mtime >= stale_after_s:
                     p.unlink()
                     n += 1
             except FileNotFoundError:
                 pass
         return n
+
+    def _write_atomic(self, dest: Path, data, tag: str) -> None:
+        """Write ``data`` to ``dest`` through a temp file and ``os.replace`` (readers never see a part)."""
+        fd, tmp = self.temp_file(tag)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+            os.replace(tmp, dest)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
 
     def temp_file(self, tag: str):
         """``(fd, path)`` of a new file in ``tmp/`` named after this process (see :meth:`clean_tmp`)."""
@@ -125,17 +139,7 @@ class ShardCache:
         if dest.exists():
             os.utime(dest)
             return dest
-        fd, tmp = self.temp_file(sha256[:16])
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(data)
-            os.replace(tmp, dest)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
+        self._write_atomic(dest, data, sha256[:16])
         return dest
 
     def read(self, sha256: str, *, verify: bool = True) -> bytearray:
@@ -208,17 +212,7 @@ class ShardCache:
         """Keep a manifest's exact bytes (atomic). The caller has verified them; readers verify again."""
         dest = self._manifest_path(run_id, version)
         dest.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = self.temp_file("manifest")
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(raw)
-            os.replace(tmp, dest)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
+        self._write_atomic(dest, raw, "manifest")
 
     def get_manifest(self, run_id: str, version: int) -> bytes | None:
         """The cached manifest bytes of ``version``, or None. Unverified: parse them with the key."""
@@ -247,7 +241,8 @@ class ShardCache:
             pass
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this machine (one owned by another user counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

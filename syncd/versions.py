@@ -137,12 +137,13 @@ def resolve_chain(store, run_id: str, version: int | None = None, *, signing_key
             raise BaseVersionMissing(
                 f"run {run_id!r} version {version} cannot be materialized: delta version {child.version} "
                 f"needs base version {child.base_version}, which is not in {store.url}") from None
-        _check_link(base, child)
+        check_link(base, child)
         chain.append(base)
     return chain[::-1]
 
 
-def _check_link(base: mf.Manifest, child: mf.Manifest) -> None:
+def check_link(base: mf.Manifest, child: mf.Manifest) -> None:
+    """Raise :class:`ManifestMismatch` unless ``child`` was made against exactly ``base`` (manifest digest)."""
     if base.digest != child.base_digest:
         raise ManifestMismatch(f"version {child.version} was made against a different version "
                                f"{base.version} (base manifest digest {child.base_digest[:16]}..., "
@@ -157,26 +158,32 @@ def _check_link(base: mf.Manifest, child: mf.Manifest) -> None:
 # ---------------------------------------------------------------------------------------------- shards
 
 
-def fetch_shards(store, run_id: str, m: mf.Manifest, *, threads: int = 4) -> list[bytearray]:
-    """Download every shard of ``m`` in parallel and check each one's size and SHA-256.
+def fetch_shard(store: Store, run_id: str, m: mf.Manifest, s: mf.ShardEntry) -> bytearray:
+    """Download one shard of ``m`` and check its size and SHA-256 against the manifest.
 
-    Raises :class:`IntegrityError` naming the shard on a mismatch, :class:`ObjectNotFound` if one is gone."""
+    Raises :class:`IntegrityError` naming the shard on a mismatch, :class:`VersionNotFound` if it is gone.
+    Thread-safe (``Store`` is)."""
+    key = mf.run_prefix(run_id) + s.key
+    try:
+        data = store.download(key, expect_size=s.size)
+    except ObjectNotFound:
+        raise VersionNotFound(f"{store.url}/{key}, a shard of version {m.version}, is gone "
+                              "(deleted by retention while it was read, or removed)") from None
+    except IntegrityError as exc:
+        raise IntegrityError(f"shard of version {m.version} does not match its manifest: {exc}") from None
+    got = hashlib.sha256(data).hexdigest()
+    if got != s.sha256:
+        raise IntegrityError(f"{store.url}/{key}: SHA-256 {got[:16]}... does not match the manifest of "
+                             f"version {m.version} ({s.sha256[:16]}...): the shard was altered")
+    return data
+
+
+def fetch_shards(store, run_id: str, m: mf.Manifest, *, threads: int = 4) -> list[bytearray]:
+    """Download every shard of ``m`` in parallel, each checked as by :func:`fetch_shard`."""
     store = Store.open(store)
-    prefix = mf.run_prefix(run_id)
 
     def one(s: mf.ShardEntry) -> bytearray:
-        try:
-            data = store.download(prefix + s.key, expect_size=s.size)
-        except ObjectNotFound:
-            raise VersionNotFound(f"{store.url}/{prefix}{s.key}, a shard of version {m.version}, is gone "
-                                  "(deleted by retention while it was read, or removed)") from None
-        except IntegrityError as exc:
-            raise IntegrityError(f"shard of version {m.version} does not match its manifest: {exc}") from None
-        got = hashlib.sha256(data).hexdigest()
-        if got != s.sha256:
-            raise IntegrityError(f"{store.url}/{prefix}{s.key}: SHA-256 {got[:16]}... does not match the "
-                                 f"manifest of version {m.version} ({s.sha256[:16]}...): the shard was altered")
-        return data
+        return fetch_shard(store, run_id, m, s)
 
     if len(m.shards) == 1:
         return [one(m.shards[0])]
@@ -218,7 +225,7 @@ def apply_delta(weights: dict, base: mf.Manifest, m: mf.Manifest, shards: list, 
     """
     from syncd.ops import checksum, delta
 
-    _check_link(base, m)
+    check_link(base, m)
     base_ck = {t.name: t.checksum for t in base.tensors}
     blobs = []
     for t in m.tensors:

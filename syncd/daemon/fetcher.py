@@ -9,7 +9,6 @@ its own (shards replicated between nodes) with the same contract.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import os
 import time
@@ -17,7 +16,7 @@ from typing import Protocol, runtime_checkable
 
 from syncd import manifest as mf
 from syncd.daemon import testhooks
-from syncd.errors import IntegrityError, ObjectNotFound, VersionNotFound
+from syncd.versions import fetch_shard
 
 log = logging.getLogger(__name__)
 
@@ -63,17 +62,7 @@ class StoreShardSource:
             self.metrics.download_s.observe(time.perf_counter() - t0)
 
     def _fetch(self, run_id: str, m: mf.Manifest, s: mf.ShardEntry) -> None:
-        key = mf.run_prefix(run_id) + s.key
-        try:
-            data = self.store.download(key, expect_size=s.size)
-        except ObjectNotFound:
-            raise VersionNotFound(f"{self.store.url}/{key}, a shard of version {m.version}, is gone") from None
-        except IntegrityError as exc:
-            raise IntegrityError(f"shard of version {m.version} does not match its manifest: {exc}") from None
-        got = hashlib.sha256(data).hexdigest()
-        if got != s.sha256:
-            raise IntegrityError(f"{self.store.url}/{key}: SHA-256 {got[:16]}... does not match the manifest "
-                                 f"of version {m.version} ({s.sha256[:16]}...): the shard was altered")
+        data = fetch_shard(self.store, run_id, m, s)
         if testhooks._HOOKS.get("download"):
             self._partial_then_hook(s.sha256, data, m.version)
         self.cache.put_verified(s.sha256, data)

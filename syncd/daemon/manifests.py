@@ -15,7 +15,7 @@ import time
 
 from syncd import manifest as mf
 from syncd.errors import ManifestMismatch, ObjectNotFound, SignatureError, VersionNotFound
-from syncd.versions import _check_link
+from syncd.versions import check_link
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ class ManifestSource:
     def check_link(self, base: mf.Manifest, child: mf.Manifest) -> None:
         """Raise (and reject ``child``) unless delta ``child`` was made against exactly ``base``."""
         try:
-            _check_link(base, child)
+            check_link(base, child)
         except ManifestMismatch as exc:
             self.reject(child.version, exc)
             raise

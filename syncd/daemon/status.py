@@ -22,6 +22,8 @@ import time
 from collections import deque
 from pathlib import Path
 
+from syncd.cache import pid_alive  # noqa: F401  (re-exported: `syncd status` uses it)
+
 log = logging.getLogger(__name__)
 MAX_UPDATES = 200
 
@@ -82,12 +84,3 @@ def read_status(path: Path) -> dict:
     """The status file's content; ``FileNotFoundError`` / ``ValueError`` if missing or unreadable."""
     return json.loads(Path(path).read_text())
 
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
