@@ -320,7 +320,8 @@ def main(argv=None) -> int:
     p.add_argument("--rate-mbit", type=float, default=40.0, help="every link's bandwidth B (shaped mode)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--fanout", type=int, default=2)
-    p.add_argument("--chunk-kib", type=int, default=128)
+    p.add_argument("--chunk-kib", type=int, default=64,
+                   help="chunk size; the pipeline adds about depth x chunk / (B / fanout) to the completion")
     p.add_argument("--store-streams", type=int, default=0, help="pacing of store reads (0: none)")
     p.add_argument("--fsync", action="store_true", help="fsync every shard (off: measure the network)")
     p.add_argument("--mode", choices=["shaped", "unshaped", "both"], default="both")

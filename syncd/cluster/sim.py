@@ -121,7 +121,7 @@ class Netns:
         """A ``tbf`` of ``rate_bps`` bits/s on the host's upload and/or download."""
         rate = int(rate_bps)
         burst = max(64 << 10, rate // 8 // 100)  # >= one GSO packet, ~10 ms of traffic
-        spec = ["root", "tbf", "rate", f"{rate}bit", "burst", str(burst), "latency", "50ms"]
+        spec = ["root", "tbf", "rate", f"{rate}bit", "burst", str(burst), "latency", "200ms"]
         i = self.names.index(host)
         if up:
             _run("ip", "netns", "exec", self.ns(host), "tc", "qdisc", "replace", "dev", "eth0", *spec)
