@@ -264,7 +264,7 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-verify-apply", action="store_true",
                    help="apply without comparing the staged old words (the checksum after resume still verifies)")
-    p.add_argument("--out", default=os.environ.get("SYNCD_BENCH_OUT_ENGINE", "bench/results/engine_update.json"))
+    p.add_argument("--out", default=os.environ.get("SYNCD_BENCH_OUT", "bench/results/engine_update.json"))
     return p.parse_args(argv)
 
 

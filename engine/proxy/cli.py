@@ -19,7 +19,7 @@ def parser() -> argparse.ArgumentParser:
     env = os.environ.get
     p = argparse.ArgumentParser(prog="python -m engine.proxy", description=__doc__.split("\n\n")[0])
     p.add_argument("--upstream", default=env("SYNCD_PROXY_UPSTREAM"), help="Dynamo frontend URL (SYNCD_PROXY_UPSTREAM)")
-    p.add_argument("--store", default=None, help="store URL for records (SYNCD_STORE; default: the embedded one)")
+    p.add_argument("--store", default=env("SYNCD_STORE"), help="store URL for records (SYNCD_STORE; default: the embedded one)")
     p.add_argument("--run-id", default=env("SYNCD_RUN_ID"), help="run id (SYNCD_RUN_ID)")
     p.add_argument("--sandbox-id", default=env("SYNCD_SANDBOX_ID"), help="this sandbox's id (SYNCD_SANDBOX_ID)")
     p.add_argument("--trajectory-id", default=None, help="trajectory of requests without an X-Syncd-Trajectory header")
