@@ -8,7 +8,8 @@ Modules: :mod:`~syncd.cluster.membership` (who is in the cluster, who is alive),
 :mod:`~syncd.cluster.election` (the controller), :mod:`~syncd.cluster.planner` (roots and trees),
 :mod:`~syncd.cluster.wire` (frames), :mod:`~syncd.cluster.auth` (the cluster secret, handshake),
 :mod:`~syncd.cluster.transfer` (cache, chunk lists, pulls, store reads), :mod:`~syncd.cluster.node`
-(:class:`ClusterNode` and the ``python -m syncd.cluster.node`` process), :mod:`~syncd.cluster.sim`
+(:class:`ClusterNode`), :mod:`~syncd.cluster.config` (its settings), :mod:`~syncd.cluster.cli` (the
+``python -m syncd.cluster.node`` process), :mod:`~syncd.cluster.sim`
 (simulated clusters: network namespaces, shaped links, an S3 endpoint over a file store).
 """
 
@@ -18,8 +19,8 @@ import importlib
 
 _LAZY = {
     "ClusterNode": ("syncd.cluster.node", "ClusterNode"),
-    "ClusterConfig": ("syncd.cluster.node", "ClusterConfig"),
-    "NO_HISTORY": ("syncd.cluster.node", "NO_HISTORY"),
+    "ClusterConfig": ("syncd.cluster.config", "ClusterConfig"),
+    "NO_HISTORY": ("syncd.cluster.config", "NO_HISTORY"),
     "ClusterSecret": ("syncd.cluster.auth", "ClusterSecret"),
     "Member": ("syncd.cluster.membership", "Member"),
     "parse_peers": ("syncd.cluster.membership", "parse_peers"),

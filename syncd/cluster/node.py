@@ -1,5 +1,6 @@
-"""One node of a syncd cluster: :class:`ClusterNode` (runs inside a daemon's asyncio loop) and the standalone
-process ``python -m syncd.cluster.node`` (a node without engines, for tests and benchmarks).
+"""One node of a syncd cluster: :class:`ClusterNode`, which runs inside a daemon's asyncio loop (settings:
+:mod:`syncd.cluster.config`; the standalone process ``python -m syncd.cluster.node``, a node without engines
+for tests and benchmarks: :mod:`syncd.cluster.cli`).
 
 What a node does (see ``docs/cluster.md``):
 
@@ -25,20 +26,18 @@ call its methods from that loop only. Store reads and file hashing run in worker
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
 import os
 import secrets
-import signal
-import sys
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from syncd import manifest as mf
 from syncd.cluster import auth, membership, transfer, wire
 from syncd.cluster.auth import ClusterSecret
+from syncd.cluster.config import NO_HISTORY, ClusterConfig
 from syncd.cluster.election import Election
 from syncd.cluster.errors import AuthError, ClusterError, NotHeld, ProtocolError, Stalled
 from syncd.cluster.membership import Member, Membership
@@ -49,72 +48,6 @@ from syncd.signing import resolve_key
 from syncd.store import Store
 
 log = logging.getLogger(__name__)
-
-ENV_PREFIX = "SYNCD_CLUSTER_"
-#: ``ClusterNode(delivered=NO_HISTORY)``: this node's engines hold no version; ignore ``state.json`` and start
-#: at the newest full version the controller names (a node daemon whose engines are fresh).
-NO_HISTORY = -1
-
-
-@dataclass
-class ClusterConfig:
-    """Settings of one node; times in seconds, sizes in bytes.
-
-    ``rank``: this node's rank (unique in the cluster). ``peers``: the static member list
-    (``{rank: Member}``, this node included), or ``cluster_id`` to find members in the store directory
-    ``clusters/<cluster_id>/members/`` (then ``advertise`` is this node's address there). ``listen``:
-    ``(host, port)`` to bind (default: this node's member address). ``fanout``: children per tree node.
-    ``chunk_bytes``: the unit of hashing and forwarding. ``store_streams``: shards read from the store at
-    once, cluster-wide (0: no pacing, every root reads at once -- best when roots stream; with
-    ``verify_first`` a small number keeps shards arriving one after another). ``pull_window``: shards a
-    node pulls at once. ``stall_s``: a source that sends no
-    chunk for that long (while the shard exists upstream) is abandoned for another. ``store_fallback_s``:
-    how long a node with no live source waits for a new plan before it reads the shard from the store itself.
-    ``pace_timeout_s``: a root stops waiting for earlier shards' reads after that long without progress.
-    ``slow_fraction``: a node whose children receive from it at less than this fraction of the cluster's
-    median rate is marked slow (moved to the leaves). ``throttle_bps``: cap this node's upload (tests and
-    benchmarks). ``fsync``: fsync each shard before it is moved into ``shards/``. ``verify_first``: a
-    root checks a whole shard against the manifest before it forwards any chunk (default: it streams, see
-    :mod:`syncd.cluster.transfer`)."""
-
-    rank: int
-    peers: dict | None = None
-    cluster_id: str | None = None
-    advertise: tuple | None = None
-    listen: tuple | None = None
-    heartbeat_s: float = 1.0
-    dead_after_s: float | None = None
-    poll_s: float = 1.0
-    discover_s: float = 10.0
-    fanout: int = 2
-    chunk_bytes: int = 1 << 20
-    store_streams: int = 0
-    pull_window: int = 16
-    stall_s: float = 5.0
-    store_fallback_s: float = 30.0
-    pace_timeout_s: float = 10.0
-    slow_fraction: float = 0.2
-    verify_first: bool = False
-    throttle_bps: float | None = None
-    fsync: bool = True
-    connect_timeout_s: float = 5.0
-
-    def __post_init__(self):
-        if self.dead_after_s is None:
-            self.dead_after_s = 3 * self.heartbeat_s
-        if self.peers is None and self.cluster_id is None:
-            raise ValueError("give the members: a static peer list or a store directory (cluster_id)")
-        if self.cluster_id is not None:
-            membership.check_cluster_id(self.cluster_id)
-            if self.peers is None and self.advertise is None:
-                raise ValueError("a node found through the store directory needs an advertised host:port")
-        if not 4096 <= self.chunk_bytes <= wire.MAX_CHUNK_BYTES:
-            raise ValueError(f"chunk_bytes must be in 4096..{wire.MAX_CHUNK_BYTES}")
-        if not 1 <= self.fanout <= 64 or self.store_streams < 0 or self.pull_window < 1:
-            raise ValueError("fanout must be 1..64, store_streams >= 0, pull_window >= 1")
-        if self.heartbeat_s <= 0 or self.dead_after_s <= self.heartbeat_s:
-            raise ValueError("heartbeat_s must be positive and dead_after_s longer than one heartbeat")
-
 
 @dataclass
 class _PlanState:
@@ -1001,110 +934,9 @@ def poll_latest_safe(store, run_id, etag, key):
         return None
 
 
-# ---------------------------------------------------------------------------------------------- process
+if __name__ == "__main__":  # ``python -m syncd.cluster.node``
+    import sys
 
+    from syncd.cluster.cli import main
 
-def _env(name: str, default=None):
-    return os.environ.get(ENV_PREFIX + name.upper().replace("-", "_"), default)
-
-
-def _hostport(text: str) -> tuple[str, int]:
-    host, port = text.rsplit(":", 1)
-    return host.strip("[]"), int(port)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m syncd.cluster.node",
-                                description="Run one syncd cluster node without engines. Every flag can also "
-                                            "be set as SYNCD_CLUSTER_<FLAG> (e.g. SYNCD_CLUSTER_RANK); a flag "
-                                            "on the command line wins.")
-    a = p.add_argument
-    a("--store", default=_env("store", os.environ.get("SYNCD_STORE")), help="store URL or path")
-    a("--endpoint", default=_env("endpoint", os.environ.get("SYNCD_STORE_ENDPOINT")), help="S3 endpoint")
-    a("--store-option", action="append", default=None, help="K=V obstore option (repeatable)")
-    a("--run-id", default=_env("run_id", os.environ.get("SYNCD_RUN_ID")))
-    a("--rank", type=int, default=_env("rank"))
-    a("--peers", default=_env("peers"), help="static members: RANK=HOST:PORT,...")
-    a("--peers-from-store", dest="cluster_id", default=_env("peers_from_store"),
-      help="find members in the store directory clusters/<ID>/members/")
-    a("--advertise", default=_env("advertise"), help="HOST:PORT other nodes reach this one at (store directory)")
-    a("--listen", default=_env("listen"), help="HOST:PORT to bind (default: this node's address)")
-    a("--cache-root", default=_env("cache_root"), help="local cache directory")
-    a("--cluster-secret-file", default=_env("secret_file"),
-      help="file holding the cluster secret (or set SYNCD_CLUSTER_SECRET)")
-    a("--signing-key-file", default=os.environ.get("SYNCD_SIGNING_KEY_FILE"),
-      help="manifest signing key file (or SYNCD_SIGNING_KEY)")
-    for name, typ in (("heartbeat-s", float), ("dead-after-s", float), ("poll-s", float), ("discover-s", float),
-                      ("fanout", int), ("chunk-bytes", int), ("store-streams", int), ("pull-window", int),
-                      ("stall-s", float), ("store-fallback-s", float), ("pace-timeout-s", float),
-                      ("slow-fraction", float), ("throttle-bps", float)):
-        a("--" + name, type=typ, default=_env(name))
-    a("--no-fsync", action="store_true", default=_env("no_fsync") in ("1", "true", "yes"))
-    a("--verify-first", action="store_true", default=_env("verify_first") in ("1", "true", "yes"),
-      help="roots check a whole shard against the manifest before forwarding any of it")
-    a("--events", default=_env("events"), help="append JSON-lines events here")
-    a("--log-level", default=_env("log_level", os.environ.get("SYNCD_LOG_LEVEL", "WARNING")))
-    return p
-
-
-def config_from_args(args) -> ClusterConfig:
-    if args.rank is None:
-        raise ValueError("--rank (or SYNCD_CLUSTER_RANK) is required")
-    kw = {}
-    for f in fields(ClusterConfig):
-        v = getattr(args, f.name, None)
-        if v is not None and f.name not in ("rank", "peers", "cluster_id", "advertise", "listen", "fsync",
-                                            "verify_first"):
-            kw[f.name] = v
-    return ClusterConfig(rank=int(args.rank), peers=membership.parse_peers(args.peers) if args.peers else None,
-                         cluster_id=args.cluster_id, advertise=_hostport(args.advertise) if args.advertise else None,
-                         listen=_hostport(args.listen) if args.listen else None, fsync=not args.no_fsync,
-                         verify_first=args.verify_first, **kw)
-
-
-async def _amain(args) -> int:
-    cfg = config_from_args(args)
-    secret = ClusterSecret.from_file(args.cluster_secret_file) if args.cluster_secret_file else ClusterSecret.from_env()
-    if secret is None:
-        raise ValueError("no cluster secret: set SYNCD_CLUSTER_SECRET or --cluster-secret-file")
-    key = None
-    if args.signing_key_file:
-        from syncd.signing import key_from_env
-
-        key = key_from_env({"SYNCD_SIGNING_KEY_FILE": args.signing_key_file})
-    options = dict(o.split("=", 1) for o in (args.store_option or []))
-    store = Store(args.store, endpoint=args.endpoint, options=options or None)
-    if not args.run_id or not args.cache_root:
-        raise ValueError("--run-id and --cache-root are required")
-    node = ClusterNode(store, args.run_id, secret=secret, cache_root=args.cache_root, config=cfg,
-                       signing_key=key, events=args.events)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await node.start()
-    try:
-        await stop.wait()
-    finally:
-        await node.stop()
-    return 0
-
-
-def main(argv=None) -> int:
-    """Run one node until SIGTERM/SIGINT. Returns 0, or 2 for bad settings."""
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=str(args.log_level).upper(),
-                        format=f"%(asctime)s node{args.rank} %(name)s %(levelname)s %(message)s")
-    try:
-        try:
-            import uvloop
-        except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
-            return asyncio.run(_amain(args))
-        return uvloop.run(_amain(args))
-    except ValueError as exc:
-        print(f"syncd.cluster.node: {exc}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
     sys.exit(main())

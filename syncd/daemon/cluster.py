@@ -9,13 +9,13 @@ shards already in the cache and reads from the store only a shard that is missin
 counted in ``syncd_bytes_fetched_total``). See ``docs/cluster.md``.
 
 * :func:`add_cluster_flags` adds ``--cluster-<flag>`` to the ``syncd`` command line for every flag of
-  ``python -m syncd.cluster.node`` (:func:`syncd.cluster.node.build_parser`) except the store, run, cache and
+  ``python -m syncd.cluster.node`` (:func:`syncd.cluster.cli.build_parser`) except the store, run, cache and
   key settings the daemon already has; :func:`cluster_settings` turns them (over ``SYNCD_CLUSTER_*``
   variables, which the node's parser reads) into :class:`ClusterSettings`, or None when no rank is set.
 * :class:`ClusterLink` is the companion the daemon runs (:meth:`NodeDaemon.attach
   <syncd.daemon.NodeDaemon.attach>`): on start it asks the engines their versions and passes the lowest as
   the node's ``delivered`` (so a restart neither repeats nor skips a version; an engine without weights
-  makes it :data:`~syncd.cluster.node.NO_HISTORY`: start at the newest full version); it stops the node
+  makes it :data:`~syncd.cluster.config.NO_HISTORY`: start at the newest full version); it stops the node
   after the daemon's loop has ended (never mid-apply); it exposes the node's counters as ``syncd_cluster_*``
   Prometheus metrics in the daemon's registry and as ``"cluster"`` in the status file.
 
@@ -59,7 +59,7 @@ DEST_PREFIX = "cluster__"
 
 
 def _node_parser() -> argparse.ArgumentParser:
-    from syncd.cluster.node import build_parser
+    from syncd.cluster.cli import build_parser
 
     parser = build_parser()
     parser.exit_on_error = False
@@ -110,7 +110,7 @@ def cluster_settings(args: argparse.Namespace) -> ClusterSettings | None:
     no rank is set (not in cluster mode). Raises ``ValueError`` saying what is wrong: members given without
     a rank, a rank without members, a rank missing from the static list, a bad value, no cluster secret."""
     from syncd.cluster.auth import ClusterSecret
-    from syncd.cluster.node import config_from_args
+    from syncd.cluster.cli import config_from_args
 
     parser = _node_parser()
     try:
@@ -157,7 +157,8 @@ class ClusterLink:
     async def start(self) -> None:
         """Ask the engines their versions, then start the node (listening once this returns). Raises
         ``OSError`` if the cluster address cannot be bound."""
-        from syncd.cluster.node import NO_HISTORY, ClusterNode
+        from syncd.cluster.config import NO_HISTORY
+        from syncd.cluster.node import ClusterNode
 
         delivered = await self._engines_version()
         key = self.daemon.key if self.daemon.key is not None else False
@@ -194,7 +195,7 @@ class ClusterLink:
 
     async def _engines_version(self) -> int:
         """The lowest version of the engines, or NO_HISTORY if one has no version or does not answer."""
-        from syncd.cluster.node import NO_HISTORY
+        from syncd.cluster.config import NO_HISTORY
 
         async def ask(driver):
             try:
