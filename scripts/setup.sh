@@ -11,7 +11,8 @@ pip() { .venv/bin/python -m pip "$@"; }
 pip install -q --disable-pip-version-check "torch==2.13.0" "triton==3.9.0" "scikit-build-core>=0.10" "pybind11>=2.12" ninja cmake
 SYNCD_CUDA=${SYNCD_CUDA:-auto} pip install -q --disable-pip-version-check --no-build-isolation -e ".[test,bench]"
 .venv/bin/python -c "import syncd._native; print('syncd: native CPU module built')"
-bash scripts/setup_services.sh   # etcd + nats-server for the Dynamo tests' production-style path
+# etcd + nats-server for the Dynamo tests' production-style path (apt, as root); the rest works without them
+bash scripts/setup_services.sh || echo "syncd: etcd/nats-server missing: the etcd + NATS test will fail until they are installed" >&2
 if .venv/bin/python -c "import importlib.util,sys; sys.exit(0 if importlib.util.find_spec('syncd._cuda_native') else 1)"; then
   echo "syncd: CUDA module built (runs where a GPU is present)"
 fi
