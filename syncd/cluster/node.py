@@ -9,13 +9,14 @@ What a node does (see ``docs/cluster.md``):
 * sends a heartbeat to every other member every ``heartbeat_s``: its incarnation, the highest controller
   term it has seen, its delivered version, which shards of the versions in flight it holds, and the rates it
   receives at from each parent; the controller's heartbeat also carries the version each new node starts at;
-* runs the election (:mod:`syncd.cluster.election`); while it is the controller it polls the store for new
-  versions (conditional GET of ``latest.json``), plans every version some live node still needs
+* runs the election (:mod:`syncd.cluster.election`); while it is the controller
+  (:mod:`syncd.cluster.controller`) it polls the store for new versions (conditional GET of
+  ``latest.json``), plans every version some live node still needs
   (:mod:`syncd.cluster.planner`), and sends each plan, with the signed manifest, to the nodes in it --
   again whenever membership or the set of slow nodes changes;
-* for every shard of a plan it is in: reads it from the store if it is the shard's root (paced: at most
-  ``store_streams`` shards are read at once, cluster-wide), else pulls it from its parent in the shard's
-  tree, moving up the tree (grandparent, ..., root) when the parent dies or stalls, then to any live node
+* for every shard of a plan it is in (:mod:`syncd.cluster.fetching`): reads it from the store if it is
+  the shard's root (paced: at most ``store_streams`` shards are read at once, cluster-wide), else pulls
+  it from its parent in the shard's tree, moving up the tree (grandparent, ..., root) when the parent dies or stalls, then to any live node
   holding it, and to the store only as a last resort -- always resuming at the first chunk it lacks;
 * calls ``on_version_ready(manifest)`` once every shard of a version is in its cache, in version order,
   never skipping or repeating one.
@@ -38,12 +39,14 @@ from syncd import manifest as mf
 from syncd.cluster import auth, membership, transfer, wire
 from syncd.cluster.auth import ClusterSecret
 from syncd.cluster.config import NO_HISTORY, ClusterConfig
+from syncd.cluster.controller import ControllerRole
 from syncd.cluster.election import Election
-from syncd.cluster.errors import AuthError, ClusterError, NotHeld, ProtocolError, Stalled
+from syncd.cluster.errors import AuthError, ClusterError, ProtocolError
+from syncd.cluster.fetching import ShardFetching, SourceRate
 from syncd.cluster.membership import Member, Membership
-from syncd.cluster.planner import Plan, plan_version
+from syncd.cluster.planner import Plan
 from syncd.cluster.wire import T
-from syncd.errors import IntegrityError, ObjectNotFound, SyncdError, VersionNotFound
+from syncd.errors import SyncdError
 from syncd.signing import resolve_key
 from syncd.store import Store
 
@@ -54,22 +57,6 @@ class _PlanState:
     plan: Plan
     manifest: mf.Manifest
     raw: bytes
-
-
-@dataclass
-class _Rate:
-    """Bytes per second received from one parent while it had data ready for us (EWMA)."""
-
-    bytes: float = 0.0
-    secs: float = 0.0
-
-    def add(self, n: int, dt: float) -> None:
-        self.bytes = self.bytes * 0.9 + n
-        self.secs = self.secs * 0.9 + dt
-
-    @property
-    def rate(self) -> float:
-        return self.bytes / self.secs if self.secs > 0 else 0.0
 
 
 class EventLog:
@@ -87,7 +74,7 @@ class EventLog:
             self._fh.close()
 
 
-class ClusterNode:
+class ClusterNode(ShardFetching, ControllerRole):
     """One node of a cluster (see the module docstring).
 
     ``store``: URL or :class:`~syncd.store.Store` the versions are read from. ``run_id``: the run.
@@ -130,7 +117,7 @@ class ClusterNode:
         self._ctrl_out: dict[int, wire.Channel] = {}
         self._dialing: dict[int, asyncio.Task] = {}
         self._workers: dict[str, asyncio.Task] = {}
-        self._rates: dict[int, _Rate] = {}
+        self._rates: dict[int, SourceRate] = {}
         self._stalled: dict[int, float] = {}
         self._tasks: list[asyncio.Task] = []
         self._server = None
@@ -524,218 +511,6 @@ class ClusterNode:
                     return sp, ps.plan, ps.manifest
         return None
 
-    # ------------------------------------------------------------------------------------- shards
-
-    def _holders(self, sha: str) -> list[int]:
-        """Live peers that report holding ``sha`` complete (from heartbeats)."""
-        out = []
-        live = set(self.membership.live())
-        for r in sorted(live - {self.rank}):
-            info = self.membership.info(r)
-            d = info.get("delivered", -1)
-            for v, ps in self.plans.items():
-                for i, s in enumerate(ps.manifest.shards):
-                    if s.sha256 != sha:
-                        continue
-                    bits = info.get("hold", {}).get(str(v))
-                    held = isinstance(d, int) and d >= v
-                    if not held and isinstance(bits, str) and len(bits) <= 20000:
-                        try:
-                            held = bool(int(bits, 16) >> i & 1)
-                        except ValueError:
-                            held = False
-                    if held and r not in out:
-                        out.append(r)
-        return out
-
-    def _sources(self, sha: str, bad=()):
-        """Where to get ``sha`` from now: ``(candidates, found)``, ``found`` = ``(ShardPlan, Plan, Manifest)``
-        of the newest plan naming this node for it (None: no longer needed). Candidates, best first: the
-        root takes it from a live peer that already holds it, else reads the store (empty list); any other
-        node takes it from its parent, then the ancestors up to the root, then any live holder."""
-        found = self._plan_for(sha)
-        if found is None:
-            return [], None
-        sp, plan, _ = found
-        live = set(self.membership.live())
-        holders = [r for r in self._holders(sha) if r not in bad]
-        if sp.root == self.rank:  # a root reads the store rather than wait on a slow holder
-            cands = [r for r in holders if r not in plan.slow]
-        else:
-            cands = [r for r in sp.ancestors(self.rank, plan.fanout) if r in live and r not in bad]
-            cands += [r for r in holders if r not in cands]
-        slow = set(plan.slow)
-        return sorted(cands, key=lambda r: r in slow), found  # stable: slow sources only as a last choice
-
-    async def _shard_worker(self, sha: str, size: int) -> None:
-        st = self.cache.state(sha, size)
-        await self.cache.recover(st)
-        bad: dict[int, float] = {}
-        last_progress = time.monotonic()
-        try:
-            while self._running and not st.complete:
-                now = time.monotonic()
-                bad = {r: t for r, t in bad.items() if t > now}
-                cands, found = self._sources(sha, bad)
-                if found is None:
-                    return  # no plan names this node for it any more
-                sp, plan, m = found
-                if cands:
-                    src = cands[0]
-                    have0 = st.have
-                    try:
-                        await self._pull_from(src, st, plan, sp)
-                    except (Stalled, NotHeld, ProtocolError, IntegrityError, ClusterError, asyncio.TimeoutError,
-                            asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
-                        if isinstance(exc, (Stalled, asyncio.TimeoutError)) and not getattr(exc, "peer_starved", False):
-                            self._stalled[src] = time.monotonic()  # reported: the controller moves it to a leaf
-                        slow_src = (isinstance(exc, (Stalled, asyncio.TimeoutError))
-                                    and not getattr(exc, "peer_starved", False))
-                        bad[src] = time.monotonic() + (5 * self.cfg.stall_s if slow_src
-                                                       else max(self.cfg.stall_s, 2 * self.cfg.dead_after_s))
-                        self.stats["switches"] += 1
-                        self.events("switch", sha=sha[:16], src=src, have=st.have,
-                                    why=f"{type(exc).__name__}: {exc}"[:160])
-                        log.info("node %d: shard %s from rank %d failed at chunk %d (%s: %s)", self.rank, sha[:12],
-                                 src, st.have, type(exc).__name__, exc)
-                    if st.have > have0 or st.complete:
-                        last_progress = time.monotonic()
-                    continue
-                if sp.root == self.rank:
-                    await self._root_fetch(st, plan, sp, m, why="root")
-                    continue
-                if time.monotonic() - last_progress > self.cfg.store_fallback_s:
-                    await self._root_fetch(st, plan, sp, m, why="fallback")
-                    continue
-                await self._wait_pulse(self.cfg.heartbeat_s)  # no live source: wait for a new plan
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - keep the node alive; the next plan restarts the shard
-            log.exception("node %d: shard %s worker failed", self.rank, sha[:12])
-            self.events("worker_error", sha=sha[:16], why=f"{type(exc).__name__}: {exc}"[:200])
-        finally:
-            if self._workers.get(sha) is asyncio.current_task():
-                del self._workers[sha]
-
-    async def _pull_from(self, src: int, st, plan: Plan, sp) -> None:
-        """One pull of ``st`` from ``src``; cancelled (and the connection dropped) when a new plan makes
-        another source the first choice, or ``src`` is no longer live."""
-        async with self._pull_sem:
-            st.busy, st.source = True, f"rank {src}"
-            ch = await self._pool.acquire(src)
-            ok = False
-            rate = self._rates.setdefault(src, _Rate())
-            last = [time.monotonic()]
-            ok_first = [False]
-
-            def on_bytes(n: int, backlogged: bool) -> None:
-                now = time.monotonic()
-                if not ok_first[0]:
-                    ok_first[0] = True
-                    self.events("pulling", sha=st.sha256[:16], src=src, have=st.have)
-                elif backlogged:  # only gaps where the parent had the chunk ready measure its speed
-                    rate.add(n, now - last[0])
-                last[0] = now
-                self.stats["received_bytes"] += n
-                self.stats["received_chunks"] += 1
-
-            task = asyncio.create_task(transfer.pull(ch, st, self.cache, stall_s=self.cfg.stall_s,
-                                                     dead_s=2 * self.cfg.dead_after_s, on_bytes=on_bytes))
-            try:
-                key = plan.key()
-                while not task.done():
-                    waiter = asyncio.ensure_future(asyncio.shield(self._replan_fut))
-                    done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-                    if task in done:
-                        waiter.cancel()
-                        break
-                    found = self._plan_for(st.sha256)
-                    if found is None or src not in self.membership.live():
-                        task.cancel()
-                        self.events("switch", sha=st.sha256[:16], src=src, have=st.have, why="source left")
-                        break
-                    if found[1].key() != key:
-                        key = found[1].key()
-                        cands, _ = self._sources(st.sha256)
-                        if (cands[0] if cands else None) != src:
-                            task.cancel()
-                            self.events("switch", sha=st.sha256[:16], src=src, have=st.have, why="replanned")
-                            break
-                if task.cancelled() or not task.done():
-                    try:
-                        await task
-                    except asyncio.CancelledError:
-                        pass
-                    return
-                task.result()
-                ok = True
-            finally:
-                if not task.done():
-                    task.cancel()
-                st.busy = False
-                if ok:
-                    self._pool.release(ch)
-                else:
-                    ch.close()
-
-    async def _root_fetch(self, st, plan: Plan, sp, m: mf.Manifest, *, why: str) -> None:
-        if why == "root":
-            await self._pace(plan, sp)
-        if st.complete:
-            return
-        key = mf.run_prefix(self.run_id) + m.shards[sp.index].key
-        counted = [0]
-
-        def on_bytes(n: int) -> None:
-            counted[0] += n
-            self.stats["store_bytes"] += n
-            by = self.stats["store_bytes_by_version"]
-            by[m.version] = by.get(m.version, 0) + n
-
-        st.busy, st.source = True, "store"
-        t0 = time.monotonic()
-        try:
-            await transfer.fetch_from_store(self.store, key, st, self.cache, chunk_bytes=plan.chunk_bytes,
-                                            verify_first=self.cfg.verify_first, on_bytes=on_bytes)
-        except ObjectNotFound:
-            self.events("store_missing", v=m.version, key=key)
-            await self._wait_pulse(self.cfg.heartbeat_s)
-        except (IntegrityError, SyncdError, OSError) as exc:
-            log.error("node %d: reading %s from the store failed: %s", self.rank, key, exc)
-            self.events("store_error", v=m.version, key=key, why=str(exc)[:200])
-            await self._wait_pulse(self.cfg.heartbeat_s)
-        finally:
-            st.busy = False
-            self.events("store_read", v=m.version, sha=st.sha256[:16], bytes=counted[0], why=why,
-                        secs=round(time.monotonic() - t0, 4))
-
-    async def _pace(self, plan: Plan, sp) -> None:
-        """Wait until at most ``store_streams - 1`` shards earlier in the plan's fetch order are still
-        being read from the store (seen here as: their chunk list has not reached this node), or until
-        ``pace_timeout_s`` passes without progress."""
-        need = sp.fetch_rank - plan.store_streams + 1
-        if plan.store_streams == 0 or need <= 0:
-            return
-        earlier = [s.sha256 for s in plan.shards if s.fetch_rank < sp.fetch_rank]
-        deadline = time.monotonic() + self.cfg.pace_timeout_s
-        while self._running:
-            ready = 0
-            for sha in earlier:
-                st = self.cache.states.get(sha)
-                if (st is not None and (st.complete or (st.chunk_bytes and st.have == st.n))) or self.cache.has(sha):
-                    ready += 1
-            if ready >= need:
-                return
-            now = time.monotonic()
-            if now >= deadline:
-                log.info("node %d: pacing timed out for shard %d (%d/%d earlier shards available)", self.rank,
-                         sp.index, ready, need)
-                return
-            fut = self._pulse_fut
-            await self._wait_pulse(deadline - now)
-            if fut.done():
-                deadline = max(deadline, time.monotonic() + self.cfg.pace_timeout_s / 4)
-
     # ------------------------------------------------------------------------------------- delivery
 
     def _next_version(self) -> int | None:
@@ -769,169 +544,6 @@ class ClusterNode:
                 log.info("node %d: version %d ready", self.rank, nxt)
                 continue
             await self._wait_pulse(self.cfg.heartbeat_s)
-
-    # ------------------------------------------------------------------------------------- controller
-
-    def _rebuild_controller_state(self) -> None:
-        """On takeover: continue from shared state -- the plans this node received (every node gets
-        them), each node's delivered version and holdings (heartbeats), the manifests (store)."""
-        self._sent.clear()
-        self._etag = None
-        for v, ps in self.plans.items():
-            self._manifests.setdefault(v, (ps.raw, ps.manifest))
-        self._seq = max([ps.plan.seq for ps in self.plans.values()] + [self._seq])
-
-    async def _controller_loop(self) -> None:
-        while self._running:
-            if self.is_controller:
-                try:
-                    await self._control_once()
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:  # noqa: BLE001 - the controller keeps going
-                    log.exception("node %d: controller step failed", self.rank)
-                    self.events("controller_error", why=f"{type(exc).__name__}: {exc}"[:200])
-            self._ctrl_wake.clear()
-            try:
-                await asyncio.wait_for(self._ctrl_wake.wait(), self.cfg.poll_s)
-            except asyncio.TimeoutError:
-                pass
-
-    async def _manifest(self, v: int) -> tuple[bytes, mf.Manifest]:
-        got = self._manifests.get(v)
-        if got is None:
-            k = mf.manifest_key(self.run_id, v)
-            try:
-                raw = await asyncio.to_thread(self.store.get, k, limit=mf.MAX_MANIFEST_BYTES + 1)
-            except ObjectNotFound:
-                raise VersionNotFound(f"run {self.run_id!r} has no version {v}") from None
-            m = mf.parse(raw, key=self.key, run_id=self.run_id, version=v, where=f"{self.store.url}/{k}")
-            got = self._manifests[v] = (raw, m)
-            if len(self._manifests) > 256:
-                del self._manifests[min(self._manifests)]
-        return got
-
-    async def _chain_start(self, v: int) -> int:
-        m = (await self._manifest(v))[1]
-        while m.kind == "delta":
-            m = (await self._manifest(m.base_version))[1]
-        return m.version
-
-    def _slow_set(self, live: list[int]) -> set[int]:
-        """Nodes to keep at the leaves. Children report, per parent, the rate they receive at while the
-        parent has data ready, and parents that stalled while holding data; a parent far below the
-        cluster's median rate, or reported stalled, is slow. Marks last 30 s (plans do not flap), and at
-        most a third of the live nodes are slow at once (the most reported first): when everyone looks
-        slow, the network is, not the nodes."""
-        now = time.monotonic()
-        per_parent: dict[int, list[int]] = {}
-        for r in live:
-            info = self.membership.info(r) if r != self.rank else self._heartbeat()
-            for p, x in (info.get("rates") or {}).items():
-                if isinstance(x, int) and x > 0 and isinstance(p, str) and p.isdigit():
-                    per_parent.setdefault(int(p), []).append(x)
-            for p in info.get("stalled") or []:
-                if isinstance(p, int) and p in live and p != r:
-                    old = self._slow.get(p, (0.0, 0))
-                    self._slow[p] = (now, old[1] + 1 if now - old[0] < 30 else 1)
-        med = {p: sorted(xs)[len(xs) // 2] for p, xs in per_parent.items()}
-        if len(med) >= 3:
-            overall = sorted(med.values())[len(med) // 2]
-            for p, x in med.items():
-                if x < self.cfg.slow_fraction * overall:
-                    old = self._slow.get(p, (0.0, 0))
-                    self._slow[p] = (now, old[1] + 1)
-        marked = sorted((p for p, (t, _) in self._slow.items() if now - t < 30 and p in live),
-                        key=lambda p: (-self._slow[p][1], p))
-        return set(marked[:len(live) // 3])
-
-    async def _control_once(self) -> None:
-        got = await asyncio.to_thread(poll_latest_safe, self.store, self.run_id, self._etag, self.key)
-        if got is not None:
-            latest, self._etag = got
-            if latest is not None and latest != self._latest:
-                self._latest = latest
-                self.events("latest", v=latest)
-        latest = self._latest
-        if latest is None:
-            return
-        live = self.membership.live()
-        nxt: dict[int, int] = {}
-        delivered: dict[int, int] = {}
-        for r in live:
-            info = self._heartbeat() if r == self.rank else self.membership.info(r)
-            inc = self.inc if r == self.rank else info.get("inc")
-            d, s = info.get("delivered", -1), info.get("start", -1)
-            delivered[r] = d
-            if d >= 0 and d + 1 <= latest:
-                try:
-                    await self._manifest(d + 1)
-                    nxt[r] = d + 1
-                except VersionNotFound:  # gone (retention): continue at the newest full version
-                    nxt[r] = self._starts.setdefault((r, inc), await self._chain_start(latest))
-            elif d >= 0:
-                nxt[r] = d + 1
-            elif s >= 0:
-                nxt[r] = s
-            else:
-                nxt[r] = self._starts.setdefault((r, inc), await self._chain_start(latest))
-            if r == self.rank and d < 0 and self._adopt_start(nxt[r]):
-                self._pulse()
-        lo = min(nxt.values())
-        slow = self._slow_set(live)
-        for v in range(lo, latest + 1):
-            try:
-                raw, m = await self._manifest(v)
-            except VersionNotFound:
-                continue
-            needers = {r for r in live if nxt[r] <= v}
-            if not needers:
-                continue
-            holders: dict[str, set[int]] = {}
-            for r in live:
-                if delivered[r] >= v:
-                    for s in m.shards:
-                        holders.setdefault(s.sha256, set()).add(r)
-            for s in m.shards:
-                for r in self._holders(s.sha256) if v in self.plans else ():
-                    holders.setdefault(s.sha256, set()).add(r)
-                if self.cache.has(s.sha256):
-                    holders.setdefault(s.sha256, set()).add(self.rank)
-            prev = self.plans.get(v)
-            cand = plan_version(m, live=live, needers=needers, holders=holders,
-                                prev=prev.plan if prev is not None else None, slow=slow, fanout=self.cfg.fanout,
-                                chunk_bytes=self.cfg.chunk_bytes, store_streams=self.cfg.store_streams,
-                                term=self.election.term, seq=self._seq + 1)
-            if prev is None or prev.plan.key() != cand.key():
-                self._seq += 1
-                self._accept_plan(cand, m, raw)
-                plan = cand
-            else:
-                plan = prev.plan
-            payload = None
-            for r in plan.members:
-                if r == self.rank or r not in live:
-                    continue
-                inc = self.membership.info(r).get("inc")
-                if self._sent.get((r, inc, v)) == plan.key():
-                    continue
-                if payload is None:
-                    payload = wire.dump_json({"plan": plan.to_json(), "manifest": raw.decode("ascii")})
-                if await self._send_control(r, T.PLAN, payload):
-                    self._sent[(r, inc, v)] = plan.key()
-        for k in [k for k in self._sent if k[2] < lo]:
-            del self._sent[k]
-
-
-def poll_latest_safe(store, run_id, etag, key):
-    """:func:`syncd.versions.poll_latest`, with store and manifest errors logged instead of raised."""
-    from syncd.versions import poll_latest
-
-    try:
-        return poll_latest(store, run_id, etag, signing_key=key or False)
-    except (SyncdError, OSError) as exc:
-        log.error("polling run %s for new versions failed: %s", run_id, exc)
-        return None
 
 
 if __name__ == "__main__":  # ``python -m syncd.cluster.node``
