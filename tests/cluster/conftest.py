@@ -55,3 +55,7 @@ def make_cluster(tmp_path):
     yield make
     for c in made:
         c.stop_all()
+
+
+# shared with the daemon's and the cluster's process tests (below the names tests.daemon._procs imports from here)
+from tests.daemon._procs import model_dir, procs  # noqa: E402, F401  (fixtures)

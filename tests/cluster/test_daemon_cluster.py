@@ -34,7 +34,7 @@ from syncd.daemon.cluster import ClusterLink, ClusterSettings, cluster_settings
 from syncd.store import Store
 from syncd.versions import read_manifest
 from tests.cluster._util import SECRET
-from tests.daemon._procs import Procs, engine_checksums, engine_version, kill9, open_gates, trainer_record
+from tests.daemon._procs import engine_checksums, engine_version, kill9, open_gates, trainer_record, wait_until
 from tests.daemon.conftest import KEY, RUN, Published
 from tests.store._models import assert_same
 
@@ -88,14 +88,6 @@ def test_cluster_configuration_errors_exit_2(argv, env, message, monkeypatch, ca
 
 
 # --------------------------------------------------------------------------------------------- in one loop
-
-
-async def wait_until(cond, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 @pytest.mark.integration
@@ -180,19 +172,6 @@ def segments(path) -> list[list[int]]:
     return segs
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from engine.reference.make_tiny import write_model
-
-    return write_model(tmp_path_factory.mktemp("model") / "tiny")
-
-
-@pytest.fixture
-def procs(tmp_path):
-    """The test's child processes; every one is killed at teardown, also when the test failed."""
-    p = Procs(tmp_path)
-    yield p
-    p.close()
 
 
 @pytest.mark.integration

@@ -4,6 +4,7 @@ waits that say what they waited for (and show the logs), and cleanup of every ch
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -12,6 +13,8 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+
+import pytest
 
 from engine.control import RemoteAdapter
 from tests.daemon.conftest import KEY, RUN
@@ -149,3 +152,28 @@ def generate(url: str, prompt=(1, 2, 3), max_tokens: int = 3, seed: int = 1) -> 
 def kill9(p: subprocess.Popen) -> None:
     p.send_signal(signal.SIGKILL)
     p.wait(timeout=30)
+
+
+async def wait_until(cond, what: str, timeout: float = 60.0) -> None:
+    """Await ``cond()`` turning true (polled every 20 ms); AssertionError naming ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny reference-engine model folder (``make_tiny``), one per test module."""
+    from engine.reference.make_tiny import write_model
+
+    return write_model(tmp_path_factory.mktemp("model") / "tiny")
+
+
+@pytest.fixture
+def procs(tmp_path):
+    """The test's child processes; every one is killed at teardown, also when the test failed."""
+    p = Procs(tmp_path)
+    yield p
+    p.close()

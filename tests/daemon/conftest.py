@@ -51,3 +51,7 @@ def published(tmp_path):
     p = Published(tmp_path / "store")
     yield p
     p.close()
+
+
+# shared with the daemon's and the cluster's process tests (below the names tests.daemon._procs imports from here)
+from tests.daemon._procs import model_dir, procs  # noqa: E402, F401  (fixtures)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 import urllib.request
 
 import pytest
@@ -17,16 +16,9 @@ from syncd import manifest as mf
 from syncd.daemon import DaemonConfig, NodeDaemon
 from syncd.daemon.fetcher import StoreShardSource
 from syncd.errors import DeltaError
+from tests.daemon._procs import wait_until
 from tests.daemon.conftest import KEY, RUN
 from tests.store._models import assert_same
-
-
-async def wait_until(cond, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 def make_daemon(tmp_path, published, engines, **kw):

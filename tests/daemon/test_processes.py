@@ -8,24 +8,12 @@ import signal
 
 import pytest
 
-from tests.daemon._procs import (Procs, engine_checksums, engine_version, generate, kill9, metric, open_gates,
-                                 status, trainer_record)
+from tests.daemon._procs import (engine_checksums, engine_version, generate, kill9, metric, open_gates, status,
+                                 trainer_record)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from engine.reference.make_tiny import write_model
-
-    return write_model(tmp_path_factory.mktemp("model") / "tiny")
-
-
-@pytest.fixture
-def procs(tmp_path):
-    p = Procs(tmp_path)
-    yield p
-    p.close()
 
 
 def same_as_trainer(url: str, record, version: int) -> bool:
