@@ -7,6 +7,7 @@ import pytest
 
 from syncd.cluster.sim import NodeProcs, free_port
 from tests.cluster._util import KEY, RUN, SECRET
+from tests.daemon._fixtures import model_dir, procs  # noqa: F401  (fixtures shared by both packages)
 from tests.store._models import trajectory
 from trainer import WeightPublisher
 
@@ -55,7 +56,3 @@ def make_cluster(tmp_path):
     yield make
     for c in made:
         c.stop_all()
-
-
-# shared with the daemon's and the cluster's process tests (below the names tests.daemon._procs imports from here)
-from tests.daemon._procs import model_dir, procs  # noqa: E402, F401  (fixtures)

@@ -14,8 +14,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-import pytest
-
 from engine.control import RemoteAdapter
 from tests.daemon.conftest import KEY, RUN
 
@@ -161,19 +159,3 @@ async def wait_until(cond, what: str, timeout: float = 60.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         await asyncio.sleep(0.02)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """A tiny reference-engine model folder (``make_tiny``), one per test module."""
-    from engine.reference.make_tiny import write_model
-
-    return write_model(tmp_path_factory.mktemp("model") / "tiny")
-
-
-@pytest.fixture
-def procs(tmp_path):
-    """The test's child processes; every one is killed at teardown, also when the test failed."""
-    p = Procs(tmp_path)
-    yield p
-    p.close()

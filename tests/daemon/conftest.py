@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from syncd.store import Store
+from tests.daemon._fixtures import model_dir, procs  # noqa: F401  (fixtures shared by both packages)
 from tests.store._models import trajectory
 from trainer.publisher import WeightPublisher
 
@@ -51,7 +52,3 @@ def published(tmp_path):
     p = Published(tmp_path / "store")
     yield p
     p.close()
-
-
-# shared with the daemon's and the cluster's process tests (below the names tests.daemon._procs imports from here)
-from tests.daemon._procs import model_dir, procs  # noqa: E402, F401  (fixtures)
