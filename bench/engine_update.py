@@ -15,10 +15,20 @@ same run:
   word (read and write), a full reload reads the new weights and writes every line;
 * tokens/s without updates and while updates are applied, and requests lost (must be 0).
 
+``--device cuda`` (``auto``: cuda when available) serves from the GPU (weights in the engine's GPU dtype).
+Every stall, apply and reload time then waits for the device (``torch.cuda.synchronize``) before its clock
+stops, so asynchronous launches hide nothing. The full reload is what a reloading GPU engine does, from host
+memory over PCIe: ``load_state_dict`` of the CPU tensors into the model on the GPU (the baseline of the
+ratio), also from pinned host memory, and, as a lower bound no reloading engine gets, from tensors already on
+the GPU. The physical limit there comes from copy rates measured in the same run (``bench._gpu_reload``): a
+reload moves every byte over PCIe, an apply moves the staged delta over PCIe and rewrites the touched lines
+in device memory. ``--device cuda`` without CUDA is an error (exit status 2), never a CPU run.
+
 Writes JSON (``--out``).
 
     python -m bench.engine_update                  # ~110M parameters, lr 1e-6, 5 updates
     python -m bench.engine_update --preset tiny    # seconds; what the test runs
+    python -m bench.engine_update --device cuda --updates 5 --window 10   # on a GPU machine
 """
 
 from __future__ import annotations
@@ -37,6 +47,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from bench import _gpu_reload as gpu
 
 log = logging.getLogger("bench.engine_update")
 
@@ -131,7 +143,10 @@ def median(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
-def run(cfg: dict, lr: float, seed: int, workdir: Path, verify_apply: bool = True) -> dict:
+def run(cfg: dict, lr: float, seed: int, workdir: Path, verify_apply: bool = True, device: str = "cpu") -> dict:
+    """The measurements described in the module docstring, on ``device`` ("cpu" or "cuda", already resolved
+    by ``_gpu_reload.resolve_device``); returns the ``result`` dict of the JSON. Raises RuntimeError if the
+    engine's checksums differ from a manifest's after an apply."""
     from transformers import AutoModelForCausalLM
 
     from bench.codec import snapshots
@@ -156,7 +171,9 @@ def run(cfg: dict, lr: float, seed: int, workdir: Path, verify_apply: bool = Tru
 
     config = qwen2_config(cfg)
     engine = ReferenceEngine.from_store(store, "bench", 0, config=config, signing_key=False,
-                                        max_batch=cfg["clients"], verify_apply=verify_apply)
+                                        max_batch=cfg["clients"], verify_apply=verify_apply, device=device)
+    sync = gpu.synchronizer(device)  # no-op on the CPU; on CUDA, no clock stops before the device is done
+    cuda = device == "cuda"
     load = Load(engine, cfg, seed)
     updates = []
     try:
@@ -173,8 +190,10 @@ def run(cfg: dict, lr: float, seed: int, workdir: Path, verify_apply: bool = Tru
             engine.stage(update_from_manifest(m, shards))
             t_b = time.perf_counter()
             engine.pause()
+            sync()  # the last step's device work belongs to the pause wait, not to the stall
             t_c = time.perf_counter()
             engine.apply()
+            sync()  # the scatter is launched asynchronously: the stall ends when it has run
             t_d = time.perf_counter()
             engine.resume()
             t_e = time.perf_counter()
@@ -187,6 +206,9 @@ def run(cfg: dict, lr: float, seed: int, workdir: Path, verify_apply: bool = Tru
             updates.append(dict(version=v, stage_s=t_b - t_a, pause_wait_s=t_c - t_b, apply_s=t_d - t_c,
                                 stall_s=t_e - t_c, verify_s=t_f - t_e, changed=staged.changed,
                                 staged_bytes=staged.nbytes, lines=touched_lines(engine.updater, staged)))
+            if cuda:  # what apply copies host -> device: positions, new words, old words when it verifies
+                updates[-1]["h2d_bytes"] = sum(p.index.nbytes + p.new.nbytes + verify_apply * p.old.nbytes
+                                               for p in staged.params)
         tokens_upd, secs_upd = engine.stats.tokens - n_phase, time.perf_counter() - t_phase
     finally:
         load.finish()
@@ -194,36 +216,48 @@ def run(cfg: dict, lr: float, seed: int, workdir: Path, verify_apply: bool = Tru
 
     # the same in-place apply without serving load (like the reloads below): rollback, stage again, apply
     engine.pause()
+    sync()
     quiet_apply, quiet_rollback = [], []
     last = read_manifest(store, "bench", cfg["updates"], signing_key=False)
     last_update = update_from_manifest(last, fetch_shards(store, "bench", last))
     for _ in range(cfg["reload_repeats"]):
         t0 = time.perf_counter()
         engine.rollback()
+        sync()
         t1 = time.perf_counter()
         engine.stage(last_update)
+        sync()
         t2 = time.perf_counter()
         engine.apply()
+        sync()
         quiet_rollback.append(t1 - t0)
         quiet_apply.append(time.perf_counter() - t2)
     engine.resume()
 
     # full-weight reloads of the same model, same run
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().requires_grad_(False)
-    reload = []
-    for i in range(cfg["reload_repeats"]):
-        sd = snaps[i % len(snaps)]
-        t0 = time.perf_counter()
-        model.load_state_dict(sd, strict=True)
-        reload.append(time.perf_counter() - t0)
+    if cuda:  # into the model on the GPU, in the dtype the engine serves in; from host and device memory
+        model = AutoModelForCausalLM.from_config(config, dtype=engine.runner.compute_dtype)
+        model = model.to(device).eval().requires_grad_(False)
+        gpu_reload = gpu.reload_baselines(model, snaps, cfg["reload_repeats"], device)
+        reload = gpu_reload["host_pageable_s"]
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().requires_grad_(False)
+        reload = []
+        for i in range(cfg["reload_repeats"]):
+            sd = snaps[i % len(snaps)]
+            t0 = time.perf_counter()
+            model.load_state_dict(sd, strict=True)
+            reload.append(time.perf_counter() - t0)
     del model
     from engine.adapter import Update
     engine.pause()
     load_full = []
     for i in range(max(1, cfg["reload_repeats"] // 2)):
         upd = Update(100 + i, "full", snaps[(i + 1) % len(snaps)])
+        sync()
         t0 = time.perf_counter()
         engine.load_full(upd)
+        sync()
         load_full.append(time.perf_counter() - t0)
     engine.close()
 
@@ -234,6 +268,11 @@ def run(cfg: dict, lr: float, seed: int, workdir: Path, verify_apply: bool = Tru
     # least read and write each touched line
     limit_ratio = (weight_bytes + storage_bytes) / (2 * med_lines * LINE) if med_lines else float("inf")
     stall = [u["stall_s"] for u in updates]
+    extra = dict(device=device, gpu_name=gpu.gpu_name(device), physical_limit_basis="cpu cache lines")
+    if cuda:
+        extra.update(gpu.figures(gpu_reload, storage_bytes, weight_bytes, med_lines * LINE, updates, median(stall),
+                                 median(quiet_apply), device))
+        limit_ratio = extra.pop("physical_limit_ratio")
     return dict(
         params=nparams, weight_bytes=weight_bytes, storage_bytes=storage_bytes, lr=lr,
         density=median([u["changed"] / nparams for u in updates]),
@@ -249,7 +288,7 @@ def run(cfg: dict, lr: float, seed: int, workdir: Path, verify_apply: bool = Tru
         ratio_reload_to_quiet_apply=median(reload) / median(quiet_apply),
         tokens_per_s_baseline=tokens_base / secs_base, tokens_per_s_with_updates=tokens_upd / secs_upd,
         requests_submitted=load.submitted, requests_completed=load.completed, requests_lost=lost,
-        failures=load.failures[:10],
+        failures=load.failures[:10], **extra,
     )
 
 
@@ -262,10 +301,41 @@ def parse_args(argv):
     p.add_argument("--window", type=float, help="seconds of load measured without updates (preset default)")
     p.add_argument("--interval", type=float, help="seconds between updates (preset default)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=gpu.DEVICES, default="cpu",
+                   help="where the engine serves: cpu (default), cuda (an error without CUDA), auto (cuda when "
+                        "available)")
     p.add_argument("--no-verify-apply", action="store_true",
                    help="apply without comparing the staged old words (the checksum after resume still verifies)")
     p.add_argument("--out", default=os.environ.get("SYNCD_BENCH_OUT", "bench/results/engine_update.json"))
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    try:
+        args.device = gpu.resolve_device(args.device)
+    except ValueError as exc:
+        p.error(str(exc))  # exits with status 2 and the message on stderr
+    return args
+
+
+def print_gpu_reloads(r: dict, ms) -> None:
+    """The reload lines of the table for a CUDA run (``r``: ``run``'s result)."""
+    gbs = lambda b: f"{b / 1e9:.1f} GB/s"  # noqa: E731
+    print("full reload from host memory (what a reloading engine does), model.load_state_dict on the GPU:")
+    print(f"  CPU tensors (pageable):                              median {ms(r['reload_load_state_dict_median_s'])}"
+          f"   -> reload / stall = {r['ratio_reload_to_stall']:.1f}x (goal >= 20x; physical limit on this GPU "
+          f"at this density {r['physical_limit_ratio']:.1f}x)")
+    print(f"  CPU tensors, pinned:                                 median {ms(r['reload_host_pinned_median_s'])}"
+          f"   -> reload / stall = {r['ratio_pinned_reload_to_stall']:.1f}x")
+    print(f"full reload, engine.load_full (CPU tensors):           median {ms(r['engine_load_full_median_s'])}")
+    print("lower bound, not a reload an engine gets: load_state_dict from tensors already on the GPU (device copy):")
+    print(f"                                                       median {ms(r['reload_device_median_s'])}"
+          f"   -> reload / stall = {r['ratio_device_reload_to_stall']:.1f}x (physical limit "
+          f"{r['physical_limit_ratio_device_reload']:.1f}x)")
+    print(f"copy rates measured now ({r['bandwidth_buffer_bytes'] >> 20} MiB): host->device pinned "
+          f"{gbs(r['h2d_pinned_bytes_per_s'])}, pageable {gbs(r['h2d_pageable_bytes_per_s'])}, device->device "
+          f"{gbs(r['device_copy_bytes_per_s'])} (bytes copied)")
+    print(f"physical limit: reload >= {r['weight_bytes'] / 1e6:.1f} MB over PCIe = {ms(r['limit_reload_host_s'])}; "
+          f"apply >= {r['delta_h2d_bytes_median'] / 1e6:.2f} MB delta over PCIe + "
+          f"{r['touched_bytes_median'] / 1e6:.1f} MB of touched lines copied on the device = "
+          f"{ms(r['limit_apply_s'])}  -> {r['physical_limit_ratio']:.1f}x (measured {r['ratio_reload_to_stall']:.1f}x)")
 
 
 def main(argv=None) -> int:
@@ -279,19 +349,23 @@ def main(argv=None) -> int:
         print("engine_update: --updates and --clients must be at least 1", file=sys.stderr)
         return 2
     print(f"syncd engine update benchmark: preset {args.preset}, torch threads {torch.get_num_threads()}, "
-          f"{platform.processor() or platform.machine()}")
+          f"{platform.processor() or platform.machine()}"
+          + (f", serving on {gpu.gpu_name(args.device)}" if args.device == "cuda" else ""))
     with tempfile.TemporaryDirectory(prefix="syncd-engine-bench-") as tmp:
-        r = run(cfg, args.lr, args.seed, Path(tmp), verify_apply=not args.no_verify_apply)
+        r = run(cfg, args.lr, args.seed, Path(tmp), verify_apply=not args.no_verify_apply, device=args.device)
     r["verify_apply"] = not args.no_verify_apply
     ms = lambda s: f"{1e3 * s:8.2f} ms"  # noqa: E731
     print(f"\ndensity {100 * r['density']:.3f}% of {r['params'] / 1e6:.1f}M words per update; "
           f"{100 * r['lines_touched_fraction']:.1f}% of the engine's cache lines hold a changed word")
     print(f"stall per update (pause returned -> resume returned): median {ms(r['stall_median_s'])}, "
           f"max {ms(r['stall_max_s'])}  (apply {ms(r['apply_median_s'])})")
-    print(f"full reload, model.load_state_dict:                    median {ms(r['reload_load_state_dict_median_s'])}"
-          f"   -> reload / stall = {r['ratio_reload_to_stall']:.1f}x (goal >= 20x; physical limit at this "
-          f"density {r['physical_limit_ratio']:.1f}x)")
-    print(f"full reload, engine.load_full:                         median {ms(r['engine_load_full_median_s'])}")
+    if args.device == "cuda":
+        print_gpu_reloads(r, ms)
+    else:
+        print(f"full reload, model.load_state_dict:                    median {ms(r['reload_load_state_dict_median_s'])}"
+              f"   -> reload / stall = {r['ratio_reload_to_stall']:.1f}x (goal >= 20x; physical limit at this "
+              f"density {r['physical_limit_ratio']:.1f}x)")
+        print(f"full reload, engine.load_full:                         median {ms(r['engine_load_full_median_s'])}")
     print(f"without serving load: apply {ms(r['quiet_apply_median_s'])}, rollback {ms(r['quiet_rollback_median_s'])}"
           f"   -> reload / apply = {r['ratio_reload_to_quiet_apply']:.1f}x")
     print(f"off the stall: stage while serving {ms(r['stage_median_s'])}, pause wait (one step) "
@@ -303,7 +377,8 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"bench": "engine_update", "preset": args.preset, "config": cfg,
-                               "python": sys.version.split()[0], "torch": torch.__version__, "result": r},
+                               "python": sys.version.split()[0], "torch": torch.__version__,
+                               "device": args.device, "gpu": r["gpu_name"], "result": r},
                               indent=1))
     print(f"results written to {out}")
     return 0 if r["requests_lost"] == 0 else 1

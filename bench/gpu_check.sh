@@ -25,7 +25,7 @@ echo "== publisher on CUDA weights (encode on the GPU, materialize onto the GPU)
 "$py" -m pytest -q -p no:cacheprovider tests/trainer/test_publisher.py -m gpu 2>&1 | tee "$out/gpu_publisher.log" | tail -15
 [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 echo "== engine weight updates on CUDA parameters (pinned staging, on-device scatter, rollback)"
-"$py" -m pytest -q -p no:cacheprovider tests/engine/test_gpu_engine.py tests/engine/test_nvfp4_engine.py -m gpu 2>&1 | tee "$out/gpu_engine.log" | tail -15
+"$py" -m pytest -q -p no:cacheprovider tests/engine/test_gpu_engine.py tests/engine/test_nvfp4_engine.py tests/bench/test_engine_update_bench.py -m gpu 2>&1 | tee "$out/gpu_engine.log" | tail -15
 [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 echo "== GPU codec timings"
 "$py" -m bench.gpu_codec --gib 1 --density 0.01 --refcheck --out "$out/gpu_codec.json" || rc=1
@@ -34,4 +34,6 @@ echo "== NVFP4: QAT + publisher on CUDA weights (tests/ops/test_nvfp4_gpu.py ran
 "$py" -m pytest -q -p no:cacheprovider tests/trainer/test_qat.py -m gpu 2>&1 | tee "$out/gpu_nvfp4_qat.log" | tail -5
 [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 "$py" -m bench.gpu_nvfp4 --gib 1 --out "$out/gpu_nvfp4.json" || rc=1
+echo "== engine update on the GPU (pause vs full reload from host memory)"
+"$py" -m bench.engine_update --device cuda --updates 5 --window 10 --interval 1 --out "$out/engine_update_gpu.json" || rc=1
 exit $rc
