@@ -4,6 +4,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <tuple>
+
 #include "checksum.h"
 #include "delta_codec.h"
 
@@ -130,6 +132,34 @@ PYBIND11_MODULE(_native, m) {
   }, py::arg("target_ptr"), py::arg("blob"), py::arg("dtype_code"), py::arg("shape"), py::arg("verify") = true,
      py::arg("threads") = 1);
 
+  // Batches: (old_ptr, new_ptr, dtype_code, shape) per tensor -> list of blobs; (target_ptr, blob, dtype_code,
+  // shape) per tensor -> list of error messages ("" when applied; a failed target is left unchanged).
+  m.def("encode_many_ptr", [](const std::vector<std::tuple<uintptr_t, uintptr_t, int, std::vector<int64_t>>>& items,
+                              int block_log2, int threads) {
+    std::vector<EncodeJob> jobs;
+    for (const auto& [o, n, code, shape] : items)
+      jobs.push_back({reinterpret_cast<const uint8_t*>(o), reinterpret_cast<const uint8_t*>(n), code, to_shape(shape)});
+    std::vector<std::vector<uint8_t>> blobs;
+    {
+      py::gil_scoped_release nogil;
+      blobs = delta_encode_many(jobs, block_log2, threads);
+    }
+    py::list out;
+    for (const auto& b : blobs) out.append(to_bytes(b));
+    return out;
+  }, py::arg("items"), py::arg("block_log2") = kDefaultBlockLog2, py::arg("threads") = 1);
+  m.def("apply_many_ptr", [](const std::vector<std::tuple<uintptr_t, py::buffer, int, std::vector<int64_t>>>& items,
+                             bool verify, int threads) {
+    std::vector<ApplyJob> jobs;
+    std::vector<py::buffer_info> keep(items.size());  // the blobs stay alive and readable without the GIL
+    for (size_t i = 0; i < items.size(); ++i) {
+      const auto& [t, blob, code, shape] = items[i];
+      View bl = read_view(blob, keep[i]);
+      jobs.push_back({reinterpret_cast<uint8_t*>(t), bl.ptr, bl.size, code, to_shape(shape)});
+    }
+    py::gil_scoped_release nogil;
+    return delta_apply_many(jobs, verify, threads);
+  }, py::arg("items"), py::arg("verify") = true, py::arg("threads") = 1);
   m.def("pack", [](int dtype_code, const std::vector<int64_t>& shape, int block_log2,
                    py::array_t<uint64_t, py::array::c_style | py::array::forcecast> pos,
                    py::array_t<uint64_t, py::array::c_style | py::array::forcecast> v,

@@ -1,10 +1,12 @@
 // One block's changes <-> its payload (format v1): the bucketed symbols of gaps and values, their two
 // frequency tables, the raw-bits stream and the interleaved rANS stream. Torch-free. Thread-safe: each
-// call uses its own state plus thread-local scratch buffers that keep their capacity between calls.
+// object is used by one thread at a time; buffers keep their capacity between blocks.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -13,17 +15,54 @@
 
 namespace syncd {
 
-struct BlockChanges {
-  std::vector<uint32_t> pos;  // block-relative, ascending
-  std::vector<uint64_t> v;    // zigzag(key delta) - 1
-  void clear() {
-    pos.clear();
-    v.clear();
+// A growable array of trivially copyable T whose new elements are left uninitialised (no zeroing pass
+// over memory that is about to be written).
+template <class T>
+class PodBuffer {
+ public:
+  T* data() { return p_.get(); }
+  const T* data() const { return p_.get(); }
+  size_t capacity() const { return cap_; }
+  // Makes room for `n` elements, keeping the first `keep` ones.
+  void reserve(size_t n, size_t keep = 0) {
+    if (n <= cap_) return;
+    size_t c = std::max(n, cap_ + cap_ / 2);
+    std::unique_ptr<T[]> q(new T[c]);
+    if (keep) std::memcpy(q.get(), p_.get(), keep * sizeof(T));
+    p_ = std::move(q);
+    cap_ = c;
   }
+
+ private:
+  std::unique_ptr<T[]> p_;
+  size_t cap_ = 0;
 };
 
-// Appends the payload of `c` (at least one change) to `out`.
-void encode_block(const BlockChanges& c, std::vector<uint8_t>& out);
+// Accumulates one block's changes in order and writes its payload. Symbols, counts and raw bits are formed
+// as changes arrive, so the changes themselves need not be kept.
+class BlockEncoder {
+ public:
+  // Starts a new block.
+  void reset();
+  // Appends n changes: block-relative positions (ascending, after every change added before; below 2^26)
+  // and coded values v = zigzag(key delta) - 1 (at most 2^W - 2 for a W-bit dtype).
+  void add(const uint32_t* pos, const uint64_t* v, size_t n);
+  uint64_t count() const { return n_; }
+  // Appends the payload (requires count() >= 1) to `out`.
+  void finish(std::vector<uint8_t>& out);
+
+ private:
+  PodBuffer<uint8_t> syms_, raw_, rans_;
+  uint32_t counts_[2][2][kAlphabet];  // [model][parity of the change][symbol]: two tables break store chains
+  int64_t prev_ = -1;
+  uint64_t n_ = 0;
+  size_t raw_at_ = 0;  // whole bytes written to raw_
+  uint64_t acc_ = 0;   // pending raw bits (fewer than 8)
+  uint32_t fill_ = 0;
+};
+
+// The calling thread's encoder (buffers reused across calls).
+BlockEncoder& thread_block_encoder();
 
 // Streams the changes of one payload, validating as it goes; every problem throws DeltaError naming the
 // block. Call next() exactly n times, then finish() to check the end of the streams.

@@ -1,6 +1,10 @@
 #include "delta_codec.h"
 
 #include <algorithm>
+#include <atomic>
+#include <functional>
+#include <mutex>
+#include <string>
 #include <cstdio>
 #include <memory>
 #include <type_traits>
@@ -36,38 +40,47 @@ void verify_payload(const Header& h, const uint8_t* blob, size_t b) {
     throw DeltaError("block " + std::to_string(b) + ": payload checksum mismatch (corrupt or altered blob)");
 }
 
+// Changes of word w (which differs: a != bw) into pos[]/v[] at k; adds its checksum change to *ad.
 template <class T>
-void scan_block(const uint8_t* ob, const uint8_t* nb, uint64_t numel, uint64_t start, uint64_t span, bool is_float,
-                BlockChanges& c, uint64_t* sum_old, uint64_t* adj) {
+inline size_t visit_word(uint64_t w, uint64_t a, uint64_t bw, uint64_t start, bool is_float, uint32_t* pos,
+                         uint64_t* v, size_t k, uint64_t* ad) {
   constexpr unsigned E = 8 / sizeof(T);
   constexpr unsigned W = sizeof(T) * 8;
+  *ad += checksum_term(bw, w) - checksum_term(a, w);
+  uint64_t x = a ^ bw;
+  // one bit per nonzero lane, at the lane's top bit, without branches
+  uint64_t nz = x;
+  if constexpr (W < 64) {
+    constexpr uint64_t lo = ~uint64_t(0) / ((uint64_t(1) << W) - 1) * ((uint64_t(1) << (W - 1)) - 1);
+    nz = ((x & lo) + lo) | x;
+    nz &= ~lo;
+  } else {
+    nz = x ? (uint64_t(1) << 63) : 0;
+  }
+  while (nz) {
+    unsigned l = unsigned(__builtin_ctzll(nz)) / W;
+    nz &= nz - 1;
+    T ov = T(a >> (l * W % 64)), nv = T(bw >> (l * W % 64));
+    pos[k] = static_cast<uint32_t>(w * E + l - start);
+    v[k++] = code_value<T>(ov, nv, is_float);
+  }
+  return k;
+}
+
+// Scans one block: the checksum of its old words (*sum_old), the checksum change to the new words (*adj),
+// and every change, fed to `enc` one 64-word group at a time while the group is still in L1.
+template <class T>
+void scan_block(const uint8_t* ob, const uint8_t* nb, uint64_t numel, uint64_t start, uint64_t span, bool is_float,
+                BlockEncoder& enc, uint64_t* sum_old, uint64_t* adj) {
+  constexpr unsigned E = 8 / sizeof(T);
   const size_t nbytes = size_t(numel) * sizeof(T);
   const uint64_t wbeg = start * sizeof(T) / 8;
   const uint64_t wend = ((start + span) * sizeof(T) + 7) / 8;
   const uint64_t wfull = std::min<uint64_t>(wend, nbytes / 8);
   uint64_t so = 0, ad = 0;
-  c.pos.reserve(span / 32 + 16);
-  c.v.reserve(span / 32 + 16);
-  auto visit = [&](uint64_t w, uint64_t a, uint64_t bw) {
-    ad += checksum_term(bw, w) - checksum_term(a, w);
-    uint64_t x = a ^ bw;
-    // one bit per nonzero lane, at the lane's top bit, without branches
-    uint64_t nz = x;
-    if constexpr (W < 64) {
-      constexpr uint64_t lo = ~uint64_t(0) / ((uint64_t(1) << W) - 1) * ((uint64_t(1) << (W - 1)) - 1);
-      nz = ((x & lo) + lo) | x;
-      nz &= ~lo;
-    } else {
-      nz = x ? (uint64_t(1) << 63) : 0;
-    }
-    while (nz) {
-      unsigned l = unsigned(__builtin_ctzll(nz)) / W;
-      nz &= nz - 1;
-      T ov = T(a >> (l * W % 64)), nv = T(bw >> (l * W % 64));
-      c.pos.push_back(static_cast<uint32_t>(w * E + l - start));
-      c.v.push_back(code_value<T>(ov, nv, is_float));
-    }
-  };
+  constexpr size_t kGroupMax = 64 * E + 32;  // changes in one group, plus the vector stores' slack
+  uint32_t pos[kGroupMax];
+  uint64_t v[kGroupMax];
   // Sub-ranges of 32 KiB per stream: the changed words are visited while the range is still in L1/L2.
   constexpr uint64_t kSub = 4096;
   uint64_t masks[kSub / 64];
@@ -75,24 +88,29 @@ void scan_block(const uint8_t* ob, const uint8_t* nb, uint64_t numel, uint64_t s
     const uint64_t nwords = std::min(kSub, wfull - s0);
     so += checksum_and_diff_words(ob + 8 * s0, nb + 8 * s0, nwords, s0, masks);
     for (size_t g = 0; g < (nwords + 63) / 64; ++g) {
-      for (uint64_t m = masks[g]; m; m &= m - 1) {
-        uint64_t w = s0 + g * 64 + unsigned(__builtin_ctzll(m));
-        visit(w, load_le64(ob + 8 * w), load_le64(nb + 8 * w));
+      const uint64_t m = masks[g];
+      if (!m) continue;
+      const uint64_t w0 = s0 + g * 64;
+      size_t k = 0;
+      if constexpr (sizeof(T) == 2) {
+        k = extract_changes16(ob + 8 * w0, nb + 8 * w0, m, w0, static_cast<uint32_t>(w0 * E - start), is_float, pos,
+                              v, &ad);
+      } else {
+        for (uint64_t mm = m; mm; mm &= mm - 1) {
+          uint64_t w = w0 + unsigned(__builtin_ctzll(mm));
+          k = visit_word<T>(w, load_le64(ob + 8 * w), load_le64(nb + 8 * w), start, is_float, pos, v, k, &ad);
+        }
       }
+      enc.add(pos, v, k);
     }
   }
   if (wfull < wend) {  // the tensor's last, partial word (zero-padded in both)
     uint64_t a = word_at(ob, nbytes, wfull), bw = word_at(nb, nbytes, wfull);
     so += checksum_term(a, wfull);
-    if (a != bw) visit(wfull, a, bw);
+    if (a != bw) enc.add(pos, v, visit_word<T>(wfull, a, bw, start, is_float, pos, v, 0, &ad));
   }
   *sum_old = so;
   *adj = ad;
-}
-
-__attribute__((noinline)) BlockChanges& block_scratch() {  // not inlined: keeps TLS lookups out of loops
-  thread_local BlockChanges c;
-  return c;
 }
 
 struct Assembled {
@@ -110,13 +128,13 @@ std::vector<uint8_t> assemble(const DTypeInfo& dt, const std::vector<uint64_t>& 
   return out;
 }
 
-// Entropy-codes block b's changes into a.payloads[b] / a.entries[b].
-void code_block(const BlockChanges& c, Assembled& a, size_t b) {
-  if (c.pos.empty()) return;
-  encode_block(c, a.payloads[b]);
+// Writes the changes gathered in `enc` as block b's payload into a.payloads[b] / a.entries[b].
+void code_block(BlockEncoder& enc, Assembled& a, size_t b) {
+  if (!enc.count()) return;
+  enc.finish(a.payloads[b]);
   const auto& p = a.payloads[b];
   if (p.size() > 0xFFFFFFFFull) throw DeltaError("block payload exceeds 4 GiB");
-  a.entries[b] = {static_cast<uint32_t>(p.size()), static_cast<uint32_t>(c.pos.size()),
+  a.entries[b] = {static_cast<uint32_t>(p.size()), static_cast<uint32_t>(enc.count()),
                   checksum_finalize(checksum_raw_range(p.data(), 0, p.size()), p.size())};
 }
 
@@ -130,141 +148,79 @@ uint64_t numel_of(const std::vector<uint64_t>& shape) {
   return uint64_t(n);
 }
 
+// Applies one block's n changes from `dec` to `target` (bytes [lo, hi) hold the block; nbytes the whole
+// tensor). With verify, also sets *base_sum to the checksum terms of the block's old bytes and *adj to their
+// change. *written counts the changes written so far, exact whenever this throws (a corrupt block).
+// Dense blocks checksum each 32 KiB step before and after its changes while it is in L1; sparse ones read
+// every step once, ahead of its changes, and adjust the terms of the changed words only.
 template <class T>
-std::vector<uint8_t> encode_typed(const uint8_t* ob, const uint8_t* nb, const DTypeInfo& dt,
-                                  const std::vector<uint64_t>& shape, int block_log2, int threads) {
-  uint64_t numel = numel_of(shape);
-  size_t n_blocks = blocks_for(numel, block_log2);
-  std::vector<uint64_t> sums(n_blocks, 0), adjs(n_blocks, 0);
-  Assembled a;
-  a.payloads.assign(n_blocks, {});
-  a.entries.assign(n_blocks, {0, 0, 0});
-  // scan and entropy-code each block in one work item, so one thread's coding overlaps another's streaming
-  parallel_for(n_blocks, threads, [&](size_t b) {
-    BlockChanges& c = block_scratch();  // keeps its capacity: no page faults on fresh memory per call
-    c.clear();
-    uint64_t start = uint64_t(b) << block_log2;
-    uint64_t span = std::min<uint64_t>(uint64_t(1) << block_log2, numel - start);
-    scan_block<T>(ob, nb, numel, start, span, dt.is_float, c, &sums[b], &adjs[b]);
-    code_block(c, a, b);
-  });
-  uint64_t so = 0, ad = 0;
-  for (size_t b = 0; b < n_blocks; ++b) {
-    so += sums[b];
-    ad += adjs[b];
-  }
-  uint64_t nbytes = numel * sizeof(T);
-  return assemble(dt, shape, block_log2, a, checksum_finalize(so, nbytes), checksum_finalize(so + ad, nbytes));
-}
-
-// Applies in one pass per block: stream the decoded changes, checksum the target in 32 KiB steps just
-// ahead of them, and write each change in place while its cache line is hot. No per-change buffers. If
-// anything fails (a corrupt block, the base or the result checksum), the written changes are undone by
-// decoding the same blocks again and applying each change backwards, before DeltaError propagates, so the
-// caller sees the target unchanged.
-template <class T>
-void apply_typed(uint8_t* target, const uint8_t* blob, const Header& h, bool verify, int threads) {
-  const uint64_t numel = h.numel;
-  const size_t nbytes = size_t(numel) * sizeof(T);
+void apply_block(BlockDecoder& dec, uint32_t n, uint8_t* target, size_t nbytes, size_t lo, size_t hi,
+                 bool is_float, bool verify, uint32_t* written, uint64_t* base_sum, uint64_t* adj) {
   constexpr unsigned E = 8 / sizeof(T);
   constexpr unsigned W = sizeof(T) * 8;
-  const bool is_float = h.dtype.is_float;
-  size_t nb = h.blocks.size();
-  std::vector<uint32_t> written(nb, 0);
-  std::vector<uint64_t> adjs(nb, 0), block_sums(nb, 0);
-  T* tgt = reinterpret_cast<T*>(target);
-  auto decoder = [&](size_t b) {
-    const BlockEntry& e = h.blocks[b];
-    return std::make_unique<BlockDecoder>(blob + h.payload_offset[b], e.payload_bytes, e.n_changed, h.block_span(b),
-                                          int(W), b);
-  };
-  auto undo = [&] {
-    parallel_for(nb, threads, [&](size_t b) {
-      if (!written[b]) return;
-      auto dec = decoder(b);  // replays exactly the changes that were decoded and written before
-      const uint64_t start = h.block_start(b);
-      for (uint32_t i = 0; i < written[b]; ++i) {
-        uint32_t p;
-        uint64_t v;
-        dec->next(&p, &v);
-        tgt[start + p] = unapply_value<T>(tgt[start + p], v, is_float);
-      }
-    });
-  };
-  try {
-    parallel_for(nb, threads, [&](size_t b) {
-      const size_t lo = size_t(h.block_start(b)) * sizeof(T);
-      const size_t hi = lo + size_t(h.block_span(b)) * sizeof(T);
-      const BlockEntry& e = h.blocks[b];
-      if (!e.n_changed) {
-        if (verify) block_sums[b] = checksum_raw_range(target, lo, hi);
-        return;
-      }
-      verify_payload(h, blob, b);
-      auto dec = decoder(b);
-      size_t ck_at = lo;
-      uint64_t base_sum = 0;
-      auto checksum_upto = [&](size_t byte) {  // checksum every 32 KiB step up to and including `byte`
-        while (ck_at <= byte && ck_at < hi) {
-          size_t end_b = std::min(hi, ck_at + (size_t(1) << 15));
-          base_sum += checksum_raw_range(target, ck_at, end_b);
-          ck_at = end_b;
-        }
-      };
-      const uint64_t start = h.block_start(b);
-      uint64_t ad = 0, cur = ~uint64_t(0), oldw = 0, neww = 0;
-      constexpr uint32_t kBatch = 256;
-      uint32_t bp[kBatch];
-      uint64_t bv[kBatch];
-      for (uint32_t i = 0; i < e.n_changed; ++i) {
-        uint32_t k = i % kBatch;
-        if (k == 0) dec->next_batch(bp, bv, std::min<uint32_t>(kBatch, e.n_changed - i));
-        const uint64_t v = bv[k];
-        uint64_t idx = start + bp[k];
-        uint64_t w = idx / E;
-        if (verify) {
-          checksum_upto(size_t(idx) * sizeof(T));
-          if (w != cur) {
-            if (cur != ~uint64_t(0)) ad += checksum_term(neww, cur) - checksum_term(oldw, cur);
-            cur = w;
-            oldw = neww = word_at(target, nbytes, w);  // read before this word's first write
-          }
-        }
-        T nv = apply_value<T>(tgt[idx], v, is_float);
-        tgt[idx] = nv;
-        written[b] = i + 1;
-        if (verify) {
-          unsigned sh = unsigned(idx % E) * W % 64;
-          uint64_t lane = (W == 64) ? ~uint64_t(0) : ((uint64_t(1) << W) - 1) << sh;
-          neww = (neww & ~lane) | ((uint64_t(nv) << sh) & lane);
-        }
-      }
-      dec->finish();
-      if (verify) {
-        if (cur != ~uint64_t(0)) ad += checksum_term(neww, cur) - checksum_term(oldw, cur);
-        checksum_upto(hi);
-        block_sums[b] = base_sum;
-        adjs[b] = ad;
-      }
-    });
-    if (verify) {
-      uint64_t raw_old = 0, ad = 0;
-      for (uint64_t x : block_sums) raw_old += x;
-      for (uint64_t x : adjs) ad += x;
-      uint64_t have = checksum_finalize(raw_old, nbytes);
-      if (have != h.base_checksum) {
-        char msg[160];
-        std::snprintf(msg, sizeof msg, "wrong base: blob expects base checksum %#018llx, target has %#018llx",
-                      (unsigned long long)h.base_checksum, (unsigned long long)have);
-        throw DeltaError(msg);
-      }
-      if (checksum_finalize(raw_old + ad, nbytes) != h.new_checksum)
-        throw DeltaError("result checksum mismatch: the decoded tensor differs from the encoder's");
-    }
-  } catch (...) {
-    undo();
-    throw;
+  constexpr size_t kStep = size_t(1) << 15;
+  constexpr uint32_t kBatch = 256;
+  T* const tgt = reinterpret_cast<T*>(target);
+  const uint64_t start = lo / sizeof(T);
+  const bool dense = verify && uint64_t(n) * 16 > (hi - lo) / sizeof(T);
+  uint32_t bp[kBatch];
+  uint64_t bv[kBatch];
+  uint64_t old_sum = 0, ad = 0, cur = ~uint64_t(0), oldw = 0, neww = 0;
+  size_t step_lo = lo, step_hi = lo;  // dense: the step being changed; sparse: checksummed up to step_hi
+  if (dense) {  // ad collects new minus old terms of every step with changes
+    step_hi = std::min(hi, lo + kStep);
+    old_sum = checksum_raw_range(target, step_lo, step_hi);
+    ad = 0 - old_sum;
   }
+  for (uint32_t i = 0; i < n; i += kBatch) {
+    const uint32_t k = std::min(kBatch, n - i);
+    *written = i;
+    dec.next_batch(bp, bv, k);
+    for (uint32_t j = 0; j < k; ++j) {
+      const uint64_t idx = start + bp[j];
+      const size_t byte = size_t(idx) * sizeof(T);
+      if (dense) {
+        while (byte >= step_hi) {  // step done: its new terms, then the next step's old ones
+          ad += checksum_raw_range(target, step_lo, step_hi);
+          step_lo = step_hi;
+          step_hi = std::min(hi, step_lo + kStep);
+          uint64_t s = checksum_raw_range(target, step_lo, step_hi);
+          old_sum += s;
+          ad -= s;
+        }
+      } else if (verify) {
+        while (step_hi <= byte) {
+          size_t e = std::min(hi, step_hi + kStep);
+          old_sum += checksum_raw_range(target, step_hi, e);
+          step_hi = e;
+        }
+        const uint64_t w = idx / E;
+        if (w != cur) {
+          if (cur != ~uint64_t(0)) ad += checksum_term(neww, cur) - checksum_term(oldw, cur);
+          cur = w;
+          oldw = neww = word_at(target, nbytes, w);  // read before this word's first write
+        }
+      }
+      const T nv = apply_value<T>(tgt[idx], bv[j], is_float);
+      tgt[idx] = nv;
+      if (!dense && verify) {
+        const unsigned sh = unsigned(idx % E) * W % 64;
+        const uint64_t lane = (W == 64) ? ~uint64_t(0) : ((uint64_t(1) << W) - 1) << sh;
+        neww = (neww & ~lane) | ((uint64_t(nv) << sh) & lane);
+      }
+    }
+  }
+  *written = n;
+  dec.finish();
+  if (!verify) return;
+  if (dense) {
+    ad += checksum_raw_range(target, step_lo, step_hi);
+  } else if (cur != ~uint64_t(0)) {
+    ad += checksum_term(neww, cur) - checksum_term(oldw, cur);
+  }
+  if (step_hi < hi) old_sum += checksum_raw_range(target, step_hi, hi);  // the unchanged rest
+  *base_sum = old_sum;
+  *adj = ad;
 }
 
 template <class F>
@@ -277,22 +233,202 @@ auto by_width(int bits, F&& f) {
   }
 }
 
+
+// ---- many tensors, one pool: every block of every tensor is one work item, so both cores stay busy across
+// tensors of one or two blocks (most of a model's) and there is one call for the whole list.
+
+struct EncodeTask {
+  DTypeInfo dt;
+  uint64_t numel = 0;
+  Assembled a;
+  std::vector<uint64_t> sums, adjs;
+};
+
+struct ApplyTask {
+  Header h;
+  std::vector<uint32_t> written;  // changes written per block: what undo() reverses
+  std::vector<uint64_t> sums, adjs;
+  std::atomic<bool> failed{false};
+  std::string error;
+  std::mutex m;
+  void fail(const std::string& msg) {
+    std::lock_guard<std::mutex> lock(m);
+    if (!failed.load()) error = msg;
+    failed.store(true);
+  }
+};
+
+struct Item {
+  uint32_t task, block;
+  uint64_t cost;  // items run most expensive first: the pool's tail stays short
+};
+
+void run_largest_first(std::vector<Item>& items, int threads, const std::function<void(const Item&)>& body) {
+  std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
+  parallel_for(items.size(), threads, [&](size_t i) { body(items[i]); });
+}
+
+template <class T>
+void undo_block(const ApplyTask& t, const ApplyJob& j, size_t b) {
+  const Header& h = t.h;
+  const BlockEntry& e = h.blocks[b];
+  BlockDecoder dec(j.blob + h.payload_offset[b], e.payload_bytes, e.n_changed, h.block_span(b), int(sizeof(T) * 8), b);
+  T* tgt = reinterpret_cast<T*>(j.target);
+  const uint64_t start = h.block_start(b);
+  for (uint32_t i = 0; i < t.written[b]; ++i) {  // replays exactly the changes decoded and written before
+    uint32_t p;
+    uint64_t v;
+    dec.next(&p, &v);
+    tgt[start + p] = unapply_value<T>(tgt[start + p], v, h.dtype.is_float);
+  }
+}
+
+template <class T>
+void apply_item(ApplyTask& t, const ApplyJob& j, size_t b, bool verify) {
+  const Header& h = t.h;
+  const size_t lo = size_t(h.block_start(b)) * sizeof(T);
+  const size_t hi = lo + size_t(h.block_span(b)) * sizeof(T);
+  const BlockEntry& e = h.blocks[b];
+  if (!e.n_changed) {
+    if (verify) t.sums[b] = checksum_raw_range(j.target, lo, hi);
+    return;
+  }
+  verify_payload(h, j.blob, b);
+  BlockDecoder dec(j.blob + h.payload_offset[b], e.payload_bytes, e.n_changed, h.block_span(b), int(sizeof(T) * 8), b);
+  apply_block<T>(dec, e.n_changed, j.target, size_t(h.numel) * sizeof(T), lo, hi, h.dtype.is_float, verify,
+                 &t.written[b], &t.sums[b], &t.adjs[b]);
+}
+
+// The base and result checksums of a task whose blocks all ran; the first mismatch fails it.
+void check_sums(ApplyTask& t) {
+  uint64_t raw_old = 0, ad = 0;
+  for (uint64_t x : t.sums) raw_old += x;
+  for (uint64_t x : t.adjs) ad += x;
+  const uint64_t nbytes = t.h.numel * (t.h.dtype.bits / 8);
+  uint64_t have = checksum_finalize(raw_old, nbytes);
+  if (have != t.h.base_checksum) {
+    char msg[160];
+    std::snprintf(msg, sizeof msg, "wrong base: blob expects base checksum %#018llx, target has %#018llx",
+                  (unsigned long long)t.h.base_checksum, (unsigned long long)have);
+    t.fail(msg);
+  } else if (checksum_finalize(raw_old + ad, nbytes) != t.h.new_checksum) {
+    t.fail("result checksum mismatch: the decoded tensor differs from the encoder's");
+  }
+}
 }  // namespace
+
+std::vector<std::vector<uint8_t>> delta_encode_many(const std::vector<EncodeJob>& jobs, int block_log2,
+                                                    int threads) {
+  if (block_log2 < kMinBlockLog2 || block_log2 > kMaxBlockLog2) throw DeltaError("block_log2 out of range");
+  std::vector<EncodeTask> tasks(jobs.size());
+  std::vector<Item> items;
+  for (size_t t = 0; t < jobs.size(); ++t) {
+    EncodeTask& k = tasks[t];
+    k.dt = dtype_info(jobs[t].dtype_code);
+    k.numel = numel_of(jobs[t].shape);
+    size_t nb = blocks_for(k.numel, block_log2);
+    k.a.payloads.assign(nb, {});
+    k.a.entries.assign(nb, {0, 0, 0});
+    k.sums.assign(nb, 0);
+    k.adjs.assign(nb, 0);
+    for (size_t b = 0; b < nb; ++b)
+      items.push_back({uint32_t(t), uint32_t(b), std::min<uint64_t>(uint64_t(1) << block_log2, k.numel - (uint64_t(b) << block_log2))});
+  }
+  // scan and entropy-code each block in one work item, so one thread's coding overlaps another's streaming
+  run_largest_first(items, threads, [&](const Item& it) {
+    EncodeTask& k = tasks[it.task];
+    const EncodeJob& j = jobs[it.task];
+    BlockEncoder& enc = thread_block_encoder();  // keeps its capacity: no page faults on fresh memory per call
+    enc.reset();
+    const uint64_t start = uint64_t(it.block) << block_log2;
+    by_width(k.dt.bits, [&](auto tag) {
+      scan_block<decltype(tag)>(j.old_bytes, j.new_bytes, k.numel, start, it.cost, k.dt.is_float, enc,
+                                &k.sums[it.block], &k.adjs[it.block]);
+    });
+    code_block(enc, k.a, it.block);
+  });
+  std::vector<std::vector<uint8_t>> out(jobs.size());
+  parallel_for(jobs.size(), threads, [&](size_t t) {
+    EncodeTask& k = tasks[t];
+    uint64_t so = 0, ad = 0;
+    for (size_t b = 0; b < k.sums.size(); ++b) {
+      so += k.sums[b];
+      ad += k.adjs[b];
+    }
+    const uint64_t nbytes = k.numel * (k.dt.bits / 8);
+    out[t] = assemble(k.dt, jobs[t].shape, block_log2, k.a, checksum_finalize(so, nbytes),
+                      checksum_finalize(so + ad, nbytes));
+    k.a = Assembled();  // payloads are copied: free them as we go
+  });
+  return out;
+}
 
 std::vector<uint8_t> delta_encode(const uint8_t* old_bytes, const uint8_t* new_bytes, int dtype_code,
                                   const std::vector<uint64_t>& shape, int block_log2, int threads) {
-  DTypeInfo dt = dtype_info(dtype_code);
-  if (block_log2 < kMinBlockLog2 || block_log2 > kMaxBlockLog2) throw DeltaError("block_log2 out of range");
-  return by_width(dt.bits, [&](auto tag) {
-    return encode_typed<decltype(tag)>(old_bytes, new_bytes, dt, shape, block_log2, threads);
+  return std::move(delta_encode_many({{old_bytes, new_bytes, dtype_code, shape}}, block_log2, threads)[0]);
+}
+
+// Each tensor in one pass per block: stream the decoded changes, checksum the target in 32 KiB steps, and
+// write each change in place while its cache line is hot. No per-change buffers. If anything fails for a
+// tensor (a corrupt block, the base or the result checksum), its written changes are undone by decoding the
+// same blocks again and applying each change backwards, so the caller sees that tensor unchanged.
+std::vector<std::string> delta_apply_many(const std::vector<ApplyJob>& jobs, bool verify, int threads) {
+  std::vector<std::unique_ptr<ApplyTask>> tasks;
+  std::vector<Item> items;
+  for (size_t t = 0; t < jobs.size(); ++t) {
+    tasks.push_back(std::make_unique<ApplyTask>());
+    ApplyTask& k = *tasks.back();
+    try {
+      k.h = parse_header(jobs[t].blob, jobs[t].blob_len);
+      check_target(k.h, jobs[t].dtype_code, jobs[t].shape);
+    } catch (const DeltaError& e) {
+      k.fail(e.what());
+      continue;
+    }
+    size_t nb = k.h.blocks.size();
+    k.written.assign(nb, 0);
+    k.sums.assign(nb, 0);
+    k.adjs.assign(nb, 0);
+    for (size_t b = 0; b < nb; ++b)  // a block's cost: its bytes read plus its changes decoded
+      items.push_back({uint32_t(t), uint32_t(b), k.h.block_span(b) + 16 * uint64_t(k.h.blocks[b].n_changed)});
+  }
+  std::exception_ptr internal;
+  std::mutex internal_m;
+  run_largest_first(items, threads, [&](const Item& it) {
+    ApplyTask& k = *tasks[it.task];
+    if (k.failed.load(std::memory_order_relaxed)) return;
+    try {
+      by_width(k.h.dtype.bits, [&](auto tag) { apply_item<decltype(tag)>(k, jobs[it.task], it.block, verify); });
+    } catch (const DeltaError& e) {
+      k.fail(e.what());
+    } catch (...) {  // not the blob's fault (e.g. out of memory): undo everything, then rethrow
+      std::lock_guard<std::mutex> lock(internal_m);
+      if (!internal) internal = std::current_exception();
+      k.fail("internal error");
+    }
   });
+  if (verify)
+    for (auto& k : tasks)
+      if (!k->failed.load() && !internal) check_sums(*k);
+  std::vector<Item> undo;
+  for (const Item& it : items) {
+    const ApplyTask& k = *tasks[it.task];
+    if ((k.failed.load() || internal) && k.written[it.block]) undo.push_back(it);
+  }
+  run_largest_first(undo, threads, [&](const Item& it) {
+    by_width(tasks[it.task]->h.dtype.bits,
+             [&](auto tag) { undo_block<decltype(tag)>(*tasks[it.task], jobs[it.task], it.block); });
+  });
+  if (internal) std::rethrow_exception(internal);
+  std::vector<std::string> errors;
+  for (auto& k : tasks) errors.push_back(k->failed.load() ? k->error : std::string());
+  return errors;
 }
 
 void delta_apply(uint8_t* target, const uint8_t* blob, size_t blob_len, int dtype_code,
                  const std::vector<uint64_t>& shape, bool verify, int threads) {
-  Header h = parse_header(blob, blob_len);
-  check_target(h, dtype_code, shape);
-  by_width(h.dtype.bits, [&](auto tag) { apply_typed<decltype(tag)>(target, blob, h, verify, threads); });
+  std::string err = delta_apply_many({{target, blob, blob_len, dtype_code, shape}}, verify, threads)[0];
+  if (!err.empty()) throw DeltaError(err);
 }
 
 std::vector<uint8_t> delta_pack(int dtype_code, const std::vector<uint64_t>& shape, int block_log2,
@@ -311,13 +447,18 @@ std::vector<uint8_t> delta_pack(int dtype_code, const std::vector<uint64_t>& sha
   a.payloads.assign(n_blocks, {});
   a.entries.assign(n_blocks, {0, 0, 0});
   parallel_for(n_blocks, threads, [&](size_t b) {
-    BlockChanges& c = block_scratch();
+    BlockEncoder& enc = thread_block_encoder();
+    enc.reset();
     uint64_t lo = uint64_t(b) << block_log2, hi = lo + (uint64_t(1) << block_log2);
     size_t i0 = std::lower_bound(pos, pos + n, lo) - pos, i1 = std::lower_bound(pos, pos + n, hi) - pos;
-    c.pos.resize(i1 - i0);
-    c.v.assign(v + i0, v + i1);
-    for (size_t i = i0; i < i1; ++i) c.pos[i - i0] = static_cast<uint32_t>(pos[i] - lo);
-    code_block(c, a, b);
+    constexpr size_t kBatch = 1024;
+    uint32_t rel[kBatch];
+    for (size_t i = i0; i < i1; i += kBatch) {
+      size_t k = std::min(kBatch, i1 - i);
+      for (size_t j = 0; j < k; ++j) rel[j] = static_cast<uint32_t>(pos[i + j] - lo);
+      enc.add(rel, v + i, k);
+    }
+    code_block(enc, a, b);
   });
   return assemble(dt, shape, block_log2, a, base_checksum, new_checksum);
 }

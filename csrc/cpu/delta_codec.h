@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "delta_format.h"
@@ -20,6 +21,29 @@ std::vector<uint8_t> delta_encode(const uint8_t* old_bytes, const uint8_t* new_b
 // any failure every written element is restored before DeltaError propagates.
 void delta_apply(uint8_t* target, const uint8_t* blob, size_t blob_len, int dtype_code,
                  const std::vector<uint64_t>& shape, bool verify, int threads);
+
+// One tensor of a batch (same contracts as delta_encode / delta_apply).
+struct EncodeJob {
+  const uint8_t* old_bytes;
+  const uint8_t* new_bytes;
+  int dtype_code;
+  std::vector<uint64_t> shape;
+};
+struct ApplyJob {
+  uint8_t* target;
+  const uint8_t* blob;
+  size_t blob_len;
+  int dtype_code;
+  std::vector<uint64_t> shape;
+};
+
+// delta_encode of every job, with all blocks of all tensors in one pool of `threads` threads. Throws
+// DeltaError for a bad dtype, shape or block_log2.
+std::vector<std::vector<uint8_t>> delta_encode_many(const std::vector<EncodeJob>& jobs, int block_log2, int threads);
+
+// delta_apply of every job, each tensor independently: returns one string per job, empty when it was
+// applied, else the DeltaError message (and that target is unchanged). Targets must not overlap.
+std::vector<std::string> delta_apply_many(const std::vector<ApplyJob>& jobs, bool verify, int threads);
 
 // Entropy-codes already-found changes: global positions (ascending, < numel) and coded values
 // v = zigzag(key delta) - 1. Used by the GPU encoders.

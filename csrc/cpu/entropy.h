@@ -147,113 +147,62 @@ inline void read_table(ByteReader& r, uint32_t* freqs) {
   if (sum != kProbScale) r.fail("frequencies sum to " + std::to_string(sum) + ", expected " + std::to_string(kProbScale));
 }
 
-// Decoding tables of one model: slot -> symbol, and per-symbol freq/cumulative.
+// Decoding tables of one model: slot -> symbol, and per symbol its frequency (low 16 bits) and cumulative
+// frequency (high 16 bits) in one word.
 struct DecodeModel {
-  uint32_t freq[kAlphabet];
-  uint32_t cum[kAlphabet];
+  uint32_t freq_cum[kAlphabet];
   uint8_t lut[kProbScale];
   void build(const uint32_t* f) {
     uint32_t c = 0;
     for (int s = 0; s < kAlphabet; ++s) {
-      freq[s] = f[s];
-      cum[s] = c;
+      freq_cum[s] = f[s] | c << 16;
       if (f[s]) std::memset(lut + c, s, f[s]);
       c += f[s];
     }
   }
 };
 
-// Encoder tables of one model. Division by the frequency is replaced by a multiply with a rounded-up
-// reciprocal and a shift (exact for 32-bit states below 2^31, as in Giesen's rans_byte).
-struct EncodeModel {
-  uint32_t x_max[kAlphabet];
-  uint32_t rcp_freq[kAlphabet];
-  uint32_t bias[kAlphabet];
-  uint16_t cmpl_freq[kAlphabet];
-  uint8_t rcp_shift[kAlphabet];
-  void build(const uint32_t* f) {
-    uint32_t c = 0;
-    for (int s = 0; s < kAlphabet; ++s) {
-      uint32_t freq = f[s];
-      x_max[s] = ((kRansL >> kProbBits) << 8) * freq;
-      cmpl_freq[s] = static_cast<uint16_t>(kProbScale - freq);
-      if (freq < 2) {
-        rcp_freq[s] = ~0u;
-        rcp_shift[s] = 0;
-        bias[s] = c + kProbScale - 1;
-      } else {
-        uint32_t shift = 0;
-        while (freq > (1u << shift)) ++shift;
-        rcp_freq[s] = static_cast<uint32_t>(((uint64_t(1) << (shift + 31)) + freq - 1) / freq);
-        rcp_shift[s] = static_cast<uint8_t>(shift - 1);
-        bias[s] = c;
-      }
-      c += freq;
-    }
-  }
+// One symbol's encoding constants, packed into 16 bytes. Division by the frequency is replaced by a multiply
+// with a rounded-up reciprocal and a shift (exact for 32-bit states below 2^31, as in Giesen's rans_byte).
+struct EncodeSymbol {
+  uint32_t x_max, rcp_freq, bias;
+  uint16_t cmpl_freq;
+  uint8_t rcp_shift, pad;
 };
 
-// Encodes symbols[0..n) (symbol j uses model and state j % 2) and appends the stream to `out`.
-// `buf` is scratch (its capacity is reused).
-inline void rans_encode(const uint8_t* symbols, size_t n, const EncodeModel* models, std::vector<uint8_t>& buf,
-                        std::vector<uint8_t>& out) {
-  buf.resize(2 * n + 8);
-  size_t w = buf.size();
-  uint32_t x[2] = {kRansL, kRansL};
-  for (size_t j = n; j-- > 0;) {
-    int st = static_cast<int>(j & 1);
-    uint32_t s = symbols[j];
-    const EncodeModel& m = models[st];
-    uint32_t xs = x[st];
-    uint32_t x_max = m.x_max[s];
-    while (xs >= x_max) {
-      buf[--w] = static_cast<uint8_t>(xs);
-      xs >>= 8;
+inline void build_encode_table(const uint32_t* f, EncodeSymbol* t) {
+  uint32_t c = 0;
+  for (int s = 0; s < kAlphabet; ++s) {
+    uint32_t freq = f[s];
+    EncodeSymbol& e = t[s];
+    e.x_max = ((kRansL >> kProbBits) << 8) * freq;
+    e.cmpl_freq = static_cast<uint16_t>(kProbScale - freq);
+    e.pad = 0;
+    if (freq < 2) {
+      e.rcp_freq = ~0u;
+      e.rcp_shift = 0;
+      e.bias = c + kProbScale - 1;
+    } else {
+      uint32_t shift = 0;
+      while (freq > (1u << shift)) ++shift;
+      e.rcp_freq = static_cast<uint32_t>(((uint64_t(1) << (shift + 31)) + freq - 1) / freq);
+      e.rcp_shift = static_cast<uint8_t>(shift - 1);
+      e.bias = c;
     }
-    uint32_t q = static_cast<uint32_t>((uint64_t(xs) * m.rcp_freq[s]) >> 32) >> m.rcp_shift[s];
-    x[st] = xs + m.bias[s] + q * m.cmpl_freq[s];
+    c += freq;
   }
-  for (int st = 1; st >= 0; --st) {
-    for (int b = 3; b >= 0; --b) buf[--w] = static_cast<uint8_t>(x[st] >> (8 * b));
-  }
-  out.insert(out.end(), buf.begin() + static_cast<long>(w), buf.end());
 }
 
-// LSB-first bit packer. Appends to `out`; call flush() once at the end.
-class BitWriter {
- public:
-  explicit BitWriter(std::vector<uint8_t>& out) : out_(out) {}
-  void write(uint64_t v, uint32_t n) {  // v < 2^n, n <= 61
-    if (n > 32) {
-      write(v & 0xFFFFFFFFull, 32);
-      write(v >> 32, n - 32);
-      return;
-    }
-    if (fill_ + n > 64) spill();
-    acc_ |= n ? (v << fill_) : 0;
-    fill_ += n;
-    if (fill_ >= 56) spill();
+// Encodes one symbol into state x, writing renormalisation bytes backwards at *--w.
+inline void rans_put(uint32_t& x, const EncodeSymbol& e, uint8_t*& w) {
+  uint32_t xs = x;
+  while (xs >= e.x_max) {
+    *--w = static_cast<uint8_t>(xs);
+    xs >>= 8;
   }
-  void flush() {
-    spill();
-    if (fill_) out_.push_back(static_cast<uint8_t>(acc_));
-    acc_ = 0;
-    fill_ = 0;
-  }
-
- private:
-  void spill() {  // move whole bytes out of the accumulator
-    uint32_t bytes = fill_ / 8;
-    uint8_t tmp[8];
-    for (uint32_t i = 0; i < 8; ++i) tmp[i] = static_cast<uint8_t>(acc_ >> (8 * i));
-    out_.insert(out_.end(), tmp, tmp + bytes);
-    acc_ = bytes == 8 ? 0 : acc_ >> (8 * bytes);
-    fill_ -= 8 * bytes;
-  }
-  std::vector<uint8_t>& out_;
-  uint64_t acc_ = 0;
-  uint32_t fill_ = 0;
-};
+  uint32_t q = static_cast<uint32_t>((uint64_t(xs) * e.rcp_freq) >> 32) >> e.rcp_shift;
+  x = xs + e.bias + q * e.cmpl_freq;
+}
 
 // LSB-first bit reader over untrusted bytes; reading past the end throws via `owner`.
 class BitReader {
@@ -274,8 +223,52 @@ class BitReader {
     if (pos_ != n_ || fill_ >= 8 || acc_ != 0) owner_->fail("raw-bits stream has unused bits");
   }
 
+  // For an unchecked inner loop that keeps the reader in registers: bytes left to refill from, and the
+  // state to copy out and back (see BlockDecoder::next_batch).
+  size_t bytes_left() const { return n_ - pos_; }
+  struct Cursor {
+    const uint8_t* p;
+    size_t pos;
+    uint64_t acc;
+    uint32_t fill;
+    // Leaves 56..63 bits in acc; needs 8 readable bytes at p + pos.
+    void refill_unchecked() {
+      uint64_t w;
+      std::memcpy(&w, p + pos, 8);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+      w = __builtin_bswap64(w);
+#endif
+      acc |= w << fill;
+      pos += (63 - fill) >> 3;
+      fill |= 56;
+    }
+    uint64_t take(uint32_t n) {  // n <= fill, n < 64
+      uint64_t v = acc & ((uint64_t(1) << n) - 1);
+      acc >>= n;
+      fill -= n;
+      return v;
+    }
+  };
+  Cursor cursor() const { return {p_, pos_, acc_, fill_}; }
+  void set_cursor(const Cursor& c) {
+    pos_ = c.pos;
+    acc_ = c.acc;
+    fill_ = c.fill;
+  }
+
  private:
   void refill(uint32_t n) {
+    if (n_ - pos_ >= 8) {  // whole-word refill: up to 7 bytes, leaving 56..63 bits
+      uint64_t w;
+      std::memcpy(&w, p_ + pos_, 8);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+      w = __builtin_bswap64(w);
+#endif
+      acc_ |= w << fill_;
+      pos_ += (63 - fill_) >> 3;
+      fill_ |= 56;
+      return;
+    }
     while (fill_ <= 56 && pos_ < n_) {
       acc_ |= uint64_t(p_[pos_++]) << fill_;
       fill_ += 8;

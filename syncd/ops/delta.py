@@ -20,7 +20,6 @@ import torch
 from syncd.errors import DeltaError
 from syncd.ops import _backend
 from syncd.ops import _format as fmt
-from syncd.ops._batch import run_many as _many
 from syncd.ops._tensors import byte_view, raw_ptr, shape_of
 from syncd.ops.reference import checksum as ref_ck
 from syncd.ops.reference import delta as ref
@@ -171,10 +170,18 @@ def encode_many(olds, news, *, backend: str = "auto", block_log2: int = fmt.DEFA
     if not olds or any(t.device.type != "cpu" for t in olds) or _backend.resolve(backend, "cpu", "encode") != "cpu":
         return [encode(o, n, backend=backend, block_log2=block_log2) for o, n in zip(olds, news)]
 
-    def one(pair, threads):
-        o, n = pair
-        return _native_encode(o, n, _check_pair(o, n), shape_of(o), block_log2, threads)
-    return _many(one, list(zip(olds, news)), [o.numel() for o in olds], block_log2)
+    keep, items = [], []  # every block of every tensor goes to one native pool
+    for o, n in zip(olds, news):
+        dt = _check_pair(o, n)
+        o, n = _plain(o), _plain(n)
+        keep += (o, n)
+        items.append((o.data_ptr(), n.data_ptr(), dt.code, shape_of(o)))
+    return _native_call(_backend.native().encode_many_ptr, items, block_log2, _backend.threads())
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when ``raw_ptr`` can read it, else a contiguous copy of its values."""
+    return t if raw_ptr(t) is not None else t.detach().resolve_conj().resolve_neg().contiguous()
 
 
 def apply_many(tensors, blobs, *, backend: str = "auto", verify: bool = True) -> None:
@@ -184,23 +191,25 @@ def apply_many(tensors, blobs, *, backend: str = "auto", verify: bool = True) ->
     tensors, blobs = list(tensors), list(blobs)
     if len(tensors) != len(blobs):
         raise DeltaError(f"{len(tensors)} tensors but {len(blobs)} blobs")
-    if (not tensors or any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors)
+    if (not tensors or any(raw_ptr(t) is None for t in tensors)
             or _backend.resolve(backend, "cpu", "apply") != "cpu"):
         for t, b in zip(tensors, blobs):
             apply_(t, b, backend=backend, verify=verify)
         return
 
-    def one(pair, threads):
-        t, b = pair
+    errors: list = [None] * len(tensors)
+    items, where = [], []  # every block of every tensor goes to one native pool
+    for i, (t, b) in enumerate(zip(tensors, blobs)):
         try:
-            _native_apply(t, b, fmt.dtype_of(t.dtype), shape_of(t), verify, threads)
+            items.append((t.data_ptr(), b, fmt.dtype_of(t.dtype).code, shape_of(t)))
+            where.append(i)
         except DeltaError as e:
-            return e
-        return None
-    errors = [e for e in _many(one, list(zip(tensors, blobs)), [t.numel() for t in tensors],
-                               fmt.DEFAULT_BLOCK_LOG2) if e is not None]
-    if errors:
-        raise errors[0]
+            errors[i] = e
+    for i, m in zip(where, _native_call(_backend.native().apply_many_ptr, items, verify, _backend.threads())):
+        errors[i] = DeltaError(m) if m else None
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
 
 
 def decode(old: torch.Tensor, blob, *, backend: str = "auto", verify: bool = True) -> torch.Tensor:

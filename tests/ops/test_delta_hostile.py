@@ -30,6 +30,8 @@ def _case(dtype=torch.bfloat16, n=3000, density=0.05, seed=0, block_log2=10):
 
 OLD, NEW, BLOB = _case()
 OLD32, NEW32, BLOB32 = _case(torch.float32, n=700, density=0.3, seed=1, block_log2=8)
+# dense blocks of ~1200 changes: long enough for the decoder's unchecked fast loop and the apply's dense mode
+OLDD, NEWD, BLOBD = _case(n=8192, density=0.3, seed=2, block_log2=12)
 
 
 def _apply_expect_error(blob, backend, match=None, old=OLD, verify=True):
@@ -169,6 +171,13 @@ def test_fuzz_native_decoder(data, verify):
 def test_fuzz_native_decoder_wide_values(data, verify):
     mutated, resealed = data.draw(mutations(BLOB32))
     _check_mutation(BLOB32, mutated, resealed, OLD32, NEW32, "cpu", verify)
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data(), verify=st.booleans())
+def test_fuzz_native_decoder_dense_blocks(data, verify):
+    mutated, resealed = data.draw(mutations(BLOBD))
+    _check_mutation(BLOBD, mutated, resealed, OLDD, NEWD, "cpu", verify)
 
 
 @settings(max_examples=max(20, FUZZ_EXAMPLES // 10), deadline=None, suppress_health_check=list(HealthCheck))
