@@ -109,14 +109,16 @@ __attribute__((target("avx512f,avx512dq,avx512bw,avx512vbmi2"))) size_t avx512_e
                                         13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const __m512i sign = _mm512_set1_epi16(int16_t(0x8000));
   const __m512i one = _mm512_set1_epi16(1);
+  const __m512i key0 = _mm512_mullo_epi64(_mm512_add_epi64(_mm512_set1_epi64(int64_t(first_word + 1)), lanes8), golden);
   __m512i acc = _mm512_setzero_si512();
   size_t k = 0;
-  for (unsigned j = 0; j < 8; ++j) {
+  // only the vectors holding a changed word: one loop exit to predict per group, not one branch per vector
+  for (uint64_t rest = mask; rest;) {
+    const unsigned j = unsigned(__builtin_ctzll(rest)) / 8;
+    rest &= ~(uint64_t(0xFF) << (8 * j));
     __mmask8 wm = __mmask8(mask >> (8 * j));
-    if (!wm) continue;
     __m512i a = _mm512_maskz_loadu_epi64(wm, o + 64 * j), b = _mm512_maskz_loadu_epi64(wm, n + 64 * j);
-    __m512i key = _mm512_mullo_epi64(
-        _mm512_add_epi64(_mm512_set1_epi64(int64_t(first_word + 8 * j + 1)), lanes8), golden);
+    __m512i key = _mm512_add_epi64(key0, _mm512_set1_epi64(int64_t(8 * j * kGolden)));
     // masked-off words are zero in both, so they add mix(key) - mix(key) = 0
     acc = _mm512_add_epi64(acc, _mm512_sub_epi64(mix512(_mm512_xor_si512(b, key)), mix512(_mm512_xor_si512(a, key))));
     __mmask32 lm = _mm512_cmpneq_epi16_mask(a, b);

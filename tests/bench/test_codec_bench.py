@@ -18,6 +18,7 @@ def test_codec_benchmark_tiny(tmp_path, capsys):
         assert 0 < r["density"] < 1
         assert r["encoded_bytes"] > 0 and r["bound_bytes"] > 0
         assert r["numpy_read_gbps"] > 0 and r["encode_gbps"] > 0 and r["apply_gbps"] > 0
+        assert r["encode_vs_read_limit"] > 0 and r["apply_vs_read_limit"] > 0 and r["encode_changes_per_s"] > 0
         assert set(r["baselines"]) == {"zstd_full", "zstd_xor", "idx32_bf16_zstd", "gapvarint_zigzag_zstd"}
         # lossless and never worse than sending the bf16 weights through zstd
         assert r["encoded_bytes"] < r["baselines"]["zstd_full"]["bytes"]
