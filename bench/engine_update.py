@@ -11,8 +11,9 @@ same run:
   i.e. the in-place apply, median and max; next to a full-weight reload of the same model
   (``model.load_state_dict`` of the version's bf16 tensors into an fp32 model of the same config, what a
   reloading engine would do) and the engine's own ``load_full``;
-* the physical limit of the ratio: an in-place apply must move at least the cache lines that hold a changed
-  word (read and write), a full reload reads the new weights and writes every line;
+* the physical limit of the ratio, in memory traffic: an in-place apply must move at least the cache lines
+  that hold a changed word (read and write back), a full reload reads the new weights and writes every line
+  of the storage (each write first reads its line: write-allocate);
 * tokens/s without updates and while updates are applied, and requests lost (must be 0).
 
 ``--device cuda`` (``auto``: cuda when available) serves from the GPU (weights in the engine's GPU dtype).
@@ -264,9 +265,10 @@ def run(cfg: dict, lr: float, seed: int, workdir: Path, verify_apply: bool = Tru
     storage_bytes = sum(t.numel() * t.element_size() for t in engine.runner.model.state_dict().values())
     lines_total = storage_bytes // LINE
     med_lines = median([u["lines"] for u in updates])
-    # a full reload reads the bf16 source and writes every line of the storage; an in-place apply must at
-    # least read and write each touched line
-    limit_ratio = (weight_bytes + storage_bytes) / (2 * med_lines * LINE) if med_lines else float("inf")
+    # memory traffic: a full reload reads the bf16 source and writes every line of the storage, each write
+    # first reading its line (write-allocate: converting stores are not streaming); an in-place apply must at
+    # least read and write back each touched line
+    limit_ratio = (weight_bytes + 2 * storage_bytes) / (2 * med_lines * LINE) if med_lines else float("inf")
     stall = [u["stall_s"] for u in updates]
     extra = dict(device=device, gpu_name=gpu.gpu_name(device), physical_limit_basis="cpu cache lines")
     if cuda:

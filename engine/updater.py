@@ -15,9 +15,10 @@ How an update moves (``docs/engine.md``):
   result checksum against the trainer's. A full version is compared with the local weights and only the
   words that differ are staged. The result is, per local parameter, ascending int64 positions plus the old
   and new words, in CPU memory (pinned when the parameter is on a GPU): about 12 bytes per changed bf16 word.
-* ``apply()`` first checks, for every parameter, that the staged positions still hold the staged old words
-  (a gather), then scatters the new words. Only changed words move. If anything fails, every parameter
-  already written is restored from the old words and the error is raised: all or nothing.
+* ``apply()`` scatters the new words; each staged position must still hold its staged old word, checked
+  just before it is written (CPU: one native pass on every core, ``syncd._native.scatter_runs_ptr``). Only
+  changed words move. If anything fails, every word already written is restored from the old words and the
+  error is raised: all or nothing.
 * ``rollback()`` scatters the old words of the last apply back: bit-exact and as cheap as the apply.
 * ``load_full(update)`` validates everything first (names, dtypes, shapes, checksums) and then copies.
 
@@ -37,8 +38,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
@@ -470,35 +469,22 @@ class WeightUpdater:
 
     def _write(self, params: list[StagedParam], *, new: bool, verify: bool = False,
                version: int | None = None) -> None:
-        """Scatter the new (``new``) or old words of every parameter. With ``verify``, each run of positions
-        must hold the words being replaced, compared just before they are written (the cache lines are then
-        hot). On any failure every word written so far is put back and nothing else is touched, then the
-        error is raised. CPU parameters: NumPy fancy indexing (GIL released) in one balanced group of runs per
-        thread; GPU parameters: ``index_copy_`` on the device."""
-        items = []  # runs of one parameter: (param, target words, positions, words before, words after)
-        for p in params:
-            a = self._np.get(p.name)
-            if a is None:
-                continue
-            i, o, n = p.arrays()
-            before, after = (o, n) if new else (n, o)
-            for lo in range(0, i.size, _SUB):
-                items.append((p, a, i[lo:lo + _SUB], before[lo:lo + _SUB], after[lo:lo + _SUB]))
-        done = [False] * len(items)
+        """Scatter the new (``new``) or old words of every parameter. With ``verify``, each position must
+        hold the word being replaced, compared just before it is written (the cache line is then hot). On
+        any failure every word written so far is put back and nothing else is touched, then the error is
+        raised. CPU parameters: one native call (``scatter_runs_ptr``) over runs of ``_SUB`` words on every
+        core, all or nothing by itself; GPU parameters: ``index_copy_`` on the device."""
+        runs, owners = _cpu_runs(self._np, params, new)
+        if runs:
+            failed, bad = _scatter(runs, verify)
+            if failed >= 0:
+                p = owners[failed]
+                if bad < 0:
+                    raise DeltaError(f"apply: parameter {p.name!r} has a staged position outside the tensor; "
+                                     "nothing was written")
+                raise _mismatch(p, bad, version)
         dev_done: list[StagedParam] = []
-
-        def run(group: range) -> None:
-            for k in group:
-                p, a, i, before, after = items[k]
-                if verify:
-                    bad = int(np.count_nonzero(a[i] != before))
-                    if bad:
-                        raise _mismatch(p, bad, version)
-                a[i] = after
-                done[k] = True
-
         try:
-            _run_groups(run, [len(it[2]) for it in items])
             for p in params:
                 if p.name in self._np:
                     continue
@@ -512,10 +498,8 @@ class WeightUpdater:
                 bits.index_copy_(0, idx, _dev(after, bits))
                 dev_done.append(p)
         except BaseException:
-            for k, ok in enumerate(done):
-                if ok:
-                    _, a, i, before, _ = items[k]
-                    a[i] = before
+            if runs:
+                _scatter(_cpu_runs(self._np, params, not new)[0], False)
             for p in dev_done:
                 bits = _bits(self._flat[p.name])
                 bits.index_copy_(0, _dev(p.index, bits), _dev(p.old if new else p.new, bits))
@@ -574,46 +558,30 @@ def update_from_manifest(m, shards: Sequence) -> Update:
 
 _SUB = 1 << 13  # words compared and then written while their cache lines are hot
 _PARALLEL_MIN = 1 << 17  # fewer staged words than this are written by the calling thread
-_POOL: ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
+def _cpu_runs(views: Mapping[str, np.ndarray], params: list[StagedParam], new: bool) -> tuple[list, list]:
+    """The native scatter's runs for the CPU parameters (those in ``views``, their word arrays): ``_SUB``
+    words each, writing the new (``new``) or the old words; and the parameter of each run. The pointers stay
+    valid while ``views`` and ``params`` are alive."""
+    runs, owners = [], []
+    for p in params:
+        a = views.get(p.name)
+        if a is None:
+            continue
+        i, o, n = p.arrays()
+        before, after = (o, n) if new else (n, o)
+        w = a.itemsize
+        for lo in range(0, i.size, _SUB):
+            runs.append((a.ctypes.data, a.size, a.strides[0], i.ctypes.data + 8 * lo, before.ctypes.data + w * lo,
+                         after.ctypes.data + w * lo, min(_SUB, i.size - lo), w))
+            owners.append(p)
+    return runs, owners
 
 
-def _pool() -> ThreadPoolExecutor:
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            from syncd.ops import _backend
-            _POOL = ThreadPoolExecutor(max(1, _backend.threads()), thread_name_prefix="engine-update")
-        return _POOL
-
-
-def _run_groups(fn, sizes: list[int]) -> None:
-    """Split ``range(len(sizes))`` into one contiguous group per thread of about equal total size and run
-    ``fn(group)`` on each in parallel (one call when the work is small). The first exception is raised
-    after every group has stopped, so nothing is still writing when the caller undoes."""
-    total = sum(sizes)
+def _scatter(runs: list, verify: bool) -> tuple[int, int]:
     from syncd.ops import _backend
 
-    threads = max(1, _backend.threads())
-    if threads == 1 or total < _PARALLEL_MIN:
-        fn(range(len(sizes)))
-        return
-    groups, start, acc = [], 0, 0
-    for k, n in enumerate(sizes):
-        acc += n
-        if acc >= total * (len(groups) + 1) / threads and len(groups) < threads - 1:
-            groups.append(range(start, k + 1))
-            start = k + 1
-    groups.append(range(start, len(sizes)))
-    futures = [_pool().submit(fn, g) for g in groups if len(g)]
-    err = None
-    for f in futures:
-        try:
-            f.result()
-        except BaseException as exc:  # noqa: BLE001 - re-raised below once all groups are done
-            err = err or exc
-    if err is not None:
-        raise err
+    threads = max(1, _backend.threads()) if sum(r[6] for r in runs) >= _PARALLEL_MIN else 1
+    return _backend.native().scatter_runs_ptr(runs, verify, threads)
 
 
 def _mismatch(p: StagedParam, bad: int, version) -> DeltaError:

@@ -8,6 +8,7 @@
 
 #include "checksum.h"
 #include "delta_codec.h"
+#include "scatter.h"
 
 namespace py = pybind11;
 using namespace syncd;
@@ -160,6 +161,24 @@ PYBIND11_MODULE(_native, m) {
     py::gil_scoped_release nogil;
     return delta_apply_many(jobs, verify, threads);
   }, py::arg("items"), py::arg("verify") = true, py::arg("threads") = 1);
+  // Engine weight writes: runs of (target_ptr, target_words, stride_bytes, idx_ptr, before_ptr, after_ptr, n,
+  // width) ->
+  // (failed_run, mismatches); failed_run -1 means every word was written (see scatter.h).
+  m.def("scatter_runs_ptr", [](const std::vector<std::tuple<uintptr_t, uint64_t, uint64_t, uintptr_t, uintptr_t,
+                                                            uintptr_t, uint64_t, int>>& runs,
+                               bool verify, int threads) {
+    std::vector<ScatterRun> rs;
+    rs.reserve(runs.size());
+    for (const auto& [t, numel, stride, idx, before, after, n, width] : runs)
+      rs.push_back({reinterpret_cast<uint8_t*>(t), numel, stride, reinterpret_cast<const int64_t*>(idx),
+                    reinterpret_cast<const uint8_t*>(before), reinterpret_cast<const uint8_t*>(after), n, width});
+    ScatterResult res;
+    {
+      py::gil_scoped_release nogil;
+      res = scatter_runs(rs, verify, threads);
+    }
+    return py::make_tuple(res.failed_run, res.mismatches);
+  }, py::arg("runs"), py::arg("verify") = true, py::arg("threads") = 1);
   m.def("pack", [](int dtype_code, const std::vector<int64_t>& shape, int block_log2,
                    py::array_t<uint64_t, py::array::c_style | py::array::forcecast> pos,
                    py::array_t<uint64_t, py::array::c_style | py::array::forcecast> v,
