@@ -13,6 +13,7 @@
 #include "checksum.h"
 #include "parallel.h"
 #include "simd_scan.h"
+#include "word_dispatch.h"
 
 namespace syncd {
 
@@ -223,16 +224,6 @@ void apply_block(BlockDecoder& dec, uint32_t n, uint8_t* target, size_t nbytes, 
   *adj = ad;
 }
 
-template <class F>
-auto by_width(int bits, F&& f) {
-  switch (bits) {
-    case 8: return f(uint8_t{});
-    case 16: return f(uint16_t{});
-    case 32: return f(uint32_t{});
-    default: return f(uint64_t{});
-  }
-}
-
 
 // ---- many tensors, one pool: every block of every tensor is one work item, so both cores stay busy across
 // tensors of one or two blocks (most of a model's) and there is one call for the whole list.
@@ -331,8 +322,10 @@ std::vector<std::vector<uint8_t>> delta_encode_many(const std::vector<EncodeJob>
     k.a.entries.assign(nb, {0, 0, 0});
     k.sums.assign(nb, 0);
     k.adjs.assign(nb, 0);
-    for (size_t b = 0; b < nb; ++b)
-      items.push_back({uint32_t(t), uint32_t(b), std::min<uint64_t>(uint64_t(1) << block_log2, k.numel - (uint64_t(b) << block_log2))});
+    for (size_t b = 0; b < nb; ++b) {  // an encode item's cost is its span: elements scanned
+      const uint64_t start = uint64_t(b) << block_log2;
+      items.push_back({uint32_t(t), uint32_t(b), std::min<uint64_t>(uint64_t(1) << block_log2, k.numel - start)});
+    }
   }
   // scan and entropy-code each block in one work item, so one thread's coding overlaps another's streaming
   run_largest_first(items, threads, [&](const Item& it) {
@@ -341,7 +334,7 @@ std::vector<std::vector<uint8_t>> delta_encode_many(const std::vector<EncodeJob>
     BlockEncoder& enc = thread_block_encoder();  // keeps its capacity: no page faults on fresh memory per call
     enc.reset();
     const uint64_t start = uint64_t(it.block) << block_log2;
-    by_width(k.dt.bits, [&](auto tag) {
+    by_word_bytes(k.dt.bits / 8, [&](auto tag) {
       scan_block<decltype(tag)>(j.old_bytes, j.new_bytes, k.numel, start, it.cost, k.dt.is_float, enc,
                                 &k.sums[it.block], &k.adjs[it.block]);
     });
@@ -398,7 +391,8 @@ std::vector<std::string> delta_apply_many(const std::vector<ApplyJob>& jobs, boo
     ApplyTask& k = *tasks[it.task];
     if (k.failed.load(std::memory_order_relaxed)) return;
     try {
-      by_width(k.h.dtype.bits, [&](auto tag) { apply_item<decltype(tag)>(k, jobs[it.task], it.block, verify); });
+      by_word_bytes(k.h.dtype.bits / 8,
+                    [&](auto tag) { apply_item<decltype(tag)>(k, jobs[it.task], it.block, verify); });
     } catch (const DeltaError& e) {
       k.fail(e.what());
     } catch (...) {  // not the blob's fault (e.g. out of memory): undo everything, then rethrow
@@ -416,8 +410,8 @@ std::vector<std::string> delta_apply_many(const std::vector<ApplyJob>& jobs, boo
     if ((k.failed.load() || internal) && k.written[it.block]) undo.push_back(it);
   }
   run_largest_first(undo, threads, [&](const Item& it) {
-    by_width(tasks[it.task]->h.dtype.bits,
-             [&](auto tag) { undo_block<decltype(tag)>(*tasks[it.task], jobs[it.task], it.block); });
+    by_word_bytes(tasks[it.task]->h.dtype.bits / 8,
+                  [&](auto tag) { undo_block<decltype(tag)>(*tasks[it.task], jobs[it.task], it.block); });
   });
   if (internal) std::rethrow_exception(internal);
   std::vector<std::string> errors;

@@ -259,14 +259,9 @@ class BitReader {
  private:
   void refill(uint32_t n) {
     if (n_ - pos_ >= 8) {  // whole-word refill: up to 7 bytes, leaving 56..63 bits
-      uint64_t w;
-      std::memcpy(&w, p_ + pos_, 8);
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-      w = __builtin_bswap64(w);
-#endif
-      acc_ |= w << fill_;
-      pos_ += (63 - fill_) >> 3;
-      fill_ |= 56;
+      Cursor c = cursor();
+      c.refill_unchecked();
+      set_cursor(c);
       return;
     }
     while (fill_ <= 56 && pos_ < n_) {

@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include "parallel.h"
+#include "word_dispatch.h"
 
 namespace syncd {
 
@@ -65,22 +66,11 @@ void unwrite_run(const ScatterRun& r) {
   for (uint64_t k = 0; k < r.n; ++k) t.set(uint64_t(r.idx[k]), load<T>(r.before, k));
 }
 
-template <class F>
-auto by_width(int width, F&& f) {
-  switch (width) {
-    case 1: return f(uint8_t{});
-    case 2: return f(uint16_t{});
-    case 4: return f(uint32_t{});
-    case 8: return f(uint64_t{});
-    default: throw std::invalid_argument("scatter: word width must be 1, 2, 4 or 8 bytes");
-  }
-}
-
 }  // namespace
 
 ScatterResult scatter_runs(const std::vector<ScatterRun>& runs, bool verify, int threads) {
   for (const ScatterRun& r : runs) {  // reject bad runs up front
-    by_width(r.width, [](auto) { return 0; });
+    by_word_bytes(r.width, [](auto) { return 0; });
     if (r.stride < uint64_t(r.width)) throw std::invalid_argument("scatter: stride shorter than a word");
   }
   std::vector<uint8_t> done(runs.size(), 0);
@@ -90,7 +80,7 @@ ScatterResult scatter_runs(const std::vector<ScatterRun>& runs, bool verify, int
   parallel_for(runs.size(), threads, [&](size_t i) {
     if (failed.load(std::memory_order_relaxed)) return;
     const ScatterRun& r = runs[i];
-    uint64_t written = by_width(r.width, [&](auto tag) { return write_run<decltype(tag)>(r, verify, &bad[i]); });
+    uint64_t written = by_word_bytes(r.width, [&](auto tag) { return write_run<decltype(tag)>(r, verify, &bad[i]); });
     if (written == r.n) {
       done[i] = 1;
     } else {
@@ -102,7 +92,7 @@ ScatterResult scatter_runs(const std::vector<ScatterRun>& runs, bool verify, int
   ScatterResult res;
   if (!failed.load()) return res;
   parallel_for(runs.size(), threads, [&](size_t i) {
-    if (done[i]) by_width(runs[i].width, [&](auto tag) { unwrite_run<decltype(tag)>(runs[i]); return 0; });
+    if (done[i]) by_word_bytes(runs[i].width, [&](auto tag) { unwrite_run<decltype(tag)>(runs[i]); return 0; });
   });
   res.failed_run = failed_run.load();
   res.mismatches = bad[size_t(res.failed_run)];
