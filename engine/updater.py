@@ -24,7 +24,9 @@ How an update moves (``docs/engine.md``):
 
 Local tensors may be any view that flattens without a copy (``t.view(-1)`` works), for example the bf16
 words inside an fp32 tensor that holds bf16-exact values (:func:`bf16_view_of_fp32`), so an engine can
-compute in fp32 while the trainer's bf16 words are updated in place.
+compute in fp32 while the trainer's bf16 words are updated in place. How local parameters map onto the
+trainer's tensors (validation, position mapping, building and checksumming local tensors) is in
+:mod:`engine.local_params`, whose public names this module re-exports.
 
 Thread-safety: ``stage``/``apply``/``rollback``/``load_full`` follow the Adapter contract (one controller
 thread; ``apply``/``rollback``/``load_full`` only while the engine runs no forward pass). ``stage`` and
@@ -37,14 +39,15 @@ checksum differs from the update's; ``ValueError`` for a ``base_version`` other 
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
 
-from engine.adapter import ParamPiece, ParamSpec, Update
+from engine.adapter import ParamSpec, Update
+from engine.local_params import (bf16_view_of_fp32, build_local, check_spec, expected_checksums, flat_view,
+                                 identity_specs, local_slab, map_positions, slab, word_view)
 from syncd.errors import DeltaError, IntegrityError
 from syncd.ops import checksum as _checksum
 from syncd.ops import checksum_many
@@ -55,143 +58,6 @@ log = logging.getLogger(__name__)
 __all__ = ["WeightUpdater", "StagedUpdate", "StagedParam", "expected_checksums", "build_local",
            "identity_specs", "bf16_view_of_fp32", "map_positions", "update_from_manifest"]
 
-_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _bits(flat: torch.Tensor) -> torch.Tensor:
-    """A 1-D view of ``flat``'s elements as integers of the same width (bit-exact compares and copies)."""
-    return flat.view(_INT_OF_WIDTH[flat.element_size()])
-
-
-def _flat(t: torch.Tensor, name: str) -> torch.Tensor:
-    try:
-        return t.detach().view(-1)
-    except RuntimeError:
-        raise ValueError(f"local tensor {name!r} cannot be flattened without a copy (strides "
-                         f"{tuple(t.stride())} for shape {tuple(t.shape)}); pass a view that can") from None
-
-
-def bf16_view_of_fp32(t: torch.Tensor) -> torch.Tensor:
-    """The bf16 words of an fp32 tensor whose values are all bf16-exact (low 16 bits zero), as a bf16 view
-    of the same shape sharing its memory: writing a bf16 word through it sets the fp32 value exactly.
-    Little-endian hosts only (the bf16 word is the high half of each fp32 word)."""
-    if t.dtype != torch.float32:
-        raise ValueError(f"bf16_view_of_fp32 needs a float32 tensor, got {t.dtype}")
-    import sys
-    if sys.byteorder != "little":  # pragma: no cover
-        raise ValueError("bf16_view_of_fp32 needs a little-endian host")
-    if not t.is_contiguous():
-        raise ValueError("bf16_view_of_fp32 needs a contiguous tensor")
-    return t.detach().view(torch.bfloat16)[..., 1::2] if t.dim() else t.detach().view(1).view(torch.bfloat16)[1]
-
-
-def identity_specs(tensors: Mapping[str, torch.Tensor]) -> list[ParamSpec]:
-    """One ParamSpec per tensor, mapping it 1:1 to the trainer tensor of the same name."""
-    return [ParamSpec(name, t.dtype, tuple(t.shape), str(t.device), (ParamPiece(name, tuple(t.shape)),))
-            for name, t in tensors.items()]
-
-
-def _check_spec(spec: ParamSpec) -> None:
-    """ValueError unless ``spec``'s pieces tile its local shape exactly, each within its source."""
-    shape = tuple(spec.shape)
-    if not spec.pieces:
-        raise ValueError(f"parameter {spec.name!r} has no pieces")
-    whole = [p for p in spec.pieces if p.dim is None]
-    if whole:
-        p = whole[0]
-        if len(spec.pieces) != 1:
-            raise ValueError(f"parameter {spec.name!r}: a whole-tensor piece ({p.source!r}) must be its only piece")
-        if tuple(p.source_shape) != shape:
-            raise ValueError(f"parameter {spec.name!r} has shape {list(shape)} but maps 1:1 to {p.source!r} of "
-                             f"shape {list(p.source_shape)}")
-        return
-    dims = {p.dim for p in spec.pieces}
-    if len(dims) != 1:
-        raise ValueError(f"parameter {spec.name!r}: pieces cut along different dims {sorted(dims)}")
-    d = dims.pop()
-    if not 0 <= d < len(shape):
-        raise ValueError(f"parameter {spec.name!r}: piece dim {d} outside its {len(shape)} dims")
-    covered = []
-    for p in spec.pieces:
-        src = tuple(p.source_shape)
-        if len(src) != len(shape) or any(a != b for i, (a, b) in enumerate(zip(src, shape)) if i != d):
-            raise ValueError(f"parameter {spec.name!r} {list(shape)}: piece from {p.source!r} {list(src)} differs "
-                             f"outside dim {d}")
-        if not 0 <= p.start < p.stop <= src[d]:
-            raise ValueError(f"parameter {spec.name!r}: piece range [{p.start}, {p.stop}) of {p.source!r} is "
-                             f"outside 0..{src[d]}")
-        covered.append((p.local_start, p.local_start + p.stop - p.start, p.source))
-    covered.sort()
-    at = 0
-    for lo, hi, src in covered:
-        if lo != at:
-            raise ValueError(f"parameter {spec.name!r}: along dim {d}, rows {at}..{lo} are covered by "
-                             f"{'no piece' if lo > at else 'two pieces'} (at {src!r})")
-        at = hi
-    if at != shape[d]:
-        raise ValueError(f"parameter {spec.name!r}: pieces cover {at} of {shape[d]} along dim {d}")
-
-
-def map_positions(positions: torch.Tensor, piece: ParamPiece, local_shape: Sequence[int]):
-    """Map flat positions of the full trainer tensor (int64, row-major ``piece.source_shape``) to flat
-    positions of the local parameter. Returns ``(keep, local)``: a bool mask over ``positions`` (True where
-    this piece owns the position) and the local flat positions of the kept ones, in the same order (so
-    ascending positions stay ascending)."""
-    if piece.dim is None:
-        return torch.ones_like(positions, dtype=torch.bool), positions
-    src = piece.source_shape
-    d = piece.dim
-    inner = math.prod(src[d + 1:])
-    coord = torch.div(positions, inner, rounding_mode="floor") % src[d]
-    keep = (coord >= piece.start) & (coord < piece.stop)
-    p, c = positions[keep], coord[keep]
-    outer = torch.div(p, inner * src[d], rounding_mode="floor")
-    local = (outer * (local_shape[d] * inner) + (c - piece.start + piece.local_start) * inner + p % inner)
-    return keep, local
-
-
-def _slab(full: torch.Tensor, piece: ParamPiece) -> torch.Tensor:
-    return full if piece.dim is None else full.narrow(piece.dim, piece.start, piece.stop - piece.start)
-
-
-def _local_slab(local: torch.Tensor, piece: ParamPiece) -> torch.Tensor:
-    return local if piece.dim is None else local.narrow(piece.dim, piece.local_start, piece.stop - piece.start)
-
-
-def build_local(spec: ParamSpec, full: Mapping[str, torch.Tensor], *, device=None) -> torch.Tensor:
-    """The local tensor ``spec`` describes, cut (and fused) from the trainer's full tensors ``full``.
-    Raises KeyError naming a missing source and ValueError for a dtype or shape mismatch."""
-    out = torch.empty(spec.shape, dtype=spec.dtype, device=device or "cpu")
-    for p in spec.pieces:
-        if p.source not in full:
-            raise KeyError(f"trainer tensor {p.source!r} (needed by {spec.name!r}) is missing")
-        t = full[p.source]
-        if t.dtype != spec.dtype or tuple(t.shape) != tuple(p.source_shape):
-            raise ValueError(f"trainer tensor {p.source!r} is {t.dtype}{list(t.shape)}, {spec.name!r} expects "
-                             f"{spec.dtype}{list(p.source_shape)}")
-        _local_slab(out, p).copy_(_slab(t, p))
-    return out
-
-
-def expected_checksums(specs: Sequence[ParamSpec], full: Mapping[str, object]) -> dict[str, int]:
-    """What each local parameter's ``checksum`` must be, from the trainer's side, by local name.
-
-    ``full`` maps trainer names to full tensors or to their ``syncd.ops.checksum`` (ints, as in a manifest).
-    A 1:1 parameter needs either; a sliced or fused one needs the full tensors of all its sources (it is built
-    and checksummed). Parameters whose sources are missing, or given only as ints when tensors are needed,
-    are left out of the result, so compare on the keys returned."""
-    out: dict[str, int] = {}
-    for spec in specs:
-        if len(spec.pieces) == 1 and spec.pieces[0].dim is None:
-            v = full.get(spec.pieces[0].source)
-            if isinstance(v, int):
-                out[spec.name] = v
-            elif isinstance(v, torch.Tensor):
-                out[spec.name] = _checksum(v)
-            continue
-        if all(isinstance(full.get(p.source), torch.Tensor) for p in spec.pieces):
-            out[spec.name] = _checksum(build_local(spec, full))  # type: ignore[arg-type]
-    return out
 
 
 @dataclass
@@ -257,7 +123,7 @@ class WeightUpdater:
             if spec.name in seen:
                 raise ValueError(f"two parameters named {spec.name!r}")
             seen.add(spec.name)
-            _check_spec(spec)
+            check_spec(spec)
             if spec.name not in tensors:
                 raise ValueError(f"no tensor given for parameter {spec.name!r}")
             t = tensors[spec.name]
@@ -265,9 +131,9 @@ class WeightUpdater:
                 raise ValueError(f"tensor {spec.name!r} is {t.dtype}{list(t.shape)}, its spec says "
                                  f"{spec.dtype}{list(spec.shape)}")
             self._tensors[spec.name] = t
-            self._flat[spec.name] = _flat(t, spec.name)
+            self._flat[spec.name] = flat_view(t, spec.name)
             if t.device.type == "cpu":
-                self._np[spec.name] = _bits(self._flat[spec.name]).numpy()
+                self._np[spec.name] = word_view(self._flat[spec.name]).numpy()
             for p in spec.pieces:
                 self._by_source.setdefault(p.source, []).append((spec, p))
         for src, uses in self._by_source.items():
@@ -369,8 +235,8 @@ class WeightUpdater:
         except DeltaError as exc:
             raise DeltaError(f"tensor {src!r} -> {spec.name!r}: {exc}") from None
         idx = ch.positions.to(flat.device)
-        old = _bits(flat)[idx]
-        new = _bits(decoded.view(-1))[idx]
+        old = word_view(flat)[idx]
+        new = word_view(decoded.view(-1))[idx]
         return ch.positions, old, new
 
     def _stage_piece(self, spec, flat, piece, ch):
@@ -378,10 +244,10 @@ class WeightUpdater:
         keep, local = map_positions(ch.positions, piece, spec.shape)
         values = ch.values[keep]
         gathered = flat[local.to(flat.device)].cpu()  # 1-D contiguous, the local dtype
-        old = _bits(gathered).clone()
+        old = word_view(gathered).clone()
         if local.numel():
             _delta.apply_changes_(gathered, torch.arange(local.numel()), values)
-        return local, old, _bits(gathered)
+        return local, old, word_view(gathered)
 
     def _stage_full(self, update: Update) -> StagedUpdate:
         full = self._check_full(update)
@@ -391,7 +257,7 @@ class WeightUpdater:
             flat = self._flat[spec.name]
             new_local = build_local(spec, full, device=flat.device)
             expected[spec.name] = _checksum(new_local)
-            nb, ob = _bits(new_local.view(-1)), _bits(flat)
+            nb, ob = word_view(new_local.view(-1)), word_view(flat)
             idx = torch.nonzero(nb != ob).view(-1)
             parts[spec.name] = [(idx.cpu(), ob[idx], nb[idx])]
         return StagedUpdate(update.version, self._version, "full", self._merge(parts), self._epoch, expected)
@@ -488,7 +354,7 @@ class WeightUpdater:
             for p in params:
                 if p.name in self._np:
                     continue
-                bits = _bits(self._flat[p.name])
+                bits = word_view(self._flat[p.name])
                 idx = _dev(p.index, bits)
                 before, after = (p.old, p.new) if new else (p.new, p.old)
                 if verify:
@@ -501,7 +367,7 @@ class WeightUpdater:
             if runs:
                 _scatter(_cpu_runs(self._np, params, not new)[0], False)
             for p in dev_done:
-                bits = _bits(self._flat[p.name])
+                bits = word_view(self._flat[p.name])
                 bits.index_copy_(0, _dev(p.index, bits), _dev(p.old if new else p.new, bits))
             raise
 
@@ -520,7 +386,7 @@ class WeightUpdater:
             for spec in self._specs:
                 local = self._tensors[spec.name]
                 for p in spec.pieces:
-                    _local_slab(local, p).copy_(_slab(full[p.source], p))
+                    local_slab(local, p).copy_(slab(full[p.source], p))
         self._staged = None
         self._applied = None
         self._version = update.version

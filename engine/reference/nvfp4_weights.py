@@ -29,6 +29,7 @@ from typing import Mapping
 import torch
 
 from engine.adapter import ParamPiece, ParamSpec
+from engine.local_params import word_view
 from syncd.ops import nvfp4
 from syncd.ops.nvfp4 import BLOCK, PER_TENSOR_SCALE, QDATA, SCALES, NVFP4Tensor
 
@@ -175,8 +176,5 @@ class NVFP4Weights:
         return out
 
 
-_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
 def _words(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().view(_INT_OF_WIDTH[t.element_size()])
+    return word_view(t.detach().contiguous())
