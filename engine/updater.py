@@ -336,11 +336,12 @@ class WeightUpdater:
     def _write(self, params: list[StagedParam], *, new: bool, verify: bool = False,
                version: int | None = None) -> None:
         """Scatter the new (``new``) or old words of every parameter. With ``verify``, each position must
-        hold the word being replaced, compared just before it is written (the cache line is then hot). On
-        any failure every word written so far is put back and nothing else is touched, then the error is
-        raised. CPU parameters: one native call (``scatter_runs_ptr``) over runs of ``_SUB`` words on every
-        core, all or nothing by itself; GPU parameters: ``index_copy_`` on the device."""
-        runs, owners = _cpu_runs(self._np, params, new)
+        hold the word being replaced. On any failure every word written so far is put back and nothing else
+        is touched, then the error is raised. CPU parameters: one native call (``scatter_runs_ptr``) over
+        runs of ``_SUB`` words on every core, each word compared just before it is written; the rest
+        (GPU parameters, or every one without the native scatter): :meth:`_write_torch`."""
+        native = {n: a for n, a in self._np.items() if _NATIVE_SCATTER}
+        runs, owners = _cpu_runs(native, params, new)
         if runs:
             failed, bad = _scatter(runs, verify)
             if failed >= 0:
@@ -349,26 +350,44 @@ class WeightUpdater:
                     raise DeltaError(f"apply: parameter {p.name!r} has a staged position outside the tensor; "
                                      "nothing was written")
                 raise _mismatch(p, bad, version)
-        dev_done: list[StagedParam] = []
         try:
-            for p in params:
-                if p.name in self._np:
-                    continue
-                bits = word_view(self._flat[p.name])
-                idx = _dev(p.index, bits)
-                before, after = (p.old, p.new) if new else (p.new, p.old)
-                if verify:
-                    bad = int((bits[idx] != _dev(before, bits)).sum())
-                    if bad:
-                        raise _mismatch(p, bad, version)
-                bits.index_copy_(0, idx, _dev(after, bits))
-                dev_done.append(p)
+            self._write_torch([p for p in params if p.name not in native], new=new, verify=verify,
+                              version=version)
         except BaseException:
             if runs:
-                _scatter(_cpu_runs(self._np, params, not new)[0], False)
-            for p in dev_done:
-                bits = word_view(self._flat[p.name])
-                bits.index_copy_(0, _dev(p.index, bits), _dev(p.old if new else p.new, bits))
+                _scatter(_cpu_runs(native, params, not new)[0], False)
+            raise
+
+    def _write_torch(self, params: list[StagedParam], *, new: bool, verify: bool, version) -> None:
+        """``_write`` with torch ops on each parameter's device: every staged array is sent at once
+        (non-blocking from pinned memory), all comparisons are summed on the devices and read back with one
+        synchronisation per device, and only then is anything written (``index_copy_``), so a mismatch
+        leaves the weights untouched; an error while writing puts back what was written."""
+        todo = []
+        for p in params:
+            bits = word_view(self._flat[p.name])
+            n = p.index.numel()  # host memory; staged positions ascend, so the ends bound them all
+            if n and not (0 <= int(p.index[0]) and int(p.index[n - 1]) < bits.numel()):
+                raise DeltaError(f"apply: parameter {p.name!r} has a staged position outside the tensor; "
+                                 "nothing was written")
+            before, after = (p.old, p.new) if new else (p.new, p.old)
+            todo.append((p, bits, _dev(p.index, bits), _dev(before, bits) if verify else None, _dev(after, bits)))
+        if verify and todo:
+            counts: dict[torch.device, list] = {}
+            for p, bits, idx, before, _ in todo:
+                counts.setdefault(bits.device, []).append((p, (bits[idx] != before).sum()))
+            for pairs in counts.values():
+                for (p, _), bad in zip(pairs, torch.stack([c for _, c in pairs]).tolist()):
+                    if bad:
+                        raise _mismatch(p, int(bad), version)
+        done = []
+        try:
+            for p, bits, idx, _, after in todo:
+                bits.index_copy_(0, idx, after)
+                done.append((p, bits, idx))
+        except BaseException:
+            for p, bits, idx in done:
+                bits.index_copy_(0, idx, _dev(p.old if new else p.new, bits))
             raise
 
     def discard(self) -> None:
@@ -422,6 +441,7 @@ def update_from_manifest(m, shards: Sequence) -> Update:
     return Update(m.version, "full", load_full(m, list(shards)), checksums=checksums)
 
 
+_NATIVE_SCATTER = True  # CPU parameters through the native scatter (tests turn it off to run the torch path)
 _SUB = 1 << 13  # words compared and then written while their cache lines are hot
 _PARALLEL_MIN = 1 << 17  # fewer staged words than this are written by the calling thread
 def _cpu_runs(views: Mapping[str, np.ndarray], params: list[StagedParam], new: bool) -> tuple[list, list]:

@@ -127,14 +127,17 @@ def test_corrupt_blob_is_refused_at_stage_and_nothing_changes(states):
     assert eng.updater.staged is None and eng.checksum() == before and eng.version == 0
 
 
-@pytest.fixture(params=["serial", "parallel"])
+@pytest.fixture(params=["serial", "parallel", "torch"])
 def write_mode(request, monkeypatch):
-    """Run a test with the scatter on the calling thread, or split over the pool in small runs."""
+    """Run a test with the native scatter on the calling thread, split over the pool in small runs, or
+    through the torch path GPU parameters take (batched compares, one synchronisation, then writes)."""
     import engine.updater as upd
 
     if request.param == "parallel":
         monkeypatch.setattr(upd, "_PARALLEL_MIN", 0)
         monkeypatch.setattr(upd, "_SUB", 64)
+    if request.param == "torch":
+        monkeypatch.setattr(upd, "_NATIVE_SCATTER", False)
     return request.param
 
 
