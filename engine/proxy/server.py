@@ -24,6 +24,8 @@ client gone, proxy stopped) is kept with what it got and marked failed with the 
 then ``failed``. A record the store refuses is kept and retried; on stop, records still unwritten go to
 ``spill_dir`` (or are reported in the log as lost, with their keys).
 
+The per-turn bookkeeping is ``engine.proxy.turn``.
+
 Thread-safety: one asyncio loop (uvloop) runs everything; the store is called from worker threads.
 """
 
@@ -43,12 +45,13 @@ from aiohttp import web
 
 from engine.proxy import sse
 from engine.proxy.record import RecordError, Trajectory, Turn, check_id, now
+from engine.proxy.turn import (TRAJECTORY_HEADER, Broken, ClientGone, ClientStream, Rejected, Retryable, TurnState,
+                               annotation_ids, client_wants, error_response, for_client, upstream_body)
 
 log = logging.getLogger(__name__)
 
 __all__ = ["ProxyConfig", "Proxy", "TRAJECTORY_HEADER"]
 
-TRAJECTORY_HEADER = "X-Syncd-Trajectory"
 RETRYABLE_STATUS = frozenset({404, 408, 429, 500, 502, 503, 504})
 MAX_REQUEST_BYTES = 64 << 20
 
@@ -80,103 +83,6 @@ class ProxyConfig:
             raise ValueError("retry_attempts must be at least 1")
 
 
-class _Retryable(Exception):
-    """Failed before any token: worth another attempt."""
-
-
-class _Rejected(Exception):
-    def __init__(self, status: int, body: str):
-        super().__init__(f"upstream refused the request: HTTP {status}: {body[:500]}")
-        self.status, self.body = status, body
-
-
-class _Broken(Exception):
-    """Failed after tokens came back: the turn fails."""
-
-
-class _ClientGone(Exception):
-    pass
-
-
-def _client_wants(body: dict) -> tuple[set, bool, bool]:
-    """(nvext extra fields, token_ids annotation, usage chunk) the client itself asked for."""
-    nvext = body.get("nvext") if isinstance(body.get("nvext"), dict) else {}
-    fields = set(nvext.get("extra_fields") or []) if isinstance(nvext.get("extra_fields"), list) else set()
-    annotations = nvext.get("annotations") if isinstance(nvext.get("annotations"), list) else []
-    opts = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
-    return fields, "token_ids" in annotations, bool(opts.get("include_usage"))
-
-
-def _upstream_body(body: dict) -> dict:
-    up = dict(body)
-    up["stream"] = True
-    up["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
-    nvext = dict(body.get("nvext") or {})
-    nvext["extra_fields"] = sorted(set(nvext.get("extra_fields") or []) | {"engine_data"})
-    nvext["annotations"] = sorted(set(nvext.get("annotations") or []) | {"token_ids"})
-    up["nvext"] = nvext
-    return up
-
-
-class _TurnState:
-    """What one turn has streamed so far (the engine_data bookkeeping)."""
-
-    def __init__(self, turn: Turn):
-        self.turn = turn
-        self.choices: dict[int, dict] = {}
-        self.last: dict | None = None
-        self.done = asyncio.Event()
-
-    @property
-    def tokens(self) -> int:
-        return len(self.turn.output_token_ids)
-
-    def add_engine_data(self, ed) -> None:
-        t = self.turn
-        if not isinstance(ed, dict) or ed.get("syncd") != 1:
-            raise _Broken(f"a chunk without syncd engine_data (got {str(ed)[:200]}); is the worker an "
-                          "engine.dynamo worker?")
-        ids, versions, lps = ed.get("token_ids"), ed.get("versions"), ed.get("logprobs")
-        rid, index = ed.get("request_id"), ed.get("index")
-        if not (isinstance(ids, list) and isinstance(versions, list) and isinstance(lps, list)
-                and len(ids) == len(versions) == len(lps) and isinstance(index, int) and isinstance(rid, str)):
-            raise _Broken(f"malformed engine_data {str(ed)[:200]}")
-        seg = t.segments[-1] if t.segments else None
-        if seg is None or (index == 0 and seg["count"] > 0):
-            seg = {"request_id": rid, "start": len(t.output_token_ids), "count": 0}
-            t.segments.append(seg)
-            t.request_id = t.request_id or rid
-        elif index != seg["count"]:
-            raise _Broken(f"token {index} of engine request {rid} arrived after {seg['count']} of its tokens: "
-                          "the token record would have a gap")
-        t.output_token_ids += ids
-        t.versions += versions
-        t.logprobs += lps
-        seg["count"] += len(ids)
-
-    def add_choices(self, obj: dict, chat: bool) -> None:
-        for ch in obj.get("choices") or []:
-            i = ch.get("index", 0)
-            acc = self.choices.setdefault(i, {"text": "", "finish_reason": None, "tool_calls": {}, "role": None})
-            if chat:
-                delta = ch.get("delta") or {}
-                acc["text"] += delta.get("content") or ""
-                acc["role"] = acc["role"] or delta.get("role")
-                for tc in delta.get("tool_calls") or []:
-                    slot = acc["tool_calls"].setdefault(tc.get("index", 0), {"id": None, "type": "function",
-                                                                             "function": {"name": "", "arguments": ""}})
-                    slot["id"] = tc.get("id") or slot["id"]
-                    fn = tc.get("function") or {}
-                    slot["function"]["name"] += fn.get("name") or ""
-                    slot["function"]["arguments"] += fn.get("arguments") or ""
-            else:
-                acc["text"] += ch.get("text") or ""
-            if ch.get("finish_reason"):
-                acc["finish_reason"] = ch["finish_reason"]
-        self.turn.text = self.choices.get(0, {}).get("text", "")
-        self.turn.finish_reason = self.choices.get(0, {}).get("finish_reason")
-
-
 class Proxy:
     """The proxy (see the module docstring). ``store``: a :class:`syncd.store.Store` (or URL) for records."""
 
@@ -189,7 +95,7 @@ class Proxy:
         self.trajectories: dict[str, Trajectory] = {}
         self.written: dict[str, str] = {}  # trajectory id -> key, once in the store
         self._pending: dict[str, bytes] = {}  # key -> record bytes the store refused so far
-        self._running: dict[str, list[_TurnState]] = {}
+        self._running: dict[str, list[TurnState]] = {}
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self._retry_task: asyncio.Task | None = None
@@ -346,7 +252,7 @@ class Proxy:
             async with self._session.get(f"{self.upstream}/v1/models") as resp:
                 return web.Response(status=resp.status, body=await resp.read(), content_type="application/json")
         except aiohttp.ClientError as exc:
-            return _error(502, f"upstream {self.upstream} unreachable: {exc}", "upstream_unavailable")
+            return error_response(502, f"upstream {self.upstream} unreachable: {exc}", "upstream_unavailable")
 
     async def _finish_route(self, request: web.Request) -> web.Response:
         tid = request.match_info["tid"]
@@ -354,19 +260,19 @@ class Proxy:
             body = await request.json() if request.can_read_body else {}
             meta = body.get("metadata") if isinstance(body, dict) else None
             if meta is not None and not isinstance(meta, dict):
-                return _error(400, "'metadata' must be a JSON object", "invalid_request_error")
+                return error_response(400, "'metadata' must be a JSON object", "invalid_request_error")
             return web.json_response(await self.finish(tid, meta))
         except KeyError as exc:
-            return _error(404, str(exc.args[0]), "not_found")
+            return error_response(404, str(exc.args[0]), "not_found")
         except RecordError as exc:
-            return _error(409, str(exc), "conflict")
+            return error_response(409, str(exc), "conflict")
         except ValueError as exc:
-            return _error(400, f"body is not JSON: {exc}", "invalid_request_error")
+            return error_response(400, f"body is not JSON: {exc}", "invalid_request_error")
 
     async def _show_route(self, request: web.Request) -> web.Response:
         traj = self.trajectories.get(request.match_info["tid"])
         if traj is None:
-            return _error(404, f"no open trajectory {request.match_info['tid']!r}", "not_found")
+            return error_response(404, f"no open trajectory {request.match_info['tid']!r}", "not_found")
         return web.json_response(traj.to_json())
 
     # ------------------------------------------------------------------------------------ completions
@@ -375,19 +281,19 @@ class Proxy:
         try:
             body = await request.json()
         except ValueError as exc:
-            return _error(400, f"request body is not JSON: {exc}", "invalid_request_error")
+            return error_response(400, f"request body is not JSON: {exc}", "invalid_request_error")
         if not isinstance(body, dict):
-            return _error(400, "request body must be a JSON object", "invalid_request_error")
+            return error_response(400, "request body must be a JSON object", "invalid_request_error")
         try:
             tid = self._trajectory_id(request)
             traj = self._open(tid)
         except RecordError as exc:
-            return _error(400, str(exc), "invalid_request_error")
+            return error_response(400, str(exc), "invalid_request_error")
         turn = Turn(index=len(traj.turns), endpoint=endpoint, request=body, stream=bool(body.get("stream")))
         traj.turns.append(turn)
-        state = _TurnState(turn)
+        state = TurnState(turn)
         self._running.setdefault(tid, []).append(state)
-        out = _ClientStream(request, turn, tid)
+        out = ClientStream(request, turn, tid)
         try:
             return await self._run_turn(state, body, endpoint, out)
         except asyncio.CancelledError:
@@ -408,36 +314,36 @@ class Proxy:
         except Exception:  # noqa: BLE001 -- a background write; nothing else can report it
             log.exception("writing trajectory %s failed", tid)
 
-    async def _run_turn(self, state: _TurnState, body: dict, endpoint: str, out: "_ClientStream"):
+    async def _run_turn(self, state: TurnState, body: dict, endpoint: str, out: ClientStream):
         turn = state.turn
         cfg = self.config
         deadline = time.monotonic() + cfg.retry_deadline_s
-        up_body = _upstream_body(body)
+        up_body = upstream_body(body)
         for attempt in range(1, cfg.retry_attempts + 1):
             record = {"attempt": attempt, "started_at": now(), "error": None}
             turn.attempts.append(record)
             try:
                 await self._stream_once(state, up_body, endpoint, out)
                 break
-            except _Retryable as exc:
+            except Retryable as exc:
                 record["error"] = str(exc)
                 left = deadline - time.monotonic()
                 if attempt == cfg.retry_attempts or left <= 0:
                     turn.fail(f"no token after {attempt} attempts: {exc}")
-                    return _error(502, turn.error, "upstream_unavailable")
+                    return error_response(502, turn.error, "upstream_unavailable")
                 delay = min(left, cfg.retry_backoff_s * 2 ** (attempt - 1) * (0.5 + random.random()))
                 log.info("turn %d of %s: attempt %d failed before any token (%s); retrying in %.2f s",
                          turn.index, out.tid, attempt, exc, delay)
                 await asyncio.sleep(delay)
-            except _Rejected as exc:
+            except Rejected as exc:
                 record["error"] = str(exc)
                 turn.fail(str(exc))
                 return web.Response(status=exc.status, body=exc.body.encode(), content_type="application/json")
-            except _Broken as exc:
+            except Broken as exc:
                 record["error"] = str(exc)
                 turn.fail(f"upstream failed after {state.tokens} tokens: {exc}")
                 return await out.fail(turn.error)
-            except _ClientGone:
+            except ClientGone:
                 turn.fail(f"the client went away after {state.tokens} tokens")
                 return out.response
         self._check_complete(state)
@@ -448,20 +354,20 @@ class Proxy:
             return await out.end()
         return web.json_response(self._whole_response(state, endpoint), headers=out.headers)
 
-    async def _stream_once(self, state: _TurnState, up_body: dict, endpoint: str, out: "_ClientStream") -> None:
+    async def _stream_once(self, state: TurnState, up_body: dict, endpoint: str, out: ClientStream) -> None:
         turn = state.turn
-        wants_fields, wants_ids, wants_usage = _client_wants(turn.request)
+        wants_fields, wants_ids, wants_usage = client_wants(turn.request)
         chat = endpoint == "chat/completions"
         try:
             async with self._session.post(f"{self.upstream}/v1/{endpoint}", json=up_body) as resp:
                 if resp.status != 200:
                     text = await resp.text()
                     if resp.status in RETRYABLE_STATUS:
-                        raise _Retryable(f"HTTP {resp.status}: {text[:300]}")
-                    raise _Rejected(resp.status, text)
+                        raise Retryable(f"HTTP {resp.status}: {text[:300]}")
+                    raise Rejected(resp.status, text)
                 async for event, data in sse.events(resp.content.iter_any()):
                     if event == "token_ids":
-                        turn.prompt_token_ids = _annotation_ids(data)
+                        turn.prompt_token_ids = annotation_ids(data)
                         if wants_ids and turn.stream:
                             await out.send(sse.format_event(data, event))
                         continue
@@ -484,18 +390,18 @@ class Proxy:
                         state.add_choices(obj, chat)
                     state.last = obj
                     if turn.stream:
-                        client_obj = _for_client(obj, wants_fields)
+                        client_obj = for_client(obj, wants_fields)
                         if obj.get("choices") or wants_usage:
                             await out.send(sse.format_event(client_obj))
                 if state.tokens == 0:
-                    raise _Retryable("the upstream stream ended before any token")
+                    raise Retryable("the upstream stream ended before any token")
         except (aiohttp.ClientError, asyncio.TimeoutError, sse.SSEError, ConnectionError) as exc:
             raise self._failure(state, f"{type(exc).__name__}: {exc}") from None
 
-    def _failure(self, state: _TurnState, reason: str) -> Exception:
-        return _Retryable(reason) if state.tokens == 0 else _Broken(reason)
+    def _failure(self, state: TurnState, reason: str) -> Exception:
+        return Retryable(reason) if state.tokens == 0 else Broken(reason)
 
-    def _check_complete(self, state: _TurnState) -> None:
+    def _check_complete(self, state: TurnState) -> None:
         """Fail the turn unless its record is whole and agrees with the frontend's counts."""
         t = state.turn
         if t.status == "failed":
@@ -513,9 +419,9 @@ class Proxy:
             t.fail(f"prompt record mismatch: the frontend counted {t.usage.get('prompt_tokens')} prompt tokens, "
                    f"its token_ids annotation had {len(t.prompt_token_ids)}")
 
-    def _whole_response(self, state: _TurnState, endpoint: str) -> dict:
+    def _whole_response(self, state: TurnState, endpoint: str) -> dict:
         last = state.last or {}
-        wants_fields, _, _ = _client_wants(state.turn.request)
+        wants_fields, _, _ = client_wants(state.turn.request)
         choices = []
         for i, acc in sorted(state.choices.items()):
             if endpoint == "chat/completions":
@@ -537,65 +443,3 @@ class Proxy:
                                         "versions": t.versions, "logprobs": t.logprobs}
             out["nvext"] = nvext
         return out
-
-
-def _for_client(obj: dict, wants_fields: set) -> dict:
-    if "nvext" not in obj:
-        return obj
-    obj = dict(obj)
-    nvext = {k: v for k, v in (obj.pop("nvext") or {}).items() if k in wants_fields}
-    if nvext:
-        obj["nvext"] = nvext
-    return obj
-
-
-def _annotation_ids(data: str) -> list[int]:
-    try:
-        ids = json.loads(data)
-        if isinstance(ids, str):
-            ids = json.loads(ids)
-    except ValueError:
-        raise _Broken(f"malformed token_ids annotation {data[:200]}") from None
-    if not isinstance(ids, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
-        raise _Broken(f"malformed token_ids annotation {data[:200]}")
-    return ids
-
-
-def _error(status: int, message: str, kind: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
-
-
-class _ClientStream:
-    """The response to the client: headers are sent lazily, at the first streamed event, so a turn that
-    fails before any token can still answer with an error status."""
-
-    def __init__(self, request: web.Request, turn: Turn, tid: str):
-        self.request, self.turn, self.tid = request, turn, tid
-        self.headers = {TRAJECTORY_HEADER: tid, "X-Syncd-Turn": str(turn.index)}
-        self.response: web.StreamResponse | None = None
-
-    async def send(self, data: bytes) -> None:
-        try:
-            if self.response is None:
-                self.response = web.StreamResponse(status=200, headers={
-                    **self.headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-                await self.response.prepare(self.request)
-            await self.response.write(data)
-        except (ConnectionError, aiohttp.ClientConnectionResetError) as exc:
-            raise _ClientGone(str(exc)) from None
-
-    async def end(self) -> web.StreamResponse:
-        await self.send(b"data: [DONE]\n\n")
-        await self.response.write_eof()
-        return self.response
-
-    async def fail(self, message: str) -> web.StreamResponse:
-        """Tell the client (an error event on a started stream, else an HTTP 502)."""
-        if self.response is None:
-            return _error(502, message, "upstream_error")
-        try:
-            await self.send(sse.format_event({"error": {"message": message, "type": "upstream_error", "code": 502}}))
-            await self.end()
-        except _ClientGone:
-            pass
-        return self.response

@@ -1,0 +1,196 @@
+"""One turn of the proxy: a single client request to ``/v1/chat/completions`` or ``/v1/completions``, with
+every upstream attempt it takes (``engine.proxy.server`` runs the turn loop and its retries).
+
+* :func:`upstream_body` rewrites the client's body into what the proxy asks of the frontend (always a
+  stream, with usage, ``engine_data`` and the prompt's ``token_ids`` annotation); :func:`client_wants` says
+  which of those the client itself asked for, and :func:`for_client` strips a chunk down to that.
+* :class:`TurnState` owns the turn's :class:`~engine.proxy.record.Turn` while it runs and folds each chunk
+  into it: the ``engine_data`` token ids, versions and log-probabilities (segment by segment, so a gap in
+  the token record is an error, never a silent hole) and the choices' text, tool calls and finish reason.
+  :func:`annotation_ids` parses the prompt's ``token_ids`` annotation.
+* :class:`ClientStream` owns the response to the client: headers go out lazily, at the first streamed
+  event, so a turn that fails before any token can still answer with an error status
+  (:func:`error_response`).
+
+Raised: :class:`Retryable` (failed before any token: worth another attempt), :class:`Rejected` (the
+upstream refused the request with a status not worth retrying), :class:`Broken` (failed after tokens, or
+the upstream sent a malformed record: the turn fails), :class:`ClientGone` (writing to the client failed).
+
+Thread-safety: none; a turn's objects are used from the one asyncio loop that runs the proxy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+from aiohttp import web
+
+from engine.proxy import sse
+from engine.proxy.record import Turn
+
+__all__ = ["TRAJECTORY_HEADER", "TurnState", "ClientStream", "client_wants", "upstream_body", "for_client",
+           "annotation_ids", "error_response", "Retryable", "Rejected", "Broken", "ClientGone"]
+
+TRAJECTORY_HEADER = "X-Syncd-Trajectory"
+
+
+class Retryable(Exception):
+    """Failed before any token: worth another attempt."""
+
+
+class Rejected(Exception):
+    def __init__(self, status: int, body: str):
+        super().__init__(f"upstream refused the request: HTTP {status}: {body[:500]}")
+        self.status, self.body = status, body
+
+
+class Broken(Exception):
+    """Failed after tokens came back: the turn fails."""
+
+
+class ClientGone(Exception):
+    pass
+
+
+def client_wants(body: dict) -> tuple[set, bool, bool]:
+    """(nvext extra fields, token_ids annotation, usage chunk) the client itself asked for."""
+    nvext = body.get("nvext") if isinstance(body.get("nvext"), dict) else {}
+    fields = set(nvext.get("extra_fields") or []) if isinstance(nvext.get("extra_fields"), list) else set()
+    annotations = nvext.get("annotations") if isinstance(nvext.get("annotations"), list) else []
+    opts = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
+    return fields, "token_ids" in annotations, bool(opts.get("include_usage"))
+
+
+def upstream_body(body: dict) -> dict:
+    up = dict(body)
+    up["stream"] = True
+    up["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+    nvext = dict(body.get("nvext") or {})
+    nvext["extra_fields"] = sorted(set(nvext.get("extra_fields") or []) | {"engine_data"})
+    nvext["annotations"] = sorted(set(nvext.get("annotations") or []) | {"token_ids"})
+    up["nvext"] = nvext
+    return up
+
+
+class TurnState:
+    """What one turn has streamed so far (the engine_data bookkeeping)."""
+
+    def __init__(self, turn: Turn):
+        self.turn = turn
+        self.choices: dict[int, dict] = {}
+        self.last: dict | None = None
+        self.done = asyncio.Event()
+
+    @property
+    def tokens(self) -> int:
+        return len(self.turn.output_token_ids)
+
+    def add_engine_data(self, ed) -> None:
+        t = self.turn
+        if not isinstance(ed, dict) or ed.get("syncd") != 1:
+            raise Broken(f"a chunk without syncd engine_data (got {str(ed)[:200]}); is the worker an "
+                          "engine.dynamo worker?")
+        ids, versions, lps = ed.get("token_ids"), ed.get("versions"), ed.get("logprobs")
+        rid, index = ed.get("request_id"), ed.get("index")
+        if not (isinstance(ids, list) and isinstance(versions, list) and isinstance(lps, list)
+                and len(ids) == len(versions) == len(lps) and isinstance(index, int) and isinstance(rid, str)):
+            raise Broken(f"malformed engine_data {str(ed)[:200]}")
+        seg = t.segments[-1] if t.segments else None
+        if seg is None or (index == 0 and seg["count"] > 0):
+            seg = {"request_id": rid, "start": len(t.output_token_ids), "count": 0}
+            t.segments.append(seg)
+            t.request_id = t.request_id or rid
+        elif index != seg["count"]:
+            raise Broken(f"token {index} of engine request {rid} arrived after {seg['count']} of its tokens: "
+                          "the token record would have a gap")
+        t.output_token_ids += ids
+        t.versions += versions
+        t.logprobs += lps
+        seg["count"] += len(ids)
+
+    def add_choices(self, obj: dict, chat: bool) -> None:
+        for ch in obj.get("choices") or []:
+            i = ch.get("index", 0)
+            acc = self.choices.setdefault(i, {"text": "", "finish_reason": None, "tool_calls": {}, "role": None})
+            if chat:
+                delta = ch.get("delta") or {}
+                acc["text"] += delta.get("content") or ""
+                acc["role"] = acc["role"] or delta.get("role")
+                for tc in delta.get("tool_calls") or []:
+                    slot = acc["tool_calls"].setdefault(tc.get("index", 0), {"id": None, "type": "function",
+                                                                             "function": {"name": "", "arguments": ""}})
+                    slot["id"] = tc.get("id") or slot["id"]
+                    fn = tc.get("function") or {}
+                    slot["function"]["name"] += fn.get("name") or ""
+                    slot["function"]["arguments"] += fn.get("arguments") or ""
+            else:
+                acc["text"] += ch.get("text") or ""
+            if ch.get("finish_reason"):
+                acc["finish_reason"] = ch["finish_reason"]
+        self.turn.text = self.choices.get(0, {}).get("text", "")
+        self.turn.finish_reason = self.choices.get(0, {}).get("finish_reason")
+
+
+def for_client(obj: dict, wants_fields: set) -> dict:
+    if "nvext" not in obj:
+        return obj
+    obj = dict(obj)
+    nvext = {k: v for k, v in (obj.pop("nvext") or {}).items() if k in wants_fields}
+    if nvext:
+        obj["nvext"] = nvext
+    return obj
+
+
+def annotation_ids(data: str) -> list[int]:
+    try:
+        ids = json.loads(data)
+        if isinstance(ids, str):
+            ids = json.loads(ids)
+    except ValueError:
+        raise Broken(f"malformed token_ids annotation {data[:200]}") from None
+    if not isinstance(ids, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
+        raise Broken(f"malformed token_ids annotation {data[:200]}")
+    return ids
+
+
+def error_response(status: int, message: str, kind: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+
+
+class ClientStream:
+    """The response to the client: headers are sent lazily, at the first streamed event, so a turn that
+    fails before any token can still answer with an error status."""
+
+    def __init__(self, request: web.Request, turn: Turn, tid: str):
+        self.request, self.turn, self.tid = request, turn, tid
+        self.headers = {TRAJECTORY_HEADER: tid, "X-Syncd-Turn": str(turn.index)}
+        self.response: web.StreamResponse | None = None
+
+    async def send(self, data: bytes) -> None:
+        try:
+            if self.response is None:
+                self.response = web.StreamResponse(status=200, headers={
+                    **self.headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                await self.response.prepare(self.request)
+            await self.response.write(data)
+        except (ConnectionError, aiohttp.ClientConnectionResetError) as exc:
+            raise ClientGone(str(exc)) from None
+
+    async def end(self) -> web.StreamResponse:
+        await self.send(b"data: [DONE]\n\n")
+        await self.response.write_eof()
+        return self.response
+
+    async def fail(self, message: str) -> web.StreamResponse:
+        """Tell the client (an error event on a started stream, else an HTTP 502)."""
+        if self.response is None:
+            return error_response(502, message, "upstream_error")
+        try:
+            await self.send(sse.format_event({"error": {"message": message, "type": "upstream_error", "code": 502}}))
+            await self.end()
+        except ClientGone:
+            pass
+        return self.response
+
