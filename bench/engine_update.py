@@ -207,9 +207,8 @@ def run(cfg: dict, lr: float, seed: int, workdir: Path, verify_apply: bool = Tru
             updates.append(dict(version=v, stage_s=t_b - t_a, pause_wait_s=t_c - t_b, apply_s=t_d - t_c,
                                 stall_s=t_e - t_c, verify_s=t_f - t_e, changed=staged.changed,
                                 staged_bytes=staged.nbytes, lines=touched_lines(engine.updater, staged)))
-            if cuda:  # what apply copies host -> device: positions, new words, old words when it verifies
-                updates[-1]["h2d_bytes"] = sum(p.index.nbytes + p.new.nbytes + verify_apply * p.old.nbytes
-                                               for p in staged.params)
+            if cuda:  # what apply copies host -> device: positions and new words (old ones by fingerprint)
+                updates[-1]["h2d_bytes"] = sum(p.index.nbytes + p.new.nbytes for p in staged.params)
         tokens_upd, secs_upd = engine.stats.tokens - n_phase, time.perf_counter() - t_phase
     finally:
         load.finish()

@@ -13,8 +13,10 @@ How an update moves (``docs/engine.md``):
   the new words computed. A parameter that maps 1:1 to a trainer tensor is decoded in full on a scratch copy
   (``syncd.ops.delta.decode``), which checks the blob's base checksum against the local tensor and the
   result checksum against the trainer's. A full version is compared with the local weights and only the
-  words that differ are staged. The result is, per local parameter, ascending int64 positions plus the old
-  and new words, in CPU memory (pinned when the parameter is on a GPU): about 12 bytes per changed bf16 word.
+  words that differ are staged. The result is, per local parameter, ascending positions plus the old and
+  new words, in CPU memory: about 12 bytes per changed bf16 word (int64 positions). For a parameter on a GPU
+  they are pinned, positions are int32 where they fit and the old words get a fingerprint
+  (:func:`fingerprint`), so an apply sends 6 bytes per changed bf16 word over PCIe.
 * ``apply()`` scatters the new words; each staged position must still hold its staged old word, checked
   just before it is written (CPU: one native pass on every core, ``syncd._native.scatter_runs_ptr``). Only
   changed words move. If anything fails, every word already written is restored from the old words and the
@@ -62,13 +64,16 @@ __all__ = ["WeightUpdater", "StagedUpdate", "StagedParam", "expected_checksums",
 
 @dataclass
 class StagedParam:
-    """The staged words of one local parameter: ascending local flat ``index`` (int64) and the ``old`` and
-    ``new`` words there as same-width integers. CPU tensors (pinned when the parameter is on a GPU)."""
+    """The staged words of one local parameter: ascending local flat ``index`` and the ``old`` and ``new``
+    words there as same-width integers. CPU tensors; for a parameter on a GPU they are pinned, ``index`` is
+    int32 when the parameter has fewer than 2^31 words (int64 otherwise, and always on the CPU), and
+    ``old_fingerprint`` is :func:`fingerprint` of the old words, so an apply need not send them."""
 
     name: str
     index: torch.Tensor
     old: torch.Tensor
     new: torch.Tensor
+    old_fingerprint: int | None = None
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """NumPy views (no copies) of ``index``, ``old`` and ``new``."""
@@ -299,7 +304,12 @@ class WeightUpdater:
             if idx.numel() == 0:
                 continue
             pin = self._flat[name].device.type == "cuda"
-            out.append(StagedParam(name, *(_host(t, pin) for t in (idx.to(torch.int64), old, new))))
+            narrow = pin and self._flat[name].numel() < 2 ** 31
+            idx = idx.to(torch.int32 if narrow else torch.int64)
+            p = StagedParam(name, *(_host(t, pin) for t in (idx, old, new)))
+            if pin:
+                p.old_fingerprint = fingerprint(p.old, p.index)
+            out.append(p)
         return out
 
     # ------------------------------------------------------------------------------------------ apply
@@ -359,10 +369,12 @@ class WeightUpdater:
             raise
 
     def _write_torch(self, params: list[StagedParam], *, new: bool, verify: bool, version) -> None:
-        """``_write`` with torch ops on each parameter's device: every staged array is sent at once
-        (non-blocking from pinned memory), all comparisons are summed on the devices and read back with one
-        synchronisation per device, and only then is anything written (``index_copy_``), so a mismatch
-        leaves the weights untouched; an error while writing puts back what was written."""
+        """``_write`` with torch ops on each parameter's device. Only positions and the words to write cross
+        to the device (non-blocking from pinned memory): with ``verify`` the words in place are checked
+        against the staged ones by :func:`fingerprint`, computed on the device and read back with one
+        synchronisation per device (a mismatch is then counted exactly, sending the staged words, to name
+        it). Nothing is written before every parameter passed, so a mismatch leaves the weights untouched;
+        an error while writing puts back what was written."""
         todo = []
         for p in params:
             bits = word_view(self._flat[p.name])
@@ -370,19 +382,24 @@ class WeightUpdater:
             if n and not (0 <= int(p.index[0]) and int(p.index[n - 1]) < bits.numel()):
                 raise DeltaError(f"apply: parameter {p.name!r} has a staged position outside the tensor; "
                                  "nothing was written")
-            before, after = (p.old, p.new) if new else (p.new, p.old)
-            todo.append((p, bits, _dev(p.index, bits), _dev(before, bits) if verify else None, _dev(after, bits)))
+            after = p.new if new else p.old
+            todo.append((p, bits, _dev(p.index, bits).long(), _dev(after, bits)))
         if verify and todo:
-            counts: dict[torch.device, list] = {}
-            for p, bits, idx, before, _ in todo:
-                counts.setdefault(bits.device, []).append((p, (bits[idx] != before).sum()))
-            for pairs in counts.values():
-                for (p, _), bad in zip(pairs, torch.stack([c for _, c in pairs]).tolist()):
-                    if bad:
-                        raise _mismatch(p, int(bad), version)
+            sums: dict[torch.device, list] = {}
+            for p, bits, idx, _ in todo:
+                sums.setdefault(bits.device, []).append((p, _fingerprint_terms(bits[idx], idx).sum()))
+            for pairs in sums.values():
+                for (p, _), got in zip(pairs, torch.stack([t for _, t in pairs]).tolist()):
+                    before = p.old if new else p.new
+                    want = p.old_fingerprint if new and p.old_fingerprint is not None else fingerprint(before,
+                                                                                                     p.index)
+                    if got != want:
+                        bits = word_view(self._flat[p.name])
+                        idx = _dev(p.index, bits).long()
+                        raise _mismatch(p, int((bits[idx] != _dev(before, bits)).sum()), version)
         done = []
         try:
-            for p, bits, idx, _, after in todo:
+            for p, bits, idx, after in todo:
                 bits.index_copy_(0, idx, after)
                 done.append((p, bits, idx))
         except BaseException:
@@ -468,6 +485,21 @@ def _scatter(runs: list, verify: bool) -> tuple[int, int]:
 
     threads = max(1, _backend.threads()) if sum(r[6] for r in runs) >= _PARALLEL_MIN else 1
     return _backend.native().scatter_runs_ptr(runs, verify, threads)
+
+
+# position·even + odd is odd, and an odd multiple of a nonzero word change is nonzero mod 2^64 (signed int64s)
+_FP_ADD, _FP_MUL, _FP_POS = 0x632BE59BD9B4E019, 0x3C6EF372FE94F82A, 0xD6E8FEB86659FD93 - 2 ** 64
+
+
+def _fingerprint_terms(words: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return (words.to(torch.int64) + _FP_ADD) * (index.to(torch.int64) * _FP_MUL + _FP_POS)
+
+
+def fingerprint(words: torch.Tensor, index: torch.Tensor) -> int:
+    """A 64-bit fingerprint of staged words at positions ``index`` (same device, any integer dtypes):
+    the wrapping int64 sum of (word + a)·(position·b + c), b even and c odd, so every multiplier is odd and a
+    change to any one word changes it; positions count. Torch arithmetic, identical on the CPU and a GPU."""
+    return int(_fingerprint_terms(words, index).sum())
 
 
 def _mismatch(p: StagedParam, bad: int, version) -> DeltaError:

@@ -114,8 +114,8 @@ class NVFP4Weights:
 
     def refresh(self, changed: Mapping[str, torch.Tensor] | None) -> int:
         """Re-dequantize what a write of the packed parts changed. ``changed`` maps local parameter names to
-        the flat positions written (int64, any device; e.g. the ``StagedParam.index`` of an applied update);
-        names that are not NVFP4 parts are ignored. None refreshes every weight in full. Returns the number of
+        the flat positions written (any integer dtype and device; e.g. the ``StagedParam.index`` of an
+        applied update); names that are not NVFP4 parts are ignored. None refreshes every weight in full. Returns the number of
         16-element blocks dequantized. Call it only while no forward pass runs."""
         todo: dict[str, list[torch.Tensor] | None] = {}  # weight -> changed blocks (None: all of them)
         if changed is None:

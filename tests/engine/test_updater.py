@@ -277,3 +277,22 @@ def test_specs_must_tile_the_local_tensor():
         WeightUpdater([overlap], {"p": t})
     with pytest.raises(ValueError, match="spec says"):
         WeightUpdater([ParamSpec("p", torch.bfloat16, (4, 3), "cpu", (ParamPiece("p", (4, 3)),))], {"p": t})
+
+
+@pytest.mark.parametrize("dtype", [torch.int16, torch.int32, torch.int64])
+def test_fingerprint_catches_any_one_word_and_counts_positions(dtype):
+    from engine.updater import fingerprint
+
+    g = torch.Generator().manual_seed(0)
+    words = torch.randint(-1000, 1000, (5000,), generator=g).to(dtype)
+    index = torch.sort(torch.randperm(1 << 20, generator=g)[:5000]).values.to(torch.int32)
+    base = fingerprint(words, index)
+    assert base == fingerprint(words.clone(), index.to(torch.int64))  # index width does not matter
+    for j in [0, 1, 2, 2500, 4999]:
+        for delta in [1, -1, 1 << 12]:
+            w = words.clone()
+            w[j] += delta
+            assert fingerprint(w, index) != base
+    swapped = index.clone()
+    swapped[[10, 11]] = swapped[[11, 10]]
+    assert fingerprint(words, swapped) != base
