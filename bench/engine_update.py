@@ -135,7 +135,7 @@ def touched_lines(updater, staged) -> int:
         t = updater.tensors()[p.name]
         base = t.data_ptr()
         stride = t.view(-1).stride(0) * t.element_size()
-        addr = base + p.index.numpy() * stride
+        addr = base + p.index.numpy().astype(np.int64) * stride  # int32 positions on GPUs
         lines += int(np.unique(addr // LINE).size)
     return lines
 
