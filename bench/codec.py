@@ -10,10 +10,10 @@ memory-speed yardstick. Encode and apply are timed through ``encode_many`` / ``a
 across and within tensors, what a publisher and an engine call); one-tensor-at-a-time figures are in the
 JSON. The read pass, encode, apply and the checksum take turns in each timing round and the ratios to the
 read pass are the medians of the per-round ratios, so a noisy neighbour moves numerator and denominator
-together. Physical limits, measured in the same rounds: encode reads old and new (2 bytes per full-weight byte) and apply at least the
-target, so their ratios cannot pass a read of those bytes with both cores (timed with our memory-speed
-checksum). Where the changes are many, the entropy coder's cost per change dominates instead (the JSON has
-changes/s). Writes JSON.
+together. Physical limits, measured in the same rounds: encode reads old and new (2 bytes per full-weight
+byte) and apply at least the target, so their ratios cannot pass a read of those bytes with both cores
+(timed with our memory-speed checksum). Where the changes are many, the entropy coder's cost per change
+dominates instead (the JSON has changes/s). Writes JSON.
 
     python -m bench.codec                 # ~110M parameters, lr 1e-6/3e-6/1e-5, K = 1, 2, 4, 8
     python -m bench.codec --preset tiny   # seconds; what the test runs
