@@ -110,6 +110,12 @@ PYBIND11_MODULE(_native, m) {
     return checksum(reinterpret_cast<const uint8_t*>(ptr), nbytes, threads);
   }, py::arg("ptr"), py::arg("nbytes"), py::arg("threads") = 1);
 
+  m.def("checksum_many_ptr", [](const std::vector<std::pair<uintptr_t, size_t>>& bufs, int threads) {
+    std::vector<std::pair<const uint8_t*, size_t>> b;
+    for (const auto& [ptr, n] : bufs) b.emplace_back(reinterpret_cast<const uint8_t*>(ptr), n);
+    py::gil_scoped_release nogil;
+    return checksum_many(b, threads);
+  }, py::arg("buffers"), py::arg("threads") = 1, "checksum of every (data_ptr, nbytes), all in one pool.");
   m.def("encode_ptr", [](uintptr_t old_ptr, uintptr_t new_ptr, int dtype_code, const std::vector<int64_t>& shape,
                          int block_log2, int threads) {
     auto sh = to_shape(shape);

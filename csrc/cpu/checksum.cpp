@@ -1,5 +1,6 @@
 #include "checksum.h"
 
+#include <algorithm>
 #include <vector>
 
 #include "parallel.h"
@@ -41,8 +42,27 @@ uint64_t checksum_raw_range(const uint8_t* base, size_t begin, size_t end) {
   return s;
 }
 
+namespace {
+constexpr size_t kChunk = size_t(1) << 19;  // 512 KiB per work item: both cores on mid-sized tensors too
+}  // namespace
+
+std::vector<uint64_t> checksum_many(const std::vector<std::pair<const uint8_t*, size_t>>& bufs, int threads) {
+  std::vector<std::pair<size_t, size_t>> items;  // (buffer, byte offset)
+  for (size_t i = 0; i < bufs.size(); ++i)
+    for (size_t off = 0; off < bufs[i].second; off += kChunk) items.emplace_back(i, off);
+  std::vector<uint64_t> part(items.size(), 0);
+  parallel_for(items.size(), threads, [&](size_t k) {
+    const auto& [i, off] = items[k];
+    part[k] = checksum_raw_range(bufs[i].first, off, std::min(bufs[i].second, off + kChunk));
+  });
+  std::vector<uint64_t> raw(bufs.size(), 0);
+  for (size_t k = 0; k < items.size(); ++k) raw[items[k].first] += part[k];
+  std::vector<uint64_t> out(bufs.size());
+  for (size_t i = 0; i < bufs.size(); ++i) out[i] = checksum_finalize(raw[i], bufs[i].second);
+  return out;
+}
+
 uint64_t checksum_raw_parallel(const uint8_t* p, size_t nbytes, int threads) {
-  constexpr size_t kChunk = size_t(1) << 19;  // 512 KiB per work item: both cores on mid-sized tensors too
   size_t items = (nbytes + kChunk - 1) / kChunk;
   if (items <= 1 || threads <= 1) return checksum_raw_range(p, 0, nbytes);
   std::vector<uint64_t> part(items, 0);

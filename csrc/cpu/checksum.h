@@ -5,6 +5,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <utility>
+#include <vector>
 
 #include "codec_core.h"
 
@@ -40,5 +42,8 @@ uint64_t checksum_raw_parallel(const uint8_t* p, size_t nbytes, int threads);
 inline uint64_t checksum(const uint8_t* p, size_t nbytes, int threads) {
   return checksum_finalize(checksum_raw_parallel(p, nbytes, threads), nbytes);
 }
+
+// checksum of every (pointer, nbytes) buffer, with the 512 KiB pieces of all of them in one pool.
+std::vector<uint64_t> checksum_many(const std::vector<std::pair<const uint8_t*, size_t>>& bufs, int threads);
 
 }  // namespace syncd

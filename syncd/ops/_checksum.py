@@ -11,11 +11,7 @@ import numpy as np
 import torch
 
 from syncd.ops import _backend
-from syncd.ops._batch import run_many
 from syncd.ops._tensors import byte_view, nbytes_of, raw_ptr
-
-#: log2 of the bytes per work item of the native checksum (csrc/cpu/checksum.cpp)
-CHUNK_LOG2 = 19
 from syncd.ops.reference import checksum as ref
 
 
@@ -42,9 +38,8 @@ def checksum_many(tensors, *, backend: str = "auto") -> list[int]:
     if not tensors or any(_backend.resolve(backend, t.device.type, "checksum") != "cpu" or raw_ptr(t) is None
                           for t in tensors):
         return [checksum(t, backend=backend) for t in tensors]
-    native = _backend.native()
-    return run_many(lambda t, threads: int(native.checksum_ptr(raw_ptr(t), nbytes_of(t), threads)), tensors,
-                    [nbytes_of(t) for t in tensors], CHUNK_LOG2)
+    buffers = [(raw_ptr(t), nbytes_of(t)) for t in tensors]  # every 512 KiB piece of every one in one pool
+    return [int(c) for c in _backend.native().checksum_many_ptr(buffers, _backend.threads())]
 
 
 def checksum_bytes(data, *, backend: str = "auto") -> int:

@@ -79,8 +79,10 @@ def test_same_bit_flipped_in_two_words_never_cancels():
 def test_checksum_many_equals_one_by_one():
     g = torch.Generator().manual_seed(9)
     tensors = [random_bits(s, torch.bfloat16, g) for s in [(3,), (0,), (700, 700), (4 << 20,), (17, 5)]]
+    want = [checksum(t, backend="reference") for t in tensors]
+    assert checksum_many(tensors) == want  # contiguous CPU tensors: one native pool over all their pieces
     tensors.append(tensors[2].t())  # non-contiguous: falls back to one by one
-    assert checksum_many(tensors) == [checksum(t, backend="reference") for t in tensors]
+    assert checksum_many(tensors) == want + [checksum(tensors[-1], backend="reference")]
 
 
 @pytest.mark.parametrize("make", [lambda: torch.arange(32, dtype=torch.float32)[::2],
