@@ -306,6 +306,7 @@ void check_sums(ApplyTask& t) {
     t.fail("result checksum mismatch: the decoded tensor differs from the encoder's");
   }
 }
+
 }  // namespace
 
 std::vector<std::vector<uint8_t>> delta_encode_many(const std::vector<EncodeJob>& jobs, int block_log2,
