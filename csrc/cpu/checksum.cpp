@@ -43,10 +43,11 @@ uint64_t checksum_raw_range(const uint8_t* base, size_t begin, size_t end) {
 }
 
 namespace {
-constexpr size_t kChunk = size_t(1) << 19;  // 512 KiB per work item: both cores on mid-sized tensors too
-}  // namespace
 
-std::vector<uint64_t> checksum_many(const std::vector<std::pair<const uint8_t*, size_t>>& bufs, int threads) {
+constexpr size_t kChunk = size_t(1) << 19;  // 512 KiB per work item: both cores on mid-sized tensors too
+
+// The raw sums of every buffer, its 512 KiB pieces spread over one pool.
+std::vector<uint64_t> checksum_raw_many(const std::vector<std::pair<const uint8_t*, size_t>>& bufs, int threads) {
   std::vector<std::pair<size_t, size_t>> items;  // (buffer, byte offset)
   for (size_t i = 0; i < bufs.size(); ++i)
     for (size_t off = 0; off < bufs[i].second; off += kChunk) items.emplace_back(i, off);
@@ -57,22 +58,20 @@ std::vector<uint64_t> checksum_many(const std::vector<std::pair<const uint8_t*, 
   });
   std::vector<uint64_t> raw(bufs.size(), 0);
   for (size_t k = 0; k < items.size(); ++k) raw[items[k].first] += part[k];
-  std::vector<uint64_t> out(bufs.size());
-  for (size_t i = 0; i < bufs.size(); ++i) out[i] = checksum_finalize(raw[i], bufs[i].second);
+  return raw;
+}
+
+}  // namespace
+
+std::vector<uint64_t> checksum_many(const std::vector<std::pair<const uint8_t*, size_t>>& bufs, int threads) {
+  std::vector<uint64_t> out = checksum_raw_many(bufs, threads);
+  for (size_t i = 0; i < bufs.size(); ++i) out[i] = checksum_finalize(out[i], bufs[i].second);
   return out;
 }
 
 uint64_t checksum_raw_parallel(const uint8_t* p, size_t nbytes, int threads) {
-  size_t items = (nbytes + kChunk - 1) / kChunk;
-  if (items <= 1 || threads <= 1) return checksum_raw_range(p, 0, nbytes);
-  std::vector<uint64_t> part(items, 0);
-  parallel_for(items, threads, [&](size_t k) {
-    size_t b = k * kChunk, e = std::min(nbytes, b + kChunk);
-    part[k] = checksum_raw_range(p, b, e);
-  });
-  uint64_t s = 0;
-  for (uint64_t v : part) s += v;
-  return s;
+  if (nbytes <= kChunk || threads <= 1) return checksum_raw_range(p, 0, nbytes);
+  return checksum_raw_many({{p, nbytes}}, threads)[0];
 }
 
 }  // namespace syncd

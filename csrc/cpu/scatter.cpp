@@ -74,11 +74,10 @@ ScatterResult scatter_runs(const std::vector<ScatterRun>& runs, bool verify, int
     if (r.stride < uint64_t(r.width)) throw std::invalid_argument("scatter: stride shorter than a word");
   }
   std::vector<uint8_t> done(runs.size(), 0);
-  std::atomic<bool> failed{false};
-  std::atomic<int64_t> failed_run{-1};
+  std::atomic<int64_t> failed_run{-1};  // the first run that failed; later runs are not started
   std::vector<int64_t> bad(runs.size(), 0);
   parallel_for(runs.size(), threads, [&](size_t i) {
-    if (failed.load(std::memory_order_relaxed)) return;
+    if (failed_run.load(std::memory_order_relaxed) >= 0) return;
     const ScatterRun& r = runs[i];
     uint64_t written = by_word_bytes(r.width, [&](auto tag) { return write_run<decltype(tag)>(r, verify, &bad[i]); });
     if (written == r.n) {
@@ -86,11 +85,10 @@ ScatterResult scatter_runs(const std::vector<ScatterRun>& runs, bool verify, int
     } else {
       int64_t none = -1;
       failed_run.compare_exchange_strong(none, int64_t(i));
-      failed.store(true);
     }
   });
   ScatterResult res;
-  if (!failed.load()) return res;
+  if (failed_run.load() < 0) return res;
   parallel_for(runs.size(), threads, [&](size_t i) {
     if (done[i]) by_word_bytes(runs[i].width, [&](auto tag) { unwrite_run<decltype(tag)>(runs[i]); return 0; });
   });
