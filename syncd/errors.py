@@ -36,7 +36,12 @@ class ObjectExists(StoreError):
     """A create-if-absent put found an object already at that key; nothing was written."""
 
 
-class ManifestError(SyncdError, ValueError):
+class MalformedObject(SyncdError, ValueError):
+    """Bytes read from a store, a file or a socket are not what they must be: not strict JSON, over a size
+    or nesting bound, or of the wrong shape (:mod:`syncd.strict_json`). Nothing in them was used."""
+
+
+class ManifestError(MalformedObject):
     """A manifest is malformed: not strict JSON, not canonical, a field of the wrong type or out of bounds,
     or inconsistent with itself. Nothing in it was used."""
 
@@ -70,3 +75,15 @@ class VersionConflict(SyncdError, RuntimeError):
 
 class PublishError(SyncdError, RuntimeError):
     """A background encode or upload of :class:`trainer.WeightPublisher` failed; ``__cause__`` says why."""
+
+
+# --- engine control (engine.control, the node daemon) ---
+
+
+class NotAuthorized(SyncdError, PermissionError):
+    """An engine-control request did not present the node's engine token (``syncd.engine_token``)."""
+
+
+class LeaseHeld(SyncdError, RuntimeError):
+    """An engine refused a weight-control request because another controller holds its lease; the message
+    names that controller's run and pid and when the lease expires."""

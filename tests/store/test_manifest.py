@@ -86,7 +86,8 @@ def test_replayed_manifest_rejected(run_id, version, match):
     (b'{"a":1} ', "not in canonical form"),
     (b'{"b":1,"a":2}', "not in canonical form"),
     (b'{"a":1}', "no 'signature' member"),
-    (b"[" * 100000 + b"]" * 100000, "not valid JSON"),
+    (b"[" * 100000 + b"]" * 100000, "nested deeper"),
+    (b'{"a":' * 7 + b"1" + b"}" * 7, "nested 7 deep"),
 ])
 def test_malformed_bytes_are_manifest_errors(raw, match):
     with pytest.raises(ManifestError, match=match):
