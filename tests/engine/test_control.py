@@ -9,8 +9,9 @@ import json
 import pytest
 
 import engine
-from engine.control import (BadRequest, ControlServer, EngineUnreachable, RemoteAdapter, handle,
-                            load_full_from_cache, spec_from_json, spec_to_json, stage_from_cache)
+from engine.control import (BadRequest, EngineControl, EngineUnreachable, RemoteAdapter, load_full_from_cache,
+                            spec_from_json, spec_to_json, stage_from_cache)
+from engine.control_server import ControlServer
 from syncd.cache import ShardCache
 from syncd.errors import DeltaError
 from syncd.versions import fetch_shards, read_manifest
@@ -34,22 +35,36 @@ def setup(tmp_path):
     pub.close()
 
 
+TOKEN = "t" * 64
+LEASE = {"lease": {"holder": "holder-a", "run_id": RUN, "pid": 1, "ttl_s": 30}}
+
+
+def handlers(eng, **kw):
+    """``handle(eng, op, body)``: the routes of a real EngineControl, called as the daemon would."""
+    control = EngineControl(eng, token=TOKEN, signing_key=KEY, **kw)
+    return lambda _eng, op, body: control.call(op, {**LEASE, **body}, TOKEN)
+
+
 def test_handlers_drive_an_engine_through_an_update(setup):
     pub, cache, raws = setup
     eng = engine.StateDictEngine(pub.zeros(), None)
+    handle = handlers(eng)
     body = lambda v: {"manifest": raws[v].decode(), "cache_root": str(cache.root)}  # noqa: E731
-    assert handle(eng, "version", {}) == {"version": None}
+    state = handle(eng, "version", {})
+    assert (state["run_id"], state["version"], state["writes"], state["lease"]) == (None, None, 0, None)
     handle(eng, "pause", {})
-    assert handle(eng, "load_full", body(0)) == {"version": 0}
+    assert handle(eng, "load_full", body(0)) == {"version": 0, "writes": 1}
     assert handle(eng, "stage", body(1)) == {"version": 1}
-    assert handle(eng, "apply", {}) == {"version": 1}
+    assert handle(eng, "apply", {}) == {"version": 1, "writes": 2}
+    state = handle(eng, "version", {})
+    assert (state["run_id"], state["version"], state["lease"]["run_id"], state["lease"]["pid"]) == (RUN, 1, RUN, 1)
     handle(eng, "resume", {})
     assert_same(eng.state_dict(), pub.states[1])
     sums = handle(eng, "checksum", {"names": None})["checksums"]
     m1 = read_manifest(pub.store, RUN, 1, signing_key=KEY)
     assert sums == {t.name: f"{t.checksum:016x}" for t in m1.tensors}
     handle(eng, "pause", {})
-    assert handle(eng, "rollback", {}) == {"version": 0}
+    assert handle(eng, "rollback", {}) == {"version": 0, "writes": 3}
     assert_same(eng.state_dict(), pub.states[0])
     specs = handle(eng, "parameters", {})["parameters"]
     assert [spec_from_json(s) for s in specs] == list(eng.parameters())
@@ -59,6 +74,7 @@ def test_handlers_drive_an_engine_through_an_update(setup):
 def test_handlers_refuse_bad_requests(setup):
     pub, cache, raws = setup
     eng = engine.StateDictEngine(pub.zeros(), None)
+    handle = handlers(eng)
     with pytest.raises(KeyError, match="unknown engine op"):
         handle(eng, "explode", {})
     with pytest.raises(BadRequest, match="manifest"):
@@ -101,14 +117,15 @@ def test_remote_adapter_over_a_real_server(setup):
             remote.stage(engine.Update(version=2, kind="delta", tensors={}))
         assert remote.version == 1
         # unknown routes and malformed bodies
+        auth = {"Authorization": f"Bearer {remote.credentials()['auth']}"}
         conn = http.client.HTTPConnection(server.host, server.port, timeout=10)
-        conn.request("POST", "/engine/weights/explode", body=b"{}")
+        conn.request("POST", "/engine/weights/explode", body=b"{}", headers=auth)
         resp = conn.getresponse()
         assert resp.status == 404 and json.loads(resp.read())["type"] == "KeyError"
         conn = http.client.HTTPConnection(server.host, server.port, timeout=10)
-        conn.request("POST", "/engine/weights/checksum", body=b"not json")
+        conn.request("POST", "/engine/weights/checksum", body=b"not json", headers=auth)
         resp = conn.getresponse()
-        assert resp.status == 400 and "not JSON" in json.loads(resp.read())["error"]
+        assert resp.status == 400 and "not valid JSON" in json.loads(resp.read())["error"]
     finally:
         server.close()
     with pytest.raises(EngineUnreachable):
