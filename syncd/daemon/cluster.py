@@ -28,7 +28,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 from dataclasses import dataclass
+
+from syncd.tasks import supervise
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +119,10 @@ def cluster_settings(args: argparse.Namespace) -> ClusterSettings | None:
     try:
         ns = parser.parse_args([])  # every value from SYNCD_CLUSTER_* (or the node's defaults)
     except argparse.ArgumentError as exc:
-        raise ValueError(f"a SYNCD_CLUSTER_* variable is not valid: {exc}") from None
+        flag = (exc.argument_name or "").split("/")[0].strip()
+        name = next((n for a, n in _cluster_actions(parser) if flag in a.option_strings), None)
+        var = env_var(name) if name else "a SYNCD_CLUSTER_* variable"
+        raise ValueError(f"{var}={os.environ.get(var, '')!r} is not valid: {exc.message}") from None
     for action, _ in _cluster_actions(parser):
         if hasattr(args, DEST_PREFIX + action.dest):
             setattr(ns, action.dest, getattr(args, DEST_PREFIX + action.dest))
@@ -152,6 +158,7 @@ class ClusterLink:
         self.node = None
         self.snapshot: dict | None = None
         self._refresher: asyncio.Task | None = None
+        self._stopped = asyncio.Event()
         daemon.metrics.registry.register(_ClusterCollector(self))
 
     async def start(self) -> None:
@@ -167,12 +174,15 @@ class ClusterLink:
                                 on_version_ready=self._deliver, delivered=delivered, events=self.settings.events)
         await self.node.start()
         self.snapshot = self.node.summary()
-        self._refresher = asyncio.ensure_future(self._refresh_loop())
+        self._refresher = asyncio.ensure_future(supervise(
+            "cluster_status", self._refresh_loop, stop=self._stopped, context=f"cluster node {self.node.rank}",
+            on_failure=lambda name, exc: self.daemon.metrics.failure(name)))
         if delivered != NO_HISTORY:
             await self._known(delivered)
 
     async def stop(self) -> None:
         """Stop the node (idempotent). The daemon calls it after its loop ended, so never mid-apply."""
+        self._stopped.set()
         if self._refresher is not None:
             self._refresher.cancel()
             await asyncio.gather(self._refresher, return_exceptions=True)
