@@ -13,7 +13,8 @@ from engine.control import (BadRequest, EngineControl, EngineUnreachable, Remote
                             spec_from_json, spec_to_json, stage_from_cache)
 from engine.control_server import ControlServer
 from syncd.cache import ShardCache
-from syncd.errors import DeltaError
+from syncd.errors import DeltaError, LeaseHeld, NotAuthorized
+from syncd.signing import parse_key
 from syncd.versions import fetch_shards, read_manifest
 from tests.daemon.conftest import KEY, RUN, Published, free_port
 from tests.store._models import assert_same
@@ -185,3 +186,59 @@ def test_remote_adapter_reads_dynamos_error_envelope():
             RemoteAdapter(f"http://127.0.0.1:{srv.server_port}").call("stage", {})
     finally:
         srv.shutdown()
+
+
+def test_engine_control_owns_the_engine_one_lease_at_a_time(setup):
+    pub, cache, raws = setup
+    now = [100.0]
+    control = EngineControl(engine.StateDictEngine(pub.zeros(), None), token=TOKEN, signing_key=KEY,
+                            clock=lambda: now[0])
+    a = {"lease": {"holder": "daemon-a", "run_id": RUN, "pid": 11, "ttl_s": 5}}
+    b = {"lease": {"holder": "daemon-b", "run_id": "run-b", "pid": 22, "ttl_s": 5}}
+    with pytest.raises(NotAuthorized):
+        control.call("version", {}, None)
+    with pytest.raises(NotAuthorized):
+        control.call("version", {}, "x" * 64)
+    with pytest.raises(BadRequest, match="lease"):
+        control.call("pause", {}, TOKEN)  # a weight op without a lease
+    control.call("pause", a, TOKEN)
+    control.call("load_full", {**a, "manifest": raws[0].decode(), "cache_root": str(cache.root)}, TOKEN)
+    state = control.call("version", {}, TOKEN)
+    assert (state["run_id"], state["version"], state["writes"], state["lease"]["pid"]) == (RUN, 0, 1, 11)
+    for op in ("lease", "resume", "apply"):  # a second controller is refused, naming the holder
+        with pytest.raises(LeaseHeld, match=rf"run '{RUN}' \(pid 11\)"):
+            control.call(op, b, TOKEN)
+    now[0] += 4
+    control.call("lease", a, TOKEN)  # renewed ...
+    now[0] += 4
+    with pytest.raises(LeaseHeld):
+        control.call("lease", b, TOKEN)  # ... so still held 8 s after it was taken
+    now[0] += 6
+    control.call("lease", b, TOKEN)  # expired: b takes it
+    with pytest.raises(ValueError, match="run 'r' sent by the controller of run 'run-b'"):
+        control.call("stage", {**b, "manifest": raws[1].decode(), "cache_root": str(cache.root)}, TOKEN)
+    control.call("release", b, TOKEN)
+    assert control.call("version", {}, TOKEN)["lease"] is None
+    control.call("stage", {**a, "manifest": raws[1].decode(), "cache_root": str(cache.root)}, TOKEN)
+    assert control.call("apply", a, TOKEN) == {"version": 1, "writes": 2}
+
+
+def test_engine_control_verifies_signatures_itself(setup):
+    from dataclasses import replace
+
+    from syncd import manifest as mf
+    from syncd.errors import SignatureError
+
+    pub, cache, raws = setup
+    eng = engine.StateDictEngine(pub.zeros(), None)
+    handle = handlers(eng)
+    handle(eng, "pause", {})
+    m0 = mf.parse(raws[0], key=parse_key(KEY))
+    for forged in (replace(m0, step=99).encode(None), replace(m0, step=99).encode(parse_key("k" * 32))):
+        with pytest.raises(SignatureError):
+            handle(eng, "load_full", {"manifest": forged.decode(), "cache_root": str(cache.root)})
+    assert eng.version is None
+    # without a key the engine trusts its authenticated controller (which verified the manifest)
+    unchecked = EngineControl(eng, token=TOKEN, signing_key=False)
+    assert unchecked.call("load_full", {**LEASE, "manifest": replace(m0, step=99).encode(None).decode(),
+                                        "cache_root": str(cache.root)}, TOKEN)["version"] == 0
