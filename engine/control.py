@@ -253,19 +253,19 @@ class EngineControl:
             return {}
         if op == "load_full" and m.kind != "full":
             raise ValueError(f"load_full needs a full version; version {m.version} is a delta")
-        update = update_from_cache(m, root) if op == "load_full" else None
-        try:
-            if op == "load_full":
-                self.run_id = None  # unknown until it succeeded
+        if op == "load_full":
+            update = update_from_cache(m, root)
+            self.run_id = None  # unknown until it succeeded
+            try:
                 a.load_full(update)
-                self.run_id = m.run_id
-            elif op == "apply":
-                a.apply()
-                self.run_id = self._staged_run or self.run_id
-            else:
-                a.rollback()
-        finally:
+            finally:
+                self.writes += 1  # a failed load_full may have written some weights
+            self.run_id = m.run_id
+        else:  # a failed apply or rollback leaves the weights as they were (the Adapter contract)
+            getattr(a, op)()
             self.writes += 1
+            if op == "apply":
+                self.run_id = self._staged_run or self.run_id
         return {"version": a.version, "writes": self.writes}
 
 
@@ -338,6 +338,7 @@ class RemoteAdapter:
         self._token, self._token_file = token, token_file
         self.holder = uuid.uuid4().hex
         self.run_id, self.lease_s = run_id, lease_s
+        self.last_writes: int | None = None  # the engine's write counter after this client's last write
 
     def __repr__(self) -> str:
         return f"RemoteAdapter({self.base_url!r})"
@@ -384,6 +385,8 @@ class RemoteAdapter:
                 if m:
                     kind, msg = m.group(1), m.group(2)
             raise _error_class(kind)(f"engine at {self.base_url}: {op}: {msg}")
+        if op in ("apply", "rollback", "load_full") and isinstance(reply.get("writes"), int):
+            self.last_writes = reply["writes"]
         return reply
 
     # ------------------------------------------------------------------------------------- control state

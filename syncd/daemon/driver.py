@@ -105,9 +105,12 @@ class EngineDriver:
                 log.info("engine %s: lease not released (%s); it expires on its own", self.name, exc)
 
     def settle(self) -> None:
-        """Record the control state after this daemon's own write (see ``known``)."""
+        """Record the control state after this daemon's own write (see ``known``): the write counter as
+        this daemon's last write left it (so a write someone slipped in since, while the lease had lapsed
+        during a long call, still shows), the instance as the engine reports it now."""
         st = self.probe()
-        self.known = (st["instance"], st["writes"])
+        writes = getattr(self.adapter, "last_writes", None)
+        self.known = (st["instance"], st["writes"] if writes is None else writes)
 
     def scrub(self, m: mf.Manifest, budget_bytes: int) -> list[str]:
         """Checksum the next ``budget_bytes`` of local parameters (round robin; at least one) against
@@ -149,6 +152,12 @@ class EngineDriver:
                 self._count("engine")
             self.reachable, self.verified, self.state, self.error = False, False, "unreachable", str(exc)
             self.forget_specs()
+            return
+        except Exception as exc:  # noqa: BLE001 -- an engine answering nonsense must not stop the others
+            if self.state != "error":
+                log.error("engine %s: its state cannot be read: %s: %s", self.name, type(exc).__name__, exc)
+                self._count("engine")
+            self.verified, self.known, self.state, self.error = False, None, "error", f"{type(exc).__name__}: {exc}"
             return
         v, seen = st["version"], (st["instance"], st["writes"])
         if not self.reachable:

@@ -162,8 +162,9 @@ def test_a_write_made_while_the_daemons_lease_lapsed_is_noticed(tmp_path, procs,
     run.publish(3)  # 0F 1 2
     _, url = procs.engine(model_dir, headless=True)
     cache = tmp_path / "cache"
-    daemon = procs.daemon(run.root, cache, [url], extra=["--engine-lease", "1"])
-    procs.wait(lambda: engine_version(url) == 2, "version 2")
+    daemon = procs.daemon(run.root, cache, [url], extra=["--engine-lease", "2"])
+    procs.wait(lambda: engine_version(url) == 2 and status(cache)["engines"]["e0"]["state"] == "serving",
+               "version 2")
     daemon.send_signal(signal.SIGSTOP)  # hung: its lease lapses
     try:
         procs.wait(lambda: RemoteAdapter(url).state()["lease"] is None, "the hung daemon's lease to lapse")
