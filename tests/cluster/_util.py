@@ -63,3 +63,9 @@ def segments(c, rank) -> list[list[int]]:
 def assert_in_order(c, rank) -> None:
     for seg in segments(c, rank):
         assert seg == list(range(seg[0], seg[0] + len(seg))) if seg else True, f"node {rank} delivered {seg}"
+
+
+def assert_no_task_errors(c, ranks) -> None:
+    """No long-lived task, shard worker or connection handler of any node raised what it did not expect."""
+    errors = [(r, e["task"], e["why"]) for r in ranks for e in c.events(r, "task_error")]
+    assert not errors, f"tasks that failed: {errors}"
