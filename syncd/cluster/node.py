@@ -544,6 +544,7 @@ class ClusterNode(ShardFetching, ControllerRole):
         self.election.seen_term(plan.term)
         self.plans[plan.version] = _PlanState(plan, m, raw)
         self.events("plan", v=plan.version, term=plan.term, seq=plan.seq, roots=plan.roots(), slow=list(plan.slow),
+                    shard_roots=[s.root for s in plan.shards],
                     relays=sorted({r for s in plan.shards for r in s.order[1:] if s.children(r, plan.fanout)}))
         for sp in sorted(plan.shards, key=lambda s: s.fetch_rank):
             if self.rank in sp.order and not self.cache.has(sp.sha256):

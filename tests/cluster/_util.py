@@ -69,3 +69,36 @@ def assert_no_task_errors(c, ranks) -> None:
     """No long-lived task, shard worker or connection handler of any node raised what it did not expect."""
     errors = [(r, e["task"], e["why"]) for r in ranks for e in c.events(r, "task_error")]
     assert not errors, f"tasks that failed: {errors}"
+
+
+def shard_roots(c, ranks) -> dict[tuple[int, int], set[tuple[int, int]]]:
+    """``{(version, shard index): {(rank, incarnation)}}``: every node incarnation that took a plan naming
+    it the shard's root (from its own event log, which spans its restarts)."""
+    out: dict[tuple[int, int], set[tuple[int, int]]] = {}
+    for r in ranks:
+        inc = -1
+        for e in c.events(r):
+            if e["ev"] == "start":
+                inc += 1
+            elif e["ev"] == "plan":
+                for i, root in enumerate(e["shard_roots"]):
+                    if root == r:
+                        out.setdefault((e["v"], i), set()).add((r, inc))
+    return out
+
+
+def assert_store_reads_by_roots(c, store_log, store, versions: int, *, ip_rank: dict) -> None:
+    """Every shard of versions ``0..versions-1`` was served by the store at least once, at most once per
+    root incarnation it had (a root resumes where it stopped; a new root starts again), and only to its
+    roots. ``store_log``: the store's own count (:func:`syncd.cluster.sim.read_store_log`)."""
+    from syncd.versions import read_manifest
+
+    roots = shard_roots(c, set(ip_rank.values()))
+    for v in range(versions):
+        for i, s in enumerate(read_manifest(store, RUN, v, signing_key=KEY).shards):
+            reads = [e for e in store_log if e["key"] == f"runs/{RUN}/{s.key}"]
+            got, who = sum(e["bytes"] for e in reads), roots.get((v, i), set())
+            assert s.size <= got <= s.size * len(who), (
+                f"version {v} shard {i}: the store served {got} bytes for {s.size}; roots {sorted(who)}")
+            readers = {ip_rank.get(e["peer"]) for e in reads if e["bytes"]}
+            assert readers <= {r for r, _ in who}, f"version {v} shard {i}: read by {readers}, roots {sorted(who)}"
