@@ -301,17 +301,23 @@ class ControllerRole:
             if not needers:
                 continue
             holders: dict[str, set[int]] = {}
+            partial: dict[str, dict[int, int]] = {}
             for r in live:
                 if delivered[r] >= v:
                     for s in m.shards:
                         holders.setdefault(s.sha256, set()).add(r)
+                part = (self._partial() if r == self.rank else self.membership.info(r).get("part")) or {}
+                for s in m.shards:
+                    n = part.get(s.sha256)
+                    if isinstance(n, int) and not isinstance(n, bool) and 0 < n < s.size:
+                        partial.setdefault(s.sha256, {})[r] = n
             for s in m.shards:
                 for r in self._holders(s.sha256) if v in self.plans else ():
                     holders.setdefault(s.sha256, set()).add(r)
                 if self.cache.has(s.sha256):
                     holders.setdefault(s.sha256, set()).add(self.rank)
             prev = self.plans.get(v)
-            cand = plan_version(m, live=live, needers=needers, holders=holders,
+            cand = plan_version(m, live=live, needers=needers, holders=holders, partial=partial,
                                 prev=prev.plan if prev is not None else None, slow=slow, fanout=self.cfg.fanout,
                                 chunk_bytes=self.cfg.chunk_bytes, store_streams=self.cfg.store_streams,
                                 term=self.election.term, seq=self._seq + 1)

@@ -376,6 +376,14 @@ class ClusterNode(ShardFetching, ControllerRole):
 
     # ------------------------------------------------------------------------------------- heartbeats
 
+    def _partial(self) -> dict[str, int]:
+        """``{sha256: verified bytes}`` of the shards of versions in flight that this node holds in part."""
+        out = {}
+        for sha, st in self.cache.states.items():
+            if not st.complete and st.have and st.chunk_bytes and len(out) < 256:
+                out[sha] = min(st.have * st.chunk_bytes, st.size)
+        return out
+
     def _holding(self) -> dict:
         out = {}
         for v, ps in self.plans.items():
@@ -394,7 +402,7 @@ class ClusterNode(ShardFetching, ControllerRole):
               "ctrl": self.election.controller if self.election.controller is not None else -1,
               "delivered": -1 if self.delivered is None else self.delivered,
               "start": -1 if self.start_version is None else self.start_version,
-              "hold": self._holding(),
+              "hold": self._holding(), "part": self._partial(),
               "rates": {str(r): int(x.rate) for r, x in self._rates.items() if x.secs >= 0.5},
               "stalled": [r for r, t in self._stalled.items() if now - t < 30]}
         if self.is_controller:
@@ -409,7 +417,7 @@ class ClusterNode(ShardFetching, ControllerRole):
         for k in ("term", "ctrl", "delivered", "start"):
             if not isinstance(hb.get(k), int) or isinstance(hb.get(k), bool):
                 raise ProtocolError(f"heartbeat from rank {rank}: {k} is not an integer")
-        for k, typ in (("hold", dict), ("rates", dict), ("stalled", list), ("starts", dict)):
+        for k, typ in (("hold", dict), ("part", dict), ("rates", dict), ("stalled", list), ("starts", dict)):
             if k in hb and not isinstance(hb[k], typ):
                 raise ProtocolError(f"heartbeat from rank {rank}: {k} is not a JSON {typ.__name__}")
         before = set(self.membership.live())
