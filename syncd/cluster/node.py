@@ -176,6 +176,7 @@ class ClusterNode(ShardFetching, ControllerRole):
         host, port = cfg.listen or (me.host, me.port)
         self._server = await asyncio.start_server(self._accept, host, port, limit=1 << 20, reuse_address=True)
         self.cache.on_complete = lambda st: self._pulse()
+        self.cache.on_corrupt = self._on_corrupt
         self._running = True
         self.supervisor.spawn("heartbeat", self._heartbeat_loop)
         self.supervisor.spawn("controller", self._controller_loop)
@@ -556,13 +557,24 @@ class ClusterNode(ShardFetching, ControllerRole):
                     relays=sorted({r for s in plan.shards for r in s.order[1:] if s.children(r, plan.fanout)}))
         for sp in sorted(plan.shards, key=lambda s: s.fetch_rank):
             if self.rank in sp.order and not self.cache.has(sp.sha256):
-                w = self._workers.get(sp.sha256)
-                if w is None or w.done():
-                    self._workers[sp.sha256] = asyncio.create_task(self._shard_worker(sp.sha256, sp.size))
+                self._ensure_worker(sp.sha256, sp.size)
         # forget old plans (delivered long ago)
         if self.delivered is not None:
             for v in [v for v in self.plans if v < self.delivered - 64]:
                 del self.plans[v]
+        self._replanned()
+
+    def _ensure_worker(self, sha: str, size: int) -> None:
+        w = self._workers.get(sha)
+        if w is None or w.done():
+            self._workers[sha] = asyncio.create_task(self._shard_worker(sha, size))
+
+    def _on_corrupt(self, st, why: str) -> None:
+        """A cached shard was damaged and removed: counted, and fetched again if a plan still names us."""
+        self._failure("integrity")
+        self.events("cache_corrupt", sha=st.sha256[:16], why=why[:200])
+        if self._plan_for(st.sha256) is not None:
+            self._ensure_worker(st.sha256, st.size)
         self._replanned()
 
     def _plan_for(self, sha: str):
