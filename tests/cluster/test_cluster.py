@@ -132,3 +132,25 @@ def test_a_slow_node_is_moved_to_the_leaves_and_does_not_hold_back_the_others(tm
     for r in range(5):
         assert c.delivered(r) == [0, 1, 2]
     assert_no_task_errors(c, range(5))
+
+
+def test_a_node_whose_state_file_cannot_be_written_keeps_delivering(tmp_path, states, make_cluster):
+    store = tmp_path / "store"
+    pub = Publisher(store, states)
+    c = make_cluster(2, store)
+    c.start_all()
+    v0 = pub.next()
+    c.wait(lambda: all(v0 in c.delivered(r) for r in range(2)), 40, "version 0 on both nodes")
+    blocker = c.cache(1) / "cluster" / "state.json.tmp"
+    blocker.mkdir()  # the state file can no longer be replaced (as on a full or read-only disk)
+    for _ in range(2):
+        v = pub.next()
+    c.wait(lambda: all(v in c.delivered(r) for r in range(2)), 40, f"version {v} on both nodes")
+    assert [e["v"] for e in c.events(1, "state_error")][:2] == [1, 2], "each failed write reported"
+    blocker.rmdir()
+    v = pub.next()
+    pub.close()
+    c.wait(lambda: all(v in c.delivered(r) for r in range(2)), 40, f"version {v} on both nodes")
+    c.wait(lambda: '"delivered": 3' in (c.cache(1) / "cluster" / "state.json").read_text(), 10, "the state file")
+    assert c.delivered(1) == [0, 1, 2, 3]
+    assert_no_task_errors(c, range(2))
