@@ -71,7 +71,8 @@ def loads(raw, *, what: str, max_bytes: int, max_depth: int = MAX_DEPTH, floats:
     try:
         text = raw.decode("ascii" if ascii_only else "utf-8")
     except UnicodeDecodeError as exc:
-        raise error(f"{what}: not {'ASCII' if ascii_only else 'UTF-8'} text ({exc.reason} at byte {exc.start})") from None
+        encoding = "ASCII" if ascii_only else "UTF-8"
+        raise error(f"{what}: not {encoding} text ({exc.reason} at byte {exc.start})") from None
 
     def constant(name):
         raise error(f"{what}: {name} is not a JSON value (a strict encoder cannot write it)")

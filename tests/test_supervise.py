@@ -46,7 +46,8 @@ def test_a_failing_task_is_restarted_counted_and_visible(caplog):
     assert seen[0] == ("poller", "RecursionError") and len(seen) == 4
     failed = [r.getMessage() for r in caplog.records if "test owner: task poller failed" in r.getMessage()]
     assert sum("RecursionError: maximum recursion depth" in m for m in failed) == 3
-    assert [m.rsplit("restarting in ", 1)[1] for m in failed] == ["0.01s", "0.02s", "0.04s", "0.04s"]  # doubling, capped
+    # the backoff doubles, up to its cap
+    assert [m.rsplit("restarting in ", 1)[1] for m in failed] == ["0.01s", "0.02s", "0.04s", "0.04s"]
 
 
 def test_a_one_shot_report_and_a_clean_run():

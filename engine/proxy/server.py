@@ -271,7 +271,9 @@ class Proxy:
                                   "tasks": self.supervisor.health()})
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.failures.render(), content_type="text/plain")
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return web.Response(body=self.failures.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _models(self, request: web.Request) -> web.Response:
         try:

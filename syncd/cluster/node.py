@@ -279,7 +279,8 @@ class ClusterNode(ShardFetching, ControllerRole):
             log.warning("node %d: ignoring the state file: %s", self.rank, exc)
             return None
         v = doc.get("delivered")
-        if doc.get("run_id") == self.run_id and isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= mf.MAX_VERSION:
+        if (doc.get("run_id") == self.run_id and isinstance(v, int) and not isinstance(v, bool)
+                and 0 <= v <= mf.MAX_VERSION):
             return v
         return None
 
@@ -378,7 +379,7 @@ class ClusterNode(ShardFetching, ControllerRole):
     # ------------------------------------------------------------------------------------- heartbeats
 
     def _partial(self) -> dict[str, int]:
-        """``{sha256: verified bytes}`` of the shards of versions in flight that this node holds in part."""
+        """``{sha256: verified bytes}`` of the shards this node holds in part (at most 256)."""
         out = {}
         for sha, st in self.cache.states.items():
             if not st.complete and st.have and st.chunk_bytes and len(out) < 256:
