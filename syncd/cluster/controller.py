@@ -180,9 +180,11 @@ class ControllerRole:
             mf.version_dir(v)
             return v
         except (ProtocolError, ValueError) as exc:
-            log.warning("node %d: run %s: the latest.json hint is unusable (%s); listing versions instead",
-                        self.rank, self.run_id, str(exc)[:200])
-            self.events("bad_hint", why=str(exc)[:200])
+            if body != self._bad_hint:  # reported once per content, however often it is rewritten
+                self._bad_hint = bytes(body)
+                log.warning("node %d: run %s: the latest.json hint is unusable (%s); listing versions instead",
+                            self.rank, self.run_id, str(exc)[:200])
+                self.events("bad_hint", why=str(exc)[:200])
             return None
 
     async def _usable(self, candidates, budget: list, *, upwards: bool = False, note_missing: bool = False):

@@ -149,6 +149,7 @@ class ClusterNode(ShardFetching, ControllerRole):
         self._bad: dict[int, str] = {}  # version -> why its manifest is unusable
         self._missing: dict[int, float] = {}  # version -> when a listing found no manifest there
         self._listed_at = float("-inf")
+        self._bad_hint: bytes | None = None
         self._starts: dict[tuple, int] = {}
         self._slow: dict[int, tuple[float, int]] = {}
         self._seq = 0
