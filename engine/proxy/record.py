@@ -6,8 +6,8 @@ Key (create-if-absent, never overwritten)::
 
 A record is one JSON object (``schema: "syncd.trajectory"``, ``schema_version: 1``)::
 
-    {"run_id", "sandbox_id", "trajectory_id", "status": "complete" | "failed", "failure": null | reason,
-     "created_at", "finished_at", "metadata": {...},
+    {"run_id", "sandbox_id", "trajectory_id", "requested_trajectory_id", "status": "complete" | "failed",
+     "failure": null | reason, "created_at", "finished_at", "metadata": {...},
      "turns": [{"index", "endpoint": "chat/completions" | "completions", "request": <client's JSON body>,
                 "stream", "status": "ok" | "failed", "error": null | reason, "attempts": [...],
                 "response_id", "request_id", "prompt_token_ids", "output_token_ids", "versions",
@@ -18,7 +18,9 @@ A record is one JSON object (``schema: "syncd.trajectory"``, ``schema_version: 1
 ``versions[i]`` is the weight version output token ``i`` was sampled with; ``segments`` are the runs of the
 turn on one worker each (more than one when Dynamo migrated the request). A trajectory is ``complete`` only
 when every turn is ``ok``; otherwise ``failure`` says which turn failed and why. Nothing is ever dropped to
-make a record look complete.
+make a record look complete. ``requested_trajectory_id`` is the id the client used; the proxy stores a
+record under another id (``<id>.<proxy life>``) only when an earlier proxy life already wrote that key
+(``engine.proxy.writer``).
 
 :func:`parse` treats a stored record as hostile: size-bounded, strict JSON, every member checked.
 """
@@ -108,6 +110,12 @@ class Trajectory:
     turns: list[Turn] = field(default_factory=list)
     metadata: dict = field(default_factory=dict)
     finished_at: str | None = None
+    #: the client's id; ``trajectory_id`` differs when the key was taken by an earlier proxy life
+    requested_trajectory_id: str | None = None
+
+    def __post_init__(self):
+        if self.requested_trajectory_id is None:
+            self.requested_trajectory_id = self.trajectory_id
 
     @property
     def failure(self) -> str | None:
@@ -128,7 +136,8 @@ class Trajectory:
 
     def to_json(self) -> dict:
         return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "run_id": self.run_id,
-                "sandbox_id": self.sandbox_id, "trajectory_id": self.trajectory_id, "status": self.status,
+                "sandbox_id": self.sandbox_id, "trajectory_id": self.trajectory_id,
+                "requested_trajectory_id": self.requested_trajectory_id, "status": self.status,
                 "failure": self.failure, "created_at": self.created_at, "finished_at": self.finished_at,
                 "metadata": self.metadata, "turns": [t.to_json() for t in self.turns]}
 
