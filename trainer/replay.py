@@ -50,8 +50,8 @@ from syncd.ops.replay import NO_ROUTE, gather_routed
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RoutingReplay", "RoutingReplayError", "routing_replay", "moe_routers", "SUPPORTED_ROUTERS",
-           "NO_ROUTE"]
+__all__ = ["RoutingReplay", "RoutingReplayError", "routing_replay", "observe_routing", "moe_routers",
+           "SUPPORTED_ROUTERS", "NO_ROUTE"]
 
 _ATTR = "_syncd_routing_replay"
 
@@ -136,8 +136,9 @@ class RoutingReplay:
     routed (position, layer) pairs, over every forward so far, where the model's own router chose another
     set of experts than the routes; ``disagreement_by_layer`` the same per layer."""
 
-    def __init__(self, model: torch.nn.Module, routes, *, required=None):
+    def __init__(self, model: torch.nn.Module, routes, *, required=None, replay: bool = True):
         self.model = model
+        self.replay = replay
         self.routers = moe_routers(model)
         self.num_layers = len(self.routers)
         self.top_k = int(self.routers[0].top_k)
@@ -257,7 +258,7 @@ class RoutingReplay:
 
     def _flag_sentinels(self) -> None:
         """Make the experts skip the sentinel index (positions without routes) whatever their implementation."""
-        if self._flagged or bool(self._binding.routed.all()):
+        if self._flagged or not self.replay or bool(self._binding.routed.all()):
             return
         for m in self.model.modules():
             if hasattr(m, "_is_expert_parallel"):
@@ -286,11 +287,15 @@ class RoutingReplay:
                                          "and another forward ran since: cannot tell which routes it needs; run "
                                          "backward inside the routing_replay context")
             binding = self._binding
-            logits, _, own = original(hidden_states)
+            logits, own_scores, own = original(hidden_states)
             if logits.shape[0] != binding.routes.shape[0]:
                 raise RoutingReplayError(f"MoE layer {layer} routes {logits.shape[0]} positions, the routes cover "
                                          f"{binding.routes.shape[0]} (one forward per binding: see bind())")
             routes = binding.routes[:, layer, :]
+            if not self.replay:
+                if not recompute:
+                    self._count(layer, own, routes, binding.routed)
+                return logits, own_scores, own
             scores = scoring(router, logits, routes, binding.routed)
             indices = torch.where(routes >= 0, routes, torch.full_like(routes, E)).to(own.dtype)
             if not recompute:
@@ -316,3 +321,9 @@ def routing_replay(model: torch.nn.Module, routes, *, required=None) -> RoutingR
     """A context manager in which every MoE router of ``model`` selects ``routes`` (see the module docstring).
     Raises :class:`RoutingReplayError` for routes that do not fit the model, an unsupported router, or nesting."""
     return RoutingReplay(model, routes, required=required)
+
+
+def observe_routing(model: torch.nn.Module, routes) -> RoutingReplay:
+    """Like :func:`routing_replay`, but the model routes as it would (nothing is replaced in its outputs): the
+    context only counts where its routers disagree with ``routes`` (:attr:`RoutingReplay.disagreement`)."""
+    return RoutingReplay(model, routes, replay=False)
