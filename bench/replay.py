@@ -182,8 +182,7 @@ def random_sets(sizes: torch.Tensor, V: int, gen: torch.Generator) -> list[torch
 
 def recorded_bytes(store_url: str, run_id: str) -> dict:
     """Bytes per generated token in the run's replay records: kept sets, token routes, whole chunks."""
-    from engine.replay import decode_chunk
-    from engine.replay.format import encode_kept, pack_routing
+    from syncd.records.replay import decode_chunk, encode_kept, pack_routing
     from syncd.store import Store
 
     store = Store(store_url)
@@ -202,7 +201,7 @@ def recorded_bytes(store_url: str, run_id: str) -> dict:
 
 
 def public_bytes(n: int, V: int, seed: int) -> dict:
-    from engine.replay.format import encode_kept
+    from syncd.records.replay import encode_kept
     from syncd.ops.replay import bits_per_id
 
     gen = torch.Generator().manual_seed(seed)

@@ -36,10 +36,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine.proxy.record import list_records, read_record
-from engine.replay import ReplayFormatError, read_request
 from syncd.errors import ObjectNotFound, SyncdError
 from syncd.ops.replay import NO_ROUTE, route_dtype
+from syncd.records.replay import ReplayFormatError, read_request
+from syncd.records.trajectory import RecordError, list_records, read_record
 from syncd.store import Store
 
 log = logging.getLogger(__name__)
@@ -329,8 +329,6 @@ def read_rollouts(store, run_id: str, *, sandbox_id: str | None = None, trajecto
     trajectory and counts it in :attr:`RolloutSet.dropped`."""
     if on_error not in ("raise", "drop"):
         raise ValueError("on_error must be 'raise' or 'drop'")
-    from engine.proxy.record import RecordError
-
     store = Store.open(store)
     ids = list(trajectories) if trajectories is not None else list_records(store, run_id, sandbox_id)
     out = RolloutSet()

@@ -38,7 +38,7 @@ def test_pack_and_unpack_agree_bit_for_bit_across_backends(E):
 
 
 def test_the_format_routing_payload_is_these_bytes():
-    from engine.replay import format as fmt
+    from syncd.records import replay as fmt
 
     ids = torch.randint(0, 60, (5, 3, 4), generator=torch.Generator().manual_seed(1))
     blob = fmt.pack_routing(ids.numpy(), 60)

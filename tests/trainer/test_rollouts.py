@@ -14,8 +14,9 @@ import torch
 from engine.adapter import GenerationRequest, SamplingParams
 from engine.proxy.record import Trajectory, Turn
 from engine.reference import ReferenceEngine
-from engine.replay import ReplayRecorder, decode_chunk, encode_chunk
+from engine.replay import ReplayRecorder
 from syncd.ops.replay import NO_ROUTE
+from syncd.records.replay import ReplayFormatError, decode_chunk, encode_chunk
 from syncd.store import Store
 from trainer.batch import collate
 from tests.engine.conftest import dense_dir, moe_dir  # noqa: F401 -- the tiny model folders
@@ -139,8 +140,6 @@ def _rewrite_record(store, fn, tid="t1"):
 
 
 def test_corrupt_missing_and_mismatched_records_raise_named_errors(dense_run):
-    from engine.replay import ReplayFormatError
-
     store, out, lps = dense_run
     keys = _chunk_keys(store)
     assert len(keys) == 3  # 14 tokens in chunks of 5

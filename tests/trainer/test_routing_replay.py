@@ -259,3 +259,17 @@ def test_bind_swaps_routes_between_cached_forwards():
             b = model(ids[:, 6:], cache=cache, use_cache=True).logits
     torch.testing.assert_close(torch.cat([a, b], 1), full, atol=1e-5, rtol=1e-5)
     assert rr.disagreement == 0.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ARCHS)
+def test_routing_replay_on_cuda_is_bit_identical_with_the_triton_gather(arch):
+    model = tiny(arch).cuda()
+    ids = ids_for(model).cuda()
+    routes = own_routes(model, ids)
+    want = model(ids).logits
+    with routing_replay(model, routes):
+        got = model(ids).logits
+        loss_of(model, ids).backward()
+    assert torch.equal(got, want)
+    assert moe_routers(model)[0].weight.grad.abs().sum() > 0
