@@ -14,8 +14,9 @@ costs, and what the records cost on the wire. Everything is measured in one run,
    tokens outside [0.9, 1.1]; after replay 1.001 and 4.3%.
 2. **kept_logprobs vs the naive masked log-softmax** (build a [T, V] mask, fill -inf, log_softmax, gather),
    forward + backward on the same inputs, kept-set sizes drawn to match prime-rl's figures (median 2, p99 82, 46%
-   single tokens): median time and peak memory above the inputs (the [T, V] gradient both must return included,
-   and without it), next to the lm_head matmul of the same T and the floor of writing that gradient.
+   single tokens): median time and peak memory above the inputs, with a dense gradient (cpu, reference) and a
+   sparse one (``sparse_grad``), next to the lm_head matmul of the same T and the time of writing a [T, V]
+   gradient; then the lm_head and the op together, forward and backward (where a sparse gradient pays most).
 3. **Bytes per token** of kept sets and routes: on the recorded rollouts, and on the public distribution at
    V = 151,936 (with the information-theoretic bound for sets of uniformly random ids); routes at a Qwen3-30B-A3B
    shape (E 128, top-8, 48 layers) at ceil(log2 E) bits against int32.
@@ -42,7 +43,7 @@ from pathlib import Path
 import torch
 
 PRESETS = {
-    "default": dict(requests=8, max_tokens=512, concurrency=8, updates=2, update_every=160, pretrain_steps=150,
+    "default": dict(requests=8, max_tokens=512, concurrency=8, updates=2, update_every=160, pretrain_steps=400,
                     hidden=64, vocab=151936, rows="1024", lm_hidden=2048, repeats=3, synthetic=20000),
     "tiny": dict(requests=2, max_tokens=24, concurrency=2, updates=1, update_every=8, pretrain_steps=10, hidden=32,
                  vocab=4096, rows="64", lm_hidden=64, repeats=1, synthetic=500),
@@ -244,7 +245,13 @@ def _measure(fn, repeats: int) -> tuple[float, int]:
     return statistics.median(times), peak
 
 
+OP_METHODS = {"cpu": dict(backend="cpu"), "reference": dict(backend="reference"),
+              "cpu, sparse grad": dict(backend="cpu", sparse_grad=True)}
+
+
 def op_bench(T: int, V: int, H: int, repeats: int, seed: int, budget: int) -> dict:
+    """The op alone (forward + backward into the logits), then the lm_head and the op together (forward and
+    backward through ``linear(hidden [T, H], weight [V, H])``), each against the naive masked log-softmax."""
     from syncd.ops.reference.replay import kept_rows
     from syncd.ops.replay import kept_logprobs
 
@@ -254,46 +261,57 @@ def op_bench(T: int, V: int, H: int, repeats: int, seed: int, budget: int) -> di
     ids = torch.cat(sets)
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)])
     targets = torch.stack([s[torch.randint(0, s.numel(), (1,), generator=gen)][0] for s in sets])
-    logits = torch.randn(T, V, generator=gen)
-    x = logits.requires_grad_()
+    rows = kept_rows(offsets)
     grad_bytes = T * V * 4
 
-    def ours(backend):
+    def naive_loss(x):
+        mask = torch.zeros(T, V, dtype=torch.bool)
+        mask[rows, ids] = True
+        return torch.log_softmax(x.masked_fill(~mask, float("-inf")), dim=-1).gather(1, targets[:, None]).sum()
+
+    def run(loss_of, leaves):
         def fn():
-            kept_logprobs(x, ids, offsets, targets, backend=backend).sum().backward()
-            x.grad = None
+            loss_of().backward()
+            for t in leaves:
+                t.grad = None
         return fn
 
-    def naive():
-        mask = torch.zeros(T, V, dtype=torch.bool)
-        mask[kept_rows(offsets), ids] = True
-        z = x.masked_fill(~mask, float("-inf"))
-        torch.log_softmax(z, dim=-1).gather(1, targets[:, None]).sum().backward()
-        x.grad = None
+    def measure(methods: dict, naive_fn, naive_need: int) -> dict:
+        res = {}
+        for name, fn in methods.items():
+            t, peak = _measure(fn, repeats)
+            res[name] = {"s": t, "peak_bytes": peak, "peak_without_grad": peak - grad_bytes}
+        if naive_need > budget:
+            res["naive"] = {"skipped": f"needs about {naive_need / 2**30:.1f} GiB, the budget is {budget / 2**30:.1f} GiB"}
+            return res
+        t, peak = _measure(naive_fn, max(1, min(repeats, 2)))
+        res["naive"] = {"s": t, "peak_bytes": peak, "peak_without_grad": peak - grad_bytes}
+        for name in methods:  # (peaks under 64 MiB are too close to page-size noise to divide; 1 MiB floor)
+            r = res[name]
+            r["speedup"] = t / r["s"]
+            r["memory_ratio"] = peak / max(r["peak_bytes"], 1 << 20) if peak >= 64 << 20 else None
+            r["working_memory_ratio"] = (peak - grad_bytes) / max(r["peak_without_grad"], 1 << 20) \
+                if peak - grad_bytes >= 64 << 20 else None
+        return res
 
     out = {"rows": T, "vocab": V, "kept_ids": int(ids.numel()), "grad_bytes": grad_bytes}
     out["zeros_floor_s"] = _measure(lambda: torch.zeros(T, V), repeats)[0]
-    for name in ("cpu", "reference"):
-        s, peak = _measure(ours(name), repeats)
-        out[name] = {"s": s, "peak_bytes": peak, "peak_without_grad": peak - grad_bytes}
-    naive_need = 6 * grad_bytes
-    if naive_need <= budget:
-        s, peak = _measure(naive, max(1, min(repeats, 2)))
-        out["naive"] = {"s": s, "peak_bytes": peak, "peak_without_grad": peak - grad_bytes}
-        for name in ("cpu", "reference"):  # (ratios of peaks under 16 MiB would be page-size noise)
-            r = out[name]
-            r["speedup"] = s / r["s"]
-            r["memory_ratio"] = peak / r["peak_bytes"] if min(peak, r["peak_bytes"]) >= 16 << 20 else None
-            r["working_memory_ratio"] = (peak - grad_bytes) / max(r["peak_without_grad"], 16 << 20) \
-                if peak - grad_bytes >= 16 << 20 else None
-    else:
-        out["naive"] = {"skipped": f"needs about {naive_need / 2**30:.1f} GiB, the budget is {budget / 2**30:.1f} GiB"}
-    del x, logits
-    if (T * H + V * H + T * V) * 4 <= budget:
-        h, w = torch.randn(T, H, generator=gen), torch.randn(V, H, generator=gen)
-        out["lm_head_s"] = _measure(lambda: torch.nn.functional.linear(h, w), max(1, min(repeats, 2)))[0]
-        out["cpu"]["lm_head_fraction"] = out["cpu"]["s"] / out["lm_head_s"]
-        out["lm_head_hidden"] = H
+    x = torch.randn(T, V, generator=gen).requires_grad_()
+    out["op"] = measure({k: run(lambda kw=kw: kept_logprobs(x, ids, offsets, targets, **kw).sum(), [x])
+                         for k, kw in OP_METHODS.items()}, run(lambda: naive_loss(x), [x]), 6 * grad_bytes)
+    del x
+    out["lm_head_hidden"] = H
+    if (T * H + V * H + T * V) * 4 > budget:
+        return out
+    h = torch.randn(T, H, generator=gen).requires_grad_()
+    w = (torch.randn(V, H, generator=gen) / H ** 0.5).requires_grad_()
+    linear = torch.nn.functional.linear
+    out["lm_head_s"] = _measure(lambda: linear(h.detach(), w.detach()), max(1, min(repeats, 2)))[0]
+    out["lm_head_fraction"] = {k: r["s"] / out["lm_head_s"] for k, r in out["op"].items() if "s" in r}
+    if 7 * grad_bytes <= budget:  # (only where the baseline runs too: each pass is several lm_head matmuls)
+        e2e = {k: run(lambda kw=kw: kept_logprobs(linear(h, w), ids, offsets, targets, **kw).sum(), [h, w])
+               for k, kw in OP_METHODS.items() if k != "reference"}
+        out["with_lm_head"] = measure(e2e, run(lambda: naive_loss(linear(h, w)), [h, w]), 7 * grad_bytes)
     return out
 
 
@@ -316,23 +334,26 @@ def _print_mismatch(m: dict) -> None:
 
 
 def _print_op(o: dict) -> None:
-    print(f"\nkept_logprobs forward+backward, T={o['rows']}, V={o['vocab']} ({o['kept_ids']} kept ids), fp32 logits; "
-          f"writing the [T, V] gradient alone (zeros): {o['zeros_floor_s'] * 1e3:.1f} ms")
-    for name in ("cpu", "reference", "naive"):
-        r = o[name]
-        if "skipped" in r:
-            print(f"  {name:<10} not run: {r['skipped']}")
-            continue
-        extra = ""
-        if "speedup" in r:
-            mem = "n/a" if r["memory_ratio"] is None else f"{r['memory_ratio']:.1f}x"
-            work = "n/a" if r["working_memory_ratio"] is None else f"{r['working_memory_ratio']:.1f}x"
-            extra = f"  {r['speedup']:6.1f}x faster, {mem} less peak ({work} without the gradient)"
-        print(f"  {name:<10} {r['s'] * 1e3:9.1f} ms  peak {r['peak_bytes'] / 2**20:9.1f} MiB "
-              f"({r['peak_without_grad'] / 2**20:8.1f} MiB without the gradient){extra}")
+    print(f"\nkept_logprobs, T={o['rows']}, V={o['vocab']} ({o['kept_ids']} kept ids), fp32 logits; writing a [T, V] "
+          f"gradient alone (zeros): {o['zeros_floor_s'] * 1e3:.1f} ms")
+    parts = [("forward + backward into the logits", o["op"])]
+    if "with_lm_head" in o:
+        parts.append((f"with the lm_head, forward + backward through linear([T, {o['lm_head_hidden']}], [V, "
+                      f"{o['lm_head_hidden']}])", o["with_lm_head"]))
+    for title, res in parts:
+        print(f"  {title}:")
+        for name, r in res.items():
+            if "skipped" in r:
+                print(f"    {name:<17} not run: {r['skipped']}")
+                continue
+            extra = ""
+            if "speedup" in r:
+                mem, work = (("n/a" if v is None else f"{v:.1f}x") for v in (r["memory_ratio"], r["working_memory_ratio"]))
+                extra = f"  {r['speedup']:6.1f}x faster, {mem} less peak ({work} not counting a [T, V] gradient)"
+            print(f"    {name:<17} {r['s'] * 1e3:9.1f} ms  peak {r['peak_bytes'] / 2**20:8.1f} MiB{extra}")
     if "lm_head_s" in o:
-        print(f"  lm_head matmul [T, {o['lm_head_hidden']}] x [{o['lm_head_hidden']}, V]: {o['lm_head_s'] * 1e3:.1f} ms; "
-              f"kept_logprobs (cpu) is {100 * o['cpu']['lm_head_fraction']:.2f}% of it")
+        fr = ", ".join(f"{k} {100 * v:.2f}%" for k, v in o["lm_head_fraction"].items())
+        print(f"  the lm_head forward matmul alone: {o['lm_head_s'] * 1e3:.1f} ms; the op as a share of it: {fr}")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -423,8 +444,8 @@ def plot(results: dict, path: Path) -> None:
     ax.tick_params(axis="y", labelsize=7)
     ax = axes[1]
     for o in results["op"]:
-        names = [n for n in ("cpu", "reference", "naive") if "s" in o[n]]
-        ax.bar([f"{n}\nT={o['rows']}" for n in names], [o[n]["s"] * 1e3 for n in names])
+        names = [n for n, r in o["op"].items() if "s" in r]
+        ax.bar([f"{n}\nT={o['rows']}" for n in names], [o["op"][n]["s"] * 1e3 for n in names])
     ax.set_yscale("log")
     ax.set_ylabel("forward + backward, ms")
     ax.set_title("kept_logprobs vs the naive masked log-softmax")

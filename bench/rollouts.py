@@ -60,7 +60,7 @@ class RolloutConfig:
     top_p: float = 0.8
     top_k: int = 20
     pretrain_steps: int = 60
-    pretrain_lr: float = 3e-3
+    pretrain_lr: float = 1e-2
     updates: int = 2
     update_lr: float = 1e-3
     update_every: int = 40
@@ -107,7 +107,7 @@ def corpus_ids() -> list[int]:
     return Tokenizer.from_str(tokenizer_json()).encode(text).ids
 
 
-def train_step(model, opt, data: torch.Tensor, gen: torch.Generator, *, batch: int = 8, length: int = 64) -> float:
+def train_step(model, opt, data: torch.Tensor, gen: torch.Generator, *, batch: int = 16, length: int = 128) -> float:
     """One real AdamW step of next-token loss on random windows of ``data``."""
     starts = torch.randint(0, data.numel() - length - 1, (batch,), generator=gen)
     x = torch.stack([data[s:s + length + 1] for s in starts.tolist()])

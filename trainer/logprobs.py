@@ -1,8 +1,10 @@
 """The trainer's log-probabilities of rollout tokens, with sampling (kept-set) and routing replay.
 
 * :func:`trainer_logprobs`: the training path. One forward of the batch on the model's current weights, under
-  routing replay (MoE), then :func:`syncd.ops.replay.kept_logprobs` of each generated token over its kept set.
-  Differentiable; a backward after it recomputes checkpointed layers with the same routes.
+  routing replay (MoE), the lm_head on the generated tokens' rows only, then
+  :func:`syncd.ops.replay.kept_logprobs` of each generated token over its kept set, whose sparse gradient is all
+  the lm_head's backward sees. Differentiable; a backward after it recomputes checkpointed layers with the same
+  routes.
 * :func:`sampler_logprobs`: what the engine computed, recomputed. A sequence whose tokens were sampled under
   several weight versions (an update landed mid-trajectory, while the engine kept its KV cache) is run in
   segments of positions, each on its own version's weights, through one KV cache: positions before an update
@@ -41,14 +43,14 @@ class ReplayedLogprobs:
 
 
 def _token_logprobs(rows: torch.Tensor, ids, offsets, targets, temperatures: torch.Tensor, *, kept: bool,
-                    backend: str) -> torch.Tensor:
+                    backend: str, sparse_grad: bool = False) -> torch.Tensor:
     t = temperatures.to(rows.device)
     if t.numel() and bool((t == t[0]).all()):
         x, temp = rows, float(t[0])
     else:  # per-row temperatures: scale in float32 as the sampler did, then temperature 1
-        x, temp = rows.float() / t[:, None], 1.0
+        x, temp, sparse_grad = rows.float() / t[:, None], 1.0, False
     if kept:
-        return kept_logprobs(x, ids, offsets, targets, temp, backend=backend)
+        return kept_logprobs(x, ids, offsets, targets, temp, backend=backend, sparse_grad=sparse_grad)
     return torch.log_softmax(x.float() / temp, dim=-1).gather(1, targets[:, None].to(torch.int64))[:, 0]
 
 
@@ -58,15 +60,34 @@ def _routing(model, routes, routing: bool, required=None):
     return routing_replay(model, routes, required=required) if routing else observe_routing(model, routes)
 
 
+def _head(model):
+    """The model's lm_head when its logits are exactly ``lm_head(last hidden state)`` (no scaling, no softcapping),
+    else None."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    cfg = getattr(model, "config", None)
+    if not isinstance(head, torch.nn.Linear) or getattr(model, "base_model", model) is model or any(
+            getattr(cfg, k, None) not in (None, 1, 1.0) for k in ("final_logit_softcapping", "logit_scale",
+                                                                  "logits_scaling")):
+        return None
+    return head
+
+
 def trainer_logprobs(model: torch.nn.Module, batch: RolloutBatch, *, kept: bool = True, routing: bool = True,
                      backend: str = "auto") -> ReplayedLogprobs:
-    """Log-probs of ``batch``'s generated tokens under ``model`` as it is (see the module docstring)."""
+    """Log-probs of ``batch``'s generated tokens under ``model`` as it is (see the module docstring). When the
+    model's logits are its lm_head of the last hidden state, only the generated tokens' rows go through the
+    lm_head, and with kept-set replay its backward gets a sparse gradient (the kept entries)."""
     B, T = batch.shape
+    head = _head(model)
     with _routing(model, batch.routes, routing) as rr:
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-        rows = logits.reshape(B * T, -1)[batch.rows]
+        if head is not None:
+            hidden = model.base_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+            rows = head(hidden.reshape(B * T, -1)[batch.rows])
+        else:
+            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+            rows = logits.reshape(B * T, -1)[batch.rows]
         lp = _token_logprobs(rows, batch.kept_ids, batch.kept_offsets, batch.targets, batch.temperatures, kept=kept,
-                             backend=backend)
+                             backend=backend, sparse_grad=head is not None)
     return ReplayedLogprobs(lp, None if rr is None else rr.disagreement)
 
 

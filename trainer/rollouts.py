@@ -38,7 +38,8 @@ import torch
 
 from syncd.errors import ObjectNotFound, SyncdError
 from syncd.ops.replay import NO_ROUTE, route_dtype
-from syncd.records.replay import ReplayFormatError, read_request
+from syncd.records.replay import ReplayFormatError
+from syncd.records.replay_store import read_request
 from syncd.records.trajectory import RecordError, list_records, read_record
 from syncd.store import Store
 
@@ -270,8 +271,9 @@ def _finish(b: _Builder) -> RolloutSequence:
     for q, v in b.row_version.items():
         if 0 <= q < T and v is not None:
             row_versions[q] = v
-    if T and int(tokens.max()) >= b.vocab > 0:
-        _fail(RecordMismatchError, b.where, f"token id {int(tokens.max())} outside the vocabulary of {b.vocab}")
+    if T and (int(tokens.min()) < 0 or int(tokens.max()) >= b.vocab > 0):
+        _fail(RecordMismatchError, b.where, f"token ids {int(tokens.min())}..{int(tokens.max())} outside the "
+              f"vocabulary of {b.vocab}")
     routes = None
     if b.experts:
         rows = b.route_rows()

@@ -1,6 +1,6 @@
 """``ReplayRecorder``: collect every generated token's replay record per request and write them to the run's
 object store prefix. Reading them back (``read_request``, ``list_requests``, ``request_key``, ``replay_prefix``)
-moved to :mod:`syncd.records.replay` with the format; re-exported here, kept for one release.
+moved to :mod:`syncd.records.replay_store`; re-exported here, kept for one release.
 
 Keys (``docs/replay-format.md``)::
 
@@ -34,8 +34,9 @@ import numpy as np
 
 from syncd import manifest as mf
 from syncd.errors import ObjectExists, SyncdError
-from syncd.records.replay import ReplayChunk, TokenRecord, chunk_key, encode_chunk
-from syncd.records.replay import list_requests, read_request, replay_prefix, request_key  # noqa: F401 (moved)
+from syncd.records.replay import ReplayChunk, TokenRecord, encode_chunk
+from syncd.records.replay_store import chunk_key
+from syncd.records.replay_store import list_requests, read_request, replay_prefix, request_key  # noqa: F401 (moved)
 from syncd.store import Store
 
 log = logging.getLogger(__name__)

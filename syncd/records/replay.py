@@ -1,5 +1,5 @@
-"""Replay records, version 1 (``docs/replay-format.md`` is the specification): their binary encodings and the
-store layout engines write them under and trainers read them from. Part of the syncd core, so that
+"""Replay records, version 1 (``docs/replay-format.md`` is the specification): their binary encodings. Part of
+the syncd core, so that
 ``engine.replay`` (the recorder) and ``trainer.rollouts`` (the reader) share it without importing each other.
 
 * **kept set** (the token ids top-k/top-p sampling could have chosen at one step): a tag byte, then the
@@ -11,8 +11,7 @@ store layout engines write them under and trainers read them from. Part of the s
   request id, columns (versions run-length coded, token ids, float32 logprobs, kept sets, routing, the
   routing of prompt positions) and a 64-bit ``syncd.ops.checksum`` trailer.
 
-Store keys: ``runs/<run_id>/replay/<request key>/<writer>-<first position:012d>.srpl`` (:func:`request_key`);
-:func:`read_request` reads every chunk of a request back, :func:`list_requests` the request keys of a run.
+Where chunks live in the store and reading them back: :mod:`syncd.records.replay_store`.
 
 Decoders treat their input as hostile: every length, count and id is bounds-checked before use, allocations
 are bounded by the input's size, and anything malformed raises :class:`ReplayFormatError` (a
@@ -21,19 +20,15 @@ are bounded by the input's size, and anything malformed raises :class:`ReplayFor
 
 from __future__ import annotations
 
-import hashlib
-import re
 import struct
 from dataclasses import dataclass
 
 import numpy as np
 
-from syncd import manifest as mf
 from syncd.errors import SyncdError
 
 __all__ = ["ReplayFormatError", "encode_kept", "decode_kept", "pack_routing", "unpack_routing",
-           "TokenRecord", "ReplayChunk", "encode_chunk", "decode_chunk", "FORMAT_VERSION", "MAGIC", "SUFFIX",
-           "replay_prefix", "request_key", "chunk_key", "list_requests", "read_request"]
+           "TokenRecord", "ReplayChunk", "encode_chunk", "decode_chunk", "FORMAT_VERSION", "MAGIC"]
 
 FORMAT_VERSION = 1
 MAGIC = b"SRPL"
@@ -391,53 +386,3 @@ def decode_chunk(buf) -> ReplayChunk:
     records = [TokenRecord(first_pos + i, first_index + i, versions[i], int(tokens[i]), float(logprobs[i]),
                            kept[i], None if routing is None else routing[i]) for i in range(n)]
     return ReplayChunk(rid, vocab, records, experts, prompt_start, prompt_routing)
-
-
-# ------------------------------------------------------------------------------------------ store layout
-
-SUFFIX = ".srpl"
-MAX_CHUNK_BYTES = 1 << 30
-_SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-
-
-def replay_prefix(run_id: str) -> str:
-    return f"{mf.run_prefix(run_id)}replay/"
-
-
-def request_key(request_id: str) -> str:
-    """The key component of ``request_id``: itself when it is 1-128 characters of ``[A-Za-z0-9._-]`` starting
-    with a letter or digit, without ``..``; else ``h-`` + the first 32 hex digits of its SHA-256."""
-    if _SAFE_ID.match(request_id) and ".." not in request_id:
-        return request_id
-    return "h-" + hashlib.sha256(request_id.encode("utf-8")).hexdigest()[:32]
-
-
-def chunk_key(run_id: str, request_id: str, writer: str, first_position: int) -> str:
-    """The store key of a chunk (``writer``: 16 hex digits per recorder)."""
-    return f"{replay_prefix(run_id)}{request_key(request_id)}/{writer}-{first_position:012d}{SUFFIX}"
-
-
-def list_requests(store, run_id: str) -> list[str]:
-    """Request keys that have replay records in the run."""
-    from syncd.store import Store
-
-    store = Store.open(store)
-    return sorted(store.list_dirs(replay_prefix(run_id)))
-
-
-def read_request(store, run_id: str, request_id: str) -> list[ReplayChunk]:
-    """Every chunk of ``request_id`` (all writers), decoded and sorted by first position. Raises
-    ReplayFormatError for a corrupt chunk."""
-    from syncd.store import Store
-
-    store = Store.open(store)
-    prefix = f"{replay_prefix(run_id)}{request_key(request_id)}/"
-    chunks = []
-    for o in store.list(prefix):
-        if o.key.endswith(SUFFIX):
-            data = store.get(o.key, limit=MAX_CHUNK_BYTES + 1)
-            if len(data) > MAX_CHUNK_BYTES:
-                raise ReplayFormatError(f"{o.key}: larger than {MAX_CHUNK_BYTES} bytes")
-            chunks.append(decode_chunk(data))
-    chunks = [c for c in chunks if c.request_id == request_id]
-    return sorted(chunks, key=lambda c: c.first_position)

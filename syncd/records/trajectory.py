@@ -142,7 +142,7 @@ def replay_tokens(store, run_id: str, turn: dict) -> dict[int, tuple[int, int | 
     over every worker that served it (a migrated request has records from each). Compare with the turn's
     ``output_token_ids``/``versions`` to check the link; positions a killed worker never wrote are absent.
     Raises ``syncd.records.ReplayFormatError`` for a corrupt chunk."""
-    from syncd.records.replay import read_request
+    from syncd.records.replay_store import read_request
 
     out: dict[int, tuple[int, int | None]] = {}
     start = len(turn.get("prompt_token_ids") or [])

@@ -106,9 +106,11 @@ class _Sizes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
-                  if isinstance(a, torch.Tensor)}
+                  if isinstance(a, torch.Tensor) and a.layout == torch.strided}
         for o in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in inputs:
+            if isinstance(o, torch.Tensor) and o.is_sparse:
+                self.sizes.append(o._nnz())  # what a sparse tensor holds
+            elif isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in inputs:
                 self.sizes.append(o.numel())
         return out
 
@@ -181,3 +183,33 @@ def test_unavailable_backends_say_why():
         replay.kept_logprobs(logits, ids, offsets, targets, backend="cuda")
     with pytest.raises(BackendUnavailable, match="unknown backend"):
         replay.kept_logprobs(logits, ids, offsets, targets, backend="fast")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_sparse_gradient_flows_through_the_lm_head_without_any_dense_logits_gradient(backend):
+    T, V, H = 32, 500, 16
+    logits0, ids, offsets, targets = make_case(T, V, seed=4)
+    g = torch.Generator().manual_seed(6)
+    hidden, weight = torch.randn(T, H, generator=g), torch.randn(V, H, generator=g) * 0.3
+    w = torch.randn(T, generator=g)
+    grads = {}
+    for sparse in (False, True):
+        h = on(hidden.clone(), backend).requires_grad_()
+        W = on(weight.clone(), backend).requires_grad_()
+        logits = torch.nn.functional.linear(h, W)
+        out = replay.kept_logprobs(logits, on(ids, backend), on(offsets, backend), on(targets, backend), 0.8,
+                                   backend=backend, sparse_grad=sparse)
+        with _Sizes() as bwd:
+            (out * on(w, backend)).sum().backward()
+        grads[sparse] = (h.grad.cpu(), W.grad.cpu(), max(bwd.sizes))
+        assert h.grad.layout == W.grad.layout == torch.strided
+    (hd, wd, biggest_dense), (hs, ws, biggest_sparse) = grads[False], grads[True]
+    torch.testing.assert_close(hs, hd, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ws, wd, atol=1e-5, rtol=1e-5)
+    assert biggest_dense == T * V and biggest_sparse < T * V  # nothing of the logits' size in the backward
+    x = logits0.clone().requires_grad_()
+    replay.kept_logprobs(x, ids, offsets, targets, sparse_grad=True).sum().backward()
+    assert x.grad.is_sparse and x.grad._nnz() == ids.numel()
+    xd = logits0.clone().requires_grad_()
+    replay.kept_logprobs(xd, ids, offsets, targets).sum().backward()
+    torch.testing.assert_close(x.grad.to_dense(), xd.grad, atol=1e-7, rtol=0)

@@ -59,11 +59,11 @@ def migrated(request, dense_dir, moe_dir, tmp_path):
     out, lps = first[:8] + second, lp1[:8] + lp2
     segs = [{"request_id": "req-m", "start": 0, "count": 8}, {"request_id": "req-m", "start": 8, "count": 6}]
     _write(store, [_turn(0, PROMPT, out, lps, segs, [0] * 14)])
-    return store, out, request.param
+    return store, out, request.param, model_dir
 
 
 def test_a_migrated_request_reads_back_from_both_engines(migrated):
-    store, out, kind = migrated
+    store, out, kind, _ = migrated
     rs = read_rollouts(store, "r")
     assert not rs.dropped and len(rs.rollouts) == 1
     (seq,) = rs.rollouts[0].sequences
@@ -226,3 +226,26 @@ def test_moe_routes_that_do_not_fit_the_model_are_refused(moe_dir, tmp_path):
     _rewrite_chunk(store, keys[0], lambda chunk: setattr(chunk, "prompt_routing", None))
     with pytest.raises(MissingReplayError, match="position\\(s\\) have no routes \\(first: 0\\)"):
         read_rollouts(store, "r")
+
+
+def test_trainer_logprobs_with_sparse_lm_head_gradients_equal_the_full_logits_path(migrated):
+    from transformers import AutoModelForCausalLM
+
+    from trainer.logprobs import trainer_logprobs
+
+    store, out, kind, folder = migrated
+    seqs = read_rollouts(store, "r").sequences
+    batch = collate(seqs + seqs)
+    grads, lps = [], []
+    for use_head in (True, False):
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+        if not use_head:
+            model.get_output_embeddings = lambda: None  # force the full-logits path
+        r = trainer_logprobs(model, batch)
+        (r.logprobs * torch.linspace(-1, 1, r.logprobs.numel())).sum().backward()
+        lps.append(r.logprobs.detach())
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    torch.testing.assert_close(lps[0], lps[1], atol=1e-6, rtol=0)
+    torch.testing.assert_close(lps[0], batch.engine_logprobs, atol=1e-4, rtol=0)  # same weights as the engine
+    for n in grads[1]:
+        torch.testing.assert_close(grads[0][n], grads[1][n], atol=1e-6, rtol=1e-4)

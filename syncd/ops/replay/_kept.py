@@ -3,6 +3,7 @@ and autograd. The arithmetic is specified by ``syncd/ops/reference/replay.py``."
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 
@@ -116,6 +117,15 @@ def _forward(name: str, logits, ids, offsets, targets, temperature):
     return out, lse, zk
 
 
+def _sparse_backward(grad, zk, ids, offsets, targets, lse, temperature, shape, dtype) -> torch.Tensor:
+    """The gradient as a coalesced sparse COO tensor: its entries are the kept ones (row-major, already sorted)."""
+    rows = ref.kept_rows(offsets)
+    hit = (ids == targets[rows]).float()
+    vals = grad.detach().float()[rows] * (hit - torch.exp(zk - lse[rows])) / temperature
+    return torch.sparse_coo_tensor(torch.stack([rows, ids]), vals.to(dtype), tuple(shape), is_coalesced=True,
+                                   check_invariants=False)
+
+
 def _backward(name: str, grad, zk, ids, offsets, targets, lse, temperature, shape, dtype):
     grad = grad.detach().float().contiguous()
     if name == "reference":
@@ -131,25 +141,25 @@ def _backward(name: str, grad, zk, ids, offsets, targets, lse, temperature, shap
 
 class _KeptLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, ids, offsets, targets, temperature, name):
+    def forward(ctx, logits, ids, offsets, targets, temperature, name, sparse_grad):
         out, lse, zk = _forward(name, logits.detach(), ids, offsets, targets, temperature)
         ctx.save_for_backward(zk, ids, offsets, targets, lse)  # not the logits: they may be freed
-        ctx.meta = (name, float(temperature), tuple(logits.shape), logits.dtype)
+        ctx.meta = (name, float(temperature), tuple(logits.shape), logits.dtype, sparse_grad)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad, _grad_lse):
         zk, ids, offsets, targets, lse = ctx.saved_tensors
-        name, temperature, shape, dtype = ctx.meta
+        name, temperature, shape, dtype, sparse_grad = ctx.meta
         if grad is None:
-            return None, None, None, None, None, None
-        return _backward(name, grad, zk, ids, offsets, targets, lse, temperature, shape, dtype), \
-            None, None, None, None, None
+            return (None,) * 7
+        backward = _sparse_backward if sparse_grad else functools.partial(_backward, name)
+        return (backward(grad, zk, ids, offsets, targets, lse, temperature, shape, dtype),) + (None,) * 6
 
 
 def kept_logprobs(logits: torch.Tensor, ids, offsets, targets, temperature: float = 1.0, *,
-                  backend: str = "auto", return_lse: bool = False):
+                  backend: str = "auto", return_lse: bool = False, sparse_grad: bool = False):
     """Log-probabilities of ``targets`` under the distributions the sampler drew from: for row ``t``,
     ``z[a] - logsumexp(z[kept])`` with ``z = logits[t] / temperature`` in float32, ``kept = ids[offsets[t]:
     offsets[t+1]]`` (CSR: ``offsets`` int ``[T + 1]`` from 0 to ``len(ids)``; each row's ids ascending and
@@ -162,9 +172,14 @@ def kept_logprobs(logits: torch.Tensor, ids, offsets, targets, temperature: floa
     the kept entries and 0 elsewhere, in ``logits``' dtype. Nothing of size ``[T, V]`` is built but that
     gradient; only the kept entries are read, and they are saved for the backward (not the logits).
 
+    ``sparse_grad=True``: the gradient is a sparse COO tensor of the kept entries, so nothing of size ``[T, V]``
+    is built in the backward either. PyTorch's autograd passes it to a ``torch.nn.functional.linear`` that made the
+    logits (an lm_head on ``[T, H]`` hidden states), whose backward then costs ``O(kept * H)`` and returns dense
+    gradients; view-like ops between them (``reshape``, indexing) refuse a sparse gradient with an error.
+
     Raises ``ValueError`` for malformed inputs (naming the row: an empty kept set, ids out of range or not
     ascending, a target outside its kept set), ``TypeError`` for a non-tensor, ``BackendUnavailable``."""
     ids, offsets, targets = check_kept(logits, ids, offsets, targets, temperature)
     name = kept_backend(backend, logits.device.type)
-    out, lse = _KeptLogprobs.apply(logits, ids, offsets, targets, float(temperature), name)
+    out, lse = _KeptLogprobs.apply(logits, ids, offsets, targets, float(temperature), name, bool(sparse_grad))
     return (out, lse) if return_lse else out
