@@ -151,9 +151,10 @@ class RoutingReplay:
         self._fresh_forward = False  # an unreplayed forward with grad ran while lingering
         self._installed = False
         self._flagged: list[tuple[torch.nn.Module, bool]] = []  # experts whose sentinel flag replay set
-        self._disagree = torch.zeros(self.num_layers, dtype=torch.int64)
-        self._total = torch.zeros(self.num_layers, dtype=torch.int64)
         self._binding = self._check(routes, required)
+        dev = self._binding.routes.device  # counted where the routes are: no host sync per layer
+        self._disagree = torch.zeros(self.num_layers, dtype=torch.int64, device=dev)
+        self._total = torch.zeros(self.num_layers, dtype=torch.int64, device=dev)
 
     # ------------------------------------------------------------------------------------ routes
 
@@ -313,8 +314,8 @@ class RoutingReplay:
     def _count(self, layer: int, own: torch.Tensor, routes: torch.Tensor, routed: torch.Tensor) -> None:
         with torch.no_grad():
             differ = (own.sort(dim=-1).values != routes.sort(dim=-1).values).any(dim=-1) & routed
-            self._disagree[layer] += int(differ.sum())
-            self._total[layer] += int(routed.sum())
+            self._disagree[layer] += differ.sum()
+            self._total[layer] += routed.sum()
 
 
 def routing_replay(model: torch.nn.Module, routes, *, required=None) -> RoutingReplay:
