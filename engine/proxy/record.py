@@ -1,31 +1,12 @@
-"""Trajectory records: what ``engine.proxy`` writes to the object store for every agent trajectory.
+"""Trajectory records: what ``engine.proxy`` writes to the object store for every agent trajectory (the keys
+and the JSON schema are specified in :mod:`syncd.records.trajectory`).
 
 The reading half (schema constants, ``RecordError``, ``check_id``, ``record_key``, ``parse``, ``read_record``,
 ``list_records``, ``replay_tokens``) moved to :mod:`syncd.records.trajectory`, so that trainers read records
 without importing ``engine``; those names are re-exported here, kept for one release. This module keeps the
-writing half (``Turn``, ``Trajectory``).
-
-Key (create-if-absent, never overwritten)::
-
-    runs/<run_id>/trajectories/<sandbox_id>/<trajectory_id>.json
-
-A record is one JSON object (``schema: "syncd.trajectory"``, ``schema_version: 1``)::
-
-    {"run_id", "sandbox_id", "trajectory_id", "status": "complete" | "failed", "failure": null | reason,
-     "created_at", "finished_at", "metadata": {...},
-     "turns": [{"index", "endpoint": "chat/completions" | "completions", "request": <client's JSON body>,
-                "stream", "status": "ok" | "failed", "error": null | reason, "attempts": [...],
-                "response_id", "request_id", "prompt_token_ids", "output_token_ids", "versions",
-                "logprobs", "finish_reason", "text", "usage", "segments": [{"request_id", "start", "count"}],
-                "started_at", "finished_at"}]}
-
-``request_id`` is the id the engines recorded their replay records under (``engine.replay.read_request``);
-``versions[i]`` is the weight version output token ``i`` was sampled with; ``segments`` are the runs of the
-turn on one worker each (more than one when Dynamo migrated the request). A trajectory is ``complete`` only
-when every turn is ``ok``; otherwise ``failure`` says which turn failed and why. Nothing is ever dropped to
-make a record look complete.
-
-:func:`parse` treats a stored record as hostile: size-bounded, strict JSON, every member checked.
+writing half: :class:`Turn` and :class:`Trajectory` build a record; a trajectory is ``complete`` only when every
+turn is ``ok``, otherwise ``failure`` says which turn failed and why. Nothing is ever dropped to make a record
+look complete.
 """
 
 from __future__ import annotations
@@ -48,7 +29,7 @@ def now() -> str:
 
 @dataclass
 class Turn:
-    """One request of a trajectory (see the module docstring for the members)."""
+    """One request of a trajectory (the members are specified in :mod:`syncd.records.trajectory`)."""
 
     index: int
     endpoint: str
