@@ -15,6 +15,7 @@ using namespace syncd;
 
 namespace syncd {
 void register_nvfp4(py::module_& m);  // nvfp4_bindings.cpp
+void register_replay(py::module_& m);  // replay_bindings.cpp
 }
 
 namespace {
@@ -223,4 +224,5 @@ PYBIND11_MODULE(_native, m) {
      "Validate a blob for a target of dtype/shape and return (positions, values, base_checksum, new_checksum).");
 
   register_nvfp4(m);
+  register_replay(m);
 }

@@ -171,7 +171,8 @@ class ClusterLink:
         key = self.daemon.key if self.daemon.key is not None else False
         self.node = ClusterNode(self.store, self.daemon.run_id, secret=self.settings.secret,
                                 cache_root=self.daemon.cache.root, config=self.settings.config, signing_key=key,
-                                on_version_ready=self._deliver, delivered=delivered, events=self.settings.events)
+                                on_version_ready=self._deliver, delivered=delivered, events=self.settings.events,
+                                failures=self.daemon.metrics.failure)
         await self.node.start()
         self.snapshot = self.node.summary()
         self._refresher = asyncio.ensure_future(supervise(

@@ -21,6 +21,8 @@ from collections import Counter as _Tally
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 
+from syncd.supervise import failures_counter
+
 log = logging.getLogger(__name__)
 
 FAILURE_KINDS = ("store", "signature", "manifest", "integrity", "apply", "checksum", "engine", "rebuild", "cache",
@@ -46,7 +48,7 @@ class DaemonMetrics:
                                         registry=r)
         self.rebuilds = Counter("syncd_rebuilds", "Engine weights rebuilt from a full version", ["engine"],
                                 registry=r)
-        self.failures = Counter("syncd_failures", "Failures by kind", ["kind"], registry=r)
+        self.failures = failures_counter(r)
         self.rejected = Counter("syncd_rejected_versions", "Versions refused by verification", ["reason"],
                                 registry=r)
         self.poll_errors = Counter("syncd_poll_errors", "Polls of the store that failed", registry=r)
