@@ -26,7 +26,7 @@ from aiohttp import web
 
 from engine.adapter import GenerationRequest, SamplingParams
 from engine.control import MAX_BODY_BYTES, ROUTE_PREFIX, BadRequest, EngineControl, status_of
-from syncd import strict_json
+from syncd import jsonsafe
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +89,10 @@ class ControlServer:
             raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(raw))
         if not raw:
             return {}
-        return strict_json.loads(raw, where="request body", max_bytes=limit, max_depth=8, floats=True,
-                                 ascii=False, error=BadRequest)
+        body = jsonsafe.loads(raw, what="request body", max_bytes=limit, max_depth=8, error=BadRequest)
+        if not isinstance(body, dict):
+            raise BadRequest("the request body must be a JSON object")
+        return body
 
     async def _weights(self, request: web.Request) -> web.StreamResponse:
         op = request.match_info["op"]

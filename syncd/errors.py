@@ -36,12 +36,12 @@ class ObjectExists(StoreError):
     """A create-if-absent put found an object already at that key; nothing was written."""
 
 
-class MalformedObject(SyncdError, ValueError):
-    """Bytes read from a store, a file or a socket are not what they must be: not strict JSON, over a size
-    or nesting bound, or of the wrong shape (:mod:`syncd.strict_json`). Nothing in them was used."""
+class ObjectTooLarge(SyncdError, ValueError):
+    """An object in the store is larger than the reader accepts (``Store.get_bounded``); its body was not
+    read. The message names the store, the key and both sizes."""
 
 
-class ManifestError(MalformedObject):
+class ManifestError(SyncdError, ValueError):
     """A manifest is malformed: not strict JSON, not canonical, a field of the wrong type or out of bounds,
     or inconsistent with itself. Nothing in it was used."""
 

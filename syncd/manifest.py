@@ -24,11 +24,12 @@ Everything here is pure (no I/O) and thread-safe.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 
-from syncd import strict_json
+from syncd import jsonsafe
 from syncd.errors import ManifestError, ManifestMismatch
 from syncd.signing import SigningKey, check_signature, signature_for
 
@@ -237,12 +238,15 @@ def _signed_message(body: dict):
     return lambda alg, key_id: DOMAIN + _canonical({"manifest": body, "alg": alg, "key_id": key_id})
 
 
-_canonical = strict_json.dumps
+def _canonical(obj) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
 
 
 def _strict_json(raw: bytes, where: str):
-    doc = strict_json.loads(raw, where=where, max_bytes=MAX_MANIFEST_BYTES, max_depth=MAX_DEPTH,
-                            error=ManifestError)
+    doc = jsonsafe.loads(raw, what=where, max_bytes=MAX_MANIFEST_BYTES, max_depth=MAX_DEPTH, floats=False,
+                         ascii_only=True, unique_members=True, error=ManifestError)
+    if not isinstance(doc, dict):
+        raise ManifestError(f"{where}: manifest is not a JSON object")
     if _canonical(doc) != bytes(raw):
         raise ManifestError(f"{where}: manifest is not in canonical form (it was edited or written by another tool)")
     return doc

@@ -6,7 +6,7 @@ nested, huge, pointing far into the future or back in time), garbage or replayed
 number, unsigned ones in a signed run. :class:`VersionPoller` treats all of it as hostile:
 
 * the hint is read with a conditional GET of at most :data:`~syncd.manifest.MAX_HINT_BYTES` and parsed by
-  :func:`syncd.strict_json.loads` (size, depth, no floats); a bad hint only means "list instead";
+  :func:`syncd.jsonsafe.loads` (size, depth, no floats); a bad hint only means "list instead";
 * a hinted version is taken only once its manifest verifies; the versions after it are probed (the hint may
   lag), each verified, at most ``max_probe`` of them before the listing takes over;
 * the listing (every ``list_every_s``, and whenever the hint is missing, bad or points at an unusable version)
@@ -27,21 +27,22 @@ import logging
 import time
 
 from syncd import manifest as mf
-from syncd import strict_json
-from syncd.errors import MalformedObject, ObjectNotFound, StoreError, SyncdError, VersionNotFound
+from syncd import jsonsafe
+from syncd.errors import ObjectNotFound, StoreError, SyncdError, VersionNotFound
+from syncd.jsonsafe import JSONError
 
 log = logging.getLogger(__name__)
 
 
 def parse_hint(body: bytes, where: str) -> int:
-    """The version a ``latest.json`` hint names; :class:`MalformedObject` if it is not a small JSON object
-    with an integer ``version`` in range."""
-    doc = strict_json.loads(body, where=where, max_bytes=mf.MAX_HINT_BYTES, max_depth=2)
-    v = doc.get("version")
+    """The version a ``latest.json`` hint names; :class:`~syncd.jsonsafe.JSONError` if it is not a small
+    JSON object with an integer ``version`` in range."""
+    doc = jsonsafe.loads(body, what=where, max_bytes=mf.MAX_HINT_BYTES, max_depth=2, floats=False)
+    v = doc.get("version") if isinstance(doc, dict) else None
     try:
         mf.version_dir(v)
     except ValueError as exc:
-        raise MalformedObject(f"{where}: {exc}") from None
+        raise JSONError(f"{where}: not a hint ({{\"version\": V, ...}}): {exc}") from None
     return v
 
 
@@ -75,7 +76,7 @@ class VersionPoller:
             body, self.etag = got
             try:
                 found = self._walk_up(parse_hint(body, f"{self.store.url}/{mf.latest_hint_key(self.run_id)}"))
-            except MalformedObject as exc:
+            except JSONError as exc:
                 log.warning("run %s: the latest.json hint is unusable (%s); listing versions instead", self.run_id,
                             exc)
             if found is None:

@@ -39,7 +39,7 @@ import obstore
 from obstore import exceptions as obx
 from obstore.store import LocalStore, MemoryStore, from_url
 
-from syncd.errors import IntegrityError, ObjectExists, ObjectNotFound, StoreError
+from syncd.errors import IntegrityError, ObjectExists, ObjectNotFound, ObjectTooLarge, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -286,6 +286,25 @@ class Store:
         if limit is None:
             return bytes(self._run("get", key, lambda: obstore.get(self.raw, key).bytes()))
         return bytes(self._run("get", key, self._prefix, key, limit)[1])
+
+    def get_bounded(self, key: str, max_bytes: int) -> bytes:
+        """The object at ``key`` if it has at most ``max_bytes``; else :class:`ObjectTooLarge`, after one
+        ranged GET whose body is not read (a hostile huge object costs a request, not its size).
+        :class:`ObjectNotFound` if there is none."""
+        def fetch():
+            try:
+                r = obstore.get(self.raw, key, options={"range": (0, max_bytes + 1)})
+            except obx.GenericError:
+                if int(obstore.head(self.raw, key)["size"]) == 0:
+                    return 0, b""
+                raise
+            size = int(r.meta["size"])
+            return size, (None if size > max_bytes else bytes(r.bytes()))
+
+        size, data = self._run("get", key, fetch)
+        if data is None:
+            raise ObjectTooLarge(f"{self.url}: {key} is {size} bytes, over the {max_bytes}-byte limit; not read")
+        return data
 
     def _prefix(self, key: str, n: int):
         """``(object size, its first n bytes)`` in one ranged GET (a HEAD as well for an empty object,

@@ -24,7 +24,7 @@ from datetime import datetime, timezone
 
 from syncd import manifest as mf
 from syncd.errors import (BaseVersionMissing, DeltaError, IntegrityError, ManifestError, ManifestMismatch,
-                          ObjectNotFound, SyncdError, VersionNotFound)
+                          ObjectNotFound, ObjectTooLarge, SyncdError, VersionNotFound)
 from syncd.newest import VersionPoller
 from syncd.signing import ENV_KEY, ENV_KEY_FILE, UNCHECKED, resolve_policy
 from syncd.store import Store
@@ -60,9 +60,11 @@ def read_manifest(store, run_id: str, version: int, *, signing_key=None) -> mf.M
     store = Store.open(store, create=False)
     k = mf.manifest_key(run_id, version)
     try:
-        raw = store.get(k, limit=mf.MAX_MANIFEST_BYTES + 1)  # bounded: a huge object fails the size check
+        raw = store.get_bounded(k, mf.MAX_MANIFEST_BYTES)  # a huge object is refused unread
     except ObjectNotFound:
         raise VersionNotFound(f"run {run_id!r} has no version {version} in {store.url}") from None
+    except ObjectTooLarge as exc:
+        raise ManifestError(f"manifest of version {version}: {exc}") from None
     key = _resolve(signing_key)
     return mf.parse(raw, key=key or None, run_id=run_id, version=version, where=f"{store.url}/{k}",
                     allow_unsigned=key is UNCHECKED)
@@ -119,8 +121,8 @@ def refuse_unchecked(store, run_id: str, signing_key=None) -> None:
     versions = (mf.parse_version_dir(d) for d in store.list_dirs(mf.versions_prefix(run_id)))
     for v in sorted((v for v in versions if v is not None), reverse=True):
         try:
-            raw = store.get(mf.manifest_key(run_id, v), limit=mf.MAX_MANIFEST_BYTES + 1)
-        except ObjectNotFound:
+            raw = store.get_bounded(mf.manifest_key(run_id, v), mf.MAX_MANIFEST_BYTES)
+        except (ObjectNotFound, ObjectTooLarge):
             continue
         key_id = mf.signature_key_id(raw)
         if key_id is not None:

@@ -31,8 +31,6 @@ import logging
 import os
 from dataclasses import dataclass
 
-from syncd.tasks import supervise
-
 log = logging.getLogger(__name__)
 
 #: flags of ``python -m syncd.cluster.node`` that the daemon has under its own names
@@ -157,8 +155,6 @@ class ClusterLink:
         self.daemon, self.settings, self.store = daemon, settings, store
         self.node = None
         self.snapshot: dict | None = None
-        self._refresher: asyncio.Task | None = None
-        self._stopped = asyncio.Event()
         daemon.metrics.registry.register(_ClusterCollector(self))
 
     async def start(self) -> None:
@@ -175,18 +171,13 @@ class ClusterLink:
                                 failures=self.daemon.metrics.failure)
         await self.node.start()
         self.snapshot = self.node.summary()
-        self._refresher = asyncio.ensure_future(supervise(
-            "cluster_status", self._refresh_loop, stop=self._stopped, context=f"cluster node {self.node.rank}",
-            on_failure=lambda name, exc: self.daemon.metrics.failure(name)))
+        self.daemon.supervisor.spawn("cluster_status", self._refresh_loop, kind="cluster_status")
         if delivered != NO_HISTORY:
             await self._known(delivered)
 
     async def stop(self) -> None:
-        """Stop the node (idempotent). The daemon calls it after its loop ended, so never mid-apply."""
-        self._stopped.set()
-        if self._refresher is not None:
-            self._refresher.cancel()
-            await asyncio.gather(self._refresher, return_exceptions=True)
+        """Stop the node (idempotent). The daemon calls it after its loop ended (and its supervisor stopped
+        the status refresher), so never mid-apply."""
         if self.node is not None:
             await self.node.stop()
             self.snapshot = self.node.summary()

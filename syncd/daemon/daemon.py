@@ -15,9 +15,10 @@ The loop (asyncio; store and engine calls run in worker threads):
 3. *Plan* (``planner``): delta chain or newer full version, whichever moves fewer bytes; around rejected
    versions. *Fetch*, *stage*, *apply*, *rebuild*, *retain*: :mod:`syncd.daemon.updates`.
 
-Long-lived tasks run supervised (:func:`syncd.tasks.supervise`: any exception is logged, counted in
-``syncd_failures_total{kind}``, shown under ``tasks`` in the status file, and the task restarted after a
-backoff); an update round that fails unexpectedly is logged, counted (``kind="round"``) and retried.
+Long-lived tasks run under a :class:`syncd.supervise.Supervisor` (any exception is logged, counted in
+``syncd_failures_total{kind}`` with the task's name as the kind, shown under ``tasks`` in the status file,
+and the task restarted after a backoff); an update round that fails unexpectedly is logged, counted
+(``kind="round"``) and retried.
 
 SIGTERM/SIGINT: a download or staging in progress is abandoned (the cache holds only complete shards, and a
 staged update is harmless), an engine's critical section is always finished; then the engines' leases are
@@ -45,7 +46,7 @@ from syncd.daemon.poller import Poller
 from syncd.daemon.status import StatusBoard, default_status_file
 from syncd.daemon.updates import UpdatePath
 from syncd.errors import ManifestMismatch, StoreError
-from syncd.tasks import TaskHealth, supervise
+from syncd.supervise import Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,8 @@ class NodeDaemon(UpdatePath):
         self._fetch_retry_at = 0.0  # after a full cache disk: no downloads before this (monotonic)
         self._disk_full = 0
         self._companions: list = []
-        self.tasks = {"poller": TaskHealth("poller")}
+        self.supervisor = Supervisor(f"daemon of run {self.run_id}", on_failure=self._task_failed,
+                                     backoff_s=config.poll_interval_s, max_backoff_s=config.backoff_max_s)
 
     def attach(self, companion) -> None:
         """Run ``companion`` in the daemon's loop (call before :meth:`run`): ``await companion.start()``
@@ -158,6 +160,7 @@ class NodeDaemon(UpdatePath):
             return
         log.warning("run %s: stopping (%s)", self.run_id,
                     "after the engine update in progress" if self._critical else "now")
+        self.supervisor.stopping = True  # a task that ends now is stopping, not failing
         self._stop.set()
         if self._task is not None and not self._critical:
             self._task.cancel()
@@ -202,10 +205,7 @@ class NodeDaemon(UpdatePath):
                                 backoff_max_s=self.config.backoff_max_s, list_every_s=self.config.list_every_s,
                                 retry_s=self.config.retry_failed_s, on_candidate=self._candidate,
                                 on_error=self._poll_error, on_ok=self._poll_ok)
-                poller_task = asyncio.ensure_future(supervise(
-                    "poller", lambda: poller.run(self._stop), stop=self._stop, on_failure=self._task_failed,
-                    health=self.tasks["poller"], initial_backoff_s=self.config.poll_interval_s,
-                    max_backoff_s=self.config.backoff_max_s, context=f"run {self.run_id}"))
+                self.supervisor.spawn("poller", lambda: poller.run(self._stop), kind="poller")
             while not self._stop.is_set():
                 self._task = asyncio.ensure_future(self._reconcile())
                 try:
@@ -233,9 +233,9 @@ class NodeDaemon(UpdatePath):
                 except asyncio.TimeoutError:
                     pass
         finally:
+            self.supervisor.stopping = True
             self._stop.set()
-            if poller is not None:
-                await asyncio.gather(poller_task, return_exceptions=True)
+            await self.supervisor.stop()
             await asyncio.gather(*(asyncio.to_thread(d.release) for d in self.drivers.values()))
             for companion in reversed(started):
                 try:
@@ -267,8 +267,8 @@ class NodeDaemon(UpdatePath):
         if not self._stopping():
             self.status.set(state="unknown run" if missing_run else "running")
 
-    def _task_failed(self, name: str, exc: BaseException) -> None:
-        self.metrics.failure(name)
+    def _task_failed(self, kind: str) -> None:
+        self.metrics.failure(kind)
         self._write_status(force=True)
 
     def _write_status(self, force: bool = False) -> None:
@@ -283,7 +283,7 @@ class NodeDaemon(UpdatePath):
             fields = companion.status()
             if fields:
                 self.status.set(**fields)
-        self.status.set(tasks={name: h.to_json() for name, h in self.tasks.items()})
+        self.status.set(tasks=self.supervisor.health())
         self.status.write(self.metrics.totals, force=force)
 
     # ------------------------------------------------------------------------------------- one round

@@ -14,7 +14,7 @@ import threading
 import time
 
 from syncd import manifest as mf
-from syncd.errors import ManifestMismatch, ObjectNotFound, SignatureError, VersionNotFound
+from syncd.errors import ManifestMismatch, ObjectNotFound, ObjectTooLarge, SignatureError, VersionNotFound
 from syncd.signing import NO_KEY_HELP
 from syncd.versions import check_link
 
@@ -126,9 +126,13 @@ class ManifestSource:
         if self.store is None:
             raise VersionNotFound(f"{where} is not in the node cache (and no store is configured)")
         try:
-            raw = self.store.get(mf.manifest_key(self.run_id, version), limit=mf.MAX_MANIFEST_BYTES + 1)
+            raw = self.store.get_bounded(mf.manifest_key(self.run_id, version), mf.MAX_MANIFEST_BYTES)
         except ObjectNotFound:
             raise VersionNotFound(f"{where} has no manifest in {self.store.url}") from None
+        except ObjectTooLarge as exc:
+            exc = mf.ManifestError(f"{where}: {exc}")
+            self.reject(version, exc)
+            raise exc from None
         try:
             m = self._parse(raw, version, f"{self.store.url} {where}")
         except mf.ManifestError as exc:

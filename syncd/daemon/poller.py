@@ -7,7 +7,7 @@ replayed or far-future objects are skipped, never taken as a high-water mark (``
 
 Waits between polls: ``interval_s`` ± ``jitter`` (a fraction), so a fleet of nodes does not poll in step;
 after a store error, exponential backoff with full jitter up to ``backoff_max_s``. :meth:`Poller.run` ends
-only when ``stop`` is set; anything but a store error propagates to its supervisor (:func:`syncd.tasks.supervise`).
+only when ``stop`` is set; anything but a store error propagates to its supervisor (:class:`syncd.supervise.Supervisor`).
 """
 
 from __future__ import annotations

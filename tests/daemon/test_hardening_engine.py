@@ -27,13 +27,6 @@ from tests.daemon.conftest import KEY, RUN, free_port
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-@pytest.fixture
-def run(tmp_path, model_dir):
-    r = ModelRun(tmp_path / "store", model_dir)
-    yield r
-    r.close()
-
-
 def corrupt_in_cache(cache, m) -> None:
     """Flip a byte in the middle of each of ``m``'s shards in the node cache: same name, same size."""
     for s in m.shards:

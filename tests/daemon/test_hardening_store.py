@@ -18,13 +18,6 @@ from tests.daemon.conftest import RUN
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-@pytest.fixture
-def run(tmp_path, model_dir):
-    r = ModelRun(tmp_path / "store", model_dir)
-    yield r
-    r.close()
-
-
 def log_of(procs, name: str) -> str:
     return "\n".join(p[2].read_text(errors="replace") for p in procs.children if p[0] == name and p[2].exists())
 

@@ -1,6 +1,7 @@
-"""Supervision of the daemon's long-lived tasks (issue 14): every exception is caught, logged, counted in
-``syncd_failures_total{kind}``, shown in the status file, and the task restarts after a backoff -- a task
-that dies is something a test (and an operator) can see, never a silent stop."""
+"""Supervision of the daemon's long-lived tasks (issue 14; ``syncd.supervise``, tested on its own in
+``tests/test_supervise.py``): every exception is caught, logged, counted in ``syncd_failures_total{kind}``,
+shown in the status file, and the task restarts after a backoff -- a task that dies is something a test (and
+an operator) can see, never a silent stop."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import json
 import engine
 from syncd.daemon import DaemonConfig, NodeDaemon
 from syncd.store import Store
-from syncd.tasks import TaskEnded, TaskHealth, supervise
 from tests.daemon._procs import wait_until
 from tests.daemon.conftest import KEY, RUN
 
@@ -49,35 +49,6 @@ def test_a_poller_that_dies_is_counted_shown_and_restarted(tmp_path, published):
     asyncio.run(main())
     assert d.metrics.totals["failures:poller"] == 3
     health = json.loads(d.status.path.read_text())["tasks"]["poller"]
-    assert health["restarts"] == 3 and health["last_error"].startswith("RecursionError: injected")
-    assert health["state"] == "stopped"
+    assert health["restarts"] == 3 and health["failures"] == 3
+    assert health["last_error"].startswith("RecursionError: injected") and health["running"] is False
     assert 'syncd_failures_total{kind="poller"} 3.0' in d.metrics.render().decode()
-
-
-def test_supervise_restarts_a_body_that_returns_and_stops_on_request():
-    runs, failures = [], []
-
-    async def main():
-        stop = asyncio.Event()
-
-        async def body():
-            runs.append(1)
-            if len(runs) == 3:
-                stop.set()
-                await asyncio.sleep(3600)  # cancelled below
-            # returning while nobody asked to stop is a bug, treated like a crash
-
-        health = TaskHealth("t")
-        task = asyncio.ensure_future(supervise("t", body, stop=stop, health=health, initial_backoff_s=0.01,
-                                               on_failure=lambda n, e: failures.append((n, type(e)))))
-        await wait_until(stop.is_set, "the third run")
-        task.cancel()
-        try:
-            await task
-        except asyncio.CancelledError:
-            pass
-        return health
-
-    health = asyncio.run(main())
-    assert len(runs) == 3 and failures == [("t", TaskEnded), ("t", TaskEnded)]
-    assert health.restarts == 2 and health.state == "stopped"
