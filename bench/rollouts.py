@@ -319,6 +319,7 @@ def generate(workdir: Path, store_url: str, cfg: RolloutConfig, *, run_id: str |
             finally:
                 for e in engines:
                     e.resume()
+                    e.release()  # the next round's clients are other lease holders
             log.info("version %d applied with %s tokens per stream", version, applied[version])
         for t in threads:
             t.join(600)
