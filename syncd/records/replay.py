@@ -160,7 +160,7 @@ def _kept_blobs(chunk: ReplayChunk, version: int) -> list[bytes]:
         if any(isinstance(r.kept, KeptToRebuild) for r in recs):
             raise ValueError("format 1 holds explicit kept sets only")
         return [encode_kept(r.kept, V) for r in recs]
-    delta = float(chunk.kept_tolerance)
+    delta = float(np.float32(chunk.kept_tolerance))  # as the header states it
     blobs: list[bytes | None] = [None] * len(recs)
     todo = []
     for i, r in enumerate(recs):
