@@ -25,6 +25,7 @@ __all__ = ["KeptSets", "RebuiltKept", "kept_sets", "kept_fingerprint", "rebuild_
 REBUILD_OK, REBUILD_OVERLAP, REBUILD_FINGERPRINT = 0, 1, 2
 _BLOCK = 1 << 24  # elements of a block of rows fully ranked ([rows, V] values and ids)
 _TOPK_BLOCK = 1 << 26  # elements of a block of rows whose first ranks come from topk (temporaries [rows, width])
+_WIDE = 128  # given sizes: longer sets are ranked apart
 
 
 class KeptSets(NamedTuple):
@@ -166,8 +167,37 @@ def kept_sets(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0, *, size
                                                                            torch.float32) for i in range(4)]
         n = torch.tensor([r[0].numel() for r in rows], dtype=torch.int64)
         return KeptSets(parts[0], torch.cat([n.new_zeros(1), n.cumsum(0)]), *parts[1:])
+    if not T:
+        z64, z32 = torch.zeros(0, dtype=torch.int64, device=dev), torch.zeros(0, dtype=torch.float32, device=dev)
+        return KeptSets(z64, torch.zeros(1, dtype=torch.int64, device=dev), z32, z32, z32)
+    if sizes is None:
+        return _sets(logits, temp, greedy, k, p, None, _BLOCK)
+    # given sizes (a trainer rebuilding): every row ranked to at most _WIDE ids in place, the few longer sets again
+    # on their own (copying those rows only), so that one long set does not widen every block's topk
+    wide = (sizes > _WIDE).nonzero()[:, 0]
+    if not wide.numel() or wide.numel() == T:
+        return _sets(logits, temp, greedy, k, p, sizes, _TOPK_BLOCK)
+    offsets = torch.cat([sizes.new_zeros(1), sizes.cumsum(0)])
+    K = int(offsets[-1])
+    out = [torch.empty(K, dtype=torch.int64, device=dev)] + [torch.empty(K, device=dev) for _ in range(3)]
+    narrow = (sizes <= _WIDE).nonzero()[:, 0]
+    first = _sets(logits, temp, greedy, k, p, sizes.clamp(max=_WIDE), _TOPK_BLOCK)
+    second = _sets(logits.index_select(0, wide), temp[wide], greedy[wide], k[wide], p[wide], sizes[wide], _TOPK_BLOCK)
+    for rows, part, own in ((narrow, first, narrow), (wide, second, torch.arange(wide.numel(), device=dev))):
+        n = part.offsets[own + 1] - part.offsets[own]
+        within = torch.repeat_interleave(torch.arange(rows.numel(), device=dev), n)
+        step = torch.arange(within.numel(), device=dev) - torch.cat([n.new_zeros(1), n.cumsum(0)])[within]
+        src, dest = part.offsets[own][within] + step, offsets[rows][within] + step
+        for o, v in zip(out, (part.ids, part.values, part.gaps, part.logprobs)):
+            o[dest] = v[src]
+    return KeptSets(out[0], offsets, *out[1:])
+
+
+def _sets(logits, temp, greedy, k, p, sizes, block: int) -> KeptSets:
+    """:func:`kept_sets` of every row, in blocks of ``block // V`` rows."""
+    T, V = logits.shape
     out = {k2: [] for k2 in ("n", "ids", "values", "gaps", "logprobs")}
-    step = max(1, (_BLOCK if sizes is None else _TOPK_BLOCK) // max(V, 1))
+    step = max(1, block // max(V, 1))
     for a in range(0, T, step):
         b = min(T, a + step)
         t = torch.where(greedy[a:b], torch.ones_like(temp[a:b]), temp[a:b])
@@ -177,9 +207,6 @@ def kept_sets(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0, *, size
         out["n"].append(n)
         for key, blk in (("ids", ids), ("values", vals), ("gaps", gaps), ("logprobs", lp)):
             out[key].append(_csr(blk, n))
-    if not T:
-        z64, z32 = torch.zeros(0, dtype=torch.int64, device=dev), torch.zeros(0, dtype=torch.float32, device=dev)
-        return KeptSets(z64, torch.zeros(1, dtype=torch.int64, device=dev), z32, z32, z32)
     n = torch.cat(out["n"])
     return KeptSets(torch.cat(out["ids"]), torch.cat([n.new_zeros(1), n.cumsum(0)]), torch.cat(out["values"]),
                     torch.cat(out["gaps"]), torch.cat(out["logprobs"]))
