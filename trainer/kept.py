@@ -57,10 +57,10 @@ def fill_kept(ids: torch.Tensor, offsets: torch.Tensor, pending: PendingKept | N
         raise ValueError("on_mismatch must be 'raise' or 'drop'")
     G = offsets.numel() - 1
     dev = logits.device
-    ids, offsets, targets = ids.to(dev, torch.int64), offsets.to(dev), targets.to(dev, torch.int64)
     valid = torch.ones(G, dtype=torch.bool, device=dev)
-    if pending is None or not len(pending):
-        return FilledKept(ids, offsets, valid, 0, 0)
+    if pending is None or not len(pending):  # every set listed: used as it is
+        return FilledKept(ids.to(dev), offsets.to(dev), valid, 0, 0)
+    ids, offsets, targets = ids.to(dev, torch.int64), offsets.to(dev), targets.to(dev, torch.int64)
     p = pending.to(dev)
     if bool((offsets[p.rows + 1] != offsets[p.rows]).any()):
         raise ValueError("fill_kept: rows to rebuild must be empty in the listed kept sets")

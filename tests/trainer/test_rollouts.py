@@ -337,3 +337,17 @@ def test_logits_of_other_weights_get_a_named_error_never_another_set(migrated):
     for g in (~bad).nonzero()[:, 0].tolist():  # every set that verified is the listed one
         assert torch.equal(r.kept.ids[r.kept.offsets[g]:r.kept.offsets[g + 1]],
                            truth[a.kept_offsets[g]:a.kept_offsets[g + 1]])
+
+
+def test_format_1_chunks_of_the_previous_release_read_back_alike(dense_run):
+    store, out, lps = dense_run
+    before = read_rollouts(store, "r").sequences[0]
+    for key in _chunk_keys(store):
+        old = encode_chunk(decode_chunk(store.get(key)), version=1)
+        assert old[4] == 1
+        store.delete([key])
+        store.put(key, old, create=True)
+    after = read_rollouts(store, "r").sequences[0]
+    for f in ("tokens", "loss_mask", "versions", "logprobs", "positions", "kept_ids", "kept_offsets", "row_versions"):
+        assert torch.equal(getattr(before, f), getattr(after, f)), f
+    assert after.kept_pending is None
