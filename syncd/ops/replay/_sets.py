@@ -9,6 +9,7 @@ Backends: ``auto`` (vectorised PyTorch, on the logits' device) and ``reference``
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -147,6 +148,11 @@ def kept_sets(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0, *, size
     name = _check_backend(backend, logits.device.type)
     T, V = logits.shape
     dev = logits.device
+    if T == 1 and sizes is None and name == "auto" and all(isinstance(v, (int, float)) for v in (temperature, top_k,
+                                                                                                 top_p)):
+        if not (math.isfinite(temperature) and temperature >= 0 and 0 < top_p <= 1):
+            raise ValueError("kept_sets: temperature must be finite and >= 0, top_p in (0, 1]")
+        return _one(logits[0], float(temperature), int(top_k), float(top_p))  # the sampler's call, token by token
     temp = _per_row(temperature, T, torch.float32, "temperature", dev)
     if T and (bool((temp < 0).any()) or not bool(torch.isfinite(temp).all())):
         raise ValueError("kept_sets: temperatures must be finite and >= 0")
@@ -191,6 +197,23 @@ def kept_sets(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0, *, size
         for o, v in zip(out, (part.ids, part.values, part.gaps, part.logprobs)):
             o[dest] = v[src]
     return KeptSets(out[0], offsets, *out[1:])
+
+
+def _one(x: torch.Tensor, temperature: float, top_k: int, top_p: float) -> KeptSets:
+    """:func:`kept_sets` of one row with scalar parameters, in few ops (the engine samples token by token)."""
+    V = x.numel()
+    greedy = temperature == 0
+    k = 1 if greedy else top_k if 0 < top_k < V else V
+    vals, ids = _rank(x[None], x.new_full((1,), 1.0 if greedy else temperature, dtype=torch.float32), k)
+    vals, ids = vals[0], ids[0]
+    n = k
+    if not greedy and top_p < 1.0:
+        cum = torch.cumsum(torch.log_softmax(vals[:k], dim=0).exp(), dim=0)
+        # smallest prefix whose mass reaches top_p (at least one token)
+        n = max(1, min(int(torch.searchsorted(cum, torch.tensor([top_p], dtype=cum.dtype))[0]) + 1, k))
+    lp = torch.zeros(1) if greedy else torch.log_softmax(vals[:n], dim=0)
+    return KeptSets(ids[:n].clone(), torch.tensor([0, n], device=x.device), vals[:n].clone(), vals[:n] - vals[1:n + 1],
+                    lp.to(x.device))
 
 
 def _sets(logits, temp, greedy, k, p, sizes, block: int) -> KeptSets:
