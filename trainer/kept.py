@@ -76,8 +76,9 @@ def fill_kept(ids: torch.Tensor, offsets: torch.Tensor, pending: PendingKept | N
     lost = ok & (hit == 0)
     if bool(lost.any()):
         j = int(lost.nonzero()[0])
-        raise KeptSetError(f"generated token {int(p.rows[j])}: the rebuilt kept set ({int(rb.offsets[j + 1] - rb.offsets[j])} "
-                           f"ids, fingerprint verified) does not contain the sampled token {int(targets[p.rows[j]])}")
+        size = int(rb.offsets[j + 1] - rb.offsets[j])
+        raise KeptSetError(f"generated token {int(p.rows[j])}: the rebuilt kept set ({size} ids, fingerprint "
+                           f"verified) does not contain the sampled token {int(targets[p.rows[j]])}")
     bad = (~ok).nonzero()[:, 0]
     if bad.numel() and on_mismatch == "raise":
         j = int(bad[0])

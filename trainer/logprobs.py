@@ -110,7 +110,8 @@ def trainer_logprobs(model: torch.nn.Module, batch: RolloutBatch, *, kept: bool 
         sets = _sets(rows, batch.kept_ids, batch.kept_offsets, batch.kept_pending, batch.targets, batch.temperatures,
                      batch.token_versions, kept, on_mismatch, backend)
         lp = _token_logprobs(rows, None if sets is None else sets.ids, None if sets is None else sets.offsets,
-                             batch.targets, batch.temperatures, kept=kept, backend=backend, sparse_grad=head is not None)
+                             batch.targets, batch.temperatures, kept=kept, backend=backend,
+                             sparse_grad=head is not None)
     return ReplayedLogprobs(lp, None if rr is None else rr.disagreement, sets)
 
 

@@ -129,7 +129,8 @@ def kept_set_row(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p
         if top_p < 1.0:
             cum = torch.cumsum(torch.log_softmax(vals[:n], dim=0).exp(), dim=0)
             # smallest prefix whose mass reaches top_p (at least one token)
-            n = max(1, min(int(torch.searchsorted(cum, torch.tensor([top_p], dtype=cum.dtype))[0]) + 1, n))
+            at = int(torch.searchsorted(cum, torch.tensor([top_p], dtype=cum.dtype, device=cum.device))[0])
+            n = max(1, min(at + 1, n))
     after = torch.cat([vals[1:n + 1], vals.new_full((max(0, n + 1 - V),), float("-inf"))])
     return ids[:n], vals[:n], vals[:n] - after, torch.log_softmax(vals[:n], dim=0)
 

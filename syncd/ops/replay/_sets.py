@@ -210,7 +210,8 @@ def _one(x: torch.Tensor, temperature: float, top_k: int, top_p: float) -> KeptS
     if not greedy and top_p < 1.0:
         cum = torch.cumsum(torch.log_softmax(vals[:k], dim=0).exp(), dim=0)
         # smallest prefix whose mass reaches top_p (at least one token)
-        n = max(1, min(int(torch.searchsorted(cum, torch.tensor([top_p], dtype=cum.dtype))[0]) + 1, k))
+        at = int(torch.searchsorted(cum, torch.tensor([top_p], dtype=cum.dtype, device=cum.device))[0])
+        n = max(1, min(at + 1, k))
     lp = torch.zeros(1) if greedy else torch.log_softmax(vals[:n], dim=0)
     return KeptSets(ids[:n].clone(), torch.tensor([0, n], device=x.device), vals[:n].clone(), vals[:n] - vals[1:n + 1],
                     lp.to(x.device))
