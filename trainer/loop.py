@@ -132,6 +132,13 @@ class LoopConfig:
             raise ConfigError(f"--is-cap/--is-band/--is-seq-band/--micro-batch: {exc}") from None
         if not Path(self.model, "config.json").is_file():
             raise ConfigError(f"--model: {self.model} is not a model folder (no config.json)")
+        if self.plans is not None:
+            try:
+                n = sum(1 for ln in Path(self.plans).read_text().splitlines() if ln.strip())
+            except OSError as exc:
+                raise ConfigError(f"--plans: cannot read {self.plans}: {exc}") from None
+            if n < self.steps:
+                raise ConfigError(f"--plans: {self.plans} holds {n} steps, --steps asks for {self.steps}")
 
 
 def _load_model(cfg: LoopConfig, device) -> torch.nn.Module:
@@ -244,8 +251,6 @@ class _Live:
             self.watcher = EngineWatcher(cfg.daemon_status, self.metrics).start()
         if cfg.plans:
             self._plans = [json.loads(ln) for ln in Path(cfg.plans).read_text().splitlines() if ln.strip()]
-            if len(self._plans) < cfg.steps:
-                raise ConfigError(f"--plans: {cfg.plans} holds {len(self._plans)} steps, --steps asks {cfg.steps}")
             return
         from syncd.versions import latest_version
         from trainer.publisher import WeightPublisher
