@@ -45,7 +45,7 @@ from trainer.tasks import RewardFn, Sample, Task
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Sampling", "RolloutWorkers", "ProxyError", "proxy_models", "FAILURE_KINDS"]
+__all__ = ["Sampling", "RolloutWorkers", "ProxyError", "proxy_models", "complete", "FAILURE_KINDS"]
 
 TRAJECTORY_HEADER = "X-Syncd-Trajectory"
 FAILURE_KINDS = ("request", "record", "replay", "reward", "task")
@@ -102,6 +102,15 @@ def proxy_models(url: str, timeout_s: float = 10.0) -> list[str]:
     if not names:
         raise ProxyError(f"{url}: the frontend behind it lists no model (no engine serving)")
     return names
+
+
+def complete(url: str, body: dict, trajectory_id: str, *, timeout_s: float = 120.0) -> dict:
+    """One non-streamed ``/v1/completions`` request through the proxy at ``url`` as trajectory
+    ``trajectory_id``; the response, or :class:`ProxyError` (unreachable, an error status, no choices)."""
+    status, out = _http(url, "POST", "/v1/completions", body, {TRAJECTORY_HEADER: trajectory_id}, timeout_s=timeout_s)
+    if status != 200 or not isinstance(out, dict) or not out.get("choices"):
+        raise ProxyError(f"trajectory {trajectory_id}: HTTP {status}: {str(out)[:300]}")
+    return out
 
 
 def _seed(seed: int, index: int, sample: int) -> int:
@@ -203,13 +212,9 @@ class RolloutWorkers:
         body = {"model": self.model_name, "prompt": prompt, "max_tokens": self.task.max_tokens,
                 "temperature": self.sampling.temperature, "top_p": self.sampling.top_p,
                 "top_k": self.sampling.top_k, "seed": seed, "ignore_eos": self.task.ignore_eos}
-        status, out = _http(proxy, "POST", "/v1/completions", body, {TRAJECTORY_HEADER: tid},
-                            timeout_s=self.request_timeout_s)
         with self._cond:
             self.requests += 1
-        if status != 200 or not isinstance(out, dict) or not out.get("choices"):
-            raise _Failed("request", f"trajectory {tid}: HTTP {status}: {str(out)[:300]}")
-        return out
+        return complete(proxy, body, tid, timeout_s=self.request_timeout_s)
 
     def _group(self, index: int) -> Group:
         item = self.task.item(index, self.seed)
