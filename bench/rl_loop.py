@@ -5,20 +5,20 @@ recording replay records, the sandbox proxy, the node daemon) and one ``python -
 task, sizes, seed and step count:
 
 * **async** (``async:ETA``, one run per staleness bound asked for): rollout workers run ahead of training
-  (look-ahead ``groups x (eta + 1)``), a version every ``--every-k`` steps, the daemon applying it while the
+  (look-ahead two steps of groups), a version every ``--every-k`` steps, the daemon applying it while the
   engines generate; groups with a token more than eta versions behind are dropped;
 * **sync**: generate a step's groups on the newest version (once the daemon says every engine serves it), then
   train, then publish and wait for the engines: what an RL loop without weight sync in the background does.
 
 Figures (JSON; ``--plot`` draws them; with ``--repeats N`` the modes run N times interleaved and every scalar is
-the median of its N values, the curves those of the first repeat): reward versus step and versus wall time, final reward (mean of the last
-``--window`` steps), trained tokens per second of wall time, the trainer's own tokens per second, the staleness
-distribution of trained tokens (versions behind), the median time from ``publish()`` to every engine serving that
-version, and the share of generated groups dropped as stale. Next to them, measured on the same stack before the
-async run: the **generation ceiling**, tokens per second the engines produce for one step's requests sent at once
-through the proxy (median of 3), which bounds trained tokens per second from above whatever the loop does.
-On two cores trainer and engines share the CPU, so the overlap async buys is small and the look-ahead wastes
-some generation; the report says what it measured.
+the median of its N values, the curves those of the first repeat): reward versus step and versus wall time, final
+reward (mean of the last ``--window`` steps), trained tokens per second of wall time, the trainer's own tokens per
+second, the staleness distribution of trained tokens (versions behind), the median time from ``publish()`` to every
+engine serving that version, and the share of generated groups dropped as stale. Next to them, measured on the
+first mode's stack before its run: the **generation ceiling**, tokens per second the engines produce for one step's
+requests sent at once through the proxy (median of 3), which bounds trained tokens per second from above whatever
+the loop does. On two cores trainer and engines share the CPU, so the overlap async buys is small and the
+look-ahead wastes some generation; the report says what it measured.
 
     python -m bench.rl_loop                       # async eta 1 and 2, sync: 40 steps x 4 groups x 8, 2 ranks
     python -m bench.rl_loop --modes async:1,sync --steps 80 --json rl.json --plot rl.png
@@ -50,7 +50,8 @@ def _generation_ceiling(stack, requests: int, tokens: int, repeats: int = 3) -> 
     with cf.ThreadPoolExecutor(requests) as pool:
         for r in range(repeats):
             t0 = time.perf_counter()
-            list(pool.map(lambda i: complete(stack.proxy_url, {**body, "seed": i}, f"ceiling-{r}-{i}"), range(requests)))
+            list(pool.map(lambda i: complete(stack.proxy_url, {**body, "seed": i}, f"ceiling-{r}-{i}"),
+                          range(requests)))
             rates.append(requests * tokens / (time.perf_counter() - t0))
     return statistics.median(rates)
 
@@ -100,7 +101,8 @@ def run_mode(name: str, kind: str, eta: int, args, workdir: Path, *, ceiling: bo
     end = next(ln for ln in lines if ln["kind"] == "end")
     made = end.get("rollouts", {}).get("groups", 0)
     serve = [x["seconds"] for x in publish_to_serving(lines) if x["seconds"] is not None and x["version"] > 0]
-    return {"mode": mode, "kind": kind, "max_lag": eta, "steps": len(steps), "final_reward": s["reward_last"], "first_reward": s["reward_first"],
+    return {"mode": mode, "kind": kind, "max_lag": eta, "steps": len(steps), "final_reward": s["reward_last"],
+            "first_reward": s["reward_first"],
             "reward_by_step": [x["reward_mean"] for x in steps],
             "reward_by_time": [[x["t"] - t_start, x["reward_mean"]] for x in steps],
             "loop_wall_s": s["wall_s"], "process_wall_s": process_s, "tokens_trained": s["tokens_trained"],
@@ -111,7 +113,8 @@ def run_mode(name: str, kind: str, eta: int, args, workdir: Path, *, ceiling: bo
             "wasted_share": s["dropped_stale"] / made if made else None, "rollout_failures": s["rollout_failures"],
             "is_outside_median": s["is_outside_median"], "kl_k3_median": s["kl_k3_median"],
             "generation_ceiling_tokens_per_s": ceiling,
-            "engine_versions": [[ln["t"] - t_start, ln["engine"], ln["version"]] for ln in lines if ln["kind"] == "engine"],
+            "engine_versions": [[ln["t"] - t_start, ln["engine"], ln["version"]] for ln in lines
+                                if ln["kind"] == "engine"],
             "publishes": [[ln["t"] - t_start, ln["version"]] for ln in lines if ln["kind"] == "publish"]}
 
 

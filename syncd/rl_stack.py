@@ -155,6 +155,16 @@ class RLStack:
         except (OSError, ValueError):
             return {}
 
+    def proxy_health(self) -> dict:
+        """The proxy's ``/health`` (open trajectories, pending writes, failure counts); raises RuntimeError when it
+        does not answer."""
+        from engine.dynamo.procs import http_json
+
+        status, body = http_json("GET", f"{self.proxy_url}/health", timeout_s=10)
+        if status != 200 or not isinstance(body, dict):
+            raise RuntimeError(f"the proxy's /health answered {status}: {body}")
+        return body
+
     def engine_versions(self) -> dict[str, int | None]:
         """Each worker's version, asked through its admin route."""
         from engine.control import RemoteAdapter

@@ -16,8 +16,10 @@ front of the Dynamo frontend, records back through the store), and fills the rol
 4. every ``every_k`` steps rank 0 publishes a version; the node daemon brings the engines to it while they
    keep generating. The final weights are always published.
 
-Asynchrony: the rollout workers run ``lookahead`` groups ahead of training, so generation overlaps the
-trainer's steps and rollouts may come from older versions (at most ``max_lag`` behind, else dropped).
+Asynchrony: the rollout workers run ``lookahead`` groups ahead of training (default: two steps' worth, one
+with ``max_lag = 0``), so generation overlaps the trainer's steps and rollouts may come from older versions (at
+most ``max_lag`` behind, else dropped). The default ``max_lag = 2``: a group requested just after version ``v``
+is published may still be generated on ``v - 1`` while the daemon applies ``v``, and is trained after ``v + 1``.
 ``sync=True`` is the baseline: generate a step's groups on the newest version (once the daemon status says
 every engine serves it), then train, then publish. ``plans=`` trains offline on the plans an earlier run
 recorded: the same rollouts, so the same seed ends with bit-identical weights (deterministic algorithms, fixed
@@ -69,7 +71,7 @@ class LoopConfig:
     group_size: int = 8
     groups_per_step: int = 4
     every_k: int = 1
-    max_lag: int = 1
+    max_lag: int = 2
     lookahead: int | None = None
     workers: int | None = None
     temperature: float = 1.0
@@ -276,7 +278,7 @@ class _Live:
             workers=cfg.workers or cfg.groups_per_step, seed=cfg.seed, vocab_size=self.model.config.vocab_size,
             request_timeout_s=cfg.request_timeout_s, record_timeout_s=cfg.record_timeout_s).start()
         if not cfg.sync:
-            self.workers.allow(cfg.lookahead or cfg.groups_per_step * (cfg.max_lag + 1))
+            self.workers.allow(cfg.lookahead or cfg.groups_per_step * (1 + min(cfg.max_lag, 1)))
 
     def _publish(self, step: int) -> None:
         t = time.time()

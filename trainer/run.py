@@ -2,7 +2,7 @@
 
     python -m trainer.run --model DIR --store URL --run-id RUN --proxy URL [--proxy URL ...] --out DIR
                           [--task repeat] [--steps 30] [--group-size 8] [--groups-per-step 4] [--every-k 1]
-                          [--max-lag 1] [--optimizer adamw|muon] [--nproc 2] [--daemon-status FILE] [--sync]
+                          [--max-lag 2] [--optimizer adamw|muon] [--nproc 2] [--daemon-status FILE] [--sync]
     python -m trainer.run --model DIR --store URL --run-id RUN --plans OLD/plans.jsonl --out DIR   # offline
 
 It trains against engines that something else runs: ``syncd serve`` (the Dynamo frontend and workers, started
@@ -55,13 +55,15 @@ def parser() -> argparse.ArgumentParser:
     a("--out", required=True, help="folder for metrics.jsonl, plans.jsonl, summary.json, run.png")
     a("--task", default=DEFAULT_TASK, help=f"one of {', '.join(sorted(TASKS))} (trainer.tasks)")
     a("--task-length", type=int, default=8, help="answer length in tokens")
-    a("--reward", default=None, metavar="MODULE:ATTR", help="reward function replacing the task's (trainer.tasks.Sample -> float)")
+    a("--reward", default=None, metavar="MODULE:ATTR",
+      help="reward function replacing the task's (trainer.tasks.Sample -> float)")
     a("--steps", type=int, default=30, help="optimizer steps")
     a("--group-size", type=int, default=8, help="G: samples per prompt")
     a("--groups-per-step", type=int, default=4, help="prompts (groups) per step")
     a("--every-k", type=int, default=1, help="K: publish a version every K steps")
-    a("--max-lag", type=int, default=1, help="eta: drop groups with a token more than eta versions behind")
-    a("--lookahead", type=int, default=None, help="groups requested ahead of training (default: groups-per-step x (eta + 1))")
+    a("--max-lag", type=int, default=2, help="eta: drop groups with a token more than eta versions behind")
+    a("--lookahead", type=int, default=None,
+      help="groups requested ahead of training (default: 2 x groups-per-step; 1 x with eta 0)")
     a("--workers", type=int, default=None, help="groups generated at once (default: groups-per-step)")
     a("--temperature", type=float, default=1.0)
     a("--top-p", type=float, default=1.0)
@@ -108,9 +110,9 @@ def _preflight(cfg) -> None:
     """What rank 0 checks before any rank starts (ConfigError naming the flag)."""
     from trainer.loop import ConfigError
 
-    for flag, value in (("--store", cfg.store), ("--run-id", cfg.run_id)):
+    for flag, var, value in (("--store", "SYNCD_STORE", cfg.store), ("--run-id", "SYNCD_RUN_ID", cfg.run_id)):
         if not value:
-            raise ConfigError(f"{flag} is required (or its variable, {'SYNCD_STORE' if flag == '--store' else 'SYNCD_RUN_ID'})")
+            raise ConfigError(f"{flag} is required (or its variable, {var})")
     cfg.check()
     if cfg.plans:
         return
