@@ -25,7 +25,7 @@ every engine serves it), then train, then publish. ``plans=`` trains offline on 
 recorded: the same rollouts, so the same seed ends with bit-identical weights (deterministic algorithms, fixed
 reduction order, fixed thread count; ``trainer.dist.make_deterministic``).
 
-Outputs in ``out``: ``metrics.jsonl`` (``trainer.metrics``), ``plans.jsonl``, ``summary.json``, ``run.png``
+Outputs in ``out`` (replaced when there from an earlier run): ``metrics.jsonl`` (``trainer.metrics``), ``plans.jsonl``, ``summary.json``, ``run.png``
 (``trainer.plots``) and, with ``save_weights``, ``weights.safetensors`` (float32).
 """
 
@@ -34,11 +34,12 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from syncd.store import Store
 from trainer.buffer import BufferClosed, RolloutBuffer, group_advantages
 from trainer.dist import DataParallel, make_deterministic, weights_digest
 from trainer.metrics import EngineWatcher, MetricsLog, read_metrics, summarize
@@ -98,7 +99,6 @@ class LoopConfig:
     record_timeout_s: float = 60.0
     request_timeout_s: float = 120.0
     engine_timeout_s: float = 120.0
-    extra: dict = field(default_factory=dict)
 
     def check(self) -> None:
         """Raise :class:`ConfigError` naming the flag of the first bad setting."""
@@ -161,6 +161,7 @@ def run_loop(cfg: LoopConfig) -> dict:
     opt = build_optimizer(model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay)
     params = [p for p in model.parameters() if p.requires_grad]
     loss_cfg = LossConfig(cfg.is_cap, cfg.is_band, cfg.is_seq_band, cfg.micro_batch)
+    store = Store.open(cfg.store)
     live = _Live(cfg, model) if dp.is_main else None
     try:
         _shared(dp, live.start if live is not None else None)
@@ -168,7 +169,7 @@ def run_loop(cfg: LoopConfig) -> dict:
             plan = _shared(dp, (lambda: live.plan(step)) if live is not None else None)
             t0 = time.perf_counter()
             mine = [g for i, g in enumerate(plan["groups"]) if i % dp.world == dp.rank]
-            seqs, adv = _sequences(cfg, mine, live, model.config.vocab_size)
+            seqs, adv = _sequences(cfg, store, mine, live, model.config.vocab_size)
             normalizer = max(1, sum(g["tokens"] for g in plan["groups"]))
             loss, rec = policy_gradient_loss(model, seqs, adv, normalizer=normalizer, config=loss_cfg) \
                 if seqs else (0.0, None)
@@ -214,7 +215,7 @@ def _shared(dp: DataParallel, make):
     return value["ok"]
 
 
-def _sequences(cfg: LoopConfig, groups: list[dict], live, vocab_size: int):
+def _sequences(cfg: LoopConfig, store, groups: list[dict], live, vocab_size: int):
     """This rank's sequences and their advantages: rank 0 has its live groups in memory, the others (and
     offline runs) read them from the store."""
     seqs, adv = [], []
@@ -222,7 +223,7 @@ def _sequences(cfg: LoopConfig, groups: list[dict], live, vocab_size: int):
         rollouts = live.rollouts_of(g["gid"]) if live is not None else None
         if rollouts is None:
             ids = [tuple(t) for t in g["trajectories"]]
-            rollouts = read_rollouts(cfg.store, cfg.run_id, trajectories=ids, vocab_size=vocab_size).rollouts
+            rollouts = read_rollouts(store, cfg.run_id, trajectories=ids, vocab_size=vocab_size).rollouts
             if len(rollouts) != len(ids):
                 raise RuntimeError(f"group {g['gid']}: {len(rollouts)} of {len(ids)} trajectories in the store")
         for ro in rollouts:
@@ -238,10 +239,10 @@ class _Live:
         self.cfg, self.model = cfg, model
         out = Path(cfg.out)
         out.mkdir(parents=True, exist_ok=True)
-        self.metrics = MetricsLog(out / "metrics.jsonl")
+        self.metrics = MetricsLog(out / "metrics.jsonl", truncate=True)
         self.version, self.step = 0, 0
         self.pub = self.workers = self.watcher = self.buffer = None
-        self._recorded = None if cfg.plans else open(out / "plans.jsonl", "a")
+        self._recorded = None if cfg.plans else open(out / "plans.jsonl", "w")
         self._plans = None
         self._live_groups: dict[int, list] = {}
         self._last = (time.time(), 0)

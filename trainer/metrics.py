@@ -47,12 +47,13 @@ def _clean(v):
 
 
 class MetricsLog:
-    """Appends JSON lines to ``path`` (created with its folder); non-finite floats are written as null."""
+    """Appends JSON lines to ``path`` (created with its folder; emptied first with ``truncate``); non-finite floats
+    are written as null."""
 
-    def __init__(self, path):
+    def __init__(self, path, *, truncate: bool = False):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = open(self.path, "a")
+        self._fh = open(self.path, "w" if truncate else "a")
         self._lock = threading.Lock()
 
     def write(self, kind: str, **fields) -> dict:

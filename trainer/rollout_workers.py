@@ -15,8 +15,9 @@ keeps a look-ahead of credit; the synchronous baseline allows one step's groups 
 trainer's newest version.
 
 Failures (HTTP errors, a record not written or incomplete, records that do not join) never reach the buffer:
-the group is dropped whole, logged, counted by kind in :attr:`RolloutWorkers.failures` and its credit given back,
-and the worker goes on after a backoff. Records are trusted only after ``read_rollouts`` checked them.
+the group is dropped whole (its trajectories still open in the proxy are finished with ``{"dropped": reason}``),
+logged, counted by kind in :attr:`RolloutWorkers.failures` and its credit given back, and the worker goes on after
+a backoff. Records are trusted only after ``read_rollouts`` checked them.
 
 Thread-safety: :meth:`allow`, :meth:`stats` and :meth:`stop` from any thread; ``reward`` is called from the worker
 threads (one call at a time per worker).
@@ -31,7 +32,7 @@ import logging
 import secrets
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Callable
 from urllib.parse import urlsplit
@@ -223,7 +224,22 @@ class RolloutWorkers:
         tids = [f"{self.life}-g{index:06d}-s{j:02d}" for j in range(self.group_size)]
         futures = [self._pool.submit(self._complete, proxy, tid, item.prompt, _seed(self.seed, index, j))
                    for j, tid in enumerate(tids)]
-        outs = [f.result() for f in futures]
+        finished: set[str] = set()
+        try:
+            return self._score_and_read(index, item, proxy, tids, [f.result() for f in futures], finished,
+                                        requested_at, version, step)
+        except BaseException as exc:
+            wait(futures)
+            for tid in tids:  # the proxy holds open trajectories until finished: close the group's, marked dropped
+                if tid not in finished:
+                    try:
+                        _http(proxy, "POST", f"/syncd/trajectories/{tid}/finish",
+                              {"metadata": {"dropped": f"{type(exc).__name__}: {exc}"[:500]}}, timeout_s=30)
+                    except ProxyError:
+                        pass
+            raise
+
+    def _score_and_read(self, index, item, proxy, tids, outs, finished, requested_at, version, step) -> Group:
         rewards = []
         for out in outs:
             ch = out["choices"][0]
@@ -242,6 +258,7 @@ class RolloutWorkers:
                     "requested_version": version, "step": step}
             status, reply = _http(proxy, "POST", f"/syncd/trajectories/{tid}/finish", {"metadata": meta},
                                   timeout_s=self.request_timeout_s)
+            finished.add(tid)
             if status != 200 or not isinstance(reply, dict) or not reply.get("written") \
                     or reply.get("status") != "complete":
                 raise _Failed("record", f"trajectory {tid}: the proxy did not write a complete record: "
