@@ -135,8 +135,10 @@ def test_same_seed_same_rollouts_bit_identical_weights(run):
 
 
 def test_two_ranks_compute_the_one_rank_gradient(run):
-    """Data parallelism splits the work, not the maths: one rank on the same plans ends within float rounding of
-    two (the sums are grouped differently, so not bit for bit)."""
+    """Data parallelism splits the work, not the maths: one rank on the same plans ends where two do, up to float
+    rounding (the sums are grouped differently, so not bit for bit). Measured in L2 over all weights: AdamW's
+    first steps are nearly sign steps, so the odd element whose gradient is rounding noise around zero can move the
+    other way by 2 lr; the L2 distance between the runs is ~1e-5 of the distance moved (threshold 1e-2)."""
     from safetensors.torch import load_file
 
     plans = run["out"] / "plans.jsonl"
@@ -145,6 +147,9 @@ def test_two_ranks_compute_the_one_rank_gradient(run):
         _offline(run["stack"], run["root"] / f"dp{n}", plans, "--nproc", str(n), "--steps", "4", "--save-weights")
         outs[n] = load_file(str(run["root"] / f"dp{n}" / "weights.safetensors"))
     base = load_file(str(run["stack"].model_dir / "model.safetensors"))
-    moved = max(float((outs[1][k] - base[k].float()).abs().max()) for k in base)
-    diff = max(float((outs[1][k] - outs[2][k]).abs().max()) for k in base)
-    assert moved > 1e-3 and diff < 1e-3 * moved, (moved, diff)
+
+    def l2(a, b):
+        return sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in base) ** 0.5
+
+    moved, diff = l2(outs[1], base), l2(outs[1], outs[2])
+    assert moved > 1.0 and diff < 1e-2 * moved, (moved, diff)
