@@ -1,56 +1,18 @@
 """Rollout workers survive every failure of a group: a proxy error, a reward that raises or returns NaN, records
 that never reach the store. Each is counted by kind, the group's credit is given back (so it is replaced), its
 trajectories still open in the proxy are finished marked dropped, nothing reaches the buffer, and the workers go on.
-The proxy here is a small HTTP server standing in for ``engine.proxy`` (the real one is in test_loop_e2e.py)."""
+The proxy here is ``tests.trainer._fake_proxy`` (the real one is in test_loop_e2e.py)."""
 
 from __future__ import annotations
 
-import json
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from tests.trainer._fake_proxy import FakeProxy
 from trainer.buffer import RolloutBuffer
 from trainer.rollout_workers import ProxyError, RolloutWorkers, Sampling, complete
 from trainer.tasks import get_task
-
-
-class FakeProxy:
-    def __init__(self, status=200):
-        self.status, self.finished, self.requests = status, {}, []
-        outer = self
-
-        class H(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
-                if self.path == "/v1/completions":
-                    outer.requests.append((self.headers["X-Syncd-Trajectory"], body))
-                    code, out = outer.status, {"choices": [{"text": "aaaaaaaa", "finish_reason": "length"}],
-                                               "usage": {"completion_tokens": 8}}
-                else:
-                    tid = self.path.split("/")[3]
-                    outer.finished[tid] = body.get("metadata")
-                    code, out = 200, {"key": f"runs/rl/trajectories/sb/{tid}.json", "trajectory_id": tid,
-                                      "status": "complete", "written": True}
-                raw = json.dumps(out if code == 200 else {"error": "boom"}).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(raw)))
-                self.end_headers()
-                self.wfile.write(raw)
-
-            def log_message(self, *a):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
 
 
 def _workers(tmp_path, proxy, reward, **kw):

@@ -3,14 +3,11 @@ flag: no engines reachable through the proxy, an unknown task, eta < 0, K < 1, a
 
 from __future__ import annotations
 
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
 import pytest
 
 from engine.dynamo.procs import free_port
 from engine.reference.make_tiny import write_model
+from tests.trainer._fake_proxy import FakeProxy
 from trainer.run import main
 
 
@@ -19,34 +16,9 @@ def model_dir(tmp_path_factory):
     return write_model(tmp_path_factory.mktemp("cli-model") / "tiny", hidden=32)
 
 
-class _Frontend:
-    """An HTTP server answering ``GET /v1/models`` with ``models`` (what a proxy forwards from the frontend)."""
-
-    def __init__(self, models):
-        body = json.dumps({"object": "list", "data": [{"id": m} for m in models]}).encode()
-
-        class H(BaseHTTPRequestHandler):
-            def do_GET(self):
-                self.send_response(200 if self.path == "/v1/models" else 404)
-                self.send_header("Content-Type", "application/json")
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *a):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
-
-
 @pytest.fixture
 def frontend():
-    f = _Frontend(["tiny"])
+    f = FakeProxy()
     yield f
     f.close()
 
@@ -79,7 +51,7 @@ def test_no_engines_reachable(capsys, model_dir, tmp_path):
     dead = f"http://127.0.0.1:{free_port()}"
     rc, err = _run(capsys, model_dir, tmp_path, proxy=dead)
     assert rc == 2 and f"--proxy: no engines reachable through {dead}" in err and "ConnectionRefusedError" in err
-    empty = _Frontend([])
+    empty = FakeProxy(models=[])
     try:
         rc, err = _run(capsys, model_dir, tmp_path, proxy=empty.url)
     finally:
