@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "block_coder.h"
+#include "block_v2.h"
 #include "checksum.h"
 #include "parallel.h"
 #include "simd_scan.h"
@@ -70,9 +71,9 @@ inline size_t visit_word(uint64_t w, uint64_t a, uint64_t bw, uint64_t start, bo
 
 // Scans one block: the checksum of its old words (*sum_old), the checksum change to the new words (*adj),
 // and every change, fed to `enc` one 64-word group at a time while the group is still in L1.
-template <class T>
+template <class T, class Enc>
 void scan_block(const uint8_t* ob, const uint8_t* nb, uint64_t numel, uint64_t start, uint64_t span, bool is_float,
-                BlockEncoder& enc, uint64_t* sum_old, uint64_t* adj) {
+                Enc& enc, uint64_t* sum_old, uint64_t* adj) {
   constexpr unsigned E = 8 / sizeof(T);
   const size_t nbytes = size_t(numel) * sizeof(T);
   const uint64_t wbeg = start * sizeof(T) / 8;
@@ -120,8 +121,8 @@ struct Assembled {
 };
 
 std::vector<uint8_t> assemble(const DTypeInfo& dt, const std::vector<uint64_t>& shape, int block_log2,
-                              const Assembled& a, uint64_t base_ck, uint64_t new_ck) {
-  std::vector<uint8_t> out = pack_header(dt, shape, block_log2, a.entries, base_ck, new_ck);
+                              const Assembled& a, uint64_t base_ck, uint64_t new_ck, int version) {
+  std::vector<uint8_t> out = pack_header(dt, shape, block_log2, a.entries, base_ck, new_ck, version);
   size_t total = out.size();
   for (const auto& p : a.payloads) total += p.size();
   out.reserve(total);
@@ -129,14 +130,26 @@ std::vector<uint8_t> assemble(const DTypeInfo& dt, const std::vector<uint64_t>& 
   return out;
 }
 
-// Writes the changes gathered in `enc` as block b's payload into a.payloads[b] / a.entries[b].
+void enter_block(uint64_t count, Assembled& a, size_t b) {
+  const auto& p = a.payloads[b];
+  if (p.size() > 0xFFFFFFFFull) throw DeltaError("block payload exceeds 4 GiB");
+  a.entries[b] = {static_cast<uint32_t>(p.size()), static_cast<uint32_t>(count),
+                  checksum_finalize(checksum_raw_range(p.data(), 0, p.size()), p.size())};
+}
+
+// Writes the changes gathered in `enc` as block b's payload into a.payloads[b] / a.entries[b] (format 1).
 void code_block(BlockEncoder& enc, Assembled& a, size_t b) {
   if (!enc.count()) return;
   enc.finish(a.payloads[b]);
-  const auto& p = a.payloads[b];
-  if (p.size() > 0xFFFFFFFFull) throw DeltaError("block payload exceeds 4 GiB");
-  a.entries[b] = {static_cast<uint32_t>(p.size()), static_cast<uint32_t>(enc.count()),
-                  checksum_finalize(checksum_raw_range(p.data(), 0, p.size()), p.size())};
+  enter_block(enc.count(), a, b);
+}
+
+// Format 2: the block spans `span` elements whose old classes come from `cs` (e_top: see V2BlockEncoder).
+void code_block(V2BlockEncoder& enc, Assembled& a, size_t b, uint64_t span, const DTypeInfo& dt,
+                const ClassSource& cs, int e_top) {
+  if (!enc.count()) return;
+  enc.finish(a.payloads[b], span, dt, cs, e_top);
+  enter_block(enc.count(), a, b);
 }
 
 uint64_t numel_of(const std::vector<uint64_t>& shape) {
@@ -154,8 +167,8 @@ uint64_t numel_of(const std::vector<uint64_t>& shape) {
 // change. *written counts the changes written so far, exact whenever this throws (a corrupt block).
 // Dense blocks checksum each 32 KiB step before and after its changes while it is in L1; sparse ones read
 // every step once, ahead of its changes, and adjust the terms of the changed words only.
-template <class T>
-void apply_block(BlockDecoder& dec, uint32_t n, uint8_t* target, size_t nbytes, size_t lo, size_t hi,
+template <class T, class Source>
+void apply_block(Source& dec, uint32_t n, uint8_t* target, size_t nbytes, size_t lo, size_t hi,
                  bool is_float, bool verify, uint32_t* written, uint64_t* base_sum, uint64_t* adj) {
   constexpr unsigned E = 8 / sizeof(T);
   constexpr unsigned W = sizeof(T) * 8;
@@ -225,6 +238,19 @@ void apply_block(BlockDecoder& dec, uint32_t n, uint8_t* target, size_t nbytes, 
 }
 
 
+// A format-2 block's changes, decoded before the block is written (their positions depend on the old values),
+// fed to apply_block like a BlockDecoder.
+struct DecodedSource {
+  const DecodedBlock& d;
+  size_t at = 0;
+  void next_batch(uint32_t* pos, uint64_t* v, size_t k) {
+    std::memcpy(pos, d.pos.data() + at, k * sizeof(uint32_t));
+    std::memcpy(v, d.v.data() + at, k * sizeof(uint64_t));
+    at += k;
+  }
+  void finish() {}
+};
+
 // ---- many tensors, one pool: every block of every tensor is one work item, so both cores stay busy across
 // tensors of one or two blocks (most of a model's) and there is one call for the whole list.
 
@@ -238,6 +264,7 @@ struct EncodeTask {
 struct ApplyTask {
   Header h;
   std::vector<uint32_t> written;  // changes written per block: what undo() reverses
+  std::vector<DecodedBlock> decoded;  // format 2: each block's changes, kept for undo
   std::vector<uint64_t> sums, adjs;
   std::atomic<bool> failed{false};
   std::string error;
@@ -263,9 +290,15 @@ template <class T>
 void undo_block(const ApplyTask& t, const ApplyJob& j, size_t b) {
   const Header& h = t.h;
   const BlockEntry& e = h.blocks[b];
-  BlockDecoder dec(j.blob + h.payload_offset[b], e.payload_bytes, e.n_changed, h.block_span(b), int(sizeof(T) * 8), b);
   T* tgt = reinterpret_cast<T*>(j.target);
   const uint64_t start = h.block_start(b);
+  if (h.version == 2) {  // the positions depend on the old values: undo from the decoded changes
+    const DecodedBlock& d = t.decoded[b];
+    for (uint32_t i = 0; i < t.written[b]; ++i)
+      tgt[start + d.pos[i]] = unapply_value<T>(tgt[start + d.pos[i]], d.v[i], h.dtype.is_float);
+    return;
+  }
+  BlockDecoder dec(j.blob + h.payload_offset[b], e.payload_bytes, e.n_changed, h.block_span(b), int(sizeof(T) * 8), b);
   for (uint32_t i = 0; i < t.written[b]; ++i) {  // replays exactly the changes decoded and written before
     uint32_t p;
     uint64_t v;
@@ -285,6 +318,20 @@ void apply_item(ApplyTask& t, const ApplyJob& j, size_t b, bool verify) {
     return;
   }
   verify_payload(h, j.blob, b);
+  if (h.version == 2) {
+    V2BlockDecoder dec;
+    dec.parse(j.blob + h.payload_offset[b], e.payload_bytes, e.n_changed, h.block_span(b), h.dtype, b);
+    DecodedBlock& d = t.decoded[b];
+    d.pos.resize(e.n_changed);
+    d.v.resize(e.n_changed);
+    ClassSource cs;
+    cs.old = j.target + lo;  // before anything of this block is written
+    dec.decode(cs, d.pos.data(), d.v.data());
+    DecodedSource src{d};
+    apply_block<T>(src, e.n_changed, j.target, size_t(h.numel) * sizeof(T), lo, hi, h.dtype.is_float, verify,
+                   &t.written[b], &t.sums[b], &t.adjs[b]);
+    return;
+  }
   BlockDecoder dec(j.blob + h.payload_offset[b], e.payload_bytes, e.n_changed, h.block_span(b), int(sizeof(T) * 8), b);
   apply_block<T>(dec, e.n_changed, j.target, size_t(h.numel) * sizeof(T), lo, hi, h.dtype.is_float, verify,
                  &t.written[b], &t.sums[b], &t.adjs[b]);
@@ -310,8 +357,9 @@ void check_sums(ApplyTask& t) {
 }  // namespace
 
 std::vector<std::vector<uint8_t>> delta_encode_many(const std::vector<EncodeJob>& jobs, int block_log2,
-                                                    int threads) {
+                                                    int threads, int version) {
   if (block_log2 < kMinBlockLog2 || block_log2 > kMaxBlockLog2) throw DeltaError("block_log2 out of range");
+  if (version < kMinFormat || version > kMaxFormat) throw DeltaError("unknown delta format version " + std::to_string(version));
   std::vector<EncodeTask> tasks(jobs.size());
   std::vector<Item> items;
   for (size_t t = 0; t < jobs.size(); ++t) {
@@ -332,9 +380,21 @@ std::vector<std::vector<uint8_t>> delta_encode_many(const std::vector<EncodeJob>
   run_largest_first(items, threads, [&](const Item& it) {
     EncodeTask& k = tasks[it.task];
     const EncodeJob& j = jobs[it.task];
+    const uint64_t start = uint64_t(it.block) << block_log2;
+    if (version == 2) {
+      V2BlockEncoder& enc = thread_v2_encoder();
+      enc.reset();
+      by_word_bytes(k.dt.bits / 8, [&](auto tag) {
+        scan_block<decltype(tag)>(j.old_bytes, j.new_bytes, k.numel, start, it.cost, k.dt.is_float, enc,
+                                  &k.sums[it.block], &k.adjs[it.block]);
+      });
+      ClassSource cs;
+      cs.old = j.old_bytes + start * (k.dt.bits / 8);
+      code_block(enc, k.a, it.block, it.cost, k.dt, cs, 0);
+      return;
+    }
     BlockEncoder& enc = thread_block_encoder();  // keeps its capacity: no page faults on fresh memory per call
     enc.reset();
-    const uint64_t start = uint64_t(it.block) << block_log2;
     by_word_bytes(k.dt.bits / 8, [&](auto tag) {
       scan_block<decltype(tag)>(j.old_bytes, j.new_bytes, k.numel, start, it.cost, k.dt.is_float, enc,
                                 &k.sums[it.block], &k.adjs[it.block]);
@@ -351,15 +411,15 @@ std::vector<std::vector<uint8_t>> delta_encode_many(const std::vector<EncodeJob>
     }
     const uint64_t nbytes = k.numel * (k.dt.bits / 8);
     out[t] = assemble(k.dt, jobs[t].shape, block_log2, k.a, checksum_finalize(so, nbytes),
-                      checksum_finalize(so + ad, nbytes));
+                      checksum_finalize(so + ad, nbytes), version);
     k.a = Assembled();  // payloads are copied: free them as we go
   });
   return out;
 }
 
 std::vector<uint8_t> delta_encode(const uint8_t* old_bytes, const uint8_t* new_bytes, int dtype_code,
-                                  const std::vector<uint64_t>& shape, int block_log2, int threads) {
-  return std::move(delta_encode_many({{old_bytes, new_bytes, dtype_code, shape}}, block_log2, threads)[0]);
+                                  const std::vector<uint64_t>& shape, int block_log2, int threads, int version) {
+  return std::move(delta_encode_many({{old_bytes, new_bytes, dtype_code, shape}}, block_log2, threads, version)[0]);
 }
 
 // Each tensor in one pass per block: stream the decoded changes, checksum the target in 32 KiB steps, and
@@ -381,6 +441,7 @@ std::vector<std::string> delta_apply_many(const std::vector<ApplyJob>& jobs, boo
     }
     size_t nb = k.h.blocks.size();
     k.written.assign(nb, 0);
+    if (k.h.version == 2) k.decoded.resize(nb);
     k.sums.assign(nb, 0);
     k.adjs.assign(nb, 0);
     for (size_t b = 0; b < nb; ++b)  // a block's cost: its bytes read plus its changes decoded
@@ -428,9 +489,10 @@ void delta_apply(uint8_t* target, const uint8_t* blob, size_t blob_len, int dtyp
 
 std::vector<uint8_t> delta_pack(int dtype_code, const std::vector<uint64_t>& shape, int block_log2,
                                 const uint64_t* pos, const uint64_t* v, size_t n, uint64_t base_checksum,
-                                uint64_t new_checksum, int threads) {
+                                uint64_t new_checksum, int threads, int version, const Context& ctx) {
   DTypeInfo dt = dtype_info(dtype_code);
   if (block_log2 < kMinBlockLog2 || block_log2 > kMaxBlockLog2) throw DeltaError("block_log2 out of range");
+  if (version < kMinFormat || version > kMaxFormat) throw DeltaError("unknown delta format version " + std::to_string(version));
   uint64_t numel = numel_of(shape);
   const uint64_t vmax = max_value(dt.bits);
   for (size_t i = 0; i < n; ++i) {
@@ -441,24 +503,39 @@ std::vector<uint8_t> delta_pack(int dtype_code, const std::vector<uint64_t>& sha
   Assembled a;
   a.payloads.assign(n_blocks, {});
   a.entries.assign(n_blocks, {0, 0, 0});
+  if (version == 2 && (!ctx.nibbles || ctx.e_tops.size() != n_blocks || ctx.numel != numel))
+    throw DeltaError("pack: format 2 needs the classes of every element and an e_top per block");
   parallel_for(n_blocks, threads, [&](size_t b) {
-    BlockEncoder& enc = thread_block_encoder();
-    enc.reset();
     uint64_t lo = uint64_t(b) << block_log2, hi = lo + (uint64_t(1) << block_log2);
     size_t i0 = std::lower_bound(pos, pos + n, lo) - pos, i1 = std::lower_bound(pos, pos + n, hi) - pos;
-    constexpr size_t kBatch = 1024;
-    uint32_t rel[kBatch];
-    for (size_t i = i0; i < i1; i += kBatch) {
-      size_t k = std::min(kBatch, i1 - i);
-      for (size_t j = 0; j < k; ++j) rel[j] = static_cast<uint32_t>(pos[i + j] - lo);
-      enc.add(rel, v + i, k);
+    auto feed = [&](auto& enc) {
+      enc.reset();
+      constexpr size_t kBatch = 1024;
+      uint32_t rel[kBatch];
+      for (size_t i = i0; i < i1; i += kBatch) {
+        size_t k = std::min(kBatch, i1 - i);
+        for (size_t j = 0; j < k; ++j) rel[j] = static_cast<uint32_t>(pos[i + j] - lo);
+        enc.add(rel, v + i, k);
+      }
+    };
+    if (version == 2) {
+      V2BlockEncoder& enc = thread_v2_encoder();
+      feed(enc);
+      ClassSource cs;
+      cs.nibbles = ctx.nibbles;
+      cs.first = lo;
+      code_block(enc, a, b, std::min(hi, numel) - lo, dt, cs, ctx.e_tops[b]);
+      return;
     }
+    BlockEncoder& enc = thread_block_encoder();
+    feed(enc);
     code_block(enc, a, b);
   });
-  return assemble(dt, shape, block_log2, a, base_checksum, new_checksum);
+  return assemble(dt, shape, block_log2, a, base_checksum, new_checksum, version);
 }
 
-void delta_unpack_into(const Header& h, const uint8_t* blob, uint64_t* pos, uint64_t* v, int threads) {
+void delta_unpack_into(const Header& h, const uint8_t* blob, uint64_t* pos, uint64_t* v, int threads,
+                       const BaseView& base) {
   size_t nb = h.blocks.size();
   std::vector<size_t> first(nb + 1, 0);
   for (size_t b = 0; b < nb; ++b) first[b + 1] = first[b] + h.blocks[b].n_changed;
@@ -466,10 +543,30 @@ void delta_unpack_into(const Header& h, const uint8_t* blob, uint64_t* pos, uint
     const BlockEntry& e = h.blocks[b];
     if (!e.n_changed) return;
     verify_payload(h, blob, b);
-    BlockDecoder dec(blob + h.payload_offset[b], e.payload_bytes, e.n_changed, h.block_span(b), h.dtype.bits, b);
     uint64_t start = h.block_start(b);
     uint64_t* pb = pos + first[b];
     uint64_t* vb = v + first[b];
+    if (h.version == 2) {
+      V2BlockDecoder dec;
+      dec.parse(blob + h.payload_offset[b], e.payload_bytes, e.n_changed, h.block_span(b), h.dtype, b);
+      ClassSource cs;
+      if (dec.context()) {
+        if (base.bytes) {
+          cs.old = base.bytes + start * (h.dtype.bits / 8);
+        } else if (base.nibbles) {
+          cs.nibbles = base.nibbles;
+          cs.first = start;
+        } else {
+          throw DeltaError("block " + std::to_string(b) +
+                           " is context-coded (format 2): decoding it needs the base tensor");
+        }
+      }
+      std::vector<uint32_t> rel(e.n_changed);
+      dec.decode(cs, rel.data(), vb);
+      for (size_t i = 0; i < e.n_changed; ++i) pb[i] = start + rel[i];
+      return;
+    }
+    BlockDecoder dec(blob + h.payload_offset[b], e.payload_bytes, e.n_changed, h.block_span(b), h.dtype.bits, b);
     constexpr size_t kBatch = 256;
     uint32_t bp[kBatch];
     for (size_t i = 0; i < e.n_changed; i += kBatch) {
@@ -479,6 +576,21 @@ void delta_unpack_into(const Header& h, const uint8_t* blob, uint64_t* pos, uint
     }
     dec.finish();
   });
+}
+
+}  // namespace syncd
+
+namespace syncd {
+
+std::vector<int> delta_block_e_tops(const Header& h, const uint8_t* blob) {
+  std::vector<int> out(h.blocks.size(), -1);
+  if (h.version != 2) return out;
+  for (size_t b = 0; b < h.blocks.size(); ++b) {
+    const BlockEntry& e = h.blocks[b];
+    const uint8_t* p = blob + h.payload_offset[b];
+    if (e.payload_bytes >= 3 && p[0] == kModeContext) out[b] = int(p[1] | p[2] << 8);
+  }
+  return out;
 }
 
 }  // namespace syncd

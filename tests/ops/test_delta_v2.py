@@ -1,0 +1,193 @@
+"""Format 2: round trips, byte-identical blobs from every encoder, context blocks needing the base, the
+encoders' choices (mode, e_top, probabilities) against the reference, and the GPU backends' context path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from syncd.errors import DeltaError
+from syncd.ops import _context, checksum, delta
+from syncd.ops import _format as fmt
+from syncd.ops.reference import context as ref_ctx
+from tests.ops._util import ALL_DTYPES, on, perturb, random_bits, same_bits
+
+CPU_BACKENDS = ["cpu", "reference", "triton"]  # triton runs interpreted on CPU tensors in CI
+
+
+def weight_pair(n: int, step: float, seed: int = 0, dtype=torch.bfloat16):
+    """Weight-like values (normal, std 0.02) and the same after an Adam-like step of +-``step``: small
+    weights change more often and by more ulps, as in real deltas."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, generator=g) * 0.02
+    moved = w + torch.randn(n, generator=g).sign() * step * (0.5 + torch.rand(n, generator=g))
+    return w.to(dtype), moved.to(dtype)
+
+
+def _pair(shape, dtype, density, seed):
+    g = torch.Generator().manual_seed(seed)
+    old = random_bits(shape, dtype, g)
+    return old, perturb(old, density, g, max_step=40)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(), (0,), (7,), (1000, 3), (9000,)], ids=str)
+def test_round_trip_every_dtype_and_shape(dtype, shape):
+    old, new = _pair(shape, dtype, 0.2, seed=hash((str(dtype), shape)) % 1000)
+    blob = delta.encode(old, new, backend="cpu", block_log2=13, version=2)
+    info = delta.inspect(blob)
+    assert info["format_version"] == 2
+    assert info["context_blocks"] == (1 if old.numel() >= 8192 else 0)
+    assert sum(info["sections"].values()) == info["payload_bytes"]
+    for be in ("cpu", "reference"):
+        assert same_bits(delta.decode(old, blob, backend=be), new), be
+    assert info["base_checksum"] == checksum(old) and info["new_checksum"] == checksum(new)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_backends_write_identical_blobs_and_read_each_other(dtype):
+    old, new = _pair((9000,), dtype, 0.1, seed=7)
+    blobs = {b: delta.encode(on(old, b), on(new, b), backend=b, block_log2=12, version=2) for b in CPU_BACKENDS}
+    assert blobs["cpu"] == blobs["reference"] == blobs["triton"]
+    assert delta.inspect(blobs["cpu"])["context_blocks"] == 2  # blocks of 4096 with ~400 changes each
+    for b in CPU_BACKENDS:
+        t = on(old.clone(), b)
+        delta.apply_(t, blobs["cpu"], backend=b)
+        assert same_bits(t, new), b
+
+
+def test_weight_like_deltas_beat_format_1():
+    old, new = weight_pair(1 << 18, 1e-5)
+    v1, v2 = delta.encode(old, new), delta.encode(old, new, version=2)
+    assert len(v2) < 0.85 * len(v1)
+    assert same_bits(delta.decode(old, v2), new)
+    assert delta.encode(old, new, version=2, backend="reference") == v2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_every_bit_pattern_round_trips(dtype):
+    """Every value, including -0.0, each NaN payload, +-inf and subnormals, as old and as new, in context
+    blocks (whose classes come from the old exponents, NaN and inf included)."""
+    bits = 8 * torch.empty((), dtype=dtype).element_size()
+    allv = (torch.arange(2**bits, dtype=torch.int32).to(torch.int16) if bits == 16
+            else torch.arange(256, dtype=torch.int32).to(torch.uint8)).repeat(1 if bits == 16 else 32)
+    old = allv.view(dtype)
+    g = torch.Generator().manual_seed(1)
+    new = old[torch.randperm(old.numel(), generator=g)]
+    blob = delta.encode(old, new, version=2)
+    assert delta.inspect(blob)["context_blocks"] >= 1
+    assert same_bits(delta.decode(old, blob), new)
+    back = delta.encode(new, old, version=2)
+    assert same_bits(delta.decode(new, back, backend="reference"), old)
+
+
+def test_small_or_sparse_blocks_are_mode_0_and_need_no_base():
+    old, new = weight_pair(3000, 1e-5)  # one block of 3000 elements: below the context span
+    blob = delta.encode(old, new, version=2)
+    assert delta.inspect(blob)["context_blocks"] == 0
+    c = delta.changes(blob)  # no base needed
+    assert torch.equal(c.positions, delta.changes(delta.encode(old, new)).positions)
+
+
+def test_context_blocks_need_the_base():
+    old, new = weight_pair(1 << 16, 1e-5)
+    blob = delta.encode(old, new, version=2)
+    with pytest.raises(DeltaError, match="needs the base"):
+        delta.changes(blob)
+    c1, c2 = delta.changes(delta.encode(old, new)), delta.changes(blob, base=old)
+    assert torch.equal(c1.positions, c2.positions) and torch.equal(c1.values, c2.values)
+    assert (c2.base_checksum, c2.new_checksum) == (c1.base_checksum, c1.new_checksum)
+    with pytest.raises(DeltaError, match="base is"):
+        delta.changes(blob, base=old[:-1])
+
+
+def test_apply_with_the_wrong_base_fails_cleanly():
+    old, new = weight_pair(1 << 16, 1e-5)
+    blob = delta.encode(old, new, version=2)
+    for be in ("cpu", "reference"):
+        t = new.clone()  # the same delta twice: its classes differ from the encoder's
+        with pytest.raises(DeltaError):
+            delta.apply_(t, blob, backend=be)
+        assert same_bits(t, new)
+        t = new.clone()  # without the checksums the decoder must still not write out of bounds or raise oddly
+        try:
+            delta.apply_(t, blob, backend=be, verify=False)
+        except DeltaError:
+            assert same_bits(t, new)
+
+
+def test_many_matches_one_by_one():
+    pairs = [weight_pair(n, 1e-5, seed=n) for n in (5, 3000, 70_000, 300_000)]
+    olds, news = [p[0] for p in pairs], [p[1] for p in pairs]
+    blobs = delta.encode_many(olds, news, block_log2=16, version=2)
+    assert blobs == [delta.encode(o, n, block_log2=16, version=2) for o, n in zip(olds, news)]
+    work = [o.clone() for o in olds]
+    delta.apply_many(work, blobs)
+    assert all(same_bits(w, n) for w, n in zip(work, news))
+    bad = list(blobs)
+    bad[3] = bad[3][:-3]
+    work = [o.clone() for o in olds]
+    with pytest.raises(DeltaError, match="truncated"):
+        delta.apply_many(work, bad)
+    assert same_bits(work[3], olds[3]) and all(same_bits(work[i], news[i]) for i in range(3))
+
+
+def test_undo_after_a_later_block_fails():
+    """A tensor whose last block is corrupt (resealed, so only the decoder can tell) comes back unchanged
+    although its first blocks were written: undo uses the changes decoded before they were written."""
+    from tests.ops._util import reseal
+
+    old, new = weight_pair(1 << 16, 1e-5)
+    blob = bytearray(delta.encode(old, new, block_log2=14, version=2))
+    blob[-20] ^= 0x55
+    t = old.clone()
+    with pytest.raises(DeltaError):
+        delta.apply_(t, reseal(bytes(blob)))
+    assert same_bits(t, old)
+
+
+def test_unknown_version_is_refused():
+    a = torch.zeros(4, dtype=torch.bfloat16)
+    with pytest.raises(DeltaError, match="version"):
+        delta.encode(a, a, version=3)
+
+
+# ---------------------------------------------------------------------------------- the context itself
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64,
+                                   torch.float8_e4m3fn, torch.int16], ids=str)
+@pytest.mark.parametrize("block_log2", [8, 12, 15])
+def test_torch_context_matches_the_reference(dtype, block_log2):
+    g = torch.Generator().manual_seed(block_log2)
+    old = random_bits((70_001,), dtype, g)
+    nib, e_tops = _context.class_nibbles(old, fmt.dtype_of(dtype), block_log2)
+    dt = fmt.dtype_of(dtype)
+    bits = old.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[old.element_size()]).numpy()
+    bits = bits.view({8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}[dt.bits])
+    want_cls, want_top = [], []
+    for lo in range(0, bits.size, 1 << block_log2):
+        e, c = ref_ctx.block_context(bits[lo : lo + (1 << block_log2)], dt)
+        want_top.append(e)
+        want_cls.append(c)
+    assert e_tops.tolist() == want_top
+    assert np.array_equal(nib.numpy(), ref_ctx.pack_nibbles(np.concatenate(want_cls)))
+
+
+def test_e_top_ignores_inf_nan_and_unsampled_elements():
+    dt = fmt.DTYPES["bfloat16"]
+    x = np.full(40_000, 0x3C00, np.uint16)  # exponent 120
+    x[5] = 0x7F80  # +inf: exponent 255, not counted
+    x[2000] = 0x4000  # exponent 128, outside the sample (2000 % 16384 >= 1024)
+    x[16384 + 3] = 0x3E00  # exponent 124, sampled
+    assert ref_ctx.choose_e_top(x, dt) == 124
+    classes = ref_ctx.classes_of(x, dt, 124)
+    assert classes[0] == 4 and classes[5] == 0 and classes[2000] == 0 and classes[16387] == 0
+
+
+def test_probability_rules_are_integer_and_clamped():
+    assert ref_ctx.position_probabilities([0, 5, 1000], [10, 10, 1], 21) == [0, 32768, 65535]  # sample = block
+    assert ref_ctx.position_probabilities([5], [10], 100) == [3277]  # a tenth of the block sampled: 5 in 100
+    assert ref_ctx.continue_probability(0, 7) == 1 and ref_ctx.continue_probability(7, 7) == 65535
+    assert ref_ctx.continue_probability(1, 2) == 32768
