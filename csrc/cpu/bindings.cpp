@@ -6,7 +6,7 @@
 
 #include <tuple>
 
-#include "binary_rans_simd.h"
+#include "v2_kernels.h"
 #include "checksum.h"
 #include "delta_codec.h"
 #include "scatter.h"
@@ -66,7 +66,7 @@ PYBIND11_MODULE(_native, m) {
 
   m.attr("FORMAT_VERSIONS") = py::make_tuple(1, 2);
   m.attr("DEFAULT_FORMAT") = kDefaultFormat;
-  m.attr("CODEC_SIMD") = binary_rans_simd_level();
+  m.attr("CODEC_SIMD") = simd_name(simd_level());
   m.attr("PROB_BITS") = kProbBits;
   m.attr("RANS_L") = kRansL;
   m.attr("DEFAULT_BLOCK_LOG2") = kDefaultBlockLog2;

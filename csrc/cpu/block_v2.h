@@ -13,6 +13,7 @@
 #include "binary_rans.h"
 #include "block_coder.h"
 #include "delta_format.h"
+#include "v2_kernels.h"
 
 namespace syncd {
 
@@ -20,7 +21,7 @@ constexpr int kClasses = 16;
 constexpr uint8_t kModeOrder0 = 0, kModeContext = 1;
 constexpr uint64_t kSamplePeriod = 1 << 14, kSampleRun = 1 << 10;
 constexpr uint64_t kContextMinChanges = 256, kContextMinSpan = 4096;
-constexpr uint64_t kChangesPerGroup = 2048;
+constexpr uint64_t kElementsPerGroup = 1 << 16, kChangesPerGroup = 2048;
 constexpr int kEncoderMaxGroups = 4;
 
 // Whether encoders write a block of n changes in `span` elements in mode 1.
@@ -35,48 +36,63 @@ struct ClassSource {
   uint64_t first = 0;
 };
 
-// The classes of elements [lo, lo + n) of a block (block-relative), into out[0..n).
-void block_classes(const ClassSource& cs, const DTypeInfo& dt, int e_top, uint64_t lo, size_t n, uint8_t* out);
-
 // The encoder's e_top of a block of `span` elements whose old elements start at `old`.
 int choose_e_top(const uint8_t* old, uint64_t span, const DTypeInfo& dt);
 
-// Accumulates one block's changes (as BlockEncoder) and writes its format-2 payload.
+// One block's changes as format 2 codes them: a bitmap (one u16 per 16 elements), and per change (in
+// position order) its class and value v (v16 for 16-bit dtypes, else v64).
+struct BlockChanges {
+  uint64_t span = 0, n = 0;
+  bool wide = false;  // values in v64
+  PodBuffer<uint16_t> bitmap;
+  PodBuffer<uint8_t> cls;
+  PodBuffer<uint16_t> v16;
+  PodBuffer<uint64_t> v64;
+  void reset(uint64_t span_, bool wide_, uint64_t n_max);
+  uint64_t value(uint64_t i) const { return wide ? v64.data()[i] : v16.data()[i]; }
+  // Block-relative positions and values (for mode 0 and for unpack).
+  void list(uint32_t* pos, uint64_t* v) const;
+};
+
+// Accumulates one block's changes and writes its format-2 payload.
 class V2BlockEncoder {
  public:
-  void reset();
+  // CPU, 16-bit dtypes: scans old/new of a block (classes from the old words; SIMD) and keeps its changes.
+  // Sets the checksum terms of the old words (*sum_old) and their change to the new ones (*adj).
+  void scan16(const uint16_t* old, const uint16_t* nw, uint64_t span, uint64_t first_word, const DTypeInfo& dt,
+              uint64_t* sum_old, uint64_t* adj);
+  // Any dtype: changes added as block-relative positions (ascending) and values; classes come at finish().
+  void reset(uint64_t span, const DTypeInfo& dt);
   void add(const uint32_t* pos, const uint64_t* v, size_t n);
   uint64_t count() const { return n_; }
-  // Appends the payload of a block of `span` elements (count() >= 1) to `out`. Mode 1 needs the classes
-  // (`cs`) and e_top: chosen here from the old elements when cs.old is set, else `e_top` is used.
-  void finish(std::vector<uint8_t>& out, uint64_t span, const DTypeInfo& dt, const ClassSource& cs, int e_top);
+  // Appends the payload (count() >= 1) to `out`. Mode 1 takes the classes from `cs` and e_top from the old
+  // elements (cs.old, chosen here) or from `e_top`.
+  void finish(std::vector<uint8_t>& out, const DTypeInfo& dt, const ClassSource& cs, int e_top);
 
  private:
-  void finish_context(std::vector<uint8_t>& out, uint64_t span, const DTypeInfo& dt, const ClassSource& cs,
-                      int e_top);
+  void finish_context(std::vector<uint8_t>& out, const DTypeInfo& dt, const ClassSource& cs);
+  BlockChanges ch_;
   PodBuffer<uint32_t> pos_;
   PodBuffer<uint64_t> v_;
-  PodBuffer<uint8_t> cls_, cls_ch_, nb_, words_;
-  PodBuffer<uint64_t> bitmap_;
-  PodBuffer<uint32_t> jidx_;
-  uint64_t n_ = 0;
+  PodBuffer<uint8_t> all_cls_, words_, signs_;
+  uint64_t n_ = 0, span_ = 0;
+  bool scanned_ = false;  // scan16 filled ch_ (else pos_/v_ hold the changes)
+  int e_top_ = 0;
 };
 
 V2BlockEncoder& thread_v2_encoder();
 
-// Decodes one format-2 payload (mode 0 or 1) into block-relative positions and values, validating
-// everything (DeltaError names the block). Positions come out ascending.
+// Decodes one format-2 payload (mode 0 or 1), validating everything (DeltaError names the block).
 class V2BlockDecoder {
  public:
   // Parses the payload's parameters; decode() then needs the classes of the old elements.
   void parse(const uint8_t* payload, size_t len, uint32_t n, uint64_t span, const DTypeInfo& dt, size_t block);
   bool context() const { return mode_ == kModeContext; }
-  int e_top() const { return e_top_; }
-  // Writes n positions and values (for mode 0, cs is not used).
-  void decode(const ClassSource& cs, uint32_t* pos, uint64_t* v);
+  // Decodes into `out` (for mode 0, cs is not used). Reads the old elements only.
+  void decode(const ClassSource& cs, BlockChanges& out);
 
  private:
-  void decode_context(const ClassSource& cs, uint32_t* pos, uint64_t* v);
+  void decode_values(BlockChanges& out);
   std::string what_;
   const uint8_t* payload_ = nullptr;
   size_t len_ = 0;
@@ -87,8 +103,7 @@ class V2BlockDecoder {
   uint8_t mode_ = 0;
   int e_top_ = 0, gp_ = 0, gv_ = 0;
   uint32_t p1_[kClasses] = {};
-  int depth_[kClasses] = {};
-  uint32_t levels_[kClasses][64] = {};
+  ValueTrees trees_{};
   const uint8_t* streams_[2 * kMaxGroups] = {};
   size_t stream_len_[2 * kMaxGroups] = {};
   const uint8_t* mant_ = nullptr;
@@ -96,10 +111,9 @@ class V2BlockDecoder {
   const uint8_t* signs_ = nullptr;
 };
 
-// The decoded form of one block kept by an apply until its tensor is known good (for undo).
-struct DecodedBlock {
-  std::vector<uint32_t> pos;
-  std::vector<uint64_t> v;
-};
+// Applies (forward) or undoes a block's decoded changes at `target` (the block's first element) in place;
+// returns the checksum change of the words written (words indexed from first_word).
+uint64_t apply_changes(uint8_t* target, const BlockChanges& ch, const DTypeInfo& dt, uint64_t first_word,
+                       bool forward);
 
 }  // namespace syncd

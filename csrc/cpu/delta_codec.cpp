@@ -144,11 +144,10 @@ void code_block(BlockEncoder& enc, Assembled& a, size_t b) {
   enter_block(enc.count(), a, b);
 }
 
-// Format 2: the block spans `span` elements whose old classes come from `cs` (e_top: see V2BlockEncoder).
-void code_block(V2BlockEncoder& enc, Assembled& a, size_t b, uint64_t span, const DTypeInfo& dt,
-                const ClassSource& cs, int e_top) {
+// Format 2: the block's old classes come from `cs` (e_top: see V2BlockEncoder::finish).
+void code_block(V2BlockEncoder& enc, Assembled& a, size_t b, const DTypeInfo& dt, const ClassSource& cs, int e_top) {
   if (!enc.count()) return;
-  enc.finish(a.payloads[b], span, dt, cs, e_top);
+  enc.finish(a.payloads[b], dt, cs, e_top);
   enter_block(enc.count(), a, b);
 }
 
@@ -238,19 +237,6 @@ void apply_block(Source& dec, uint32_t n, uint8_t* target, size_t nbytes, size_t
 }
 
 
-// A format-2 block's changes, decoded before the block is written (their positions depend on the old values),
-// fed to apply_block like a BlockDecoder.
-struct DecodedSource {
-  const DecodedBlock& d;
-  size_t at = 0;
-  void next_batch(uint32_t* pos, uint64_t* v, size_t k) {
-    std::memcpy(pos, d.pos.data() + at, k * sizeof(uint32_t));
-    std::memcpy(v, d.v.data() + at, k * sizeof(uint64_t));
-    at += k;
-  }
-  void finish() {}
-};
-
 // ---- many tensors, one pool: every block of every tensor is one work item, so both cores stay busy across
 // tensors of one or two blocks (most of a model's) and there is one call for the whole list.
 
@@ -264,7 +250,7 @@ struct EncodeTask {
 struct ApplyTask {
   Header h;
   std::vector<uint32_t> written;  // changes written per block: what undo() reverses
-  std::vector<DecodedBlock> decoded;  // format 2: each block's changes, kept for undo
+  std::vector<BlockChanges> decoded;  // format 2: each block's changes, kept for undo
   std::vector<uint64_t> sums, adjs;
   std::atomic<bool> failed{false};
   std::string error;
@@ -293,9 +279,7 @@ void undo_block(const ApplyTask& t, const ApplyJob& j, size_t b) {
   T* tgt = reinterpret_cast<T*>(j.target);
   const uint64_t start = h.block_start(b);
   if (h.version == 2) {  // the positions depend on the old values: undo from the decoded changes
-    const DecodedBlock& d = t.decoded[b];
-    for (uint32_t i = 0; i < t.written[b]; ++i)
-      tgt[start + d.pos[i]] = unapply_value<T>(tgt[start + d.pos[i]], d.v[i], h.dtype.is_float);
+    apply_changes(j.target + start * sizeof(T), t.decoded[b], h.dtype, start * sizeof(T) / 8, false);
     return;
   }
   BlockDecoder dec(j.blob + h.payload_offset[b], e.payload_bytes, e.n_changed, h.block_span(b), int(sizeof(T) * 8), b);
@@ -318,18 +302,16 @@ void apply_item(ApplyTask& t, const ApplyJob& j, size_t b, bool verify) {
     return;
   }
   verify_payload(h, j.blob, b);
-  if (h.version == 2) {
+  if (h.version == 2) {  // decode everything first: the positions depend on the old values
     V2BlockDecoder dec;
     dec.parse(j.blob + h.payload_offset[b], e.payload_bytes, e.n_changed, h.block_span(b), h.dtype, b);
-    DecodedBlock& d = t.decoded[b];
-    d.pos.resize(e.n_changed);
-    d.v.resize(e.n_changed);
     ClassSource cs;
-    cs.old = j.target + lo;  // before anything of this block is written
-    dec.decode(cs, d.pos.data(), d.v.data());
-    DecodedSource src{d};
-    apply_block<T>(src, e.n_changed, j.target, size_t(h.numel) * sizeof(T), lo, hi, h.dtype.is_float, verify,
-                   &t.written[b], &t.sums[b], &t.adjs[b]);
+    cs.old = j.target + lo;
+    dec.decode(cs, t.decoded[b]);
+    if (verify) t.sums[b] = checksum_raw_range(j.target, lo, hi);
+    const uint64_t ad = apply_changes(j.target + lo, t.decoded[b], h.dtype, lo / 8, true);
+    t.written[b] = e.n_changed;
+    if (verify) t.adjs[b] = ad;
     return;
   }
   BlockDecoder dec(j.blob + h.payload_offset[b], e.payload_bytes, e.n_changed, h.block_span(b), int(sizeof(T) * 8), b);
@@ -383,14 +365,21 @@ std::vector<std::vector<uint8_t>> delta_encode_many(const std::vector<EncodeJob>
     const uint64_t start = uint64_t(it.block) << block_log2;
     if (version == 2) {
       V2BlockEncoder& enc = thread_v2_encoder();
-      enc.reset();
-      by_word_bytes(k.dt.bits / 8, [&](auto tag) {
-        scan_block<decltype(tag)>(j.old_bytes, j.new_bytes, k.numel, start, it.cost, k.dt.is_float, enc,
-                                  &k.sums[it.block], &k.adjs[it.block]);
-      });
+      const size_t w = size_t(k.dt.bits / 8);
+      if (k.dt.bits == 16) {
+        enc.scan16(reinterpret_cast<const uint16_t*>(j.old_bytes) + start,
+                   reinterpret_cast<const uint16_t*>(j.new_bytes) + start, it.cost, start / 4, k.dt,
+                   &k.sums[it.block], &k.adjs[it.block]);
+      } else {
+        enc.reset(it.cost, k.dt);
+        by_word_bytes(int(w), [&](auto tag) {
+          scan_block<decltype(tag)>(j.old_bytes, j.new_bytes, k.numel, start, it.cost, k.dt.is_float, enc,
+                                    &k.sums[it.block], &k.adjs[it.block]);
+        });
+      }
       ClassSource cs;
-      cs.old = j.old_bytes + start * (k.dt.bits / 8);
-      code_block(enc, k.a, it.block, it.cost, k.dt, cs, 0);
+      cs.old = j.old_bytes + start * w;
+      code_block(enc, k.a, it.block, k.dt, cs, 0);
       return;
     }
     BlockEncoder& enc = thread_block_encoder();  // keeps its capacity: no page faults on fresh memory per call
@@ -509,7 +498,6 @@ std::vector<uint8_t> delta_pack(int dtype_code, const std::vector<uint64_t>& sha
     uint64_t lo = uint64_t(b) << block_log2, hi = lo + (uint64_t(1) << block_log2);
     size_t i0 = std::lower_bound(pos, pos + n, lo) - pos, i1 = std::lower_bound(pos, pos + n, hi) - pos;
     auto feed = [&](auto& enc) {
-      enc.reset();
       constexpr size_t kBatch = 1024;
       uint32_t rel[kBatch];
       for (size_t i = i0; i < i1; i += kBatch) {
@@ -520,14 +508,16 @@ std::vector<uint8_t> delta_pack(int dtype_code, const std::vector<uint64_t>& sha
     };
     if (version == 2) {
       V2BlockEncoder& enc = thread_v2_encoder();
+      enc.reset(std::min(hi, numel) - lo, dt);
       feed(enc);
       ClassSource cs;
       cs.nibbles = ctx.nibbles;
       cs.first = lo;
-      code_block(enc, a, b, std::min(hi, numel) - lo, dt, cs, ctx.e_tops[b]);
+      code_block(enc, a, b, dt, cs, ctx.e_tops[b]);
       return;
     }
     BlockEncoder& enc = thread_block_encoder();
+    enc.reset();
     feed(enc);
     code_block(enc, a, b);
   });
@@ -561,8 +551,10 @@ void delta_unpack_into(const Header& h, const uint8_t* blob, uint64_t* pos, uint
                            " is context-coded (format 2): decoding it needs the base tensor");
         }
       }
+      BlockChanges ch;
+      dec.decode(cs, ch);
       std::vector<uint32_t> rel(e.n_changed);
-      dec.decode(cs, rel.data(), vb);
+      ch.list(rel.data(), vb);
       for (size_t i = 0; i < e.n_changed; ++i) pb[i] = start + rel[i];
       return;
     }

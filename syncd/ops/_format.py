@@ -52,7 +52,8 @@ SAMPLE_RUN = 1 << 10
 #: encoders write a context block when it has at least this many changes and elements.
 CONTEXT_MIN_CHANGES = 256
 CONTEXT_MIN_SPAN = 4096
-#: changes per interleaved group the encoder aims for (1..4 groups per stream).
+#: elements per interleaved position group, changes per value group the encoders aim for (1..4 groups).
+ELEMENTS_PER_GROUP = 1 << 16
 CHANGES_PER_GROUP = 2048
 ENCODER_MAX_GROUPS = 4
 

@@ -3,9 +3,10 @@
 A format-2 payload starts with its mode byte. Mode 0 is the format-1 payload. Mode 1 (context) codes every
 element's yes/no "changed" decision with the probability of its class (``context.py``) and each change's
 value ``v`` (as in format 1: zigzag of the key delta, minus one) as ``v = 2 m + low``: ``low`` a raw bit, and
-``m`` by its bit length ``nb`` (unary yes/no decisions with per-class, per-level probabilities) plus the
-``nb - 1`` bits below its leading one, raw. Decisions travel in binary rANS group streams
-(``binary_rans.py``).
+``m`` by its bit length ``nb`` plus the ``nb - 1`` bits below its leading one, raw. ``nb`` is coded by its
+``T`` binary digits, most significant first, each with the probability of its node in the class's binary
+tree (a class whose changes all have ``nb = 0`` codes nothing). Decisions travel in binary rANS group
+streams (``binary_rans.py``).
 """
 
 from __future__ import annotations
@@ -37,8 +38,15 @@ def bit_length(m: np.ndarray) -> np.ndarray:
 
 
 def groups_for(count: int) -> int:
-    """Interleaved groups an encoder gives a stream of ``count`` changes (1..ENCODER_MAX_GROUPS)."""
+    """Interleaved groups an encoder gives the value stream of ``count`` changes (1..ENCODER_MAX_GROUPS)."""
     return min(fmt.ENCODER_MAX_GROUPS, max(1, count // fmt.CHANGES_PER_GROUP))
+
+
+def position_groups(span: int) -> int:
+    """Interleaved groups an encoder gives the position stream of a block of ``span`` elements: one per
+    ``ELEMENTS_PER_GROUP`` (decoding a group's rows is a chain of dependent steps, so a decoder wants several
+    to interleave), 1..ENCODER_MAX_GROUPS."""
+    return min(fmt.ENCODER_MAX_GROUPS, max(1, span // fmt.ELEMENTS_PER_GROUP))
 
 
 def use_context(n_changed: int, span: int) -> bool:
@@ -72,9 +80,9 @@ def position_rows(classes: np.ndarray, p1: np.ndarray, groups: int, changed: np.
 
 def value_steps(count: int, groups: int):
     """``(group, lo, hi)``: the lanes of each row group of the value streams, in decode order. The changes
-    ``J`` of classes with value levels are taken in steps of ``16 * groups``; in a step, group ``g`` takes the
-    ``g``-th 16 of them (``J[lo:hi]``) and codes level 0 for its lanes, then level 1 for the lanes that went on
-    past level 0, and so on until none does."""
+    ``J`` of classes with a value tree are taken in steps of ``16 * groups``; in a step, group ``g`` takes the
+    ``g``-th 16 of them (``J[lo:hi]``) and codes, in row ``r``, digit ``r`` of every lane whose tree has more
+    than ``r`` levels."""
     step = fmt.LANES * max(groups, 1)
     for s0 in range(0, count, step):
         for g in range(groups):
@@ -84,12 +92,34 @@ def value_steps(count: int, groups: int):
             yield g, lo, hi
 
 
-def level_tables(levels: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """Per class its number of value levels, and its level probabilities (a CLASSES x 64 array)."""
-    depth = np.array([len(levels[c]) for c in range(fmt.CLASSES)], np.int64)
-    prob = np.zeros((fmt.CLASSES, 64), np.int64)
+def tree_depth(max_nb: int) -> int:
+    """Levels of a class's value tree: the binary digits of its largest bit length (0: nothing is coded)."""
+    return int(max_nb).bit_length()
+
+
+def tree_probabilities(nb: np.ndarray, depth: int) -> list[int]:
+    """The encoder's node probabilities of one class (heap order, nodes 1 .. 2**depth - 1): at each node, the
+    chance that the next digit of ``nb`` is 1 among the changes that reached it; 32768 for a node none
+    reached."""
+    reached = np.zeros(1 << depth, np.int64)
+    ones = np.zeros(1 << depth, np.int64)
+    u = np.ones(nb.size, np.int64)
+    for r in range(depth):
+        bit = (nb >> (depth - 1 - r)) & 1
+        np.add.at(reached, u, 1)
+        np.add.at(ones, u, bit)
+        u = 2 * u + bit
+    return [ctx.continue_probability(int(ones[k]), int(reached[k])) if reached[k] else 1 << 15
+            for k in range(1, 1 << depth)]
+
+
+def tree_tables(trees: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Per class its tree depth, and its node probabilities (a CLASSES x 128 array indexed by node; a lane past
+    its last level sits on a leaf, 2**depth .. 2**(depth + 1) - 1, whose entry is never used)."""
+    depth = np.array([(len(trees[c]) + 1).bit_length() - 1 for c in range(fmt.CLASSES)], np.int64)
+    prob = np.zeros((fmt.CLASSES, 128), np.int64)
     for c in range(fmt.CLASSES):
-        prob[c, : len(levels[c])] = levels[c]
+        prob[c, 1 : 1 + len(trees[c])] = trees[c]
     return depth, prob
 
 
@@ -116,26 +146,26 @@ def encode_block(pos: np.ndarray, v: np.ndarray, classes: np.ndarray, e_top: int
                                              ctx.sample_class_counts(classes), span), np.int64)
     m, low = v >> np.uint64(1), (v & np.uint64(1)).astype(bool)
     nb = bit_length(m)
-    levels = []
+    trees = []
     for c in range(fmt.CLASSES):
         nbc = nb[cls_ch == c]
-        top = int(nbc.max()) if nbc.size else 0
-        levels.append([ctx.continue_probability(int((nbc > k).sum()), int((nbc >= k).sum())) for k in range(top)])
-    gp = groups_for(n)
+        trees.append(tree_probabilities(nbc, tree_depth(int(nbc.max()) if nbc.size else 0)))
+    gp = position_groups(span)
     pos_streams = [br.encode_group(r) for r in position_rows(classes, p1, gp, changed)]
-    has = np.array([len(levels[c]) > 0 for c in range(fmt.CLASSES)])
-    jsel = has[cls_ch]
+    depth, prob = tree_tables(trees)
+    jsel = depth[cls_ch] > 0
     cls_j, nb_j = cls_ch[jsel], nb[jsel]
     gv = groups_for(cls_j.size) if cls_j.size else 0
     vrows = [[] for _ in range(gv)]
-    depth, prob = level_tables(levels)
     for g, lo, hi in value_steps(cls_j.size, gv):
         c, b, live = _lanes(cls_j, lo, hi), _lanes(nb_j, lo, hi), np.arange(fmt.LANES) < hi - lo
-        for k in range(int(depth[c[live]].max())):
-            active = live & (depth[c] > k) & (b >= k)
-            if not active.any():
-                break
-            vrows[g].append((active, prob[c, k], b > k))
+        t = np.where(live, depth[c], 0)
+        u = np.ones(fmt.LANES, np.int64)
+        for r in range(int(t.max())):
+            active = t > r
+            bit = (b >> np.maximum(t - 1 - r, 0)) & 1 & active
+            vrows[g].append((active, prob[c, u], bit.astype(bool)))
+            u = np.where(active, 2 * u + bit, u)
     val_streams = [br.encode_group(r) for r in vrows]
     mant = ent.BitWriter()
     for mi, ni in zip(m.tolist(), nb.tolist()):
@@ -145,10 +175,10 @@ def encode_block(pos: np.ndarray, v: np.ndarray, classes: np.ndarray, e_top: int
     out = bytearray(_MODE1_FIXED.pack(fmt.MODE_CONTEXT, e_top, gp, gv))
     out += struct.pack("<H", sum(1 << c for c in range(fmt.CLASSES) if p1[c]))
     out += b"".join(struct.pack("<H", int(p1[c])) for c in range(fmt.CLASSES) if p1[c])
-    out += struct.pack("<H", sum(1 << c for c in range(fmt.CLASSES) if levels[c]))
+    out += struct.pack("<H", sum(1 << c for c in range(fmt.CLASSES) if trees[c]))
     for c in range(fmt.CLASSES):
-        if levels[c]:
-            out += struct.pack(f"<B{len(levels[c])}H", len(levels[c]), *levels[c])
+        if trees[c]:
+            out += struct.pack(f"<B{len(trees[c])}H", int(depth[c]), *trees[c])
     for s in pos_streams + val_streams:
         ent.write_varint(out, len(s))
     ent.write_varint(out, len(mant_bytes))
@@ -193,16 +223,17 @@ def decode_block(payload: bytes, n_changed: int, classes_for, span: int, dtype: 
                 raise DeltaError(f"{what}: class {c} listed with a zero change probability")
     (mask_v,) = struct.unpack("<H", r.take(2))
     if mask_v & ~mask_p:
-        raise DeltaError(f"{what}: value levels for a class that never changes")
-    levels: list[list[int]] = [[] for _ in range(fmt.CLASSES)]
+        raise DeltaError(f"{what}: a value tree for a class that never changes")
+    trees: list[list[int]] = [[] for _ in range(fmt.CLASSES)]
     for c in range(fmt.CLASSES):
         if mask_v >> c & 1:
-            depth = r.take(1)[0]
-            if not 1 <= depth <= dtype.bits - 1:
-                raise DeltaError(f"{what}: class {c} has {depth} value levels (1..{dtype.bits - 1})")
-            levels[c] = list(struct.unpack(f"<{depth}H", r.take(2 * depth)))
-            if 0 in levels[c]:
-                raise DeltaError(f"{what}: class {c} has a zero level probability")
+            levels = r.take(1)[0]
+            if not 1 <= levels <= tree_depth(dtype.bits - 1):
+                raise DeltaError(f"{what}: class {c} has a value tree of {levels} levels "
+                                 f"(1..{tree_depth(dtype.bits - 1)})")
+            trees[c] = list(struct.unpack(f"<{(1 << levels) - 1}H", r.take(2 * ((1 << levels) - 1))))
+            if 0 in trees[c]:
+                raise DeltaError(f"{what}: class {c} has a zero node probability")
     lens = [r.varint() for _ in range(gp + gv + 1)]
     pos_dec = [br.GroupDecoder(r.take(n), f"{what} position group {g}") for g, n in enumerate(lens[:gp])]
     val_dec = [br.GroupDecoder(r.take(n), f"{what} value group {g}") for g, n in enumerate(lens[gp : gp + gv])]
@@ -223,22 +254,20 @@ def decode_block(payload: bytes, n_changed: int, classes_for, span: int, dtype: 
     if pos.size != n_changed:
         raise DeltaError(f"{what}: {pos.size} changes decoded, the block table says {n_changed}")
     cls_ch = classes[pos].astype(np.int64)
-    has = np.array([len(levels[c]) > 0 for c in range(fmt.CLASSES)])
-    jsel = has[cls_ch]
+    depth, prob = tree_tables(trees)
+    jsel = depth[cls_ch] > 0
     cls_j = cls_ch[jsel]
     if (gv == 0) != (cls_j.size == 0):
-        raise DeltaError(f"{what}: {gv} value groups for {cls_j.size} changes with value levels")
+        raise DeltaError(f"{what}: {gv} value groups for {cls_j.size} changes with a value tree")
     nb_j = np.zeros(cls_j.size, np.int64)
-    depth, prob = level_tables(levels)
     for g, lo, hi in value_steps(cls_j.size, gv):
         c, live = _lanes(cls_j, lo, hi), np.arange(fmt.LANES) < hi - lo
-        b = np.zeros(fmt.LANES, np.int64)
-        for k in range(int(depth[c[live]].max())):
-            active = live & (depth[c] > k) & (b == k)
-            if not active.any():
-                break
-            b += val_dec[g].row(active, prob[c, k])
-        nb_j[lo:hi] = b[: hi - lo]
+        t = np.where(live, depth[c], 0)
+        u = np.ones(fmt.LANES, np.int64)
+        for r in range(int(t.max())):
+            active = t > r
+            u = np.where(active, 2 * u + val_dec[g].row(active, prob[c, u]), u)
+        nb_j[lo:hi] = (u - (1 << t))[: hi - lo]
     for d in val_dec:
         d.finish()
     nb = np.zeros(n_changed, np.int64)
@@ -274,7 +303,7 @@ def sections(payload: bytes, n_changed: int, what: str) -> dict:
     r.take(2 * bin(mask_p).count("1"))
     (mask_v,) = struct.unpack("<H", r.take(2))
     for _ in range(bin(mask_v).count("1")):
-        r.take(2 * r.take(1)[0])
+        r.take(2 * ((1 << r.take(1)[0]) - 1))
     lens = [r.varint() for _ in range(gp + gv + 1)]
     params = r.pos - 1
     signs = (n_changed + 7) // 8

@@ -1,0 +1,686 @@
+// AVX-512 versions of the 16-bit format-2 kernels (v2_kernels.h): 16 binary rANS lanes per zmm, one state
+// vector per group kept in registers, masked expand loads / compress stores of the renormalisation words.
+// Bit for bit the scalar kernels' results. Called only when simd_level() says the CPU has AVX-512.
+#include "v2_kernels.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "block_coder.h"
+#include "checksum.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+
+#include "simd_mix.h"
+
+// GCC's AVX-512 headers fill unused lanes from _mm512_undefined_*(), which -Wuninitialized reports
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#define SYNCD_512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512cd,avx512vbmi2,bmi2,popcnt")))
+
+namespace syncd {
+namespace avx512_16 {
+
+namespace {
+
+struct Consts {
+  __m512i p1, emask, etop, fifteen, zero, one16, lo16;
+  __m128i shift;
+  SYNCD_512 explicit Consts(const Classes16& c)
+      : p1(_mm512_loadu_si512(c.p1)),
+        emask(_mm512_set1_epi32(int(c.emask))),
+        etop(_mm512_set1_epi32(c.e_top)),
+        fifteen(_mm512_set1_epi32(15)),
+        zero(_mm512_setzero_si512()),
+        one16(_mm512_set1_epi32(1 << 16)),
+        lo16(_mm512_set1_epi32(0xFFFF)),
+        shift(_mm_cvtsi32_si128(c.shift)) {}
+};
+
+inline __mmask16 live_lanes(uint64_t span, uint64_t t) {
+  const uint64_t left = span - t * kLanes;
+  return left >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+}
+
+// The classes of vector t's 16 elements (only the live lanes are read).
+SYNCD_512 __attribute__((always_inline)) inline __m512i classes_at(const Classes16& c, const Consts& k, uint64_t t, __mmask16 live) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, c.old + t * kLanes));
+  const __m512i e = _mm512_and_si512(_mm512_srl_epi32(w, k.shift), k.emask);
+  return _mm512_min_epi32(_mm512_max_epi32(_mm512_sub_epi32(k.etop, e), k.zero), k.fifteen);
+}
+
+// Expand/compress with memory operands are microcoded and slow on AMD cores: these do the same with a masked
+// plain load or store of the `cnt` consecutive elements and the register form.
+SYNCD_512 inline __m256i expand_load16(__mmask16 m, const void* p) {
+  const __mmask16 first = __mmask16((1u << __builtin_popcount(m)) - 1);
+  return _mm256_maskz_expand_epi16(m, _mm256_maskz_loadu_epi16(first, p));
+}
+SYNCD_512 inline __m512i expand_load32x16(__mmask32 m, const void* p) {
+  const unsigned cnt = unsigned(__builtin_popcount(m));
+  const __mmask32 first = cnt >= 32 ? ~__mmask32(0) : __mmask32((1u << cnt) - 1);
+  return _mm512_maskz_expand_epi16(m, _mm512_maskz_loadu_epi16(first, p));
+}
+SYNCD_512 inline void compress_store16(void* p, __mmask16 m, __m256i v) {
+  _mm256_mask_storeu_epi16(p, __mmask16((1u << __builtin_popcount(m)) - 1), _mm256_maskz_compress_epi16(m, v));
+}
+SYNCD_512 inline void compress_store32x16(void* p, __mmask32 m, __m512i v) {
+  const unsigned cnt = unsigned(__builtin_popcount(m));
+  _mm512_mask_storeu_epi16(p, cnt >= 32 ? ~__mmask32(0) : __mmask32((1u << cnt) - 1), _mm512_maskz_compress_epi16(m, v));
+}
+// compressing bytes into a buffer with 64 bytes of slack: a full store, the caller advances by the count
+SYNCD_512 inline void compress_bytes16(void* p, __mmask16 m, __m128i v) {
+  _mm_storeu_si128(static_cast<__m128i*>(p), _mm_maskz_compress_epi8(m, v));
+}
+SYNCD_512 inline void compress_bytes64(void* p, __mmask64 m, __m512i v) {
+  _mm512_storeu_si512(p, _mm512_maskz_compress_epi8(m, v));
+}
+
+[[noreturn]] __attribute__((noinline, cold)) void fail(const std::string& what, const char* msg) {
+  throw DeltaError(what + msg);
+}
+
+// One binary rANS decoder step of the lanes in `coded`, probabilities p1; returns their bits. With `checked`
+// false the caller guarantees 32 readable bytes at p (16 words are loaded before the renormalisation mask is
+// known, so that the load is off the state's dependency chain).
+template <bool checked>
+SYNCD_512 __attribute__((always_inline)) inline __mmask16 dec_step(__m512i& x, __mmask16 coded, __m512i p1,
+                                                                 const uint8_t*& p, const uint8_t* end,
+                                                                 const std::string& what) {
+  const __m512i lo16 = _mm512_set1_epi32(0xFFFF), one16 = _mm512_set1_epi32(1 << 16);
+  const __m512i slot = _mm512_and_si512(x, lo16);
+  const __mmask16 bit = _mm512_mask_cmplt_epu32_mask(coded, slot, p1);
+  const __m512i f = _mm512_mask_blend_epi32(bit, _mm512_sub_epi32(one16, p1), p1);
+  const __m512i sc = _mm512_mask_sub_epi32(slot, _knot_mask16(bit), slot, p1);  // slot - cum
+  x = _mm512_mask_add_epi32(x, coded, _mm512_mullo_epi32(f, _mm512_srli_epi32(x, 16)), sc);
+  const __mmask16 ren = _mm512_mask_cmplt_epu32_mask(coded, x, one16);
+  __m512i w;
+  if (!checked || end - p >= 32) {
+    w = _mm512_maskz_expand_epi32(ren, _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+  } else {
+    if (size_t(end - p) < 2 * size_t(__builtin_popcount(ren))) fail(what, ": binary stream truncated");
+    w = _mm512_cvtepu16_epi32(expand_load16(ren, p));
+  }
+  x = _mm512_mask_or_epi32(x, ren, _mm512_slli_epi32(x, 16), w);
+  p += 2 * __builtin_popcount(ren);
+  return bit;
+}
+
+// One encoder step (rows go backwards): lanes in `coded` encode `bit`; inv holds 1 / f per lane, f the
+// probability of the lane's bit. Words go backwards at w.
+SYNCD_512 inline void enc_step(__m512i& x, __mmask16 coded, __mmask16 bit, __m512i p1, __m512 inv, uint8_t*& w) {
+  const __m512i one16 = _mm512_set1_epi32(1 << 16), one = _mm512_set1_epi32(1), zero = _mm512_setzero_si512();
+  const __m512i f = _mm512_mask_blend_epi32(bit, _mm512_sub_epi32(one16, p1), p1);
+  const __m512i cc = _mm512_maskz_mov_epi32(_knot_mask16(bit), p1);
+  const __mmask16 emit = _mm512_mask_cmpge_epu32_mask(coded, x, _mm512_slli_epi32(f, 16));
+  w -= 2 * __builtin_popcount(emit);
+  compress_store16(w, emit, _mm512_cvtepi32_epi16(x));
+  const __m512i xs = _mm512_mask_srli_epi32(x, emit, x, 16);
+  // q = xs / f from a float estimate, exact after one correction either way (|error| < 0.02)
+  __m512i q = _mm512_cvttps_epu32(_mm512_mul_ps(_mm512_cvtepu32_ps(xs), inv));
+  __m512i r = _mm512_sub_epi32(xs, _mm512_mullo_epi32(q, f));
+  const __mmask16 neg = _mm512_cmplt_epi32_mask(r, zero);
+  q = _mm512_mask_sub_epi32(q, neg, q, one);
+  r = _mm512_mask_add_epi32(r, neg, r, f);
+  const __mmask16 big = _mm512_cmpge_epi32_mask(r, f);
+  q = _mm512_mask_add_epi32(q, big, q, one);
+  r = _mm512_mask_sub_epi32(r, big, r, f);
+  x = _mm512_mask_mov_epi32(x, coded, _mm512_add_epi32(_mm512_slli_epi32(q, 16), _mm512_add_epi32(r, cc)));
+}
+
+// The classes (as bytes) and probabilities (32-bit lanes, one vector per row) of the 32 elements of vectors
+// t and t + 1, computed in 16-bit lanes.
+struct Pair {
+  __m512i p1_lo, p1_hi;
+  __m256i cls;
+};
+
+struct Consts16 {
+  __m512i p1, emask, etop, fifteen, zero;
+  __m128i shift;
+  SYNCD_512 explicit Consts16(const Classes16& c)
+      : emask(_mm512_set1_epi16(int16_t(c.emask))),
+        etop(_mm512_set1_epi16(int16_t(c.e_top))),
+        fifteen(_mm512_set1_epi16(15)),
+        zero(_mm512_setzero_si512()),
+        shift(_mm_cvtsi32_si128(c.shift)) {
+    alignas(64) uint16_t t[32] = {};
+    for (int l = 0; l < kLanes; ++l) t[l] = uint16_t(c.p1[l]);
+    p1 = _mm512_load_si512(t);
+  }
+  SYNCD_512 __attribute__((always_inline)) inline Pair pair(const uint16_t* old) const {
+    const __m512i w = _mm512_loadu_si512(old);
+    const __m512i e = _mm512_and_si512(_mm512_srl_epi16(w, shift), emask);
+    const __m512i cls = _mm512_min_epi16(_mm512_max_epi16(_mm512_sub_epi16(etop, e), zero), fifteen);
+    const __m512i q = _mm512_permutexvar_epi16(cls, p1);
+    return {_mm512_cvtepu16_epi32(_mm512_castsi512_si256(q)), _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(q, 1)),
+            _mm512_cvtepi16_epi8(cls)};
+  }
+};
+
+// One decoder row: state x, word cursor p (bounds-checked), vector t.
+struct DecRow {
+  const Classes16& c;
+  const Consts& k;
+  uint16_t* bitmap;
+  uint8_t* cls_ch;
+  size_t n_max, found;
+  const std::string& what;
+
+  template <bool checked>
+  SYNCD_512 __attribute__((always_inline)) inline void row(uint64_t t, __m512i p1, __m128i cls8, __mmask16 live,
+                                                            __m512i& x, const uint8_t*& p, const uint8_t* end) {
+    const __mmask16 coded = _mm512_mask_test_epi32_mask(live, p1, p1);
+    const __mmask16 bit = dec_step<checked>(x, coded, p1, p, end, what);
+    bitmap[t] = uint16_t(bit);
+    compress_bytes16(cls_ch + found, bit, cls8);  // cls_ch has 64 bytes of slack
+    found += unsigned(__builtin_popcount(bit));
+    if (__builtin_expect(found > n_max, 0)) fail(what, ": more changes than the block table says");
+  }
+  SYNCD_512 __attribute__((always_inline)) inline void step(uint64_t t, __mmask16 live, __m512i& x,
+                                                             const uint8_t*& p, const uint8_t* end) {
+    const __m512i cls = classes_at(c, k, t, live);
+    row<true>(t, _mm512_permutexvar_epi32(cls, k.p1), _mm512_cvtepi32_epi8(cls), live, x, p, end);
+  }
+};
+
+template <int GP>
+SYNCD_512 size_t decode_gp(const Classes16& c, BinGroupDecoder* dec, uint16_t* bitmap, uint8_t* cls_ch, size_t n_max,
+                           const std::string& what) {
+  const Consts k(c);
+  const Consts16 k16(c);
+  DecRow row{c, k, bitmap, cls_ch, n_max, 0, what};
+  // the main loop indexes its state arrays by constants only, so that they stay in registers
+  __m512i x[GP];
+  const uint8_t* p[GP];
+  const uint8_t* e[GP];
+  for (int g = 0; g < GP; ++g) {
+    x[g] = _mm512_loadu_si512(dec[g].x);
+    p[g] = dec[g].p;
+    e[g] = dec[g].end;
+  }
+  constexpr int kUnit = 2 * GP;  // a whole number of pairs and of group rounds
+  const uint64_t vectors = (c.span + kLanes - 1) / kLanes, full = c.span / kLanes / kUnit * kUnit;
+  uint64_t t = 0;
+  for (; t < full; t += kUnit) {
+    // a unit reads at most 2 rows of 16 words per group, plus the last row's 32-byte look-ahead
+    bool room = true;
+    for (int g = 0; g < GP; ++g) room &= e[g] - p[g] >= 96;
+    if (!room) break;
+#pragma GCC unroll 16
+    for (int u = 0; u < kUnit; u += 2) {
+      const Pair q = k16.pair(c.old + (t + u) * kLanes);
+      row.row<false>(t + u, q.p1_lo, _mm256_castsi256_si128(q.cls), 0xFFFF, x[u % GP], p[u % GP], e[u % GP]);
+      row.row<false>(t + u + 1, q.p1_hi, _mm256_extracti128_si256(q.cls, 1), 0xFFFF, x[(u + 1) % GP],
+                     p[(u + 1) % GP], e[(u + 1) % GP]);
+    }
+  }
+  for (int g = 0; g < GP; ++g) {
+    _mm512_storeu_si512(dec[g].x, x[g]);
+    dec[g].p = p[g];
+  }
+  for (; t < vectors; ++t) {
+    BinGroupDecoder& d = dec[t % GP];
+    __m512i xt = _mm512_loadu_si512(d.x);
+    row.step(t, live_lanes(c.span, t), xt, d.p, d.end);
+    _mm512_storeu_si512(d.x, xt);
+  }
+  return row.found;
+}
+
+struct EncRow {
+  const Classes16& c;
+  const Consts& k;
+  const uint16_t* bitmap;
+  __m512 inv0, inv1;  // 1 / (2^16 - p1) and 1 / p1 per class
+
+  SYNCD_512 inline void step(uint64_t t, __mmask16 live, __m512i& x, uint8_t*& w) {
+    const __m512i cls = classes_at(c, k, t, live);
+    const __m512i p1 = _mm512_permutexvar_epi32(cls, k.p1);
+    const __mmask16 coded = _mm512_mask_test_epi32_mask(live, p1, p1);
+    const __mmask16 bit = __mmask16(bitmap[t]) & coded;
+    const __m512 inv = _mm512_mask_blend_ps(bit, _mm512_permutexvar_ps(cls, inv0), _mm512_permutexvar_ps(cls, inv1));
+    enc_step(x, coded, bit, p1, inv, w);
+  }
+};
+
+template <int GP>
+SYNCD_512 void encode_gp(const Classes16& c, const uint16_t* bitmap, BinGroupEncoder* enc) {
+  const Consts k(c);
+  float i0[kLanes], i1[kLanes];
+  for (int l = 0; l < kLanes; ++l) {
+    i0[l] = c.p1[l] ? 1.0f / float(kBinOne - c.p1[l]) : 0.0f;
+    i1[l] = c.p1[l] ? 1.0f / float(c.p1[l]) : 0.0f;
+  }
+  EncRow row{c, k, bitmap, _mm512_loadu_ps(i0), _mm512_loadu_ps(i1)};
+  const uint64_t vectors = (c.span + kLanes - 1) / kLanes, full = c.span / kLanes / GP * GP;
+  __m512i xs[GP];
+  uint8_t* w[GP];
+  for (int g = 0; g < GP; ++g) {
+    xs[g] = _mm512_loadu_si512(enc[g].x);
+    w[g] = enc[g].w;
+  }
+  uint64_t t = vectors;
+  for (; t > full; --t) row.step(t - 1, live_lanes(c.span, t - 1), xs[(t - 1) % GP], w[(t - 1) % GP]);
+  __m512i x[GP];
+  for (int g = 0; g < GP; ++g) x[g] = xs[g];
+  for (; t > 0; t -= GP)
+    for (int g = GP - 1; g >= 0; --g) row.step(t - GP + g, 0xFFFF, x[g], w[g]);
+  for (int g = 0; g < GP; ++g) {
+    _mm512_storeu_si512(enc[g].x, x[g]);
+    enc[g].w = w[g];
+  }
+}
+
+struct Keys16 {
+  __m512i sign, one, ones;
+  SYNCD_512 Keys16() : sign(_mm512_set1_epi16(int16_t(0x8000))), one(_mm512_set1_epi16(1)), ones(_mm512_set1_epi16(-1)) {}
+  // order-preserving key of float bits: negative flips every bit, positive sets the sign
+  SYNCD_512 inline __m512i key(__m512i a) const { return _mm512_xor_si512(a, _mm512_or_si512(_mm512_srai_epi16(a, 15), sign)); }
+  SYNCD_512 inline __m512i unkey(__m512i k) const {
+    return _mm512_xor_si512(k, _mm512_or_si512(_mm512_andnot_si512(_mm512_srai_epi16(k, 15), ones), sign));
+  }
+};
+
+}  // namespace
+
+SYNCD_512 size_t decode_positions(const Classes16& c, BinGroupDecoder* dec, int gp, uint16_t* bitmap, uint8_t* cls_ch,
+                                  size_t n_max, const std::string& what) {
+  switch (gp) {
+    case 1: return decode_gp<1>(c, dec, bitmap, cls_ch, n_max, what);
+    case 2: return decode_gp<2>(c, dec, bitmap, cls_ch, n_max, what);
+    case 3: return decode_gp<3>(c, dec, bitmap, cls_ch, n_max, what);
+    case 4: return decode_gp<4>(c, dec, bitmap, cls_ch, n_max, what);
+    case 5: return decode_gp<5>(c, dec, bitmap, cls_ch, n_max, what);
+    case 6: return decode_gp<6>(c, dec, bitmap, cls_ch, n_max, what);
+    case 7: return decode_gp<7>(c, dec, bitmap, cls_ch, n_max, what);
+    case 8: return decode_gp<8>(c, dec, bitmap, cls_ch, n_max, what);
+    default: return scalar16::decode_positions(c, dec, gp, bitmap, cls_ch, n_max, what);
+  }
+}
+
+SYNCD_512 void encode_positions(const Classes16& c, const uint16_t* bitmap, BinGroupEncoder* enc, int gp) {
+  switch (gp) {
+    case 1: return encode_gp<1>(c, bitmap, enc);
+    case 2: return encode_gp<2>(c, bitmap, enc);
+    case 3: return encode_gp<3>(c, bitmap, enc);
+    case 4: return encode_gp<4>(c, bitmap, enc);
+    case 5: return encode_gp<5>(c, bitmap, enc);
+    case 6: return encode_gp<6>(c, bitmap, enc);
+    case 7: return encode_gp<7>(c, bitmap, enc);
+    case 8: return encode_gp<8>(c, bitmap, enc);
+    default: return scalar16::encode_positions(c, bitmap, enc, gp);
+  }
+}
+
+SYNCD_512 uint64_t scan(const Classes16& c, const uint16_t* nw, uint64_t first_word, bool is_float, uint16_t* bitmap,
+                        uint16_t* v16, uint8_t* cls_ch, uint64_t* sum_old, uint64_t* adj) {
+  const Keys16 kk;
+  const __m512i etop = _mm512_set1_epi16(int16_t(c.e_top)), emask = _mm512_set1_epi16(int16_t(c.emask));
+  const __m512i zero = _mm512_setzero_si512(), fifteen = _mm512_set1_epi16(15);
+  const __m128i shift = _mm_cvtsi32_si128(c.shift);
+  const __m512i step8 = _mm512_set1_epi64(int64_t(8 * core::kGolden));
+  __m512i key = word_keys512(first_word), acc_old = zero, acc_adj = zero;
+  const uint64_t vecs = c.span / 32;
+  uint64_t k = 0;
+  for (uint64_t j = 0; j < vecs; ++j, key = _mm512_add_epi64(key, step8)) {
+    const __m512i a = _mm512_loadu_si512(c.old + 32 * j), b = _mm512_loadu_si512(nw + 32 * j);
+    const __m512i ma = mix512(_mm512_xor_si512(a, key));
+    acc_old = _mm512_add_epi64(acc_old, ma);
+    const __mmask32 ne = _mm512_cmpneq_epi16_mask(a, b);
+    std::memcpy(bitmap + 2 * j, &ne, 4);
+    if (!ne) continue;
+    acc_adj = _mm512_add_epi64(acc_adj, _mm512_sub_epi64(mix512(_mm512_xor_si512(b, key)), ma));
+    const __m512i ka = is_float ? kk.key(a) : a, kb = is_float ? kk.key(b) : b;
+    const __m512i d = _mm512_sub_epi16(kb, ka);
+    const __m512i v = _mm512_sub_epi16(_mm512_xor_si512(_mm512_slli_epi16(d, 1), _mm512_srai_epi16(d, 15)), kk.one);
+    compress_store32x16(v16 + k, ne, v);
+    const __m512i e = _mm512_and_si512(_mm512_srl_epi16(a, shift), emask);
+    const __m512i cls = _mm512_min_epi16(_mm512_max_epi16(_mm512_sub_epi16(etop, e), zero), fifteen);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(cls_ch + k), _mm512_cvtepi16_epi8(_mm512_maskz_compress_epi16(ne, cls)));
+    k += unsigned(__builtin_popcount(ne));
+  }
+  *sum_old = uint64_t(_mm512_reduce_add_epi64(acc_old));
+  *adj = uint64_t(_mm512_reduce_add_epi64(acc_adj));
+  return scalar16::scan(c, nw, first_word, is_float, bitmap, v16, cls_ch, sum_old, adj, vecs * 32, k);
+}
+
+SYNCD_512 uint64_t apply(uint16_t* target, uint64_t span, uint64_t first_word, const uint16_t* bitmap,
+                         const uint16_t* v16, bool is_float, bool forward) {
+  const Keys16 kk;
+  const __m512i step8 = _mm512_set1_epi64(int64_t(8 * core::kGolden));
+  __m512i key = word_keys512(first_word), acc = _mm512_setzero_si512();
+  const uint64_t vecs = span / 32;
+  uint64_t k = 0;
+  for (uint64_t j = 0; j < vecs; ++j, key = _mm512_add_epi64(key, step8)) {
+    uint32_t bits;
+    std::memcpy(&bits, bitmap + 2 * j, 4);
+    if (!bits) continue;
+    const __m512i a = _mm512_loadu_si512(target + 32 * j);
+    const __m512i v = expand_load32x16(bits, v16 + k);
+    const __m512i u = _mm512_add_epi16(v, kk.one);  // the key delta: (u >> 1) ^ -(u & 1)
+    const __m512i d = _mm512_xor_si512(_mm512_srli_epi16(u, 1), _mm512_sub_epi16(_mm512_setzero_si512(), _mm512_and_si512(u, kk.one)));
+    const __m512i ka = is_float ? kk.key(a) : a;
+    const __m512i kb = forward ? _mm512_add_epi16(ka, d) : _mm512_sub_epi16(ka, d);
+    const __m512i b = _mm512_mask_mov_epi16(a, bits, is_float ? kk.unkey(kb) : kb);
+    _mm512_mask_storeu_epi16(target + 32 * j, bits, b);
+    acc = _mm512_add_epi64(acc, _mm512_sub_epi64(mix512(_mm512_xor_si512(b, key)), mix512(_mm512_xor_si512(a, key))));
+    k += unsigned(__builtin_popcount(bits));
+  }
+  return uint64_t(_mm512_reduce_add_epi64(acc)) +
+         scalar16::apply(target, span, first_word, bitmap, v16, is_float, forward, vecs * 32, k);
+}
+
+// ---- values
+
+namespace {
+
+thread_local PodBuffer<uint8_t> t_cls_j, t_nb_j;
+thread_local PodBuffer<uint16_t> t_m_j;
+thread_local PodBuffer<uint64_t> t_jbits;
+
+template <class T>
+T* grown(PodBuffer<T>& b, size_t n) {
+  b.reserve(n);
+  return b.data();
+}
+
+// Compresses the classes (and, when v is given, the bit lengths and m) of the changes of classes with value
+// levels; sets one bit per change in jbits. Returns their number.
+SYNCD_512 size_t select_j(const uint8_t* cls, const uint16_t* v, size_t n, const ValueTrees& lv, uint8_t* cls_j,
+                          uint8_t* nb_j, uint16_t* m_j, uint64_t* jbits) {
+  alignas(16) uint8_t dt[16];
+  for (int c = 0; c < 16; ++c) dt[c] = uint8_t(lv.depth[c] ? 1 : 0);
+  const __m512i dtab = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(dt)));
+  size_t nj = 0;
+  for (size_t i = 0; i < n; i += 64) {
+    const __mmask64 live = n - i >= 64 ? ~__mmask64(0) : (__mmask64(1) << (n - i)) - 1;
+    const __m512i cl = _mm512_maskz_loadu_epi8(live, cls + i);
+    const __mmask64 jm = _mm512_mask_test_epi8_mask(live, _mm512_shuffle_epi8(dtab, cl), _mm512_shuffle_epi8(dtab, cl));
+    jbits[i / 64] = jm;
+    compress_bytes64(cls_j + nj, jm, cl);
+    if (v) {
+      for (int h = 0; h < 2; ++h) {
+        const __mmask32 lh = __mmask32(live >> (32 * h)), jh = __mmask32(jm >> (32 * h));
+        const __m512i m = _mm512_srli_epi16(_mm512_maskz_loadu_epi16(lh, v + i + 32 * h), 1);
+        const size_t at = nj + size_t(__builtin_popcountll(jm & ((uint64_t(1) << (32 * h)) - 1)));
+        compress_store32x16(m_j + at, jh, m);
+        __m512i nb2[2];
+        for (int q = 0; q < 2; ++q) {
+          const __m512i w = _mm512_cvtepu16_epi32(q ? _mm512_extracti64x4_epi64(m, 1) : _mm512_castsi512_si256(m));
+          nb2[q] = _mm512_sub_epi32(_mm512_set1_epi32(32), _mm512_lzcnt_epi32(w));
+        }
+        const __m256i nb = _mm256_set_m128i(_mm512_cvtepi32_epi8(nb2[1]), _mm512_cvtepi32_epi8(nb2[0]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(nb_j + at), _mm256_maskz_compress_epi8(jh, nb));
+      }
+    }
+    nj += size_t(__builtin_popcountll(jm));
+  }
+  return nj;
+}
+
+}  // namespace
+
+SYNCD_512 void value_stats(const uint8_t* cls, const uint16_t* v, size_t n, uint64_t changed[16], uint64_t hist[16][65]) {
+  uint64_t nz[16] = {};
+  size_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    const __m512i cl = _mm512_loadu_si512(cls + i);
+    for (int c = 0; c < 16; ++c) changed[c] += uint64_t(__builtin_popcountll(_mm512_cmpeq_epi8_mask(cl, _mm512_set1_epi8(char(c)))));
+    const __m512i m0 = _mm512_srli_epi16(_mm512_loadu_si512(v + i), 1);
+    const __m512i m1 = _mm512_srli_epi16(_mm512_loadu_si512(v + i + 32), 1);
+    uint64_t bits = uint64_t(_mm512_test_epi16_mask(m0, m0)) | uint64_t(_mm512_test_epi16_mask(m1, m1)) << 32;
+    for (; bits; bits &= bits - 1) {
+      const size_t j = i + size_t(__builtin_ctzll(bits));
+      const uint32_t m = v[j] >> 1;
+      hist[cls[j]][32 - __builtin_clz(m)]++;
+      nz[cls[j]]++;
+    }
+  }
+  for (int c = 0; c < 16; ++c) hist[c][0] += changed[c] - nz[c];
+  for (; i < n; ++i) {
+    changed[cls[i]]++;
+    const uint32_t m = v[i] >> 1;
+    hist[cls[i]][m ? 32 - __builtin_clz(m) : 0]++;
+  }
+}
+
+// The node probabilities of the lanes in `active`: class c16, node u.
+SYNCD_512 inline __m512i node_p1(const ValueTrees& lv, __m512i c16, __m512i u, __mmask16 active) {
+  const __m512i idx = _mm512_add_epi32(_mm512_slli_epi32(c16, 7), u);
+  return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), active, idx, &lv.node[0][0], 4);
+}
+
+// One step of the value streams, backwards (rows bottom up), its GV groups interleaved.
+template <int GV>
+SYNCD_512 inline void encode_step(size_t s0, size_t nj, const uint8_t* cls_j, const uint8_t* nb_j,
+                                  const ValueTrees& lv, __m512i dtab, BinGroupEncoder* venc) {
+  const __m512 fone = _mm512_set1_ps(1.0f);
+  const __m512i one16 = _mm512_set1_epi32(1 << 16), onev = _mm512_set1_epi32(1);
+  __m512i c16[GV], nb[GV], depth[GV], path[GV], x[GV];
+  __mmask16 live[GV];
+  int top = 0;
+  for (int g = 0; g < GV; ++g) {
+    const size_t lo = s0 + size_t(g) * kLanes;
+    live[g] = lo >= nj ? 0 : nj - lo >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << (nj - lo)) - 1);
+    const size_t at = lo < nj ? lo : 0;
+    c16[g] = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(live[g], cls_j + at));
+    nb[g] = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(live[g], nb_j + at));
+    depth[g] = _mm512_maskz_permutexvar_epi32(live[g], c16[g], dtab);
+    path[g] = _mm512_or_si512(_mm512_sllv_epi32(onev, depth[g]), nb[g]);  // the leaf: 2^depth + nb
+    top = std::max(top, _mm512_reduce_max_epi32(depth[g]));
+    x[g] = _mm512_loadu_si512(venc[g].x);
+  }
+  for (int r = top - 1; r >= 0; --r) {
+    const __m512i rr = _mm512_set1_epi32(r);
+    for (int g = 0; g < GV; ++g) {
+      const __mmask16 active = _mm512_cmpgt_epi32_mask(depth[g], rr);
+      if (!active) continue;
+      const __m512i sh = _mm512_sub_epi32(depth[g], rr);  // node at row r: the leaf's top r + 1 bits
+      const __m512i u = _mm512_srlv_epi32(path[g], sh);
+      const __mmask16 bit = _mm512_mask_test_epi32_mask(active, _mm512_srlv_epi32(path[g], _mm512_sub_epi32(sh, onev)), onev);
+      const __m512i p1 = node_p1(lv, c16[g], u, active);
+      const __m512i f = _mm512_mask_blend_epi32(bit, _mm512_sub_epi32(one16, p1), p1);
+      const __m512 inv = _mm512_div_ps(fone, _mm512_cvtepu32_ps(_mm512_mask_mov_epi32(onev, active, f)));
+      enc_step(x[g], active, bit, p1, inv, venc[g].w);
+    }
+  }
+  for (int g = 0; g < GV; ++g) _mm512_storeu_si512(venc[g].x, x[g]);
+}
+
+SYNCD_512 void encode_values(const uint8_t* cls, const uint16_t* v, size_t n, const ValueTrees& lv,
+                             BinGroupEncoder* venc, int gv, std::vector<uint8_t>& mant, uint8_t* signs) {
+  uint8_t* cls_j = grown(t_cls_j, n + 64);
+  uint8_t* nb_j = grown(t_nb_j, n + 64);
+  uint16_t* m_j = grown(t_m_j, n + 64);
+  uint64_t* jbits = grown(t_jbits, n / 64 + 2);
+  const size_t nj = select_j(cls, v, n, lv, cls_j, nb_j, m_j, jbits);
+  const __m512i dtab = _mm512_loadu_si512(lv.depth);
+  const size_t step = size_t(kLanes) * std::max(gv, 1);
+  for (size_t s0 = gv ? (nj + step - 1) / step * step : 0; s0 > 0;) {
+    s0 -= step;
+    switch (gv) {
+      case 1: encode_step<1>(s0, nj, cls_j, nb_j, lv, dtab, venc); break;
+      case 2: encode_step<2>(s0, nj, cls_j, nb_j, lv, dtab, venc); break;
+      case 3: encode_step<3>(s0, nj, cls_j, nb_j, lv, dtab, venc); break;
+      case 4: encode_step<4>(s0, nj, cls_j, nb_j, lv, dtab, venc); break;
+      default:
+        for (int g = gv - 1; g >= 0; --g) encode_step<1>(s0 + size_t(g) * kLanes, nj, cls_j, nb_j, lv, dtab, venc + g);
+    }
+  }
+  uint64_t acc = 0;  // mantissa bits, LSB first, in position order (that of J)
+  uint32_t fill = 0;
+  for (size_t t = 0; t < nj; ++t) {
+    const uint32_t k = nb_j[t];
+    if (k < 2) continue;
+    acc |= uint64_t(m_j[t] - (1u << (k - 1))) << fill;
+    fill += k - 1;
+    for (; fill >= 8; fill -= 8, acc >>= 8) mant.push_back(uint8_t(acc));
+  }
+  if (fill) mant.push_back(uint8_t(acc));
+  const __m512i one = _mm512_set1_epi16(1);
+  for (size_t i = 0; i < n; i += 32) {
+    const __mmask32 live = n - i >= 32 ? ~__mmask32(0) : (__mmask32(1) << (n - i)) - 1;
+    const uint32_t low = _mm512_mask_test_epi16_mask(live, _mm512_maskz_loadu_epi16(live, v + i), one);
+    std::memcpy(signs + i / 8, &low, std::min<size_t>(4, (n - i + 7) / 8));
+  }
+}
+
+// The mantissa bits, read 16 lanes at a time (a gather of 4 bytes per lane) where at least 4 bytes are left
+// past the last one, else lane by lane; every read is bounds-checked.
+struct Mantissa {
+  const uint8_t* p;
+  size_t len;
+  const std::string& what;
+  uint64_t bit = 0;  // bits consumed
+
+  // m | the next lens[l] (1..63) bits for each lane l in `more`, in lane order
+  SYNCD_512 inline __m512i take(__m512i m, __m512i lens, __mmask16 more) {
+    const __m512i zero = _mm512_setzero_si512();
+    const __m512i l = _mm512_maskz_mov_epi32(more, lens);
+    __m512i incl = _mm512_add_epi32(l, _mm512_alignr_epi32(l, zero, 15));
+    incl = _mm512_add_epi32(incl, _mm512_alignr_epi32(incl, zero, 14));
+    incl = _mm512_add_epi32(incl, _mm512_alignr_epi32(incl, zero, 12));
+    incl = _mm512_add_epi32(incl, _mm512_alignr_epi32(incl, zero, 8));
+    const uint64_t total = uint32_t(_mm_cvtsi128_si32(_mm512_extracti32x4_epi32(_mm512_alignr_epi32(zero, incl, 15), 0)));
+    if (total > 8 * uint64_t(len) - bit) throw DeltaError(what + ": raw-bits stream truncated");
+    if ((bit + total) / 8 + 4 <= len && (bit + total) < (uint64_t(1) << 31) && _mm512_mask_reduce_max_epi32(more, lens) <= 24) {
+      const __m512i b = _mm512_add_epi32(_mm512_set1_epi32(int(bit)), _mm512_sub_epi32(incl, l));
+      const __m512i w = _mm512_mask_i32gather_epi32(zero, more, _mm512_srli_epi32(b, 3), p, 1);
+      const __m512i bits = _mm512_srlv_epi32(w, _mm512_and_si512(b, _mm512_set1_epi32(7)));
+      const __m512i mask = _mm512_sub_epi32(_mm512_sllv_epi32(_mm512_set1_epi32(1), l), _mm512_set1_epi32(1));
+      m = _mm512_or_si512(m, _mm512_and_si512(bits, mask));
+    } else {
+      alignas(64) uint32_t mm[kLanes], nl[kLanes];
+      _mm512_store_si512(mm, m);
+      _mm512_store_si512(nl, l);
+      for (uint32_t b = more; b; b &= b - 1) {
+        const int lane = __builtin_ctz(b);
+        uint64_t x = 0;
+        for (uint32_t i = 0; i < nl[lane]; ++i, ++bit) x |= uint64_t(p[bit >> 3] >> (bit & 7) & 1) << i;
+        mm[lane] |= uint32_t(x);
+      }
+      bit -= total;
+      m = _mm512_load_si512(mm);
+    }
+    bit += total;
+    return m;
+  }
+  void finish() const {
+    const uint64_t left = 8 * uint64_t(len) - bit;
+    if (left >= 8 || (left && (p[len - 1] >> (8 - left))))
+      throw DeltaError(what + ": raw-bits stream has unused bits");
+  }
+};
+
+// The rows of one step of the value streams, its GV groups interleaved (independent chains): writes m of
+// each lane (1 << (nb - 1) | its nb - 1 mantissa bits) to m_j.
+template <int GV>
+SYNCD_512 inline void decode_step(size_t s0, size_t nj, const uint8_t* cls_j, const ValueTrees& lv, __m512i dtab,
+                                  BinGroupDecoder* vdec, Mantissa& mant, uint16_t* m_j) {
+  const __m512i onev = _mm512_set1_epi32(1);
+  __m512i c16[GV], depth[GV], u[GV], x[GV];
+  __mmask16 live[GV];
+  int top = 0;
+  for (int g = 0; g < GV; ++g) {
+    const size_t lo = s0 + size_t(g) * kLanes;
+    live[g] = lo >= nj ? 0 : nj - lo >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << (nj - lo)) - 1);
+    c16[g] = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(live[g], cls_j + (lo < nj ? lo : 0)));
+    depth[g] = _mm512_maskz_permutexvar_epi32(live[g], c16[g], dtab);
+    top = std::max(top, _mm512_reduce_max_epi32(depth[g]));
+    u[g] = onev;
+    x[g] = _mm512_loadu_si512(vdec[g].x);
+  }
+  for (int r = 0; r < top; ++r) {
+    const __m512i rr = _mm512_set1_epi32(r);
+    for (int g = 0; g < GV; ++g) {
+      const __mmask16 active = _mm512_cmpgt_epi32_mask(depth[g], rr);
+      if (!active) continue;
+      const __mmask16 bit = dec_step<true>(x[g], active, node_p1(lv, c16[g], u[g], active), vdec[g].p, vdec[g].end,
+                                           vdec[g].what);
+      u[g] = _mm512_mask_mov_epi32(u[g], active, _mm512_mask_or_epi32(_mm512_slli_epi32(u[g], 1), bit,
+                                                                     _mm512_slli_epi32(u[g], 1), onev));
+    }
+  }
+  for (int g = 0; g < GV; ++g) {
+    _mm512_storeu_si512(vdec[g].x, x[g]);
+    if (!live[g]) continue;
+    const __m512i nb = _mm512_sub_epi32(u[g], _mm512_sllv_epi32(onev, depth[g]));
+    const __mmask16 some = _mm512_test_epi32_mask(nb, nb);
+    __m512i m = _mm512_maskz_sllv_epi32(some, onev, _mm512_sub_epi32(nb, onev));
+    const __mmask16 more = _mm512_cmpgt_epi32_mask(nb, onev);
+    if (more) m = mant.take(m, _mm512_sub_epi32(nb, onev), more);  // J order: group by group, lane by lane
+    _mm256_mask_storeu_epi16(m_j + s0 + size_t(g) * kLanes, live[g], _mm512_cvtepi32_epi16(m));
+  }
+}
+
+SYNCD_512 void decode_values(const uint8_t* cls, size_t n, const uint8_t* signs, const ValueTrees& lv,
+                             BinGroupDecoder* vdec, int gv, const uint8_t* mant_p, size_t mant_len, uint16_t* v,
+                             const std::string& what) {
+  uint8_t* cls_j = grown(t_cls_j, n + 64);
+  uint16_t* m_j = grown(t_m_j, n + 64);
+  uint64_t* jbits = grown(t_jbits, n / 64 + 2);
+  const size_t nj = select_j(cls, nullptr, n, lv, cls_j, nullptr, nullptr, jbits);
+  check_value_groups(gv, nj, what);
+  Mantissa mant{mant_p, mant_len, what};
+  const __m512i dtab = _mm512_loadu_si512(lv.depth);
+  const size_t step = size_t(kLanes) * std::max(gv, 1);
+  for (size_t s0 = 0; s0 < nj && gv; s0 += step) {
+    switch (gv) {
+      case 1: decode_step<1>(s0, nj, cls_j, lv, dtab, vdec, mant, m_j); break;
+      case 2: decode_step<2>(s0, nj, cls_j, lv, dtab, vdec, mant, m_j); break;
+      case 3: decode_step<3>(s0, nj, cls_j, lv, dtab, vdec, mant, m_j); break;
+      case 4: decode_step<4>(s0, nj, cls_j, lv, dtab, vdec, mant, m_j); break;
+      default:  // more groups than our encoders write: one at a time (same order within each stream)
+        for (int g = 0; g < gv; ++g) decode_step<1>(s0 + size_t(g) * kLanes, nj, cls_j, lv, dtab, vdec + g, mant, m_j);
+    }
+  }
+  // every value: its low bit, plus 2m for the changes in J (expanded into place)
+  const __m512i one = _mm512_set1_epi16(1), bad = _mm512_set1_epi16(-1);
+  size_t jat = 0;
+  for (size_t i = 0; i < n; i += 32) {
+    const __mmask32 live = n - i >= 32 ? ~__mmask32(0) : (__mmask32(1) << (n - i)) - 1;
+    uint32_t low = 0;
+    std::memcpy(&low, signs + i / 8, std::min<size_t>(4, (n - i + 7) / 8));
+    const __mmask32 jm = __mmask32(jbits[i / 64] >> (i % 64));
+    const __m512i mx = expand_load32x16(jm & live, m_j + jat);
+    const __m512i x = _mm512_or_si512(_mm512_slli_epi16(mx, 1), _mm512_maskz_mov_epi16(__mmask32(low) & live, one));
+    if (_mm512_mask_cmpeq_epi16_mask(live, x, bad))
+      throw DeltaError(what + ": value change 65535 too wide for the dtype");
+    _mm512_mask_storeu_epi16(v + i, live, x);
+    jat += unsigned(__builtin_popcount(jm & live));
+  }
+  mant.finish();
+}
+
+}  // namespace avx512_16
+}  // namespace syncd
+
+#else  // not x86: simd_level() never picks this
+
+namespace syncd {
+namespace avx512_16 {
+size_t decode_positions(const Classes16& c, BinGroupDecoder* dec, int gp, uint16_t* bitmap, uint8_t* cls_ch,
+                        size_t n_max, const std::string& what) {
+  return scalar16::decode_positions(c, dec, gp, bitmap, cls_ch, n_max, what);
+}
+void encode_positions(const Classes16& c, const uint16_t* bitmap, BinGroupEncoder* enc, int gp) {
+  scalar16::encode_positions(c, bitmap, enc, gp);
+}
+uint64_t scan(const Classes16& c, const uint16_t* nw, uint64_t first_word, bool is_float, uint16_t* bitmap,
+              uint16_t* v16, uint8_t* cls_ch, uint64_t* sum_old, uint64_t* adj) {
+  *sum_old = *adj = 0;
+  return scalar16::scan(c, nw, first_word, is_float, bitmap, v16, cls_ch, sum_old, adj, 0, 0);
+}
+uint64_t apply(uint16_t* target, uint64_t span, uint64_t first_word, const uint16_t* bitmap, const uint16_t* v16,
+               bool is_float, bool forward) {
+  return scalar16::apply(target, span, first_word, bitmap, v16, is_float, forward, 0, 0);
+}
+void value_stats(const uint8_t*, const uint16_t*, size_t, uint64_t[16], uint64_t[16][65]) {}
+void encode_values(const uint8_t*, const uint16_t*, size_t, const ValueTrees&, BinGroupEncoder*, int,
+                   std::vector<uint8_t>&, uint8_t*) {}
+void decode_values(const uint8_t*, size_t, const uint8_t*, const ValueTrees&, BinGroupDecoder*, int, const uint8_t*,
+                   size_t, uint16_t*, const std::string&) {}
+}  // namespace avx512_16
+}  // namespace syncd
+#endif
