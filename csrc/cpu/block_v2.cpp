@@ -150,6 +150,7 @@ void BlockChanges::reset(uint64_t span_, bool wide_, uint64_t n_max) {
   span = span_;
   wide = wide_;
   n = 0;
+  has_old_sum = false;
   const size_t words = size_t(span / kLanes + 2);
   bitmap.reserve(words);
   std::memset(bitmap.data(), 0, words * sizeof(uint16_t));
@@ -178,10 +179,10 @@ V2BlockEncoder& thread_v2_encoder() {
 void V2BlockEncoder::scan16(const uint16_t* old, const uint16_t* nw, uint64_t span, uint64_t first_word,
                             const DTypeInfo& dt, uint64_t* sum_old, uint64_t* adj) {
   span_ = span;
-  e_top_ = choose_e_top(reinterpret_cast<const uint8_t*>(old), span, dt);
-  ch_.reset(span, false, span);
   ClassSource cs;
   cs.old = reinterpret_cast<const uint8_t*>(old);
+  e_top_ = dt.exp_bits ? std::max(0, sample_max_exponent16(classes16(cs, dt, span, 0, nullptr), simd_level())) : 0;
+  ch_.reset(span, false, span);
   const Classes16 c = classes16(cs, dt, span, e_top_, nullptr);
   n_ = ch_.n = syncd::scan16(c, nw, first_word, dt.is_float, ch_.bitmap.data(), ch_.v16.data(), ch_.cls.data(),
                              sum_old, adj, simd_level());
@@ -238,13 +239,17 @@ void V2BlockEncoder::finish_context(std::vector<uint8_t>& out, const DTypeInfo& 
   const uint8_t* cch = ch_.cls.data();
   // the sample's class counts, the changes' classes and bit lengths
   uint64_t sampled[kClasses] = {}, sample_size = 0;
-  uint8_t run[kSampleRun];
-  for (uint64_t s = 0; s < span; s += kSamplePeriod) {
-    const size_t m = size_t(std::min(span, s + kSampleRun) - s);
-    block_classes(cs, dt, e_top_, s, m, run);
-    for (size_t i = 0; i < m; ++i) sampled[run[i]]++;
-    sample_size += m;
+  if (fast16(cs, dt)) {
+    sample_class_counts16(classes16(cs, dt, span, e_top_, nullptr), sampled, simd_level());
+  } else {
+    uint8_t run[kSampleRun];
+    for (uint64_t s = 0; s < span; s += kSamplePeriod) {
+      const size_t m = size_t(std::min(span, s + kSampleRun) - s);
+      block_classes(cs, dt, e_top_, s, m, run);
+      for (size_t i = 0; i < m; ++i) sampled[run[i]]++;
+    }
   }
+  for (uint64_t x : sampled) sample_size += x;
   uint64_t changed[kClasses] = {};
   uint64_t hist[kClasses][65] = {};
   const Simd simd = simd_level();
@@ -421,7 +426,8 @@ void V2BlockDecoder::decode(const ClassSource& cs, BlockChanges& out) {
   size_t found;
   if (fast16(cs, dt_)) {
     found = decode_positions16(classes16(cs, dt_, span_, e_top_, p1_), dec, gp_, out.bitmap.data(), out.cls.data(),
-                               n_, what_, simd_level());
+                               n_, what_, cs.first_word, &out.old_sum, simd_level());
+    out.has_old_sum = true;
   } else {
     std::vector<uint8_t> cls(size_t(span_) + kLanes, 0);
     block_classes(cs, dt_, e_top_, 0, size_t(span_), cls.data());
@@ -450,10 +456,10 @@ void V2BlockDecoder::decode_values(BlockChanges& out) {
 }
 
 uint64_t apply_changes(uint8_t* target, const BlockChanges& ch, const DTypeInfo& dt, uint64_t first_word,
-                       bool forward) {
+                       bool forward, bool dense) {
   if (dt.bits == 16)
     return apply16(reinterpret_cast<uint16_t*>(target), ch.span, first_word, ch.bitmap.data(), ch.v16.data(),
-                   dt.is_float, forward, simd_level());
+                   dt.is_float, forward, dense && ch.has_old_sum ? &ch.old_sum : nullptr, simd_level());
   return by_word_bytes(dt.bits / 8, [&](auto tag) -> uint64_t {
     using T = decltype(tag);
     return apply_generic<T>(reinterpret_cast<T*>(target), ch, dt.is_float, first_word, forward);

@@ -34,6 +34,7 @@ struct ClassSource {
   const uint8_t* old = nullptr;
   const uint8_t* nibbles = nullptr;
   uint64_t first = 0;
+  uint64_t first_word = 0;  // with `old`: the checksum index of the block's first word
 };
 
 // The encoder's e_top of a block of `span` elements whose old elements start at `old`.
@@ -44,6 +45,8 @@ int choose_e_top(const uint8_t* old, uint64_t span, const DTypeInfo& dt);
 struct BlockChanges {
   uint64_t span = 0, n = 0;
   bool wide = false;  // values in v64
+  bool has_old_sum = false;  // the decoder summed the checksum terms of the old words (old_sum)
+  uint64_t old_sum = 0;
   PodBuffer<uint16_t> bitmap;
   PodBuffer<uint8_t> cls;
   PodBuffer<uint16_t> v16;
@@ -112,8 +115,9 @@ class V2BlockDecoder {
 };
 
 // Applies (forward) or undoes a block's decoded changes at `target` (the block's first element) in place;
-// returns the checksum change of the words written (words indexed from first_word).
+// returns the checksum change of the words written (words indexed from first_word). `dense` lets it sum
+// every new word (when ch.has_old_sum) instead of two terms per changed word.
 uint64_t apply_changes(uint8_t* target, const BlockChanges& ch, const DTypeInfo& dt, uint64_t first_word,
-                       bool forward);
+                       bool forward, bool dense = false);
 
 }  // namespace syncd

@@ -307,9 +307,12 @@ void apply_item(ApplyTask& t, const ApplyJob& j, size_t b, bool verify) {
     dec.parse(j.blob + h.payload_offset[b], e.payload_bytes, e.n_changed, h.block_span(b), h.dtype, b);
     ClassSource cs;
     cs.old = j.target + lo;
-    dec.decode(cs, t.decoded[b]);
-    if (verify) t.sums[b] = checksum_raw_range(j.target, lo, hi);
-    const uint64_t ad = apply_changes(j.target + lo, t.decoded[b], h.dtype, lo / 8, true);
+    cs.first_word = lo / 8;
+    BlockChanges& d = t.decoded[b];
+    dec.decode(cs, d);
+    if (verify) t.sums[b] = d.has_old_sum ? d.old_sum : checksum_raw_range(j.target, lo, hi);
+    const bool dense = verify && uint64_t(e.n_changed) * 16 > h.block_span(b);  // most words change
+    const uint64_t ad = apply_changes(j.target + lo, d, h.dtype, lo / 8, true, dense);
     t.written[b] = e.n_changed;
     if (verify) t.adjs[b] = ad;
     return;
@@ -543,6 +546,7 @@ void delta_unpack_into(const Header& h, const uint8_t* blob, uint64_t* pos, uint
       if (dec.context()) {
         if (base.bytes) {
           cs.old = base.bytes + start * (h.dtype.bits / 8);
+          cs.first_word = start * (h.dtype.bits / 8) / 8;
         } else if (base.nibbles) {
           cs.nibbles = base.nibbles;
           cs.first = start;

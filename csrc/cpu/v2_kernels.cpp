@@ -50,6 +50,28 @@ const char* simd_name(Simd s) { return s == Simd::kAvx512 ? "avx512" : s == Simd
 
 namespace scalar16 {
 
+// the sample runs from element `from` (a multiple of 32) on
+int sample_max_exponent(const Classes16& c, uint64_t from) {
+  int best = -1;
+  for (uint64_t s = 0; s < c.span; s += 1 << 14)
+    for (uint64_t i = std::max(s, from), e = std::min(c.span, s + 1024); i < e; ++i) {
+      const int x = int((c.old[i] >> c.shift) & c.emask);
+      if (x != int(c.emask)) best = std::max(best, x);
+    }
+  return best;
+}
+
+void sample_class_counts(const Classes16& c, uint64_t counts[16], uint64_t from) {
+  for (uint64_t s = 0; s < c.span; s += 1 << 14)
+    for (uint64_t i = std::max(s, from), e = std::min(c.span, s + 1024); i < e; ++i) counts[class16(c.old[i], c)]++;
+}
+
+uint64_t checksum(const uint16_t* p, uint64_t span, uint64_t first_word, uint64_t from) {
+  uint64_t sum = 0;
+  for (uint64_t i = from / 4; 4 * i < span; ++i) sum += checksum_term(word16(p, span, i), first_word + i);
+  return sum;
+}
+
 size_t decode_positions(const Classes16& c, BinGroupDecoder* dec, int gp, uint16_t* bitmap, uint8_t* cls_ch,
                         size_t n_max, const std::string& what) {
   const uint64_t vectors = (c.span + kLanes - 1) / kLanes;
@@ -263,16 +285,20 @@ void scalar_decode_values(const uint8_t* cls, size_t n, const uint8_t* signs, co
 // ---- dispatch (the SIMD versions live in v2_kernels_avx2.cpp / v2_kernels_avx512.cpp)
 
 namespace avx2_16 {
-size_t decode_positions(const Classes16&, BinGroupDecoder*, int, uint16_t*, uint8_t*, size_t, const std::string&);
+size_t decode_positions(const Classes16&, BinGroupDecoder*, int, uint16_t*, uint8_t*, size_t, const std::string&,
+                        uint64_t, uint64_t*);
 void encode_positions(const Classes16&, const uint16_t*, BinGroupEncoder*, int);
 uint64_t scan(const Classes16&, const uint16_t*, uint64_t, bool, uint16_t*, uint16_t*, uint8_t*, uint64_t*, uint64_t*);
-uint64_t apply(uint16_t*, uint64_t, uint64_t, const uint16_t*, const uint16_t*, bool, bool);
+uint64_t apply(uint16_t*, uint64_t, uint64_t, const uint16_t*, const uint16_t*, bool, bool, const uint64_t*);
 }  // namespace avx2_16
 namespace avx512_16 {
-size_t decode_positions(const Classes16&, BinGroupDecoder*, int, uint16_t*, uint8_t*, size_t, const std::string&);
+int sample_max_exponent(const Classes16&);
+void sample_class_counts(const Classes16&, uint64_t[16]);
+size_t decode_positions(const Classes16&, BinGroupDecoder*, int, uint16_t*, uint8_t*, size_t, const std::string&,
+                        uint64_t, uint64_t*);
 void encode_positions(const Classes16&, const uint16_t*, BinGroupEncoder*, int);
 uint64_t scan(const Classes16&, const uint16_t*, uint64_t, bool, uint16_t*, uint16_t*, uint8_t*, uint64_t*, uint64_t*);
-uint64_t apply(uint16_t*, uint64_t, uint64_t, const uint16_t*, const uint16_t*, bool, bool);
+uint64_t apply(uint16_t*, uint64_t, uint64_t, const uint16_t*, const uint16_t*, bool, bool, const uint64_t*);
 void value_stats(const uint8_t*, const uint16_t*, size_t, uint64_t[16], uint64_t[16][65]);
 void encode_values(const uint8_t*, const uint16_t*, size_t, const ValueTrees&, BinGroupEncoder*, int,
                    std::vector<uint8_t>&, uint8_t*);
@@ -280,10 +306,22 @@ void decode_values(const uint8_t*, size_t, const uint8_t*, const ValueTrees&, Bi
                    size_t, uint16_t*, const std::string&);
 }  // namespace avx512_16
 
+int sample_max_exponent16(const Classes16& c, Simd s) {
+  if (s == Simd::kAvx512) return avx512_16::sample_max_exponent(c);
+  return scalar16::sample_max_exponent(c, 0);
+}
+
+void sample_class_counts16(const Classes16& c, uint64_t counts[16], Simd s) {
+  if (s == Simd::kAvx512) return avx512_16::sample_class_counts(c, counts);
+  scalar16::sample_class_counts(c, counts, 0);
+}
+
 size_t decode_positions16(const Classes16& c, BinGroupDecoder* dec, int gp, uint16_t* bitmap, uint8_t* cls_ch,
-                          size_t n_max, const std::string& what, Simd s) {
-  if (s == Simd::kAvx512) return avx512_16::decode_positions(c, dec, gp, bitmap, cls_ch, n_max, what);
-  if (s == Simd::kAvx2) return avx2_16::decode_positions(c, dec, gp, bitmap, cls_ch, n_max, what);
+                          size_t n_max, const std::string& what, uint64_t first_word, uint64_t* old_sum, Simd s) {
+  if (s == Simd::kAvx512)
+    return avx512_16::decode_positions(c, dec, gp, bitmap, cls_ch, n_max, what, first_word, old_sum);
+  if (s == Simd::kAvx2) return avx2_16::decode_positions(c, dec, gp, bitmap, cls_ch, n_max, what, first_word, old_sum);
+  *old_sum = scalar16::checksum(c.old, c.span, first_word, 0);
   return scalar16::decode_positions(c, dec, gp, bitmap, cls_ch, n_max, what);
 }
 
@@ -302,9 +340,9 @@ uint64_t scan16(const Classes16& c, const uint16_t* nw, uint64_t first_word, boo
 }
 
 uint64_t apply16(uint16_t* target, uint64_t span, uint64_t first_word, const uint16_t* bitmap, const uint16_t* v16,
-                 bool is_float, bool forward, Simd s) {
-  if (s == Simd::kAvx512) return avx512_16::apply(target, span, first_word, bitmap, v16, is_float, forward);
-  if (s == Simd::kAvx2) return avx2_16::apply(target, span, first_word, bitmap, v16, is_float, forward);
+                 bool is_float, bool forward, const uint64_t* old_sum, Simd s) {
+  if (s == Simd::kAvx512) return avx512_16::apply(target, span, first_word, bitmap, v16, is_float, forward, old_sum);
+  if (s == Simd::kAvx2) return avx2_16::apply(target, span, first_word, bitmap, v16, is_float, forward, old_sum);
   return scalar16::apply(target, span, first_word, bitmap, v16, is_float, forward, 0, 0);
 }
 

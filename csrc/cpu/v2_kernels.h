@@ -35,10 +35,16 @@ struct Classes16 {
 };
 
 // Decodes the position rows of a block (vector t with group t % gp): writes the bitmap and each change's
-// class (cls_ch needs n_max + 64 bytes); returns the changes found. Throws DeltaError (naming `what`) when a
-// stream is short or there are more than n_max changes.
+// class (cls_ch needs n_max + 64 bytes); returns the changes found. Also sets *old_sum to the checksum terms
+// of the block's old words (indexed from first_word; a partial last word is zero-padded). Throws DeltaError
+// (naming `what`) when a stream is short or there are more than n_max changes.
 size_t decode_positions16(const Classes16& c, BinGroupDecoder* dec, int gp, uint16_t* bitmap, uint8_t* cls_ch,
-                          size_t n_max, const std::string& what, Simd s);
+                          size_t n_max, const std::string& what, uint64_t first_word, uint64_t* old_sum, Simd s);
+
+// The encoder's statistics sample of a block (elements i with i % 16384 < 1024): the largest exponent field
+// that is not all ones (-1 if none), and the class counts (with c.e_top).
+int sample_max_exponent16(const Classes16& c, Simd s);
+void sample_class_counts16(const Classes16& c, uint64_t counts[16], Simd s);
 
 // Encodes the position rows of a block backwards into enc[0..gp) from its bitmap.
 void encode_positions16(const Classes16& c, const uint16_t* bitmap, BinGroupEncoder* enc, int gp, Simd s);
@@ -51,9 +57,11 @@ uint64_t scan16(const Classes16& c, const uint16_t* nw, uint64_t first_word, boo
                 uint16_t* v16, uint8_t* cls_ch, uint64_t* sum_old, uint64_t* adj, Simd s);
 
 // Applies (forward) or undoes the changes of a 16-bit block in place: target[16t + l] for each bitmap bit,
-// values v16 in order. Returns the checksum change of the words it wrote (new minus old terms).
+// values v16 in order. Returns the checksum change of the words it wrote (new minus old terms). With
+// old_sum (the terms of every old word, as decode_positions16 gives them) it sums the terms of every new word
+// instead of two terms per changed word: cheaper when most words change.
 uint64_t apply16(uint16_t* target, uint64_t span, uint64_t first_word, const uint16_t* bitmap, const uint16_t* v16,
-                 bool is_float, bool forward, Simd s);
+                 bool is_float, bool forward, const uint64_t* old_sum, Simd s);
 
 // ---- values: every change's v = 2m + low; the changes J of classes with a value tree code the bit length nb
 // of m by its binary digits, most significant first (row r of 16 consecutive J entries: digit r of each lane
@@ -88,6 +96,10 @@ void check_value_groups(int gv, size_t nj, const std::string& what);
 
 // The versions behind the dispatch (tests reach them through SYNCD_SIMD).
 namespace scalar16 {
+int sample_max_exponent(const Classes16& c, uint64_t from);
+void sample_class_counts(const Classes16& c, uint64_t counts[16], uint64_t from);
+// Checksum terms of the words of a 16-bit block from element `from` (a multiple of 4) to its end.
+uint64_t checksum(const uint16_t* p, uint64_t span, uint64_t first_word, uint64_t from);
 size_t decode_positions(const Classes16& c, BinGroupDecoder* dec, int gp, uint16_t* bitmap, uint8_t* cls_ch,
                         size_t n_max, const std::string& what);
 void encode_positions(const Classes16& c, const uint16_t* bitmap, BinGroupEncoder* enc, int gp);

@@ -95,9 +95,9 @@ SYNCD_512 __attribute__((always_inline)) inline __mmask16 dec_step(__m512i& x, _
   x = _mm512_mask_add_epi32(x, coded, _mm512_mullo_epi32(f, _mm512_srli_epi32(x, 16)), sc);
   const __mmask16 ren = _mm512_mask_cmplt_epu32_mask(coded, x, one16);
   __m512i w;
-  if (!checked || end - p >= 32) {
+  if (!checked || __builtin_expect(end - p >= 32, 1)) {
     w = _mm512_maskz_expand_epi32(ren, _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
-  } else {
+  } else {  // the stream's last words: read only those this row takes
     if (size_t(end - p) < 2 * size_t(__builtin_popcount(ren))) fail(what, ": binary stream truncated");
     w = _mm512_cvtepu16_epi32(expand_load16(ren, p));
   }
@@ -108,7 +108,7 @@ SYNCD_512 __attribute__((always_inline)) inline __mmask16 dec_step(__m512i& x, _
 
 // One encoder step (rows go backwards): lanes in `coded` encode `bit`; inv holds 1 / f per lane, f the
 // probability of the lane's bit. Words go backwards at w.
-SYNCD_512 inline void enc_step(__m512i& x, __mmask16 coded, __mmask16 bit, __m512i p1, __m512 inv, uint8_t*& w) {
+SYNCD_512 __attribute__((always_inline)) inline void enc_step(__m512i& x, __mmask16 coded, __mmask16 bit, __m512i p1, __m512 inv, uint8_t*& w) {
   const __m512i one16 = _mm512_set1_epi32(1 << 16), one = _mm512_set1_epi32(1), zero = _mm512_setzero_si512();
   const __m512i f = _mm512_mask_blend_epi32(bit, _mm512_sub_epi32(one16, p1), p1);
   const __m512i cc = _mm512_maskz_mov_epi32(_knot_mask16(bit), p1);
@@ -131,7 +131,7 @@ SYNCD_512 inline void enc_step(__m512i& x, __mmask16 coded, __mmask16 bit, __m51
 // The classes (as bytes) and probabilities (32-bit lanes, one vector per row) of the 32 elements of vectors
 // t and t + 1, computed in 16-bit lanes.
 struct Pair {
-  __m512i p1_lo, p1_hi;
+  __m512i p1_lo, p1_hi, words, cls16;
   __m256i cls;
 };
 
@@ -154,7 +154,7 @@ struct Consts16 {
     const __m512i cls = _mm512_min_epi16(_mm512_max_epi16(_mm512_sub_epi16(etop, e), zero), fifteen);
     const __m512i q = _mm512_permutexvar_epi16(cls, p1);
     return {_mm512_cvtepu16_epi32(_mm512_castsi512_si256(q)), _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(q, 1)),
-            _mm512_cvtepi16_epi8(cls)};
+            w, cls, _mm512_cvtepi16_epi8(cls)};
   }
 };
 
@@ -186,7 +186,7 @@ struct DecRow {
 
 template <int GP>
 SYNCD_512 size_t decode_gp(const Classes16& c, BinGroupDecoder* dec, uint16_t* bitmap, uint8_t* cls_ch, size_t n_max,
-                           const std::string& what) {
+                           const std::string& what, uint64_t first_word, uint64_t* old_sum) {
   const Consts k(c);
   const Consts16 k16(c);
   DecRow row{c, k, bitmap, cls_ch, n_max, 0, what};
@@ -201,24 +201,25 @@ SYNCD_512 size_t decode_gp(const Classes16& c, BinGroupDecoder* dec, uint16_t* b
   }
   constexpr int kUnit = 2 * GP;  // a whole number of pairs and of group rounds
   const uint64_t vectors = (c.span + kLanes - 1) / kLanes, full = c.span / kLanes / kUnit * kUnit;
+  const __m512i step8 = _mm512_set1_epi64(int64_t(8 * core::kGolden));
+  __m512i key = word_keys512(first_word), acc = _mm512_setzero_si512();  // the old words' checksum terms
   uint64_t t = 0;
   for (; t < full; t += kUnit) {
-    // a unit reads at most 2 rows of 16 words per group, plus the last row's 32-byte look-ahead
-    bool room = true;
-    for (int g = 0; g < GP; ++g) room &= e[g] - p[g] >= 96;
-    if (!room) break;
 #pragma GCC unroll 16
     for (int u = 0; u < kUnit; u += 2) {
       const Pair q = k16.pair(c.old + (t + u) * kLanes);
-      row.row<false>(t + u, q.p1_lo, _mm256_castsi256_si128(q.cls), 0xFFFF, x[u % GP], p[u % GP], e[u % GP]);
-      row.row<false>(t + u + 1, q.p1_hi, _mm256_extracti128_si256(q.cls, 1), 0xFFFF, x[(u + 1) % GP],
-                     p[(u + 1) % GP], e[(u + 1) % GP]);
+      acc = _mm512_add_epi64(acc, mix512(_mm512_xor_si512(q.words, key)));
+      key = _mm512_add_epi64(key, step8);
+      row.row<true>(t + u, q.p1_lo, _mm256_castsi256_si128(q.cls), 0xFFFF, x[u % GP], p[u % GP], e[u % GP]);
+      row.row<true>(t + u + 1, q.p1_hi, _mm256_extracti128_si256(q.cls, 1), 0xFFFF, x[(u + 1) % GP],
+                    p[(u + 1) % GP], e[(u + 1) % GP]);
     }
   }
   for (int g = 0; g < GP; ++g) {
     _mm512_storeu_si512(dec[g].x, x[g]);
     dec[g].p = p[g];
   }
+  *old_sum = uint64_t(_mm512_reduce_add_epi64(acc)) + scalar16::checksum(c.old, c.span, first_word, t * kLanes);
   for (; t < vectors; ++t) {
     BinGroupDecoder& d = dec[t % GP];
     __m512i xt = _mm512_loadu_si512(d.x);
@@ -234,38 +235,55 @@ struct EncRow {
   const uint16_t* bitmap;
   __m512 inv0, inv1;  // 1 / (2^16 - p1) and 1 / p1 per class
 
-  SYNCD_512 inline void step(uint64_t t, __mmask16 live, __m512i& x, uint8_t*& w) {
-    const __m512i cls = classes_at(c, k, t, live);
-    const __m512i p1 = _mm512_permutexvar_epi32(cls, k.p1);
+  SYNCD_512 __attribute__((always_inline)) inline void row(uint64_t t, __m512i cls, __m512i p1, __mmask16 live,
+                                                            __m512i& x, uint8_t*& w) {
     const __mmask16 coded = _mm512_mask_test_epi32_mask(live, p1, p1);
     const __mmask16 bit = __mmask16(bitmap[t]) & coded;
     const __m512 inv = _mm512_mask_blend_ps(bit, _mm512_permutexvar_ps(cls, inv0), _mm512_permutexvar_ps(cls, inv1));
     enc_step(x, coded, bit, p1, inv, w);
+  }
+  SYNCD_512 __attribute__((always_inline)) inline void step(uint64_t t, __mmask16 live, __m512i& x, uint8_t*& w) {
+    const __m512i cls = classes_at(c, k, t, live);
+    row(t, cls, _mm512_permutexvar_epi32(cls, k.p1), live, x, w);
   }
 };
 
 template <int GP>
 SYNCD_512 void encode_gp(const Classes16& c, const uint16_t* bitmap, BinGroupEncoder* enc) {
   const Consts k(c);
+  const Consts16 k16(c);
   float i0[kLanes], i1[kLanes];
   for (int l = 0; l < kLanes; ++l) {
     i0[l] = c.p1[l] ? 1.0f / float(kBinOne - c.p1[l]) : 0.0f;
     i1[l] = c.p1[l] ? 1.0f / float(c.p1[l]) : 0.0f;
   }
   EncRow row{c, k, bitmap, _mm512_loadu_ps(i0), _mm512_loadu_ps(i1)};
-  const uint64_t vectors = (c.span + kLanes - 1) / kLanes, full = c.span / kLanes / GP * GP;
-  __m512i xs[GP];
+  constexpr int kUnit = 2 * GP;
+  const uint64_t vectors = (c.span + kLanes - 1) / kLanes, full = c.span / kLanes / kUnit * kUnit;
+  // rows go backwards: first the vectors past the last whole unit, one by one, on the states in memory
+  for (uint64_t t = vectors; t > full; --t) {
+    BinGroupEncoder& e = enc[(t - 1) % GP];
+    __m512i xt = _mm512_loadu_si512(e.x);
+    row.step(t - 1, live_lanes(c.span, t - 1), xt, e.w);
+    _mm512_storeu_si512(e.x, xt);
+  }
+  // then whole units, their states in registers (indexed by constants only)
+  __m512i x[GP];
   uint8_t* w[GP];
   for (int g = 0; g < GP; ++g) {
-    xs[g] = _mm512_loadu_si512(enc[g].x);
+    x[g] = _mm512_loadu_si512(enc[g].x);
     w[g] = enc[g].w;
   }
-  uint64_t t = vectors;
-  for (; t > full; --t) row.step(t - 1, live_lanes(c.span, t - 1), xs[(t - 1) % GP], w[(t - 1) % GP]);
-  __m512i x[GP];
-  for (int g = 0; g < GP; ++g) x[g] = xs[g];
-  for (; t > 0; t -= GP)
-    for (int g = GP - 1; g >= 0; --g) row.step(t - GP + g, 0xFFFF, x[g], w[g]);
+  for (uint64_t t = full; t > 0; t -= kUnit) {
+#pragma GCC unroll 16
+    for (int u = kUnit - 2; u >= 0; u -= 2) {
+      const uint64_t v = t - kUnit + u;
+      const Pair q = k16.pair(c.old + v * kLanes);
+      row.row(v + 1, _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(q.cls16, 1)), q.p1_hi, 0xFFFF, x[(u + 1) % GP],
+              w[(u + 1) % GP]);
+      row.row(v, _mm512_cvtepu16_epi32(_mm512_castsi512_si256(q.cls16)), q.p1_lo, 0xFFFF, x[u % GP], w[u % GP]);
+    }
+  }
   for (int g = 0; g < GP; ++g) {
     _mm512_storeu_si512(enc[g].x, x[g]);
     enc[g].w = w[g];
@@ -284,18 +302,65 @@ struct Keys16 {
 
 }  // namespace
 
+// The sample: the first 1024 elements of every 16384, 32 at a time (the scalar code takes a partial end).
+SYNCD_512 int sample_max_exponent(const Classes16& c) {
+  const __m512i emask = _mm512_set1_epi16(int16_t(c.emask));
+  const __m128i shift = _mm_cvtsi32_si128(c.shift);
+  __m512i best = _mm512_set1_epi16(-1);
+  uint64_t done = 0;
+  for (uint64_t s = 0; s < c.span; s += 1 << 14) {
+    const uint64_t e = std::min(c.span, s + 1024) / 32 * 32;
+    for (uint64_t i = s; i < e; i += 32) {
+      const __m512i x = _mm512_and_si512(_mm512_srl_epi16(_mm512_loadu_si512(c.old + i), shift), emask);
+      best = _mm512_mask_max_epi16(best, _mm512_cmpneq_epi16_mask(x, emask), best, x);
+    }
+    if (e < std::min(c.span, s + 1024)) {
+      done = e;
+      break;
+    }
+  }
+  alignas(64) int16_t b[32];
+  _mm512_store_si512(b, best);
+  int m = -1;
+  for (int l = 0; l < 32; ++l) m = std::max(m, int(b[l]));
+  return done ? std::max(m, scalar16::sample_max_exponent(c, done)) : m;
+}
+
+SYNCD_512 void sample_class_counts(const Classes16& c, uint64_t counts[16]) {
+  const Consts16 k16(c);
+  uint64_t done = 0;
+  for (uint64_t s = 0; s < c.span; s += 1 << 14) {
+    const uint64_t e = std::min(c.span, s + 1024) / 32 * 32;
+    for (uint64_t i = s; i < e; i += 32) {
+      const __m512i w = _mm512_loadu_si512(c.old + i);
+      const __m512i cls = _mm512_min_epi16(
+          _mm512_max_epi16(_mm512_sub_epi16(k16.etop, _mm512_and_si512(_mm512_srl_epi16(w, k16.shift), k16.emask)), k16.zero),
+          k16.fifteen);
+      for (int q = 0; q < 16; ++q)
+        counts[q] += unsigned(__builtin_popcount(_mm512_cmpeq_epi16_mask(cls, _mm512_set1_epi16(int16_t(q)))));
+    }
+    if (e < std::min(c.span, s + 1024)) {
+      done = e;
+      break;
+    }
+  }
+  if (done) scalar16::sample_class_counts(c, counts, done);
+}
+
 SYNCD_512 size_t decode_positions(const Classes16& c, BinGroupDecoder* dec, int gp, uint16_t* bitmap, uint8_t* cls_ch,
-                                  size_t n_max, const std::string& what) {
+                                  size_t n_max, const std::string& what, uint64_t first_word, uint64_t* old_sum) {
   switch (gp) {
-    case 1: return decode_gp<1>(c, dec, bitmap, cls_ch, n_max, what);
-    case 2: return decode_gp<2>(c, dec, bitmap, cls_ch, n_max, what);
-    case 3: return decode_gp<3>(c, dec, bitmap, cls_ch, n_max, what);
-    case 4: return decode_gp<4>(c, dec, bitmap, cls_ch, n_max, what);
-    case 5: return decode_gp<5>(c, dec, bitmap, cls_ch, n_max, what);
-    case 6: return decode_gp<6>(c, dec, bitmap, cls_ch, n_max, what);
-    case 7: return decode_gp<7>(c, dec, bitmap, cls_ch, n_max, what);
-    case 8: return decode_gp<8>(c, dec, bitmap, cls_ch, n_max, what);
-    default: return scalar16::decode_positions(c, dec, gp, bitmap, cls_ch, n_max, what);
+    case 1: return decode_gp<1>(c, dec, bitmap, cls_ch, n_max, what, first_word, old_sum);
+    case 2: return decode_gp<2>(c, dec, bitmap, cls_ch, n_max, what, first_word, old_sum);
+    case 3: return decode_gp<3>(c, dec, bitmap, cls_ch, n_max, what, first_word, old_sum);
+    case 4: return decode_gp<4>(c, dec, bitmap, cls_ch, n_max, what, first_word, old_sum);
+    case 5: return decode_gp<5>(c, dec, bitmap, cls_ch, n_max, what, first_word, old_sum);
+    case 6: return decode_gp<6>(c, dec, bitmap, cls_ch, n_max, what, first_word, old_sum);
+    case 7: return decode_gp<7>(c, dec, bitmap, cls_ch, n_max, what, first_word, old_sum);
+    case 8: return decode_gp<8>(c, dec, bitmap, cls_ch, n_max, what, first_word, old_sum);
+    default:
+      *old_sum = scalar16::checksum(c.old, c.span, first_word, 0);
+      return scalar16::decode_positions(c, dec, gp, bitmap, cls_ch, n_max, what);
   }
 }
 
@@ -346,12 +411,32 @@ SYNCD_512 uint64_t scan(const Classes16& c, const uint16_t* nw, uint64_t first_w
 }
 
 SYNCD_512 uint64_t apply(uint16_t* target, uint64_t span, uint64_t first_word, const uint16_t* bitmap,
-                         const uint16_t* v16, bool is_float, bool forward) {
+                         const uint16_t* v16, bool is_float, bool forward, const uint64_t* old_sum) {
   const Keys16 kk;
   const __m512i step8 = _mm512_set1_epi64(int64_t(8 * core::kGolden));
   __m512i key = word_keys512(first_word), acc = _mm512_setzero_si512();
   const uint64_t vecs = span / 32;
   uint64_t k = 0;
+  if (old_sum) {  // every new word's term, unchanged ones included: one term per word
+    for (uint64_t j = 0; j < vecs; ++j, key = _mm512_add_epi64(key, step8)) {
+      uint32_t bits;
+      std::memcpy(&bits, bitmap + 2 * j, 4);
+      __m512i a = _mm512_loadu_si512(target + 32 * j);
+      if (bits) {
+        const __m512i v = expand_load32x16(bits, v16 + k);
+        const __m512i u = _mm512_add_epi16(v, kk.one);
+        const __m512i d = _mm512_xor_si512(_mm512_srli_epi16(u, 1), _mm512_sub_epi16(_mm512_setzero_si512(), _mm512_and_si512(u, kk.one)));
+        const __m512i ka = is_float ? kk.key(a) : a;
+        const __m512i kb = forward ? _mm512_add_epi16(ka, d) : _mm512_sub_epi16(ka, d);
+        a = _mm512_mask_mov_epi16(a, bits, is_float ? kk.unkey(kb) : kb);
+        _mm512_mask_storeu_epi16(target + 32 * j, bits, a);
+        k += unsigned(__builtin_popcount(bits));
+      }
+      acc = _mm512_add_epi64(acc, mix512(_mm512_xor_si512(a, key)));
+    }
+    scalar16::apply(target, span, first_word, bitmap, v16, is_float, forward, vecs * 32, k);  // the tail
+    return uint64_t(_mm512_reduce_add_epi64(acc)) + scalar16::checksum(target, span, first_word, vecs * 32) - *old_sum;
+  }
   for (uint64_t j = 0; j < vecs; ++j, key = _mm512_add_epi64(key, step8)) {
     uint32_t bits;
     std::memcpy(&bits, bitmap + 2 * j, 4);
@@ -445,16 +530,42 @@ SYNCD_512 void value_stats(const uint8_t* cls, const uint16_t* v, size_t n, uint
   }
 }
 
-// The node probabilities of the lanes in `active`: class c16, node u.
-SYNCD_512 inline __m512i node_p1(const ValueTrees& lv, __m512i c16, __m512i u, __mmask16 active) {
-  const __m512i idx = _mm512_add_epi32(_mm512_slli_epi32(c16, 7), u);
-  return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), active, idx, &lv.node[0][0], 4);
-}
+// The node probabilities of rows 0..3 (the trees of 16-bit dtypes) as permute tables: row r holds, at index
+// c * 2^r + j, node 2^r + j of class c; a row's lookup is 1, 1, 2 or 4 two-table permutes instead of a gather.
+struct RowTables {
+  __m512i t[15];  // row 0: t[0]; row 1: t[1..2]; row 2: t[3..6]; row 3: t[7..14]
+  SYNCD_512 explicit RowTables(const ValueTrees& lv) {
+    alignas(64) uint32_t flat[240];
+    for (int r = 0, at = 0; r < 4; at += 16 << r, ++r)
+      for (int c = 0; c < 16; ++c)
+        for (int j = 0; j < (1 << r); ++j) flat[at + c * (1 << r) + j] = lv.node[c][(1 << r) + j];
+    for (int i = 0; i < 15; ++i) t[i] = _mm512_load_si512(flat + 16 * i);
+  }
+  // probabilities of the lanes of row r (0..3): class c16, node u (2^r .. 2^(r+1) - 1)
+  SYNCD_512 __attribute__((always_inline)) inline __m512i at(int r, __m512i c16, __m512i u) const {
+    const __m512i idx = _mm512_add_epi32(_mm512_slli_epi32(c16, r), _mm512_sub_epi32(u, _mm512_set1_epi32(1 << r)));
+    switch (r) {
+      case 0: return _mm512_permutexvar_epi32(c16, t[0]);
+      case 1: return _mm512_permutex2var_epi32(t[1], idx, t[2]);
+      case 2: {
+        const __m512i a = _mm512_permutex2var_epi32(t[3], idx, t[4]), b = _mm512_permutex2var_epi32(t[5], idx, t[6]);
+        return _mm512_mask_blend_epi32(_mm512_test_epi32_mask(idx, _mm512_set1_epi32(32)), a, b);
+      }
+      default: {
+        const __m512i a = _mm512_permutex2var_epi32(t[7], idx, t[8]), b = _mm512_permutex2var_epi32(t[9], idx, t[10]);
+        const __m512i c = _mm512_permutex2var_epi32(t[11], idx, t[12]), d = _mm512_permutex2var_epi32(t[13], idx, t[14]);
+        const __m512i ab = _mm512_mask_blend_epi32(_mm512_test_epi32_mask(idx, _mm512_set1_epi32(32)), a, b);
+        const __m512i cd = _mm512_mask_blend_epi32(_mm512_test_epi32_mask(idx, _mm512_set1_epi32(32)), c, d);
+        return _mm512_mask_blend_epi32(_mm512_test_epi32_mask(idx, _mm512_set1_epi32(64)), ab, cd);
+      }
+    }
+  }
+};
 
 // One step of the value streams, backwards (rows bottom up), its GV groups interleaved.
 template <int GV>
 SYNCD_512 inline void encode_step(size_t s0, size_t nj, const uint8_t* cls_j, const uint8_t* nb_j,
-                                  const ValueTrees& lv, __m512i dtab, BinGroupEncoder* venc) {
+                                  const RowTables& rt, __m512i dtab, BinGroupEncoder* venc) {
   const __m512 fone = _mm512_set1_ps(1.0f);
   const __m512i one16 = _mm512_set1_epi32(1 << 16), onev = _mm512_set1_epi32(1);
   __m512i c16[GV], nb[GV], depth[GV], path[GV], x[GV];
@@ -479,7 +590,7 @@ SYNCD_512 inline void encode_step(size_t s0, size_t nj, const uint8_t* cls_j, co
       const __m512i sh = _mm512_sub_epi32(depth[g], rr);  // node at row r: the leaf's top r + 1 bits
       const __m512i u = _mm512_srlv_epi32(path[g], sh);
       const __mmask16 bit = _mm512_mask_test_epi32_mask(active, _mm512_srlv_epi32(path[g], _mm512_sub_epi32(sh, onev)), onev);
-      const __m512i p1 = node_p1(lv, c16[g], u, active);
+      const __m512i p1 = rt.at(r, c16[g], u);
       const __m512i f = _mm512_mask_blend_epi32(bit, _mm512_sub_epi32(one16, p1), p1);
       const __m512 inv = _mm512_div_ps(fone, _mm512_cvtepu32_ps(_mm512_mask_mov_epi32(onev, active, f)));
       enc_step(x[g], active, bit, p1, inv, venc[g].w);
@@ -496,16 +607,17 @@ SYNCD_512 void encode_values(const uint8_t* cls, const uint16_t* v, size_t n, co
   uint64_t* jbits = grown(t_jbits, n / 64 + 2);
   const size_t nj = select_j(cls, v, n, lv, cls_j, nb_j, m_j, jbits);
   const __m512i dtab = _mm512_loadu_si512(lv.depth);
+  const RowTables rt(lv);
   const size_t step = size_t(kLanes) * std::max(gv, 1);
   for (size_t s0 = gv ? (nj + step - 1) / step * step : 0; s0 > 0;) {
     s0 -= step;
     switch (gv) {
-      case 1: encode_step<1>(s0, nj, cls_j, nb_j, lv, dtab, venc); break;
-      case 2: encode_step<2>(s0, nj, cls_j, nb_j, lv, dtab, venc); break;
-      case 3: encode_step<3>(s0, nj, cls_j, nb_j, lv, dtab, venc); break;
-      case 4: encode_step<4>(s0, nj, cls_j, nb_j, lv, dtab, venc); break;
+      case 1: encode_step<1>(s0, nj, cls_j, nb_j, rt, dtab, venc); break;
+      case 2: encode_step<2>(s0, nj, cls_j, nb_j, rt, dtab, venc); break;
+      case 3: encode_step<3>(s0, nj, cls_j, nb_j, rt, dtab, venc); break;
+      case 4: encode_step<4>(s0, nj, cls_j, nb_j, rt, dtab, venc); break;
       default:
-        for (int g = gv - 1; g >= 0; --g) encode_step<1>(s0 + size_t(g) * kLanes, nj, cls_j, nb_j, lv, dtab, venc + g);
+        for (int g = gv - 1; g >= 0; --g) encode_step<1>(s0 + size_t(g) * kLanes, nj, cls_j, nb_j, rt, dtab, venc + g);
     }
   }
   uint64_t acc = 0;  // mantissa bits, LSB first, in position order (that of J)
@@ -535,7 +647,7 @@ struct Mantissa {
   uint64_t bit = 0;  // bits consumed
 
   // m | the next lens[l] (1..63) bits for each lane l in `more`, in lane order
-  SYNCD_512 inline __m512i take(__m512i m, __m512i lens, __mmask16 more) {
+  SYNCD_512 __attribute__((always_inline)) inline __m512i take(__m512i m, __m512i lens, __mmask16 more) {
     const __m512i zero = _mm512_setzero_si512();
     const __m512i l = _mm512_maskz_mov_epi32(more, lens);
     __m512i incl = _mm512_add_epi32(l, _mm512_alignr_epi32(l, zero, 15));
@@ -543,28 +655,37 @@ struct Mantissa {
     incl = _mm512_add_epi32(incl, _mm512_alignr_epi32(incl, zero, 12));
     incl = _mm512_add_epi32(incl, _mm512_alignr_epi32(incl, zero, 8));
     const uint64_t total = uint32_t(_mm_cvtsi128_si32(_mm512_extracti32x4_epi32(_mm512_alignr_epi32(zero, incl, 15), 0)));
-    if (total > 8 * uint64_t(len) - bit) throw DeltaError(what + ": raw-bits stream truncated");
-    if ((bit + total) / 8 + 4 <= len && (bit + total) < (uint64_t(1) << 31) && _mm512_mask_reduce_max_epi32(more, lens) <= 24) {
-      const __m512i b = _mm512_add_epi32(_mm512_set1_epi32(int(bit)), _mm512_sub_epi32(incl, l));
-      const __m512i w = _mm512_mask_i32gather_epi32(zero, more, _mm512_srli_epi32(b, 3), p, 1);
-      const __m512i bits = _mm512_srlv_epi32(w, _mm512_and_si512(b, _mm512_set1_epi32(7)));
+    if (total > 8 * uint64_t(len) - bit) fail(what, ": raw-bits stream truncated");
+    const uint64_t byte = bit >> 3;
+    if (len - byte >= 64 && total <= 448) {
+      // every lane's bits lie in the 64 bytes from `byte`: per lane, its 64-bit word of that window and the next,
+      // funnel-shifted down to its first bit (two halves of 8 lanes)
+      const __m512i win = _mm512_loadu_si512(p + byte);
+      const __m512i off = _mm512_add_epi32(_mm512_set1_epi32(int(bit & 7)), _mm512_sub_epi32(incl, l));
+      __m512i out[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m512i o = _mm512_cvtepu32_epi64(h ? _mm512_extracti64x4_epi64(off, 1) : _mm512_castsi512_si256(off));
+        const __m512i q = _mm512_srli_epi64(o, 6);
+        const __m512i lo = _mm512_permutexvar_epi64(q, win);
+        const __m512i hi = _mm512_permutexvar_epi64(_mm512_add_epi64(q, _mm512_set1_epi64(1)), win);
+        out[h] = _mm512_shrdv_epi64(lo, hi, _mm512_and_si512(o, _mm512_set1_epi64(63)));
+      }
+      const __m512i bits = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(out[0])), _mm512_cvtepi64_epi32(out[1]), 1);
       const __m512i mask = _mm512_sub_epi32(_mm512_sllv_epi32(_mm512_set1_epi32(1), l), _mm512_set1_epi32(1));
       m = _mm512_or_si512(m, _mm512_and_si512(bits, mask));
-    } else {
-      alignas(64) uint32_t mm[kLanes], nl[kLanes];
-      _mm512_store_si512(mm, m);
-      _mm512_store_si512(nl, l);
-      for (uint32_t b = more; b; b &= b - 1) {
-        const int lane = __builtin_ctz(b);
-        uint64_t x = 0;
-        for (uint32_t i = 0; i < nl[lane]; ++i, ++bit) x |= uint64_t(p[bit >> 3] >> (bit & 7) & 1) << i;
-        mm[lane] |= uint32_t(x);
-      }
-      bit -= total;
-      m = _mm512_load_si512(mm);
+      bit += total;
+      return m;
     }
-    bit += total;
-    return m;
+    alignas(64) uint32_t mm[kLanes], nl[kLanes];
+    _mm512_store_si512(mm, m);
+    _mm512_store_si512(nl, l);
+    for (uint32_t b = more; b; b &= b - 1) {
+      const int lane = __builtin_ctz(b);
+      uint64_t x = 0;
+      for (uint32_t i = 0; i < nl[lane]; ++i, ++bit) x |= uint64_t(p[bit >> 3] >> (bit & 7) & 1) << i;
+      mm[lane] |= uint32_t(x);
+    }
+    return _mm512_load_si512(mm);
   }
   void finish() const {
     const uint64_t left = 8 * uint64_t(len) - bit;
@@ -576,7 +697,7 @@ struct Mantissa {
 // The rows of one step of the value streams, its GV groups interleaved (independent chains): writes m of
 // each lane (1 << (nb - 1) | its nb - 1 mantissa bits) to m_j.
 template <int GV>
-SYNCD_512 inline void decode_step(size_t s0, size_t nj, const uint8_t* cls_j, const ValueTrees& lv, __m512i dtab,
+SYNCD_512 inline void decode_step(size_t s0, size_t nj, const uint8_t* cls_j, const RowTables& rt, __m512i dtab,
                                   BinGroupDecoder* vdec, Mantissa& mant, uint16_t* m_j) {
   const __m512i onev = _mm512_set1_epi32(1);
   __m512i c16[GV], depth[GV], u[GV], x[GV];
@@ -596,7 +717,7 @@ SYNCD_512 inline void decode_step(size_t s0, size_t nj, const uint8_t* cls_j, co
     for (int g = 0; g < GV; ++g) {
       const __mmask16 active = _mm512_cmpgt_epi32_mask(depth[g], rr);
       if (!active) continue;
-      const __mmask16 bit = dec_step<true>(x[g], active, node_p1(lv, c16[g], u[g], active), vdec[g].p, vdec[g].end,
+      const __mmask16 bit = dec_step<true>(x[g], active, rt.at(r, c16[g], u[g]), vdec[g].p, vdec[g].end,
                                            vdec[g].what);
       u[g] = _mm512_mask_mov_epi32(u[g], active, _mm512_mask_or_epi32(_mm512_slli_epi32(u[g], 1), bit,
                                                                      _mm512_slli_epi32(u[g], 1), onev));
@@ -624,15 +745,16 @@ SYNCD_512 void decode_values(const uint8_t* cls, size_t n, const uint8_t* signs,
   check_value_groups(gv, nj, what);
   Mantissa mant{mant_p, mant_len, what};
   const __m512i dtab = _mm512_loadu_si512(lv.depth);
+  const RowTables rt(lv);  // 16-bit dtypes: trees of at most 4 levels
   const size_t step = size_t(kLanes) * std::max(gv, 1);
   for (size_t s0 = 0; s0 < nj && gv; s0 += step) {
     switch (gv) {
-      case 1: decode_step<1>(s0, nj, cls_j, lv, dtab, vdec, mant, m_j); break;
-      case 2: decode_step<2>(s0, nj, cls_j, lv, dtab, vdec, mant, m_j); break;
-      case 3: decode_step<3>(s0, nj, cls_j, lv, dtab, vdec, mant, m_j); break;
-      case 4: decode_step<4>(s0, nj, cls_j, lv, dtab, vdec, mant, m_j); break;
+      case 1: decode_step<1>(s0, nj, cls_j, rt, dtab, vdec, mant, m_j); break;
+      case 2: decode_step<2>(s0, nj, cls_j, rt, dtab, vdec, mant, m_j); break;
+      case 3: decode_step<3>(s0, nj, cls_j, rt, dtab, vdec, mant, m_j); break;
+      case 4: decode_step<4>(s0, nj, cls_j, rt, dtab, vdec, mant, m_j); break;
       default:  // more groups than our encoders write: one at a time (same order within each stream)
-        for (int g = 0; g < gv; ++g) decode_step<1>(s0 + size_t(g) * kLanes, nj, cls_j, lv, dtab, vdec + g, mant, m_j);
+        for (int g = 0; g < gv; ++g) decode_step<1>(s0 + size_t(g) * kLanes, nj, cls_j, rt, dtab, vdec + g, mant, m_j);
     }
   }
   // every value: its low bit, plus 2m for the changes in J (expanded into place)
@@ -661,7 +783,8 @@ SYNCD_512 void decode_values(const uint8_t* cls, size_t n, const uint8_t* signs,
 namespace syncd {
 namespace avx512_16 {
 size_t decode_positions(const Classes16& c, BinGroupDecoder* dec, int gp, uint16_t* bitmap, uint8_t* cls_ch,
-                        size_t n_max, const std::string& what) {
+                        size_t n_max, const std::string& what, uint64_t first_word, uint64_t* old_sum) {
+  *old_sum = scalar16::checksum(c.old, c.span, first_word, 0);
   return scalar16::decode_positions(c, dec, gp, bitmap, cls_ch, n_max, what);
 }
 void encode_positions(const Classes16& c, const uint16_t* bitmap, BinGroupEncoder* enc, int gp) {
@@ -673,10 +796,12 @@ uint64_t scan(const Classes16& c, const uint16_t* nw, uint64_t first_word, bool 
   return scalar16::scan(c, nw, first_word, is_float, bitmap, v16, cls_ch, sum_old, adj, 0, 0);
 }
 uint64_t apply(uint16_t* target, uint64_t span, uint64_t first_word, const uint16_t* bitmap, const uint16_t* v16,
-               bool is_float, bool forward) {
+               bool is_float, bool forward, const uint64_t*) {
   return scalar16::apply(target, span, first_word, bitmap, v16, is_float, forward, 0, 0);
 }
 void value_stats(const uint8_t*, const uint16_t*, size_t, uint64_t[16], uint64_t[16][65]) {}
+int sample_max_exponent(const Classes16& c) { return scalar16::sample_max_exponent(c, 0); }
+void sample_class_counts(const Classes16& c, uint64_t counts[16]) { scalar16::sample_class_counts(c, counts, 0); }
 void encode_values(const uint8_t*, const uint16_t*, size_t, const ValueTrees&, BinGroupEncoder*, int,
                    std::vector<uint8_t>&, uint8_t*) {}
 void decode_values(const uint8_t*, size_t, const uint8_t*, const ValueTrees&, BinGroupDecoder*, int, const uint8_t*,

@@ -191,3 +191,57 @@ def test_probability_rules_are_integer_and_clamped():
     assert ref_ctx.position_probabilities([5], [10], 100) == [3277]  # a tenth of the block sampled: 5 in 100
     assert ref_ctx.continue_probability(0, 7) == 1 and ref_ctx.continue_probability(7, 7) == 65535
     assert ref_ctx.continue_probability(1, 2) == 32768
+
+
+# ---------------------------------------------------------------------------------- SIMD levels
+
+_SIMD_PROBE = r"""
+import hashlib, sys, torch
+from syncd.ops import _backend, delta
+from tests.ops._util import perturb, random_bits
+sys.path.insert(0, ".")
+from tests.ops.test_delta_v2 import weight_pair
+out = [_backend.native().CODEC_SIMD]
+cases = [weight_pair(n, s, seed=n) for n, s in ((70_001, 1e-7), (300_000, 1e-6), (1 << 18, 3e-5), (99_999, 1e-3))]
+g = torch.Generator().manual_seed(5)
+for dt in (torch.bfloat16, torch.float16, torch.int16, torch.float32, torch.uint8):
+    old = random_bits((50_000,), dt, g)
+    cases.append((old, perturb(old, 0.2, g, max_step=300)))
+for old, new in cases:
+    blob = delta.encode(old, new, version=2, block_log2=16)
+    t = old.clone()
+    delta.apply_(t, blob)
+    ok = torch.equal(t.view(torch.uint8), new.view(torch.uint8))
+    back = old.clone()
+    bad = bytearray(blob)
+    bad[-2] ^= 0x20
+    try:
+        delta.apply_(back, bytes(bad))
+    except Exception as e:
+        kept = torch.equal(back.view(torch.uint8), old.view(torch.uint8))
+    out.append(f"{hashlib.sha256(blob).hexdigest()[:16]} {ok} {kept}")
+print("\n".join(out))
+"""
+
+
+def test_every_simd_level_writes_and_reads_the_same_bytes():
+    """The scalar, AVX2 and AVX-512 kernels (SYNCD_SIMD caps the level; the CPU may offer fewer) write the
+    same blobs and decode them to the same tensors, and undo a failed apply the same way."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    runs = {}
+    for level in ("scalar", "avx2", "avx512"):
+        env = dict(os.environ, SYNCD_SIMD=level)
+        proc = subprocess.run([sys.executable, "-c", _SIMD_PROBE], cwd=root, env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        got, *lines = proc.stdout.split("\n")
+        runs[got] = [ln for ln in lines if ln]
+    assert "scalar" in runs
+    first = runs["scalar"]
+    assert all(line.endswith("True True") for line in first), first
+    for level, lines in runs.items():
+        assert lines == first, level
