@@ -290,6 +290,10 @@ size_t decode_positions(const Classes16&, BinGroupDecoder*, int, uint16_t*, uint
 void encode_positions(const Classes16&, const uint16_t*, BinGroupEncoder*, int);
 uint64_t scan(const Classes16&, const uint16_t*, uint64_t, bool, uint16_t*, uint16_t*, uint8_t*, uint64_t*, uint64_t*);
 uint64_t apply(uint16_t*, uint64_t, uint64_t, const uint16_t*, const uint16_t*, bool, bool, const uint64_t*);
+void encode_values(const uint8_t*, const uint16_t*, size_t, const ValueTrees&, BinGroupEncoder*, int,
+                   std::vector<uint8_t>&, uint8_t*);
+void decode_values(const uint8_t*, size_t, const uint8_t*, const ValueTrees&, BinGroupDecoder*, int, const uint8_t*,
+                   size_t, uint16_t*, const std::string&);
 }  // namespace avx2_16
 namespace avx512_16 {
 int sample_max_exponent(const Classes16&);
@@ -356,17 +360,22 @@ void value_stats(const uint8_t* cls, const V* v, size_t n, uint64_t changed[16],
 template <class V>
 void encode_values(const uint8_t* cls, const V* v, size_t n, const ValueTrees& lv, BinGroupEncoder* venc, int gv,
                    std::vector<uint8_t>& mant, uint8_t* signs, Simd s) {
-  if constexpr (sizeof(V) == 2)
+  if constexpr (sizeof(V) == 2) {
     if (s == Simd::kAvx512) return avx512_16::encode_values(cls, v, n, lv, venc, gv, mant, signs);
+    if (s == Simd::kAvx2) return avx2_16::encode_values(cls, v, n, lv, venc, gv, mant, signs);
+  }
   scalar_encode_values(cls, v, n, lv, venc, gv, mant, signs);
 }
 
 template <class V>
 void decode_values(const uint8_t* cls, size_t n, const uint8_t* signs, const ValueTrees& lv, BinGroupDecoder* vdec,
                    int gv, const uint8_t* mant, size_t mant_len, uint64_t vmax, V* v, const std::string& what, Simd s) {
-  if constexpr (sizeof(V) == 2)
+  if constexpr (sizeof(V) == 2) {
     if (s == Simd::kAvx512 && vmax == 0xFFFE)
       return avx512_16::decode_values(cls, n, signs, lv, vdec, gv, mant, mant_len, v, what);
+    if (s == Simd::kAvx2 && vmax == 0xFFFE)
+      return avx2_16::decode_values(cls, n, signs, lv, vdec, gv, mant, mant_len, v, what);
+  }
   scalar_decode_values(cls, n, signs, lv, vdec, gv, mant, mant_len, vmax, v, what);
 }
 
