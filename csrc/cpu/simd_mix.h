@@ -20,5 +20,14 @@ __attribute__((target("avx512f,avx512dq"))) inline __m512i word_keys512(uint64_t
                             _mm512_set1_epi64(int64_t(core::kGolden)));
 }
 
+// Sum of the 8 words, wrapping (GCC's _mm512_reduce_add_epi64 adds as signed, which UBSan reports).
+__attribute__((target("avx512f"))) inline uint64_t reduce_add_u64(__m512i x) {
+  alignas(64) uint64_t w[8];
+  _mm512_store_si512(w, x);
+  uint64_t s = 0;
+  for (uint64_t v : w) s += v;
+  return s;
+}
+
 }  // namespace syncd
 #endif

@@ -28,7 +28,7 @@ struct Consts {
   __m512i p1, emask, etop, fifteen, zero, one16, lo16;
   __m128i shift;
   SYNCD_512 explicit Consts(const Classes16& c)
-      : p1(_mm512_loadu_si512(c.p1)),
+      : p1(c.p1 ? _mm512_loadu_si512(c.p1) : _mm512_setzero_si512()),
         emask(_mm512_set1_epi32(int(c.emask))),
         etop(_mm512_set1_epi32(c.e_top)),
         fifteen(_mm512_set1_epi32(15)),
@@ -145,7 +145,7 @@ struct Consts16 {
         zero(_mm512_setzero_si512()),
         shift(_mm_cvtsi32_si128(c.shift)) {
     alignas(64) uint16_t t[32] = {};
-    for (int l = 0; l < kLanes; ++l) t[l] = uint16_t(c.p1[l]);
+    for (int l = 0; l < kLanes && c.p1; ++l) t[l] = uint16_t(c.p1[l]);
     p1 = _mm512_load_si512(t);
   }
   SYNCD_512 __attribute__((always_inline)) inline Pair pair(const uint16_t* old) const {
@@ -219,7 +219,7 @@ SYNCD_512 size_t decode_gp(const Classes16& c, BinGroupDecoder* dec, uint16_t* b
     _mm512_storeu_si512(dec[g].x, x[g]);
     dec[g].p = p[g];
   }
-  *old_sum = uint64_t(_mm512_reduce_add_epi64(acc)) + scalar16::checksum(c.old, c.span, first_word, t * kLanes);
+  *old_sum = (reduce_add_u64(acc)) + scalar16::checksum(c.old, c.span, first_word, t * kLanes);
   for (; t < vectors; ++t) {
     BinGroupDecoder& d = dec[t % GP];
     __m512i xt = _mm512_loadu_si512(d.x);
@@ -405,8 +405,8 @@ SYNCD_512 uint64_t scan(const Classes16& c, const uint16_t* nw, uint64_t first_w
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(cls_ch + k), _mm512_cvtepi16_epi8(_mm512_maskz_compress_epi16(ne, cls)));
     k += unsigned(__builtin_popcount(ne));
   }
-  *sum_old = uint64_t(_mm512_reduce_add_epi64(acc_old));
-  *adj = uint64_t(_mm512_reduce_add_epi64(acc_adj));
+  *sum_old = (reduce_add_u64(acc_old));
+  *adj = (reduce_add_u64(acc_adj));
   return scalar16::scan(c, nw, first_word, is_float, bitmap, v16, cls_ch, sum_old, adj, vecs * 32, k);
 }
 
@@ -435,7 +435,7 @@ SYNCD_512 uint64_t apply(uint16_t* target, uint64_t span, uint64_t first_word, c
       acc = _mm512_add_epi64(acc, mix512(_mm512_xor_si512(a, key)));
     }
     scalar16::apply(target, span, first_word, bitmap, v16, is_float, forward, vecs * 32, k);  // the tail
-    return uint64_t(_mm512_reduce_add_epi64(acc)) + scalar16::checksum(target, span, first_word, vecs * 32) - *old_sum;
+    return (reduce_add_u64(acc)) + scalar16::checksum(target, span, first_word, vecs * 32) - *old_sum;
   }
   for (uint64_t j = 0; j < vecs; ++j, key = _mm512_add_epi64(key, step8)) {
     uint32_t bits;
@@ -452,7 +452,7 @@ SYNCD_512 uint64_t apply(uint16_t* target, uint64_t span, uint64_t first_word, c
     acc = _mm512_add_epi64(acc, _mm512_sub_epi64(mix512(_mm512_xor_si512(b, key)), mix512(_mm512_xor_si512(a, key))));
     k += unsigned(__builtin_popcount(bits));
   }
-  return uint64_t(_mm512_reduce_add_epi64(acc)) +
+  return (reduce_add_u64(acc)) +
          scalar16::apply(target, span, first_word, bitmap, v16, is_float, forward, vecs * 32, k);
 }
 
