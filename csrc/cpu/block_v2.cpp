@@ -59,11 +59,14 @@ int groups_for(uint64_t count) {
   return int(std::min<uint64_t>(kEncoderMaxGroups, std::max<uint64_t>(1, count / kChangesPerGroup)));
 }
 
-bool fast16(const ClassSource& cs, const DTypeInfo& dt) { return cs.old && dt.bits == 16; }
+// The 16-bit kernels take their classes from the old words or from nibbles (blocks start at an even element).
+bool fast16(const ClassSource& cs, const DTypeInfo& dt) { return (cs.old || cs.nibbles) && dt.bits == 16; }
 
 Classes16 classes16(const ClassSource& cs, const DTypeInfo& dt, uint64_t span, int e_top, const uint32_t* p1) {
-  return {reinterpret_cast<const uint16_t*>(cs.old), span, dt.exp_shift,
-          dt.exp_bits ? (1u << dt.exp_bits) - 1 : 0u, dt.exp_bits ? e_top : 0, p1};
+  Classes16 c{reinterpret_cast<const uint16_t*>(cs.old), span, dt.exp_shift,
+              dt.exp_bits ? (1u << dt.exp_bits) - 1 : 0u, dt.exp_bits ? e_top : 0, p1};
+  if (!cs.old && cs.nibbles) c.nibbles = cs.nibbles + cs.first / 2;
+  return c;
 }
 
 // The position rows of any dtype, from the classes of every element (cls: span + 16 bytes).
@@ -205,7 +208,7 @@ void V2BlockEncoder::add(const uint32_t* pos, const uint64_t* v, size_t n) {
 }
 
 void V2BlockEncoder::finish(std::vector<uint8_t>& out, const DTypeInfo& dt, const ClassSource& cs, int e_top) {
-  if (!use_context(n_, span_)) {
+  if (!use_context(n_, span_, dt)) {
     out.push_back(kModeOrder0);
     if (scanned_) {
       pos_.reserve(n_);
@@ -239,7 +242,7 @@ void V2BlockEncoder::finish_context(std::vector<uint8_t>& out, const DTypeInfo& 
   const uint8_t* cch = ch_.cls.data();
   // the sample's class counts, the changes' classes and bit lengths
   uint64_t sampled[kClasses] = {}, sample_size = 0;
-  if (fast16(cs, dt)) {
+  if (fast16(cs, dt) && cs.old) {
     sample_class_counts16(classes16(cs, dt, span, e_top_, nullptr), sampled, simd_level());
   } else {
     uint8_t run[kSampleRun];
@@ -427,7 +430,7 @@ void V2BlockDecoder::decode(const ClassSource& cs, BlockChanges& out) {
   if (fast16(cs, dt_)) {
     found = decode_positions16(classes16(cs, dt_, span_, e_top_, p1_), dec, gp_, out.bitmap.data(), out.cls.data(),
                                n_, what_, cs.first_word, &out.old_sum, simd_level());
-    out.has_old_sum = true;
+    out.has_old_sum = cs.old != nullptr;
   } else {
     std::vector<uint8_t> cls(size_t(span_) + kLanes, 0);
     block_classes(cs, dt_, e_top_, 0, size_t(span_), cls.data());

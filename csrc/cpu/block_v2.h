@@ -24,8 +24,11 @@ constexpr uint64_t kContextMinChanges = 256, kContextMinSpan = 4096;
 constexpr uint64_t kElementsPerGroup = 1 << 16, kChangesPerGroup = 2048;
 constexpr int kEncoderMaxGroups = 4;
 
-// Whether encoders write a block of n changes in `span` elements in mode 1.
-inline bool use_context(uint64_t n, uint64_t span) { return n >= kContextMinChanges && span >= kContextMinSpan; }
+// Whether encoders write a block of n changes in `span` elements in mode 1: float dtypes only (integers have
+// no exponent to model on, and format 1's bucketed values fit their deltas better).
+inline bool use_context(uint64_t n, uint64_t span, const DTypeInfo& dt) {
+  return dt.exp_bits > 0 && n >= kContextMinChanges && span >= kContextMinSpan;
+}
 
 // Where the classes of a block's old elements come from: the old elements themselves (`old`, the block's
 // first element), or classes computed elsewhere (a GPU), two per byte (`nibbles`, element 2i in the low

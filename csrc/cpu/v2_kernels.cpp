@@ -15,6 +15,11 @@ inline int class16(uint32_t w, const Classes16& c) {
   return std::min(15, std::max(0, c.e_top - int((w >> c.shift) & c.emask)));
 }
 
+// The class of element i of the block, from the nibbles when given, else from the old word.
+inline int class_at(const Classes16& c, uint64_t i) {
+  return c.nibbles ? c.nibbles[i >> 1] >> (4 * (i & 1)) & 0xF : class16(c.old[i], c);
+}
+
 // Word i of a 16-bit block of `span` elements, zero-padded past the end.
 inline uint64_t word16(const uint16_t* p, uint64_t span, uint64_t i) {
   uint64_t w = 0;
@@ -82,7 +87,7 @@ size_t decode_positions(const Classes16& c, BinGroupDecoder* dec, int gp, uint16
     uint32_t pl[kLanes] = {}, coded = 0;
     uint8_t cls[kLanes] = {};
     for (int l = 0; l < live; ++l) {
-      cls[l] = uint8_t(class16(c.old[lo + l], c));
+      cls[l] = uint8_t(class_at(c, lo + l));
       pl[l] = c.p1[cls[l]];
       coded |= uint32_t(pl[l] != 0) << l;
     }
@@ -101,7 +106,7 @@ void encode_positions(const Classes16& c, const uint16_t* bitmap, BinGroupEncode
     const int live = int(std::min<uint64_t>(kLanes, c.span - lo));
     uint32_t pl[kLanes] = {}, coded = 0;
     for (int l = 0; l < live; ++l) {
-      pl[l] = c.p1[class16(c.old[lo + l], c)];
+      pl[l] = c.p1[class_at(c, lo + l)];
       coded |= uint32_t(pl[l] != 0) << l;
     }
     if (coded) enc[t % gp].put_row(coded, pl, bitmap[t] & coded);
@@ -324,14 +329,15 @@ size_t decode_positions16(const Classes16& c, BinGroupDecoder* dec, int gp, uint
                           size_t n_max, const std::string& what, uint64_t first_word, uint64_t* old_sum, Simd s) {
   if (s == Simd::kAvx512)
     return avx512_16::decode_positions(c, dec, gp, bitmap, cls_ch, n_max, what, first_word, old_sum);
-  if (s == Simd::kAvx2) return avx2_16::decode_positions(c, dec, gp, bitmap, cls_ch, n_max, what, first_word, old_sum);
-  *old_sum = scalar16::checksum(c.old, c.span, first_word, 0);
+  if (s == Simd::kAvx2 && !c.nibbles)
+    return avx2_16::decode_positions(c, dec, gp, bitmap, cls_ch, n_max, what, first_word, old_sum);
+  if (!c.nibbles) *old_sum = scalar16::checksum(c.old, c.span, first_word, 0);
   return scalar16::decode_positions(c, dec, gp, bitmap, cls_ch, n_max, what);
 }
 
 void encode_positions16(const Classes16& c, const uint16_t* bitmap, BinGroupEncoder* enc, int gp, Simd s) {
   if (s == Simd::kAvx512) return avx512_16::encode_positions(c, bitmap, enc, gp);
-  if (s == Simd::kAvx2) return avx2_16::encode_positions(c, bitmap, enc, gp);
+  if (s == Simd::kAvx2 && !c.nibbles) return avx2_16::encode_positions(c, bitmap, enc, gp);
   scalar16::encode_positions(c, bitmap, enc, gp);
 }
 

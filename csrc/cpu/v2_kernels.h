@@ -32,6 +32,9 @@ struct Classes16 {
   uint32_t emask;       // 0 for integer dtypes (every class 0)
   int e_top;
   const uint32_t* p1;   // the 16 classes' probabilities; 0: the class is not coded
+  // the position kernels only: the classes computed elsewhere (a GPU), two per byte, element 0 in the low
+  // nibble of byte 0; then `old` is not read (and decode_positions16 leaves *old_sum alone)
+  const uint8_t* nibbles = nullptr;
 };
 
 // Decodes the position rows of a block (vector t with group t % gp): writes the bitmap and each change's

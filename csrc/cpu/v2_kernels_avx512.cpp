@@ -45,6 +45,15 @@ inline __mmask16 live_lanes(uint64_t span, uint64_t t) {
 
 // The classes of vector t's 16 elements (only the live lanes are read).
 SYNCD_512 __attribute__((always_inline)) inline __m512i classes_at(const Classes16& c, const Consts& k, uint64_t t, __mmask16 live) {
+  if (c.nibbles) {  // 8 bytes: the 16 classes of vector t (the live lanes' bytes only)
+    const __mmask16 bytes = __mmask16((1u << ((__builtin_popcount(live) + 1) / 2)) - 1);
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(bytes, c.nibbles + t * 8));
+    const __m512i lo = _mm512_and_si512(b, _mm512_set1_epi32(0xF)), hi = _mm512_srli_epi32(b, 4);
+    // lane 2j takes the low nibble of byte j, lane 2j + 1 the high one
+    const __m512i idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    return _mm512_maskz_mov_epi32(live, _mm512_mask_blend_epi32(0xAAAA, _mm512_permutexvar_epi32(idx, lo),
+                                                                _mm512_permutexvar_epi32(idx, hi)));
+  }
   const __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, c.old + t * kLanes));
   const __m512i e = _mm512_and_si512(_mm512_srl_epi32(w, k.shift), k.emask);
   return _mm512_min_epi32(_mm512_max_epi32(_mm512_sub_epi32(k.etop, e), k.zero), k.fifteen);
@@ -151,7 +160,16 @@ struct Consts16 {
   SYNCD_512 __attribute__((always_inline)) inline Pair pair(const uint16_t* old) const {
     const __m512i w = _mm512_loadu_si512(old);
     const __m512i e = _mm512_and_si512(_mm512_srl_epi16(w, shift), emask);
-    const __m512i cls = _mm512_min_epi16(_mm512_max_epi16(_mm512_sub_epi16(etop, e), zero), fifteen);
+    return from_classes(w, _mm512_min_epi16(_mm512_max_epi16(_mm512_sub_epi16(etop, e), zero), fifteen));
+  }
+  // the same from 16 bytes of nibbles (32 classes; no old words)
+  SYNCD_512 __attribute__((always_inline)) inline Pair pair_nibbles(const uint8_t* nib) const {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(nib)));
+    const __m512i cls = _mm512_or_si512(_mm512_and_si512(b, _mm512_set1_epi32(0xF)),
+                                        _mm512_slli_epi32(_mm512_srli_epi32(b, 4), 16));
+    return from_classes(zero, cls);
+  }
+  SYNCD_512 __attribute__((always_inline)) inline Pair from_classes(__m512i w, __m512i cls) const {
     const __m512i q = _mm512_permutexvar_epi16(cls, p1);
     return {_mm512_cvtepu16_epi32(_mm512_castsi512_si256(q)), _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(q, 1)),
             w, cls, _mm512_cvtepi16_epi8(cls)};
@@ -184,7 +202,7 @@ struct DecRow {
   }
 };
 
-template <int GP>
+template <int GP, bool kNibbles>
 SYNCD_512 size_t decode_gp(const Classes16& c, BinGroupDecoder* dec, uint16_t* bitmap, uint8_t* cls_ch, size_t n_max,
                            const std::string& what, uint64_t first_word, uint64_t* old_sum) {
   const Consts k(c);
@@ -207,9 +225,11 @@ SYNCD_512 size_t decode_gp(const Classes16& c, BinGroupDecoder* dec, uint16_t* b
   for (; t < full; t += kUnit) {
 #pragma GCC unroll 16
     for (int u = 0; u < kUnit; u += 2) {
-      const Pair q = k16.pair(c.old + (t + u) * kLanes);
-      acc = _mm512_add_epi64(acc, mix512(_mm512_xor_si512(q.words, key)));
-      key = _mm512_add_epi64(key, step8);
+      const Pair q = kNibbles ? k16.pair_nibbles(c.nibbles + (t + u) * 8) : k16.pair(c.old + (t + u) * kLanes);
+      if (!kNibbles) {
+        acc = _mm512_add_epi64(acc, mix512(_mm512_xor_si512(q.words, key)));
+        key = _mm512_add_epi64(key, step8);
+      }
       row.row<true>(t + u, q.p1_lo, _mm256_castsi256_si128(q.cls), 0xFFFF, x[u % GP], p[u % GP], e[u % GP]);
       row.row<true>(t + u + 1, q.p1_hi, _mm256_extracti128_si256(q.cls, 1), 0xFFFF, x[(u + 1) % GP],
                     p[(u + 1) % GP], e[(u + 1) % GP]);
@@ -219,7 +239,7 @@ SYNCD_512 size_t decode_gp(const Classes16& c, BinGroupDecoder* dec, uint16_t* b
     _mm512_storeu_si512(dec[g].x, x[g]);
     dec[g].p = p[g];
   }
-  *old_sum = (reduce_add_u64(acc)) + scalar16::checksum(c.old, c.span, first_word, t * kLanes);
+  if (!kNibbles) *old_sum = reduce_add_u64(acc) + scalar16::checksum(c.old, c.span, first_word, t * kLanes);
   for (; t < vectors; ++t) {
     BinGroupDecoder& d = dec[t % GP];
     __m512i xt = _mm512_loadu_si512(d.x);
@@ -248,7 +268,7 @@ struct EncRow {
   }
 };
 
-template <int GP>
+template <int GP, bool kNibbles>
 SYNCD_512 void encode_gp(const Classes16& c, const uint16_t* bitmap, BinGroupEncoder* enc) {
   const Consts k(c);
   const Consts16 k16(c);
@@ -278,7 +298,7 @@ SYNCD_512 void encode_gp(const Classes16& c, const uint16_t* bitmap, BinGroupEnc
 #pragma GCC unroll 16
     for (int u = kUnit - 2; u >= 0; u -= 2) {
       const uint64_t v = t - kUnit + u;
-      const Pair q = k16.pair(c.old + v * kLanes);
+      const Pair q = kNibbles ? k16.pair_nibbles(c.nibbles + v * 8) : k16.pair(c.old + v * kLanes);
       row.row(v + 1, _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(q.cls16, 1)), q.p1_hi, 0xFFFF, x[(u + 1) % GP],
               w[(u + 1) % GP]);
       row.row(v, _mm512_cvtepu16_epi32(_mm512_castsi512_si256(q.cls16)), q.p1_lo, 0xFFFF, x[u % GP], w[u % GP]);
@@ -350,30 +370,38 @@ SYNCD_512 void sample_class_counts(const Classes16& c, uint64_t counts[16]) {
 SYNCD_512 size_t decode_positions(const Classes16& c, BinGroupDecoder* dec, int gp, uint16_t* bitmap, uint8_t* cls_ch,
                                   size_t n_max, const std::string& what, uint64_t first_word, uint64_t* old_sum) {
   switch (gp) {
-    case 1: return decode_gp<1>(c, dec, bitmap, cls_ch, n_max, what, first_word, old_sum);
-    case 2: return decode_gp<2>(c, dec, bitmap, cls_ch, n_max, what, first_word, old_sum);
-    case 3: return decode_gp<3>(c, dec, bitmap, cls_ch, n_max, what, first_word, old_sum);
-    case 4: return decode_gp<4>(c, dec, bitmap, cls_ch, n_max, what, first_word, old_sum);
-    case 5: return decode_gp<5>(c, dec, bitmap, cls_ch, n_max, what, first_word, old_sum);
-    case 6: return decode_gp<6>(c, dec, bitmap, cls_ch, n_max, what, first_word, old_sum);
-    case 7: return decode_gp<7>(c, dec, bitmap, cls_ch, n_max, what, first_word, old_sum);
-    case 8: return decode_gp<8>(c, dec, bitmap, cls_ch, n_max, what, first_word, old_sum);
+    case 1: return c.nibbles ? decode_gp<1, true>(c, dec, bitmap, cls_ch, n_max, what, first_word, old_sum)
+                          : decode_gp<1, false>(c, dec, bitmap, cls_ch, n_max, what, first_word, old_sum);
+    case 2: return c.nibbles ? decode_gp<2, true>(c, dec, bitmap, cls_ch, n_max, what, first_word, old_sum)
+                          : decode_gp<2, false>(c, dec, bitmap, cls_ch, n_max, what, first_word, old_sum);
+    case 3: return c.nibbles ? decode_gp<3, true>(c, dec, bitmap, cls_ch, n_max, what, first_word, old_sum)
+                          : decode_gp<3, false>(c, dec, bitmap, cls_ch, n_max, what, first_word, old_sum);
+    case 4: return c.nibbles ? decode_gp<4, true>(c, dec, bitmap, cls_ch, n_max, what, first_word, old_sum)
+                          : decode_gp<4, false>(c, dec, bitmap, cls_ch, n_max, what, first_word, old_sum);
+    case 5: return c.nibbles ? decode_gp<5, true>(c, dec, bitmap, cls_ch, n_max, what, first_word, old_sum)
+                          : decode_gp<5, false>(c, dec, bitmap, cls_ch, n_max, what, first_word, old_sum);
+    case 6: return c.nibbles ? decode_gp<6, true>(c, dec, bitmap, cls_ch, n_max, what, first_word, old_sum)
+                          : decode_gp<6, false>(c, dec, bitmap, cls_ch, n_max, what, first_word, old_sum);
+    case 7: return c.nibbles ? decode_gp<7, true>(c, dec, bitmap, cls_ch, n_max, what, first_word, old_sum)
+                          : decode_gp<7, false>(c, dec, bitmap, cls_ch, n_max, what, first_word, old_sum);
+    case 8: return c.nibbles ? decode_gp<8, true>(c, dec, bitmap, cls_ch, n_max, what, first_word, old_sum)
+                          : decode_gp<8, false>(c, dec, bitmap, cls_ch, n_max, what, first_word, old_sum);
     default:
-      *old_sum = scalar16::checksum(c.old, c.span, first_word, 0);
+      if (!c.nibbles) *old_sum = scalar16::checksum(c.old, c.span, first_word, 0);
       return scalar16::decode_positions(c, dec, gp, bitmap, cls_ch, n_max, what);
   }
 }
 
 SYNCD_512 void encode_positions(const Classes16& c, const uint16_t* bitmap, BinGroupEncoder* enc, int gp) {
   switch (gp) {
-    case 1: return encode_gp<1>(c, bitmap, enc);
-    case 2: return encode_gp<2>(c, bitmap, enc);
-    case 3: return encode_gp<3>(c, bitmap, enc);
-    case 4: return encode_gp<4>(c, bitmap, enc);
-    case 5: return encode_gp<5>(c, bitmap, enc);
-    case 6: return encode_gp<6>(c, bitmap, enc);
-    case 7: return encode_gp<7>(c, bitmap, enc);
-    case 8: return encode_gp<8>(c, bitmap, enc);
+    case 1: return c.nibbles ? encode_gp<1, true>(c, bitmap, enc) : encode_gp<1, false>(c, bitmap, enc);
+    case 2: return c.nibbles ? encode_gp<2, true>(c, bitmap, enc) : encode_gp<2, false>(c, bitmap, enc);
+    case 3: return c.nibbles ? encode_gp<3, true>(c, bitmap, enc) : encode_gp<3, false>(c, bitmap, enc);
+    case 4: return c.nibbles ? encode_gp<4, true>(c, bitmap, enc) : encode_gp<4, false>(c, bitmap, enc);
+    case 5: return c.nibbles ? encode_gp<5, true>(c, bitmap, enc) : encode_gp<5, false>(c, bitmap, enc);
+    case 6: return c.nibbles ? encode_gp<6, true>(c, bitmap, enc) : encode_gp<6, false>(c, bitmap, enc);
+    case 7: return c.nibbles ? encode_gp<7, true>(c, bitmap, enc) : encode_gp<7, false>(c, bitmap, enc);
+    case 8: return c.nibbles ? encode_gp<8, true>(c, bitmap, enc) : encode_gp<8, false>(c, bitmap, enc);
     default: return scalar16::encode_positions(c, bitmap, enc, gp);
   }
 }

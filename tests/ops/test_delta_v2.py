@@ -10,6 +10,7 @@ import torch
 from syncd.errors import DeltaError
 from syncd.ops import _context, checksum, delta
 from syncd.ops import _format as fmt
+from syncd.ops.reference import checksum as ref_ck
 from syncd.ops.reference import context as ref_ctx
 from tests.ops._util import ALL_DTYPES, on, perturb, random_bits, same_bits
 
@@ -38,7 +39,7 @@ def test_round_trip_every_dtype_and_shape(dtype, shape):
     blob = delta.encode(old, new, backend="cpu", block_log2=13, version=2)
     info = delta.inspect(blob)
     assert info["format_version"] == 2
-    assert info["context_blocks"] == (1 if old.numel() >= 8192 else 0)
+    assert info["context_blocks"] == (1 if old.numel() >= 8192 and dtype.is_floating_point else 0)
     assert sum(info["sections"].values()) == info["payload_bytes"]
     for be in ("cpu", "reference"):
         assert same_bits(delta.decode(old, blob, backend=be), new), be
@@ -50,7 +51,8 @@ def test_backends_write_identical_blobs_and_read_each_other(dtype):
     old, new = _pair((9000,), dtype, 0.1, seed=7)
     blobs = {b: delta.encode(on(old, b), on(new, b), backend=b, block_log2=12, version=2) for b in CPU_BACKENDS}
     assert blobs["cpu"] == blobs["reference"] == blobs["triton"]
-    assert delta.inspect(blobs["cpu"])["context_blocks"] == 2  # blocks of 4096 with ~400 changes each
+    # blocks of 4096 with ~400 changes each; integer dtypes have no exponent to model on
+    assert delta.inspect(blobs["cpu"])["context_blocks"] == (2 if dtype.is_floating_point else 0)
     for b in CPU_BACKENDS:
         t = on(old.clone(), b)
         delta.apply_(t, blobs["cpu"], backend=b)
@@ -145,6 +147,21 @@ def test_undo_after_a_later_block_fails():
     with pytest.raises(DeltaError):
         delta.apply_(t, reseal(bytes(blob)))
     assert same_bits(t, old)
+
+
+@pytest.mark.parametrize("dtype", [torch.int16, torch.uint8, torch.int32], ids=str)
+def test_context_blocks_of_integer_dtypes_decode(dtype, monkeypatch):
+    """Encoders write integer dtypes in mode 0, but the format allows mode 1 with a single class: a blob the
+    reference writes that way decodes the same on every decoder."""
+    from syncd.ops.reference import delta_v2
+
+    old, new = _pair((9000,), dtype, 0.2, seed=3)
+    monkeypatch.setattr(delta_v2, "use_context", lambda n, span, dt: n >= 256 and span >= 4096)
+    blob = delta.encode(old, new, backend="reference", block_log2=13, version=2)
+    monkeypatch.undo()
+    assert delta.inspect(blob)["context_blocks"] == 1
+    for be in ("cpu", "reference"):
+        assert same_bits(delta.decode(old, blob, backend=be), new), be
 
 
 def test_unknown_version_is_refused():
@@ -245,3 +262,28 @@ def test_every_simd_level_writes_and_reads_the_same_bytes():
     assert all(line.endswith("True True") for line in first), first
     for level, lines in runs.items():
         assert lines == first, level
+
+
+@pytest.mark.parametrize("block_log2", [12, 16])
+def test_decoding_with_classes_from_a_gpu_matches_decoding_with_the_base(block_log2):
+    """A GPU base is not copied to the host: its classes are computed on the device for the blob's e_tops
+    (``_context.class_nibbles``) and the host decodes with them. Same positions and values as with the base."""
+    from syncd.ops import _backend
+
+    old, new = weight_pair(300_001, 1e-5)
+    blob = delta.encode(old, new, version=2, block_log2=block_log2)
+    assert delta.inspect(blob)["context_blocks"] >= 1
+    dt = fmt.dtype_of(old.dtype)
+    e_tops = torch.tensor([max(0, e) for e in delta._block_e_tops(blob)], dtype=torch.int64)
+    nib = _context.class_nibbles(old, dt, block_log2, e_tops)[0].numpy()
+    native = _backend.native()
+    with_base = native.unpack(blob, dt.code, [old.numel()], 2, old.data_ptr(), None)
+    with_nibbles = native.unpack(blob, dt.code, [old.numel()], 2, 0, nib)
+    assert np.array_equal(with_base[0], with_nibbles[0]) and np.array_equal(with_base[1], with_nibbles[1])
+    assert delta._block_e_tops(blob) == native.block_e_tops(blob)
+    # and the GPU encoder's route: changes and classes found elsewhere, entropy-coded by the host
+    nib_enc, e_tops_enc = _context.class_nibbles(old, dt, block_log2)
+    h = fmt.parse_header(blob, ref_ck.checksum_bytes)
+    packed = native.pack(dt.code, [old.numel()], block_log2, with_base[0], with_base[1], h.base_checksum,
+                         h.new_checksum, 1, 2, nib_enc.numpy(), e_tops_enc.tolist())
+    assert bytes(packed) == blob

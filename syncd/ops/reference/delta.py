@@ -108,7 +108,7 @@ def pack(dtype: fmt.DType, shape, block_log2: int, pos: np.ndarray, v: np.ndarra
             payload = encode_block(rel, vb)
         else:
             span = min(1 << block_log2, numel - start)
-            if v2.use_context(int(hi - lo), span):
+            if v2.use_context(int(hi - lo), span, dtype):
                 e_top, classes = context(b, start, start + span)
                 payload = v2.encode_block(rel, vb, classes, e_top, dtype)
             else:  # mode 0: no context needed

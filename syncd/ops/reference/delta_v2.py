@@ -49,9 +49,10 @@ def position_groups(span: int) -> int:
     return min(fmt.ENCODER_MAX_GROUPS, max(1, span // fmt.ELEMENTS_PER_GROUP))
 
 
-def use_context(n_changed: int, span: int) -> bool:
-    """The encoders' choice of mode 1 for a block (small or very sparse blocks stay mode 0)."""
-    return n_changed >= fmt.CONTEXT_MIN_CHANGES and span >= fmt.CONTEXT_MIN_SPAN
+def use_context(n_changed: int, span: int, dtype: fmt.DType) -> bool:
+    """The encoders' choice of mode 1 for a block: float dtypes only (integers have no exponent to model
+    on, and format 1's bucketed values fit their deltas better); small blocks stay mode 0."""
+    return bool(dtype.exp_bits) and n_changed >= fmt.CONTEXT_MIN_CHANGES and span >= fmt.CONTEXT_MIN_SPAN
 
 
 # ------------------------------------------------------------------------------------------- rows
@@ -136,7 +137,7 @@ def encode_block(pos: np.ndarray, v: np.ndarray, classes: np.ndarray, e_top: int
     """Payload of one block: changes at block-relative ``pos`` (ascending) with values ``v``; ``classes`` of
     every element of the block (from the old values and ``e_top``)."""
     span, n = classes.size, pos.size
-    if not use_context(n, span):
+    if not use_context(n, span, dtype):
         return bytes([fmt.MODE_ORDER0]) + v1.encode_block(pos, v)
     v = v.astype(np.uint64)
     cls_ch = classes[pos].astype(np.int64)
