@@ -287,7 +287,7 @@ void V2BlockEncoder::finish_context(std::vector<uint8_t>& out, const DTypeInfo& 
     nj += changed[c];
     decisions += changed[c] * uint64_t(d);
   }
-  const int gp = int(std::min<uint64_t>(kEncoderMaxGroups, std::max<uint64_t>(1, span / kElementsPerGroup)));
+  const int gp = position_groups(span);
   const int gv = nj ? groups_for(nj) : 0;
 
   // position groups, backwards

@@ -5,6 +5,7 @@
 // capacity between blocks.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -20,14 +21,20 @@ namespace syncd {
 constexpr int kClasses = 16;
 constexpr uint8_t kModeOrder0 = 0, kModeContext = 1;
 constexpr uint64_t kSamplePeriod = 1 << 14, kSampleRun = 1 << 10;
-constexpr uint64_t kContextMinChanges = 256, kContextMinSpan = 4096;
+constexpr uint64_t kContextMinChanges = 256, kContextMinSpan = 4096, kContextMinChangesPerGroup = 128;
 constexpr uint64_t kElementsPerGroup = 1 << 16, kChangesPerGroup = 2048;
 constexpr int kEncoderMaxGroups = 4;
 
-// Whether encoders write a block of n changes in `span` elements in mode 1: float dtypes only (integers have
-// no exponent to model on, and format 1's bucketed values fit their deltas better).
+// The position groups an encoder gives a block of `span` elements (one per kElementsPerGroup, 1..4).
+inline int position_groups(uint64_t span) {
+  return int(std::min<uint64_t>(kEncoderMaxGroups, std::max<uint64_t>(1, span / kElementsPerGroup)));
+}
+
+// Whether encoders write a block of n changes in `span` elements in mode 1: float dtypes of 16 bits or more,
+// enough changes in all and per position group (see delta_v2.use_context in the reference).
 inline bool use_context(uint64_t n, uint64_t span, const DTypeInfo& dt) {
-  return dt.exp_bits > 0 && n >= kContextMinChanges && span >= kContextMinSpan;
+  return dt.exp_bits > 0 && dt.bits >= 16 && span >= kContextMinSpan &&
+         n >= std::max<uint64_t>(kContextMinChanges, kContextMinChangesPerGroup * uint64_t(position_groups(span)));
 }
 
 // Where the classes of a block's old elements come from: the old elements themselves (`old`, the block's

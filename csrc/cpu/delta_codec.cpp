@@ -272,17 +272,30 @@ void run_largest_first(std::vector<Item>& items, int threads, const std::functio
   parallel_for(items.size(), threads, [&](size_t i) { body(items[i]); });
 }
 
+// The format-1 payload of block b: the whole payload in format 1, the payload after its mode byte in a
+// format-2 mode-0 block; null for a context block (verify_payload has checked the payload's bytes).
+const uint8_t* order0_payload(const Header& h, const uint8_t* blob, size_t b, size_t* len) {
+  const uint8_t* p = blob + h.payload_offset[b];
+  *len = h.blocks[b].payload_bytes;
+  if (h.version == 1) return p;
+  if (*len == 0 || p[0] != kModeOrder0) return nullptr;  // a context block, or a malformed one for V2BlockDecoder
+  *len -= 1;
+  return p + 1;
+}
+
 template <class T>
 void undo_block(const ApplyTask& t, const ApplyJob& j, size_t b) {
   const Header& h = t.h;
   const BlockEntry& e = h.blocks[b];
   T* tgt = reinterpret_cast<T*>(j.target);
   const uint64_t start = h.block_start(b);
-  if (h.version == 2) {  // the positions depend on the old values: undo from the decoded changes
+  size_t len;
+  const uint8_t* payload = order0_payload(h, j.blob, b, &len);
+  if (!payload) {  // the positions depend on the old values: undo from the decoded changes
     apply_changes(j.target + start * sizeof(T), t.decoded[b], h.dtype, start * sizeof(T) / 8, false);
     return;
   }
-  BlockDecoder dec(j.blob + h.payload_offset[b], e.payload_bytes, e.n_changed, h.block_span(b), int(sizeof(T) * 8), b);
+  BlockDecoder dec(payload, len, e.n_changed, h.block_span(b), int(sizeof(T) * 8), b);
   for (uint32_t i = 0; i < t.written[b]; ++i) {  // replays exactly the changes decoded and written before
     uint32_t p;
     uint64_t v;
@@ -302,7 +315,9 @@ void apply_item(ApplyTask& t, const ApplyJob& j, size_t b, bool verify) {
     return;
   }
   verify_payload(h, j.blob, b);
-  if (h.version == 2) {  // decode everything first: the positions depend on the old values
+  size_t len;
+  const uint8_t* payload = order0_payload(h, j.blob, b, &len);
+  if (!payload) {  // a context block: decode everything first, the positions depend on the old values
     V2BlockDecoder dec;
     dec.parse(j.blob + h.payload_offset[b], e.payload_bytes, e.n_changed, h.block_span(b), h.dtype, b);
     ClassSource cs;
@@ -317,7 +332,7 @@ void apply_item(ApplyTask& t, const ApplyJob& j, size_t b, bool verify) {
     if (verify) t.adjs[b] = ad;
     return;
   }
-  BlockDecoder dec(j.blob + h.payload_offset[b], e.payload_bytes, e.n_changed, h.block_span(b), int(sizeof(T) * 8), b);
+  BlockDecoder dec(payload, len, e.n_changed, h.block_span(b), int(sizeof(T) * 8), b);
   apply_block<T>(dec, e.n_changed, j.target, size_t(h.numel) * sizeof(T), lo, hi, h.dtype.is_float, verify,
                  &t.written[b], &t.sums[b], &t.adjs[b]);
 }
@@ -539,7 +554,9 @@ void delta_unpack_into(const Header& h, const uint8_t* blob, uint64_t* pos, uint
     uint64_t start = h.block_start(b);
     uint64_t* pb = pos + first[b];
     uint64_t* vb = v + first[b];
-    if (h.version == 2) {
+    size_t len;
+    const uint8_t* payload = order0_payload(h, blob, b, &len);
+    if (!payload) {
       V2BlockDecoder dec;
       dec.parse(blob + h.payload_offset[b], e.payload_bytes, e.n_changed, h.block_span(b), h.dtype, b);
       ClassSource cs;
@@ -562,7 +579,7 @@ void delta_unpack_into(const Header& h, const uint8_t* blob, uint64_t* pos, uint
       for (size_t i = 0; i < e.n_changed; ++i) pb[i] = start + rel[i];
       return;
     }
-    BlockDecoder dec(blob + h.payload_offset[b], e.payload_bytes, e.n_changed, h.block_span(b), h.dtype.bits, b);
+    BlockDecoder dec(payload, len, e.n_changed, h.block_span(b), h.dtype.bits, b);
     constexpr size_t kBatch = 256;
     uint32_t bp[kBatch];
     for (size_t i = 0; i < e.n_changed; i += kBatch) {

@@ -52,6 +52,7 @@ SAMPLE_RUN = 1 << 10
 #: encoders write a context block when it has at least this many changes and elements.
 CONTEXT_MIN_CHANGES = 256
 CONTEXT_MIN_SPAN = 4096
+CONTEXT_MIN_CHANGES_PER_GROUP = 128
 #: elements per interleaved position group, changes per value group the encoders aim for (1..4 groups).
 ELEMENTS_PER_GROUP = 1 << 16
 CHANGES_PER_GROUP = 2048

@@ -50,9 +50,13 @@ def position_groups(span: int) -> int:
 
 
 def use_context(n_changed: int, span: int, dtype: fmt.DType) -> bool:
-    """The encoders' choice of mode 1 for a block: float dtypes only (integers have no exponent to model
-    on, and format 1's bucketed values fit their deltas better); small blocks stay mode 0."""
-    return bool(dtype.exp_bits) and n_changed >= fmt.CONTEXT_MIN_CHANGES and span >= fmt.CONTEXT_MIN_SPAN
+    """The encoders' choice of mode 1 for a block: float dtypes of 16 bits or more (integers have no exponent
+    to model on, and format 1's bucketed values fit their deltas better; 8-bit floats, NVFP4's block scales,
+    change too rarely to pay for the tables), blocks of at least CONTEXT_MIN_SPAN elements with at least
+    CONTEXT_MIN_CHANGES changes and CONTEXT_MIN_CHANGES_PER_GROUP per position group (each group's states and
+    ends cost 128 bytes)."""
+    return (bool(dtype.exp_bits) and dtype.bits >= 16 and span >= fmt.CONTEXT_MIN_SPAN
+            and n_changed >= max(fmt.CONTEXT_MIN_CHANGES, fmt.CONTEXT_MIN_CHANGES_PER_GROUP * position_groups(span)))
 
 
 # ------------------------------------------------------------------------------------------- rows
