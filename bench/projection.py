@@ -39,9 +39,7 @@ from pathlib import Path
 
 import torch
 
-from syncd.ops import _backend, _context, checksum_many, delta, nvfp4
-from syncd.ops import _format as fmt
-from syncd.ops.reference import checksum as ref_ck
+from syncd.ops import checksum_many, delta, nvfp4
 
 # the dense AdamW rows of the notes' table (policy gradient, lr 1e-6 / 3e-6 / 1e-5, K = 1, 2, 4, 8), and 1%
 NOTES_DENSITIES = (0.0083, 0.01, 0.0145, 0.024, 0.025, 0.041, 0.042, 0.063, 0.07, 0.105, 0.117, 0.172, 0.268)
@@ -88,19 +86,10 @@ def one_core(fn, repeats: int, setup=None) -> float:
 
 
 def host_decode(blobs: list, olds: list):
-    """What an engine whose weights are on GPUs does on its host: parse a blob into positions and values
-    (format 2 with the old weights' classes, which the GPU computes and copies over, half a byte each)."""
-    native = _backend.native()
-    args = []
-    for blob, o in zip(blobs, olds):
-        dt = fmt.dtype_of(o.dtype)
-        nib = None
-        if fmt.parse_header(blob, ref_ck.checksum_bytes).version == 2:
-            e_tops = torch.tensor([max(0, e) for e in native.block_e_tops(blob)], dtype=torch.int64)
-            nib = _context.class_nibbles(o, dt, fmt.parse_header(blob, ref_ck.checksum_bytes).block_log2,
-                                         e_tops)[0].numpy()
-        args.append((blob, dt.code, list(o.shape), nib))
-    return lambda: [native.unpack(b, code, shape, 1, 0, nib) for b, code, shape, nib in args]
+    """What an engine whose weights are on GPUs does on its host: parse each blob into positions and values
+    (``delta.changes``; format 2 with its base, whose classes a GPU computes and copies over, half a byte
+    each: the host decodes those as fast as it reads them from the base)."""
+    return lambda: [delta.changes(b, base=o) for b, o in zip(blobs, olds)]
 
 
 def codec_rates(olds: list, news: list, repeats: int) -> dict:

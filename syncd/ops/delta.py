@@ -196,11 +196,13 @@ def apply_(tensor: torch.Tensor, blob, *, backend: str = "auto", verify: bool = 
 def _apply_gpu(tensor: torch.Tensor, blob, dt: fmt.DType, shape, name: str, verify: bool) -> None:
     k = _backend.gpu_kernels(name)
     work = tensor if tensor.is_contiguous() else tensor.contiguous()
-    pos, v, base_ck, new_ck = _unpack(blob, dt, shape, work)
-    if verify:
+    h = fmt.parse_header(blob, ref_ck.checksum_bytes)
+    ref.check_target(h, dt, shape)
+    if verify:  # first: with a wrong base, format 2's context blocks would fail to decode
         have = k.checksum(work)
-        if have != base_ck:
-            raise DeltaError(f"wrong base: blob expects base checksum {base_ck:#018x}, target has {have:#018x}")
+        if have != h.base_checksum:
+            raise DeltaError(f"wrong base: blob expects base checksum {h.base_checksum:#018x}, target has {have:#018x}")
+    pos, v, base_ck, new_ck = _unpack(blob, dt, shape, work)
     if not len(pos):
         return
     # pageable copies: pinning a fresh buffer per call costs more than it saves

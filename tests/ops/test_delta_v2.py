@@ -300,3 +300,19 @@ def test_decoding_with_classes_from_a_gpu_matches_decoding_with_the_base(block_l
     packed = native.pack(dt.code, [old.numel()], block_log2, with_base[0], with_base[1], h.base_checksum,
                          h.new_checksum, 1, 2, nib_enc.numpy(), e_tops_enc.tolist())
     assert bytes(packed) == blob
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_a_wrong_base_is_named_although_its_classes_break_the_decode(backend):
+    """With another base, a context block's classes are wrong and its streams fail to decode; apply_ still
+    reports the wrong base (the checksum the engines match on) and leaves the target as it was."""
+    old, new = weight_pair(1 << 21, 1e-5)
+    blob = delta.encode(old, new, version=2)
+    assert delta.inspect(blob)["context_blocks"] >= 2
+    for base in (new, old * 1.5):
+        t = base.clone()
+        with pytest.raises(DeltaError, match="wrong base"):
+            delta.apply_(t, blob, backend=backend)
+        assert same_bits(t, base)
+    with pytest.raises(DeltaError, match="binary stream|positions"):  # changes() has no checksum to go by
+        delta.changes(blob, base=old * 1.5)

@@ -161,14 +161,15 @@ def check_target(h: fmt.Header, dtype: fmt.DType, shape) -> None:
 def decode_into(target: np.ndarray, blob, dtype: fmt.DType, shape, verify_base: bool = True) -> None:
     """Apply ``blob`` to ``target`` (raw bytes, modified in place). Everything is checked first; on any
     error ``target`` is unchanged and ``DeltaError`` says what is wrong."""
-    check_target(fmt.parse_header(blob, ck.checksum_bytes), dtype, shape)
+    h = fmt.parse_header(blob, ck.checksum_bytes)
+    check_target(h, dtype, shape)
     tb = bits_view(target, dtype)
-    h, pos, v = unpack(blob, lambda b, lo, hi, e_top: v2ctx.classes_of(tb[lo:hi], dtype, e_top))
-    if verify_base:
+    if verify_base:  # first: with a wrong base, format 2's context blocks would fail to decode
         have = checksum_of(tb)
         if have != h.base_checksum:
             raise DeltaError(
                 f"wrong base: blob expects base checksum {h.base_checksum:#018x}, target has {have:#018x}")
+    h, pos, v = unpack(blob, lambda b, lo, hi, e_top: v2ctx.classes_of(tb[lo:hi], dtype, e_top))
     result = tb.copy()
     result[pos] = apply_values(tb[pos], v, dtype)
     if verify_base and checksum_of(result) != h.new_checksum:
