@@ -1,57 +1,68 @@
-"""Out-of-process engine control: the ``POST /engine/weights/<op>`` routes, a loopback HTTP server for a
-standalone engine process, and :class:`RemoteAdapter`, an ``engine.Adapter`` that drives such a process.
+"""Out-of-process engine control: the ``POST /engine/weights/<op>`` routes, their engine-side half
+(:class:`EngineControl`: credential, lease, write counter, signature check) and :class:`RemoteAdapter`, an
+``engine.Adapter`` that drives an engine process through them. The HTTP server of a standalone engine
+process is :mod:`engine.control_server` (``python -m engine.control --model DIR --port P``); the Dynamo worker
+serves the same routes on its system port. Design: ``docs/engine.md``, "Who may drive an engine".
 
 Routes (JSON body, JSON reply; errors reply 4xx/5xx with ``{"error": message, "type": class name}``)::
 
+    version                                      -> state: {"run_id", "version", "writes", "instance", "lease"}
+    lease                                        -> state              take or renew the lease (409 if held)
+    release                                      -> state              give the lease back
     parameters                                   -> {"parameters": [spec, ...]}
-    stage      {"manifest": text, "cache_root"}  -> {"version": V}   update built from the node's shard cache
-    pause                                        -> {}
-    apply                                        -> {"version": V}
-    rollback                                     -> {"version": V}
-    load_full  {"manifest": text, "cache_root"}  -> {"version": V}   a full version, while paused
-    resume                                       -> {}
-    version                                      -> {"version": V or null}
     checksum   {"names": [...] or null}          -> {"checksums": {local name: "16 hex digits"}}
+    stage      {"manifest": text, "cache_root"}  -> {"version": V}     update built from the node's shard cache
+    pause                                        -> {}
+    apply                                        -> {"version": V, "writes": N}
+    rollback                                     -> {"version": V, "writes": N}
+    load_full  {"manifest": text, "cache_root"}  -> {"version": V, "writes": N}   a full version, while paused
+    resume                                       -> {}
 
-``handle(adapter, op, body)`` turns one route into Adapter calls (the Dynamo worker reuses it for its admin
-routes). The standalone process (``python -m engine.control --model DIR --port P``) also serves the
-engine's generation: ``POST /generate`` streams newline-delimited JSON token events, ``GET /health``.
+Every request presents the node's engine token (``syncd.engine_token``): ``Authorization: Bearer <token>``
+on the standalone server, the body member ``"auth"`` on Dynamo's system port (whose routes see only the
+body); without it: 401 :class:`~syncd.errors.NotAuthorized`. ``lease``, ``release`` and the six weight ops
+also carry ``"lease": {"holder", "run_id", "pid", "ttl_s"}``: one controller holds an engine at a time; a
+weight op or ``lease`` from another holder while the lease is live is refused with 409
+:class:`~syncd.errors.LeaseHeld` naming the holder's run and pid. ``writes`` counts the weight writes
+(``apply``/``rollback``/``load_full``), which only the lease holder can make; ``instance`` changes when the
+engine process restarts. ``run_id`` is the run of the manifest the weights were last loaded from.
 
-Status codes: 404 unknown op, 400 malformed body, 422 bad data (``ValueError`` and its subclasses such as
-``DeltaError``/``IntegrityError``, or a shard missing from the cache), 409 an op in the wrong state
-(``RuntimeError``), 500 anything else. Weight ops are serialized by the server (the Adapter contract allows
-one controller at a time); generation runs concurrently on other threads.
+Status codes: 401 no credential, 404 unknown op, 400 malformed body, 413 body too large, 422 bad data
+(``ValueError`` and its subclasses such as ``DeltaError``/``IntegrityError``/``SignatureError``, or a shard
+missing from the cache), 409 an op in the wrong state or a lease held by another (``RuntimeError``), 503 too
+many requests at once, 500 anything else.
 """
 
 from __future__ import annotations
 
-import argparse
-import asyncio
+import hmac
 import http.client
 import json
 import logging
 import os
 import re
-import signal
-import sys
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import time
+import uuid
 from typing import Sequence
 from urllib.parse import urlsplit
 
 import torch
 
-from engine.adapter import GenerationRequest, ParamPiece, ParamSpec, SamplingParams, Update
+from engine.adapter import ParamPiece, ParamSpec, Update
+from syncd.errors import LeaseHeld, NotAuthorized
 
 log = logging.getLogger(__name__)
 
-__all__ = ["OPS", "handle", "spec_to_json", "spec_from_json", "ControlServer", "RemoteAdapter",
+__all__ = ["OPS", "WEIGHT_OPS", "EngineControl", "spec_to_json", "spec_from_json", "RemoteAdapter",
            "RemoteEngineError", "EngineUnreachable", "BadRequest", "stage_from_cache", "load_full_from_cache",
-           "main"]
+           "status_of"]
 
-OPS = ("parameters", "stage", "pause", "apply", "rollback", "load_full", "resume", "version", "checksum")
+WEIGHT_OPS = ("stage", "pause", "apply", "rollback", "load_full", "resume")
+OPS = ("version", "lease", "release", "parameters", "checksum") + WEIGHT_OPS
 ROUTE_PREFIX = "/engine/weights/"
-MAX_BODY_BYTES = 256 << 20
+MAX_BODY_BYTES = 80 << 20  # a manifest (at most 64 MiB) as JSON text, and room for the rest
+MAX_LEASE_S = 300.0
 
 
 class BadRequest(ValueError):
@@ -66,7 +77,7 @@ class EngineUnreachable(ConnectionError):
     """The engine process did not answer (down, restarting, or not listening on that address)."""
 
 
-# ---------------------------------------------------------------------------------------------- handlers
+# ---------------------------------------------------------------------------------------------- wire forms
 
 
 def spec_to_json(spec: ParamSpec) -> dict:
@@ -85,62 +96,25 @@ def spec_from_json(d: dict) -> ParamSpec:
         raise BadRequest(f"malformed parameter spec: {exc!r}") from None
 
 
-def _manifest_and_root(body: dict) -> tuple[bytes, str]:
-    text, root = body.get("manifest"), body.get("cache_root")
-    if not isinstance(text, str) or not isinstance(root, str) or not root:
-        raise BadRequest("body needs 'manifest' (the manifest's JSON text) and 'cache_root' (a path)")
-    try:
-        return text.encode("ascii"), root
-    except UnicodeEncodeError:
-        raise BadRequest("manifest text is not ASCII (manifests are canonical ASCII JSON)") from None
-
-
-def handle(adapter, op: str, body: dict | None = None) -> dict:
-    """Run control route ``op`` on ``adapter`` with the JSON ``body``; returns the JSON reply.
-
-    Raises ``KeyError`` for an unknown op, :class:`BadRequest` for a malformed body, and whatever the
-    adapter raises (the server maps exceptions to status codes, see the module docstring). Not
-    thread-safe for weight ops: callers serialize them (one controller at a time)."""
-    from syncd.cache import update_from_cache
-
-    body = body or {}
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    if op == "parameters":
-        return {"parameters": [spec_to_json(s) for s in adapter.parameters()]}
-    if op in ("stage", "load_full"):
-        raw, root = _manifest_and_root(body)
-        update = update_from_cache(raw, root)
-        if op == "stage":
-            adapter.stage(update)
-        else:
-            if update.kind != "full":
-                raise ValueError(f"load_full needs a full version; version {update.version} is a delta")
-            adapter.load_full(update)
-        return {"version": update.version}
-    if op == "pause":
-        adapter.pause()
-        return {}
-    if op == "apply":
-        adapter.apply()
-        return {"version": adapter.version}
-    if op == "rollback":
-        adapter.rollback()
-        return {"version": adapter.version}
-    if op == "resume":
-        adapter.resume()
-        return {}
-    if op == "version":
-        return {"version": adapter.version}
-    if op == "checksum":
-        names = body.get("names")
-        if names is not None and (not isinstance(names, list) or not all(isinstance(n, str) for n in names)):
-            raise BadRequest("'names' must be a list of strings or null")
-        return {"checksums": {k: f"{v:016x}" for k, v in adapter.checksum(names).items()}}
-    raise KeyError(f"unknown engine op {op!r} (one of {', '.join(OPS)})")
+def _lease_of(body: dict) -> dict:
+    lease = body.get("lease")
+    if not isinstance(lease, dict):
+        raise BadRequest("this op needs 'lease': {holder, run_id, pid, ttl_s} (one controller per engine)")
+    holder, run_id, pid, ttl = (lease.get(k) for k in ("holder", "run_id", "pid", "ttl_s"))
+    if not isinstance(holder, str) or not 8 <= len(holder) <= 64:
+        raise BadRequest("lease.holder must be a string of 8-64 characters")
+    if run_id is not None and (not isinstance(run_id, str) or len(run_id) > 128):
+        raise BadRequest("lease.run_id must be a run id or null")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid < 0:
+        raise BadRequest("lease.pid must be a non-negative integer")
+    if not isinstance(ttl, (int, float)) or isinstance(ttl, bool) or not 0.1 <= ttl <= MAX_LEASE_S:
+        raise BadRequest(f"lease.ttl_s must be a number of seconds in 0.1..{MAX_LEASE_S:g}")
+    return {"holder": holder, "run_id": run_id, "pid": pid, "ttl_s": float(ttl)}
 
 
 def status_of(exc: BaseException) -> int:
+    if isinstance(exc, NotAuthorized):
+        return 401
     if isinstance(exc, KeyError):
         return 404
     if isinstance(exc, BadRequest):
@@ -150,6 +124,152 @@ def status_of(exc: BaseException) -> int:
     if isinstance(exc, RuntimeError):
         return 409
     return 500
+
+
+# ---------------------------------------------------------------------------------------------- engine side
+
+
+class EngineControl:
+    """The engine-side half of the control routes around one ``adapter`` (see the module docstring).
+
+    ``token``: the node's engine token every call must present. ``signing_key``: as in
+    :func:`syncd.signing.resolve_key` (None: ``SYNCD_SIGNING_KEY``/``_FILE`` now): with a key, ``stage`` and
+    ``load_full`` verify the manifest's signature here, so an engine never loads a forged manifest even from
+    a caller that has the token; without one the engine trusts its authenticated controller, which verified
+    it. ``run_id``: the run the adapter's initial weights belong to (None: none/unknown).
+
+    Thread-safe: the lease has its own lock (``version``/``lease`` answer at once, also during a long stage);
+    weight ops are serialized under another (the Adapter contract's one controller at a time)."""
+
+    def __init__(self, adapter, *, token: str, signing_key=None, run_id: str | None = None, clock=time.monotonic):
+        from syncd.signing import resolve_key
+
+        if not isinstance(token, str) or len(token) < 32:
+            raise ValueError("EngineControl needs the node's engine token (syncd.engine_token.load_or_create)")
+        self.adapter, self._token, self._clock = adapter, token.encode(), clock
+        self.key = resolve_key(signing_key)
+        self.run_id = run_id
+        self.instance = uuid.uuid4().hex
+        self.writes = 0
+        self._staged_run: str | None = None
+        self._lease: dict | None = None
+        self._lease_lock = threading.Lock()
+        self._weights_lock = threading.Lock()
+
+    # ------------------------------------------------------------------------------------- state, lease
+
+    def check_token(self, presented) -> None:
+        if not isinstance(presented, str) or not hmac.compare_digest(presented.encode(), self._token):
+            raise NotAuthorized("engine control needs the node's engine token (the file named by "
+                                "SYNCD_ENGINE_TOKEN_FILE, default ~/.config/syncd/engine-token)")
+
+    def state(self) -> dict:
+        with self._lease_lock:
+            lease = self._live_lease()
+            lease = None if lease is None else {"run_id": lease["run_id"], "pid": lease["pid"],
+                                                "expires_in_s": round(lease["expires"] - self._clock(), 3)}
+        return {"run_id": self.run_id, "version": self.adapter.version, "writes": self.writes,
+                "instance": self.instance, "lease": lease}
+
+    def _live_lease(self) -> dict | None:
+        if self._lease is not None and self._lease["expires"] <= self._clock():
+            self._lease = None
+        return self._lease
+
+    def _take(self, lease: dict) -> None:
+        """Take or renew ``lease`` (caller holds the lease lock); :class:`LeaseHeld` if another holds one."""
+        cur = self._live_lease()
+        if cur is not None and cur["holder"] != lease["holder"]:
+            raise LeaseHeld(f"engine is controlled by run {cur['run_id']!r} (pid {cur['pid']}); its lease expires "
+                            f"in {cur['expires'] - self._clock():.1f}s unless that controller renews it")
+        if cur is None:
+            log.info("engine lease taken by run %r (pid %d)", lease["run_id"], lease["pid"])
+        self._lease = {**lease, "expires": self._clock() + lease["ttl_s"]}
+
+    # ------------------------------------------------------------------------------------- calls
+
+    def call(self, op: str, body, token) -> dict:
+        """Run route ``op`` with the JSON ``body`` for a caller presenting ``token``; returns the reply.
+        Raises as the module docstring's status codes say (the server maps them)."""
+        self.check_token(token)
+        if op not in OPS:
+            raise KeyError(f"unknown engine op {op!r} (one of {', '.join(OPS)})")
+        body = {} if body is None else body
+        if not isinstance(body, dict):
+            raise BadRequest("the request body must be a JSON object")
+        if op == "version":
+            return self.state()
+        if op == "parameters":
+            return {"parameters": [spec_to_json(s) for s in self.adapter.parameters()]}
+        if op == "checksum":
+            names = body.get("names")
+            if names is not None and (not isinstance(names, list) or not all(isinstance(n, str) for n in names)):
+                raise BadRequest("'names' must be a list of strings or null")
+            return {"checksums": {k: f"{v:016x}" for k, v in self.adapter.checksum(names).items()}}
+        lease = _lease_of(body)
+        if op in ("lease", "release"):
+            with self._lease_lock:
+                if op == "lease":
+                    self._take(lease)
+                elif self._lease is not None and self._lease["holder"] == lease["holder"]:
+                    self._lease = None
+            return self.state()
+        with self._lease_lock:
+            self._take(lease)  # refuse early, before parsing a big manifest
+        manifest, root = self._manifest(body, lease) if op in ("stage", "load_full") else (None, None)
+        with self._weights_lock:
+            with self._lease_lock:
+                self._take(lease)  # again: another may have taken it while this call waited
+            return self._weight_op(op, manifest, root)
+
+    def _manifest(self, body: dict, lease: dict):
+        from syncd import manifest as mf
+
+        text, root = body.get("manifest"), body.get("cache_root")
+        if not isinstance(text, str) or not isinstance(root, str) or not root:
+            raise BadRequest("body needs 'manifest' (the manifest's JSON text) and 'cache_root' (a path)")
+        try:
+            raw = text.encode("ascii")
+        except UnicodeEncodeError:
+            raise BadRequest("manifest text is not ASCII (manifests are canonical ASCII JSON)") from None
+        m = mf.parse(raw, key=self.key, allow_unsigned=self.key is None, where="manifest sent to the engine")
+        if lease["run_id"] is not None and m.run_id != lease["run_id"]:
+            raise ValueError(f"manifest of run {m.run_id!r} sent by the controller of run {lease['run_id']!r}")
+        return m, root
+
+    def _weight_op(self, op: str, m, root) -> dict:
+        from syncd.cache import update_from_cache
+
+        a = self.adapter
+        if op == "stage":
+            if m.kind == "delta" and self.run_id is not None and m.run_id != self.run_id:
+                raise ValueError(f"the engine holds weights of run {self.run_id!r}; a delta of run {m.run_id!r} "
+                                 "does not apply to them (load a full version first)")
+            a.stage(update_from_cache(m, root))
+            self._staged_run = m.run_id
+            return {"version": m.version}
+        if op in ("pause", "resume"):
+            getattr(a, op)()
+            return {}
+        if op == "load_full" and m.kind != "full":
+            raise ValueError(f"load_full needs a full version; version {m.version} is a delta")
+        if op == "load_full":
+            update = update_from_cache(m, root)
+            self.run_id = None  # unknown until it succeeded
+            try:
+                a.load_full(update)
+            finally:
+                self.writes += 1  # a failed load_full may have written some weights
+            self.run_id = m.run_id
+        else:  # a failed apply or rollback leaves the weights as they were (the Adapter contract)
+            getattr(a, op)()
+            self.writes += 1
+            if op == "apply":
+                self.run_id = self._staged_run or self.run_id
+        return {"version": a.version, "writes": self.writes}
+
+
+# ---------------------------------------------------------------------------------------------- daemon side
 
 
 def stage_from_cache(adapter, manifest_raw: bytes, cache_root) -> None:
@@ -173,127 +293,9 @@ def load_full_from_cache(adapter, manifest_raw: bytes, cache_root) -> None:
         adapter.load_full(update_from_cache(manifest_raw, cache_root))
 
 
-# ---------------------------------------------------------------------------------------------- server
-
-
-def _request_from_json(d: dict) -> GenerationRequest:
-    try:
-        sp = SamplingParams(max_tokens=int(d.get("max_tokens", 16)), temperature=float(d.get("temperature", 1.0)),
-                            top_p=float(d.get("top_p", 1.0)), top_k=int(d.get("top_k", 0)),
-                            seed=None if d.get("seed") is None else int(d["seed"]),
-                            stop_token_ids=tuple(int(t) for t in d.get("stop_token_ids", ())))
-        return GenerationRequest(str(d["request_id"]), tuple(int(t) for t in d["prompt_token_ids"]), sp)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise BadRequest(f"malformed generation request: {exc!r}") from None
-
-
-class ControlServer:
-    """A loopback HTTP server for one engine: the weight routes over ``adapter`` and, when ``generator``
-    is given, ``POST /generate`` (NDJSON token events) and ``GET /health``. Runs in daemon threads
-    (:meth:`start`); :meth:`close` stops it. ``port=0`` picks a free port (see :attr:`port`)."""
-
-    def __init__(self, adapter, generator=None, *, host: str = "127.0.0.1", port: int = 0):
-        self.adapter, self.generator = adapter, generator
-        self._weights_lock = threading.Lock()
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.0"
-
-            def log_message(self, fmt, *args):  # route access lines to logging, not stderr
-                log.debug("%s " + fmt, self.address_string(), *args)
-
-            def _reply(self, status: int, obj: dict) -> None:
-                data = json.dumps(obj).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def _body(self) -> dict:
-                n = int(self.headers.get("Content-Length") or 0)
-                if n > MAX_BODY_BYTES:
-                    raise BadRequest(f"request body of {n} bytes is over the {MAX_BODY_BYTES}-byte limit")
-                raw = self.rfile.read(n) if n else b"{}"
-                try:
-                    return json.loads(raw)
-                except ValueError as exc:
-                    raise BadRequest(f"request body is not JSON: {exc}") from None
-
-            def do_GET(self):
-                if self.path == "/health":
-                    self._reply(200, {"ok": True, "version": outer.adapter.version, "pid": os.getpid()})
-                else:
-                    self._reply(404, {"error": f"no route GET {self.path}", "type": "KeyError"})
-
-            def do_POST(self):
-                try:
-                    if self.path.startswith(ROUTE_PREFIX):
-                        op = self.path[len(ROUTE_PREFIX):]
-                        body = self._body()
-                        with outer._weights_lock:
-                            reply = handle(outer.adapter, op, body)
-                        self._reply(200, reply)
-                    elif self.path == "/generate" and outer.generator is not None:
-                        self._generate(_request_from_json(self._body()))
-                    else:
-                        raise KeyError(f"no route POST {self.path}")
-                except BrokenPipeError:
-                    pass
-                except Exception as exc:  # noqa: BLE001 -- every failure becomes an error reply
-                    if not isinstance(exc, (KeyError, BadRequest)):
-                        log.warning("engine route %s failed: %s: %s", self.path, type(exc).__name__, exc)
-                    msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
-                    try:
-                        self._reply(status_of(exc), {"error": str(msg), "type": type(exc).__name__})
-                    except OSError:
-                        pass
-
-            def _generate(self, request: GenerationRequest) -> None:
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-ndjson")
-                self.end_headers()
-
-                async def stream():
-                    async for ev in outer.generator.generate(request):
-                        line = {"request_id": ev.request_id, "index": ev.index, "token_id": ev.token_id,
-                                "logprob": ev.logprob, "version": ev.version, "finish_reason": ev.finish_reason}
-                        self.wfile.write(json.dumps(line).encode() + b"\n")
-                        self.wfile.flush()
-
-                try:
-                    asyncio.run(stream())
-                except (BrokenPipeError, ConnectionResetError):
-                    outer.generator.abort(request.request_id)  # the client went away
-
-        class Server(ThreadingHTTPServer):
-            daemon_threads = True
-            allow_reuse_address = True
-
-        self.httpd = Server((host, port), Handler)
-        self.host, self.port = self.httpd.server_address[:2]
-        self._thread: threading.Thread | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def start(self) -> "ControlServer":
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name="engine-control", daemon=True)
-        self._thread.start()
-        return self
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
-# ---------------------------------------------------------------------------------------------- client
-
-
-_KNOWN_ERRORS = {c.__name__: c for c in (ValueError, RuntimeError, KeyError, TypeError, FileNotFoundError)}
-
+_KNOWN_ERRORS = {c.__name__: c for c in (ValueError, RuntimeError, KeyError, TypeError, FileNotFoundError,
+                                          PermissionError)}
+_KNOWN_ERRORS["BadRequest"] = BadRequest
 
 # How Dynamo 1.6's system server reports an exception raised by an engine route (it cannot set the status).
 _DYNAMO_ROUTE_ERROR = re.compile(r"^Python callback failed: (\w+): (.*)\Z", re.DOTALL)
@@ -312,28 +314,48 @@ class RemoteAdapter:
     """``engine.Adapter`` over an engine process's control routes at ``base_url`` (``http://host:port``;
     a Dynamo worker's system port works too).
 
-    Errors come back as the engine raised them where the type is known (``DeltaError``, ``ValueError``,
-    ``RuntimeError``, ...), else as :class:`RemoteEngineError`; an engine that does not answer raises
+    Every call presents the node's engine token (``token``, else read from ``token_file`` /
+    ``SYNCD_ENGINE_TOKEN_FILE`` at the first call) and this client's lease (``run_id``, this pid,
+    ``lease_s``): the first weight op (or :meth:`lease`) takes it, each later call renews it.
+    Errors come back as the engine raised them where the type is known (``DeltaError``, ``LeaseHeld``,
+    ``ValueError``, ...), else as :class:`RemoteEngineError`; an engine that does not answer raises
     :class:`EngineUnreachable`. ``stage``/``load_full`` of an in-memory ``Update`` cannot cross the wire:
     use :meth:`stage_from_cache` / :meth:`load_full_from_cache` (the engine reads the node's shard cache).
     Thread-safe (a connection per call); the Adapter's one-controller rule still applies.
     """
 
-    def __init__(self, base_url: str, *, timeout_s: float = 600.0, connect_timeout_s: float = 5.0):
+    def __init__(self, base_url: str, *, timeout_s: float = 600.0, connect_timeout_s: float = 5.0,
+                 token: str | None = None, token_file=None, run_id: str | None = None, lease_s: float = 10.0):
         u = urlsplit(base_url)
         if u.scheme != "http" or not u.hostname:
             raise ValueError(f"engine control URL must be http://host:port, got {base_url!r}")
+        if not 0.1 <= lease_s <= MAX_LEASE_S:
+            raise ValueError(f"lease_s must be in 0.1..{MAX_LEASE_S:g} seconds")
         self.base_url = base_url.rstrip("/")
         self.host, self.port = u.hostname, u.port or 80
         self.prefix = u.path.rstrip("/")
         self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
+        self._token, self._token_file = token, token_file
+        self.holder = uuid.uuid4().hex
+        self.run_id, self.lease_s = run_id, lease_s
+        self.last_writes: int | None = None  # the engine's write counter after this client's last write
 
     def __repr__(self) -> str:
         return f"RemoteAdapter({self.base_url!r})"
 
+    def credentials(self) -> dict:
+        """The members every request body carries: ``auth`` (the token) and ``lease``."""
+        if self._token is None:
+            from syncd.engine_token import read_token
+
+            self._token = read_token(self._token_file)
+        return {"auth": self._token, "lease": {"holder": self.holder, "run_id": self.run_id, "pid": os.getpid(),
+                                               "ttl_s": self.lease_s}}
+
     def call(self, op: str, body: dict | None = None, *, timeout_s: float | None = None) -> dict:
         """POST one control route and return its JSON reply (raises as described in the class docstring)."""
-        data = json.dumps(body or {}).encode()
+        creds = self.credentials()
+        data = json.dumps({**(body or {}), **creds}).encode()
         conn = http.client.HTTPConnection(self.host, self.port, timeout=self.connect_timeout_s)
         try:
             try:
@@ -343,7 +365,7 @@ class RemoteAdapter:
             conn.sock.settimeout(timeout_s or self.timeout_s)
             try:
                 conn.request("POST", f"{self.prefix}{ROUTE_PREFIX}{op}", body=data,
-                             headers={"Content-Type": "application/json"})
+                             headers={"Content-Type": "application/json", "Authorization": f"Bearer {creds['auth']}"})
                 resp = conn.getresponse()
                 raw = resp.read()
             except (ConnectionError, http.client.HTTPException) as exc:
@@ -363,11 +385,29 @@ class RemoteAdapter:
                 if m:
                     kind, msg = m.group(1), m.group(2)
             raise _error_class(kind)(f"engine at {self.base_url}: {op}: {msg}")
+        if op in ("apply", "rollback", "load_full") and isinstance(reply.get("writes"), int):
+            self.last_writes = reply["writes"]
         return reply
+
+    # ------------------------------------------------------------------------------------- control state
+
+    def state(self) -> dict:
+        """``{"run_id", "version", "writes", "instance", "lease"}`` (no lease taken)."""
+        return self.call("version", timeout_s=30)
+
+    def lease(self) -> dict:
+        """Take or renew this client's lease; the engine's state. :class:`LeaseHeld` if another holds it."""
+        return self.call("lease", timeout_s=30)
+
+    def release(self) -> None:
+        """Give the lease back (a later controller need not wait for it to expire)."""
+        self.call("release", timeout_s=30)
+
+    # ------------------------------------------------------------------------------------- Adapter
 
     @property
     def version(self) -> int | None:
-        return self.call("version", timeout_s=30)["version"]
+        return self.state()["version"]
 
     def parameters(self) -> Sequence[ParamSpec]:
         return [spec_from_json(d) for d in self.call("parameters")["parameters"]]
@@ -405,56 +445,9 @@ class RemoteAdapter:
         return {k: int(v, 16) for k, v in reply["checksums"].items()}
 
 
-# ---------------------------------------------------------------------------------------------- process
-
-
-def _build_engine(args):
-    """The engine a standalone process serves, holding the model folder's weights as version None (they
-    are no version of any run; the daemon rebuilds them): the reference engine, or with ``--headless`` the
-    weights-only ``engine.StateDictEngine``. Returns ``(adapter, generator or None)``."""
-    from engine.reference.model import load_folder_weights
-
-    if args.headless:
-        from engine.state_dict import StateDictEngine
-
-        return StateDictEngine(load_folder_weights(args.model), None), None
-    from engine.reference import ReferenceEngine
-
-    eng = ReferenceEngine.from_pretrained(args.model, version=None, max_batch=args.max_batch)
-    return eng, eng
-
-
-def main(argv=None) -> int:
-    """``python -m engine.control --model DIR [--port P] [--ready-file F]``: serve one engine process."""
-    p = argparse.ArgumentParser(prog="python -m engine.control", description=main.__doc__)
-    p.add_argument("--model", required=True, help="model directory (config.json + safetensors)")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
-    p.add_argument("--port", type=int, default=0, help="port (0: a free one, written to --ready-file)")
-    p.add_argument("--ready-file", default=None, help="write {'url', 'pid'} here once serving")
-    p.add_argument("--headless", action="store_true", help="weights only (engine.StateDictEngine), no generation")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    p.add_argument("--max-batch", type=int, default=8, help="requests running at once (reference engine)")
-    p.add_argument("--log-level", default=os.environ.get("SYNCD_LOG_LEVEL", "WARNING"))
-    args = p.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    torch.set_num_threads(max(1, args.threads))
-    adapter, generator = _build_engine(args)
-    server = ControlServer(adapter, generator, host=args.host, port=args.port).start()
-    log.info("engine serving at %s", server.url)
-    if args.ready_file:
-        tmp = args.ready_file + ".tmp"
-        with open(tmp, "w") as fh:
-            json.dump({"url": server.url, "pid": os.getpid()}, fh)
-        os.replace(tmp, args.ready_file)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    server.close()
-    if hasattr(adapter, "close"):
-        adapter.close()
-    return 0
-
-
 if __name__ == "__main__":
+    import sys
+
+    from engine.control_server import main
+
     sys.exit(main())

@@ -124,6 +124,26 @@ class ShardCache:
             return False
         return size is None or st.st_size == size
 
+    def check(self, sha256: str, size: int | None = None) -> str:
+        """Re-hash the cached shard ``sha256`` (streamed): ``"ok"``, ``"missing"``, or ``"bad"`` (wrong size
+        or hash; the file is removed so that it is fetched again)."""
+        p = self.path(sha256)
+        h = hashlib.sha256()
+        try:
+            with open(p, "rb") as fh:
+                if size is not None and os.fstat(fh.fileno()).st_size != size:
+                    ok = False
+                else:
+                    while chunk := fh.read(8 << 20):
+                        h.update(chunk)
+                    ok = h.hexdigest() == sha256
+        except FileNotFoundError:
+            return "missing"
+        if not ok:
+            self.discard(sha256)
+            return "bad"
+        return "ok"
+
     def put(self, sha256: str, data) -> Path:
         """Store ``data`` (bytes-like) as the shard ``sha256`` after checking its hash; atomic.
 
@@ -252,33 +272,48 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def update_from_cache(manifest_raw: bytes, cache_root: str | os.PathLike, *, verify_shards: bool = False):
+def _read_verified(path: Path, s: mf.ShardEntry, version: int, verify: bool) -> bytearray:
+    try:
+        with open(path, "rb") as fh:
+            data = bytearray(os.fstat(fh.fileno()).st_size)
+            fh.readinto(data)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"shard {s.key} of version {version} is not in the cache {path.parent.parent}") from None
+    if len(data) != s.size or (verify and hashlib.sha256(data).hexdigest() != s.sha256):
+        raise IntegrityError(f"cached shard {path} does not match the manifest of version {version} "
+                             f"({'size' if len(data) != s.size else 'SHA-256'}); the node cache must fetch it again")
+    return data
+
+
+def update_from_cache(manifest, cache_root: str | os.PathLike, *, verify_shards: bool = True, threads: int = 4):
     """The ``engine.Update`` of a manifest whose shards are all in the cache at ``cache_root``.
 
-    ``manifest_raw`` is the manifest's exact bytes; its signature is *not* checked here (the daemon that
-    put the shards in the cache verified it), but its structure is (:class:`~syncd.errors.ManifestError`).
-    Full versions become CPU tensors (their checksums checked against the manifest); delta versions
-    become ``{name: memoryview blob}``. ``checksums`` holds every tensor's result checksum. Raises
-    ``FileNotFoundError`` if a shard is missing and :class:`IntegrityError` for a shard or tensor that
-    does not match (``verify_shards`` re-hashes every shard as it is read).
+    ``manifest`` is a parsed, verified :class:`~syncd.manifest.Manifest`, or a manifest's exact bytes whose
+    signature the caller has checked (the daemon that put the shards in the cache did); their structure is
+    checked here (:class:`~syncd.errors.ManifestError`). Every shard is re-hashed as it is read
+    (``verify_shards``; ``threads`` at a time -- bench/cache_verify.py measures the cost), so bytes that
+    rotted or were altered in the cache since they were verified are refused. Full versions become CPU
+    tensors (their checksums checked against the manifest); delta versions become ``{name: memoryview
+    blob}``. ``checksums`` holds every tensor's result checksum. Raises ``FileNotFoundError`` if a shard is
+    missing and :class:`IntegrityError` for a shard or tensor that does not match.
     """
+    from concurrent.futures import ThreadPoolExecutor
+
     from engine.adapter import Update
     from syncd.versions import load_full
 
-    m = mf.parse(manifest_raw, key=None, where="manifest given to update_from_cache")
+    m = manifest if isinstance(manifest, mf.Manifest) else mf.parse(
+        manifest, key=None, allow_unsigned=True, where="manifest given to update_from_cache")
     cache = Path(cache_root)
-    shards = []
-    for s in m.shards:
-        p = shard_path(cache, s.sha256)
-        try:
-            with open(p, "rb") as fh:
-                data = bytearray(os.fstat(fh.fileno()).st_size)
-                fh.readinto(data)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"shard {s.key} of version {m.version} is not in the cache {cache}") from None
-        if len(data) != s.size or (verify_shards and hashlib.sha256(data).hexdigest() != s.sha256):
-            raise IntegrityError(f"cached shard {p} does not match the manifest of version {m.version}")
-        shards.append(data)
+
+    def one(s):
+        return _read_verified(shard_path(cache, s.sha256), s, m.version, verify_shards)
+
+    if len(m.shards) == 1 or threads <= 1:
+        shards = [one(s) for s in m.shards]
+    else:
+        with ThreadPoolExecutor(min(threads, len(m.shards)), thread_name_prefix="syncd-cache-read") as pool:
+            shards = list(pool.map(one, m.shards))
     checksums = {t.name: t.checksum for t in m.tensors}
     if m.kind == "full":
         return Update(version=m.version, kind="full", tensors=load_full(m, shards), checksums=checksums)

@@ -55,6 +55,10 @@ ENV = {
     "metrics_port": ("SYNCD_METRICS_PORT", ""),
     "metrics_addr": ("SYNCD_METRICS_ADDR", "127.0.0.1"),
     "status_file": ("SYNCD_STATUS_FILE", None),
+    "allow_unsigned": ("SYNCD_ALLOW_UNSIGNED", ""),
+    "engine_lease": ("SYNCD_ENGINE_LEASE_S", "10"),
+    "engine_scrub_bytes": ("SYNCD_ENGINE_SCRUB_BYTES", "64M"),
+    "engine_token_file": ("SYNCD_ENGINE_TOKEN_FILE", None),
 }
 
 
@@ -73,6 +77,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default=s, metavar="LEVEL", help="logging level [SYNCD_LOG_LEVEL]")
     p.add_argument("--log-format", default=s, choices=("text", "json"),
                    help="log lines as text or one JSON object each [SYNCD_LOG_FORMAT]")
+    p.add_argument("--allow-unsigned", default=s, action="store_const", const="1",
+                   help="without a signing key, read signed manifests without checking them (refused by "
+                        "default) [SYNCD_ALLOW_UNSIGNED=1]")
 
 
 def _daemon_flags(p: argparse.ArgumentParser) -> None:
@@ -99,6 +106,14 @@ def _daemon_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-addr", default=s, metavar="ADDR", help="metrics bind address [SYNCD_METRICS_ADDR]")
     p.add_argument("--status-file", default=s, metavar="PATH",
                    help="the daemon's state file [SYNCD_STATUS_FILE; default <cache-dir>/status-<run>.json]")
+    p.add_argument("--engine-lease", default=s, type=float, metavar="S",
+                   help="seconds this daemon's lease on each engine lasts without renewal [SYNCD_ENGINE_LEASE_S]")
+    p.add_argument("--engine-scrub-bytes", default=s, metavar="N",
+                   help="engine weight bytes checksummed per engine check, e.g. 64M (0: off) "
+                        "[SYNCD_ENGINE_SCRUB_BYTES]")
+    p.add_argument("--engine-token-file", default=s, metavar="PATH",
+                   help="the node's engine control token [SYNCD_ENGINE_TOKEN_FILE; default "
+                        "~/.config/syncd/engine-token]")
     from syncd.daemon.cluster import add_cluster_flags
 
     add_cluster_flags(p)
@@ -146,41 +161,66 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill every flag not given from its ``SYNCD_*`` variable (or default); ``args.source_of[dest]`` names
+    where each value came from, so that an error names the variable an operator actually set."""
+    args.source_of = {}
     for dest, (var, default) in ENV.items():
-        if not hasattr(args, dest):
-            value = os.environ.get(var, default)
-            if dest == "store_option":
-                value = [v for v in (value or "").split(",") if v.strip()]
-            setattr(args, dest, value)
+        flag = "--" + dest.replace("_", "-")
+        if hasattr(args, dest):
+            args.source_of[dest] = flag
+            continue
+        args.source_of[dest] = var if var in os.environ else flag
+        value = os.environ.get(var, default)
+        if dest == "store_option":
+            value = [v for v in (value or "").split(",") if v.strip()]
+        setattr(args, dest, value)
     return args
 
 
-def _open(args, *, create: bool = False):
-    from syncd.signing import key_from_env
+def _value(args, dest: str, conv, what: str = "a number"):
+    """``conv(args.<dest>)``; a bad value raises ``ValueError`` naming the flag or the variable it came from."""
+    raw = getattr(args, dest)
+    try:
+        return conv(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"{args.source_of.get(dest, dest)}={raw!r} is not {what}") from None
+
+
+def _signing(args):
+    """The readers' signing policy from the flags: a key, ``UNCHECKED`` (no key, ``--allow-unsigned``) or
+    ``False`` (no key: signed manifests are refused)."""
+    from syncd.signing import ENV_ALLOW_UNSIGNED, UNCHECKED, env_flag, key_from_env
+
+    env = dict(os.environ)
+    if args.signing_key_file:
+        env.pop("SYNCD_SIGNING_KEY", None)
+        env["SYNCD_SIGNING_KEY_FILE"] = args.signing_key_file
+    key = key_from_env(env)
+    allow = _value(args, "allow_unsigned", lambda v: env_flag(ENV_ALLOW_UNSIGNED, {ENV_ALLOW_UNSIGNED: v or ""}),
+                   "a boolean (1 or 0)")
+    if key is not None:
+        return key
+    return UNCHECKED if allow else False
+
+
+def _open(args):
+    """The store (never created: every command here only reads it) and the signing policy."""
     from syncd.store import Store
 
     options = {}
     for item in args.store_option:
         k, sep, v = item.partition("=")
         if not sep or not k.strip():
-            raise ValueError(f"--store-option {item!r} is not KEY=VALUE")
+            raise ValueError(f"{args.source_of.get('store_option', '--store-option')}: {item!r} is not KEY=VALUE")
         options[k.strip()] = v.strip()
-    env = dict(os.environ)
-    if args.signing_key_file:
-        env.pop("SYNCD_SIGNING_KEY", None)
-        env["SYNCD_SIGNING_KEY_FILE"] = args.signing_key_file
-    key = key_from_env(env)
-    store = Store(args.store, endpoint=args.endpoint, options=options, create=create)
-    return store, (key if key is not None else False)
+    store = Store(args.store, endpoint=args.endpoint, options=options, create=False)
+    return store, _signing(args)
 
 
 def _size(text: str) -> int:
     t = str(text).strip().upper().removesuffix("B")
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
-    try:
-        return int(float(t[:-1] if mult > 1 else t) * mult)
-    except ValueError:
-        raise ValueError(f"--cache-max-bytes {text!r} is not a size (e.g. 16G, 500M, 1073741824)") from None
+    return int(float(t[:-1] if mult > 1 else t) * mult)
 
 
 def _daemon_config(args):
@@ -190,23 +230,32 @@ def _daemon_config(args):
     if not engines:
         raise ValueError("--engine (or SYNCD_ENGINES) is required: the engines this daemon keeps current")
     port = str(args.metrics_port).strip()
+    size = "a size (e.g. 16G, 500M, 1073741824)"
     return DaemonConfig(
         run_id=_need_run(args), store_url=args.store,
         engines=tuple(EngineSpec.parse(e, i) for i, e in enumerate(engines)),
-        cache_dir=Path(args.cache_dir) if args.cache_dir else None, cache_max_bytes=_size(args.cache_max_bytes),
-        poll_interval_s=float(args.poll_interval), poll_jitter=float(args.poll_jitter),
-        backoff_max_s=float(args.backoff_max), engine_check_s=float(args.engine_check),
-        download_concurrency=int(args.download_concurrency), metrics_port=int(port) if port else None,
-        metrics_addr=args.metrics_addr, status_file=Path(args.status_file) if args.status_file else None)
+        cache_dir=Path(args.cache_dir) if args.cache_dir else None,
+        cache_max_bytes=_value(args, "cache_max_bytes", _size, size),
+        poll_interval_s=_value(args, "poll_interval", float), poll_jitter=_value(args, "poll_jitter", float),
+        backoff_max_s=_value(args, "backoff_max", float), engine_check_s=_value(args, "engine_check", float),
+        download_concurrency=_value(args, "download_concurrency", int, "an integer"),
+        metrics_port=_value(args, "metrics_port", int, "a port number") if port else None,
+        metrics_addr=args.metrics_addr, status_file=Path(args.status_file) if args.status_file else None,
+        engine_lease_s=_value(args, "engine_lease", float),
+        engine_scrub_bytes=_value(args, "engine_scrub_bytes", _size, size),
+        engine_token_file=Path(args.engine_token_file) if args.engine_token_file else None)
 
 
 def _run_daemon(args, out) -> int:
     from syncd.daemon import NodeDaemon, run
     from syncd.daemon.cluster import ClusterLink, cluster_settings
 
+    from syncd.versions import refuse_unchecked
+
     config = _daemon_config(args)
     cluster = cluster_settings(args)
-    store, key = _open(args, create=True)
+    store, key = _open(args)
+    refuse_unchecked(store, config.run_id, key)
     daemon = NodeDaemon(config, store=store, signing_key=key, poll=cluster is None)
     if cluster is not None:  # the cluster's controller polls; versions arrive through the cluster node
         daemon.attach(ClusterLink(daemon, cluster, store=store))
@@ -242,8 +291,13 @@ def _status(args, out) -> int:
         out.write(f"run {doc.get('run_id')}  store {doc.get('store')}\n")
         out.write(f"daemon pid {doc.get('pid')}: {doc.get('state') if alive else 'not running'} "
                   f"(status written {age:.1f}s ago)  newest version {doc.get('newest_version')}\n")
-        if doc.get("store_error"):
-            out.write(f"store error: {doc['store_error']}\n")
+        for what in ("run_error", "store_error", "cache_error", "round_error"):
+            if doc.get(what):
+                out.write(f"{what.replace('_', ' ')}: {doc[what]}\n")
+        for name, t in sorted((doc.get("tasks") or {}).items()):
+            if t.get("restarts"):
+                out.write(f"task {name}: {t.get('state')}, restarted {t['restarts']} times, last: "
+                          f"{t.get('last_error')}\n")
         if doc.get("metrics_url"):
             out.write(f"metrics: {doc['metrics_url']}\n")
         out.write(f"{'ENGINE':12} {'VERSION':>8} {'LAG':>4} {'LAST PAUSE':>10}  {'STATE':14} URL\n")
@@ -259,7 +313,8 @@ def _status(args, out) -> int:
         if totals:
             out.write("totals: " + ", ".join(f"{k}={v:g}" for k, v in sorted(totals.items())) + "\n")
     engines = doc.get("engines", {}).values()
-    healthy = alive and all(e.get("state") == "serving" and e.get("lag") == 0 for e in engines)
+    healthy = alive and not doc.get("run_error") and all(e.get("state") == "serving" and e.get("lag") == 0
+                                                         for e in engines)
     return 0 if healthy else 1
 
 
@@ -296,6 +351,8 @@ def _ls(args, out) -> int:
             out.write((json.dumps({"run_id": run}) if args.json else run) + "\n")
         return 0
     infos = list_versions(store, _need_run(args), signing_key=key)
+    if not infos:
+        return _unknown_run(store, args.run_id)
     if not args.json:
         out.write(f"{'VERSION':>8} {'KIND':5} {'BASE':>6} {'STEP':>8} {'CREATED (UTC)':26} {'SHARDS':>6} "
                   f"{'BYTES':>12} STATUS\n")
@@ -339,17 +396,28 @@ def _verify(args, out) -> int:
         out.write(f"{version:>8} {status.upper() if status == 'failed' else status:6} {message}\n")
     out.write(f"{seen} versions checked, {failed} failed\n")
     if seen == 0:
-        out.write(f"run {run!r} has no versions in {store.url}\n")
-        return 1
+        return _unknown_run(store, run)
     return 1 if failed else 0
+
+
+def _unknown_run(store, run: str) -> int:
+    """``ls``/``verify``/``gc`` of a run without versions: say so, list the runs there are, exit 1."""
+    others = [r for r in store.list_dirs("runs/") if r != run]
+    print(f"syncd: run {run!r} has no versions in {store.url}; runs there: {', '.join(others) or 'none'}",
+          file=sys.stderr)
+    return 1
 
 
 def _gc(args, out) -> int:
     from syncd.versions import RetentionPolicy, apply_retention
 
     store, key = _open(args)
-    policy = RetentionPolicy(int(args.keep_last), float(args.grace), float(args.orphan_grace))
-    plan = apply_retention(store, _need_run(args), policy, signing_key=key, dry_run=args.dry_run)
+    policy = RetentionPolicy(_value(args, "keep_last", int, "an integer"), _value(args, "grace", float),
+                             _value(args, "orphan_grace", float))
+    run = _need_run(args)
+    if not store.list_dirs(mf.versions_prefix(run)):
+        return _unknown_run(store, run)
+    plan = apply_retention(store, run, policy, signing_key=key, dry_run=args.dry_run)
     verb = "would delete" if args.dry_run else "deleted"
     out.write(f"keep versions {plan.keep}\n{verb} versions {plan.delete_versions} "
               f"({len(plan.delete_keys)} objects)\n")

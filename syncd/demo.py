@@ -239,6 +239,7 @@ def run(args) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     store, cache, logs = work / "store", work / "cache", work / "logs"
     logs.mkdir(exist_ok=True)
+    store.mkdir(exist_ok=True)  # the daemon is a reader: it never creates a missing store
     key = "hex:" + secrets.token_hex(32)
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, SYNCD_SIGNING_KEY=key, OMP_NUM_THREADS="1", SYNCD_LOG_LEVEL="INFO",

@@ -36,6 +36,11 @@ class ObjectExists(StoreError):
     """A create-if-absent put found an object already at that key; nothing was written."""
 
 
+class ObjectTooLarge(SyncdError, ValueError):
+    """An object in the store is larger than the reader accepts (``Store.get_bounded``); its body was not
+    read. The message names the store, the key and both sizes."""
+
+
 class ManifestError(SyncdError, ValueError):
     """A manifest is malformed: not strict JSON, not canonical, a field of the wrong type or out of bounds,
     or inconsistent with itself. Nothing in it was used."""
@@ -70,3 +75,15 @@ class VersionConflict(SyncdError, RuntimeError):
 
 class PublishError(SyncdError, RuntimeError):
     """A background encode or upload of :class:`trainer.WeightPublisher` failed; ``__cause__`` says why."""
+
+
+# --- engine control (engine.control, the node daemon) ---
+
+
+class NotAuthorized(SyncdError, PermissionError):
+    """An engine-control request did not present the node's engine token (``syncd.engine_token``)."""
+
+
+class LeaseHeld(SyncdError, RuntimeError):
+    """An engine refused a weight-control request because another controller holds its lease; the message
+    names that controller's run and pid and when the lease expires."""

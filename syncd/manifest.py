@@ -29,6 +29,7 @@ import re
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 
+from syncd import jsonsafe
 from syncd.errors import ManifestError, ManifestMismatch
 from syncd.signing import SigningKey, check_signature, signature_for
 
@@ -37,6 +38,8 @@ SCHEMA_VERSION = 1
 DOMAIN = b"syncd.manifest.v1\0"
 
 MAX_MANIFEST_BYTES = 64 << 20
+MAX_DEPTH = 6  # manifest > tensors > tensor > shape (> signature): 4 deep; a little room
+MAX_HINT_BYTES = 4096
 MAX_TENSORS = 1 << 20
 MAX_SHARDS = 1 << 16
 MAX_NAME_CHARS = 1024
@@ -239,30 +242,9 @@ def _canonical(obj) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
 
 
-def _no_dupes(pairs):
-    out = {}
-    for k, v in pairs:
-        if k in out:
-            raise ManifestError(f"manifest JSON has a duplicate member {k!r}")
-        out[k] = v
-    return out
-
-
-def _reject_float(text):
-    raise ManifestError(f"manifest JSON contains a non-integer number {text[:40]!r}; the schema has none")
-
-
 def _strict_json(raw: bytes, where: str):
-    if len(raw) > MAX_MANIFEST_BYTES:
-        raise ManifestError(f"{where}: manifest is {len(raw)} bytes, over the {MAX_MANIFEST_BYTES}-byte limit")
-    try:
-        text = bytes(raw).decode("ascii")
-        doc = json.loads(text, object_pairs_hook=_no_dupes, parse_float=_reject_float,
-                         parse_constant=_reject_float)
-    except ManifestError as exc:
-        raise ManifestError(f"{where}: {exc}") from None
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise ManifestError(f"{where}: manifest is not valid JSON: {exc}") from None
+    doc = jsonsafe.loads(raw, what=where, max_bytes=MAX_MANIFEST_BYTES, max_depth=MAX_DEPTH, floats=False,
+                         ascii_only=True, unique_members=True, error=ManifestError)
     if not isinstance(doc, dict):
         raise ManifestError(f"{where}: manifest is not a JSON object")
     if _canonical(doc) != bytes(raw):
@@ -271,20 +253,21 @@ def _strict_json(raw: bytes, where: str):
 
 
 def parse(raw: bytes, *, key: SigningKey | None, run_id: str | None = None, version: int | None = None,
-          where: str = "manifest") -> Manifest:
+          where: str = "manifest", allow_unsigned: bool = False) -> Manifest:
     """Parse, authenticate and validate manifest bytes read from the store.
 
     ``run_id`` / ``version``: where the manifest was found; a signed body that names another run or
     version raises :class:`ManifestMismatch` (replay). With ``key`` set, a missing or wrong signature raises
-    :class:`SignatureError` before any field is looked at. Any other defect raises :class:`ManifestError`
-    saying which field is wrong. ``where`` prefixes every message (e.g. the object key).
+    :class:`SignatureError` before any field is looked at; without one, a signed manifest raises it too
+    unless ``allow_unsigned`` (:func:`syncd.signing.check_signature`). Any other defect raises
+    :class:`ManifestError` saying which field is wrong. ``where`` prefixes every message (e.g. the object key).
     """
     raw = bytes(raw)
     doc = _strict_json(raw, where)
     if "signature" not in doc:
         raise ManifestError(f"{where}: manifest has no 'signature' member")
     signature = doc.pop("signature")
-    check_signature(_signed_message(doc), signature, key, where)
+    check_signature(_signed_message(doc), signature, key, where, allow_unsigned=allow_unsigned)
     try:
         m = _validate(doc)
     except ManifestError as exc:
@@ -295,6 +278,15 @@ def parse(raw: bytes, *, key: SigningKey | None, run_id: str | None = None, vers
         raise ManifestMismatch(f"{where}: manifest names version {m.version} but was found at version {version}")
     signed_by = signature["key_id"] if isinstance(signature, dict) and key is not None else None
     return replace(m, signed_by=signed_by, digest=digest(raw))
+
+
+def signature_key_id(raw: bytes) -> str | None:
+    """The key id a manifest's signature names (unverified), or None if it is unsigned or malformed."""
+    try:
+        sig = _strict_json(bytes(raw), "manifest").get("signature")
+    except ManifestError:
+        return None
+    return str(sig.get("key_id"))[:64] if isinstance(sig, dict) else None
 
 
 def _int(v, what, lo, hi) -> int:

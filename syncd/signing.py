@@ -10,6 +10,10 @@ Where the key comes from (first match wins), see :func:`key_from_env`:
   any other value is used as its UTF-8 bytes.
 * ``SYNCD_SIGNING_KEY_FILE``: a file whose content (trailing newline stripped) is read the same way.
 
+Readers without a key accept unsigned manifests but refuse signed ones unless the operator opts out with
+``--allow-unsigned`` (``SYNCD_ALLOW_UNSIGNED=1``): a forgotten key never silently turns checking off
+(:func:`check_signature`, :data:`NO_KEY_HELP`).
+
 A key shorter than 16 bytes is refused: an HMAC is only as strong as its key. Keys are never logged and
 never appear in ``repr``. Objects of this module are immutable and thread-safe.
 """
@@ -29,6 +33,7 @@ ALGORITHM = "hmac-sha256"
 MIN_KEY_BYTES = 16
 ENV_KEY = "SYNCD_SIGNING_KEY"
 ENV_KEY_FILE = "SYNCD_SIGNING_KEY_FILE"
+ENV_ALLOW_UNSIGNED = "SYNCD_ALLOW_UNSIGNED"
 
 
 @dataclass(frozen=True)
@@ -97,16 +102,38 @@ def key_from_env(environ=None) -> SigningKey | None:
     return None
 
 
+class _Unchecked:
+    """The type of :data:`UNCHECKED`."""
+
+    def __repr__(self) -> str:
+        return "syncd.signing.UNCHECKED"
+
+
+#: ``signing_key=UNCHECKED``: no key, and signed manifests are read without checking (``--allow-unsigned``)
+UNCHECKED = _Unchecked()
+
+
+def env_flag(name: str, environ=None) -> bool:
+    """A boolean ``SYNCD_*`` variable: unset/empty/0/false/no/off is False, 1/true/yes/on is True; anything
+    else raises ``ValueError`` naming the variable."""
+    value = (os.environ if environ is None else environ).get(name, "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{name}={value!r} is not a boolean (use 1 or 0)")
+
+
 def resolve_key(signing_key) -> SigningKey | None:
     """Normalise a user-facing ``signing_key`` argument.
 
-    ``None`` means "take it from the environment" (:func:`key_from_env`); ``False`` means "no key, do not
-    look at the environment"; a ``str``/``bytes`` is parsed with :func:`parse_key`; a ``SigningKey`` is
-    returned as is.
+    ``None`` means "take it from the environment" (:func:`key_from_env`); ``False`` and :data:`UNCHECKED`
+    mean "no key, do not look at the environment"; a ``str``/``bytes`` is parsed with :func:`parse_key`; a
+    ``SigningKey`` is returned as is.
     """
     if signing_key is None:
         return key_from_env()
-    if signing_key is False:
+    if signing_key is False or signing_key is UNCHECKED:
         return None
     if isinstance(signing_key, SigningKey):
         return signing_key
@@ -115,16 +142,37 @@ def resolve_key(signing_key) -> SigningKey | None:
     raise TypeError(f"signing_key must be None, False, str, bytes or SigningKey, not {type(signing_key).__name__}")
 
 
-def check_signature(message_for, signature, key: SigningKey | None, where: str) -> None:
+#: what an operator can do about a signed manifest that no key can check (every message names both variables)
+NO_KEY_HELP = (f"set {ENV_KEY} or {ENV_KEY_FILE} (--signing-key-file) to verify it, or start with "
+               "--allow-unsigned (SYNCD_ALLOW_UNSIGNED=1) to read it without checking")
+
+
+def resolve_policy(signing_key) -> tuple[SigningKey | None, bool]:
+    """``(key, allow_unsigned)`` for a ``signing_key`` argument (see :func:`resolve_key`): with
+    :data:`UNCHECKED`, or ``None`` and ``SYNCD_ALLOW_UNSIGNED=1`` with no key in the environment, signed
+    manifests are read without checking; otherwise a reader without a key refuses them."""
+    if signing_key is UNCHECKED:
+        return None, True
+    key = resolve_key(signing_key)
+    return key, key is None and signing_key is None and env_flag(ENV_ALLOW_UNSIGNED)
+
+
+def check_signature(message_for, signature, key: SigningKey | None, where: str, *,
+                    allow_unsigned: bool = False) -> None:
     """Enforce the reader's policy for one manifest.
 
     ``signature`` is the manifest's ``signature`` member (a dict or None); ``message_for(alg, key_id)``
     gives the bytes the MAC covers (so the algorithm and key id are authenticated too). With a key
     configured, a missing signature, another algorithm, or a MAC that does not verify raises
-    :class:`SignatureError` naming ``where`` and both key fingerprints. Without a key, nothing is checked
-    (the caller logs that).
+    :class:`SignatureError` naming ``where`` and both key fingerprints. Without a key, an unsigned manifest
+    passes (the store does not sign), and a *signed* one raises :class:`SignatureError` unless
+    ``allow_unsigned`` (the operator chose to read without checking): secure by default.
     """
     if key is None:
+        if signature is not None and not allow_unsigned:
+            theirs = signature.get("key_id") if isinstance(signature, dict) else None
+            raise SignatureError(f"{where}: manifest is signed (key id {str(theirs)[:16]!r}) but no signing key is "
+                                 f"configured; refusing to read it unchecked: {NO_KEY_HELP}")
         return
     if signature is None:
         raise SignatureError(

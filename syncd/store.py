@@ -39,7 +39,7 @@ import obstore
 from obstore import exceptions as obx
 from obstore.store import LocalStore, MemoryStore, from_url
 
-from syncd.errors import IntegrityError, ObjectExists, ObjectNotFound, StoreError
+from syncd.errors import IntegrityError, ObjectExists, ObjectNotFound, ObjectTooLarge, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +161,8 @@ class Store:
                 if create:
                     path.mkdir(parents=True, exist_ok=True)
                 elif not path.is_dir():
-                    raise ValueError(f"store {url!r}: {path} is not a directory")
+                    raise ValueError(f"store {url}: {path} {'is not a directory' if path.exists() else 'does not exist'}"
+                                     f" (readers never create a store; check --store / {ENV_STORE})")
                 return LocalStore(path, automatic_cleanup=True)
             if scheme == "memory":
                 with _MEMORY_LOCK:
@@ -174,6 +175,7 @@ class Store:
                 endpoint = endpoint or os.environ.get(ENV_ENDPOINT) or next(
                     (os.environ[v] for v in _AWS_ENDPOINT_VARS if os.environ.get(v)), None)
                 if endpoint:
+                    check_endpoint(endpoint)
                     options.setdefault("endpoint", endpoint)
                     options.setdefault("virtual_hosted_style_request", False)
                     if endpoint.startswith("http://"):
@@ -285,6 +287,25 @@ class Store:
             return bytes(self._run("get", key, lambda: obstore.get(self.raw, key).bytes()))
         return bytes(self._run("get", key, self._prefix, key, limit)[1])
 
+    def get_bounded(self, key: str, max_bytes: int) -> bytes:
+        """The object at ``key`` if it has at most ``max_bytes``; else :class:`ObjectTooLarge`, after one
+        ranged GET whose body is not read (a hostile huge object costs a request, not its size).
+        :class:`ObjectNotFound` if there is none."""
+        def fetch():
+            try:
+                r = obstore.get(self.raw, key, options={"range": (0, max_bytes + 1)})
+            except obx.GenericError:
+                if int(obstore.head(self.raw, key)["size"]) == 0:
+                    return 0, b""
+                raise
+            size = int(r.meta["size"])
+            return size, (None if size > max_bytes else bytes(r.bytes()))
+
+        size, data = self._run("get", key, fetch)
+        if data is None:
+            raise ObjectTooLarge(f"{self.url}: {key} is {size} bytes, over the {max_bytes}-byte limit; not read")
+        return data
+
     def _prefix(self, key: str, n: int):
         """``(object size, its first n bytes)`` in one ranged GET (a HEAD as well for an empty object,
         where stores refuse the range)."""
@@ -296,15 +317,24 @@ class Store:
             raise
         return int(r.meta["size"]), r.bytes()
 
-    def get_if_changed(self, key: str, etag: str | None) -> tuple[bytes, str | None] | None:
+    def get_if_changed(self, key: str, etag: str | None, *, limit: int | None = None
+                       ) -> tuple[bytes, str | None] | None:
         """Conditional GET: None if the object's etag is still ``etag``, else ``(content, new_etag)``.
 
-        The cheap way to poll a small object that changes rarely. :class:`ObjectNotFound` if absent."""
+        The cheap way to poll a small object that changes rarely. With ``limit``, at most the first
+        ``limit`` bytes are read (a hostile object costs no more). :class:`ObjectNotFound` if absent."""
         def fetch():
+            options = {"if_none_match": etag} if etag else {}
+            if limit is not None:
+                options["range"] = (0, limit)
             try:
-                r = obstore.get(self.raw, key, options={"if_none_match": etag} if etag else None)
+                r = obstore.get(self.raw, key, options=options or None)
             except obx.NotModifiedError:
                 return None
+            except obx.GenericError:
+                if limit is not None and int(obstore.head(self.raw, key)["size"]) == 0:
+                    return b"", None  # stores refuse a range of an empty object
+                raise
             return bytes(r.bytes()), r.meta.get("e_tag")
 
         return self._run("get", key, fetch)
@@ -374,6 +404,16 @@ class Store:
         except ObjectNotFound:
             return []
         return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in res["common_prefixes"])
+
+
+def check_endpoint(endpoint: str) -> str:
+    """``endpoint`` if it is an ``http://`` or ``https://`` URL with a host, else ``ValueError`` naming the
+    flag and the variables it may come from (obstore would otherwise fail deep inside with a panic)."""
+    u = urlsplit(endpoint)
+    if u.scheme not in ("http", "https") or not u.hostname:
+        raise ValueError(f"S3 endpoint {endpoint!r} (--endpoint, {ENV_ENDPOINT} or {'/'.join(_AWS_ENDPOINT_VARS)}) "
+                         "must be a URL with a scheme, e.g. http://127.0.0.1:9000 or https://s3.example.com")
+    return endpoint
 
 
 def _short(exc: BaseException) -> str:

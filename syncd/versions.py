@@ -6,8 +6,10 @@ codec header (dtype, shape, base and result checksums against the manifests) →
 Any failure raises a named :mod:`syncd.errors` exception *before* its data is used; ``materialize`` never
 returns partially built weights.
 
-Signing keys: every function takes ``signing_key`` (None: ``SYNCD_SIGNING_KEY`` / ``SYNCD_SIGNING_KEY_FILE``;
-False: none; or a key). Without a key, signatures are not checked and a warning is logged once per process.
+Signing keys: every function takes ``signing_key`` (None: ``SYNCD_SIGNING_KEY`` / ``SYNCD_SIGNING_KEY_FILE``,
+and ``SYNCD_ALLOW_UNSIGNED``; False: no key; :data:`~syncd.signing.UNCHECKED`: no key, read signed manifests
+unchecked; or a key). Without a key, signed manifests are refused (:class:`SignatureError` naming both
+variables) unless ``UNCHECKED``; a warning is logged once per process.
 
 Thread-safety: functions are reentrant; they share nothing but the :class:`~syncd.store.Store` (thread-safe).
 """
@@ -22,25 +24,31 @@ from datetime import datetime, timezone
 
 from syncd import manifest as mf
 from syncd.errors import (BaseVersionMissing, DeltaError, IntegrityError, ManifestError, ManifestMismatch,
-                          ObjectNotFound, SyncdError, VersionNotFound)
-from syncd.signing import resolve_key
+                          ObjectNotFound, ObjectTooLarge, SyncdError, VersionNotFound)
+from syncd.newest import VersionPoller
+from syncd.signing import ENV_KEY, ENV_KEY_FILE, UNCHECKED, resolve_policy
 from syncd.store import Store
 
 log = logging.getLogger(__name__)
 _warned_unsigned = False
 
-__all__ = ["latest_version", "poll_latest", "materialize", "read_manifest", "resolve_chain", "list_versions", "verify_run",
+__all__ = ["latest_version", "poll_latest", "refuse_unchecked", "materialize", "read_manifest", "resolve_chain", "list_versions", "verify_run",
            "RetentionPolicy", "RetentionPlan", "plan_retention", "apply_retention", "fetch_shards",
            "load_full", "apply_delta", "VersionInfo"]
 
 
-def _key(signing_key):
+def _resolve(signing_key):
+    """``signing_key`` resolved once (environment read, key parsed) into a value every function here takes:
+    a :class:`~syncd.signing.SigningKey`, ``False`` (no key: signed manifests refused) or
+    :data:`~syncd.signing.UNCHECKED` (no key, signed manifests read unchecked). Warns once per process
+    when nothing is checked."""
     global _warned_unsigned
-    key = resolve_key(signing_key)
+    key, allow_unsigned = resolve_policy(signing_key)
     if key is None and not _warned_unsigned:
         _warned_unsigned = True
-        log.warning("no signing key configured (SYNCD_SIGNING_KEY): manifest signatures are NOT verified")
-    return key
+        log.warning("no signing key configured (%s or %s): manifest signatures are NOT verified%s", ENV_KEY,
+                    ENV_KEY_FILE, "" if allow_unsigned else "; signed manifests are refused")
+    return key if key is not None else (UNCHECKED if allow_unsigned else False)
 
 
 # ---------------------------------------------------------------------------------------------- manifests
@@ -49,72 +57,78 @@ def _key(signing_key):
 def read_manifest(store, run_id: str, version: int, *, signing_key=None) -> mf.Manifest:
     """The verified manifest of ``version``. Raises :class:`VersionNotFound` if it has none, and
     :class:`ManifestError` / :class:`SignatureError` / :class:`ManifestMismatch` if it is not acceptable."""
-    store = Store.open(store)
+    store = Store.open(store, create=False)
     k = mf.manifest_key(run_id, version)
     try:
-        raw = store.get(k, limit=mf.MAX_MANIFEST_BYTES + 1)  # bounded: a huge object fails the size check
+        raw = store.get_bounded(k, mf.MAX_MANIFEST_BYTES)  # a huge object is refused unread
     except ObjectNotFound:
         raise VersionNotFound(f"run {run_id!r} has no version {version} in {store.url}") from None
-    return mf.parse(raw, key=_key(signing_key), run_id=run_id, version=version, where=f"{store.url}/{k}")
+    except ObjectTooLarge as exc:
+        raise ManifestError(f"manifest of version {version}: {exc}") from None
+    key = _resolve(signing_key)
+    return mf.parse(raw, key=key or None, run_id=run_id, version=version, where=f"{store.url}/{k}",
+                    allow_unsigned=key is UNCHECKED)
 
 
-def _version_numbers(store: Store, run_id: str) -> list[int]:
-    nums = (mf.parse_version_dir(d) for d in store.list_dirs(mf.versions_prefix(run_id)))
-    return sorted(n for n in nums if n is not None)
+def latest_version(store, run_id: str, *, signing_key=None) -> int | None:
+    """Newest *valid* version of ``run_id`` (its manifest read, parsed and, with a key, verified), or None
+    if the run has none. The store listing is the source of truth (the ``latest.json`` hint is not used);
+    directories without a manifest (an upload in progress, or torn by a crash) and versions whose manifest
+    is unusable are skipped, the latter logged as a warning. Raises :class:`~syncd.errors.StoreError`."""
+    return _newest_valid(Store.open(store, create=False), run_id, _resolve(signing_key))[0]
 
 
-def latest_version(store, run_id: str, *, signing_key=None, verify: bool = True) -> int | None:
-    """Newest version of ``run_id`` that has a manifest, or None if the run has none.
+def _newest_valid(store: Store, run_id: str, signing_key) -> tuple[int | None, list]:
+    """``(newest valid version or None, [(version, error) of the unusable ones above it]``, each logged)."""
+    skipped = []
 
-    The store listing is the source of truth (the ``latest.json`` hint is not used). Directories without
-    a manifest (an upload in progress or torn by a crash) are skipped. With ``verify`` the manifest found
-    is authenticated and validated, and a bad one raises rather than being skipped silently."""
-    store = Store.open(store)
-    mf.check_run_id(run_id)
-    signing_key = _key(signing_key) or False  # resolve once, not per manifest
-    for v in reversed(_version_numbers(store, run_id)):
-        if verify:
-            try:
-                read_manifest(store, run_id, v, signing_key=signing_key)
-            except VersionNotFound:
-                continue
-            return v
-        if store.exists(mf.manifest_key(run_id, v)):
-            return v
-    return None
+    def skip(v, exc):
+        skipped.append((v, exc))
+        log.warning("run %s: version %d skipped: %s: %s", run_id, v, type(exc).__name__, exc)
+
+    poller = VersionPoller(store, run_id, read=lambda v: read_manifest(store, run_id, v, signing_key=signing_key),
+                           max_reads=1 << 30, on_skip=skip)
+    return poller.walk_listing(), skipped
 
 
 def poll_latest(store, run_id: str, etag: str | None = None, *, signing_key=None):
     """Cheap polling for a new version: a conditional GET of the run's ``latest.json`` hint.
 
     Returns None while the hint is unchanged since ``etag`` (one request, no body). Otherwise returns
-    ``(version, new_etag)``, where ``version`` is confirmed by reading and verifying its manifest and then
-    checking that no newer manifest exists; a hint that is missing, malformed or points nowhere falls back
-    to :func:`latest_version` (the hint is unsigned and never trusted on its own). ``version`` is None
-    while the run has no versions. Raises like :func:`read_manifest` for a bad newest manifest."""
-    import json
+    ``(version, new_etag)``, where ``version`` is the newest valid version (:class:`syncd.newest.VersionPoller`:
+    the hinted one once its manifest verifies and the ones after it probed, else the listing walked from the
+    top; unusable versions skipped and logged), None while the run has none. Stateless: each call reads an
+    unusable version again; a long-running poller keeps a :class:`~syncd.newest.VersionPoller`.
+    Raises :class:`~syncd.errors.StoreError`."""
+    store = Store.open(store, create=False)
+    signing_key = _resolve(signing_key)
+    poller = VersionPoller(store, run_id, read=lambda v: read_manifest(store, run_id, v, signing_key=signing_key),
+                           list_every_s=float("inf"), etag=etag, list_first=etag is None)
+    v = poller.poll()
+    return None if poller.unchanged else (v, poller.etag)
 
-    store = Store.open(store)
-    signing_key = _key(signing_key) or False
-    try:
-        got = store.get_if_changed(mf.latest_hint_key(run_id), etag)
-    except ObjectNotFound:
-        return latest_version(store, run_id, signing_key=signing_key), None
-    if got is None:
-        return None
-    body, new_etag = got
-    try:
-        hinted = json.loads(body[:4096])["version"]
-        mf.version_dir(hinted)
-        read_manifest(store, run_id, hinted, signing_key=signing_key)
-    except (ValueError, KeyError, TypeError, VersionNotFound):
-        return latest_version(store, run_id, signing_key=signing_key), new_etag
-    v = hinted
-    while store.exists(mf.manifest_key(run_id, v + 1)):  # the hint may lag behind the manifests
-        v += 1
-    if v != hinted:
-        read_manifest(store, run_id, v, signing_key=signing_key)
-    return v, new_etag
+
+def refuse_unchecked(store, run_id: str, signing_key=None) -> None:
+    """Secure by default, at start: raise ``ValueError`` (a configuration error, naming ``SYNCD_SIGNING_KEY``
+    and ``SYNCD_SIGNING_KEY_FILE``) when no key is configured, ``--allow-unsigned`` was not given, and the
+    run's newest manifest is signed -- a reader that forgot its key must not start as if the run were
+    unsigned. Reads one listing and one manifest; a run without versions passes."""
+    from syncd.signing import NO_KEY_HELP
+
+    store = Store.open(store, create=False)
+    if _resolve(signing_key) is not False:
+        return
+    versions = (mf.parse_version_dir(d) for d in store.list_dirs(mf.versions_prefix(run_id)))
+    for v in sorted((v for v in versions if v is not None), reverse=True):
+        try:
+            raw = store.get_bounded(mf.manifest_key(run_id, v), mf.MAX_MANIFEST_BYTES)
+        except (ObjectNotFound, ObjectTooLarge):
+            continue
+        key_id = mf.signature_key_id(raw)
+        if key_id is not None:
+            raise ValueError(f"run {run_id!r} in {store.url} holds signed manifests (version {v}: key id "
+                             f"{key_id!r}) but no signing key is configured; refusing to start: {NO_KEY_HELP}")
+        return
 
 
 def resolve_chain(store, run_id: str, version: int | None = None, *, signing_key=None) -> list[mf.Manifest]:
@@ -122,10 +136,12 @@ def resolve_chain(store, run_id: str, version: int | None = None, *, signing_key
     (None: the latest). Raises :class:`VersionNotFound` if ``version`` does not exist,
     :class:`BaseVersionMissing` if a base in its chain is gone, :class:`ManifestMismatch` if a delta's
     recorded base digest or tensor list does not match its base."""
-    store = Store.open(store)
-    signing_key = _key(signing_key) or False
+    store = Store.open(store, create=False)
+    signing_key = _resolve(signing_key)
     if version is None:
-        version = latest_version(store, run_id, signing_key=signing_key)
+        version, skipped = _newest_valid(store, run_id, signing_key)
+        if version is None and skipped:
+            raise skipped[0][1]  # the newest unusable one says best what is wrong
         if version is None:
             raise VersionNotFound(f"run {run_id!r} has no versions in {store.url}")
     chain = [read_manifest(store, run_id, version, signing_key=signing_key)]
@@ -180,7 +196,7 @@ def fetch_shard(store: Store, run_id: str, m: mf.Manifest, s: mf.ShardEntry) -> 
 
 def fetch_shards(store, run_id: str, m: mf.Manifest, *, threads: int = 4) -> list[bytearray]:
     """Download every shard of ``m`` in parallel, each checked as by :func:`fetch_shard`."""
-    store = Store.open(store)
+    store = Store.open(store, create=False)
 
     def one(s: mf.ShardEntry) -> bytearray:
         return fetch_shard(store, run_id, m, s)
@@ -263,7 +279,7 @@ def materialize(store, run_id: str, version: int | None = None, *, signing_key=N
     subclasses :class:`SignatureError`, :class:`ManifestMismatch`), :class:`IntegrityError`, or
     :class:`~syncd.errors.StoreError`; on any error nothing is returned.
     """
-    store = Store.open(store)
+    store = Store.open(store, create=False)
     chain = resolve_chain(store, run_id, version, signing_key=signing_key)
     weights = load_full(chain[0], fetch_shards(store, run_id, chain[0]), device=device)
     for base, m in zip(chain, chain[1:]):
@@ -293,8 +309,8 @@ class VersionInfo:
 def list_versions(store, run_id: str, *, signing_key=None) -> list[VersionInfo]:
     """Every version directory of the run, oldest first, each with its verified manifest or the reason it
     has none. One LIST plus one GET per manifest; never raises for a bad manifest (it is reported)."""
-    store = Store.open(store)
-    key = _key(signing_key)
+    store = Store.open(store, create=False)
+    key = _resolve(signing_key)
     by_version: dict[int, list] = {}
     vp = mf.versions_prefix(run_id)
     for obj in store.list(vp):
@@ -306,7 +322,7 @@ def list_versions(store, run_id: str, *, signing_key=None) -> list[VersionInfo]:
         info = VersionInfo(v, objects=by_version[v])
         if any(o.key == mf.manifest_key(run_id, v) for o in info.objects):
             try:
-                info.manifest = read_manifest(store, run_id, v, signing_key=key or False)
+                info.manifest = read_manifest(store, run_id, v, signing_key=key)
             except (ManifestError, VersionNotFound) as exc:
                 info.error = f"{type(exc).__name__}: {exc}"
         out.append(info)
@@ -321,8 +337,8 @@ def verify_run(store, run_id: str, *, signing_key=None, deep: bool = True, backe
     Shallow (``deep=False``): manifests, and that every shard exists with its recorded size. Deep: also
     downloads everything, checks hashes, and rebuilds every version (walking the chain once, so the cost is
     one full load per full version plus one apply per delta) comparing all tensor checksums."""
-    store = Store.open(store)
-    signing_key = _key(signing_key) or False
+    store = Store.open(store, create=False)
+    signing_key = _resolve(signing_key)
     infos = list_versions(store, run_id, signing_key=signing_key)
     prefix = mf.run_prefix(run_id)
     weights, current = None, None
@@ -391,7 +407,7 @@ def plan_retention(store, run_id: str, policy: RetentionPolicy, *, signing_key=N
 
     Versions whose manifest does not verify are never deleted (they are reported in ``problems``), and
     nothing that a valid retained version's chain needs is ever deleted."""
-    store = Store.open(store)
+    store = Store.open(store, create=False)
     now = now or datetime.now(timezone.utc)
     infos = list_versions(store, run_id, signing_key=signing_key)
     valid = {i.version: i for i in infos if i.manifest is not None}
@@ -445,7 +461,7 @@ def apply_retention(store, run_id: str, policy: RetentionPolicy, *, signing_key=
                     dry_run: bool = False) -> RetentionPlan:
     """Plan (see :func:`plan_retention`) and delete. Each version's manifest is deleted before its shards,
     so a concurrent reader sees the version either whole or gone. Safe to run from several processes."""
-    store = Store.open(store)
+    store = Store.open(store, create=False)
     plan = plan_retention(store, run_id, policy, signing_key=signing_key)
     if not dry_run and plan.delete_keys:
         n_manifests = len(plan.delete_versions)

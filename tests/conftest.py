@@ -1,6 +1,7 @@
 """Test-wide setup: Triton kernels run interpreted on the CPU unless a CUDA GPU is present."""
 
 import os
+import tempfile
 
 import pytest
 
@@ -13,6 +14,11 @@ def _cuda_available() -> bool:
     except ImportError:  # pragma: no cover
         return False
 
+
+# the engine-control token of this test session (engines create it, daemons and clients read it), so that
+# tests never touch the real ~/.config/syncd/engine-token; child processes inherit the variable
+os.environ.setdefault("SYNCD_ENGINE_TOKEN_FILE", os.path.join(tempfile.mkdtemp(prefix="syncd-test-token-"),
+                                                              "engine-token"))
 
 HAS_CUDA = _cuda_available()
 if not HAS_CUDA:

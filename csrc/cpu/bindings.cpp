@@ -16,6 +16,7 @@ using namespace syncd;
 
 namespace syncd {
 void register_nvfp4(py::module_& m);  // nvfp4_bindings.cpp
+void register_replay(py::module_& m);  // replay_bindings.cpp
 }
 
 namespace {
@@ -259,4 +260,5 @@ PYBIND11_MODULE(_native, m) {
   }, py::arg("blob"), "Each block's e_top (format 2 context blocks; -1 for the others).");
 
   register_nvfp4(m);
+  register_replay(m);
 }

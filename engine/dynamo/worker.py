@@ -5,12 +5,16 @@ completions: the frontend tokenizes and applies the chat template), serves token
 ``<namespace>.<component>.<endpoint>`` and exposes the weight-update lifecycle as admin routes on the
 worker's system port (``DYN_SYSTEM_PORT``)::
 
-    POST /engine/weights/<op>     op in engine.control.OPS: parameters, stage, pause, apply, rollback,
-                                  load_full, resume, version, checksum  (contract: engine/control.py)
+    POST /engine/weights/<op>     op in engine.control.OPS: version, lease, release, parameters, checksum,
+                                  stage, pause, apply, rollback, load_full, resume  (contract: engine/control.py)
 
 so the node daemon drives the engine through ``engine.control.RemoteAdapter("http://host:system_port")``.
-Weight ops run one at a time on a worker thread; generation goes on meanwhile (``pause`` stops it between
-two engine steps, as the Adapter contract says). A failed op replies HTTP 500 with
+The routes go through an :class:`engine.control.EngineControl`: every call must carry the node's engine
+token (``--token-file`` / ``SYNCD_ENGINE_TOKEN_FILE``) as the body member ``"auth"`` (Dynamo hands a route
+only its body), weight ops need the caller's lease, and with ``SYNCD_SIGNING_KEY``/``_FILE`` set the worker
+verifies every manifest's signature itself. Weight ops run one at a time on a worker thread; generation goes
+on meanwhile (``pause`` stops it between two engine steps, as the Adapter contract says). A failed op
+replies HTTP 500 with
 ``{"error": "Handler error", "message": "Python callback failed: <ExceptionClass>: <message>"}`` (Dynamo's
 system server fixes that shape; the exception class is kept in the message).
 
@@ -67,8 +71,14 @@ class DynamoWorker:
     def __init__(self, engine, *, model_dir: str | os.PathLike, served_name: str, namespace: str = "syncd",
                  component: str = "backend", endpoint: str = "generate",
                  default_max_tokens: int = protocol.DEFAULT_MAX_TOKENS, drain_timeout_s: float = 30.0,
-                 ready_file: str | os.PathLike | None = None, context_length: int | None = None):
+                 ready_file: str | os.PathLike | None = None, context_length: int | None = None,
+                 token: str | None = None, run_id: str | None = None, signing_key=None):
+        from engine.control import EngineControl
+        from syncd.engine_token import load_or_create
+
         self.engine = engine
+        self.control = EngineControl(engine, token=token or load_or_create(), signing_key=signing_key,
+                                     run_id=run_id)
         self.model_dir = str(model_dir)
         self.served_name = served_name
         self.endpoint_path = f"{namespace}.{component}.{endpoint}"
@@ -79,7 +89,6 @@ class DynamoWorker:
         self.runtime = None
         self.endpoint = None
         self._live: set[str] = set()
-        self._admin_lock: asyncio.Lock | None = None
         self._stopping = False
         self.requests_served = 0
 
@@ -133,15 +142,14 @@ class DynamoWorker:
     # ------------------------------------------------------------------------------------ admin routes
 
     def _weight_route(self, op: str):
-        from engine.control import handle
-
         async def route(body: dict) -> dict:
-            async with self._admin_lock:
-                try:
-                    return await asyncio.to_thread(handle, self.engine, op, body)
-                except Exception as exc:
-                    log.warning("weights/%s failed: %s: %s", op, type(exc).__name__, exc)
-                    raise
+            body = dict(body) if isinstance(body, dict) else body
+            token = body.pop("auth", None) if isinstance(body, dict) else None
+            try:
+                return await asyncio.to_thread(self.control.call, op, body, token)
+            except Exception as exc:
+                log.warning("weights/%s failed: %s: %s", op, type(exc).__name__, exc)
+                raise
 
         return route
 
@@ -149,7 +157,6 @@ class DynamoWorker:
         """Register ``/engine/weights/<op>`` for every op of ``engine.control.OPS``."""
         from engine.control import OPS
 
-        self._admin_lock = asyncio.Lock()
         for op in OPS:
             runtime.register_engine_route(WEIGHT_ROUTE_PREFIX + op, self._weight_route(op))
 
@@ -288,6 +295,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--default-max-tokens", type=int, default=protocol.DEFAULT_MAX_TOKENS)
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on stop")
     p.add_argument("--ready-file", default=None, help="write {pid, instance_id, system_port} here when up")
+    p.add_argument("--token-file", default=None,
+                   help="the node's engine control token, created if missing [SYNCD_ENGINE_TOKEN_FILE; "
+                        "default ~/.config/syncd/engine-token]")
     p.add_argument("--log-level", default=os.environ.get("SYNCD_LOG_LEVEL", "WARNING"))
     add_arguments(p)
     return p
@@ -314,6 +324,14 @@ def main(argv=None) -> int:
     except (ValueError, TypeError, OSError, ImportError, AttributeError) as exc:
         print(f"engine.dynamo.worker: cannot build the engine: {exc}", file=sys.stderr)
         return 2
+    from syncd.engine_token import load_or_create
+    from syncd.signing import key_from_env
+
+    try:
+        token, key = load_or_create(args.token_file), key_from_env()
+    except ValueError as exc:
+        print(f"engine.dynamo.worker: {exc}", file=sys.stderr)
+        return 2
     settings.apply()
     if args.system_port is not None:
         os.environ["DYN_SYSTEM_PORT"] = str(args.system_port)
@@ -321,7 +339,9 @@ def main(argv=None) -> int:
                           served_name=args.served_model_name or Path(args.model).resolve().name,
                           namespace=settings.namespace, component=args.component, endpoint=args.endpoint,
                           default_max_tokens=args.default_max_tokens, drain_timeout_s=args.drain_timeout,
-                          ready_file=args.ready_file, context_length=_context_length(args.model))
+                          ready_file=args.ready_file, context_length=_context_length(args.model),
+                          token=token, signing_key=key if key else False,
+                          run_id=args.run_id if args.weights_version is not None else None)
 
     async def run():
         from dynamo.runtime import DistributedRuntime

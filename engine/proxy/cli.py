@@ -30,6 +30,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--retry-deadline", type=float, default=60.0, help="seconds those tries may take in all")
     p.add_argument("--spill-dir", default=env("SYNCD_PROXY_SPILL_DIR"),
                    help="where records go that the store refused until the proxy stopped")
+    p.add_argument("--close-timeout", type=float, default=30.0,
+                   help="seconds a stopping proxy retries records the store refused before it reports them")
     p.add_argument("--ready-file", default=None, help="write {url, pid} here once serving")
     p.add_argument("--log-level", default=env("SYNCD_LOG_LEVEL", "WARNING"))
     return p
@@ -68,7 +70,7 @@ def main(argv=None) -> int:
             tmp.write_text(json.dumps({"url": url, "pid": os.getpid()}))
             os.replace(tmp, args.ready_file)
         await stop.wait()
-        await proxy.close()
+        await proxy.close(args.close_timeout)
 
     import uvloop
 

@@ -1,71 +1,35 @@
-"""Trajectory records: what ``engine.proxy`` writes to the object store for every agent trajectory.
+"""Trajectory records: what ``engine.proxy`` writes to the object store for every agent trajectory (the keys
+and the JSON schema are specified in :mod:`syncd.records.trajectory`).
 
-Key (create-if-absent, never overwritten)::
-
-    runs/<run_id>/trajectories/<sandbox_id>/<trajectory_id>.json
-
-A record is one JSON object (``schema: "syncd.trajectory"``, ``schema_version: 1``)::
-
-    {"run_id", "sandbox_id", "trajectory_id", "status": "complete" | "failed", "failure": null | reason,
-     "created_at", "finished_at", "metadata": {...},
-     "turns": [{"index", "endpoint": "chat/completions" | "completions", "request": <client's JSON body>,
-                "stream", "status": "ok" | "failed", "error": null | reason, "attempts": [...],
-                "response_id", "request_id", "prompt_token_ids", "output_token_ids", "versions",
-                "logprobs", "finish_reason", "text", "usage", "segments": [{"request_id", "start", "count"}],
-                "started_at", "finished_at"}]}
-
-``request_id`` is the id the engines recorded their replay records under (``engine.replay.read_request``);
-``versions[i]`` is the weight version output token ``i`` was sampled with; ``segments`` are the runs of the
-turn on one worker each (more than one when Dynamo migrated the request). A trajectory is ``complete`` only
-when every turn is ``ok``; otherwise ``failure`` says which turn failed and why. Nothing is ever dropped to
-make a record look complete.
-
-:func:`parse` treats a stored record as hostile: size-bounded, strict JSON, every member checked.
+The reading half (schema constants, ``RecordError``, ``check_id``, ``record_key``, ``parse``, ``read_record``,
+``list_records``, ``replay_tokens``) moved to :mod:`syncd.records.trajectory`, so that trainers read records
+without importing ``engine``; those names are re-exported here, kept for one release. This module keeps the
+writing half: :class:`Turn` and :class:`Trajectory` build a record; a trajectory is ``complete`` only when every
+turn is ``ok``, otherwise ``failure`` says which turn failed and why. Nothing is ever dropped to make a record
+look complete.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-from syncd import manifest as mf
-from syncd.errors import SyncdError
+# moved to syncd.records.trajectory, kept here for one release
+from syncd.records.trajectory import (MAX_RECORD_BYTES, SCHEMA, SCHEMA_VERSION, RecordError,  # noqa: F401
+                                      check_id, list_records, parse, read_record, record_key, replay_tokens)
 
 __all__ = ["SCHEMA", "SCHEMA_VERSION", "Turn", "Trajectory", "RecordError", "record_key", "check_id",
            "parse", "read_record", "list_records", "replay_tokens", "now"]
-
-SCHEMA = "syncd.trajectory"
-SCHEMA_VERSION = 1
-MAX_RECORD_BYTES = 1 << 30
-_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-
-
-class RecordError(SyncdError, ValueError):
-    """A trajectory record (or an id for one) is malformed."""
 
 
 def now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-def check_id(value, what: str) -> str:
-    """``value`` if it is 1-128 characters of ``[A-Za-z0-9._-]`` starting with a letter or digit, no ``..``."""
-    if not isinstance(value, str) or not _ID.match(value) or ".." in value:
-        raise RecordError(f"{what} must be 1-128 characters of [A-Za-z0-9._-] starting with a letter or digit, "
-                          f"got {value!r}")
-    return value
-
-
-def record_key(run_id: str, sandbox_id: str, trajectory_id: str) -> str:
-    return (f"{mf.run_prefix(run_id)}trajectories/{check_id(sandbox_id, 'sandbox id')}/"
-            f"{check_id(trajectory_id, 'trajectory id')}.json")
-
-
 @dataclass
 class Turn:
-    """One request of a trajectory (see the module docstring for the members)."""
+    """One request of a trajectory (the members are specified in :mod:`syncd.records.trajectory`)."""
 
     index: int
     endpoint: str
@@ -108,6 +72,12 @@ class Trajectory:
     turns: list[Turn] = field(default_factory=list)
     metadata: dict = field(default_factory=dict)
     finished_at: str | None = None
+    #: the client's id; ``trajectory_id`` differs when the key was taken by an earlier proxy life
+    requested_trajectory_id: str | None = None
+
+    def __post_init__(self):
+        if self.requested_trajectory_id is None:
+            self.requested_trajectory_id = self.trajectory_id
 
     @property
     def failure(self) -> str | None:
@@ -128,103 +98,10 @@ class Trajectory:
 
     def to_json(self) -> dict:
         return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "run_id": self.run_id,
-                "sandbox_id": self.sandbox_id, "trajectory_id": self.trajectory_id, "status": self.status,
+                "sandbox_id": self.sandbox_id, "trajectory_id": self.trajectory_id,
+                "requested_trajectory_id": self.requested_trajectory_id, "status": self.status,
                 "failure": self.failure, "created_at": self.created_at, "finished_at": self.finished_at,
                 "metadata": self.metadata, "turns": [t.to_json() for t in self.turns]}
 
     def encode(self) -> bytes:
         return json.dumps(self.to_json(), ensure_ascii=True, separators=(",", ":"), allow_nan=False).encode()
-
-
-# ---------------------------------------------------------------------------------------------- reading
-
-
-def _ints(v, what: str) -> list:
-    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
-        raise RecordError(f"{what} must be a list of integers")
-    return v
-
-
-def parse(raw: bytes, *, where: str = "trajectory record") -> dict:
-    """The record in ``raw``, checked (see the module docstring). Raises :class:`RecordError`."""
-    if len(raw) > MAX_RECORD_BYTES:
-        raise RecordError(f"{where}: larger than {MAX_RECORD_BYTES} bytes")
-    try:
-        doc = json.loads(raw, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(f"{c} not allowed")))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise RecordError(f"{where}: not JSON: {exc}") from None
-    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
-        raise RecordError(f"{where}: not a {SCHEMA} record")
-    if doc.get("schema_version") != SCHEMA_VERSION:
-        raise RecordError(f"{where}: schema_version {doc.get('schema_version')!r} is not {SCHEMA_VERSION}")
-    for k in ("run_id", "sandbox_id", "trajectory_id"):
-        check_id(doc.get(k), f"{where}: {k}")
-    if doc.get("status") not in ("complete", "failed"):
-        raise RecordError(f"{where}: status {doc.get('status')!r}")
-    turns = doc.get("turns")
-    if not isinstance(turns, list):
-        raise RecordError(f"{where}: turns must be a list")
-    for i, t in enumerate(turns):
-        w = f"{where}: turn {i}"
-        if not isinstance(t, dict) or t.get("index") != i:
-            raise RecordError(f"{w}: malformed or out of order")
-        if t.get("status") not in ("ok", "failed", "running"):
-            raise RecordError(f"{w}: status {t.get('status')!r}")
-        n = len(_ints(t.get("output_token_ids"), f"{w}: output_token_ids"))
-        _ints(t.get("prompt_token_ids"), f"{w}: prompt_token_ids")
-        versions = t.get("versions")
-        if not isinstance(versions, list) or len(versions) != n or not all(
-                v is None or (isinstance(v, int) and not isinstance(v, bool)) for v in versions):
-            raise RecordError(f"{w}: versions must list one version (int or null) per output token")
-        segs = t.get("segments")
-        if not isinstance(segs, list) or sum(s.get("count", 0) if isinstance(s, dict) else 0 for s in segs) != n:
-            raise RecordError(f"{w}: segments do not cover the {n} output tokens")
-    if (doc["status"] == "complete") != all(t["status"] == "ok" for t in turns):
-        raise RecordError(f"{where}: status {doc['status']} contradicts its turns")
-    return doc
-
-
-def read_record(store, run_id: str, sandbox_id: str, trajectory_id: str) -> dict:
-    """The checked record of one trajectory (raises ``syncd.errors.ObjectNotFound`` or :class:`RecordError`)."""
-    from syncd.store import Store
-
-    store = Store.open(store)
-    key = record_key(run_id, sandbox_id, trajectory_id)
-    raw = store.get(key, limit=MAX_RECORD_BYTES + 1)
-    doc = parse(bytes(raw), where=f"{store.url}/{key}")
-    if (doc["run_id"], doc["sandbox_id"], doc["trajectory_id"]) != (run_id, sandbox_id, trajectory_id):
-        raise RecordError(f"{store.url}/{key}: the record names another trajectory")
-    return doc
-
-
-def list_records(store, run_id: str, sandbox_id: str | None = None) -> list[tuple[str, str]]:
-    """``(sandbox_id, trajectory_id)`` of every record of the run (of one sandbox when given), sorted."""
-    from syncd.store import Store
-
-    store = Store.open(store)
-    prefix = f"{mf.run_prefix(run_id)}trajectories/"
-    if sandbox_id is not None:
-        prefix += f"{check_id(sandbox_id, 'sandbox id')}/"
-    out = []
-    for o in store.list(prefix):
-        rest = o.key[len(mf.run_prefix(run_id)) + len("trajectories/"):]
-        sb, _, name = rest.partition("/")
-        if name.endswith(".json") and "/" not in name:
-            out.append((sb, name[:-5]))
-    return sorted(out)
-
-
-def replay_tokens(store, run_id: str, turn: dict) -> dict[int, tuple[int, int | None]]:
-    """What the engines' replay records say about ``turn``'s output: ``{output index: (token id, version)}``
-    over every worker that served it (a migrated request has records from each). Compare with the turn's
-    ``output_token_ids``/``versions`` to check the link; positions a killed worker never wrote are absent.
-    Raises ``engine.replay.ReplayFormatError`` for a corrupt chunk."""
-    from engine.replay import read_request
-
-    out: dict[int, tuple[int, int | None]] = {}
-    start = len(turn.get("prompt_token_ids") or [])
-    for rid in dict.fromkeys(s["request_id"] for s in turn.get("segments") or []):
-        for chunk in read_request(store, run_id, rid):
-            for rec in chunk.records:
-                out[rec.position - start] = (rec.token_id, rec.version)
-    return out

@@ -15,14 +15,24 @@ An agent sandbox talks to ``http://proxy/v1/chat/completions`` and ``/v1/complet
   reason, usage, the engine request ids (which link the turn to the engines' replay records) and the
   workers' segments of a migrated request; the record is checked against the frontend's usage counts.
 
+A client body that is not strict JSON (``NaN``, ``Infinity``, nesting deeper than 64, anything the
+record's strict encoder would refuse) or whose ``nvext``/``stream_options`` are malformed is refused with
+a 400 before a turn exists: nothing is served or recorded for it.
+
 Turns are grouped into trajectories by the ``X-Syncd-Trajectory`` request header (default: the proxy's
-``default_trajectory``; with ``per_request`` every request is its own trajectory, written when it ends).
-``POST /syncd/trajectories/<id>/finish`` (JSON body, optional ``{"metadata": {...}}``) writes a trajectory's
-record to the store (``engine.proxy.record``) and answers ``{"key", "status", "failure"}``; when the proxy
-stops, every open trajectory is written. A turn that could not complete (upstream failure after tokens,
-client gone, proxy stopped) is kept with what it got and marked failed with the reason; its trajectory is
-then ``failed``. A record the store refuses is kept and retried; on stop, records still unwritten go to
-``spill_dir`` (or are reported in the log as lost, with their keys).
+``default_trajectory``, else ``default-<life>``, unique to this proxy life; with ``per_request`` every
+request is its own trajectory, written when it ends). ``POST /syncd/trajectories/<id>/finish`` (JSON body,
+optional ``{"metadata": {...}}``) writes a trajectory's record to the store (``engine.proxy.record``) and
+answers ``{"key", "trajectory_id", "status", "failure", "written"}``; when the proxy stops, every open
+trajectory is written, each on its own. A trajectory stays open until its record is in the store or kept
+for retry (and spilled to ``spill_dir``): ``engine.proxy.writer`` never overwrites, renames a record whose
+key an earlier proxy life took, and reports every record it could neither write nor spill. A turn that
+could not complete (upstream failure after tokens, client gone, proxy stopped) is kept with what it got and
+marked failed with the reason; its trajectory is then ``failed``.
+
+Supervision: the retry task runs under a :class:`syncd.supervise.Supervisor`; it and any route that raises
+what it did not expect are logged and counted in ``syncd_failures_total{kind}`` (``GET /metrics``; kinds
+``store``, ``record``, ``task``, ``request``); ``GET /health`` shows the counts and the task's health.
 
 The per-turn bookkeeping is ``engine.proxy.turn``.
 
@@ -45,8 +55,11 @@ from aiohttp import web
 
 from engine.proxy import sse
 from engine.proxy.record import RecordError, Trajectory, Turn, check_id, now
-from engine.proxy.turn import (TRAJECTORY_HEADER, Broken, ClientGone, ClientStream, Rejected, Retryable, TurnState,
-                               annotation_ids, client_wants, error_response, for_client, upstream_body)
+from engine.proxy.turn import (TRAJECTORY_HEADER, BadRequest, Broken, ClientGone, ClientStream, Rejected, Retryable,
+                               TurnState, annotation_ids, client_wants, error_response, for_client, parse_body,
+                               parse_event, upstream_body)
+from engine.proxy.writer import RecordWriter, new_life
+from syncd.supervise import Failures, Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +67,7 @@ __all__ = ["ProxyConfig", "Proxy", "TRAJECTORY_HEADER"]
 
 RETRYABLE_STATUS = frozenset({404, 408, 429, 500, 502, 503, 504})
 MAX_REQUEST_BYTES = 64 << 20
+FAILURE_KINDS = ("store", "record", "task", "request")
 
 
 @dataclass(frozen=True)
@@ -92,24 +106,30 @@ class Proxy:
         self.config = config
         self.store = Store.open(store)
         self.upstream = config.upstream.rstrip("/")
+        self.life = new_life()
+        self.failures = Failures(FAILURE_KINDS)
+        self.supervisor = Supervisor(f"proxy {config.sandbox_id}", on_failure=self.failures, logger=log)
+        self.writer = RecordWriter(self.store, life=self.life, spill_dir=config.spill_dir,
+                                   retry_s=config.write_retry_s, failures=self.failures)
         self.trajectories: dict[str, Trajectory] = {}
-        self.written: dict[str, str] = {}  # trajectory id -> key, once in the store
-        self._pending: dict[str, bytes] = {}  # key -> record bytes the store refused so far
+        self.written: dict[str, str] = {}  # client's trajectory id -> key, once finished (written or pending)
+        self._finishing: dict[str, asyncio.Future] = {}  # trajectory id -> its write, while in progress
         self._running: dict[str, list[TurnState]] = {}
+        self._background: set[asyncio.Task] = set()  # per-request finishes
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
-        self._retry_task: asyncio.Task | None = None
         self._closing = False
         self.url: str | None = None
 
     # ------------------------------------------------------------------------------------ lifecycle
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_REQUEST_BYTES)
+        app = web.Application(client_max_size=MAX_REQUEST_BYTES, middlewares=[self._unexpected])
         app.router.add_post("/v1/chat/completions", lambda r: self._completion(r, "chat/completions"))
         app.router.add_post("/v1/completions", lambda r: self._completion(r, "completions"))
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/syncd/trajectories/{tid}/finish", self._finish_route)
         app.router.add_get("/syncd/trajectories/{tid}", self._show_route)
         return app
@@ -125,31 +145,40 @@ class Proxy:
         await site.start()
         port = site._server.sockets[0].getsockname()[1]
         self.url = f"http://{host}:{port}"
-        self._retry_task = asyncio.ensure_future(self._retry_writes())
+        self.supervisor.spawn("record retry", self.writer.retry_loop)
         log.info("proxy for sandbox %s serving at %s -> %s", self.config.sandbox_id, self.url, self.upstream)
         return self.url
 
     async def close(self, timeout_s: float = 30.0) -> None:
-        """Stop serving, write every open trajectory, retry unwritten records until ``timeout_s``, spill
-        what is left."""
+        """Stop serving, write every open trajectory (each on its own: one that fails never stops the
+        others), retry unwritten records until ``timeout_s``, and report what is left (spilled or lost)."""
         self._closing = True
+        deadline = time.monotonic() + timeout_s
         if self._runner is not None:
-            await self._runner.cleanup()  # cancels running handlers: their turns are marked failed
+            try:
+                await self._runner.cleanup()  # cancels running handlers: their turns are marked failed
+            except Exception as exc:  # noqa: BLE001 -- the records matter more than a clean shutdown
+                self.supervisor.failed("http server shutdown", exc)
             self._runner = None
         for tid in list(self.trajectories):
-            await self.finish(tid)
-        deadline = time.monotonic() + timeout_s
-        while self._pending and time.monotonic() < deadline:
-            await self._flush_pending()
-            if self._pending:
-                await asyncio.sleep(min(self.config.write_retry_s, max(0.0, deadline - time.monotonic())))
-        if self._retry_task is not None:
-            self._retry_task.cancel()
-        if self._pending:
-            self._spill()
+            try:
+                await self.finish(tid)
+            except Exception as exc:  # noqa: BLE001 -- reported; the next trajectory is written all the same
+                self._unwritable(tid, exc)
+        if self._finishing or self._background:
+            await asyncio.gather(*self._finishing.values(), *self._background, return_exceptions=True)
+        await self.supervisor.stop()
+        await self.writer.drain(deadline)
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+    def _unwritable(self, tid: str, exc: BaseException) -> None:
+        """A trajectory whose record cannot be made at all (a bug): logged with what it holds, counted."""
+        traj = self.trajectories.get(tid)
+        log.error("trajectory %s (%d turns, key %s) could not be written and is lost: %s: %s", tid,
+                  len(traj.turns) if traj else 0, traj.key if traj else "?", type(exc).__name__, exc)
+        self.failures("record")
 
     # ------------------------------------------------------------------------------------ trajectories
 
@@ -157,12 +186,14 @@ class Proxy:
         tid = request.headers.get(TRAJECTORY_HEADER)
         if tid is None:
             tid = (f"req-{uuid.uuid4().hex}" if self.config.per_request
-                   else self.config.default_trajectory or f"{self.config.sandbox_id}-default")
+                   else self.config.default_trajectory or f"default-{self.life}")
         return check_id(tid, f"{TRAJECTORY_HEADER} header")
 
     def _open(self, tid: str) -> Trajectory:
         if tid in self.written:
             raise RecordError(f"trajectory {tid} is already finished and written")
+        if tid in self._finishing:
+            raise RecordError(f"trajectory {tid} is being finished")
         traj = self.trajectories.get(tid)
         if traj is None:
             traj = self.trajectories[tid] = Trajectory(self.config.run_id, self.config.sandbox_id, tid)
@@ -170,82 +201,79 @@ class Proxy:
 
     async def finish(self, tid: str, metadata: dict | None = None, *, wait_s: float = 60.0) -> dict:
         """Write trajectory ``tid`` (after its running turns end, at most ``wait_s``; turns still running
-        then are marked failed). Returns ``{"key", "status", "failure", "written"}``."""
+        then are marked failed). Returns ``{"key", "trajectory_id", "status", "failure", "written"}``
+        (``written``: in the store; else kept for retry and spilled). The trajectory stays open, unchanged,
+        if ``metadata`` cannot be recorded (:class:`BadRequest`); a second call while the write is in
+        progress gets the same answer. Raises ``KeyError`` (unknown), :class:`RecordError` (finished)."""
+        if tid in self._finishing:
+            return await asyncio.shield(self._finishing[tid])
         traj = self.trajectories.get(tid)
         if traj is None:
             if tid in self.written:
                 raise RecordError(f"trajectory {tid} is already finished and written")
             raise KeyError(f"no trajectory {tid!r} in this proxy")
+        if metadata:
+            try:
+                json.dumps(metadata, allow_nan=False)
+            except (ValueError, TypeError, RecursionError) as exc:
+                raise BadRequest(f"metadata of trajectory {tid} cannot be recorded: {exc}") from None
         running = [s.done.wait() for s in self._running.get(tid, [])]
         if running:
             try:
                 await asyncio.wait_for(asyncio.gather(*running), wait_s)
             except asyncio.TimeoutError:
                 pass
-        self.trajectories.pop(tid, None)
+        if tid in self._finishing:  # another finish started while this one waited
+            return await asyncio.shield(self._finishing[tid])
         for t in traj.turns:
             if t.status == "running":
                 t.fail("the trajectory was finished while this request was still running")
         traj.metadata.update(metadata or {})
         traj.finished_at = now()
-        data = traj.encode()
-        written = await self._put(traj.key, data)
-        self.written[tid] = traj.key
-        log.info("trajectory %s: %s, %d turns, %s", tid, traj.status, len(traj.turns),
-                 "written" if written else "store write pending")
-        return {"key": traj.key, "status": traj.status, "failure": traj.failure, "written": written}
+        done = self._finishing[tid] = asyncio.ensure_future(self._write(tid, traj))
+        return await asyncio.shield(done)  # a cancelled caller does not cancel the write
 
-    async def _put(self, key: str, data: bytes) -> bool:
-        from syncd.errors import ObjectExists
-
+    async def _write(self, tid: str, traj: Trajectory) -> dict:
         try:
-            await asyncio.to_thread(self.store.put, key, data, create=True)
-            return True
-        except ObjectExists:
-            existing = await asyncio.to_thread(self.store.get, key)
-            if bytes(existing) == data:
-                return True
-            raise RecordError(f"{key} already exists with another record")
-        except Exception as exc:  # noqa: BLE001 -- kept and retried; reported on close
-            log.warning("trajectory record %s not written (%s); kept for retry", key, exc)
-            self._pending[key] = data
-            return False
-
-    async def _flush_pending(self) -> None:
-        for key, data in list(self._pending.items()):
-            self._pending.pop(key)
-            try:
-                await self._put(key, data)
-            except RecordError as exc:
-                log.error("%s", exc)
-
-    async def _retry_writes(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.write_retry_s)
-            if self._pending:
-                await self._flush_pending()
-
-    def _spill(self) -> None:
-        if self.config.spill_dir is None:
-            log.error("%d trajectory records could not be written to %s and are lost: %s", len(self._pending),
-                      self.store.url, ", ".join(self._pending))
-            return
-        for key, data in self._pending.items():
-            path = Path(self.config.spill_dir, key)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(data)
-        log.error("%d trajectory records could not be written to %s; saved under %s", len(self._pending),
-                  self.store.url, self.config.spill_dir)
+            written = await self.writer.write(traj)
+        except BaseException:
+            self._finishing.pop(tid, None)  # not encodable: it stays open (and close() reports it)
+            traj.finished_at = None
+            raise
+        self.written[tid] = traj.key
+        self.trajectories.pop(tid, None)  # only now: written, or pending (and spilled)
+        self._finishing.pop(tid, None)
+        log.info("trajectory %s: %s, %d turns, %s", tid, traj.status, len(traj.turns),
+                 f"written to {traj.key}" if written else "store write pending")
+        return {"key": traj.key, "trajectory_id": traj.trajectory_id, "status": traj.status,
+                "failure": traj.failure, "written": written}
 
     @property
     def pending_writes(self) -> int:
-        return len(self._pending)
+        return len(self.writer.pending)
 
     # ------------------------------------------------------------------------------------ routes
 
+    @web.middleware
+    async def _unexpected(self, request: web.Request, handler):
+        """A route that raises what it did not expect answers 500 and is logged and counted."""
+        try:
+            return await handler(request)
+        except (web.HTTPException, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # noqa: BLE001 -- reported; the proxy goes on
+            self.supervisor.failed(f"{request.method} {request.path}", exc, kind="request")
+            return error_response(500, f"proxy error: {type(exc).__name__}: {exc}", "internal_error")
+
     async def _health(self, request: web.Request) -> web.Response:
-        return web.json_response({"ok": True, "open_trajectories": len(self.trajectories),
-                                  "pending_writes": len(self._pending)})
+        return web.json_response({"ok": True, "life": self.life, "open_trajectories": len(self.trajectories),
+                                  "pending_writes": len(self.writer.pending), "failures": self.failures.totals,
+                                  "tasks": self.supervisor.health()})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return web.Response(body=self.failures.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _models(self, request: web.Request) -> web.Response:
         try:
@@ -257,17 +285,18 @@ class Proxy:
     async def _finish_route(self, request: web.Request) -> web.Response:
         tid = request.match_info["tid"]
         try:
-            body = await request.json() if request.can_read_body else {}
-            meta = body.get("metadata") if isinstance(body, dict) else None
+            body = parse_body(await request.read(), max_bytes=MAX_REQUEST_BYTES, what="finish body") \
+                if request.can_read_body else {}
+            meta = body.get("metadata")
             if meta is not None and not isinstance(meta, dict):
                 return error_response(400, "'metadata' must be a JSON object", "invalid_request_error")
             return web.json_response(await self.finish(tid, meta))
         except KeyError as exc:
             return error_response(404, str(exc.args[0]), "not_found")
+        except BadRequest as exc:
+            return error_response(400, str(exc), "invalid_request_error")
         except RecordError as exc:
             return error_response(409, str(exc), "conflict")
-        except ValueError as exc:
-            return error_response(400, f"body is not JSON: {exc}", "invalid_request_error")
 
     async def _show_route(self, request: web.Request) -> web.Response:
         traj = self.trajectories.get(request.match_info["tid"])
@@ -279,11 +308,9 @@ class Proxy:
 
     async def _completion(self, request: web.Request, endpoint: str) -> web.StreamResponse:
         try:
-            body = await request.json()
-        except ValueError as exc:
-            return error_response(400, f"request body is not JSON: {exc}", "invalid_request_error")
-        if not isinstance(body, dict):
-            return error_response(400, "request body must be a JSON object", "invalid_request_error")
+            body = parse_body(await request.read(), max_bytes=MAX_REQUEST_BYTES)
+        except BadRequest as exc:
+            return error_response(400, str(exc), "invalid_request_error")
         try:
             tid = self._trajectory_id(request)
             traj = self._open(tid)
@@ -306,13 +333,15 @@ class Proxy:
             state.done.set()
             self._running[tid].remove(state)
             if self.config.per_request and tid in self.trajectories and not self._closing:
-                asyncio.ensure_future(self._finish_logged(tid))
+                task = asyncio.ensure_future(self._finish_logged(tid))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
 
     async def _finish_logged(self, tid: str) -> None:
         try:
             await self.finish(tid)
-        except Exception:  # noqa: BLE001 -- a background write; nothing else can report it
-            log.exception("writing trajectory %s failed", tid)
+        except Exception as exc:  # noqa: BLE001 -- a background write; nothing else can report it
+            self.supervisor.failed(f"finish {tid}", exc, kind="record")
 
     async def _run_turn(self, state: TurnState, body: dict, endpoint: str, out: ClientStream):
         turn = state.turn
@@ -376,9 +405,9 @@ class Proxy:
                     if data.strip() == "[DONE]":
                         break
                     try:
-                        obj = json.loads(data)
-                    except ValueError:
-                        raise self._failure(state, f"upstream sent a non-JSON event: {data[:200]}") from None
+                        obj = parse_event(data)
+                    except Broken as exc:
+                        raise self._failure(state, f"upstream sent a malformed event: {exc}") from None
                     if "error" in obj:
                         raise self._failure(state, f"upstream error: {json.dumps(obj['error'])[:500]}")
                     if obj.get("usage"):

@@ -74,4 +74,10 @@ def format_event(data, event: str | None = None) -> bytes:
     """One SSE event; ``data`` is a string (sent as is) or a JSON value."""
     text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
     head = f"event: {event}\n" if event else ""
-    return (head + "".join(f"data: {line}\n" for line in text.split("\n")) + "\n").encode("utf-8")
+    out = head + "".join(f"data: {line}\n" for line in text.split("\n")) + "\n"
+    try:
+        return out.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate (valid in JSON escapes, not in UTF-8): send the escapes
+        if isinstance(data, str):
+            raise
+        return format_event(json.dumps(data, ensure_ascii=True, separators=(",", ":")), event)

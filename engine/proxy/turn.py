@@ -1,6 +1,10 @@
 """One turn of the proxy: a single client request to ``/v1/chat/completions`` or ``/v1/completions``, with
 every upstream attempt it takes (``engine.proxy.server`` runs the turn loop and its retries).
 
+* :func:`parse_body` reads a client's body strictly (``syncd.jsonsafe``: bounded size and depth, no
+  ``NaN``/``Infinity``, nothing the record's strict encoder would refuse) and checks the members the proxy
+  itself reads, so a bad body is refused with a 400 before a turn exists; :func:`parse_event` does the
+  same for each event from the frontend.
 * :func:`upstream_body` rewrites the client's body into what the proxy asks of the frontend (always a
   stream, with usage, ``engine_data`` and the prompt's ``token_ids`` annotation); :func:`client_wants` says
   which of those the client itself asked for, and :func:`for_client` strips a chunk down to that.
@@ -12,9 +16,10 @@ every upstream attempt it takes (``engine.proxy.server`` runs the turn loop and 
   event, so a turn that fails before any token can still answer with an error status
   (:func:`error_response`).
 
-Raised: :class:`Retryable` (failed before any token: worth another attempt), :class:`Rejected` (the
-upstream refused the request with a status not worth retrying), :class:`Broken` (failed after tokens, or
-the upstream sent a malformed record: the turn fails), :class:`ClientGone` (writing to the client failed).
+Raised: :class:`BadRequest` (the client's body is refused), :class:`Retryable` (failed before any token:
+worth another attempt), :class:`Rejected` (the upstream refused the request with a status not worth
+retrying), :class:`Broken` (failed after tokens, or the upstream sent a malformed record: the turn fails),
+:class:`ClientGone` (writing to the client failed).
 
 Thread-safety: none; a turn's objects are used from the one asyncio loop that runs the proxy.
 """
@@ -22,18 +27,26 @@ Thread-safety: none; a turn's objects are used from the one asyncio loop that ru
 from __future__ import annotations
 
 import asyncio
-import json
+import math
 
 import aiohttp
 from aiohttp import web
 
 from engine.proxy import sse
 from engine.proxy.record import Turn
+from syncd import jsonsafe
 
 __all__ = ["TRAJECTORY_HEADER", "TurnState", "ClientStream", "client_wants", "upstream_body", "for_client",
-           "annotation_ids", "error_response", "Retryable", "Rejected", "Broken", "ClientGone"]
+           "parse_body", "parse_event", "annotation_ids", "error_response", "BadRequest", "Retryable", "Rejected",
+           "Broken", "ClientGone"]
 
 TRAJECTORY_HEADER = "X-Syncd-Trajectory"
+#: nesting bound of client bodies and upstream events (a record nests a body 3 levels deeper)
+MAX_DEPTH = 64
+
+
+class BadRequest(jsonsafe.JSONError):
+    """The client's body is refused (HTTP 400); the message says what is wrong."""
 
 
 class Retryable(Exception):
@@ -52,6 +65,37 @@ class Broken(Exception):
 
 class ClientGone(Exception):
     pass
+
+
+def parse_body(raw: bytes, *, max_bytes: int, what: str = "request body") -> dict:
+    """The client's JSON object, strictly parsed (see the module docstring). Raises :class:`BadRequest`."""
+    body = jsonsafe.loads(raw, what=what, max_bytes=max_bytes, max_depth=MAX_DEPTH, error=BadRequest)
+    if not isinstance(body, dict):
+        raise BadRequest(f"{what} must be a JSON object")
+    for k in ("nvext", "stream_options"):
+        if body.get(k) is not None and not isinstance(body[k], dict):
+            raise BadRequest(f"{what}: '{k}' must be a JSON object")
+    nvext = body.get("nvext") or {}
+    for k in ("extra_fields", "annotations"):
+        v = nvext.get(k)
+        if v is not None and not (isinstance(v, list) and all(isinstance(x, str) for x in v)):
+            raise BadRequest(f"{what}: 'nvext.{k}' must be a list of strings")
+    return body
+
+
+def parse_event(data: str) -> dict:
+    """One upstream ``data:`` event as a JSON object, strictly parsed; raises :class:`Broken` (the caller
+    turns it into a retry when no token came yet)."""
+    try:
+        obj = jsonsafe.loads(data.encode("utf-8"), what="upstream event", max_bytes=sse.MAX_EVENT_BYTES,
+                             max_depth=MAX_DEPTH)
+    except jsonsafe.JSONError as exc:
+        raise Broken(f"{exc} (event {data[:200]!r})") from None
+    if not isinstance(obj, dict):
+        raise Broken(f"upstream event is not a JSON object: {data[:200]!r}")
+    if obj.get("usage") is not None and not isinstance(obj["usage"], dict):
+        raise Broken(f"upstream event with a malformed usage member: {data[:200]!r}")
+    return obj
 
 
 def client_wants(body: dict) -> tuple[set, bool, bool]:
@@ -95,7 +139,10 @@ class TurnState:
         ids, versions, lps = ed.get("token_ids"), ed.get("versions"), ed.get("logprobs")
         rid, index = ed.get("request_id"), ed.get("index")
         if not (isinstance(ids, list) and isinstance(versions, list) and isinstance(lps, list)
-                and len(ids) == len(versions) == len(lps) and isinstance(index, int) and isinstance(rid, str)):
+                and len(ids) == len(versions) == len(lps) and _is_int(index) and isinstance(rid, str)
+                and all(map(_is_int, ids)) and all(v is None or _is_int(v) for v in versions)
+                and all(x is None or (isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x))
+                        for x in lps)):
             raise Broken(f"malformed engine_data {str(ed)[:200]}")
         seg = t.segments[-1] if t.segments else None
         if seg is None or (index == 0 and seg["count"] > 0):
@@ -111,7 +158,10 @@ class TurnState:
         seg["count"] += len(ids)
 
     def add_choices(self, obj: dict, chat: bool) -> None:
-        for ch in obj.get("choices") or []:
+        choices = obj.get("choices") or []
+        if not isinstance(choices, list) or not all(_choice_ok(ch, chat) for ch in choices):
+            raise Broken(f"malformed choices {str(choices)[:200]}")
+        for ch in choices:
             i = ch.get("index", 0)
             acc = self.choices.setdefault(i, {"text": "", "finish_reason": None, "tool_calls": {}, "role": None})
             if chat:
@@ -133,6 +183,30 @@ class TurnState:
         self.turn.finish_reason = self.choices.get(0, {}).get("finish_reason")
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _str_or_none(v) -> bool:
+    return v is None or isinstance(v, str)
+
+
+def _choice_ok(ch, chat: bool) -> bool:
+    """The members of a choice that the proxy folds into the turn have the types it folds."""
+    if not isinstance(ch, dict) or not _is_int(ch.get("index", 0)) or not _str_or_none(ch.get("finish_reason")):
+        return False
+    if not chat:
+        return _str_or_none(ch.get("text"))
+    delta = ch.get("delta") or {}
+    if not isinstance(delta, dict) or not _str_or_none(delta.get("content")) or not _str_or_none(delta.get("role")):
+        return False
+    calls = delta.get("tool_calls") or []
+    return isinstance(calls, list) and all(
+        isinstance(tc, dict) and _is_int(tc.get("index", 0)) and _str_or_none(tc.get("id"))
+        and isinstance(tc.get("function") or {}, dict)
+        and all(_str_or_none((tc.get("function") or {}).get(k)) for k in ("name", "arguments")) for tc in calls)
+
+
 def for_client(obj: dict, wants_fields: set) -> dict:
     if "nvext" not in obj:
         return obj
@@ -145,12 +219,12 @@ def for_client(obj: dict, wants_fields: set) -> dict:
 
 def annotation_ids(data: str) -> list[int]:
     try:
-        ids = json.loads(data)
+        ids = jsonsafe.loads(data.encode("utf-8"), what="token_ids", max_bytes=sse.MAX_EVENT_BYTES, max_depth=2)
         if isinstance(ids, str):
-            ids = json.loads(ids)
-    except ValueError:
+            ids = jsonsafe.loads(ids.encode("utf-8"), what="token_ids", max_bytes=sse.MAX_EVENT_BYTES, max_depth=1)
+    except jsonsafe.JSONError:
         raise Broken(f"malformed token_ids annotation {data[:200]}") from None
-    if not isinstance(ids, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
+    if not isinstance(ids, list) or not all(map(_is_int, ids)):
         raise Broken(f"malformed token_ids annotation {data[:200]}")
     return ids
 

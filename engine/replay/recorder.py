@@ -1,5 +1,6 @@
 """``ReplayRecorder``: collect every generated token's replay record per request and write them to the run's
-object store prefix; ``read_request`` reads them back.
+object store prefix. Reading them back (``read_request``, ``list_requests``, ``request_key``, ``replay_prefix``)
+moved to :mod:`syncd.records.replay_store`; re-exported here, kept for one release.
 
 Keys (``docs/replay-format.md``)::
 
@@ -22,7 +23,6 @@ Thread-safety: every method may be called from any thread.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import re
 import secrets
@@ -32,33 +32,20 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.replay.format import ReplayChunk, ReplayFormatError, TokenRecord, decode_chunk, encode_chunk
 from syncd import manifest as mf
 from syncd.errors import ObjectExists, SyncdError
+from syncd.records.replay import ReplayChunk, TokenRecord, encode_chunk
+from syncd.records.replay_store import chunk_key
+from syncd.records.replay_store import list_requests, read_request, replay_prefix, request_key  # noqa: F401 (moved)
 from syncd.store import Store
 
 log = logging.getLogger(__name__)
 
 __all__ = ["ReplayRecorder", "ReplayUploadError", "read_request", "list_requests", "request_key", "replay_prefix"]
 
-_SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-SUFFIX = ".srpl"
-MAX_CHUNK_BYTES = 1 << 30
-
 
 class ReplayUploadError(SyncdError, RuntimeError):
     """Replay chunks could not be written to the store; they are kept and retried on the next flush."""
-
-
-def replay_prefix(run_id: str) -> str:
-    return f"{mf.run_prefix(run_id)}replay/"
-
-
-def request_key(request_id: str) -> str:
-    """The key component of ``request_id`` (see the module docstring)."""
-    if _SAFE_ID.match(request_id) and ".." not in request_id:
-        return request_id
-    return "h-" + hashlib.sha256(request_id.encode("utf-8")).hexdigest()[:32]
 
 
 @dataclass
@@ -106,7 +93,7 @@ class ReplayRecorder:
 
     def add(self, request_id: str, *, position: int, index: int, version: int | None, token_id: int,
             logprob: float, kept, routing=None) -> None:
-        """One generated token (see :class:`~engine.replay.format.TokenRecord`). ``kept``: ids (tensor or
+        """One generated token (see :class:`~syncd.records.replay.TokenRecord`). ``kept``: ids (tensor or
         array); ``routing``: ``[layers, top_k]`` expert ids or None."""
         if self.vocab_size is None:
             raise RuntimeError("ReplayRecorder needs vocab_size (constructor or configure())")
@@ -141,8 +128,7 @@ class ReplayRecorder:
         """Queue ``p``'s records as one chunk (lock held)."""
         chunk = ReplayChunk(p.request_id, self.vocab_size, p.records, self.num_experts, p.prompt_start,
                             p.prompt_routing)
-        key = (f"{replay_prefix(self.run_id)}{request_key(p.request_id)}/"
-               f"{self.writer}-{chunk.first_position:012d}{SUFFIX}")
+        key = chunk_key(self.run_id, p.request_id, self.writer, chunk.first_position)
         self._queue.append((key, encode_chunk(chunk)))
         p.records, p.prompt_routing = [], None
         self._lock.notify_all()
@@ -218,25 +204,3 @@ def _np(x) -> np.ndarray:
     if hasattr(x, "detach"):
         x = x.detach().cpu().numpy()
     return np.asarray(x, dtype=np.int64) if np.asarray(x).dtype.kind in "iub" else np.asarray(x)
-
-
-def list_requests(store, run_id: str) -> list[str]:
-    """Request keys that have replay records in the run."""
-    store = Store.open(store)
-    return sorted(store.list_dirs(replay_prefix(run_id)))
-
-
-def read_request(store, run_id: str, request_id: str) -> list[ReplayChunk]:
-    """Every chunk of ``request_id`` (all writers), decoded and sorted by first position. Raises
-    ReplayFormatError for a corrupt chunk."""
-    store = Store.open(store)
-    prefix = f"{replay_prefix(run_id)}{request_key(request_id)}/"
-    chunks = []
-    for o in store.list(prefix):
-        if o.key.endswith(SUFFIX):
-            data = store.get(o.key, limit=MAX_CHUNK_BYTES + 1)
-            if len(data) > MAX_CHUNK_BYTES:
-                raise ReplayFormatError(f"{o.key}: larger than {MAX_CHUNK_BYTES} bytes")
-            chunks.append(decode_chunk(data))
-    chunks = [c for c in chunks if c.request_id == request_id]
-    return sorted(chunks, key=lambda c: c.first_position)

@@ -82,54 +82,74 @@ class ShardFetching:
         return sorted(cands, key=lambda r: r in slow), found  # stable: slow sources only as a last choice
 
     async def _shard_worker(self, sha: str, size: int) -> None:
-        st = self.cache.state(sha, size)
-        await self.cache.recover(st)
-        bad: dict[int, float] = {}
-        last_progress = time.monotonic()
+        """Get shard ``sha`` into the cache while a plan names this node for it. What it does not expect is
+        reported (:meth:`syncd.supervise.Supervisor.failed`) and the worker goes on after a backoff."""
         try:
-            while self._running and not st.complete:
-                now = time.monotonic()
-                bad = {r: t for r, t in bad.items() if t > now}
-                cands, found = self._sources(sha, bad)
-                if found is None:
-                    return  # no plan names this node for it any more
-                sp, plan, m = found
-                if cands:
-                    src = cands[0]
-                    have0 = st.have
-                    try:
-                        await self._pull_from(src, st, plan, sp)
-                    except (Stalled, NotHeld, ProtocolError, IntegrityError, ClusterError, asyncio.TimeoutError,
-                            asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
-                        if isinstance(exc, (Stalled, asyncio.TimeoutError)) and not getattr(exc, "peer_starved", False):
-                            self._stalled[src] = time.monotonic()  # reported: the controller moves it to a leaf
-                        slow_src = (isinstance(exc, (Stalled, asyncio.TimeoutError))
-                                    and not getattr(exc, "peer_starved", False))
-                        bad[src] = time.monotonic() + (5 * self.cfg.stall_s if slow_src
-                                                       else max(self.cfg.stall_s, 2 * self.cfg.dead_after_s))
-                        self.stats["switches"] += 1
-                        self.events("switch", sha=sha[:16], src=src, have=st.have,
-                                    why=f"{type(exc).__name__}: {exc}"[:160])
-                        log.info("node %d: shard %s from rank %d failed at chunk %d (%s: %s)", self.rank, sha[:12],
-                                 src, st.have, type(exc).__name__, exc)
-                    if st.have > have0 or st.complete:
-                        last_progress = time.monotonic()
-                    continue
-                if sp.root == self.rank:
-                    await self._root_fetch(st, plan, sp, m, why="root")
-                    continue
-                if time.monotonic() - last_progress > self.cfg.store_fallback_s:
-                    await self._root_fetch(st, plan, sp, m, why="fallback")
-                    continue
-                await self._wait_pulse(self.cfg.heartbeat_s)  # no live source: wait for a new plan
+            st = self.cache.state(sha, size)
+            await self.cache.recover(st)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # noqa: BLE001 - keep the node alive; the next plan restarts the shard
-            log.exception("node %d: shard %s worker failed", self.rank, sha[:12])
-            self.events("worker_error", sha=sha[:16], why=f"{type(exc).__name__}: {exc}"[:200])
+        except Exception as exc:  # noqa: BLE001 -- e.g. a cached file of the wrong size: nothing to retry
+            self.supervisor.failed(f"shard {sha[:12]}", exc)
+            if self._workers.get(sha) is asyncio.current_task():
+                del self._workers[sha]
+            return
+        bad: dict[int, float] = {}
+        last_progress = time.monotonic()
+        backoff = 0.2
+        try:
+            while self._running and not st.complete:
+                try:
+                    progressed = await self._shard_step(st, bad, last_progress)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 -- reported; the shard is still needed
+                    self.supervisor.failed(f"shard {sha[:12]}", exc, restart_in=backoff)
+                    await asyncio.sleep(backoff)
+                    backoff = min(10.0, backoff * 2)
+                    continue
+                if progressed is None:
+                    return  # no plan names this node for it any more
+                if progressed:
+                    last_progress, backoff = time.monotonic(), 0.2
         finally:
             if self._workers.get(sha) is asyncio.current_task():
                 del self._workers[sha]
+
+    async def _shard_step(self, st, bad: dict, last_progress: float) -> bool | None:
+        """One attempt at the shard from its best source now; True if it made progress, None if no plan
+        names this node for it any more."""
+        now = time.monotonic()
+        for r in [r for r, t in bad.items() if t <= now]:
+            del bad[r]
+        cands, found = self._sources(st.sha256, bad)
+        if found is None:
+            return None
+        sp, plan, m = found
+        have0 = st.have
+        if cands:
+            src = cands[0]
+            try:
+                await self._pull_from(src, st, plan, sp)
+            except (Stalled, NotHeld, ProtocolError, IntegrityError, ClusterError, asyncio.TimeoutError,
+                    asyncio.IncompleteReadError, OSError) as exc:
+                slow_src = isinstance(exc, (Stalled, asyncio.TimeoutError)) and not getattr(exc, "peer_starved", False)
+                if slow_src:
+                    self._stalled[src] = time.monotonic()  # reported: the controller moves it to a leaf
+                bad[src] = time.monotonic() + (5 * self.cfg.stall_s if slow_src
+                                               else max(self.cfg.stall_s, 2 * self.cfg.dead_after_s))
+                self.stats["switches"] += 1
+                self.events("switch", sha=st.sha256[:16], src=src, have=st.have,
+                            why=f"{type(exc).__name__}: {exc}"[:160])
+                log.info("node %d: shard %s from rank %d failed at chunk %d (%s: %s)", self.rank, st.sha256[:12],
+                         src, st.have, type(exc).__name__, exc)
+        elif sp.root == self.rank:
+            await self._root_fetch(st, plan, sp, m, why="root")
+        elif time.monotonic() - last_progress > self.cfg.store_fallback_s:
+            await self._root_fetch(st, plan, sp, m, why="fallback")
+        else:
+            await self._wait_pulse(self.cfg.heartbeat_s)  # no live source: wait for a new plan
+        return st.have > have0 or st.complete
 
     async def _pull_from(self, src: int, st, plan: Plan, sp) -> None:
         """One pull of ``st`` from ``src``; cancelled (and the connection dropped) when a new plan makes
@@ -217,6 +237,7 @@ class ShardFetching:
         except (IntegrityError, SyncdError, OSError) as exc:
             log.error("node %d: reading %s from the store failed: %s", self.rank, key, exc)
             self.events("store_error", v=m.version, key=key, why=str(exc)[:200])
+            self._failure("integrity" if isinstance(exc, IntegrityError) else "store")
             await self._wait_pulse(self.cfg.heartbeat_s)
         finally:
             st.busy = False

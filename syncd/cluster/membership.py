@@ -23,6 +23,7 @@ import re
 import time
 from dataclasses import dataclass, field
 
+from syncd.cluster import wire
 from syncd.cluster.auth import ClusterSecret
 from syncd.cluster.errors import ProtocolError
 
@@ -89,8 +90,7 @@ def discover(store, cluster: str, secret: ClusterSecret) -> dict[int, Member]:
     out: dict[int, Member] = {}
     for info in store.list(prefix)[:MAX_MEMBERS]:
         try:
-            raw = store.get(info.key, limit=4096)
-            doc = json.loads(raw)
+            doc = wire.parse_json(store.get(info.key, limit=4097), f"member record {info.key}", max_bytes=4096)
             body = {k: doc[k] for k in ("rank", "host", "port", "incarnation")}
             if not isinstance(doc.get("mac"), str) or doc["mac"] != _record_mac(secret, body):
                 raise ProtocolError("record not signed with this cluster's secret")

@@ -21,6 +21,14 @@ What a node does (see ``docs/cluster.md``):
 * calls ``on_version_ready(manifest)`` once every shard of a version is in its cache, in version order,
   never skipping or repeating one.
 
+Supervision: the node's long-lived tasks (heartbeats, the controller, delivery, discovery) run under a
+:class:`~syncd.supervise.Supervisor`, and shard workers and connection handlers report what they did not
+expect the same way: every exception is caught, logged with the node and task, counted (``failures``:
+the ``failures(kind)`` callable the node was given, e.g. the daemon's ``syncd_failures_total{kind}``, and
+:meth:`ClusterNode.summary`), written to the event log (``task_error``) and, for a long-lived task, followed
+by a restart after a backoff. Everything the node parses from a peer, the store or its own state file is
+bounded (:func:`syncd.cluster.wire.parse_json`).
+
 Thread-safety: a :class:`ClusterNode` belongs to the asyncio loop that called :meth:`ClusterNode.start`;
 call its methods from that loop only. Store reads and file hashing run in worker threads.
 """
@@ -49,6 +57,7 @@ from syncd.cluster.wire import T
 from syncd.errors import SyncdError
 from syncd.signing import resolve_key
 from syncd.store import Store
+from syncd.supervise import Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -86,11 +95,13 @@ class ClusterNode(ShardFetching, ControllerRole):
     ``delivered``: the version this node's engines already have (None: read
     ``<cache_root>/cluster/state.json``; with no record, or with :data:`NO_HISTORY`, the node starts at the
     newest full version the controller names). ``events``: path of a JSON-lines event log (tests,
-    benchmarks). :meth:`summary` reports the node's state and counters (for metrics and status).
+    benchmarks). ``failures``: ``(kind) -> None``, called for every failure counted (see the module
+    docstring). :meth:`summary` reports the node's state and counters (for metrics and status).
     """
 
     def __init__(self, store, run_id: str, *, secret: ClusterSecret, cache_root, config: ClusterConfig,
-                 signing_key=None, on_version_ready=None, delivered: int | None = None, events=None):
+                 signing_key=None, on_version_ready=None, delivered: int | None = None, events=None,
+                 failures=None):
         self.store = Store.open(store)
         self.run_id = mf.check_run_id(run_id)
         self.secret, self.cfg = secret, config
@@ -110,7 +121,10 @@ class ClusterNode(ShardFetching, ControllerRole):
         self.events = EventLog(events)
         self.stats = {"refused_connections": 0, "bad_frames": 0, "store_bytes": 0, "store_bytes_by_version": {},
                       "served_bytes": 0, "served_chunks": 0, "received_bytes": 0, "received_chunks": 0,
-                      "switches": 0, "delivered": []}
+                      "switches": 0, "delivered": [], "failures": {}}
+        self._failures_hook = failures
+        self.supervisor = Supervisor(f"cluster node {self.rank}", on_failure=self._failure, on_error=self._task_error,
+                                     logger=log)
         self.plans: dict[int, _PlanState] = {}
         self.membership: Membership | None = None
         self.election: Election | None = None
@@ -119,7 +133,7 @@ class ClusterNode(ShardFetching, ControllerRole):
         self._workers: dict[str, asyncio.Task] = {}
         self._rates: dict[int, SourceRate] = {}
         self._stalled: dict[int, float] = {}
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: set[asyncio.Task] = set()  # connection watchers
         self._server = None
         self._running = False
         self._pulse_fut: asyncio.Future | None = None
@@ -132,6 +146,10 @@ class ClusterNode(ShardFetching, ControllerRole):
         self._etag: str | None = None
         self._latest: int | None = None
         self._sent: dict[tuple, tuple] = {}
+        self._bad: dict[int, str] = {}  # version -> why its manifest is unusable
+        self._missing: dict[int, float] = {}  # version -> when a listing found no manifest there
+        self._listed_at = float("-inf")
+        self._bad_hint: bytes | None = None
         self._starts: dict[tuple, int] = {}
         self._slow: dict[int, tuple[float, int]] = {}
         self._seq = 0
@@ -159,11 +177,13 @@ class ClusterNode(ShardFetching, ControllerRole):
         host, port = cfg.listen or (me.host, me.port)
         self._server = await asyncio.start_server(self._accept, host, port, limit=1 << 20, reuse_address=True)
         self.cache.on_complete = lambda st: self._pulse()
+        self.cache.on_corrupt = self._on_corrupt
         self._running = True
-        for coro in (self._heartbeat_loop(), self._controller_loop(), self._deliver_loop()):
-            self._tasks.append(asyncio.create_task(coro))
+        self.supervisor.spawn("heartbeat", self._heartbeat_loop)
+        self.supervisor.spawn("controller", self._controller_loop)
+        self.supervisor.spawn("deliver", self._deliver_loop)
         if cfg.cluster_id is not None:
-            self._tasks.append(asyncio.create_task(self._discover_loop()))
+            self.supervisor.spawn("discover", self._discover_loop)
         self.events("start", rank=self.rank, inc=self.inc, delivered=self.delivered, pid=os.getpid())
         log.info("cluster node %d listening on %s:%d (incarnation %s)", self.rank, host, port, self.inc)
 
@@ -174,7 +194,8 @@ class ClusterNode(ShardFetching, ControllerRole):
         self._running = False
         if self._server is not None:
             self._server.close()
-        tasks = self._tasks + list(self._workers.values()) + list(self._dialing.values())
+        await self.supervisor.stop()
+        tasks = [*self._tasks, *self._workers.values(), *self._dialing.values()]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -200,8 +221,10 @@ class ClusterNode(ShardFetching, ControllerRole):
         highest controller term seen), ``delivered`` (version or None), ``peer_restarts``, and the counters
         ``refused_connections``, ``bad_frames``, ``received_bytes``/``received_chunks`` (from peers),
         ``store_bytes`` (shard bytes read from the store), ``served_bytes``/``served_chunks`` (to peers),
-        ``relays_lost`` (pulls whose source died, stalled or failed, moved to another source). Call from
-        the node's loop (or accept a value a moment old from another thread)."""
+        ``relays_lost`` (pulls whose source died, stalled or failed, moved to another source),
+        ``failures`` (``{kind: count}``), ``tasks`` (:meth:`syncd.supervise.Supervisor.health`) and
+        ``skipped_versions`` (``{version: why}`` of the unusable versions the controller skipped, newest 16).
+        Call from the node's loop (or accept a value a moment old from another thread)."""
         st = self.stats
         mem, el = self.membership, self.election
         me = mem.members.get(self.rank) if mem is not None else None
@@ -214,7 +237,18 @@ class ClusterNode(ShardFetching, ControllerRole):
                 "refused_connections": st["refused_connections"], "bad_frames": st["bad_frames"],
                 "received_bytes": st["received_bytes"], "received_chunks": st["received_chunks"],
                 "store_bytes": st["store_bytes"], "served_bytes": st["served_bytes"],
-                "served_chunks": st["served_chunks"], "relays_lost": st["switches"]}
+                "served_chunks": st["served_chunks"], "relays_lost": st["switches"],
+                "failures": dict(st["failures"]), "tasks": self.supervisor.health(),
+                "skipped_versions": {str(v): why for v, why in sorted(self._bad.items())[-16:]}}
+
+    def _failure(self, kind: str) -> None:
+        """Count one failure of ``kind`` (here and in the ``failures`` hook)."""
+        self.stats["failures"][kind] = self.stats["failures"].get(kind, 0) + 1
+        if self._failures_hook is not None:
+            self._failures_hook(kind)
+
+    def _task_error(self, name: str, exc: BaseException) -> None:
+        self.events("task_error", task=name, why=f"{type(exc).__name__}: {exc}"[:300])
 
     def _pulse(self) -> None:
         """Wake everything that waits for progress (a chunk, a shard, a plan, a heartbeat)."""
@@ -237,20 +271,34 @@ class ClusterNode(ShardFetching, ControllerRole):
 
     def _load_delivered(self) -> int | None:
         try:
-            with open(self.state_path) as fh:
-                doc = json.load(fh)
-            if doc.get("run_id") == self.run_id and isinstance(doc.get("delivered"), int):
-                return doc["delivered"]
-        except (OSError, ValueError):
-            pass
+            with open(self.state_path, "rb") as fh:
+                raw = fh.read(4097)
+            doc = wire.parse_json(raw, self.state_path, max_bytes=4096)
+        except FileNotFoundError:
+            return None
+        except (OSError, ProtocolError) as exc:
+            log.warning("node %d: ignoring the state file: %s", self.rank, exc)
+            return None
+        v = doc.get("delivered")
+        if (doc.get("run_id") == self.run_id and isinstance(v, int) and not isinstance(v, bool)
+                and 0 <= v <= mf.MAX_VERSION):
+            return v
         return None
 
     def _save_delivered(self) -> None:
-        os.makedirs(os.path.dirname(self.state_path), exist_ok=True)
+        """Record the delivered version (best effort: a failure is logged and counted; the next delivery
+        writes the file again, and a restart without it starts at the newest full version)."""
         tmp = self.state_path + ".tmp"
-        with open(tmp, "w") as fh:
-            json.dump({"run_id": self.run_id, "delivered": self.delivered}, fh)
-        os.replace(tmp, self.state_path)
+        try:
+            os.makedirs(os.path.dirname(self.state_path), exist_ok=True)
+            with open(tmp, "w") as fh:
+                json.dump({"run_id": self.run_id, "delivered": self.delivered}, fh)
+            os.replace(tmp, self.state_path)
+        except OSError as exc:
+            log.error("node %d: cannot record delivered version %s in %s: %s", self.rank, self.delivered,
+                      self.state_path, exc)
+            self.events("state_error", v=self.delivered, why=str(exc)[:200])
+            self._failure("cache")
 
     # ------------------------------------------------------------------------------------- connections
 
@@ -291,9 +339,8 @@ class ClusterNode(ShardFetching, ControllerRole):
             log.warning("node %d: closing connection from rank %d: %s", self.rank, chan.peer, exc)
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError, OSError):
             pass
-        except RuntimeError:
-            if not writer.is_closing():  # uvloop raises RuntimeError on a write after the peer went away
-                raise
+        except Exception as exc:  # noqa: BLE001 -- one connection's handler: reported, the node goes on
+            self.supervisor.failed(f"{chan.role} connection from rank {chan.peer}", exc, kind="connection")
         finally:
             chan.close()
 
@@ -332,6 +379,14 @@ class ClusterNode(ShardFetching, ControllerRole):
 
     # ------------------------------------------------------------------------------------- heartbeats
 
+    def _partial(self) -> dict[str, int]:
+        """``{sha256: verified bytes}`` of the shards this node holds in part (at most 256)."""
+        out = {}
+        for sha, st in self.cache.states.items():
+            if not st.complete and st.have and st.chunk_bytes and len(out) < 256:
+                out[sha] = min(st.have * st.chunk_bytes, st.size)
+        return out
+
     def _holding(self) -> dict:
         out = {}
         for v, ps in self.plans.items():
@@ -350,7 +405,7 @@ class ClusterNode(ShardFetching, ControllerRole):
               "ctrl": self.election.controller if self.election.controller is not None else -1,
               "delivered": -1 if self.delivered is None else self.delivered,
               "start": -1 if self.start_version is None else self.start_version,
-              "hold": self._holding(),
+              "hold": self._holding(), "part": self._partial(),
               "rates": {str(r): int(x.rate) for r, x in self._rates.items() if x.secs >= 0.5},
               "stalled": [r for r, t in self._stalled.items() if now - t < 30]}
         if self.is_controller:
@@ -365,6 +420,9 @@ class ClusterNode(ShardFetching, ControllerRole):
         for k in ("term", "ctrl", "delivered", "start"):
             if not isinstance(hb.get(k), int) or isinstance(hb.get(k), bool):
                 raise ProtocolError(f"heartbeat from rank {rank}: {k} is not an integer")
+        for k, typ in (("hold", dict), ("part", dict), ("rates", dict), ("stalled", list), ("starts", dict)):
+            if k in hb and not isinstance(hb[k], typ):
+                raise ProtocolError(f"heartbeat from rank {rank}: {k} is not a JSON {typ.__name__}")
         before = set(self.membership.live())
         if self.membership.heard(rank, hb):
             self.events("peer_restarted", peer=rank)
@@ -420,7 +478,7 @@ class ClusterNode(ShardFetching, ControllerRole):
         try:
             await asyncio.wait_for(ch.send(t, payload), max(self.cfg.heartbeat_s, 5.0 if t == T.PLAN else 0))
             return True
-        except (OSError, ConnectionError, asyncio.TimeoutError):
+        except (OSError, asyncio.TimeoutError):
             ch.close()
             self._ctrl_out.pop(rank, None)
             return False
@@ -432,12 +490,18 @@ class ClusterNode(ShardFetching, ControllerRole):
             log.debug("node %d: control connection to rank %d failed: %s", self.rank, rank, exc)
             await asyncio.sleep(self.cfg.heartbeat_s)
             return
+        except Exception as exc:  # noqa: BLE001 -- reported; the next heartbeat dials again
+            self.supervisor.failed(f"dial rank {rank}", exc, kind="connection")
+            await asyncio.sleep(self.cfg.heartbeat_s)
+            return
         old = self._ctrl_out.get(rank)
         if old is not None:
             old.close()
         self._ctrl_out[rank] = ch
         # the peer never sends on our outgoing connection; reading just notices when it goes away
-        self._tasks.append(asyncio.create_task(self._watch(ch)))
+        watcher = asyncio.create_task(self._watch(ch))
+        self._tasks.add(watcher)
+        watcher.add_done_callback(self._tasks.discard)
 
     async def _watch(self, ch: wire.Channel) -> None:
         try:
@@ -462,6 +526,7 @@ class ClusterNode(ShardFetching, ControllerRole):
                         ch.close()
             except (SyncdError, OSError) as exc:
                 log.warning("node %d: store directory discovery failed: %s", self.rank, exc)
+                self._failure("store")
             await asyncio.sleep(self.cfg.discover_s)
 
     # ------------------------------------------------------------------------------------- plans
@@ -490,16 +555,28 @@ class ClusterNode(ShardFetching, ControllerRole):
         self.election.seen_term(plan.term)
         self.plans[plan.version] = _PlanState(plan, m, raw)
         self.events("plan", v=plan.version, term=plan.term, seq=plan.seq, roots=plan.roots(), slow=list(plan.slow),
+                    shard_roots=[s.root for s in plan.shards],
                     relays=sorted({r for s in plan.shards for r in s.order[1:] if s.children(r, plan.fanout)}))
         for sp in sorted(plan.shards, key=lambda s: s.fetch_rank):
             if self.rank in sp.order and not self.cache.has(sp.sha256):
-                w = self._workers.get(sp.sha256)
-                if w is None or w.done():
-                    self._workers[sp.sha256] = asyncio.create_task(self._shard_worker(sp.sha256, sp.size))
+                self._ensure_worker(sp.sha256, sp.size)
         # forget old plans (delivered long ago)
         if self.delivered is not None:
             for v in [v for v in self.plans if v < self.delivered - 64]:
                 del self.plans[v]
+        self._replanned()
+
+    def _ensure_worker(self, sha: str, size: int) -> None:
+        w = self._workers.get(sha)
+        if w is None or w.done():
+            self._workers[sha] = asyncio.create_task(self._shard_worker(sha, size))
+
+    def _on_corrupt(self, st, why: str) -> None:
+        """A cached shard was damaged and removed: counted, and fetched again if a plan still names us."""
+        self._failure("integrity")
+        self.events("cache_corrupt", sha=st.sha256[:16], why=why[:200])
+        if self._plan_for(st.sha256) is not None:
+            self._ensure_worker(st.sha256, st.size)
         self._replanned()
 
     def _plan_for(self, sha: str):

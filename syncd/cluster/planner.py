@@ -7,8 +7,9 @@ every node, so a controller that takes over recomputes what its predecessor woul
   a root of the previous plan that is still live (and not slow) keeps its shards (*stable*: a membership
   change moves only the shards of the nodes that left). Every other shard, largest first, goes to the
   least-loaded node by bytes -- among live, not-slow nodes that already hold it, if any (no store read at
-  all), else among the live members that are not marked slow. This is LPT scheduling: no root gets more
-  than the mean plus one shard.
+  all); else to the live, not-slow node holding the longest verified prefix of it, if any (a root that
+  died mid-broadcast: its successor reads only the rest from the store); else among the live members that
+  are not marked slow. This is LPT scheduling: no root gets more than the mean plus one shard.
 * **Trees**: the members of a version are the live nodes that need it (plus the roots). The tree of a shard
   lists the root first, then the other members, slow nodes last; position ``p``'s parent is
   ``(p - 1) // fanout``. Trees are built largest shard first, and the interior positions of each go to the
@@ -140,13 +141,14 @@ class Plan:
                    ranks(obj["slow"], "slow"), tuple(shards))
 
 
-def plan_version(m: mf.Manifest, *, live, needers, holders=None, prev: Plan | None = None, slow=(),
+def plan_version(m: mf.Manifest, *, live, needers, holders=None, partial=None, prev: Plan | None = None, slow=(),
                  fanout: int = 2, chunk_bytes: int = 1 << 20, store_streams: int = 0, term: int = 0,
                  seq: int = 0) -> Plan:
     """The plan of version ``m`` (see the module docstring).
 
     ``live``: ranks currently alive. ``needers``: live ranks that still need this version. ``holders``:
-    ``{sha256: ranks holding that shard complete}``. ``prev``: this version's previous plan (for
+    ``{sha256: ranks holding that shard complete}``. ``partial``: ``{sha256: {rank: verified bytes}}`` of
+    shards some nodes hold in part. ``prev``: this version's previous plan (for
     stability). ``slow``: ranks to keep at the leaves and away from roots. Raises ``ValueError`` if no live
     node can be a root (``live`` is empty)."""
     if fanout < 1:
@@ -155,7 +157,7 @@ def plan_version(m: mf.Manifest, *, live, needers, holders=None, prev: Plan | No
     if not live:
         raise ValueError("no live node to plan for")
     liveset, slowset = set(live), set(slow) & set(live)
-    holders = holders or {}
+    holders, partial = holders or {}, partial or {}
     members = set(needers) & liveset
     if prev is not None:
         members |= set(prev.members) & liveset
@@ -172,9 +174,17 @@ def plan_version(m: mf.Manifest, *, live, needers, holders=None, prev: Plan | No
     for i in by_size:
         if i in roots:
             continue
-        cands = sorted(set(holders.get(m.shards[i].sha256, ())) & liveset - slowset) or fresh
-        # least loaded; ties broken by a rotation by shard index so equal loads do not all pick rank 0
-        roots[i] = min(cands, key=lambda r: (load[r], (cands.index(r) - i) % len(cands)))
+        sha = m.shards[i].sha256
+        cands = sorted(set(holders.get(sha, ())) & liveset - slowset)
+        prefix = {r: n for r, n in partial.get(sha, {}).items() if r in liveset - slowset and n > 0}
+        if not cands and prefix:
+            roots[i] = max(sorted(prefix), key=lambda r: (prefix[r], -load[r]))  # the longest prefix
+        else:
+            cands = cands or fresh
+            # least loaded; ties broken by a rotation by shard index and version, so equal loads do not all
+            # pick rank 0 (the controller, as a rule), nor every one-shard version the same root
+            turn = i + m.version
+            roots[i] = min(cands, key=lambda r: (load[r], (cands.index(r) - turn) % len(cands)))
         load[roots[i]] += m.shards[i].size
     members |= set(roots.values())
     # fetch order: largest first (the longest reads start at once; the small ones fill in, and the last

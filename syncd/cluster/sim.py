@@ -245,7 +245,7 @@ class _S3Handler(BaseHTTPRequestHandler):
                         break
                     off, left, sent = off + n, left - n, sent + n
         finally:  # a reader that died mid-body still cost what was sent
-            self.server.record(key, sent)
+            self.server.record(key, sent, self.client_address[0])
 
     def _list(self, q):
         prefix = q.get("prefix", [""])[0]
@@ -287,8 +287,9 @@ class _S3Handler(BaseHTTPRequestHandler):
 
 class S3FileServer(ThreadingHTTPServer):
     """Serves directory ``root`` as bucket ``bucket`` on ``(host, port)``. Every object body sent is
-    appended to ``log_path`` as ``{"key", "bytes", "t"}`` (a JSON line) when given; ``bytes`` counts what
-    was sent, also when the reader went away before the end."""
+    appended to ``log_path`` as ``{"key", "bytes", "peer", "t"}`` (a JSON line) when given; ``bytes`` counts
+    what was handed to the kernel, also when the reader went away before the end (then some of it may never
+    have left this host); ``peer`` is the reader's address."""
 
     daemon_threads = True
 
@@ -304,10 +305,10 @@ class S3FileServer(ThreadingHTTPServer):
             return
         super().handle_error(request, client_address)
 
-    def record(self, key: str, n: int) -> None:
+    def record(self, key: str, n: int, peer: str | None = None) -> None:
         if self._log is not None:
             with self._lock:
-                self._log.write(json.dumps({"key": key, "bytes": n, "t": time.time()}) + "\n")
+                self._log.write(json.dumps({"key": key, "bytes": n, "peer": peer, "t": time.time()}) + "\n")
 
 
 def read_store_log(path) -> list[dict]:

@@ -100,15 +100,16 @@ def _recover_partial(path: str, tags_path: str, sha: bytes, size: int, secret: C
 
 
 def _hash_file(path: str, size: int, cb: int, sha: bytes, secret: ClusterSecret):
-    """Blocking: ``(hashes, tags)`` of every chunk of a complete cached file."""
-    hashes, tags = bytearray(), bytearray()
+    """Blocking: ``(hashes, tags, whole-file SHA-256)`` of every chunk of a complete cached file."""
+    hashes, tags, whole = bytearray(), bytearray(), hashlib.sha256()
     with open(path, "rb") as fh:
         for i in range(n_chunks(size, cb)):
             data = fh.read(min(cb, size - i * cb))
             h = hashlib.sha256(data).digest()
+            whole.update(data)
             hashes += h
             tags += secret.chunk_tag(sha, size, cb, i, h)
-    return hashes, tags
+    return hashes, tags, whole.digest()
 
 
 class Throttle:
@@ -187,8 +188,14 @@ class ShardState:
 
 
 class ShardCache:
-    """The local disk cache (see the module docstring for the layout). ``on_complete(state)`` and
-    ``on_change()`` are called (on the loop) when a shard completes / anything changes."""
+    """The local disk cache (see the module docstring for the layout). ``on_complete(state)``,
+    ``on_change()`` and ``on_corrupt(state, why)`` are called (on the loop) when a shard completes /
+    anything changes / a cached file was found not to match its hash and was removed.
+
+    A file in ``shards/`` is trusted as complete by name and size until its chunk tags are first needed (to
+    serve a peer): they are computed from the file together with its whole SHA-256, and a file that does not
+    match (damaged on disk since it was verified, e.g. before a restart) is removed and fetched again, never
+    served. A file of the wrong size is removed at once."""
 
     def __init__(self, root, secret: ClusterSecret, *, fsync: bool = True):
         self.root = os.fspath(root)
@@ -200,6 +207,7 @@ class ShardCache:
         self.states: dict[str, ShardState] = {}
         self.on_complete = None
         self.on_change = None
+        self.on_corrupt = None
 
     def pulse(self) -> None:
         if self.on_change is not None:
@@ -231,13 +239,30 @@ class ShardCache:
             return st
         st = ShardState(self, sha, size)
         final = self.final_path(sha)
+        self.states[sha] = st
         if os.path.exists(final):
             if os.path.getsize(final) != size:
-                raise IntegrityError(f"cached shard {final} has the wrong size")
-            st.fd = os.open(final, os.O_RDONLY)
-            st.complete = True
-        self.states[sha] = st
+                self._corrupt(st, f"cached shard {final} is {os.path.getsize(final)} bytes, not {size}")
+            else:
+                st.fd = os.open(final, os.O_RDONLY)
+                st.complete = True
         return st
+
+    def _corrupt(self, st: ShardState, why: str) -> None:
+        """Remove a damaged file from ``shards/``: the shard is no longer held (it is fetched again)."""
+        log.error("%s; removed, it is fetched again", why)
+        if st.fd is not None:
+            os.close(st.fd)
+        st.fd, st.complete, st.chunk_bytes, st.have = None, False, None, 0
+        st.hashes, st.tags, st.running = bytearray(), bytearray(), hashlib.sha256()
+        st.epoch += 1
+        try:
+            os.unlink(self.final_path(st.sha256))
+        except FileNotFoundError:
+            pass
+        st.notify()
+        if self.on_corrupt is not None:
+            self.on_corrupt(st, why)
 
     async def recover(self, st: ShardState) -> None:
         """Adopt the verified prefix of a partial file left by an earlier run (once per shard)."""
@@ -336,11 +361,16 @@ class ShardCache:
         st.notify()
 
     async def ensure_tags(self, st: ShardState, cb: int) -> None:
-        """Chunk hashes and tags of a complete cached shard (computed from the file once, in a thread)."""
+        """Chunk hashes and tags of a complete cached shard (computed from the file once, in a thread, with
+        its whole SHA-256). Raises :class:`IntegrityError` if the file does not match (it was removed)."""
         if st.chunk_bytes is None:
-            hashes, tags = await asyncio.to_thread(_hash_file, self.final_path(st.sha256), st.size, cb, st.sha,
-                                                   self.secret)
-            if st.chunk_bytes is None:
+            hashes, tags, whole = await asyncio.to_thread(_hash_file, self.final_path(st.sha256), st.size, cb,
+                                                          st.sha, self.secret)
+            if whole != st.sha:
+                self._corrupt(st, f"cached shard {self.final_path(st.sha256)} hashes to {whole.hex()[:16]}..., "
+                                  "not its name")
+                raise IntegrityError(f"cached shard {st.sha256[:16]}... is damaged; removed")
+            if st.chunk_bytes is None and st.complete:
                 st.chunk_bytes, st.hashes, st.tags = cb, hashes, tags
                 st.have = st.n
                 st.notify()
@@ -372,7 +402,11 @@ async def serve_pull(chan: wire.Channel, req: dict, cache: ShardCache, *, lookup
         return
     while st.chunk_bytes is None:
         if st.complete:
-            await cache.ensure_tags(st, chunk_bytes)
+            try:
+                await cache.ensure_tags(st, chunk_bytes)
+            except IntegrityError:
+                await chan.send_json(T.NOT_HELD, {"sha": sha})
+                return
             break
         if not await st.wait_change(keepalive_s):
             await chan.send_json(T.WAIT, {"have": 0})

@@ -17,9 +17,11 @@ or reordered without the MAC failing; each connection and direction has its own 
 exists and carry no MAC; their sizes are fixed.
 
 Bounds: the length of every frame type is checked against :data:`MAX_LEN` *before* its payload is read, and
-JSON payloads are parsed strictly (an object, no floats, no duplicate members) -- a peer cannot make a
-daemon allocate more than the bound of the frame type it sends. A :class:`Channel` is used by one task at a
-time for sending and one for receiving (asyncio; not thread-safe).
+JSON payloads are parsed strictly and bounded (:func:`parse_json`: an object, at most :data:`MAX_DEPTH`
+levels, no floats, no duplicate members) -- a peer cannot make a daemon allocate more than the bound of the
+frame type it sends, nor recurse deeper than the bound. The cluster parses what it reads from the store
+(member records, the ``latest.json`` hint) and its own state file with the same function. A
+:class:`Channel` is used by one task at a time for sending and one for receiving (asyncio; not thread-safe).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import struct
 from dataclasses import dataclass
 from enum import IntEnum
 
+from syncd import jsonsafe
 from syncd.cluster.errors import AuthError, ProtocolError
 
 MAC_LEN = 16
@@ -43,6 +46,10 @@ SEQ = struct.Struct("!Q")
 MAX_CHUNK_BYTES = 16 << 20
 #: the most chunks one shard may have (its chunk list is then 32 MiB)
 MAX_CHUNKS = 1 << 20
+#: the nesting bound of every JSON document the cluster reads (messages, store records); ours nest 3 deep
+MAX_DEPTH = 16
+#: the size bound of a JSON message (the largest frame, a PLAN)
+MAX_JSON_BYTES = 96 << 20
 
 
 class T(IntEnum):
@@ -69,7 +76,7 @@ MAX_LEN = {
     T.AUTH: (32, 32),
     T.READY: (0, 0),
     T.HEARTBEAT: (2, 1 << 20),
-    T.PLAN: (2, 96 << 20),  # a manifest is at most 64 MiB; the plan's trees and roots are the rest
+    T.PLAN: (2, MAX_JSON_BYTES),  # a manifest is at most 64 MiB; the plan's trees and roots are the rest
     T.PULL: (2, 4096),
     T.SHARD: (2, 4096),
     T.DATA: (DATA_PREFIX.size + 1, DATA_PREFIX.size + MAX_CHUNK_BYTES),
@@ -95,28 +102,11 @@ class Frame:
         return parse_json(self.payload, self.type.name)
 
 
-def _reject_float(text):
-    raise ProtocolError(f"non-integer number {text[:20]!r} in a message")
-
-
-def _no_dupes(pairs):
-    out = {}
-    for k, v in pairs:
-        if k in out:
-            raise ProtocolError(f"duplicate member {k!r} in a message")
-        out[k] = v
-    return out
-
-
-def parse_json(raw, what: str) -> dict:
-    """Strict JSON object: ASCII, no floats or NaN, no duplicate members. Raises :class:`ProtocolError`."""
-    try:
-        obj = json.loads(bytes(raw).decode("ascii"), object_pairs_hook=_no_dupes, parse_float=_reject_float,
-                         parse_constant=_reject_float)
-    except ProtocolError:
-        raise
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise ProtocolError(f"{what}: not valid JSON: {exc}") from None
+def parse_json(raw, what: str, *, max_bytes: int = MAX_JSON_BYTES) -> dict:
+    """Strict, bounded JSON object (:func:`syncd.jsonsafe.loads`): at most ``max_bytes`` bytes and
+    :data:`MAX_DEPTH` levels, ASCII, no floats or NaN, no duplicate members. Raises :class:`ProtocolError`."""
+    obj = jsonsafe.loads(raw, what=what, max_bytes=max_bytes, max_depth=MAX_DEPTH, floats=False, ascii_only=True,
+                         unique_members=True, error=ProtocolError)
     if not isinstance(obj, dict):
         raise ProtocolError(f"{what}: not a JSON object")
     return obj
@@ -161,7 +151,8 @@ class Channel:
     ``"data"``. ``send*`` must not be called concurrently with each other, nor ``recv`` with itself.
 
     ``recv`` raises :class:`ProtocolError` (malformed frame), :class:`AuthError` (MAC mismatch),
-    ``asyncio.IncompleteReadError``/``ConnectionError`` (the peer went away)."""
+    ``asyncio.IncompleteReadError``/``ConnectionError`` (the peer went away); ``send*`` raise
+    ``ConnectionError`` when the connection is gone."""
 
     def __init__(self, reader, writer, send_key: bytes, recv_key: bytes, peer: int, role: str):
         self.reader, self.writer = reader, writer
@@ -185,16 +176,23 @@ class Channel:
         self._send_seq += 1
         return hdr, mac
 
+    async def _write(self, *parts) -> None:
+        try:
+            for part in parts:
+                self.writer.write(part)
+            await self.writer.drain()
+        except RuntimeError as exc:  # uvloop: a write on a transport that closed under us (the peer went away)
+            if not self.writer.is_closing():
+                raise
+            raise ConnectionResetError(f"connection to rank {self.peer} is closed ({exc})") from None
+
     async def send(self, t: T, payload: bytes = b"") -> None:
         hdr, mac = self._frame(t, payload, payload)
-        if len(payload) < 65536:
-            self.writer.write(hdr + payload + mac)
-        else:
-            self.writer.write(hdr)
-            self.writer.write(payload)
-            self.writer.write(mac)
         self.bytes_out += len(payload) + HDR.size + MAC_LEN
-        await self.writer.drain()
+        if len(payload) < 65536:
+            await self._write(hdr + payload + mac)
+        else:
+            await self._write(hdr, payload, mac)
 
     async def send_json(self, t: T, obj) -> None:
         await self.send(t, dump_json(obj))
@@ -205,11 +203,8 @@ class Channel:
         hdr = HDR.pack(T.DATA, 0, 0, len(prefix) + len(chunk))
         mac = self._mac(self._send_key, self._send_seq, hdr, prefix + digest)
         self._send_seq += 1
-        self.writer.write(hdr + prefix)
-        self.writer.write(chunk)
-        self.writer.write(mac)
         self.bytes_out += len(chunk) + HDR.size + len(prefix) + MAC_LEN
-        await self.writer.drain()
+        await self._write(hdr + prefix, chunk, mac)
 
     async def recv(self) -> Frame:
         hdr = await self.reader.readexactly(HDR.size)

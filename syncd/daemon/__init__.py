@@ -2,10 +2,11 @@
 
 Modules, one concept each: ``config`` (settings), ``poller`` (noticing versions), ``manifests`` (verified
 manifests, rejections), ``planner`` (chain vs newer full version), ``fetcher`` (``ShardSource``: shards
-into the node cache), ``stager`` (staging while serving), ``driver`` (one engine's critical section),
-``recovery`` (rebuilds), ``metrics`` (Prometheus), ``status`` (the status file), ``testhooks``,
-``cluster`` (the daemon as a node of a cluster: flags, ``ClusterLink``), and ``daemon`` (``NodeDaemon``,
-the loop and signal handling). :func:`run` runs one on uvloop.
+into the node cache, re-hashed before they are trusted), ``stager`` (staging while serving), ``driver``
+(one engine: its checks, lease and critical section), ``recovery`` (rebuilds), ``updates`` (the update
+path: fetch, stage, apply, rebuild, heal the cache), ``metrics`` (Prometheus), ``status`` (the status
+file), ``testhooks``, ``cluster`` (the daemon as a node of a cluster: flags, ``ClusterLink``), and
+``daemon`` (``NodeDaemon``, the loop, supervision and signal handling). :func:`run` runs one on uvloop.
 
 The names below are imported on first use, so that ``syncd status`` or building the command line does not
 load the engines' machinery (torch).

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,10 @@ def cluster_settings(args: argparse.Namespace) -> ClusterSettings | None:
     try:
         ns = parser.parse_args([])  # every value from SYNCD_CLUSTER_* (or the node's defaults)
     except argparse.ArgumentError as exc:
-        raise ValueError(f"a SYNCD_CLUSTER_* variable is not valid: {exc}") from None
+        flag = (exc.argument_name or "").split("/")[0].strip()
+        name = next((n for a, n in _cluster_actions(parser) if flag in a.option_strings), None)
+        var = env_var(name) if name else "a SYNCD_CLUSTER_* variable"
+        raise ValueError(f"{var}={os.environ.get(var, '')!r} is not valid: {exc.message}") from None
     for action, _ in _cluster_actions(parser):
         if hasattr(args, DEST_PREFIX + action.dest):
             setattr(ns, action.dest, getattr(args, DEST_PREFIX + action.dest))
@@ -151,7 +155,6 @@ class ClusterLink:
         self.daemon, self.settings, self.store = daemon, settings, store
         self.node = None
         self.snapshot: dict | None = None
-        self._refresher: asyncio.Task | None = None
         daemon.metrics.registry.register(_ClusterCollector(self))
 
     async def start(self) -> None:
@@ -164,18 +167,17 @@ class ClusterLink:
         key = self.daemon.key if self.daemon.key is not None else False
         self.node = ClusterNode(self.store, self.daemon.run_id, secret=self.settings.secret,
                                 cache_root=self.daemon.cache.root, config=self.settings.config, signing_key=key,
-                                on_version_ready=self._deliver, delivered=delivered, events=self.settings.events)
+                                on_version_ready=self._deliver, delivered=delivered, events=self.settings.events,
+                                failures=self.daemon.metrics.failure)
         await self.node.start()
         self.snapshot = self.node.summary()
-        self._refresher = asyncio.ensure_future(self._refresh_loop())
+        self.daemon.supervisor.spawn("cluster_status", self._refresh_loop, kind="cluster_status")
         if delivered != NO_HISTORY:
             await self._known(delivered)
 
     async def stop(self) -> None:
-        """Stop the node (idempotent). The daemon calls it after its loop ended, so never mid-apply."""
-        if self._refresher is not None:
-            self._refresher.cancel()
-            await asyncio.gather(self._refresher, return_exceptions=True)
+        """Stop the node (idempotent). The daemon calls it after its loop ended (and its supervisor stopped
+        the status refresher), so never mid-apply."""
         if self.node is not None:
             await self.node.stop()
             self.snapshot = self.node.summary()

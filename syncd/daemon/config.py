@@ -39,6 +39,10 @@ class DaemonConfig:
     shard cache. ``metrics_port``: Prometheus on ``metrics_addr`` (None: off; 0: a free port).
     ``status_file``: where the node state is written for ``syncd status`` (None: in the cache dir).
     ``retry_failed_s``: how long a version that failed verification is left alone before another try.
+    ``engine_lease_s``: the lease this daemon holds on each engine process (renewed every engine check; a
+    daemon that dies frees its engines that long after). ``engine_scrub_bytes``: weight bytes of each engine
+    checksummed per engine check against the manifest (0: none; see ``docs/engine.md``).
+    ``engine_token_file``: the node's engine-control token (None: ``syncd.engine_token.token_path``).
     """
 
     run_id: str
@@ -58,6 +62,9 @@ class DaemonConfig:
     retry_failed_s: float = 60.0
     store_options: dict = field(default_factory=dict)
     store_endpoint: str | None = None
+    engine_lease_s: float = 10.0
+    engine_scrub_bytes: int = 64 << 20
+    engine_token_file: Path | None = None
 
     def __post_init__(self):
         if self.poll_interval_s <= 0 or self.engine_check_s <= 0:
@@ -66,6 +73,11 @@ class DaemonConfig:
             raise ValueError("poll jitter is a fraction in [0, 1)")
         if self.backoff_max_s < self.poll_interval_s:
             raise ValueError("backoff maximum must be at least the poll interval")
+        if not 2 * self.engine_check_s <= self.engine_lease_s <= 300:
+            raise ValueError(f"engine lease ({self.engine_lease_s:g}s) must be at least two engine checks "
+                             f"({2 * self.engine_check_s:g}s) and at most 300s")
+        if self.engine_scrub_bytes < 0:
+            raise ValueError("engine scrub bytes must not be negative")
         if self.download_concurrency < 1:
             raise ValueError("download concurrency must be at least 1")
         names = [e.name for e in self.engines]

@@ -36,10 +36,16 @@ class NeedsRebuild(RuntimeError):
 
 class EngineDriver:
     """State and update sequences of one engine (``adapter``: any ``engine.Adapter``; remote ones are
-    ``engine.control.RemoteAdapter``). Not thread-safe: the daemon drives one engine from one task."""
+    ``engine.control.RemoteAdapter``). Not thread-safe: the daemon drives one engine from one task.
+
+    ``known``: ``(instance, writes)`` of the engine's control state right after this daemon's last write
+    or check. Only the lease holder can write, so a change the daemon did not make means its lease lapsed
+    and someone else wrote, or the engine restarted: its weights must be checked again."""
 
     def __init__(self, name: str, adapter, *, metrics=None):
         self.name, self.adapter, self.metrics = name, adapter, metrics
+        self.known: tuple | None = None
+        self._scrub_at = 0  # index into the sorted parameter names where the next scrub starts
         self.version: int | None = None  # the last version verified on the engine
         self.verified = False
         self.needs_rebuild = False
@@ -79,6 +85,131 @@ class EngineDriver:
         exp = self.expected(m)
         got = self.adapter.checksum(list(exp))
         return [n for n, ck in exp.items() if got.get(n) != ck]
+
+    def probe(self) -> dict:
+        """The engine's control state ``{"run_id", "version", "writes", "instance"}``, renewing this
+        daemon's lease where the engine has one (an engine process); an in-process engine has no lease,
+        counter or instance (None). Raises ``LeaseHeld`` or ``EngineUnreachable``."""
+        lease = getattr(self.adapter, "lease", None)
+        if callable(lease):
+            return lease()
+        return {"run_id": None, "version": self.adapter.version, "writes": None, "instance": None}
+
+    def release(self) -> None:
+        """Give the engine's lease back (the daemon stops); never raises."""
+        release = getattr(self.adapter, "release", None)
+        if callable(release):
+            try:
+                release()
+            except Exception as exc:  # noqa: BLE001 -- it expires by itself anyway
+                log.info("engine %s: lease not released (%s); it expires on its own", self.name, exc)
+
+    def settle(self) -> None:
+        """Record the control state after this daemon's own write (see ``known``): the write counter as
+        this daemon's last write left it (so a write someone slipped in since, while the lease had lapsed
+        during a long call, still shows), the instance as the engine reports it now."""
+        st = self.probe()
+        writes = getattr(self.adapter, "last_writes", None)
+        self.known = (st["instance"], st["writes"] if writes is None else writes)
+
+    def scrub(self, m: mf.Manifest, budget_bytes: int) -> list[str]:
+        """Checksum the next ``budget_bytes`` of local parameters (round robin; at least one) against
+        version ``m``; returns those that differ. Catches writes outside the control routes (memory
+        corruption, an engine bug) over ``total / budget`` checks without reading every weight each time."""
+        exp = self.expected(m)
+        sizes = {s.name: _nbytes(s) for s in self._specs}
+        names = sorted(exp)
+        picked, used = [], 0
+        for i in range(len(names)):
+            n = names[(self._scrub_at + i) % len(names)]
+            if picked and used + sizes.get(n, 0) > budget_bytes:
+                break
+            picked.append(n)
+            used += sizes.get(n, 0)
+        self._scrub_at = (self._scrub_at + len(picked)) % len(names)
+        got = self.adapter.checksum(picked)
+        return [n for n in picked if got.get(n) != exp[n]]
+
+    def refresh(self, manifests, *, run_id: str, scrub_bytes: int) -> None:
+        """Blocking, once per engine check: renew the lease and read the engine's state; verify its weights
+        when they are new to this daemon, were written by someone else, or are another run's; scrub a
+        slice of them otherwise. Leaves ``state``/``error`` saying what was found; never raises for the
+        engine's sake (a store error reading a manifest propagates)."""
+        from engine.control import EngineUnreachable
+        from syncd.errors import LeaseHeld, ManifestError, StoreError, VersionNotFound
+
+        try:
+            st = self.probe()
+        except LeaseHeld as exc:
+            if self.state != "held by another controller":
+                log.error("engine %s: %s; not touching it", self.name, exc)
+                self._count("lease")
+            self.verified, self.known, self.state, self.error = False, None, "held by another controller", str(exc)
+            return
+        except (EngineUnreachable, OSError) as exc:
+            if self.reachable:
+                log.warning("engine %s is unreachable: %s", self.name, exc)
+                self._count("engine")
+            self.reachable, self.verified, self.state, self.error = False, False, "unreachable", str(exc)
+            self.forget_specs()
+            return
+        except Exception as exc:  # noqa: BLE001 -- an engine answering nonsense must not stop the others
+            if self.state != "error":
+                log.error("engine %s: its state cannot be read: %s: %s", self.name, type(exc).__name__, exc)
+                self._count("engine")
+            self.verified, self.known, self.state, self.error = False, None, "error", f"{type(exc).__name__}: {exc}"
+            return
+        v, seen = st["version"], (st["instance"], st["writes"])
+        if not self.reachable:
+            log.info("engine %s answers again (version %s)", self.name, v)
+        self.reachable = True
+        restarted = self.known is not None and seen[0] != self.known[0]
+        foreign = self.known is not None and not restarted and seen != self.known
+        other_run = st["run_id"] is not None and st["run_id"] != run_id
+        if (self.verified and v == self.version and not self.needs_rebuild and not foreign and not restarted
+                and not other_run):
+            if scrub_bytes > 0 and v is not None:
+                bad = self.scrub(manifests.get(v), scrub_bytes)
+                if bad:
+                    log.error("engine %s: %d parameter(s) no longer match version %d (first: %s): its weights "
+                              "changed behind the daemon's back; rebuilding", self.name, len(bad), v, bad[0])
+                    self._count("unexpected_write")
+                    self.version, self.verified, self.needs_rebuild, self.state = None, False, True, "needs rebuild"
+                    self.error = f"weights changed outside the daemon ({len(bad)} parameters, first {bad[0]})"
+                return
+            if self.state in ("unknown", "unreachable", "held by another controller"):
+                self.state, self.error = "serving", None
+            return
+        if foreign:
+            log.error("engine %s: its weights were written by someone else (instance/writes %s -> %s): checking "
+                      "them", self.name, self.known, seen)
+            self._count("unexpected_write")
+        elif self.verified or self.version is not None:
+            log.warning("engine %s reports version %s, expected %s (restarted?): checking its weights", self.name,
+                        v, self.version)
+        self.verified, self.known = False, None
+        if v is None or other_run:
+            if other_run:
+                log.warning("engine %s holds run %r's weights (version %s): rebuilding it for run %s", self.name,
+                            st["run_id"], v, run_id)
+            self.version, self.needs_rebuild, self.state = None, True, "needs rebuild"
+            return
+        try:
+            ok = not self.mismatches(manifests.get(v))
+        except (VersionNotFound, ManifestError) as exc:
+            log.warning("engine %s holds version %d, which cannot be verified (%s): rebuilding", self.name, v, exc)
+            ok = False
+        except StoreError as exc:
+            log.warning("engine %s: cannot read version %d's manifest now: %s", self.name, v, exc)
+            return
+        if ok:
+            self.version, self.verified, self.needs_rebuild, self.state, self.error = v, True, False, "serving", None
+            self.applied = {v}
+            self.resume()  # a daemon that died mid-update may have left it paused on these (verified) weights
+            self.known = seen
+            log.info("engine %s verified at version %d", self.name, v)
+        else:
+            self.version, self.needs_rebuild, self.state = None, True, "needs rebuild"
 
     def _pause(self) -> None:
         self.adapter.pause()
@@ -123,6 +254,7 @@ class EngineDriver:
         self.applied.add(m.version)
         self.resume()
         t4 = time.perf_counter()
+        self.settle()
         return {"pause_s": t4 - t0 - (t2 - t1), "apply_s": t1 - t0, "check_s": t3 - t2}
 
     def _restore_or_rebuild(self, prev: mf.Manifest | None, why: str):
@@ -134,6 +266,7 @@ class EngineDriver:
             ok = False
         if ok:
             self.resume()
+            self.settle()
             raise UpdateFailed(f"engine {self.name}: {why}; it serves version {prev.version} again")
         self.verified, self.needs_rebuild = False, True
         raise NeedsRebuild(f"engine {self.name}: {why}; its weights match no version, it stays paused "
@@ -142,3 +275,10 @@ class EngineDriver:
     def _count(self, kind: str) -> None:
         if self.metrics is not None:
             self.metrics.failure(kind)
+
+
+def _nbytes(spec) -> int:
+    n = spec.dtype.itemsize
+    for d in spec.shape:
+        n *= d
+    return n

@@ -14,7 +14,8 @@ import threading
 import time
 
 from syncd import manifest as mf
-from syncd.errors import ManifestMismatch, ObjectNotFound, SignatureError, VersionNotFound
+from syncd.errors import ManifestMismatch, ObjectNotFound, ObjectTooLarge, SignatureError, VersionNotFound
+from syncd.signing import NO_KEY_HELP
 from syncd.versions import check_link
 
 log = logging.getLogger(__name__)
@@ -44,9 +45,11 @@ class ManifestSource:
     ``cache``: a :class:`~syncd.cache.ShardCache`; ``key``: the resolved signing key (None: unsigned
     manifests accepted, as configured); ``metrics``: a :class:`~syncd.daemon.metrics.DaemonMetrics`."""
 
-    def __init__(self, run_id: str, *, store, cache, key, metrics=None, retry_failed_s: float = 60.0):
+    def __init__(self, run_id: str, *, store, cache, key, metrics=None, retry_failed_s: float = 60.0,
+                 allow_unsigned: bool = False):
         self.run_id, self.store, self.cache, self.key = mf.check_run_id(run_id), store, cache, key
-        self.metrics, self.retry_failed_s = metrics, retry_failed_s
+        self.metrics, self.retry_failed_s, self.allow_unsigned = metrics, retry_failed_s, allow_unsigned
+        self.signed_seen: str | None = None  # without a key: why the first signed manifest met was refused
         self._lock = threading.Lock()
         self._mem: dict[int, tuple[mf.Manifest, bytes]] = {}
         self._rejected: dict[int, tuple[str, float]] = {}
@@ -82,7 +85,7 @@ class ManifestSource:
 
     def add(self, raw: bytes) -> mf.Manifest:
         """Verify manifest bytes delivered from elsewhere (the cluster layer) and keep them."""
-        m = mf.parse(raw, key=self.key, run_id=self.run_id, where=f"run {self.run_id} manifest delivered")
+        m = self._parse(raw, None, f"run {self.run_id} manifest delivered")
         self._keep(m, bytes(raw))
         return m
 
@@ -114,7 +117,7 @@ class ManifestSource:
         raw = self.cache.get_manifest(self.run_id, version)
         if raw is not None:
             try:
-                m = mf.parse(raw, key=self.key, run_id=self.run_id, version=version, where=where + " (cache)")
+                m = self._parse(raw, version, where + " (cache)")
                 self._keep(m, raw)
                 return m, raw
             except mf.ManifestError as exc:  # a cached copy that no longer verifies (key changed, rot)
@@ -123,16 +126,36 @@ class ManifestSource:
         if self.store is None:
             raise VersionNotFound(f"{where} is not in the node cache (and no store is configured)")
         try:
-            raw = self.store.get(mf.manifest_key(self.run_id, version), limit=mf.MAX_MANIFEST_BYTES + 1)
+            raw = self.store.get_bounded(mf.manifest_key(self.run_id, version), mf.MAX_MANIFEST_BYTES)
         except ObjectNotFound:
             raise VersionNotFound(f"{where} has no manifest in {self.store.url}") from None
+        except ObjectTooLarge as exc:
+            exc = mf.ManifestError(f"{where}: {exc}")
+            self.reject(version, exc)
+            raise exc from None
         try:
-            m = mf.parse(raw, key=self.key, run_id=self.run_id, version=version, where=f"{self.store.url} {where}")
+            m = self._parse(raw, version, f"{self.store.url} {where}")
         except mf.ManifestError as exc:
             self.reject(version, exc)
             raise
         self._keep(m, raw)
         return m, raw
+
+    def _parse(self, raw: bytes, version: int | None, where: str) -> mf.Manifest:
+        """Verify as configured. Without a key, once a signed manifest has been met (and refused: no
+        ``allow_unsigned``), unsigned ones are refused too: a store that signs does not publish unsigned
+        versions, so those are forgeries a key-less reader could otherwise be fed."""
+        try:
+            m = mf.parse(raw, key=self.key, run_id=self.run_id, version=version, where=where,
+                         allow_unsigned=self.allow_unsigned)
+        except SignatureError as exc:
+            if self.key is None and self.signed_seen is None:
+                self.signed_seen = str(exc)
+            raise
+        if self.key is None and not self.allow_unsigned and self.signed_seen is not None:
+            raise SignatureError(f"{where}: manifest is unsigned, but this run's store holds signed manifests "
+                                 f"and no signing key is configured: {NO_KEY_HELP}")
+        return m
 
     def check_link(self, base: mf.Manifest, child: mf.Manifest) -> None:
         """Raise (and reject ``child``) unless delta ``child`` was made against exactly ``base``."""

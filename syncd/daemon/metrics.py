@@ -2,8 +2,11 @@
 
 Names (all prefixed ``syncd_``): ``engine_version{engine}`` (-1 while unknown), ``newest_version``,
 ``engine_lag_versions{engine}``, ``bytes_fetched_total``, ``shards_fetched_total``,
-``versions_applied_total{engine}``, ``rebuilds_total{engine}``, ``failures_total{kind}``,
-``rejected_versions_total{reason}``, ``poll_errors_total``, and histograms ``download_seconds``,
+``versions_applied_total{engine}``, ``rebuilds_total{engine}``, ``failures_total{kind}`` (kinds:
+:data:`FAILURE_KINDS`; ``poller`` counts restarts of that supervised task, ``disk_full`` a cache write that
+found no space, ``unexpected_write`` engine weights written behind the daemon's back, ``lease`` an engine
+held by another controller), ``rejected_versions_total{reason}``, ``poll_errors_total``,
+``cache_corrupt_total``, and histograms ``download_seconds``,
 ``stage_seconds``, ``pause_seconds``, ``apply_seconds``, ``update_lag_seconds`` (manifest written to engine
 serving it, on the trainer's clock). :attr:`DaemonMetrics.totals` keeps the counters in plain numbers too
 (for the status file). In cluster mode :mod:`syncd.daemon.cluster` adds ``syncd_cluster_*`` to the same
@@ -18,9 +21,12 @@ from collections import Counter as _Tally
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 
+from syncd.supervise import failures_counter
+
 log = logging.getLogger(__name__)
 
-FAILURE_KINDS = ("store", "signature", "manifest", "integrity", "apply", "checksum", "engine", "rebuild")
+FAILURE_KINDS = ("store", "signature", "manifest", "integrity", "apply", "checksum", "engine", "rebuild", "cache",
+                 "disk_full", "lease", "unexpected_write", "poller", "round", "cluster_status")
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 
 
@@ -42,10 +48,12 @@ class DaemonMetrics:
                                         registry=r)
         self.rebuilds = Counter("syncd_rebuilds", "Engine weights rebuilt from a full version", ["engine"],
                                 registry=r)
-        self.failures = Counter("syncd_failures", "Failures by kind", ["kind"], registry=r)
+        self.failures = failures_counter(r)
         self.rejected = Counter("syncd_rejected_versions", "Versions refused by verification", ["reason"],
                                 registry=r)
         self.poll_errors = Counter("syncd_poll_errors", "Polls of the store that failed", registry=r)
+        self.cache_corrupt = Counter("syncd_cache_corrupt", "Cached shards that no longer matched their hash "
+                                     "(removed and fetched again)", registry=r)
         self.download_s = Histogram("syncd_download_seconds", "Downloading a version's missing shards",
                                     buckets=_SECONDS, registry=r)
         self.stage_s = Histogram("syncd_stage_seconds", "Staging a version on the engines (while serving)",

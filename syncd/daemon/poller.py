@@ -1,84 +1,63 @@
-"""Noticing new versions: a conditional GET of the run's ``latest.json`` hint, confirmed in the store.
+"""Noticing new versions: :class:`syncd.newest.VersionPoller` on a timer, with jitter and backoff.
 
-One poll costs one request while nothing changed (``Store.get_if_changed`` with the last etag). When the
-hint changes, the hinted version's manifest must exist, and the versions after it are probed (the hint may
-lag); a missing or malformed hint, or one pointing nowhere, falls back to the version listing, which is
-also read every ``list_every_s`` whatever the hint says. The poller only reports *candidate* version
-numbers; the daemon verifies their manifests before using them (the hint is unsigned).
+One poll costs one conditional GET of the run's ``latest.json`` while nothing changed. What the poller reports
+is always a version whose manifest was read, parsed and verified (through the daemon's
+:class:`~syncd.daemon.manifests.ManifestSource`, which records and counts every refusal); garbage, forged,
+replayed or far-future objects are skipped, never taken as a high-water mark (``syncd/newest.py``).
 
 Waits between polls: ``interval_s`` ± ``jitter`` (a fraction), so a fleet of nodes does not poll in step;
-after a store error, exponential backoff with full jitter up to ``backoff_max_s``.
+after a store error, exponential backoff with full jitter up to ``backoff_max_s``. :meth:`Poller.run` ends
+only when ``stop`` is set; anything but a store error propagates to its supervisor (:class:`syncd.supervise.Supervisor`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 import time
 
 from syncd import manifest as mf
-from syncd.errors import ObjectNotFound, StoreError
+from syncd.errors import StoreError
+from syncd.newest import VersionPoller
 
 log = logging.getLogger(__name__)
 
 
 class Poller:
-    """Polls ``store`` for the newest version of ``run_id`` and calls ``on_candidate(version)`` (from the
-    event loop) whenever it sees a version number newer than any reported before.
+    """Polls ``store`` for the newest valid version of ``run_id`` and calls ``on_candidate(version)`` (from
+    the event loop) whenever it finds one newer than any reported before.
 
-    ``on_error(exc)`` is called for each failed poll, ``on_ok()`` after a successful one."""
+    ``read(version) -> Manifest`` verifies a version (raises as :class:`~syncd.newest.VersionPoller` says);
+    ``on_error(exc)`` is called for each failed poll, ``on_ok(missing_run)`` after a successful one, with
+    ``missing_run`` a message saying that the run has no versions and which runs the store has (an
+    operator's typo shows at once), or None."""
 
-    def __init__(self, store, run_id: str, *, interval_s: float, jitter: float, backoff_max_s: float,
-                 list_every_s: float, on_candidate, on_error=None, on_ok=None):
+    def __init__(self, store, run_id: str, *, read, interval_s: float, jitter: float, backoff_max_s: float,
+                 list_every_s: float, on_candidate, on_error=None, on_ok=None, retry_s: float = 60.0):
         self.store, self.run_id = store, mf.check_run_id(run_id)
+        self.finder = VersionPoller(store, self.run_id, read=read, list_every_s=list_every_s, retry_s=retry_s,
+                                    on_skip=lambda v, exc: None)  # ManifestSource logs and counts refusals
         self.interval_s, self.jitter, self.backoff_max_s = interval_s, jitter, backoff_max_s
-        self.list_every_s = list_every_s
         self.on_candidate, self.on_error, self.on_ok = on_candidate, on_error, on_ok
         self.newest: int | None = None
         self.failures = 0
-        self._etag: str | None = None
-        self._last_list = float("-inf")
+        self.missing_run: str | None = None
+        self._runs_listed_at = float("-inf")
+        self.list_every_s = list_every_s
 
     def poll_once(self) -> int | None:
-        """One poll (blocking): the newest version number found, or None if nothing is known to have
-        changed. Raises :class:`StoreError` if the store cannot be read."""
-        force_list = time.monotonic() - self._last_list >= self.list_every_s
-        try:
-            got = self.store.get_if_changed(mf.latest_hint_key(self.run_id), self._etag)
-        except ObjectNotFound:
-            got, force_list = None, True
-        if got is not None:
-            body, self._etag = got
-            hinted = self._hinted(body)
-            if hinted is not None and self.store.exists(mf.manifest_key(self.run_id, hinted)):
-                v = hinted
-                while self.store.exists(mf.manifest_key(self.run_id, v + 1)):
-                    v += 1
-                self._last_list = time.monotonic()  # probing past the hint did what a listing would
-                return v
-            force_list = True
-        if force_list:
-            self._last_list = time.monotonic()
-            return self._listed()
-        return None
-
-    def _hinted(self, body: bytes) -> int | None:
-        try:
-            v = json.loads(body[:4096])["version"]
-            mf.version_dir(v)
-            return v
-        except (ValueError, KeyError, TypeError):
-            log.warning("run %s: latest.json hint is malformed; listing versions instead", self.run_id)
-            return None
-
-    def _listed(self) -> int | None:
-        dirs = self.store.list_dirs(mf.versions_prefix(self.run_id))
-        for v in sorted((n for n in map(mf.parse_version_dir, dirs) if n is not None), reverse=True):
-            if self.store.exists(mf.manifest_key(self.run_id, v)):
-                return v
-        return None
+        """One poll (blocking): the newest valid version found, or None if nothing is known to have
+        changed. Sets :attr:`missing_run`. Raises :class:`StoreError` if the store cannot be read."""
+        v = self.finder.poll()
+        if not self.finder.listed_empty:
+            self.missing_run = None
+        elif self.missing_run is None or time.monotonic() - self._runs_listed_at >= self.list_every_s:
+            self._runs_listed_at = time.monotonic()
+            runs = [r for r in self.store.list_dirs("runs/") if r != self.run_id]
+            self.missing_run = (f"run {self.run_id!r} has no versions in {self.store.url}; runs there: "
+                                f"{', '.join(runs) if runs else 'none'}")
+        return v
 
     def next_delay(self) -> float:
         if self.failures:
@@ -101,7 +80,7 @@ class Poller:
                     log.info("run %s: the store answers again after %d failed polls", self.run_id, self.failures)
                 self.failures = 0
                 if self.on_ok is not None:
-                    self.on_ok()
+                    self.on_ok(self.missing_run)
                 if v is not None and (self.newest is None or v > self.newest):
                     self.newest = v
                     self.on_candidate(v)

@@ -46,6 +46,7 @@ def rebuild_engine(driver, plan, raws: list[bytes], cache_root) -> dict:
     driver.version, driver.verified, driver.needs_rebuild = plan.target, True, False
     driver.applied = set(plan.versions)
     driver.resume()
+    driver.settle()
     log.info("engine %s rebuilt at version %d (full %d + %d deltas) in %.3fs", driver.name, plan.target,
              plan.steps[0].version, len(plan.steps) - 1, time.perf_counter() - t0)
     return {"pause_s": time.perf_counter() - t0}

@@ -3,8 +3,12 @@
 The daemon rewrites the file atomically (write to a temp file, ``os.replace``) whenever something changes,
 at most every ``min_interval_s``. Content::
 
-    {"pid", "run_id", "store", "cache_dir", "metrics_url", "state": "starting|running|stopping|stopped",
-     "started_at", "updated_at" (unix seconds), "newest_version", "store_error" (last poll error or null),
+    {"pid", "run_id", "store", "cache_dir", "metrics_url",
+     "state": "starting|running|unknown run|stopping|stopped", "started_at", "updated_at" (unix seconds),
+     "newest_version", "store_error" (last poll error or null), "run_error" (why the run has no versions:
+     "run 'x' has no versions in URL; runs there: ..."), "cache_error" (e.g. the cache disk is full),
+     "round_error" (the last update round's unexpected failure), "tasks": {name: {"state", "restarts",
+     "last_error", "last_error_at"}} (supervised tasks),
      "engines": {name: {"url", "version", "lag", "state", "error", "applied", "last_pause_s"}},
      "totals": {counter: number}, "updates": [{"version", "kind", "bytes", "download_s", "stage_s",
      "pause_s": {engine: s}, "noticed_at", "done_at", "created_at"}, ...]  (newest last, at most 200)}
@@ -47,6 +51,10 @@ class StatusBoard:
     def set(self, **fields) -> None:
         with self._lock:
             self._doc.update(fields)
+
+    def get(self, name: str):
+        with self._lock:
+            return self._doc.get(name)
 
     def engine(self, name: str, **fields) -> None:
         with self._lock:

@@ -29,6 +29,9 @@ GPU_PREFERENCE = {
     # (one thread per block of 16, 16-byte loads) and Triton (128 blocks per program) side by side.
     "nvfp4_quantize": ("cuda", "triton"),
     "nvfp4_dequantize": ("cuda", "triton"),
+    # replay ops (syncd.ops.replay): Triton is their only GPU backend
+    "kept_logprobs": ("triton",),
+    "routes": ("triton",),
 }
 
 

@@ -63,3 +63,60 @@ def segments(c, rank) -> list[list[int]]:
 def assert_in_order(c, rank) -> None:
     for seg in segments(c, rank):
         assert seg == list(range(seg[0], seg[0] + len(seg))) if seg else True, f"node {rank} delivered {seg}"
+
+
+def assert_no_task_errors(c, ranks) -> None:
+    """No long-lived task, shard worker or connection handler of any node raised what it did not expect."""
+    errors = [(r, e["task"], e["why"]) for r in ranks for e in c.events(r, "task_error")]
+    assert not errors, f"tasks that failed: {errors}"
+
+
+def shard_roots(c, ranks) -> dict[tuple[int, int], set[tuple[int, int]]]:
+    """``{(version, shard index): {(rank, incarnation)}}``: every node incarnation that took a plan naming
+    it the shard's root (from its own event log, which spans its restarts)."""
+    out: dict[tuple[int, int], set[tuple[int, int]]] = {}
+    for r in ranks:
+        inc = -1
+        for e in c.events(r):
+            if e["ev"] == "start":
+                inc += 1
+            elif e["ev"] == "plan":
+                for i, root in enumerate(e["shard_roots"]):
+                    if root == r:
+                        out.setdefault((e["v"], i), set()).add((r, inc))
+    return out
+
+
+def store_log_reads(store_log, ip_rank: dict) -> list[dict]:
+    """The shard reads of a simulated store's log (:func:`syncd.cluster.sim.read_store_log`) as
+    ``{"key", "bytes", "rank"}`` (the reader's rank from its address)."""
+    return [{"key": e["key"], "bytes": e["bytes"], "rank": ip_rank.get(e["peer"])} for e in store_log
+            if "/shards/" in e["key"]]
+
+
+def event_reads(c, ranks, store, versions: int) -> list[dict]:
+    """The shard reads the nodes logged themselves (``store_read`` events; a read cut short by the node's
+    death is missing) as ``{"key", "bytes", "rank"}``."""
+    from syncd.versions import read_manifest
+
+    key_of = {(v, s.sha256[:16]): f"runs/{RUN}/{s.key}" for v in range(versions)
+              for s in read_manifest(store, RUN, v, signing_key=KEY).shards}
+    return [{"key": key_of[(e["v"], e["sha"])], "bytes": e["bytes"], "rank": r} for r in ranks
+            for e in c.events(r, "store_read") if e["v"] < versions]
+
+
+def assert_store_reads_by_roots(c, reads, store, versions: int, ranks) -> None:
+    """Every shard of versions ``0..versions-1`` was read from the store at most once per root incarnation
+    it had (a root resumes where it stopped; a root that takes over from one that died or was too slow
+    reads it again), and only by its roots. ``reads``: :func:`store_log_reads` or :func:`event_reads`."""
+    from syncd.versions import read_manifest
+
+    roots = shard_roots(c, ranks)
+    for v in range(versions):
+        for i, s in enumerate(read_manifest(store, RUN, v, signing_key=KEY).shards):
+            mine = [e for e in reads if e["key"] == f"runs/{RUN}/{s.key}"]
+            got, who = sum(e["bytes"] for e in mine), roots.get((v, i), set())
+            assert got <= s.size * len(who), (
+                f"version {v} shard {i}: the store served {got} bytes for {s.size}; roots {sorted(who)}")
+            readers = {e["rank"] for e in mine if e["bytes"]}
+            assert readers <= {r for r, _ in who}, f"version {v} shard {i}: read by {readers}, roots {sorted(who)}"

@@ -75,6 +75,22 @@ def test_holders_become_roots_and_slow_nodes_become_leaves():
         assert s.root != 2 and not s.children(2, 2), "the slow node is a leaf, never a root"
 
 
+def test_a_dead_roots_shards_go_to_the_nodes_with_the_longest_prefix():
+    m = manifest([40000, 30000, 20000])
+    p1 = plan_version(m, live=range(4), needers=range(4))
+    dead = p1.shards[0].root
+    left = [r for r in range(4) if r != dead]
+    partial = {m.shards[0].sha256: {left[0]: 8192, left[2]: 24576, dead: 40000}}
+    p2 = plan_version(m, live=left, needers=left, prev=p1, partial=partial)
+    assert p2.shards[0].root == left[2], "its successor reads only the 15424 bytes it lacks from the store"
+    partial[m.shards[0].sha256][left[1]] = 24576  # a tie: the less loaded of the two
+    p3 = plan_version(m, live=left, needers=left, prev=p1, partial=partial)
+    loads = {r: sum(s.size for s in p1.shards if s.root == r) for r in (left[1], left[2])}
+    assert p3.shards[0].root == min(loads, key=lambda r: (loads[r], r))
+    holders = {m.shards[0].sha256: {left[0]}}  # a complete copy beats any prefix
+    assert plan_version(m, live=left, needers=left, prev=p1, partial=partial, holders=holders).shards[0].root == left[0]
+
+
 def test_plan_round_trip_and_hostile_plans():
     m = manifest([100, 200, 300])
     p = plan_version(m, live=[0, 5, 9], needers=[0, 5, 9], term=3, seq=7)

@@ -11,7 +11,7 @@ import pytest
 
 from syncd.cluster import auth, transfer, wire
 from syncd.cluster.auth import ClusterSecret
-from syncd.cluster.errors import AuthError, ProtocolError
+from syncd.cluster.errors import AuthError, NotHeld, ProtocolError
 from syncd.cluster.wire import T
 from syncd.errors import IntegrityError
 from syncd.store import Store
@@ -231,5 +231,33 @@ def test_store_read_checks_the_manifest_hash(tmp_path, verify_first):
         with pytest.raises(IntegrityError):
             await transfer.fetch_from_store(store, "bad", st2, cache, chunk_bytes=8192, verify_first=verify_first)
         assert not st2.complete and st2.have == 0 and not os.path.exists(cache.final_path(st2.sha256))
+
+    run(main())
+
+
+def test_a_damaged_cached_shard_is_removed_never_served(tmp_path):
+    async def main():
+        data = os.urandom(30_000)
+        src = transfer.ShardCache(tmp_path / "src", SECRET, fsync=False)
+        sha = put_shard(src, data)
+        with open(src.final_path(sha), "r+b") as fh:  # one bit flipped on disk, same size (after a restart)
+            fh.seek(12345)
+            fh.write(bytes([data[12345] ^ 1]))
+        corrupt = []
+        src.on_corrupt = lambda st, why: corrupt.append(why)
+        dst = transfer.ShardCache(tmp_path / "dst", SECRET, fsync=False)
+        async with Server(src) as s:
+            ch = await auth.connect("127.0.0.1", s.port, SECRET, rank=1, role="data")
+            with pytest.raises(NotHeld):
+                await transfer.pull(ch, dst.state(sha, len(data)), dst, stall_s=2, dead_s=2)
+            ch.close()
+        assert corrupt and "hashes to" in corrupt[0] and not src.has(sha) and not os.path.exists(src.final_path(sha))
+        assert dst.states[sha].have == 0, "no byte of it was taken"
+        # a cached file of the wrong size is removed as soon as the shard is looked at
+        short = hashlib.sha256(data + b"x").hexdigest()
+        with open(src.final_path(short), "wb") as fh:
+            fh.write(data)
+        st = src.state(short, len(data) + 1)
+        assert not st.complete and not os.path.exists(src.final_path(short)) and "bytes, not" in corrupt[-1]
 
     run(main())

@@ -73,24 +73,31 @@ class Procs:
 
     # ------------------------------------------------------------------------------------- the parts
 
-    def engine(self, model: Path, *, port: int = 0, headless: bool = False, name: str = "engine") -> tuple:
+    def engine(self, model: Path, *, port: int = 0, headless: bool = False, name: str = "engine",
+               module: str = "engine.control", extra: list[str] = ()) -> tuple:
         ready = self.tmp / f"{name}.{len(self.children)}.ready"
-        args = ["-m", "engine.control", "--model", str(model), "--port", str(port), "--ready-file", str(ready)]
+        args = ["-m", module, "--model", str(model), "--port", str(port), "--ready-file", str(ready), *extra]
         p = self.spawn(name, args + (["--headless"] if headless else []))
         info = self.wait(lambda: ready.exists() and json.loads(ready.read_text()), f"{name} to serve", 120)
         return p, info["url"]
 
     def daemon(self, store: Path, cache: Path, urls: list[str], *, hooks: str | None = None,
-               mark_dir: Path | None = None, extra: list[str] = ()) -> subprocess.Popen:
-        args = ["-m", "syncd.cli", "--run-id", RUN, "--store", str(store), "--cache-dir", str(cache),
+               mark_dir: Path | None = None, extra: list[str] = (), run_id: str = RUN,
+               env: dict | None = None) -> subprocess.Popen:
+        args = ["-m", "syncd.cli", "--run-id", run_id, "--store", str(store), "--cache-dir", str(cache),
                 "--poll-interval", "0.1", "--backoff-max", "0.5", "--engine-check", "0.2", "--metrics-port", "0",
                 *extra]
         for i, u in enumerate(urls):
             args += ["--engine", f"e{i}={u}"]
-        env = {}
+        env = dict(env or {})
         if hooks:
-            env = {"SYNCD_TEST_PAUSE_AT": hooks, "SYNCD_TEST_MARK_DIR": str(mark_dir)}
+            env.update(SYNCD_TEST_PAUSE_AT=hooks, SYNCD_TEST_MARK_DIR=str(mark_dir))
         return self.spawn("daemon", args, env)
+
+    def cli(self, *args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+        """Run ``python -m syncd.cli ARGS`` to completion; its exit status and output."""
+        return subprocess.run([sys.executable, "-m", "syncd.cli", *args], cwd=ROOT, env={**self.env, **(env or {})},
+                              capture_output=True, text=True, timeout=timeout)
 
     def trainer(self, store: Path, model: Path, steps: int, *, gate_dir: Path | None = None, record: Path,
                 extra: list[str] = ()) -> subprocess.Popen:
@@ -124,16 +131,16 @@ def engine_checksums(url: str) -> dict[str, int]:
     return RemoteAdapter(url, connect_timeout_s=2).checksum()
 
 
-def status(cache: Path) -> dict:
-    return json.loads((cache / f"status-{RUN}.json").read_text())
+def status(cache: Path, run_id: str = RUN) -> dict:
+    return json.loads((cache / f"status-{run_id}.json").read_text())
 
 
-def metrics(cache: Path) -> str:
-    return urllib.request.urlopen(status(cache)["metrics_url"], timeout=10).read().decode()
+def metrics(cache: Path, run_id: str = RUN) -> str:
+    return urllib.request.urlopen(status(cache, run_id)["metrics_url"], timeout=10).read().decode()
 
 
-def metric(cache: Path, line_prefix: str) -> float:
-    for line in metrics(cache).splitlines():
+def metric(cache: Path, line_prefix: str, run_id: str = RUN) -> float:
+    for line in metrics(cache, run_id).splitlines():
         if line.startswith(line_prefix + " "):
             return float(line.split()[-1])
     return 0.0

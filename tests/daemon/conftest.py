@@ -52,3 +52,13 @@ def published(tmp_path):
     p = Published(tmp_path / "store")
     yield p
     p.close()
+
+
+@pytest.fixture
+def run(tmp_path, model_dir):
+    """The engines' own model published from the test process (``tests.daemon._hostile.ModelRun``)."""
+    from tests.daemon._hostile import ModelRun  # here: _hostile imports this module
+
+    r = ModelRun(tmp_path / "store", model_dir)
+    yield r
+    r.close()

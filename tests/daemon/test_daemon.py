@@ -16,6 +16,7 @@ from syncd import manifest as mf
 from syncd.daemon import DaemonConfig, NodeDaemon
 from syncd.daemon.fetcher import StoreShardSource
 from syncd.errors import DeltaError
+from syncd.signing import parse_key
 from tests.daemon._procs import wait_until
 from tests.daemon.conftest import KEY, RUN
 from tests.store._models import assert_same
@@ -253,7 +254,7 @@ def test_external_delivery_without_polling(tmp_path, published):
         raw0 = published.store.get(f"runs/{RUN}/versions/{0:012d}/manifest.json")
         await d.on_version_ready(raw0)  # as bytes
         raw = published.store.get(f"runs/{RUN}/versions/{1:012d}/manifest.json")
-        await d.on_version_ready(mf.parse(raw, key=None))  # or parsed, as the cluster layer holds it
+        await d.on_version_ready(mf.parse(raw, key=parse_key(KEY)))  # or parsed, as the cluster layer holds it
         await wait_until(lambda: inner.version == 1, "version 1")
         with pytest.raises(Exception, match="signature"):
             await d.on_version_ready(raw.replace(b'"step":1', b'"step":9'))

@@ -71,7 +71,7 @@ def test_a_forged_manifest_is_rejected_and_counted(source, tmp_path):
     from syncd import manifest as mf
     from syncd.signing import SigningKey
 
-    forged = mf.parse(raw, key=None).encode(SigningKey(b"another-key-0123456789abcdef"))
+    forged = mf.parse(raw, key=None, allow_unsigned=True).encode(SigningKey(b"another-key-0123456789abcdef"))
     pub.store.put(key, forged)
     with pytest.raises(SignatureError):
         src.get(8)

@@ -12,12 +12,14 @@ from syncd import manifest as mf
 from syncd.daemon.poller import Poller
 from syncd.errors import StoreError
 from syncd.store import RetryPolicy, Store
-from tests.daemon.conftest import RUN, Published
+from syncd.versions import read_manifest
+from tests.daemon.conftest import KEY, RUN, Published
 
 
 def poller(store, **kw):
     seen = []
-    p = Poller(store, RUN, interval_s=kw.get("interval_s", 0.01), jitter=0.2, backoff_max_s=kw.get("backoff", 0.08),
+    p = Poller(store, RUN, read=lambda v: read_manifest(store, RUN, v, signing_key=KEY),
+               interval_s=kw.get("interval_s", 0.01), jitter=0.2, backoff_max_s=kw.get("backoff", 0.08),
                list_every_s=kw.get("list_every_s", 3600), on_candidate=seen.append)
     return p, seen
 
@@ -83,4 +85,5 @@ def test_backoff_while_the_store_fails_then_catch_up(tmp_path):
 
 def test_run_ids_are_checked():
     with pytest.raises(ValueError, match="run id"):
-        Poller(None, "../x", interval_s=1, jitter=0, backoff_max_s=1, list_every_s=1, on_candidate=print)
+        Poller(None, "../x", read=print, interval_s=1, jitter=0, backoff_max_s=1, list_every_s=1,
+               on_candidate=print)

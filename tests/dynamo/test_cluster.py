@@ -308,12 +308,21 @@ def test_weight_update_through_admin_routes_while_streaming(cluster, model_dir):
     # a bad update is refused and changes nothing; rollback restores version 0 bit for bit
     # (Dynamo's system server answers a failed route with HTTP 500 and the exception in "message")
     status, reply = http_json("POST", f"{engines[0].base_url}/engine/weights/stage",
-                              {"manifest": '{"schema":"nope"}', "cache_root": str(cache_root)})
+                              {"manifest": '{"schema":"nope"}', "cache_root": str(cache_root),
+                               **engines[0].credentials()})
     assert status == 500 and "ManifestError" in reply["message"], reply
-    from syncd.errors import ManifestError
+    from syncd.errors import LeaseHeld, ManifestError, NotAuthorized
 
     with pytest.raises(ManifestError):  # RemoteAdapter recovers the type from Dynamo's envelope
         engines[0].stage_from_cache(b'{"schema":"nope"}', cache_root)
+    # the weight routes need the node's engine token (in the body: Dynamo hands a route only its body) and,
+    # for weight ops, the lease, which engines[0] holds
+    status, reply = http_json("POST", f"{engines[0].base_url}/engine/weights/pause", {})
+    assert status == 500 and "NotAuthorized" in reply["message"], reply
+    with pytest.raises(NotAuthorized):
+        RemoteAdapter(engines[0].base_url, token="0" * 64).version
+    with pytest.raises(LeaseHeld, match=f"pid {os.getpid()}"):
+        RemoteAdapter(engines[0].base_url, run_id="other").pause()
     assert engines[0].version == 1 and engines[0].checksum() == want1
     for e in engines:
         e.pause()

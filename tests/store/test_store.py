@@ -184,3 +184,16 @@ def test_gcs_and_azure_urls_open_through_obstore():
     gs = Store("gs://bucket/prefix", options={"skip_signature": True})
     az = Store("az://container/prefix", options={"account_name": "acct", "skip_signature": True})
     assert type(gs.raw).__name__ == "GCSStore" and type(az.raw).__name__ == "AzureStore"
+
+
+def test_get_bounded_refuses_a_large_object_without_reading_it(any_store):
+    from syncd.errors import ObjectTooLarge
+
+    any_store.put("small", b"x" * 100)
+    any_store.put("empty", b"")
+    any_store.put("large", b"y" * 300_000)
+    assert any_store.get_bounded("small", 100) == b"x" * 100 and any_store.get_bounded("empty", 10) == b""
+    with pytest.raises(ObjectTooLarge, match="large is 300000 bytes, over the 1000-byte limit"):
+        any_store.get_bounded("large", 1000)
+    with pytest.raises(ObjectNotFound):
+        any_store.get_bounded("missing", 10)

@@ -4,6 +4,7 @@ every kind of bad store content: each a named error, and nothing applied."""
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import replace
 from pathlib import Path
 
@@ -127,14 +128,17 @@ def test_altered_manifest_is_a_signature_error(published):
     assert_same(syncd.materialize(store, RUN, 3, signing_key=KEY), states[3])
 
 
-def test_manifest_resigned_with_wrong_key_is_a_signature_error(published):
-    store, root, _ = published
+def test_manifest_resigned_with_wrong_key_is_a_signature_error(published, caplog):
+    store, root, states = published
     m = read_manifest(store, RUN, 5, signing_key=KEY)
     manifest_path(root, 5).write_bytes(replace(m, step=999).encode(SigningKey(b"attacker-key-0123456789")))
     with pytest.raises(SignatureError, match="names key id"):
-        syncd.materialize(store, RUN, signing_key=KEY)
-    with pytest.raises(SignatureError):
-        latest_version(store, RUN, signing_key=KEY)  # the newest manifest is bad: say so, don't skip it
+        syncd.materialize(store, RUN, 5, signing_key=KEY)
+    # the newest *valid* version is 4: the forged 5 is skipped and reported, never taken as the newest
+    with caplog.at_level(logging.WARNING, logger="syncd.newest"):
+        assert latest_version(store, RUN, signing_key=KEY) == 4
+    assert "version 5 skipped: SignatureError" in caplog.text
+    assert_same(syncd.materialize(store, RUN, signing_key=KEY), states[4])
 
 
 def test_unsigned_manifests_rejected_when_reader_has_a_key(tmp_path):
@@ -198,8 +202,8 @@ def test_oversized_objects_are_refused_without_reading_them_whole(published, mon
     with pytest.raises(IntegrityError, match="shard of version 4 does not match its manifest: .* bytes, expected"):
         syncd.materialize(store, RUN, 4, signing_key=KEY)
     monkeypatch.setattr(mf, "MAX_MANIFEST_BYTES", 1000)
-    with pytest.raises(ManifestError, match="over the 1000-byte limit"):
-        read_manifest(store, RUN, 3, signing_key=KEY)
+    with pytest.raises(ManifestError, match="bytes, over the 1000-byte limit; not read"):
+        read_manifest(store, RUN, 3, signing_key=KEY)  # one ranged GET, its body left unread
 
 
 def test_verify_run_names_exactly_the_broken_versions(published):
@@ -240,9 +244,12 @@ def test_cli_ls_verify_gc(published, capsys, monkeypatch):
     assert cli(["verify", "--version", "3"]) == 0
     capsys.readouterr()
     assert cli(["verify", "--run-id", "nope"]) == 1
-    assert "has no versions" in capsys.readouterr().out
+    assert f"run 'nope' has no versions in file://{root}; runs there: {RUN}" in capsys.readouterr().err
+    for command in (["ls"], ["gc", "--dry-run"]):  # an unknown run is an error, named, with the runs there are
+        assert cli(command + ["--run-id", "nope"]) == 1
+        assert f"runs there: {RUN}" in capsys.readouterr().err
     assert cli(["ls", "--run-id", "../etc"]) == 2
     assert "invalid run id" in capsys.readouterr().err
     assert cli([]) == 2
     assert cli(["ls", "--store", str(root / "typo")]) == 2
-    assert "is not a directory" in capsys.readouterr().err and not (root / "typo").exists()
+    assert "does not exist" in capsys.readouterr().err and not (root / "typo").exists()

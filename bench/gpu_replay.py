@@ -1,0 +1,91 @@
+"""The replay ops on the GPU (Triton): ``kept_logprobs`` forward + backward next to the naive masked
+log-softmax (build a [T, V] mask, fill -inf, log_softmax, gather) and the lm_head matmul of the same T, timed
+with CUDA events in the same run, with peak device memory above the inputs; the result is checked against the
+plain-PyTorch reference on the same device (``--refcheck``). Kept-set sizes as in ``bench.replay``. Writes JSON.
+
+    python -m bench.gpu_replay --rows 8192 --refcheck
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from bench.gpu_codec import cuda_time
+from bench.replay import kept_sizes_public, random_sets
+
+
+def _peak(fn) -> int:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def main(argv=None) -> int:
+    from syncd.ops.reference.replay import kept_rows
+    from syncd.ops.replay import kept_logprobs
+
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_replay", description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, default=8192)
+    p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--hidden", type=int, default=4096, help="lm_head input size")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--refcheck", action="store_true")
+    p.add_argument("--out", default="bench/results/gpu_replay.json")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("no CUDA GPU: nothing to time")
+        return 1
+    T, V, dt = args.rows, args.vocab, getattr(torch, args.dtype)
+    gen = torch.Generator().manual_seed(0)
+    sizes = kept_sizes_public(T, gen, 1000)
+    ids = torch.cat(random_sets(sizes, V, gen)).cuda()
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)]).cuda()
+    rows = kept_rows(offsets)
+    targets = ids[offsets[:-1]]  # the first kept id of each row
+    x = torch.randn(T, V, device="cuda").to(dt).requires_grad_()
+
+    def ours():
+        kept_logprobs(x, ids, offsets, targets, backend="triton").sum().backward()
+        x.grad = None
+
+    def naive():
+        mask = torch.zeros(T, V, dtype=torch.bool, device="cuda")
+        mask[rows, ids] = True
+        z = x.float().masked_fill(~mask, float("-inf"))
+        torch.log_softmax(z, -1).gather(1, targets[:, None]).sum().backward()
+        x.grad = None
+
+    h = torch.randn(T, args.hidden, device="cuda", dtype=dt)
+    w = torch.randn(V, args.hidden, device="cuda", dtype=dt)
+    res = {"rows": T, "vocab": V, "dtype": args.dtype, "kept_ids": int(ids.numel()), "gpu": torch.cuda.get_device_name(),
+           "triton_s": cuda_time(ours, args.repeats), "triton_peak_bytes": _peak(ours),
+           "naive_s": cuda_time(naive, max(1, args.repeats // 2)), "naive_peak_bytes": _peak(naive),
+           "lm_head_s": cuda_time(lambda: torch.nn.functional.linear(h, w), args.repeats), "hidden": args.hidden}
+    res["speedup"] = res["naive_s"] / res["triton_s"]
+    res["memory_ratio"] = res["naive_peak_bytes"] / max(res["triton_peak_bytes"], 1)
+    res["lm_head_fraction"] = res["triton_s"] / res["lm_head_s"]
+    if args.refcheck:
+        got = kept_logprobs(x.detach(), ids, offsets, targets, backend="triton")
+        want = kept_logprobs(x.detach(), ids, offsets, targets, backend="reference")
+        res["max_abs_err"] = float((got - want).abs().max())
+    print(f"{res['gpu']}: T={T}, V={V} {args.dtype}, {res['kept_ids']} kept ids: triton {res['triton_s'] * 1e3:.2f} ms, "
+          f"naive {res['naive_s'] * 1e3:.2f} ms ({res['speedup']:.1f}x), peak {res['triton_peak_bytes'] / 2**20:.0f} vs "
+          f"{res['naive_peak_bytes'] / 2**20:.0f} MiB ({res['memory_ratio']:.1f}x); lm_head [T, {args.hidden}] "
+          f"{res['lm_head_s'] * 1e3:.2f} ms ({100 * res['lm_head_fraction']:.2f}%)"
+          + (f"; max |triton - reference| {res['max_abs_err']:.2e}" if args.refcheck else ""))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    return 0 if not args.refcheck or res["max_abs_err"] < 1e-4 else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,458 @@
+"""Replay benchmark: how closely the trainer reproduces the engine's sampling distribution, what the kept-set op
+costs, and what the records cost on the wire. Everything is measured in one run, side by side.
+
+1. **Mismatch table** (``bench.rollouts``: reference-engine workers under Dynamo, the sandbox proxy, real AdamW
+   updates published and applied mid-trajectory; fp32 on CPU; dense Qwen2, Qwen3-MoE and an NVFP4-QAT Qwen2).
+   The trainer reads the rollouts back (``trainer.rollouts``) and recomputes every token's log-prob on the
+   weight versions the engine used (``trainer.logprobs.sampler_logprobs``): without replay, with kept-set
+   replay, with kept-set + routing replay; the NVFP4 model with its QAT trainer. Per row: IS ratio mean, share
+   of tokens outside [0.9, 1.1], max |d log p|, mismatch KL (k3; k1), routing disagreement (share of token-layer
+   routes the trainer's forward used that differ from the engine's, measured at the experts). Context rows: the
+   trainer on the newest weights (what an async trainer computes; staleness), the engine's own forward shapes
+   (``stepwise``: the numerics floor) and, for MoE, a bf16 trainer (other numerics than the engine's, as in
+   production; where routing replay matters: fp32 routers on identical weights choose what the engine chose). Public figures: TRL PR 7269 (top-p 0.8 on vLLM) ratio mean 0.896, 51.8% of
+   tokens outside [0.9, 1.1]; after replay 1.001 and 4.3%.
+2. **kept_logprobs vs the naive masked log-softmax** (build a [T, V] mask, fill -inf, log_softmax, gather),
+   forward + backward on the same inputs, kept-set sizes drawn to match prime-rl's figures (median 2, p99 82, 46%
+   single tokens): median time and peak memory above the inputs, with a dense gradient (cpu, reference) and a
+   sparse one (``sparse_grad``), next to the lm_head matmul of the same T and the time of writing a [T, V]
+   gradient; then the lm_head and the op together, forward and backward (where a sparse gradient pays most).
+3. **Bytes per token** of kept sets and routes: on the recorded rollouts, and on the public distribution at
+   V = 151,936 (with the information-theoretic bound for sets of uniformly random ids); routes at a Qwen3-30B-A3B
+   shape (E 128, top-8, 48 layers) at ceil(log2 E) bits against int32.
+
+    python -m bench.replay                          # 3 models x 8 streams x 512 tokens; T=1024, V=151,936
+    python -m bench.replay --rows 2048,8192         # the op at several T (the naive baseline where it fits)
+    python -m bench.replay --preset tiny --plot replay.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+PRESETS = {
+    "default": dict(requests=8, max_tokens=512, concurrency=8, updates=2, update_every=160, pretrain_steps=400,
+                    hidden=64, vocab=151936, rows="1024", lm_hidden=2048, repeats=3, synthetic=20000),
+    "tiny": dict(requests=2, max_tokens=24, concurrency=2, updates=1, update_every=8, pretrain_steps=10, hidden=32,
+                 vocab=4096, rows="64", lm_hidden=64, repeats=1, synthetic=500),
+}
+MODELS = {"dense": dict(arch="qwen2"), "moe": dict(arch="qwen3_moe"), "nvfp4": dict(arch="qwen2", nvfp4=True)}
+PUBLIC = {"trl_7269_no_replay": {"mean": 0.896, "outside_pct": 51.8}, "trl_7269_replay": {"mean": 1.001, "outside_pct": 4.3},
+          "prime_rl_bytes_per_token": 32, "r3_kl": {"moe_no_replay": 1.5e-3, "moe_replay": 6.4e-4}}
+
+
+# ---------------------------------------------------------------------------------------------- 1. mismatch
+
+
+def _used_route_disagreement(model, seq, fn):
+    """Run ``fn()`` and return the share of routed (position, layer) pairs whose experts, as the experts modules
+    received them, differ from the engine's routes (None for a dense model)."""
+    if seq.routes is None:
+        fn()
+        return None
+    seen = []
+    experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
+    hooks = [e.register_forward_pre_hook(lambda m, a, i=i: seen.append((i, a[1]))) for i, e in enumerate(experts)]
+    try:
+        fn()
+    finally:
+        for h in hooks:
+            h.remove()
+    used = [torch.cat([idx for i, idx in seen if i == layer]) for layer in range(len(experts))]
+    rows = used[0].shape[0]
+    rec = seq.routes[:rows].long()
+    routed = rec[:, 0, 0] >= 0
+    differ = torch.zeros(rows, len(experts), dtype=torch.bool)
+    for layer, u in enumerate(used):
+        differ[:, layer] = (u.sort(-1).values != rec[:, layer].sort(-1).values).any(-1)
+    return float(differ[routed].double().mean())
+
+
+def _row(name, trainer_lp, engine_lp, disagreement) -> dict:
+    from trainer.correction import ratio_stats
+
+    s = ratio_stats(trainer_lp, engine_lp)
+    return {"row": name, "tokens": s.tokens, "is_mean": s.mean, "outside_pct": 100 * s.outside,
+            "max_abs_dlogp": s.max_abs_log_ratio, "kl_k3": s.kl_k3, "kl_k1": s.kl_k1, "routing_disagreement": disagreement}
+
+
+def mismatch(name: str, cfg: dict, workdir: Path) -> dict:
+    from bench.rollouts import RolloutConfig, generate
+    from trainer.correction import mismatch_by_source
+    from trainer.logprobs import sampler_logprobs
+    from trainer.rollouts import read_rollouts
+
+    rc = RolloutConfig(**MODELS[name], **{k: cfg[k] for k in ("requests", "max_tokens", "concurrency", "updates",
+                                                              "update_every", "pretrain_steps", "hidden")})
+    run = generate(workdir / name, (workdir / name / "store").resolve().as_uri(), rc)
+    rs = read_rollouts(run.store_url, run.run_id)
+    model = run.trainer_model()
+    newest = max(run.weights)
+    variants = {"no replay": dict(kept=False, routing=False), "kept-set replay": dict(kept=True, routing=False),
+                "kept-set + routing replay": dict(kept=True, routing=True)}
+    if name == "nvfp4":
+        variants = {"no replay (NVFP4 QAT trainer)": variants["no replay"],
+                    "full replay (NVFP4 QAT trainer)": variants["kept-set + routing replay"]}
+    lps = {k: [] for k in variants}
+    extra = {"newest weights, no replay": [], "newest weights, full replay": [], "engine shapes (stepwise)": []}
+    bf16 = {}
+    if rc.arch != "qwen2":  # a bf16 trainer (other numerics than the fp32 engine): where routing replay matters
+        bf16 = {"bf16 trainer, kept-set replay": dict(routing=False), "bf16 trainer, kept-set + routing replay": {}}
+        model16 = run.trainer_model().to(torch.bfloat16)
+        extra.update({k: [] for k in bf16})
+    used = {k: [] for k in [*variants, *extra]}
+    engine = []
+    t0 = time.perf_counter()
+    for seq in rs.sequences:
+        engine.append(seq.logprobs[seq.positions])
+        for k, kw in variants.items():
+            box = {}
+            used[k].append(_used_route_disagreement(model, seq, lambda: box.update(
+                r=sampler_logprobs(model, seq, weights_of=run.weights_of, **kw))))
+            lps[k].append(box["r"].logprobs)
+        extra["engine shapes (stepwise)"].append(sampler_logprobs(model, seq, weights_of=run.weights_of,
+                                                                  stepwise=True).logprobs)
+        for k, kw in bf16.items():
+            box = {}
+            used[k].append(_used_route_disagreement(model16, seq, lambda: box.update(
+                r=sampler_logprobs(model16, seq, weights_of=run.weights_of, **kw))))
+            extra[k].append(box["r"].logprobs)
+        model.load_state_dict(run.weights_of(newest))
+        for k, kw in (("newest weights, no replay", dict(kept=False, routing=False)), ("newest weights, full replay", {})):
+            box = {}
+            used[k].append(_used_route_disagreement(model, seq, lambda: box.update(
+                r=sampler_logprobs(model, seq, **kw))))
+            extra[k].append(box["r"].logprobs)
+    recompute_s = time.perf_counter() - t0
+    engine = torch.cat(engine)
+
+    def dis(k):
+        vals = [u for u in used[k] if u is not None]
+        return statistics.fmean(vals) if vals else None
+
+    rows = [_row(k, torch.cat(v), engine, dis(k)) for k, v in lps.items()]
+    rows += [_row(k, torch.cat(v), engine, dis(k)) for k, v in extra.items()]
+    cat = {k: torch.cat(v) for k, v in lps.items()}
+    keys = list(cat)
+    versions = torch.cat([s.versions[s.positions] for s in rs.sequences])
+    split = mismatch_by_source(engine, cat[keys[-1]], own_routing=cat.get("kept-set replay"), full_vocab=cat[keys[0]],
+                               current=torch.cat(extra["newest weights, no replay"]), versions=versions,
+                               current_version=newest)
+    kept_sizes = torch.cat([s.kept_offsets[1:] - s.kept_offsets[:-1] for s in rs.sequences]).double()
+    return {"model": name, "arch": rc.arch, "nvfp4": rc.nvfp4, "tokens": int(engine.numel()),
+            "trajectories": len(rs.rollouts), "versions": sorted(run.weights), "applied_at": run.applied_at,
+            "rows": rows, "sources": {"components": split.components, "total": split.total, "lag": split.lag},
+            "kept_size": {"median": float(kept_sizes.median()), "mean": float(kept_sizes.mean()),
+                          "p99": float(kept_sizes.quantile(0.99)), "single_pct": float(100 * (kept_sizes == 1).double().mean())},
+            "bytes": recorded_bytes(run.store_url, run.run_id), "generate_s": run.wall_s, "recompute_s": recompute_s}
+
+
+# ---------------------------------------------------------------------------------------------- 3. bytes
+
+
+def kept_sizes_public(n: int, gen: torch.Generator, top: int) -> torch.Tensor:
+    """Kept-set sizes with prime-rl's quantiles: 46% single tokens, median 2, p99 about 82 (a rounded log-normal
+    tail, mu 2.2 and sigma 1.05, fitted to those points by sampling; its mean is about 9 ids, which at int32 per id
+    is prime-rl's 32-odd bytes per token), at most ``top``."""
+    single = torch.rand(n, generator=gen) < 0.46
+    tail = torch.exp(2.2 + 1.05 * torch.randn(n, generator=gen)).round().clamp(2, top)
+    return torch.where(single, torch.ones(n), tail).long()
+
+
+def random_sets(sizes: torch.Tensor, V: int, gen: torch.Generator) -> list[torch.Tensor]:
+    out = []
+    for s in sizes.tolist():
+        ids = torch.unique(torch.randint(0, V, (2 * s + 4,), generator=gen))
+        while ids.numel() < s:
+            ids = torch.unique(torch.cat([ids, torch.randint(0, V, (s,), generator=gen)]))
+        out.append(ids[torch.randperm(ids.numel(), generator=gen)[:s]].sort().values)
+    return out
+
+
+def recorded_bytes(store_url: str, run_id: str) -> dict:
+    """Bytes per generated token in the run's replay records: kept sets, token routes, whole chunks."""
+    from syncd.records.replay import decode_chunk, encode_kept, pack_routing
+    from syncd.store import Store
+
+    store = Store(store_url)
+    kept = routes = total = tokens = 0
+    for o in store.list(f"runs/{run_id}/replay/"):
+        raw = store.get(o.key)
+        c = decode_chunk(raw)
+        tokens += len(c.records)
+        total += len(raw)
+        kept += sum(len(encode_kept(r.kept, c.vocab_size)) for r in c.records)
+        if c.records[0].routing is not None:
+            routes += len(pack_routing(torch.stack([torch.as_tensor(r.routing) for r in c.records]).numpy(),
+                                       c.num_experts))
+    return {"tokens": tokens, "kept_per_token": kept / tokens, "routes_per_token": routes / tokens,
+            "chunk_per_token": total / tokens}
+
+
+def public_bytes(n: int, V: int, seed: int) -> dict:
+    from syncd.records.replay import encode_kept
+    from syncd.ops.replay import bits_per_id
+
+    gen = torch.Generator().manual_seed(seed)
+    sizes = kept_sizes_public(n, gen, 1000)
+    sets = random_sets(sizes, V, gen)
+    v1 = statistics.fmean(len(encode_kept(s.numpy(), V)) for s in sets)
+    bound = statistics.fmean((math.lgamma(V + 1) - math.lgamma(s + 1) - math.lgamma(V - s + 1)) / math.log(2) / 8
+                             for s in sizes.tolist())
+    E, k, L = 128, 8, 48
+    b = bits_per_id(E)
+    return {"vocab": V, "tokens": n, "kept_size_median": float(sizes.double().median()),
+            "kept_size_p99": float(sizes.double().quantile(0.99)), "single_pct": float(100 * (sizes == 1).double().mean()),
+            "kept_size_mean": float(sizes.double().mean()), "kept_v1_per_token": v1, "kept_bound_per_token": bound,
+            "int32_ids_per_token": 4 * float(sizes.double().mean()),
+            "routes": {"experts": E, "top_k": k, "layers": L, "bits_per_id": b, "per_token": L * k * b / 8,
+                       "int32_per_token": L * k * 4}}
+
+
+# ---------------------------------------------------------------------------------------------- 2. op
+
+
+def _rss() -> tuple[int, int]:
+    """(current RSS, peak RSS since the last reset) in bytes."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
+
+
+def _measure(fn, repeats: int) -> tuple[float, int]:
+    """(median seconds, peak RSS above the starting point in bytes) of ``fn()``; the peak of the first call."""
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS counter
+    base, _ = _rss()
+    times = []
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+        if i == 0:
+            peak = _rss()[1] - base
+    return statistics.median(times), peak
+
+
+OP_METHODS = {"cpu": dict(backend="cpu"), "reference": dict(backend="reference"),
+              "cpu, sparse grad": dict(backend="cpu", sparse_grad=True)}
+
+
+def op_bench(T: int, V: int, H: int, repeats: int, seed: int, budget: int) -> dict:
+    """The op alone (forward + backward into the logits), then the lm_head and the op together (forward and
+    backward through ``linear(hidden [T, H], weight [V, H])``), each against the naive masked log-softmax."""
+    from syncd.ops.reference.replay import kept_rows
+    from syncd.ops.replay import kept_logprobs
+
+    gen = torch.Generator().manual_seed(seed)
+    sizes = kept_sizes_public(T, gen, 1000)
+    sets = random_sets(sizes, V, gen)
+    ids = torch.cat(sets)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)])
+    targets = torch.stack([s[torch.randint(0, s.numel(), (1,), generator=gen)][0] for s in sets])
+    rows = kept_rows(offsets)
+    grad_bytes = T * V * 4
+
+    def naive_loss(x):
+        mask = torch.zeros(T, V, dtype=torch.bool)
+        mask[rows, ids] = True
+        return torch.log_softmax(x.masked_fill(~mask, float("-inf")), dim=-1).gather(1, targets[:, None]).sum()
+
+    def run(loss_of, leaves):
+        def fn():
+            loss_of().backward()
+            for t in leaves:
+                t.grad = None
+        return fn
+
+    def measure(methods: dict, naive_fn, naive_need: int) -> dict:
+        res = {}
+        for name, fn in methods.items():
+            t, peak = _measure(fn, repeats)
+            res[name] = {"s": t, "peak_bytes": peak, "peak_without_grad": peak - grad_bytes}
+        if naive_need > budget:
+            res["naive"] = {"skipped": f"needs about {naive_need / 2**30:.1f} GiB, the budget is {budget / 2**30:.1f} GiB"}
+            return res
+        t, peak = _measure(naive_fn, max(1, min(repeats, 2)))
+        res["naive"] = {"s": t, "peak_bytes": peak, "peak_without_grad": peak - grad_bytes}
+        for name in methods:  # (peaks under 64 MiB are too close to page-size noise to divide; 1 MiB floor)
+            r = res[name]
+            r["speedup"] = t / r["s"]
+            r["memory_ratio"] = peak / max(r["peak_bytes"], 1 << 20) if peak >= 64 << 20 else None
+            r["working_memory_ratio"] = (peak - grad_bytes) / max(r["peak_without_grad"], 1 << 20) \
+                if peak - grad_bytes >= 64 << 20 else None
+        return res
+
+    out = {"rows": T, "vocab": V, "kept_ids": int(ids.numel()), "grad_bytes": grad_bytes}
+    out["zeros_floor_s"] = _measure(lambda: torch.zeros(T, V), repeats)[0]
+    x = torch.randn(T, V, generator=gen).requires_grad_()
+    out["op"] = measure({k: run(lambda kw=kw: kept_logprobs(x, ids, offsets, targets, **kw).sum(), [x])
+                         for k, kw in OP_METHODS.items()}, run(lambda: naive_loss(x), [x]), 6 * grad_bytes)
+    del x
+    out["lm_head_hidden"] = H
+    if (T * H + V * H + T * V) * 4 > budget:
+        return out
+    h = torch.randn(T, H, generator=gen).requires_grad_()
+    w = (torch.randn(V, H, generator=gen) / H ** 0.5).requires_grad_()
+    linear = torch.nn.functional.linear
+    out["lm_head_s"] = _measure(lambda: linear(h.detach(), w.detach()), max(1, min(repeats, 2)))[0]
+    out["lm_head_fraction"] = {k: r["s"] / out["lm_head_s"] for k, r in out["op"].items() if "s" in r}
+    if 7 * grad_bytes <= budget:  # (only where the baseline runs too: each pass is several lm_head matmuls)
+        e2e = {k: run(lambda kw=kw: kept_logprobs(linear(h, w), ids, offsets, targets, **kw).sum(), [h, w])
+               for k, kw in OP_METHODS.items() if k != "reference"}
+        out["with_lm_head"] = measure(e2e, run(lambda: naive_loss(linear(h, w)), [h, w]), 7 * grad_bytes)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+
+def _print_mismatch(m: dict) -> None:
+    ks = m["kept_size"]
+    print(f"\n{m['model']} ({m['arch']}{', NVFP4 QAT' if m['nvfp4'] else ''}): {m['tokens']} tokens in "
+          f"{m['trajectories']} trajectories, versions {m['versions']} (applied at {m['applied_at']} tokens per stream); "
+          f"kept sets median {ks['median']:.0f}, p99 {ks['p99']:.0f}, {ks['single_pct']:.0f}% single")
+    print(f"  {'row':<40} {'IS mean':>9} {'%out':>6} {'max|dlogp|':>11} {'KL k3':>9} {'KL k1':>10} {'routing dis':>11}")
+    for r in m["rows"]:
+        rd = "n/a" if r["routing_disagreement"] is None else f"{r['routing_disagreement']:.4f}"
+        print(f"  {r['row']:<40} {r['is_mean']:9.5f} {r['outside_pct']:6.1f} {r['max_abs_dlogp']:11.2e} "
+              f"{r['kl_k3']:9.2e} {r['kl_k1']:10.2e} {rd:>11}")
+    parts = ", ".join(f"{k} {v['mean']:+.3e}" for k, v in m["sources"]["components"].items())
+    print(f"  log-ratio by source (newest weights, no replay, against the engine): {parts}; total "
+          f"{m['sources']['total']['mean']:+.3e}; lag {m['sources']['lag']['counts']}")
+
+
+def _print_op(o: dict) -> None:
+    print(f"\nkept_logprobs, T={o['rows']}, V={o['vocab']} ({o['kept_ids']} kept ids), fp32 logits; writing a [T, V] "
+          f"gradient alone (zeros): {o['zeros_floor_s'] * 1e3:.1f} ms")
+    parts = [("forward + backward into the logits", o["op"])]
+    if "with_lm_head" in o:
+        parts.append((f"with the lm_head, forward + backward through linear([T, {o['lm_head_hidden']}], [V, "
+                      f"{o['lm_head_hidden']}])", o["with_lm_head"]))
+    for title, res in parts:
+        print(f"  {title}:")
+        for name, r in res.items():
+            if "skipped" in r:
+                print(f"    {name:<17} not run: {r['skipped']}")
+                continue
+            extra = ""
+            if "speedup" in r:
+                mem, work = (("n/a" if v is None else f"{v:.1f}x") for v in (r["memory_ratio"], r["working_memory_ratio"]))
+                extra = f"  {r['speedup']:6.1f}x faster, {mem} less peak ({work} not counting a [T, V] gradient)"
+            print(f"    {name:<17} {r['s'] * 1e3:9.1f} ms  peak {r['peak_bytes'] / 2**20:8.1f} MiB{extra}")
+    if "lm_head_s" in o:
+        fr = ", ".join(f"{k} {100 * v:.2f}%" for k, v in o["lm_head_fraction"].items())
+        print(f"  the lm_head forward matmul alone: {o['lm_head_s'] * 1e3:.1f} ms; the op as a share of it: {fr}")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.replay", description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="default")
+    for k in ("requests", "max_tokens", "concurrency", "updates", "update_every", "pretrain_steps", "hidden", "vocab",
+              "lm_hidden", "repeats", "synthetic"):
+        p.add_argument("--" + k.replace("_", "-"), type=int, default=None)
+    p.add_argument("--rows", default=None, help="comma-separated T values for the op (default: the preset's)")
+    p.add_argument("--models", default="dense,moe,nvfp4", help=f"mismatch-table models of {', '.join(MODELS)} ('' none)")
+    p.add_argument("--mem-budget-gib", type=float, default=None,
+                   help="memory the op benchmark may use (default: 70%% of MemAvailable)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=os.environ.get("SYNCD_BENCH_OUT", "bench/results/replay.json"))
+    p.add_argument("--plot", default=None, help="also draw the results to this PNG (matplotlib)")
+    return p
+
+
+def _available() -> int:
+    fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    return int(fields["MemAvailable"].split()[0]) * 1024
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    cfg = dict(PRESETS[args.preset])
+    cfg.update({k: v for k, v in vars(args).items() if k in cfg and v is not None})
+    models = [m for m in args.models.split(",") if m]
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        print(f"bench.replay: --models: unknown {unknown} (choose from {', '.join(MODELS)})", file=sys.stderr)
+        return 2
+    budget = int((args.mem_budget_gib * 2**30) if args.mem_budget_gib else 0.7 * _available())
+    print(f"syncd replay benchmark: preset {args.preset}, torch threads {torch.get_num_threads()}, "
+          f"{platform.processor() or platform.machine()}, memory budget {budget / 2**30:.1f} GiB")
+    results = {"bench": "replay", "preset": args.preset, "config": cfg, "public": PUBLIC, "mismatch": [], "op": []}
+    with tempfile.TemporaryDirectory(prefix="bench-replay-") as tmp:
+        for name in models:
+            m = mismatch(name, cfg, Path(tmp))
+            results["mismatch"].append(m)
+            _print_mismatch(m)
+    for T in (int(t) for t in str(cfg["rows"]).split(",")):
+        o = op_bench(T, cfg["vocab"], cfg["lm_hidden"], cfg["repeats"], args.seed, budget)
+        results["op"].append(o)
+        _print_op(o)
+    pb = public_bytes(cfg["synthetic"], 151936, args.seed)
+    results["bytes"] = {"public": pb, "recorded": {m["model"]: m["bytes"] for m in results["mismatch"]}}
+    print(f"\nbytes per token, kept sets at V=151,936 (sizes median {pb['kept_size_median']:.0f}, p99 "
+          f"{pb['kept_size_p99']:.0f}, {pb['single_pct']:.0f}% single, mean {pb['kept_size_mean']:.1f}; ids uniform): "
+          f"format v1 {pb['kept_v1_per_token']:.1f} B (int32 ids {pb['int32_ids_per_token']:.1f} B; bound for "
+          f"uniform ids {pb['kept_bound_per_token']:.1f} B; prime-rl about {PUBLIC['prime_rl_bytes_per_token']} B)")
+    r = pb["routes"]
+    print(f"routes, E={r['experts']} top-{r['top_k']} x {r['layers']} layers: {r['per_token']:.0f} B/token at "
+          f"{r['bits_per_id']} bits per id, int32 {r['int32_per_token']} B ({r['int32_per_token'] / r['per_token']:.2f}x)")
+    for name, b in results["bytes"]["recorded"].items():
+        print(f"recorded ({name}, V=320): kept sets {b['kept_per_token']:.1f} B/token, routes {b['routes_per_token']:.1f} "
+              f"B/token, whole chunks {b['chunk_per_token']:.1f} B/token")
+    results.update(python=sys.version.split()[0], torch=torch.__version__, machine=platform.machine(),
+                   cpus=os.cpu_count())
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    print(f"results written to {out}")
+    if args.plot:
+        plot(results, Path(args.plot))
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    ax = axes[0]
+    labels, values = [], []
+    for m in results["mismatch"]:
+        for r in m["rows"]:
+            labels.append(f"{m['model']}: {r['row']}")
+            values.append(max(r["max_abs_dlogp"], 1e-8))
+    ax.barh(labels, values, color="tab:blue")
+    ax.set_xscale("log")
+    ax.axvline(1e-4, color="tab:red", ls="--", label="target 1e-4")
+    ax.set_xlabel("max |log p_trainer - log p_engine|")
+    ax.legend(fontsize=8)
+    ax.tick_params(axis="y", labelsize=7)
+    ax = axes[1]
+    for o in results["op"]:
+        names = [n for n, r in o["op"].items() if "s" in r]
+        ax.bar([f"{n}\nT={o['rows']}" for n in names], [o["op"][n]["s"] * 1e3 for n in names])
+    ax.set_yscale("log")
+    ax.set_ylabel("forward + backward, ms")
+    ax.set_title("kept_logprobs vs the naive masked log-softmax")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,338 @@
+"""Real rollouts with weight updates landing mid-trajectory, for ``bench.replay`` and the replay tests.
+
+:func:`generate` runs the whole production path on a tiny model (``engine.reference.make_tiny`` configs):
+
+1. a trainer model is trained for a few real AdamW steps on text (so its next-token distributions are peaked,
+   as a trained model's are; a random-init model's are flat), with NVFP4 QAT when ``nvfp4`` is set;
+2. ``trainer.WeightPublisher`` publishes it as version 0 to the store (file or S3) and the same weights become
+   the model folder a node serves;
+3. a node (``engine.dynamo.serve.Node``: the Dynamo frontend and reference-engine workers recording replay
+   records to the store) and a sandbox proxy (``python -m engine.proxy``, recording trajectories) start;
+4. ``requests`` streamed completions (temperature, top-p, top-k as configured) run through the proxy while a
+   controller makes ``updates`` more real optimizer steps, publishing each as a delta and applying it on every
+   worker through its admin routes once every stream has made ``update_every`` more tokens (the workers pause
+   while the trainer steps, publishes and they stage and apply): the streams carry on with the new weights,
+   mid-trajectory, keeping their KV caches;
+5. the proxy writes every trajectory, the workers flush their replay records, everything stops.
+
+The returned :class:`RolloutRun` says where the records are and holds the weights each version served, as the
+trainer's float32 state dict (bf16-rounded as published), for recomputation.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("bench.rollouts")
+
+SANDBOX = "sb-replay"
+FALLBACK_TEXT = ("Every K optimizer steps the trainer computes a lossless, compressed weight delta and uploads it "
+                 "to object storage; engines apply it in place and resume with their KV caches intact. ")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """What :func:`generate` runs. Sizes of the tiny model (``hidden``, ``layers``, ``experts``/``experts_top_k``
+    for MoE archs), the load (``requests`` streams of ``max_tokens`` tokens, EOS ignored, ``concurrency`` running
+    at once in the engine), sampling, and the training (``pretrain_steps`` before version 0; ``updates`` further
+    steps published mid-trajectory, the k-th once a stream has made ``k * update_every`` tokens)."""
+
+    arch: str = "qwen2"
+    nvfp4: bool = False
+    hidden: int = 64
+    layers: int = 2
+    experts: int = 8
+    experts_top_k: int = 2
+    requests: int = 8
+    max_tokens: int = 256
+    concurrency: int = 8
+    temperature: float = 1.0
+    top_p: float = 0.8
+    top_k: int = 20
+    pretrain_steps: int = 60
+    pretrain_lr: float = 1e-2
+    updates: int = 2
+    update_lr: float = 1e-3
+    update_every: int = 40
+    seed: int = 0
+
+
+@dataclass
+class RolloutRun:
+    store_url: str
+    run_id: str
+    config: RolloutConfig
+    model_config: object
+    weights: dict[int, dict[str, torch.Tensor]]
+    trajectories: list[tuple[str, str]]
+    applied_at: dict[int, list[int]] = field(default_factory=dict)  # version -> tokens per stream when applied
+    tokens: int = 0
+    wall_s: float = 0.0
+
+    def weights_of(self, version: int) -> dict[str, torch.Tensor]:
+        return self.weights[version]
+
+    def trainer_model(self, version: int | None = None):
+        """A fresh float32 trainer model (NVFP4 QAT enabled when the run served NVFP4) holding ``version``'s
+        weights (the last version when None)."""
+        from engine.reference.make_tiny import random_model
+
+        model = random_model(self.model_config, self.config.seed)
+        if self.config.nvfp4:
+            from trainer.qat import enable_qat
+
+            enable_qat(model)
+        model.load_state_dict(self.weights[max(self.weights) if version is None else version])
+        return model.eval()
+
+
+def corpus_ids() -> list[int]:
+    """Token ids of the project's docs (the tiny byte-level tokenizer), the text the model is trained on."""
+    from tokenizers import Tokenizer
+
+    from engine.reference.make_tiny import tokenizer_json
+
+    docs = sorted((Path(__file__).resolve().parents[1] / "docs").glob("*.md"))
+    text = "".join(p.read_text(errors="replace") for p in docs) or FALLBACK_TEXT * 50
+    return Tokenizer.from_str(tokenizer_json()).encode(text).ids
+
+
+def train_step(model, opt, data: torch.Tensor, gen: torch.Generator, *, batch: int = 16, length: int = 128) -> float:
+    """One real AdamW step of next-token loss on random windows of ``data``."""
+    starts = torch.randint(0, data.numel() - length - 1, (batch,), generator=gen)
+    x = torch.stack([data[s:s + length + 1] for s in starts.tolist()])
+    model.train()
+    loss = model(input_ids=x[:, :-1], labels=x[:, 1:].contiguous()).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(loss.detach())
+
+
+def _published(model, nvfp4: bool) -> dict:
+    if nvfp4:
+        from trainer.qat import export_nvfp4
+
+        return export_nvfp4(model)
+    return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+
+
+def _served(model) -> dict:
+    """The trainer's view of what the engine serves: every weight rounded to bf16 (QAT quantizes the rest)."""
+    return {k: v.detach().to(torch.bfloat16).float() for k, v in model.state_dict().items()}
+
+
+def _write_folder(out: Path, config, model, state: dict) -> Path:
+    from safetensors.torch import save_file
+
+    from engine.reference.make_tiny import special_ids, write_tokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(out)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    ids = special_ids()
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": ids["<|endoftext|>"],
+                                                            "eos_token_id": ids["<|im_end|>"]}))
+    write_tokenizer(out)
+    return out
+
+
+def _workers(node):
+    from engine.control import RemoteAdapter
+
+    return [RemoteAdapter(w["admin_url"]) for w in node.workers()]
+
+
+def _cache_version(store_url: str, run_id: str, version: int, cache_root: Path) -> bytes:
+    """Put ``version``'s shards in a node cache (what a node daemon fetches) and return its manifest's bytes."""
+    from syncd import manifest as mf
+    from syncd.cache import ShardCache
+    from syncd.store import Store
+    from syncd.versions import fetch_shards, read_manifest
+
+    store = Store(store_url)
+    m = read_manifest(store, run_id, version, signing_key=False)
+    cache = ShardCache(cache_root)
+    for entry, data in zip(m.shards, fetch_shards(store, run_id, m)):
+        cache.put(entry.sha256, data)
+    return bytes(store.get(mf.manifest_key(run_id, version)))
+
+
+def _stream(url: str, body: dict, tid: str, progress: list, k: int) -> dict:
+    import http.client
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
+    try:
+        conn.request("POST", "/v1/completions", body=json.dumps({**body, "stream": True}),
+                     headers={"Content-Type": "application/json", "X-Syncd-Trajectory": tid})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"stream {tid}: HTTP {resp.status}: {resp.read()[:300]!r}")
+        finish = None
+        for line in resp:
+            line = line.strip()
+            if not line.startswith(b"data: {"):
+                continue
+            obj = json.loads(line[6:])
+            if "error" in obj:
+                raise RuntimeError(f"stream {tid}: {obj['error']}")
+            # tokens, not chunks: the frontend merges tokens that do not complete a character into one chunk
+            progress[k] += len(((obj.get("nvext") or {}).get("engine_data") or {}).get("token_ids") or [])
+            for ch in obj.get("choices") or []:
+                finish = ch.get("finish_reason") or finish
+        return {"finish_reason": finish}
+    finally:
+        conn.close()
+
+
+def _post(url: str, path: str, body: dict) -> dict:
+    import http.client
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=120)
+    try:
+        conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        out = json.loads(resp.read() or b"{}")
+        if resp.status != 200:
+            raise RuntimeError(f"{path}: HTTP {resp.status}: {out}")
+        return out
+    finally:
+        conn.close()
+
+
+def _start_proxy(workdir: Path, upstream: str, store_url: str, run_id: str):
+    from engine.dynamo.procs import stop_process, wait_until
+
+    ready = workdir / "proxy.json"
+    logf = open(workdir / "proxy.log", "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "engine.proxy", "--upstream", upstream, "--store", store_url,
+                             "--run-id", run_id, "--sandbox-id", SANDBOX, "--ready-file", str(ready)],
+                            stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    logf.close()
+    try:
+        wait_until(ready.exists, 60, "the proxy to serve", alive=lambda: proc.poll() is not None and "proxy exited")
+    except BaseException:
+        stop_process(proc, 5)
+        raise
+    return proc, json.loads(ready.read_text())["url"]
+
+
+def generate(workdir: Path, store_url: str, cfg: RolloutConfig, *, run_id: str | None = None) -> RolloutRun:
+    """Run the rollouts (see the module docstring). ``store_url``: where versions, replay records and trajectory
+    records go (file or S3 URL). Raises RuntimeError when a stream, an update or a process fails."""
+    from engine.dynamo.procs import stop_process
+    from engine.dynamo.serve import Node, NodeConfig
+    from engine.dynamo.settings import DynamoSettings
+    from engine.reference.make_tiny import model_config, random_model
+    from trainer import WeightPublisher
+
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    run_id = run_id or f"replay-{cfg.arch}{'-nvfp4' if cfg.nvfp4 else ''}"
+    t0 = time.perf_counter()
+    mcfg = model_config(cfg.arch, hidden=cfg.hidden, layers=cfg.layers, intermediate=2 * cfg.hidden,
+                        experts=cfg.experts, top_k=cfg.experts_top_k)
+    model = random_model(mcfg, cfg.seed)
+    if cfg.nvfp4:
+        from trainer.qat import enable_qat
+
+        enable_qat(model)
+    data = torch.tensor(corpus_ids())
+    gen = torch.Generator().manual_seed(cfg.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.pretrain_lr)
+    for _ in range(cfg.pretrain_steps):
+        train_step(model, opt, data, gen)
+    for group in opt.param_groups:
+        group["lr"] = cfg.update_lr
+    state0 = _published(model, cfg.nvfp4)
+    model_dir = _write_folder(workdir / "model", mcfg, model, state0)
+    weights = {0: _served(model)}
+    pub = WeightPublisher(store_url, run_id, signing_key=False, full_every=1000,
+                          dtype=None if cfg.nvfp4 else torch.bfloat16)
+    pub.publish(state0, 0)
+    pub.flush()
+
+    node = Node(NodeConfig(model=model_dir, run_dir=workdir / "node", workers=1, frontend=True,
+                           settings=DynamoSettings(file_kv=workdir / "kv", namespace=f"r{uuid.uuid4().hex[:8]}"),
+                           worker_args=("--weights-version", "0", "--replay-store", store_url, "--run-id", run_id,
+                                        "--max-batch", str(cfg.concurrency)),
+                           startup_timeout_s=240))
+    proxy = None
+    applied: dict[int, list[int]] = {}
+    tids = [f"traj-{k:03d}" for k in range(cfg.requests)]
+    try:
+        node.start()
+        node.supervise(background=True)
+        proxy, proxy_url = _start_proxy(workdir, node.frontend_url, store_url, run_id)
+        progress = [0] * cfg.requests
+        results: list = [None] * cfg.requests
+        errors: list = []
+        lines = [ln for ln in (Path(__file__).resolve().parents[1] / "README.md").read_text().splitlines()
+                 if len(ln) > 20] or [FALLBACK_TEXT]
+
+        def run(k: int) -> None:
+            body = {"model": node.config.model_name, "prompt": lines[k % len(lines)][:80], "max_tokens": cfg.max_tokens,
+                    "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k, "seed": cfg.seed + k,
+                    "ignore_eos": True, "nvext": {"extra_fields": ["engine_data"]}}
+            try:
+                results[k] = _stream(proxy_url, body, tids[k], progress, k)
+            except Exception as exc:  # noqa: BLE001 -- reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(k,), daemon=True) for k in range(cfg.requests)]
+        for t in threads:
+            t.start()
+        for version in range(1, cfg.updates + 1):
+            want = version * cfg.update_every
+            while min(progress) < want and any(t.is_alive() for t in threads):
+                time.sleep(0.002)
+            engines = _workers(node)
+            for e in engines:  # hold the streams mid-trajectory while the trainer makes the next version
+                e.pause()
+            try:
+                applied[version] = list(progress)
+                train_step(model, opt, data, gen)
+                pub.publish(_published(model, cfg.nvfp4), version)
+                pub.flush()
+                weights[version] = _served(model)
+                raw = _cache_version(store_url, run_id, version, workdir / "cache")
+                for e in engines:  # through the workers' admin routes, as a node daemon does
+                    e.stage_from_cache(raw, workdir / "cache")
+                    e.apply()
+                    if e.version != version:
+                        raise RuntimeError(f"a worker is at version {e.version} after applying {version}")
+            finally:
+                for e in engines:
+                    e.resume()
+                    e.release()  # the next round's clients are other lease holders
+            log.info("version %d applied with %s tokens per stream", version, applied[version])
+        for t in threads:
+            t.join(600)
+        if errors:
+            raise RuntimeError(f"{len(errors)} stream(s) failed: {errors[0]}")
+        for tid in tids:
+            reply = _post(proxy_url, f"/syncd/trajectories/{tid}/finish", {})
+            if not reply.get("written") or reply.get("status") != "complete":
+                raise RuntimeError(f"trajectory {tid}: {reply}")
+    finally:
+        pub.close()
+        if proxy is not None:
+            stop_process(proxy, 30)
+        node.close()  # the workers drain and flush their replay records
+    return RolloutRun(store_url, run_id, cfg, mcfg, weights, [(SANDBOX, t) for t in tids], applied,
+                      sum(progress), time.perf_counter() - t0)

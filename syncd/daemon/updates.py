@@ -1,0 +1,235 @@
+"""The update path of :class:`~syncd.daemon.NodeDaemon`: from a plan to engines serving its target.
+
+*Fetch* every shard of the plan into the node cache (a full cache disk is counted, shown and retried after a
+backoff); *stage* each version on a group of engines while they serve; then, one engine at a time, the
+critical section ``pause -> apply -> checksum check -> resume`` (:mod:`~syncd.daemon.driver`); or *rebuild*
+an engine with unknown weights (:mod:`~syncd.daemon.recovery`). An engine that refuses cached shards
+(staging or a rebuild fails) makes the daemon re-hash them: bad ones are removed, counted and fetched again
+instead of being offered forever. Afterwards the cache is trimmed, keeping what a restart needs.
+
+:class:`UpdatePath` is a mixin of ``NodeDaemon`` (it uses the daemon's manifests, source, cache, metrics,
+status, drivers and stop state); it runs on the daemon's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import time
+
+from syncd import manifest as mf
+from syncd.daemon import testhooks
+from syncd.daemon.driver import EngineDriver, NeedsRebuild, UpdateFailed
+from syncd.daemon.fetcher import check_cached
+from syncd.daemon.planner import Plan, plan_update, walk_back
+from syncd.daemon.recovery import RebuildFailed, rebuild_engine
+from syncd.daemon.stager import stage_group
+from syncd.errors import IntegrityError, SyncdError, VersionNotFound
+
+log = logging.getLogger(__name__)
+
+
+class UpdatePath:
+    """See the module docstring."""
+
+    async def _advance(self, group: list[EngineDriver], cur: int | None) -> None:
+        """Move ``group`` (engines at version ``cur``; None: to be rebuilt) towards the newest version."""
+        plan = await asyncio.to_thread(plan_update, self.manifests, cur, self.newest)
+        if plan is None:
+            for d in group:
+                d.state = "blocked" if cur is not None else "needs rebuild"
+            return
+        log.info("run %s: engines %s at %s -> %d via %s (%d bytes)", self.run_id, [d.name for d in group], cur,
+                 plan.target, plan.versions, plan.bytes)
+        if not await self._fetch(plan):
+            return
+        if cur is None:
+            for d in group:
+                if self._stopping():
+                    return
+                await self._rebuild(d, plan)
+        else:
+            await self._step_through(group, plan)
+        await asyncio.to_thread(self._retain)
+
+    async def _fetch(self, plan: Plan) -> bool:
+        """Every shard of the plan into the cache; False on bad or missing data (the version is rejected)
+        or a full cache disk (counted, shown in the status, retried after a backoff)."""
+        if time.monotonic() < self._fetch_retry_at:
+            return False
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(self.source.ensure(self.run_id, m) for m in plan.steps),
+                                       return_exceptions=True)
+        full = None
+        for m, r in zip(plan.steps, results):
+            if isinstance(r, (IntegrityError, VersionNotFound)):
+                self.manifests.reject(m.version, r)
+            elif isinstance(r, OSError) and r.errno in (errno.ENOSPC, errno.EDQUOT):
+                full = r
+            elif isinstance(r, BaseException):
+                raise r
+        if full is not None:
+            self._cache_full(full)
+            return False
+        if self._disk_full:
+            log.warning("cache %s: writes succeed again", self.cache.root)
+            self._disk_full = 0
+            self.status.set(cache_error=None)
+        self._fetch_s = time.perf_counter() - t0
+        return not any(isinstance(r, BaseException) for r in results)
+
+    def _cache_full(self, exc: OSError) -> None:
+        """The cache disk is full: count it, show it, free what is not pinned, back off before downloading."""
+        self._disk_full += 1
+        self.metrics.failure("disk_full")
+        delay = min(60.0, self.config.engine_check_s * 2 ** min(self._disk_full, 10))
+        self._fetch_retry_at = time.monotonic() + delay
+        message = f"cache disk full: {exc}"
+        if self._disk_full == 1 or self.status.get("cache_error") != message:
+            log.error("cache %s: %s; the engines keep serving their versions; retrying in %.1fs", self.cache.root,
+                      exc, delay)
+        self.status.set(cache_error=message)
+        self._retain()
+
+    async def _heal(self, steps) -> int:
+        """Re-hash the cached shards of ``steps`` after an engine refused them; each bad one is removed and
+        counted, and fetched again at the next round. Returns how many were bad."""
+        forget = getattr(self.source, "forget", None)
+        bad = 0
+        for m in steps:
+            if forget is not None:
+                forget(m)
+            found = await asyncio.gather(*(asyncio.to_thread(check_cached, self.cache, s, self.metrics)
+                                           for s in m.shards))
+            bad += found.count("bad")
+        return bad
+
+    async def _step_through(self, group: list[EngineDriver], plan: Plan) -> None:
+        prev = await asyncio.to_thread(self.manifests.get, plan.current)
+        for m in plan.steps:
+            group = [d for d in group if d.verified and not d.needs_rebuild and d.reachable and
+                     (d.version == prev.version)]
+            if not group or self._stopping():
+                return
+            raw = await asyncio.to_thread(self.manifests.raw, m.version)
+            t0 = time.perf_counter()
+            for d in group:
+                d.state = "staging"
+            try:
+                await stage_group(group, raw, self.cache.root)
+            except Exception as exc:  # noqa: BLE001 -- the engines are untouched: re-check them next round
+                log.error("run %s: staging version %d failed: %s: %s", self.run_id, m.version, type(exc).__name__, exc)
+                self.metrics.failure("apply")
+                if await self._heal([m]):
+                    log.warning("run %s: version %d's cached shards were bad; they are fetched again", self.run_id,
+                                m.version)
+                for d in group:
+                    d.verified, d.state, d.error = False, "serving", f"staging {m.version}: {exc}"
+                return
+            stage_s = time.perf_counter() - t0
+            self.metrics.stage_s.observe(stage_s)
+            await asyncio.to_thread(testhooks.reached, "stage", m.version)
+            record = self._record(m, stage_s)
+            for d in group:
+                if self._stopping():
+                    return  # staged but not applied: harmless, the next stage replaces it
+                d.state = "applying"
+                try:
+                    t = await self._critical_call(d.apply_staged, m, prev)
+                except (UpdateFailed, NeedsRebuild) as exc:
+                    log.error("%s", exc)
+                    d.error, d.state = str(exc), "needs rebuild" if d.needs_rebuild else "serving"
+                    self._backoff(d)
+                    continue
+                except Exception as exc:  # noqa: BLE001 -- unreachable engine or out-of-order call
+                    log.error("engine %s: update to version %d failed: %s: %s", d.name, m.version,
+                              type(exc).__name__, exc)
+                    self.metrics.failure("engine")
+                    d.verified, d.error, d.state = False, str(exc), "unknown"
+                    continue
+                d.state, d.error, d.failures = "serving", None, 0
+                record["pause_s"][d.name] = t["pause_s"]
+                record["apply_s"][d.name] = t["apply_s"]
+                self._applied(d, m, t["pause_s"], t["apply_s"])
+            self._finish(record)
+            prev = m
+            if self.newest is not None and self.newest > plan.target:
+                return  # newer versions arrived: re-plan (maybe a shorter way to the newest)
+
+    async def _rebuild(self, d: EngineDriver, plan: Plan) -> None:
+        raws = [await asyncio.to_thread(self.manifests.raw, m.version) for m in plan.steps]
+        d.state = "rebuilding"
+        record = self._record(plan.steps[-1], 0.0, rebuild_from=plan.steps[0].version)
+        try:
+            t = await self._critical_call(rebuild_engine, d, plan, raws, self.cache.root)
+        except RebuildFailed as exc:
+            log.error("%s", exc)
+            self.metrics.failure("rebuild")
+            d.state, d.error = "paused: rebuild failed", str(exc)
+            if await self._heal(plan.steps):  # not the same bytes again: they are fetched anew, at once
+                log.warning("engine %s: the rebuild met bad cached shards; they are fetched again", d.name)
+            else:
+                self._backoff(d)
+            return
+        except Exception as exc:  # noqa: BLE001 -- e.g. the engine went away mid-rebuild
+            log.error("engine %s: rebuild failed: %s: %s", d.name, type(exc).__name__, exc)
+            self.metrics.failure("engine")
+            d.verified, d.needs_rebuild, d.error, d.state = False, True, str(exc), "unknown"
+            self._backoff(d)
+            return
+        self.metrics.count("rebuilds", engine=d.name)
+        d.state, d.error, d.failures = "serving", None, 0
+        record["pause_s"][d.name] = t["pause_s"]
+        self._applied(d, plan.steps[-1], t["pause_s"], None)
+        self._finish(record)
+
+    # ------------------------------------------------------------------------------------- bookkeeping
+
+    def _backoff(self, d: EngineDriver) -> None:
+        d.failures += 1
+        d.retry_at = time.monotonic() + min(60.0, self.config.engine_check_s * 2 ** d.failures)
+
+    def _record(self, m: mf.Manifest, stage_s: float, **extra) -> dict:
+        noticed = min((t for v, t in self.noticed_at.items() if v >= m.version), default=None)
+        return {"version": m.version, "kind": m.kind, "step": m.step, "bytes": m.total_bytes,
+                "full_bytes": sum(t.nbytes for t in m.tensors), "created_at": m.created_at,
+                "noticed_at": noticed, "download_s": self._fetch_s, "stage_s": stage_s,
+                "pause_s": {}, "apply_s": {}, "done_at": None, **extra}
+
+    def _applied(self, d: EngineDriver, m: mf.Manifest, pause_s: float, apply_s: float | None) -> None:
+        self.metrics.count("versions_applied", engine=d.name)
+        self.metrics.pause_s.observe(pause_s)
+        if apply_s is not None:
+            self.metrics.apply_s.observe(apply_s)
+        lag = time.time() - m.created_datetime.timestamp()
+        if lag >= 0:
+            self.metrics.update_lag_s.observe(lag)
+        self.status.engine(d.name, last_pause_s=pause_s)
+        log.info("engine %s serves version %d (paused %.3fs)", d.name, m.version, pause_s)
+
+    def _finish(self, record: dict) -> None:
+        record["done_at"] = time.time()
+        self.status.add_update(record)
+        self._write_status(force=True)
+        if self.on_update is not None:
+            self.on_update(record)
+
+    def _retain(self) -> None:
+        """Trim the cache, pinning the chains (full version + deltas) of every engine's version and of the
+        newest version: what a restart or a rebuild needs."""
+        pinned, oldest = set(), None
+        for v in {d.version for d in self.drivers.values() if d.version is not None} | {self.newest}:
+            if v is None:
+                continue
+            try:
+                path = walk_back(self.manifests, v)
+            except SyncdError:
+                path = None
+            for m in path or ():
+                pinned.update(s.sha256 for s in m.shards)
+            if path:
+                oldest = path[0].version if oldest is None else min(oldest, path[0].version)
+        self.cache.evict(pinned)
+        if oldest is not None:
+            self.manifests.forget_below(oldest)

@@ -1,0 +1,86 @@
+"""The node's engine-control credential: a token file readable only by its owner.
+
+Engine processes (``python -m engine.control``, the Dynamo worker) refuse every weight-control request that
+does not present this token, and the node daemon presents it (``docs/engine.md``, "Who may drive an engine").
+Both find the file the same way, :func:`token_path`: ``$SYNCD_ENGINE_TOKEN_FILE``, else
+``$XDG_CONFIG_HOME/syncd/engine-token`` (``~/.config/syncd/engine-token``). Whichever starts first creates it
+(:func:`load_or_create`: 32 random bytes as hex, mode 0600 in a 0700 directory, published by an atomic
+link so nobody reads half a token); the other reads it. A file that grants any access to its group or to
+others, or that belongs to another user, is refused (like ssh's private keys): a token others can read
+authenticates nobody.
+
+Thread-safe; nothing is cached here.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import stat
+from pathlib import Path
+
+ENV_TOKEN_FILE = "SYNCD_ENGINE_TOKEN_FILE"
+TOKEN_HEX_CHARS = 64
+
+
+def token_path(path: str | os.PathLike | None = None) -> Path:
+    """``path``, else ``$SYNCD_ENGINE_TOKEN_FILE``, else ``$XDG_CONFIG_HOME/syncd/engine-token``."""
+    if path:
+        return Path(path).expanduser()
+    if os.environ.get(ENV_TOKEN_FILE):
+        return Path(os.environ[ENV_TOKEN_FILE]).expanduser()
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base, "syncd", "engine-token")
+
+
+def _check(path: Path, st: os.stat_result) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"engine token file {path} is not a regular file")
+    if st.st_mode & 0o077:
+        raise ValueError(f"engine token file {path} is readable or writable by others (mode "
+                         f"{stat.S_IMODE(st.st_mode):o}); refusing it: chmod 600 {path}")
+    if st.st_uid != os.geteuid() and os.geteuid() != 0:
+        raise ValueError(f"engine token file {path} belongs to uid {st.st_uid}, not to this user "
+                         f"({os.geteuid()}); refusing it")
+
+
+def read_token(path: str | os.PathLike | None = None) -> str:
+    """The token in the file (see :func:`token_path`). ``ValueError`` naming the file and
+    ``SYNCD_ENGINE_TOKEN_FILE`` if it is missing, unreadable, malformed or has loose permissions."""
+    p = token_path(path)
+    try:
+        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        raise ValueError(f"no engine control token at {p} ({ENV_TOKEN_FILE}): start the engine (it creates "
+                         "one) or point both the engine and the daemon at the same file") from None
+    except OSError as exc:
+        raise ValueError(f"engine token file {p} ({ENV_TOKEN_FILE}) cannot be read: {exc}") from None
+    try:
+        _check(p, os.fstat(fd))
+        text = os.read(fd, 4096).decode("ascii", errors="replace").strip()
+    finally:
+        os.close(fd)
+    if len(text) != TOKEN_HEX_CHARS or any(c not in "0123456789abcdef" for c in text):
+        raise ValueError(f"engine token file {p} does not hold a token ({TOKEN_HEX_CHARS} hex digits)")
+    return text
+
+
+def load_or_create(path: str | os.PathLike | None = None) -> str:
+    """The token in the file, creating the file first if there is none (see the module docstring)."""
+    p = token_path(path)
+    if not p.exists():
+        p.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        tmp = p.with_name(f".{p.name}.{os.getpid()}.{secrets.token_hex(4)}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, (secrets.token_hex(TOKEN_HEX_CHARS // 2) + "\n").encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, p)  # atomic, and fails if another process was first: then its token is the one
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+    return read_token(p)

@@ -1,0 +1,47 @@
+"""bench.replay runs end to end with tiny arguments (real rollouts through Dynamo and the proxy with an update
+mid-trajectory, MoE and NVFP4 QAT) and writes complete, self-consistent JSON and a PNG."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import replay
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def test_replay_benchmark_tiny(tmp_path, capsys):
+    out, png = tmp_path / "replay.json", tmp_path / "replay.png"
+    assert replay.main(["--preset", "tiny", "--models", "moe,nvfp4", "--out", str(out), "--plot", str(png)]) == 0
+    printed = capsys.readouterr().out
+    assert "kept-set + routing replay" in printed and "the lm_head forward matmul alone" in printed and "bytes per token" in printed
+    data = json.loads(out.read_text())
+    assert [m["model"] for m in data["mismatch"]] == ["moe", "nvfp4"]
+    for m in data["mismatch"]:
+        rows = {r["row"]: r for r in m["rows"]}
+        full = rows["kept-set + routing replay" if m["model"] == "moe" else "full replay (NVFP4 QAT trainer)"]
+        none = rows["no replay" if m["model"] == "moe" else "no replay (NVFP4 QAT trainer)"]
+        assert full["tokens"] == none["tokens"] == m["tokens"] == 48 and m["versions"] == [0, 1]
+        assert abs(full["is_mean"] - 1) < 1e-4 and full["max_abs_dlogp"] <= 1e-4 and full["outside_pct"] == 0
+        assert none["outside_pct"] > 30 and none["kl_k3"] > 1e-3  # the gap without replay, shown honestly
+        assert rows["engine shapes (stepwise)"]["max_abs_dlogp"] <= 1e-4
+        assert rows["newest weights, full replay"]["max_abs_dlogp"] > full["max_abs_dlogp"]  # staleness shows
+        if m["model"] == "moe":
+            assert full["routing_disagreement"] == 0.0 and 0 <= none["routing_disagreement"] <= 1
+        comps = m["sources"]["components"]
+        assert comps["kept_set"]["mean"] < 0
+        assert abs(sum(c["mean"] for c in comps.values()) - m["sources"]["total"]["mean"]) < 1e-9
+        assert m["bytes"]["tokens"] == 48 and m["bytes"]["kept_per_token"] > 0
+    (op,) = data["op"]
+    assert op["rows"] == 64 and op["vocab"] == 4096 and op["kept_ids"] >= 64
+    for part in ("op", "with_lm_head"):
+        assert set(op[part]) == {"cpu", "cpu, sparse grad", "naive"} | ({"reference"} if part == "op" else set())
+        assert all(r["s"] > 0 and r["speedup"] > 0 for r in op[part].values() if "speedup" in r)
+    assert op["lm_head_s"] > 0 and op["lm_head_fraction"]["cpu"] > 0
+    pb = data["bytes"]["public"]
+    assert pb["kept_size_median"] == 2 and 30 < pb["single_pct"] < 60
+    assert pb["kept_v1_per_token"] >= pb["kept_bound_per_token"] > 0
+    assert pb["routes"]["per_token"] == 48 * 8 * 7 / 8 and pb["routes"]["int32_per_token"] == 48 * 8 * 4
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
