@@ -37,7 +37,9 @@ def test_projection_tiny(tmp_path, capsys):
         st = q["stages_s"]
         assert set(st) == {"encode", "upload", "long link", "broadcast", "stage", "pause"}
         assert all(t >= 0 for t in st.values()) and q["dominant"] in st
-        assert max(st.values()) <= q["pipelined_s"] <= q["sequential_s"] == pytest.approx(sum(st.values()))
+        assert q["sequential_s"] == pytest.approx(sum(st.values()))
+        # pipelining overlaps stages: between the longest one and their sum (the same sum in another order)
+        assert max(st.values()) <= q["pipelined_s"] <= q["sequential_s"] * (1 + 1e-9)
         # every byte of the delta crosses the long link once
         assert st["long link"] == pytest.approx(q["delta_bytes"] * 8 / 10e9)
         assert q["tree_depth"] == 6  # 64 nodes, fanout 2
