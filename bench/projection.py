@@ -29,6 +29,8 @@ through each of the others). Writes JSON; ``--plot`` draws a PNG.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import statistics
@@ -157,8 +159,9 @@ def hop_overhead(repeats: int) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="syncd-proj-") as tmp:
         out = Path(tmp) / "broadcast.json"
-        broadcast.main(["--nodes", "2,4", "--size-mib", "1", "--repeats", str(max(1, repeats)), "--mode", "unshaped",
-                        "--out", str(out)])
+        with contextlib.redirect_stdout(io.StringIO()):  # its own table: the JSON below keeps what we use
+            broadcast.main(["--nodes", "2,4", "--size-mib", "1", "--repeats", str(max(1, repeats)), "--mode",
+                            "unshaped", "--out", str(out)])
         res = json.loads(out.read_text())["modes"]["unshaped"]
     comp = {r["nodes"]: r["completion_s"] for r in res["rows"]}
     return {"completion_s": comp, "shard_bytes": res["S_bytes"], "per_hop_s": max(0.0, comp[4] - comp[2])}
@@ -262,7 +265,7 @@ def plot(projections: list[dict], a, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, kind in zip(axes, ("bf16", "nvfp4")):
         ps = [q for q in projections if q["kind"] == kind and q["format"] == 2]
         x = list(range(len(ps)))
@@ -308,10 +311,12 @@ def main(argv=None) -> int:
     goal = min((q for q in projections if q["kind"] == "bf16" and q["format"] == 2),
                key=lambda q: abs(q["density"] - 0.01))
     ok = goal["pipelined_s"] <= a.goal_s and goal["pause_s"] <= a.pause_goal_s
+    v1 = next(q for q in projections if q["kind"] == "bf16" and q["format"] == 1 and q["density"] == goal["density"])
     print(f"\ngoal ({a.params:.0e} bf16 at {100 * goal['density']:.2g}% over {a.long_gbit:g} Gb/s, format 2): "
           f"{goal['pipelined_s']:.1f}s pipelined ({goal['sequential_s']:.1f}s sequential; goal {a.goal_s:g}s), "
           f"pause {goal['pause_s']:.3f}s per engine (goal {a.pause_goal_s:g}s): {'met' if ok else 'NOT met'}; "
-          f"dominant stage: {goal['dominant']} ({goal['stages_s'][goal['dominant']]:.1f}s)")
+          f"dominant stage: {goal['dominant']} ({goal['stages_s'][goal['dominant']]:.1f}s); format 1: "
+          f"{v1['pipelined_s']:.1f}s ({v1['dominant']} {v1['stages_s'][v1['dominant']]:.1f}s)")
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"bench": "projection", "assumptions": assumptions, "checksum_bytes_per_s": ck_bps,
