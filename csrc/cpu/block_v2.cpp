@@ -69,17 +69,24 @@ Classes16 classes16(const ClassSource& cs, const DTypeInfo& dt, uint64_t span, i
   return c;
 }
 
+// Row t's probabilities (0 past the block's end and for classes that are not coded); returns its coded lanes.
+uint32_t row_probabilities(const uint8_t* cls, uint64_t span, const uint32_t* p1, uint64_t t, uint32_t* pl) {
+  const uint64_t lo = t * kLanes;
+  const int live = int(std::min<uint64_t>(kLanes, span - lo));
+  uint32_t coded = 0;
+  for (int l = 0; l < kLanes; ++l) {
+    pl[l] = l < live ? p1[cls[lo + l]] : 0;
+    coded |= uint32_t(pl[l] != 0) << l;
+  }
+  return coded;
+}
+
 // The position rows of any dtype, from the classes of every element (cls: span + 16 bytes).
 void encode_rows_generic(const uint8_t* cls, uint64_t span, const uint32_t* p1, const uint16_t* bitmap,
                          BinGroupEncoder* enc, int gp) {
   for (uint64_t t = (span + kLanes - 1) / kLanes; t-- > 0;) {
-    const uint64_t lo = t * kLanes;
-    const int live = int(std::min<uint64_t>(kLanes, span - lo));
-    uint32_t pl[kLanes] = {}, coded = 0;
-    for (int l = 0; l < live; ++l) {
-      pl[l] = p1[cls[lo + l]];
-      coded |= uint32_t(pl[l] != 0) << l;
-    }
+    uint32_t pl[kLanes];
+    const uint32_t coded = row_probabilities(cls, span, p1, t, pl);
     if (coded) enc[t % gp].put_row(coded, pl, bitmap[t] & coded);
   }
 }
@@ -89,12 +96,8 @@ size_t decode_rows_generic(const uint8_t* cls, uint64_t span, const uint32_t* p1
   size_t k = 0;
   for (uint64_t t = 0; t * kLanes < span; ++t) {
     const uint64_t lo = t * kLanes;
-    const int live = int(std::min<uint64_t>(kLanes, span - lo));
-    uint32_t pl[kLanes] = {}, coded = 0;
-    for (int l = 0; l < live; ++l) {
-      pl[l] = p1[cls[lo + l]];
-      coded |= uint32_t(pl[l] != 0) << l;
-    }
+    uint32_t pl[kLanes];
+    const uint32_t coded = row_probabilities(cls, span, p1, t, pl);
     uint32_t bits = coded ? dec[t % gp].row(coded, pl) : 0;
     bitmap[t] = uint16_t(bits);
     if (size_t(__builtin_popcount(bits)) > n_max - k) throw DeltaError(what + ": more changes than the block table says");

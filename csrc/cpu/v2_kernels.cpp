@@ -287,7 +287,14 @@ void scalar_decode_values(const uint8_t* cls, size_t n, const uint8_t* signs, co
 
 }  // namespace
 
-// ---- dispatch (the SIMD versions live in v2_kernels_avx2.cpp / v2_kernels_avx512.cpp)
+// ---- dispatch (the SIMD versions live in v2_kernels_avx2.cpp / v2_kernels_avx512.cpp, built on x86 only: elsewhere
+// the calls below are discarded, so they need no definitions)
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+constexpr bool kX86 = true;
+#else
+constexpr bool kX86 = false;
+#endif
 
 namespace avx2_16 {
 size_t decode_positions(const Classes16&, BinGroupDecoder*, int, uint16_t*, uint8_t*, size_t, const std::string&,
@@ -316,50 +323,55 @@ void decode_values(const uint8_t*, size_t, const uint8_t*, const ValueTrees&, Bi
 }  // namespace avx512_16
 
 int sample_max_exponent16(const Classes16& c, Simd s) {
-  if (s == Simd::kAvx512) return avx512_16::sample_max_exponent(c);
+  if constexpr (kX86) if (s == Simd::kAvx512) return avx512_16::sample_max_exponent(c);
   return scalar16::sample_max_exponent(c, 0);
 }
 
 void sample_class_counts16(const Classes16& c, uint64_t counts[16], Simd s) {
-  if (s == Simd::kAvx512) return avx512_16::sample_class_counts(c, counts);
+  if constexpr (kX86) if (s == Simd::kAvx512) return avx512_16::sample_class_counts(c, counts);
   scalar16::sample_class_counts(c, counts, 0);
 }
 
 size_t decode_positions16(const Classes16& c, BinGroupDecoder* dec, int gp, uint16_t* bitmap, uint8_t* cls_ch,
                           size_t n_max, const std::string& what, uint64_t first_word, uint64_t* old_sum, Simd s) {
-  if (s == Simd::kAvx512)
+  if constexpr (kX86) if (s == Simd::kAvx512)
     return avx512_16::decode_positions(c, dec, gp, bitmap, cls_ch, n_max, what, first_word, old_sum);
-  if (s == Simd::kAvx2 && !c.nibbles)
+  if constexpr (kX86) if (s == Simd::kAvx2 && !c.nibbles)
     return avx2_16::decode_positions(c, dec, gp, bitmap, cls_ch, n_max, what, first_word, old_sum);
   if (!c.nibbles) *old_sum = scalar16::checksum(c.old, c.span, first_word, 0);
   return scalar16::decode_positions(c, dec, gp, bitmap, cls_ch, n_max, what);
 }
 
 void encode_positions16(const Classes16& c, const uint16_t* bitmap, BinGroupEncoder* enc, int gp, Simd s) {
-  if (s == Simd::kAvx512) return avx512_16::encode_positions(c, bitmap, enc, gp);
-  if (s == Simd::kAvx2 && !c.nibbles) return avx2_16::encode_positions(c, bitmap, enc, gp);
+  if constexpr (kX86) if (s == Simd::kAvx512) return avx512_16::encode_positions(c, bitmap, enc, gp);
+  if constexpr (kX86) if (s == Simd::kAvx2 && !c.nibbles) return avx2_16::encode_positions(c, bitmap, enc, gp);
   scalar16::encode_positions(c, bitmap, enc, gp);
 }
 
 uint64_t scan16(const Classes16& c, const uint16_t* nw, uint64_t first_word, bool is_float, uint16_t* bitmap,
                 uint16_t* v16, uint8_t* cls_ch, uint64_t* sum_old, uint64_t* adj, Simd s) {
-  if (s == Simd::kAvx512) return avx512_16::scan(c, nw, first_word, is_float, bitmap, v16, cls_ch, sum_old, adj);
-  if (s == Simd::kAvx2) return avx2_16::scan(c, nw, first_word, is_float, bitmap, v16, cls_ch, sum_old, adj);
+  if constexpr (kX86) {
+    if (s == Simd::kAvx512) return avx512_16::scan(c, nw, first_word, is_float, bitmap, v16, cls_ch, sum_old, adj);
+    if (s == Simd::kAvx2) return avx2_16::scan(c, nw, first_word, is_float, bitmap, v16, cls_ch, sum_old, adj);
+  }
   *sum_old = *adj = 0;
   return scalar16::scan(c, nw, first_word, is_float, bitmap, v16, cls_ch, sum_old, adj, 0, 0);
 }
 
 uint64_t apply16(uint16_t* target, uint64_t span, uint64_t first_word, const uint16_t* bitmap, const uint16_t* v16,
                  bool is_float, bool forward, const uint64_t* old_sum, Simd s) {
-  if (s == Simd::kAvx512) return avx512_16::apply(target, span, first_word, bitmap, v16, is_float, forward, old_sum);
-  if (s == Simd::kAvx2) return avx2_16::apply(target, span, first_word, bitmap, v16, is_float, forward, old_sum);
+  if constexpr (kX86) {
+    if (s == Simd::kAvx512)
+      return avx512_16::apply(target, span, first_word, bitmap, v16, is_float, forward, old_sum);
+    if (s == Simd::kAvx2) return avx2_16::apply(target, span, first_word, bitmap, v16, is_float, forward, old_sum);
+  }
   return scalar16::apply(target, span, first_word, bitmap, v16, is_float, forward, 0, 0);
 }
 
 template <class V>
 void value_stats(const uint8_t* cls, const V* v, size_t n, uint64_t changed[16], uint64_t hist[16][65], Simd s) {
   if constexpr (sizeof(V) == 2)
-    if (s == Simd::kAvx512) return avx512_16::value_stats(cls, v, n, changed, hist);
+    if constexpr (kX86) if (s == Simd::kAvx512) return avx512_16::value_stats(cls, v, n, changed, hist);
   scalar_value_stats(cls, v, n, changed, hist);
 }
 
@@ -367,8 +379,8 @@ template <class V>
 void encode_values(const uint8_t* cls, const V* v, size_t n, const ValueTrees& lv, BinGroupEncoder* venc, int gv,
                    std::vector<uint8_t>& mant, uint8_t* signs, Simd s) {
   if constexpr (sizeof(V) == 2) {
-    if (s == Simd::kAvx512) return avx512_16::encode_values(cls, v, n, lv, venc, gv, mant, signs);
-    if (s == Simd::kAvx2) return avx2_16::encode_values(cls, v, n, lv, venc, gv, mant, signs);
+    if constexpr (kX86) if (s == Simd::kAvx512) return avx512_16::encode_values(cls, v, n, lv, venc, gv, mant, signs);
+    if constexpr (kX86) if (s == Simd::kAvx2) return avx2_16::encode_values(cls, v, n, lv, venc, gv, mant, signs);
   }
   scalar_encode_values(cls, v, n, lv, venc, gv, mant, signs);
 }
@@ -377,9 +389,9 @@ template <class V>
 void decode_values(const uint8_t* cls, size_t n, const uint8_t* signs, const ValueTrees& lv, BinGroupDecoder* vdec,
                    int gv, const uint8_t* mant, size_t mant_len, uint64_t vmax, V* v, const std::string& what, Simd s) {
   if constexpr (sizeof(V) == 2) {
-    if (s == Simd::kAvx512 && vmax == 0xFFFE)
+    if constexpr (kX86) if (s == Simd::kAvx512 && vmax == 0xFFFE)
       return avx512_16::decode_values(cls, n, signs, lv, vdec, gv, mant, mant_len, v, what);
-    if (s == Simd::kAvx2 && vmax == 0xFFFE)
+    if constexpr (kX86) if (s == Simd::kAvx2 && vmax == 0xFFFE)
       return avx2_16::decode_values(cls, n, signs, lv, vdec, gv, mant, mant_len, v, what);
   }
   scalar_decode_values(cls, n, signs, lv, vdec, gv, mant, mant_len, vmax, v, what);

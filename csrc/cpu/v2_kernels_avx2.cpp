@@ -503,31 +503,4 @@ SYNCD_256 void encode_values(const uint8_t* cls, const uint16_t* v, size_t n, co
 }  // namespace avx2_16
 }  // namespace syncd
 
-#else  // not x86: simd_level() never picks this
-
-namespace syncd {
-namespace avx2_16 {
-size_t decode_positions(const Classes16& c, BinGroupDecoder* dec, int gp, uint16_t* bitmap, uint8_t* cls_ch,
-                        size_t n_max, const std::string& what, uint64_t first_word, uint64_t* old_sum) {
-  *old_sum = scalar16::checksum(c.old, c.span, first_word, 0);
-  return scalar16::decode_positions(c, dec, gp, bitmap, cls_ch, n_max, what);
-}
-void encode_positions(const Classes16& c, const uint16_t* bitmap, BinGroupEncoder* enc, int gp) {
-  scalar16::encode_positions(c, bitmap, enc, gp);
-}
-uint64_t scan(const Classes16& c, const uint16_t* nw, uint64_t first_word, bool is_float, uint16_t* bitmap,
-              uint16_t* v16, uint8_t* cls_ch, uint64_t* sum_old, uint64_t* adj) {
-  *sum_old = *adj = 0;
-  return scalar16::scan(c, nw, first_word, is_float, bitmap, v16, cls_ch, sum_old, adj, 0, 0);
-}
-uint64_t apply(uint16_t* target, uint64_t span, uint64_t first_word, const uint16_t* bitmap, const uint16_t* v16,
-               bool is_float, bool forward, const uint64_t*) {
-  return scalar16::apply(target, span, first_word, bitmap, v16, is_float, forward, 0, 0);
-}
-void decode_values(const uint8_t*, size_t, const uint8_t*, const ValueTrees&, BinGroupDecoder*, int, const uint8_t*,
-                   size_t, uint16_t*, const std::string&) {}
-void encode_values(const uint8_t*, const uint16_t*, size_t, const ValueTrees&, BinGroupEncoder*, int,
-                   std::vector<uint8_t>&, uint8_t*) {}
-}  // namespace avx2_16
-}  // namespace syncd
 #endif

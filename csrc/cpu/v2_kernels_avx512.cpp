@@ -367,43 +367,31 @@ SYNCD_512 void sample_class_counts(const Classes16& c, uint64_t counts[16]) {
   if (done) scalar16::sample_class_counts(c, counts, done);
 }
 
+// The kernels per group count (1..8) and class source, for a group count known at run time.
+using DecodeGp = size_t (*)(const Classes16&, BinGroupDecoder*, uint16_t*, uint8_t*, size_t, const std::string&,
+                            uint64_t, uint64_t*);
+using EncodeGp = void (*)(const Classes16&, const uint16_t*, BinGroupEncoder*);
+template <bool kNibbles>
+constexpr DecodeGp kDecodeGp[8] = {decode_gp<1, kNibbles>, decode_gp<2, kNibbles>, decode_gp<3, kNibbles>,
+                                   decode_gp<4, kNibbles>, decode_gp<5, kNibbles>, decode_gp<6, kNibbles>,
+                                   decode_gp<7, kNibbles>, decode_gp<8, kNibbles>};
+template <bool kNibbles>
+constexpr EncodeGp kEncodeGp[8] = {encode_gp<1, kNibbles>, encode_gp<2, kNibbles>, encode_gp<3, kNibbles>,
+                                   encode_gp<4, kNibbles>, encode_gp<5, kNibbles>, encode_gp<6, kNibbles>,
+                                   encode_gp<7, kNibbles>, encode_gp<8, kNibbles>};
+
 SYNCD_512 size_t decode_positions(const Classes16& c, BinGroupDecoder* dec, int gp, uint16_t* bitmap, uint8_t* cls_ch,
                                   size_t n_max, const std::string& what, uint64_t first_word, uint64_t* old_sum) {
-  switch (gp) {
-    case 1: return c.nibbles ? decode_gp<1, true>(c, dec, bitmap, cls_ch, n_max, what, first_word, old_sum)
-                          : decode_gp<1, false>(c, dec, bitmap, cls_ch, n_max, what, first_word, old_sum);
-    case 2: return c.nibbles ? decode_gp<2, true>(c, dec, bitmap, cls_ch, n_max, what, first_word, old_sum)
-                          : decode_gp<2, false>(c, dec, bitmap, cls_ch, n_max, what, first_word, old_sum);
-    case 3: return c.nibbles ? decode_gp<3, true>(c, dec, bitmap, cls_ch, n_max, what, first_word, old_sum)
-                          : decode_gp<3, false>(c, dec, bitmap, cls_ch, n_max, what, first_word, old_sum);
-    case 4: return c.nibbles ? decode_gp<4, true>(c, dec, bitmap, cls_ch, n_max, what, first_word, old_sum)
-                          : decode_gp<4, false>(c, dec, bitmap, cls_ch, n_max, what, first_word, old_sum);
-    case 5: return c.nibbles ? decode_gp<5, true>(c, dec, bitmap, cls_ch, n_max, what, first_word, old_sum)
-                          : decode_gp<5, false>(c, dec, bitmap, cls_ch, n_max, what, first_word, old_sum);
-    case 6: return c.nibbles ? decode_gp<6, true>(c, dec, bitmap, cls_ch, n_max, what, first_word, old_sum)
-                          : decode_gp<6, false>(c, dec, bitmap, cls_ch, n_max, what, first_word, old_sum);
-    case 7: return c.nibbles ? decode_gp<7, true>(c, dec, bitmap, cls_ch, n_max, what, first_word, old_sum)
-                          : decode_gp<7, false>(c, dec, bitmap, cls_ch, n_max, what, first_word, old_sum);
-    case 8: return c.nibbles ? decode_gp<8, true>(c, dec, bitmap, cls_ch, n_max, what, first_word, old_sum)
-                          : decode_gp<8, false>(c, dec, bitmap, cls_ch, n_max, what, first_word, old_sum);
-    default:
-      if (!c.nibbles) *old_sum = scalar16::checksum(c.old, c.span, first_word, 0);
-      return scalar16::decode_positions(c, dec, gp, bitmap, cls_ch, n_max, what);
-  }
+  if (gp >= 1 && gp <= 8)
+    return (c.nibbles ? kDecodeGp<true> : kDecodeGp<false>)[gp - 1](c, dec, bitmap, cls_ch, n_max, what, first_word,
+                                                                     old_sum);
+  if (!c.nibbles) *old_sum = scalar16::checksum(c.old, c.span, first_word, 0);
+  return scalar16::decode_positions(c, dec, gp, bitmap, cls_ch, n_max, what);
 }
 
 SYNCD_512 void encode_positions(const Classes16& c, const uint16_t* bitmap, BinGroupEncoder* enc, int gp) {
-  switch (gp) {
-    case 1: return c.nibbles ? encode_gp<1, true>(c, bitmap, enc) : encode_gp<1, false>(c, bitmap, enc);
-    case 2: return c.nibbles ? encode_gp<2, true>(c, bitmap, enc) : encode_gp<2, false>(c, bitmap, enc);
-    case 3: return c.nibbles ? encode_gp<3, true>(c, bitmap, enc) : encode_gp<3, false>(c, bitmap, enc);
-    case 4: return c.nibbles ? encode_gp<4, true>(c, bitmap, enc) : encode_gp<4, false>(c, bitmap, enc);
-    case 5: return c.nibbles ? encode_gp<5, true>(c, bitmap, enc) : encode_gp<5, false>(c, bitmap, enc);
-    case 6: return c.nibbles ? encode_gp<6, true>(c, bitmap, enc) : encode_gp<6, false>(c, bitmap, enc);
-    case 7: return c.nibbles ? encode_gp<7, true>(c, bitmap, enc) : encode_gp<7, false>(c, bitmap, enc);
-    case 8: return c.nibbles ? encode_gp<8, true>(c, bitmap, enc) : encode_gp<8, false>(c, bitmap, enc);
-    default: return scalar16::encode_positions(c, bitmap, enc, gp);
-  }
+  if (gp >= 1 && gp <= 8) return (c.nibbles ? kEncodeGp<true> : kEncodeGp<false>)[gp - 1](c, bitmap, enc);
+  scalar16::encode_positions(c, bitmap, enc, gp);
 }
 
 SYNCD_512 uint64_t scan(const Classes16& c, const uint16_t* nw, uint64_t first_word, bool is_float, uint16_t* bitmap,
@@ -806,34 +794,4 @@ SYNCD_512 void decode_values(const uint8_t* cls, size_t n, const uint8_t* signs,
 }  // namespace avx512_16
 }  // namespace syncd
 
-#else  // not x86: simd_level() never picks this
-
-namespace syncd {
-namespace avx512_16 {
-size_t decode_positions(const Classes16& c, BinGroupDecoder* dec, int gp, uint16_t* bitmap, uint8_t* cls_ch,
-                        size_t n_max, const std::string& what, uint64_t first_word, uint64_t* old_sum) {
-  *old_sum = scalar16::checksum(c.old, c.span, first_word, 0);
-  return scalar16::decode_positions(c, dec, gp, bitmap, cls_ch, n_max, what);
-}
-void encode_positions(const Classes16& c, const uint16_t* bitmap, BinGroupEncoder* enc, int gp) {
-  scalar16::encode_positions(c, bitmap, enc, gp);
-}
-uint64_t scan(const Classes16& c, const uint16_t* nw, uint64_t first_word, bool is_float, uint16_t* bitmap,
-              uint16_t* v16, uint8_t* cls_ch, uint64_t* sum_old, uint64_t* adj) {
-  *sum_old = *adj = 0;
-  return scalar16::scan(c, nw, first_word, is_float, bitmap, v16, cls_ch, sum_old, adj, 0, 0);
-}
-uint64_t apply(uint16_t* target, uint64_t span, uint64_t first_word, const uint16_t* bitmap, const uint16_t* v16,
-               bool is_float, bool forward, const uint64_t*) {
-  return scalar16::apply(target, span, first_word, bitmap, v16, is_float, forward, 0, 0);
-}
-void value_stats(const uint8_t*, const uint16_t*, size_t, uint64_t[16], uint64_t[16][65]) {}
-int sample_max_exponent(const Classes16& c) { return scalar16::sample_max_exponent(c, 0); }
-void sample_class_counts(const Classes16& c, uint64_t counts[16]) { scalar16::sample_class_counts(c, counts, 0); }
-void encode_values(const uint8_t*, const uint16_t*, size_t, const ValueTrees&, BinGroupEncoder*, int,
-                   std::vector<uint8_t>&, uint8_t*) {}
-void decode_values(const uint8_t*, size_t, const uint8_t*, const ValueTrees&, BinGroupDecoder*, int, const uint8_t*,
-                   size_t, uint16_t*, const std::string&) {}
-}  // namespace avx512_16
-}  // namespace syncd
 #endif
