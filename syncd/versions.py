@@ -78,6 +78,15 @@ def latest_version(store, run_id: str, *, signing_key=None) -> int | None:
     return _newest_valid(Store.open(store, create=False), run_id, _resolve(signing_key))[0]
 
 
+def has_versions(store, run_id: str) -> bool:
+    """Whether the run has any version directory at all (valid, torn or invalid): one LIST, nothing read or
+    verified. What a trainer asks before it starts a run at version 0. Raises
+    :class:`~syncd.errors.StoreError`."""
+    store = Store.open(store, create=False)
+    vp = mf.versions_prefix(run_id)
+    return any(mf.parse_version_dir(o.key[len(vp):].split("/", 1)[0]) is not None for o in store.list(vp))
+
+
 def _newest_valid(store: Store, run_id: str, signing_key) -> tuple[int | None, list]:
     """``(newest valid version or None, [(version, error) of the unusable ones above it]``, each logged)."""
     skipped = []
