@@ -91,7 +91,7 @@ class Load:
             t.start()
 
     def _client(self, i: int, seed: int):
-        from engine.adapter import GenerationRequest, SamplingParams
+        from syncd.engines.protocol import GenerationRequest, SamplingParams
 
         g = np.random.default_rng(seed + i)
         n = 0
@@ -249,7 +249,7 @@ def run(cfg: dict, lr: float, seed: int, workdir: Path, verify_apply: bool = Tru
             model.load_state_dict(sd, strict=True)
             reload.append(time.perf_counter() - t0)
     del model
-    from engine.adapter import Update
+    from syncd.engines.update import Update
     engine.pause()
     load_full = []
     for i in range(max(1, cfg["reload_repeats"] // 2)):

@@ -149,7 +149,7 @@ def _write_folder(out: Path, config, model, state: dict) -> Path:
 
 
 def _workers(node):
-    from engine.control import RemoteAdapter
+    from syncd.engines.client import RemoteAdapter
 
     return [RemoteAdapter(w["admin_url"]) for w in node.workers()]
 

@@ -24,9 +24,11 @@ import threading
 
 from aiohttp import web
 
-from engine.adapter import GenerationRequest, SamplingParams
-from engine.control import MAX_BODY_BYTES, ROUTE_PREFIX, BadRequest, EngineControl, status_of
+from engine.control import EngineControl
 from syncd import jsonsafe
+from syncd.engines.errors import BadRequest
+from syncd.engines.protocol import GenerationRequest, SamplingParams
+from syncd.engines.wire import MAX_BODY_BYTES, ROUTE_PREFIX, status_of
 
 log = logging.getLogger(__name__)
 

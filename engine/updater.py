@@ -1,6 +1,6 @@
 """``WeightUpdater``: the weight-update half of ``engine.Adapter`` over a set of local tensors, for any engine.
 
-An engine describes its local parameters with :class:`~engine.adapter.ParamSpec` (renamed, fused and
+An engine describes its local parameters with :class:`~syncd.engines.params.ParamSpec` (renamed, fused and
 tensor-parallel sliced ones included) and hands over the live tensors; the updater implements ``stage``,
 ``apply``, ``rollback``, ``load_full``, ``checksum`` and ``version`` on them. The engine keeps the serving
 side (``pause``/``resume``) and calls the updater while paused.
@@ -27,8 +27,8 @@ How an update moves (``docs/engine.md``):
 Local tensors may be any view that flattens without a copy (``t.view(-1)`` works), for example the bf16
 words inside an fp32 tensor that holds bf16-exact values (:func:`bf16_view_of_fp32`), so an engine can
 compute in fp32 while the trainer's bf16 words are updated in place. How local parameters map onto the
-trainer's tensors (validation, position mapping, building and checksumming local tensors) is in
-:mod:`engine.local_params`, whose public names this module re-exports.
+trainer's tensors (validation, position mapping, building and checksumming local tensors) is part of the
+engine contract, :mod:`syncd.engines.params`; this module re-exports the names it always did.
 
 Thread-safety: ``stage``/``apply``/``rollback``/``load_full`` follow the Adapter contract (one controller
 thread; ``apply``/``rollback``/``load_full`` only while the engine runs no forward pass). ``stage`` and
@@ -47,9 +47,10 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
-from engine.adapter import ParamSpec, Update
-from engine.local_params import (bf16_view_of_fp32, build_local, check_spec, expected_checksums, flat_view,
-                                 identity_specs, local_slab, map_positions, slab, word_view)
+from engine.local_params import bf16_view_of_fp32, flat_view, word_view
+from syncd.engines.params import (ParamPiece, ParamSpec, build_local, check_spec, expected_checksums, identity_specs,
+                                  local_slab, map_positions, slab)
+from syncd.engines.update import Update
 from syncd.errors import DeltaError, IntegrityError
 from syncd.ops import checksum as _checksum
 from syncd.ops import checksum_many
@@ -446,7 +447,7 @@ class WeightUpdater:
 
 
 def update_from_manifest(m, shards: Sequence) -> Update:
-    """An :class:`~engine.adapter.Update` for verified manifest ``m`` (``syncd.manifest.Manifest``) and its
+    """An :class:`~syncd.engines.update.Update` for verified manifest ``m`` (``syncd.manifest.Manifest``) and its
     verified shards (``syncd.versions.fetch_shards``): delta blobs as memoryviews into the shards, or full
     tensors (checked against the manifest's checksums by ``syncd.versions.load_full``)."""
     checksums = {t.name: t.checksum for t in m.tensors}

@@ -299,7 +299,7 @@ def update_from_cache(manifest, cache_root: str | os.PathLike, *, verify_shards:
     """
     from concurrent.futures import ThreadPoolExecutor
 
-    from engine.adapter import Update
+    from syncd.engines.update import Update
     from syncd.versions import load_full
 
     m = manifest if isinstance(manifest, mf.Manifest) else mf.parse(

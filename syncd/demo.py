@@ -231,7 +231,7 @@ def _wait(cond, what: str, timeout: float, children: dict):
 def run(args) -> dict:
     for noisy in ("torchao", "torch", "torch.utils._pytree"):  # import-time warnings of optional modules
         logging.getLogger(noisy).setLevel(logging.ERROR)
-    from engine.control import RemoteAdapter
+    from syncd.engines.client import RemoteAdapter
     from engine.reference.make_tiny import write_model
     from syncd.versions import read_manifest
 

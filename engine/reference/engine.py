@@ -10,7 +10,7 @@ own forward call, so its numbers never depend on its batch mates. Each token is 
 request's seed at the token's absolute position (:mod:`engine.reference.sampling`): the same seed, prompt
 and weights give the same tokens.
 
-Updates (the Adapter contract in ``engine/adapter.py``): ``stage`` runs on the caller's thread while steps go
+Updates (the Adapter contract in ``syncd/engines/protocol.py``): ``stage`` runs on the caller's thread while steps go
 on; ``pause`` stops the scheduler before its next step and returns once the current step has finished (at
 most one step); ``apply``/``rollback``/``load_full`` need the engine paused (``RuntimeError`` otherwise);
 ``resume`` lets the next step run. Running requests keep their KV caches across the update and go on with the
@@ -33,7 +33,9 @@ from typing import AsyncIterator, Callable, Mapping, Sequence
 
 import torch
 
-from engine.adapter import GenerationRequest, ParamSpec, SamplingParams, TokenEvent, Update
+from syncd.engines.params import ParamSpec
+from syncd.engines.protocol import GenerationRequest, SamplingParams, TokenEvent
+from syncd.engines.update import Update
 from engine.reference.sampling import sample
 from engine.updater import WeightUpdater
 

@@ -55,7 +55,7 @@ class NodeDaemon(UpdatePath):
     """The node daemon for ``config.run_id``.
 
     ``adapters``: in-process engines by name (``engine.Adapter``), in addition to ``config.engines``
-    (engine processes, reached through ``engine.control.RemoteAdapter``). ``store``: a
+    (engine processes, reached through ``syncd.engines.RemoteAdapter``). ``store``: a
     :class:`~syncd.store.Store` (None: opened from ``config.store_url``). ``source``: the
     :class:`ShardSource` (None: downloads from the store). ``poll=False``: versions arrive only through
     :meth:`on_version_ready`. ``signing_key``: as in :func:`syncd.signing.resolve_key` (None: from the
@@ -67,7 +67,7 @@ class NodeDaemon(UpdatePath):
     def __init__(self, config: DaemonConfig, *, adapters: Mapping[str, object] | None = None, store=None,
                  cache: ShardCache | None = None, source: ShardSource | None = None, poll: bool = True,
                  signing_key=None, metrics: DaemonMetrics | None = None, on_update=None):
-        from engine.control import RemoteAdapter
+        from syncd.engines.client import RemoteAdapter
         from syncd.signing import ENV_KEY, ENV_KEY_FILE, resolve_policy
         from syncd.store import Store
 

@@ -36,7 +36,7 @@ class NeedsRebuild(RuntimeError):
 
 class EngineDriver:
     """State and update sequences of one engine (``adapter``: any ``engine.Adapter``; remote ones are
-    ``engine.control.RemoteAdapter``). Not thread-safe: the daemon drives one engine from one task.
+    ``syncd.engines.RemoteAdapter``). Not thread-safe: the daemon drives one engine from one task.
 
     ``known``: ``(instance, writes)`` of the engine's control state right after this daemon's last write
     or check. Only the lease holder can write, so a change the daemon did not make means its lease lapsed
@@ -60,7 +60,7 @@ class EngineDriver:
 
     @property
     def remote(self) -> bool:
-        from engine.control import RemoteAdapter
+        from syncd.engines.client import RemoteAdapter
 
         return isinstance(self.adapter, RemoteAdapter)
 
@@ -70,7 +70,7 @@ class EngineDriver:
     def expected(self, m: mf.Manifest) -> dict[str, int]:
         """Checksums the engine's parameters must have at version ``m``, by local name (parameters that
         are slices or fusions of trainer tensors are not in a manifest and are left out)."""
-        from engine.updater import expected_checksums
+        from syncd.engines.params import expected_checksums
 
         if self._specs is None:
             self._specs = list(self.adapter.parameters())
@@ -135,7 +135,7 @@ class EngineDriver:
         when they are new to this daemon, were written by someone else, or are another run's; scrub a
         slice of them otherwise. Leaves ``state``/``error`` saying what was found; never raises for the
         engine's sake (a store error reading a manifest propagates)."""
-        from engine.control import EngineUnreachable
+        from syncd.engines.errors import EngineUnreachable
         from syncd.errors import LeaseHeld, ManifestError, StoreError, VersionNotFound
 
         try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 
-from engine.control import load_full_from_cache, stage_from_cache
+from syncd.engines.client import load_full_from_cache, stage_from_cache
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from engine.control import RemoteAdapter
+from syncd.engines.client import RemoteAdapter
 from tests.daemon.conftest import KEY, RUN
 
 ROOT = Path(__file__).resolve().parents[2]

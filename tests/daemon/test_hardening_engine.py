@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import pytest
 
-from engine.control import RemoteAdapter
+from syncd.engines.client import RemoteAdapter
 from syncd import manifest as mf
 from syncd.engine_token import read_token
 from syncd.errors import LeaseHeld, NotAuthorized, SignatureError

@@ -53,7 +53,7 @@ class Cluster:
 
     def wait_two_workers(self, timeout_s: float = 90.0) -> None:
         """Until both workers run, are visible through discovery and answer on their admin port."""
-        from engine.control import RemoteAdapter
+        from syncd.engines.client import RemoteAdapter
 
         def ready():
             ws = self.node.workers()
@@ -260,7 +260,7 @@ def _cache_version(store_url: str, version: int, cache_root: Path) -> bytes:
 
 
 def test_weight_update_through_admin_routes_while_streaming(cluster, model_dir):
-    from engine.control import RemoteAdapter
+    from syncd.engines.client import RemoteAdapter
     from syncd import manifest as mf
 
     c = cluster

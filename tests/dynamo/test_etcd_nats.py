@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from engine.control import RemoteAdapter
+from syncd.engines.client import RemoteAdapter
 from engine.dynamo.procs import stop_process, wait_until
 from engine.dynamo.services import find_binary
 from engine.proxy.record import read_record

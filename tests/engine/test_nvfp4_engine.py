@@ -17,7 +17,8 @@ import threading
 import pytest
 import torch
 
-from engine.adapter import GenerationRequest, SamplingParams, Update
+from syncd.engines.protocol import GenerationRequest, SamplingParams
+from syncd.engines.update import Update
 from engine.reference import ReferenceEngine
 from engine.reference.make_tiny import write_model
 from engine.reference.sampling import sample

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.adapter import GenerationRequest, SamplingParams
+from syncd.engines.protocol import GenerationRequest, SamplingParams
 from engine.reference import ReferenceEngine
 from engine.replay import ReplayRecorder, read_request
 from engine.updater import expected_checksums, update_from_manifest

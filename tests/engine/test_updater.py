@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from engine import StateDictEngine
-from engine.adapter import ParamPiece, ParamSpec, Update
+from syncd.engines.params import ParamPiece, ParamSpec
+from syncd.engines.update import Update
 from engine.sharding import tp_specs
 from engine.updater import WeightUpdater, bf16_view_of_fp32, build_local, expected_checksums, map_positions
 from syncd.errors import DeltaError, IntegrityError
