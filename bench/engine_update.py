@@ -152,7 +152,7 @@ def run(cfg: dict, lr: float, seed: int, workdir: Path, verify_apply: bool = Tru
 
     from bench.codec import snapshots
     from engine.reference import ReferenceEngine
-    from engine.updater import update_from_manifest
+    from syncd.engines.update import Update
     from syncd.store import Store
     from syncd.versions import fetch_shards, read_manifest
     from trainer import WeightPublisher
@@ -188,7 +188,7 @@ def run(cfg: dict, lr: float, seed: int, workdir: Path, verify_apply: bool = Tru
             m = read_manifest(store, "bench", v, signing_key=False)
             shards = fetch_shards(store, "bench", m)
             t_a = time.perf_counter()
-            engine.stage(update_from_manifest(m, shards))
+            engine.stage(Update.from_shards(m, shards))
             t_b = time.perf_counter()
             engine.pause()
             sync()  # the last step's device work belongs to the pause wait, not to the stall
@@ -219,7 +219,7 @@ def run(cfg: dict, lr: float, seed: int, workdir: Path, verify_apply: bool = Tru
     sync()
     quiet_apply, quiet_rollback = [], []
     last = read_manifest(store, "bench", cfg["updates"], signing_key=False)
-    last_update = update_from_manifest(last, fetch_shards(store, "bench", last))
+    last_update = Update.from_shards(last, fetch_shards(store, "bench", last))
     for _ in range(cfg["reload_repeats"]):
         t0 = time.perf_counter()
         engine.rollback()

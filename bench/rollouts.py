@@ -239,6 +239,7 @@ def generate(workdir: Path, store_url: str, cfg: RolloutConfig, *, run_id: str |
     from engine.dynamo.serve import Node, NodeConfig
     from engine.dynamo.settings import DynamoSettings
     from engine.reference.make_tiny import model_config, random_model
+    from syncd.engines.update import Update
     from trainer import WeightPublisher
 
     workdir = Path(workdir)
@@ -312,7 +313,7 @@ def generate(workdir: Path, store_url: str, cfg: RolloutConfig, *, run_id: str |
                 weights[version] = _served(model)
                 raw = _cache_version(store_url, run_id, version, workdir / "cache")
                 for e in engines:  # through the workers' admin routes, as a node daemon does
-                    e.stage_from_cache(raw, workdir / "cache")
+                    e.stage(Update.from_cache(raw, workdir / "cache"))
                     e.apply()
                     if e.version != version:
                         raise RuntimeError(f"a worker is at version {e.version} after applying {version}")

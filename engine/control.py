@@ -18,13 +18,15 @@ import time
 import uuid
 
 from syncd.engines.errors import BadRequest
-from syncd.engines.wire import OPS, lease_of, spec_to_json
+from syncd.engines.update import Update
+from syncd.engines.wire import ROUTES, cached_of, lease_of, names_of, spec_to_json
 from syncd.errors import LeaseHeld, NotAuthorized
 
 # moved to syncd.engines, kept here for one release
 from syncd.engines.client import RemoteAdapter, load_full_from_cache, stage_from_cache  # noqa: F401, E402
 from syncd.engines.errors import EngineUnreachable, RemoteEngineError  # noqa: F401, E402
-from syncd.engines.wire import MAX_BODY_BYTES, MAX_LEASE_S, ROUTE_PREFIX, WEIGHT_OPS, spec_from_json, status_of  # noqa: F401, E402
+from syncd.engines.wire import (MAX_BODY_BYTES, MAX_LEASE_S, OPS, ROUTE_PREFIX, WEIGHT_OPS,  # noqa: F401, E402
+                                spec_from_json, status_of)
 
 log = logging.getLogger(__name__)
 
@@ -93,11 +95,12 @@ class EngineControl:
     # ------------------------------------------------------------------------------------- calls
 
     def call(self, op: str, body, token) -> dict:
-        """Run route ``op`` with the JSON ``body`` for a caller presenting ``token``; returns the reply.
-        Raises as the module docstring's status codes say (the server maps them)."""
+        """Run route ``op`` (:data:`syncd.engines.wire.ROUTES`) with the JSON ``body`` for a caller presenting
+        ``token``; returns the reply. Raises as :mod:`syncd.engines.wire` says (the server maps the status)."""
         self.check_token(token)
-        if op not in OPS:
-            raise KeyError(f"unknown engine op {op!r} (one of {', '.join(OPS)})")
+        route = ROUTES.get(op)
+        if route is None:
+            raise KeyError(f"unknown engine op {op!r} (one of {', '.join(ROUTES)})")
         body = {} if body is None else body
         if not isinstance(body, dict):
             raise BadRequest("the request body must be a JSON object")
@@ -106,10 +109,7 @@ class EngineControl:
         if op == "parameters":
             return {"parameters": [spec_to_json(s) for s in self.adapter.parameters()]}
         if op == "checksum":
-            names = body.get("names")
-            if names is not None and (not isinstance(names, list) or not all(isinstance(n, str) for n in names)):
-                raise BadRequest("'names' must be a list of strings or null")
-            return {"checksums": {k: f"{v:016x}" for k, v in self.adapter.checksum(names).items()}}
+            return {"checksums": {k: f"{v:016x}" for k, v in self.adapter.checksum(names_of(body)).items()}}
         lease = lease_of(body)
         if op in ("lease", "release"):
             with self._lease_lock:
@@ -129,27 +129,19 @@ class EngineControl:
     def _manifest(self, body: dict, lease: dict):
         from syncd import manifest as mf
 
-        text, root = body.get("manifest"), body.get("cache_root")
-        if not isinstance(text, str) or not isinstance(root, str) or not root:
-            raise BadRequest("body needs 'manifest' (the manifest's JSON text) and 'cache_root' (a path)")
-        try:
-            raw = text.encode("ascii")
-        except UnicodeEncodeError:
-            raise BadRequest("manifest text is not ASCII (manifests are canonical ASCII JSON)") from None
+        raw, root = cached_of(body)
         m = mf.parse(raw, key=self.key, allow_unsigned=self.key is None, where="manifest sent to the engine")
         if lease["run_id"] is not None and m.run_id != lease["run_id"]:
             raise ValueError(f"manifest of run {m.run_id!r} sent by the controller of run {lease['run_id']!r}")
         return m, root
 
     def _weight_op(self, op: str, m, root) -> dict:
-        from syncd.cache import update_from_cache
-
         a = self.adapter
         if op == "stage":
             if m.kind == "delta" and self.run_id is not None and m.run_id != self.run_id:
                 raise ValueError(f"the engine holds weights of run {self.run_id!r}; a delta of run {m.run_id!r} "
                                  "does not apply to them (load a full version first)")
-            a.stage(update_from_cache(m, root))
+            a.stage(Update.from_cache(m, root).load())  # the shards are read (and re-hashed) here, in-process
             self._staged_run = m.run_id
             return {"version": m.version}
         if op in ("pause", "resume"):
@@ -158,7 +150,7 @@ class EngineControl:
         if op == "load_full" and m.kind != "full":
             raise ValueError(f"load_full needs a full version; version {m.version} is a delta")
         if op == "load_full":
-            update = update_from_cache(m, root)
+            update = Update.from_cache(m, root).load()
             self.run_id = None  # unknown until it succeeded
             try:
                 a.load_full(update)
@@ -171,7 +163,6 @@ class EngineControl:
             if op == "apply":
                 self.run_id = self._staged_run or self.run_id
         return {"version": a.version, "writes": self.writes}
-
 
 if __name__ == "__main__":
     import sys

@@ -447,16 +447,9 @@ class WeightUpdater:
 
 
 def update_from_manifest(m, shards: Sequence) -> Update:
-    """An :class:`~syncd.engines.update.Update` for verified manifest ``m`` (``syncd.manifest.Manifest``) and its
-    verified shards (``syncd.versions.fetch_shards``): delta blobs as memoryviews into the shards, or full
-    tensors (checked against the manifest's checksums by ``syncd.versions.load_full``)."""
-    checksums = {t.name: t.checksum for t in m.tensors}
-    if m.kind == "delta":
-        blobs = {t.name: memoryview(shards[t.shard])[t.offset:t.offset + t.length] for t in m.tensors}
-        return Update(m.version, "delta", blobs, base_version=m.base_version, checksums=checksums)
-    from syncd.versions import load_full
-
-    return Update(m.version, "full", load_full(m, list(shards)), checksums=checksums)
+    """Moved to :meth:`syncd.engines.Update.from_shards <syncd.engines.update.Update.from_shards>`, kept for one
+    release."""
+    return Update.from_shards(m, shards)
 
 
 _NATIVE_SCATTER = True  # CPU parameters through the native scatter (tests turn it off to run the torch path)

@@ -117,7 +117,7 @@ class UpdatePath:
             for d in group:
                 d.state = "staging"
             try:
-                await stage_group(group, raw, self.cache.root)
+                await stage_group(group, m, raw, self.cache.root)
             except Exception as exc:  # noqa: BLE001 -- the engines are untouched: re-check them next round
                 log.error("run %s: staging version %d failed: %s: %s", self.run_id, m.version, type(exc).__name__, exc)
                 self.metrics.failure("apply")

@@ -4,8 +4,10 @@
 Modules, one concept each: ``protocol`` (the :class:`Adapter` and :class:`Generator` protocols, the serving
 types), ``update`` (:class:`Update`, one version to stage or load), ``params`` (:class:`ParamSpec` /
 :class:`ParamPiece` and the layout helpers: spec checks, positions, expected checksums), ``wire`` (the control
-routes and their wire format, in one table), ``errors`` (the boundary's error types) and ``client``
-(:class:`RemoteAdapter`, the daemon's client of an engine process).
+routes and their wire format, in one table), ``errors`` (the boundary's error types), ``client``
+(:class:`RemoteAdapter`, the daemon's client of an engine process) and ``local`` (:class:`InProcessLink`, an
+engine in the daemon's process with the same control state): both are an :class:`EngineLink`, the one kind of
+engine the daemon drives.
 
 The names below are imported on first use (``params`` and ``wire`` load torch).
 """
@@ -25,7 +27,9 @@ _LAZY = {
     "OPS": "syncd.engines.wire", "WEIGHT_OPS": "syncd.engines.wire",
     "BadRequest": "syncd.engines.errors", "RemoteEngineError": "syncd.engines.errors",
     "EngineUnreachable": "syncd.engines.errors",
-    "RemoteAdapter": "syncd.engines.client",
+    "RemoteAdapter": "syncd.engines.client", "InProcessLink": "syncd.engines.local",
+    "EngineLink": "syncd.engines.protocol", "CachedVersion": "syncd.engines.update",
+    "ROUTES": "syncd.engines.wire",
 }
 
 __all__ = sorted(_LAZY)

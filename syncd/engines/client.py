@@ -1,5 +1,6 @@
-"""The daemon's side of the control routes: :class:`RemoteAdapter`, an ``Adapter`` that drives an engine
-process through them (wire format: :mod:`syncd.engines.wire`)."""
+"""The daemon's side of the control routes: :class:`RemoteAdapter`, an :class:`~syncd.engines.protocol.Adapter`
+(and :class:`~syncd.engines.protocol.EngineLink`) that drives an engine process through them (routes and wire
+format: :mod:`syncd.engines.wire`)."""
 
 from __future__ import annotations
 
@@ -10,47 +11,28 @@ import uuid
 from typing import Sequence
 from urllib.parse import urlsplit
 
+from syncd import jsonsafe
+from syncd.engines import wire
 from syncd.engines.errors import EngineUnreachable, RemoteEngineError
-from syncd.engines.params import ParamSpec
 from syncd.engines.update import Update
-from syncd.engines.wire import _DYNAMO_ROUTE_ERROR, MAX_LEASE_S, ROUTE_PREFIX, error_class, spec_from_json
 
 __all__ = ["RemoteAdapter", "stage_from_cache", "load_full_from_cache"]
 
 
-def stage_from_cache(adapter, manifest_raw: bytes, cache_root) -> None:
-    """Stage a version whose shards are in the node cache: over the wire for a :class:`RemoteAdapter`,
-    else by building the ``Update`` here (:func:`syncd.cache.update_from_cache`)."""
-    if isinstance(adapter, RemoteAdapter):
-        adapter.stage_from_cache(manifest_raw, cache_root)
-    else:
-        from syncd.cache import update_from_cache
-
-        adapter.stage(update_from_cache(manifest_raw, cache_root))
-
-
-def load_full_from_cache(adapter, manifest_raw: bytes, cache_root) -> None:
-    """``load_full`` of a full version whose shards are in the node cache (see :func:`stage_from_cache`)."""
-    if isinstance(adapter, RemoteAdapter):
-        adapter.load_full_from_cache(manifest_raw, cache_root)
-    else:
-        from syncd.cache import update_from_cache
-
-        adapter.load_full(update_from_cache(manifest_raw, cache_root))
-
-
 class RemoteAdapter:
-    """``engine.Adapter`` over an engine process's control routes at ``base_url`` (``http://host:port``;
-    a Dynamo worker's system port works too).
+    """An engine process's control routes at ``base_url`` (``http://host:port``; a Dynamo worker's system port
+    works too) as an ``Adapter`` and ``EngineLink``.
 
-    Every call presents the node's engine token (``token``, else read from ``token_file`` /
-    ``SYNCD_ENGINE_TOKEN_FILE`` at the first call) and this client's lease (``run_id``, this pid,
-    ``lease_s``): the first weight op (or :meth:`lease`) takes it, each later call renews it.
-    Errors come back as the engine raised them where the type is known (``DeltaError``, ``LeaseHeld``,
+    ``stage``/``load_full`` take an :class:`~syncd.engines.update.Update` of a version in the node cache
+    (:meth:`Update.from_cache <syncd.engines.update.Update.from_cache>`): the engine is sent the manifest and
+    the cache root and reads the shards itself; an update held only in this process's memory raises
+    ``ValueError`` (it cannot cross the wire). Every call presents the node's engine token (``token``, else
+    read from ``token_file`` / ``SYNCD_ENGINE_TOKEN_FILE`` at the first call) and this client's lease
+    (``run_id``, this pid, ``lease_s``): the first weight op (or :meth:`lease`) takes it, each later call renews
+    it. Errors come back as the engine raised them where the type is known (``DeltaError``, ``LeaseHeld``,
     ``ValueError``, ...), else as :class:`RemoteEngineError`; an engine that does not answer raises
-    :class:`EngineUnreachable`. ``stage``/``load_full`` of an in-memory ``Update`` cannot cross the wire:
-    use :meth:`stage_from_cache` / :meth:`load_full_from_cache` (the engine reads the node's shard cache).
-    Thread-safe (a connection per call); the Adapter's one-controller rule still applies.
+    :class:`EngineUnreachable`. Thread-safe (a connection per call); the Adapter's one-controller rule still
+    applies.
     """
 
     def __init__(self, base_url: str, *, timeout_s: float = 600.0, connect_timeout_s: float = 5.0,
@@ -58,8 +40,8 @@ class RemoteAdapter:
         u = urlsplit(base_url)
         if u.scheme != "http" or not u.hostname:
             raise ValueError(f"engine control URL must be http://host:port, got {base_url!r}")
-        if not 0.1 <= lease_s <= MAX_LEASE_S:
-            raise ValueError(f"lease_s must be in 0.1..{MAX_LEASE_S:g} seconds")
+        if not 0.1 <= lease_s <= wire.MAX_LEASE_S:
+            raise ValueError(f"lease_s must be in 0.1..{wire.MAX_LEASE_S:g} seconds")
         self.base_url = base_url.rstrip("/")
         self.host, self.port = u.hostname, u.port or 80
         self.prefix = u.path.rstrip("/")
@@ -72,6 +54,10 @@ class RemoteAdapter:
     def __repr__(self) -> str:
         return f"RemoteAdapter({self.base_url!r})"
 
+    @property
+    def url(self) -> str:
+        return self.base_url
+
     def credentials(self) -> dict:
         """The members every request body carries: ``auth`` (the token) and ``lease``."""
         if self._token is None:
@@ -82,7 +68,11 @@ class RemoteAdapter:
                                                "ttl_s": self.lease_s}}
 
     def call(self, op: str, body: dict | None = None, *, timeout_s: float | None = None) -> dict:
-        """POST one control route and return its JSON reply (raises as described in the class docstring)."""
+        """POST route ``op`` (one of :data:`~syncd.engines.wire.ROUTES`) and return its JSON reply (raises as
+        described in the class docstring)."""
+        route = wire.ROUTES.get(op)
+        if timeout_s is None:
+            timeout_s = wire.QUICK_TIMEOUT_S if route is not None and route.quick else self.timeout_s
         creds = self.credentials()
         data = json.dumps({**(body or {}), **creds}).encode()
         conn = http.client.HTTPConnection(self.host, self.port, timeout=self.connect_timeout_s)
@@ -91,30 +81,26 @@ class RemoteAdapter:
                 conn.connect()
             except OSError as exc:
                 raise EngineUnreachable(f"engine at {self.base_url} is not answering: {exc}") from None
-            conn.sock.settimeout(timeout_s or self.timeout_s)
+            conn.sock.settimeout(timeout_s)
             try:
-                conn.request("POST", f"{self.prefix}{ROUTE_PREFIX}{op}", body=data,
+                conn.request("POST", f"{self.prefix}{wire.ROUTE_PREFIX}{op}", body=data,
                              headers={"Content-Type": "application/json", "Authorization": f"Bearer {creds['auth']}"})
                 resp = conn.getresponse()
-                raw = resp.read()
+                raw = resp.read(wire.MAX_BODY_BYTES + 1)
             except (ConnectionError, http.client.HTTPException) as exc:
                 raise EngineUnreachable(f"engine at {self.base_url} dropped the {op} call: {exc}") from None
         finally:
             conn.close()
         try:
-            reply = json.loads(raw) if raw else {}
-        except ValueError:
+            reply = jsonsafe.loads(raw, what=f"{op} reply", max_bytes=wire.MAX_BODY_BYTES, max_depth=8) if raw else {}
+        except jsonsafe.JSONError:
             raise RemoteEngineError(f"engine at {self.base_url}: {op} replied {resp.status} with non-JSON "
                                     f"{raw[:200]!r}") from None
         if resp.status != 200:
-            msg = reply.get("error", f"HTTP {resp.status}") if isinstance(reply, dict) else str(reply)
-            kind = reply.get("type", "") if isinstance(reply, dict) else ""
-            if not kind and isinstance(reply, dict):  # Dynamo's system server: its own envelope, status 500
-                m = _DYNAMO_ROUTE_ERROR.match(str(reply.get("message", "")))
-                if m:
-                    kind, msg = m.group(1), m.group(2)
-            raise error_class(kind)(f"engine at {self.base_url}: {op}: {msg}")
-        if op in ("apply", "rollback", "load_full") and isinstance(reply.get("writes"), int):
+            wire.raise_error(resp.status, reply, f"engine at {self.base_url}: {op}")
+        if not isinstance(reply, dict):
+            raise RemoteEngineError(f"engine at {self.base_url}: {op} replied {str(reply)[:200]}, not a JSON object")
+        if route is not None and route.writes and isinstance(reply.get("writes"), int):
             self.last_writes = reply["writes"]
         return reply
 
@@ -122,15 +108,15 @@ class RemoteAdapter:
 
     def state(self) -> dict:
         """``{"run_id", "version", "writes", "instance", "lease"}`` (no lease taken)."""
-        return self.call("version", timeout_s=30)
+        return self.call("version")
 
     def lease(self) -> dict:
         """Take or renew this client's lease; the engine's state. :class:`LeaseHeld` if another holds it."""
-        return self.call("lease", timeout_s=30)
+        return self.call("lease")
 
     def release(self) -> None:
         """Give the lease back (a later controller need not wait for it to expire)."""
-        self.call("release", timeout_s=30)
+        self.call("release")
 
     # ------------------------------------------------------------------------------------- Adapter
 
@@ -138,16 +124,11 @@ class RemoteAdapter:
     def version(self) -> int | None:
         return self.state()["version"]
 
-    def parameters(self) -> Sequence[ParamSpec]:
-        return [spec_from_json(d) for d in self.call("parameters")["parameters"]]
+    def parameters(self) -> Sequence:
+        return [wire.spec_from_json(d) for d in self.call("parameters")["parameters"]]
 
     def stage(self, update: Update) -> None:
-        raise TypeError("RemoteAdapter cannot send an in-memory Update; use stage_from_cache(manifest, cache_root) "
-                        "(engine.control.stage_from_cache does this for any adapter)")
-
-    def stage_from_cache(self, manifest_raw: bytes, cache_root) -> int:
-        return self.call("stage", {"manifest": bytes(manifest_raw).decode("ascii"),
-                                   "cache_root": os.fspath(cache_root)})["version"]
+        self.call("stage", wire.cached_body(update))
 
     def pause(self) -> None:
         self.call("pause")
@@ -159,12 +140,7 @@ class RemoteAdapter:
         self.call("rollback")
 
     def load_full(self, update: Update) -> None:
-        raise TypeError("RemoteAdapter cannot send an in-memory Update; use load_full_from_cache(manifest, "
-                        "cache_root)")
-
-    def load_full_from_cache(self, manifest_raw: bytes, cache_root) -> int:
-        return self.call("load_full", {"manifest": bytes(manifest_raw).decode("ascii"),
-                                       "cache_root": os.fspath(cache_root)})["version"]
+        self.call("load_full", wire.cached_body(update))
 
     def resume(self) -> None:
         self.call("resume")
@@ -172,3 +148,28 @@ class RemoteAdapter:
     def checksum(self, names: Sequence[str] | None = None) -> dict[str, int]:
         reply = self.call("checksum", {"names": list(names) if names is not None else None})
         return {k: int(v, 16) for k, v in reply["checksums"].items()}
+
+    # ------------------------------------------------------------------------------------- kept for one release
+
+    def stage_from_cache(self, manifest_raw: bytes, cache_root) -> int:
+        """Stage the version ``manifest_raw`` names from the node cache (``stage(Update.from_cache(...))``,
+        sending the bytes unparsed); the version staged. Kept for one release."""
+        return self.call("stage", {"manifest": bytes(manifest_raw).decode("ascii"),
+                                   "cache_root": os.fspath(cache_root)})["version"]
+
+    def load_full_from_cache(self, manifest_raw: bytes, cache_root) -> int:
+        """``load_full`` of the full version ``manifest_raw`` names from the node cache; the version. Kept
+        for one release."""
+        return self.call("load_full", {"manifest": bytes(manifest_raw).decode("ascii"),
+                                       "cache_root": os.fspath(cache_root)})["version"]
+
+
+def stage_from_cache(adapter, manifest_raw: bytes, cache_root) -> None:
+    """``adapter.stage(Update.from_cache(manifest_raw, cache_root))``: any adapter, in this process or another.
+    Kept for one release."""
+    adapter.stage(Update.from_cache(manifest_raw, cache_root))
+
+
+def load_full_from_cache(adapter, manifest_raw: bytes, cache_root) -> None:
+    """``adapter.load_full(Update.from_cache(manifest_raw, cache_root))``. Kept for one release."""
+    adapter.load_full(Update.from_cache(manifest_raw, cache_root))

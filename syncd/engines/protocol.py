@@ -1,5 +1,6 @@
 """The one protocol every engine implements: :class:`Adapter` (weight updates) and :class:`Generator`
-(serving). The daemon (``syncd.daemon``), the Dynamo worker (``engine.dynamo``) and the tests talk to engines
+(serving); and :class:`EngineLink`, what the node daemon holds for each engine it drives, in this process or
+another. The daemon (``syncd.daemon``), the Dynamo worker (``engine.dynamo``) and the tests talk to engines
 only through these.
 
 Update lifecycle, driven by one controller thread (the daemon) while other threads keep serving::
@@ -23,6 +24,11 @@ Contract:
   ``rollback`` after a successful ``apply`` restores the previous version's weights bit for bit.
 * ``version`` is the weight version every token generated from now on is sampled with; it changes only in
   ``apply``/``rollback``/``load_full``, all while paused.
+* An :class:`~syncd.engines.update.Update` is in memory or names a version in the node cache
+  (:meth:`Update.from_cache <syncd.engines.update.Update.from_cache>`); an engine in this process reads its
+  ``tensors`` (decoded from the cache on first use), an engine in another process is sent the reference
+  and reads the shards itself. Every engine takes an update from the node cache; only an engine in this
+  process can take one held in memory.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from typing import AsyncIterator, Protocol, Sequence, runtime_checkable
 from syncd.engines.params import ParamSpec
 from syncd.engines.update import Update
 
-__all__ = ["Adapter", "SamplingParams", "GenerationRequest", "TokenEvent", "Generator"]
+__all__ = ["Adapter", "EngineLink", "SamplingParams", "GenerationRequest", "TokenEvent", "Generator"]
 
 
 @runtime_checkable
@@ -69,6 +75,32 @@ class Adapter(Protocol):
 
     def checksum(self, names: Sequence[str] | None = None) -> dict[str, int]:
         """``syncd.ops.checksum`` of local parameters by local name (all when ``names`` is None)."""
+
+
+@runtime_checkable
+class EngineLink(Adapter, Protocol):
+    """An :class:`Adapter` as the node daemon drives it, with the engine's control state: one kind of link
+    for every engine, in this process (:class:`~syncd.engines.local.InProcessLink`) or another
+    (:class:`~syncd.engines.client.RemoteAdapter`, over the control routes of :mod:`syncd.engines.wire`).
+
+    ``state()`` is ``{"run_id", "version", "writes", "instance", "lease"}`` (wire form of the ``version``
+    route); ``lease()`` takes or renews this controller's lease and returns the state (raises
+    :class:`~syncd.errors.LeaseHeld` while another controller holds it); ``release()`` gives it back.
+    ``last_writes`` is the engine's write counter right after this link's last write (None before one);
+    ``url`` says where the engine is, for status pages. Raises
+    :class:`~syncd.engines.errors.EngineUnreachable` when the engine does not answer."""
+
+    url: str
+    last_writes: int | None
+
+    def state(self) -> dict:
+        """The engine's control state (no lease taken)."""
+
+    def lease(self) -> dict:
+        """Take or renew this controller's lease; the engine's control state."""
+
+    def release(self) -> None:
+        """Give the lease back (a later controller need not wait for it to expire)."""
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,9 @@ import pytest
 import engine
 from engine.control_server import ControlServer
 from syncd.cache import ShardCache
-from syncd.engines.client import RemoteAdapter, load_full_from_cache, stage_from_cache
+from syncd.engines.client import RemoteAdapter
 from syncd.engines.errors import EngineUnreachable
+from syncd.engines.update import Update
 from syncd.errors import DeltaError
 from syncd.versions import read_manifest
 from tests.daemon.conftest import KEY, RUN, free_port
@@ -30,8 +31,8 @@ def test_remote_adapter_over_a_real_server(setup):
         assert remote.version is None
         assert list(remote.parameters()) == list(eng.parameters())
         remote.pause()
-        load_full_from_cache(remote, raws[0], cache.root)
-        stage_from_cache(remote, raws[1], cache.root)
+        remote.load_full(Update.from_cache(raws[0], cache.root))
+        remote.stage(Update.from_cache(raws[1], cache.root))
         remote.apply()
         remote.resume()
         assert remote.version == 1
@@ -43,8 +44,8 @@ def test_remote_adapter_over_a_real_server(setup):
             remote.apply()
         # ... a delta for another base is a ValueError (422), and the weights are untouched
         with pytest.raises(ValueError, match="base version"):
-            stage_from_cache(remote, raws[1], cache.root)
-        with pytest.raises(TypeError, match="stage_from_cache"):
+            remote.stage(Update.from_cache(raws[1], cache.root))
+        with pytest.raises(ValueError, match="node cache"):  # an update held in memory cannot cross the wire
             remote.stage(engine.Update(version=2, kind="delta", tensors={}))
         assert remote.version == 1
         # unknown routes and malformed bodies
@@ -76,7 +77,7 @@ def test_a_corrupt_blob_is_a_delta_error_across_the_wire(setup, tmp_path):
     server = ControlServer(eng, port=0).start()
     try:
         with pytest.raises((DeltaError, ValueError)):
-            stage_from_cache(RemoteAdapter(server.url), raws[1], bad.root)
+            RemoteAdapter(server.url).stage(Update.from_cache(raws[1], bad.root))
         assert eng.version == 0
         assert_same(eng.state_dict(), pub.states[0])
     finally:
