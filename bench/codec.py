@@ -36,8 +36,7 @@ import numpy as np
 import torch
 import zstandard
 
-from syncd.ops import _backend, checksum_many, delta
-from syncd.ops import _format as fmt
+from syncd.ops import checksum_many, delta, threads
 from syncd.ops.reference import delta as ref_delta
 
 log = logging.getLogger("bench.codec")
@@ -102,7 +101,7 @@ def entropy_bound(old: dict, new: dict) -> dict:
     n_total = c_total = 0
     all_vals = []
     for name in old:
-        dt = fmt.dtype_of(old[name].dtype)
+        dt = delta.dtype_format(old[name].dtype)
         ob = ref_delta.bits_view(old[name].view(torch.int16).numpy(), dt)  # flattened
         nb = ref_delta.bits_view(new[name].view(torch.int16).numpy(), dt)
         _, v = ref_delta.changes(ob, nb, dt)
@@ -167,7 +166,7 @@ def baselines(old: dict, new: dict, repeats: int) -> dict:
         idx = np.flatnonzero(o != n)
         sizes["idx32_bf16_zstd"] += len(_zstd(idx.astype(np.int32).tobytes() + n[idx].tobytes()))
         t3 = time.perf_counter()
-        dt = fmt.DTYPES["bfloat16"]
+        dt = delta.dtype_format(torch.bfloat16)
         pos, v = ref_delta.changes(o.view(np.uint16), n.view(np.uint16), dt)
         gaps = np.diff(pos, prepend=-1) - 1
         sizes["gapvarint_zigzag_zstd"] += len(_zstd(_varint_bytes(gaps)) + _zstd(_varint_bytes(v)))
@@ -280,7 +279,7 @@ def parse_args(argv):
     p.add_argument("--lrs", default="1e-6,3e-6,1e-5", help="comma-separated learning rates")
     p.add_argument("--ks", default="1,2,4,8", help="comma-separated snapshot distances in optimizer steps")
     p.add_argument("--repeats", type=int, help="timing repeats (median is reported)")
-    p.add_argument("--block-log2", type=int, default=fmt.DEFAULT_BLOCK_LOG2)
+    p.add_argument("--block-log2", type=int, default=delta.DEFAULT_BLOCK_LOG2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.environ.get("SYNCD_BENCH_OUT", "bench/results/codec.json"))
     return p.parse_args(argv)
@@ -298,7 +297,7 @@ def main(argv=None) -> int:
     header = (f"{'lr':>7} {'K':>2} {'density':>8} {'ours%':>7} {'bound%':>7} {'x bound':>7} "
               f"{'enc GB/s':>8} {'dec GB/s':>8} {'app GB/s':>8} {'read GB/s':>9} {'enc/read':>8} {'app/read':>8} | "
               f"{'zstd full%':>10} {'zstd xor%':>9} {'i32+bf16%':>9} {'gap+zz zstd%':>12}")
-    print(f"syncd codec benchmark: preset {args.preset}, threads {_backend.threads()}, {platform.processor() or platform.machine()}")
+    print(f"syncd codec benchmark: preset {args.preset}, threads {threads()}, {platform.processor() or platform.machine()}")
     for lr in lrs:
         t0 = time.perf_counter()
         snaps = snapshots(cfg, lr, max(ks), args.seed)
@@ -324,7 +323,7 @@ def main(argv=None) -> int:
           f"{med('numpy_read_gbps'):.1f} GB/s)")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"bench": "codec", "preset": args.preset, "config": cfg, "threads": _backend.threads(),
+    out.write_text(json.dumps({"bench": "codec", "preset": args.preset, "config": cfg, "threads": threads(),
                                "python": sys.version.split()[0], "torch": torch.__version__, "results": results},
                               indent=1))
     first, densest = results[0], max(results, key=lambda r: r["density"])

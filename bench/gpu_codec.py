@@ -17,8 +17,7 @@ from pathlib import Path
 
 import torch
 
-from syncd.ops import _backend, checksum, delta
-from syncd.ops import _format as fmt
+from syncd.ops import available, checksum, delta
 
 
 def cuda_time(fn, repeats: int) -> float:
@@ -65,15 +64,13 @@ def main(argv=None) -> int:
     ref_blob = None
     if args.refcheck:
         ref_blob = delta.encode(old.cpu(), new.cpu(), backend="cpu")
-    dt = fmt.dtype_of(old.dtype)
     for name in ("cuda", "triton"):
-        why = _backend.available(name, "cuda")
+        why = available(name, "cuda")
         if why:
             print(f"{name}: unavailable ({why})")
             continue
-        k = _backend.gpu_kernels(name)
         ck_s = cuda_time(lambda: checksum(old, backend=name), args.repeats)
-        scan_s = cuda_time(lambda: k.find_changes(old, new, dt.bits, dt.is_float), args.repeats)
+        scan_s = cuda_time(lambda: delta.find_changes(old, new, backend=name), args.repeats)
         enc_s = cuda_time(lambda: delta.encode(old, new, backend=name), max(3, args.repeats // 3))
         blob = delta.encode(old, new, backend=name)
         work = old.clone()

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from syncd.ops import _backend, delta, nvfp4
+from syncd.ops import delta, native_features, nvfp4, threads
 from syncd.ops.reference import nvfp4 as ref
 
 log = logging.getLogger("bench.nvfp4")
@@ -221,8 +221,8 @@ def main(argv=None) -> int:
     for key in ("rows", "cols", "repeats", "lrs", "ks"):
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)
-    print(f"syncd NVFP4 benchmark: preset {args.preset}, threads {_backend.threads()}, "
-          f"native SIMD {_backend.native().NVFP4_SIMD}, {platform.processor() or platform.machine()}")
+    print(f"syncd NVFP4 benchmark: preset {args.preset}, threads {threads()}, "
+          f"native SIMD {native_features()['nvfp4_simd']}, {platform.processor() or platform.machine()}")
     tp = throughput(cfg["rows"], cfg["cols"], cfg["repeats"], args.seed)
     print(f"\nthroughput on a {cfg['rows']}x{cfg['cols']} bf16 matrix ({tp['bytes_bf16'] / 2**20:.0f} MiB), "
           f"GB/s of bf16; NumPy read pass {tp['read_gbps']:.2f} GB/s")
@@ -260,8 +260,8 @@ def main(argv=None) -> int:
           f"{cpu['quantize_pts_vs_read']:.2f}x with the per-tensor scale given")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"bench": "nvfp4", "preset": args.preset, "config": cfg, "threads": _backend.threads(),
-                               "native_simd": bool(_backend.native().NVFP4_SIMD), "python": sys.version.split()[0],
+    out.write_text(json.dumps({"bench": "nvfp4", "preset": args.preset, "config": cfg, "threads": threads(),
+                               "native_simd": native_features()["nvfp4_simd"], "python": sys.version.split()[0],
                                "torch": torch.__version__, "throughput": tp, "deltas": rows}, indent=1))
     print(f"results written to {out}")
     return 0 if all(r["bit_exact"] for r in tp["backends"].values()) else 2

@@ -18,7 +18,7 @@ How an update moves (``docs/engine.md``):
   they are pinned, positions are int32 where they fit and the old words get a fingerprint
   (:func:`fingerprint`), so an apply sends 6 bytes per changed bf16 word over PCIe.
 * ``apply()`` scatters the new words; each staged position must still hold its staged old word, checked
-  just before it is written (CPU: one native pass on every core, ``syncd._native.scatter_runs_ptr``). Only
+  just before it is written (CPU: one pass on every core, ``syncd.ops.scatter_words_``). Only
   changed words move. If anything fails, every word already written is restored from the old words and the
   error is raised: all or nothing.
 * ``rollback()`` scatters the old words of the last apply back: bit-exact and as cheap as the apply.
@@ -53,7 +53,7 @@ from syncd.engines.params import (ParamPiece, ParamSpec, build_local, check_spec
 from syncd.engines.update import Update
 from syncd.errors import DeltaError, IntegrityError
 from syncd.ops import checksum as _checksum
-from syncd.ops import checksum_many
+from syncd.ops import checksum_many, scatter_words_
 from syncd.ops import delta as _delta
 
 log = logging.getLogger(__name__)
@@ -348,25 +348,24 @@ class WeightUpdater:
                version: int | None = None) -> None:
         """Scatter the new (``new``) or old words of every parameter. With ``verify``, each position must
         hold the word being replaced. On any failure every word written so far is put back and nothing else
-        is touched, then the error is raised. CPU parameters: one native call (``scatter_runs_ptr``) over
-        runs of ``_SUB`` words on every core, each word compared just before it is written; the rest
-        (GPU parameters, or every one without the native scatter): :meth:`_write_torch`."""
-        native = {n: a for n, a in self._np.items() if _NATIVE_SCATTER}
-        runs, owners = _cpu_runs(native, params, new)
-        if runs:
-            failed, bad = _scatter(runs, verify)
-            if failed >= 0:
-                p = owners[failed]
+        is touched, then the error is raised. CPU parameters: one :func:`syncd.ops.scatter_words_` over all of
+        them (every core, each word compared just before it is written); the rest (GPU parameters, or every
+        one with ``_NATIVE_SCATTER`` off): :meth:`_write_torch`."""
+        cpu = [p for p in params if p.name in self._np] if _NATIVE_SCATTER else []
+        if cpu:
+            failed = scatter_words_(_word_items(self._np, cpu, new), verify=verify)
+            if failed is not None:
+                p, bad = cpu[failed[0]], failed[1]
                 if bad < 0:
                     raise DeltaError(f"apply: parameter {p.name!r} has a staged position outside the tensor; "
                                      "nothing was written")
                 raise _mismatch(p, bad, version)
         try:
-            self._write_torch([p for p in params if p.name not in native], new=new, verify=verify,
-                              version=version)
+            self._write_torch([p for p in params if p.name not in self._np or not _NATIVE_SCATTER], new=new,
+                              verify=verify, version=version)
         except BaseException:
-            if runs:
-                _scatter(_cpu_runs(native, params, not new)[0], False)
+            if cpu:
+                scatter_words_(_word_items(self._np, cpu, not new), verify=False)
             raise
 
     def _write_torch(self, params: list[StagedParam], *, new: bool, verify: bool, version) -> None:
@@ -452,33 +451,17 @@ def update_from_manifest(m, shards: Sequence) -> Update:
     return Update.from_shards(m, shards)
 
 
-_NATIVE_SCATTER = True  # CPU parameters through the native scatter (tests turn it off to run the torch path)
-_SUB = 1 << 13  # words compared and then written while their cache lines are hot
-_PARALLEL_MIN = 1 << 17  # fewer staged words than this are written by the calling thread
-def _cpu_runs(views: Mapping[str, np.ndarray], params: list[StagedParam], new: bool) -> tuple[list, list]:
-    """The native scatter's runs for the CPU parameters (those in ``views``, their word arrays): ``_SUB``
-    words each, writing the new (``new``) or the old words; and the parameter of each run. The pointers stay
-    valid while ``views`` and ``params`` are alive."""
-    runs, owners = [], []
+_NATIVE_SCATTER = True  # CPU parameters through syncd.ops.scatter_words_ (tests turn it off to run the torch path)
+
+
+def _word_items(views: Mapping[str, np.ndarray], params: list[StagedParam], new: bool) -> list:
+    """``syncd.ops.scatter_words_`` items of CPU parameters (``views``: their word arrays): the new (``new``) or
+    the old words over the others."""
+    items = []
     for p in params:
-        a = views.get(p.name)
-        if a is None:
-            continue
         i, o, n = p.arrays()
-        before, after = (o, n) if new else (n, o)
-        w = a.itemsize
-        for lo in range(0, i.size, _SUB):
-            runs.append((a.ctypes.data, a.size, a.strides[0], i.ctypes.data + 8 * lo, before.ctypes.data + w * lo,
-                         after.ctypes.data + w * lo, min(_SUB, i.size - lo), w))
-            owners.append(p)
-    return runs, owners
-
-
-def _scatter(runs: list, verify: bool) -> tuple[int, int]:
-    from syncd.ops import _backend
-
-    threads = max(1, _backend.threads()) if sum(r[6] for r in runs) >= _PARALLEL_MIN else 1
-    return _backend.native().scatter_runs_ptr(runs, verify, threads)
+        items.append((views[p.name], i, o, n) if new else (views[p.name], i, n, o))
+    return items
 
 
 # position·even + odd is odd, and an odd multiple of a nonzero word change is nonzero mod 2^64 (signed int64s)
