@@ -15,7 +15,7 @@ number, unsigned ones in a signed run. :class:`VersionPoller` treats all of it a
   at the next poll, so a thousand garbage directories above the real versions cost a few polls, not a stall.
 
 ``read(version) -> Manifest`` does the reading and verifying (the daemon passes its
-:class:`~syncd.daemon.manifests.ManifestSource`; :func:`syncd.versions.poll_latest` a stateless reader); it
+:class:`~syncd.manifest_source.ManifestSource`; :func:`syncd.versions.poll_latest` a stateless reader); it
 raises :class:`~syncd.errors.VersionNotFound` for a version without a manifest (torn: not reported),
 a :class:`~syncd.errors.SyncdError` for an unusable one, and :class:`~syncd.errors.StoreError` when the store
 cannot be read (propagated: the caller backs off). Not thread-safe: one poller per polling task.

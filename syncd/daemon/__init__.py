@@ -1,8 +1,8 @@
 """The syncd node daemon: keeps a node's engines on the newest verified version of a run.
 
-Modules, one concept each: ``config`` (settings), ``poller`` (noticing versions), ``manifests`` (verified
-manifests, rejections), ``planner`` (chain vs newer full version), ``fetcher`` (``ShardSource``: shards
-into the node cache, re-hashed before they are trusted), ``stager`` (staging while serving), ``driver``
+Modules, one concept each: ``config`` (settings), ``poller`` (noticing versions; the verified manifests
+come from :mod:`syncd.manifest_source`), ``planner`` (chain vs newer full version), ``fetcher``
+(``ShardSource``: shards into the node cache, re-hashed before they are trusted), ``stager`` (staging while serving), ``driver``
 (one engine: its checks, lease and critical section), ``recovery`` (rebuilds), ``updates`` (the update
 path: fetch, stage, apply, rebuild, heal the cache), ``metrics`` (Prometheus), ``status`` (the status
 file), ``testhooks``, ``cluster`` (the daemon as a node of a cluster: flags, ``ClusterLink``), and

@@ -40,7 +40,7 @@ from syncd.cache import ShardCache
 from syncd.daemon.config import DaemonConfig
 from syncd.daemon.driver import EngineDriver
 from syncd.daemon.fetcher import ShardSource, StoreShardSource
-from syncd.daemon.manifests import ManifestSource
+from syncd.manifest_source import ManifestSource
 from syncd.daemon.metrics import DaemonMetrics
 from syncd.daemon.poller import Poller
 from syncd.daemon.status import StatusBoard, default_status_file

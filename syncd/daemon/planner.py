@@ -70,7 +70,7 @@ def plan_update(manifests, current: int | None, newest: int, *, max_targets: int
     """The cheapest :class:`Plan` from ``current`` (None: weights unknown, rebuild) towards ``newest``;
     None when there is nothing to do or no version above ``current`` can be reached.
 
-    ``manifests`` is a :class:`~syncd.daemon.manifests.ManifestSource` (``get``, ``check_link``,
+    ``manifests`` is a :class:`~syncd.manifest_source.ManifestSource` (``get``, ``check_link``,
     ``rejected``). Blocking (reads manifests from the cache or the store)."""
     floor = -1 if current is None else current
     for target in range(newest, max(floor, newest - max_targets), -1):
