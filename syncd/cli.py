@@ -409,7 +409,7 @@ def _unknown_run(store, run: str) -> int:
 
 
 def _gc(args, out) -> int:
-    from syncd.versions import RetentionPolicy, apply_retention
+    from syncd.retention import RetentionPolicy, apply_retention
 
     store, key = _open(args)
     policy = RetentionPolicy(_value(args, "keep_last", int, "an integer"), _value(args, "grace", float),

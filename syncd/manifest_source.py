@@ -1,10 +1,12 @@
-"""Verified manifests of one run for the daemon: from memory, the node cache, then the store.
+"""Verified manifests of one run, from memory, the node cache, then the store: what the node daemon and the
+cluster controller read manifests through.
 
 Every manifest is parsed, authenticated and validated (:func:`syncd.manifest.parse` with the signing key)
-each time it comes from disk or the store, including from the node cache. A version whose manifest is
-refused (bad signature, malformed, replayed, not chaining to its base) or whose shards do not match it is
-remembered as *rejected* with the reason, counted in metrics, and left alone for ``retry_failed_s``; the
-planner routes around it. Thread-safe (one lock around the maps; I/O outside it).
+each time it comes from disk or the store (:func:`syncd.versions.read_manifest_bytes`, the one bounded read),
+including from the node cache. A version whose manifest is refused (bad signature, malformed, replayed, not
+chaining to its base) or whose shards do not match it is remembered as *rejected* with the reason, reported
+once (the log, metrics, the ``on_reject`` hook) and left alone for ``retry_failed_s``; planners route around
+it. Thread-safe (one lock around the maps; I/O outside it).
 """
 
 from __future__ import annotations
@@ -14,9 +16,9 @@ import threading
 import time
 
 from syncd import manifest as mf
-from syncd.errors import ManifestMismatch, ObjectNotFound, ObjectTooLarge, SignatureError, VersionNotFound
+from syncd.errors import ManifestMismatch, SignatureError, VersionNotFound
 from syncd.signing import NO_KEY_HELP
-from syncd.versions import check_link
+from syncd.versions import check_link, read_manifest_bytes
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +45,14 @@ class ManifestSource:
 
     ``store``: a :class:`~syncd.store.Store` (None: cache only, e.g. with the cluster layer delivering);
     ``cache``: a :class:`~syncd.cache.ShardCache`; ``key``: the resolved signing key (None: unsigned
-    manifests accepted, as configured); ``metrics``: a :class:`~syncd.daemon.metrics.DaemonMetrics`."""
+    manifests accepted, as configured); ``metrics``: a :class:`~syncd.daemon.metrics.DaemonMetrics`;
+    ``on_reject(version, reason, exc)``: called once per fresh rejection (e.g. the cluster's event log)."""
 
     def __init__(self, run_id: str, *, store, cache, key, metrics=None, retry_failed_s: float = 60.0,
-                 allow_unsigned: bool = False):
+                 allow_unsigned: bool = False, on_reject=None):
         self.run_id, self.store, self.cache, self.key = mf.check_run_id(run_id), store, cache, key
         self.metrics, self.retry_failed_s, self.allow_unsigned = metrics, retry_failed_s, allow_unsigned
+        self.on_reject = on_reject
         self.signed_seen: str | None = None  # without a key: why the first signed manifest met was refused
         self._lock = threading.Lock()
         self._mem: dict[int, tuple[mf.Manifest, bytes]] = {}
@@ -80,6 +84,19 @@ class ManifestSource:
             if self.metrics is not None:
                 self.metrics.count("rejected", reason=reason)
                 self.metrics.failure({"mismatch": "manifest", "other": "manifest", "gone": "store"}.get(reason, reason))
+            if self.on_reject is not None:
+                self.on_reject(version, reason, exc)
+
+    def rejections(self) -> dict[int, str]:
+        """``{version: why}`` of the versions rejected recently (within ``retry_failed_s``)."""
+        now = time.monotonic()
+        with self._lock:
+            return {v: why for v, (why, at) in self._rejected.items() if now - at <= self.retry_failed_s}
+
+    def forget_rejections(self) -> None:
+        """Read every rejected version again when next asked (e.g. a new controller term)."""
+        with self._lock:
+            self._rejected.clear()
 
     # ------------------------------------------------------------------------------------- reads
 
@@ -105,6 +122,10 @@ class ManifestSource:
         """The exact bytes of ``version``'s verified manifest (see :meth:`get`)."""
         return self._get(version)[1]
 
+    def entry(self, version: int) -> tuple[mf.Manifest, bytes]:
+        """``(get(version), raw(version))`` in one read."""
+        return self._get(version)
+
     def _get(self, version: int) -> tuple[mf.Manifest, bytes]:
         with self._lock:
             hit = self._mem.get(version)
@@ -126,10 +147,10 @@ class ManifestSource:
         if self.store is None:
             raise VersionNotFound(f"{where} is not in the node cache (and no store is configured)")
         try:
-            raw = self.store.get_bounded(mf.manifest_key(self.run_id, version), mf.MAX_MANIFEST_BYTES)
-        except ObjectNotFound:
+            raw = read_manifest_bytes(self.store, self.run_id, version)
+        except VersionNotFound:
             raise VersionNotFound(f"{where} has no manifest in {self.store.url}") from None
-        except ObjectTooLarge as exc:
+        except mf.ManifestError as exc:  # too large: refused unread
             exc = mf.ManifestError(f"{where}: {exc}")
             self.reject(version, exc)
             raise exc from None

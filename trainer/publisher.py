@@ -47,7 +47,7 @@ from syncd import manifest as mf
 from syncd.errors import ObjectExists, ObjectNotFound, PublishError, StoreError, VersionConflict
 from syncd.signing import resolve_key
 from syncd.store import Store
-from syncd.versions import RetentionPolicy, apply_retention
+from syncd.retention import RetentionPolicy, apply_retention
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class WeightPublisher:
     its own). ``signing_key``: None reads ``SYNCD_SIGNING_KEY``; False publishes unsigned. ``dtype``: the
     serving dtype that float32/64/16/bf16 tensors are cast to (None: keep). ``snapshot_device``: where
     snapshots live (None: where each weight is; ``"cpu"`` to spare GPU memory). ``retention``: a
-    :class:`~syncd.versions.RetentionPolicy` applied after each version (None: keep everything).
+    :class:`~syncd.retention.RetentionPolicy` applied after each version (None: keep everything).
     ``on_busy``: ``"wait"`` or ``"skip"`` when a version is due while the previous one still uploads.
     ``backend``: the codec backend (``syncd.ops``). ``upload_threads``: shards uploaded in parallel.
     """

@@ -22,6 +22,7 @@ import logging
 from dataclasses import dataclass
 
 from syncd import manifest as mf
+from syncd import versions
 from syncd.errors import ManifestError, VersionNotFound
 
 log = logging.getLogger(__name__)
@@ -54,16 +55,10 @@ def walk_back(manifests, target: int) -> list[mf.Manifest] | None:
     checked against its base; None if a version on the way is gone or refused (the refusal is recorded by
     ``manifests``). Raises :class:`~syncd.errors.StoreError` if the store cannot be read."""
     try:
-        path = [manifests.get(target)]
-        while path[-1].kind == "delta":
-            child = path[-1]
-            base = manifests.get(child.base_version)
-            manifests.check_link(base, child)
-            path.append(base)
+        return list(versions.walk_back(manifests.get, target, check=manifests.check_link))[::-1]
     except (VersionNotFound, ManifestError) as exc:
         log.info("version %d cannot be reached: %s", target, exc)
         return None
-    return path[::-1]
 
 
 def plan_update(manifests, current: int | None, newest: int, *, max_targets: int = MAX_TARGETS) -> Plan | None:
