@@ -9,8 +9,10 @@ Layout under ``root`` (one cache per node; any number of runs)::
 
 Contract (shared with every writer, see ``/work/shared`` contract 2): a file under ``shards/`` is named by
 the SHA-256 of its content and only ever appears by ``os.replace`` of a fully written, verified file in
-``tmp/`` (same filesystem), so a reader never sees a partial shard, and a crash leaves at most a stray file
-in ``tmp/``. Anyone may add shards that way (:meth:`ShardCache.put`); eviction is this module's alone.
+``tmp/`` (same filesystem), or of a verified file its writer kept elsewhere under the same root
+(:meth:`ShardCache.adopt`: the cluster's ``partial/`` files), so a reader never sees a partial shard, and a
+crash leaves at most a stray file in ``tmp/``. Anyone may add shards that way (:meth:`ShardCache.put`);
+eviction is this module's alone.
 
 Bounded: :meth:`ShardCache.evict` removes least recently used shards until the cache fits ``max_bytes``,
 but never a *pinned* shard: the caller (the daemon) pins what a restart needs -- the newest full version at
@@ -161,6 +163,14 @@ class ShardCache:
             os.utime(dest)
             return dest
         self._write_atomic(dest, data, sha256[:16])
+        return dest
+
+    def adopt(self, sha256: str, path: str | os.PathLike) -> Path:
+        """Move the complete file at ``path`` (same filesystem as the cache), which the caller has verified to
+        hash to ``sha256``, into ``shards/`` atomically (``os.replace``). How the cluster's partial shards
+        (:mod:`syncd.cluster.partials`) enter the cache."""
+        dest = self.path(sha256)
+        os.replace(path, dest)
         return dest
 
     def read(self, sha256: str, *, verify: bool = True) -> bytearray:

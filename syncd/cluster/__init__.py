@@ -7,7 +7,8 @@ into each node's local disk cache. See ``docs/cluster.md``.
 Modules: :mod:`~syncd.cluster.membership` (who is in the cluster, who is alive),
 :mod:`~syncd.cluster.election` (the controller), :mod:`~syncd.cluster.planner` (roots and trees),
 :mod:`~syncd.cluster.wire` (frames), :mod:`~syncd.cluster.auth` (the cluster secret, handshake),
-:mod:`~syncd.cluster.transfer` (cache, chunk lists, pulls, store reads), :mod:`~syncd.cluster.fetching` (where a
+:mod:`~syncd.cluster.partials` (partial shards and their chunk tags, on the node cache),
+:mod:`~syncd.cluster.transfer` (pulls, store reads), :mod:`~syncd.cluster.fetching` (where a
 node gets each shard from), :mod:`~syncd.cluster.controller` (the controller's work), :mod:`~syncd.cluster.node`
 (:class:`ClusterNode`), :mod:`~syncd.cluster.config` (its settings), :mod:`~syncd.cluster.cli` (the
 ``python -m syncd.cluster.node`` process), :mod:`~syncd.cluster.sim`

@@ -44,6 +44,7 @@ import time
 from dataclasses import dataclass
 
 from syncd import manifest as mf
+from syncd.cache import ShardCache
 from syncd.cluster import auth, membership, transfer, wire
 from syncd.cluster.auth import ClusterSecret
 from syncd.cluster.config import NO_HISTORY, ClusterConfig
@@ -52,6 +53,7 @@ from syncd.cluster.election import Election
 from syncd.cluster.errors import AuthError, ClusterError, ProtocolError
 from syncd.cluster.fetching import ShardFetching, SourceRate
 from syncd.cluster.membership import Member, Membership
+from syncd.cluster.partials import PartialShards
 from syncd.cluster.planner import Plan
 from syncd.cluster.wire import T
 from syncd.errors import SyncdError
@@ -109,7 +111,7 @@ class ClusterNode(ShardFetching, ControllerRole):
         if self.key is None:
             log.warning("cluster node %d: no signing key; manifests are NOT authenticated", config.rank)
         self.rank = config.rank
-        self.cache = transfer.ShardCache(cache_root, secret, fsync=config.fsync)
+        self.cache = PartialShards(ShardCache(cache_root), secret, fsync=config.fsync)
         self.state_path = os.path.join(self.cache.root, "cluster", "state.json")
         self.on_version_ready = on_version_ready
         if delivered is not None and delivered < 0 and delivered != NO_HISTORY:
