@@ -2,7 +2,7 @@
 
 A real model (Qwen2-style, bf16, sized to ``--size-mib``) takes real AdamW steps; each step is published
 as a full version (``trainer.WeightPublisher``) to a file store that an S3 endpoint serves
-(``python -m syncd.cluster.sim s3serve``; it counts every byte it sends). For each cluster size N a fresh
+(``python -m bench.netsim s3serve``; it counts every byte it sends). For each cluster size N a fresh
 cluster of N ``python -m syncd.cluster.node`` processes distributes a first version (warm-up), then
 ``--repeats`` more; the figure is, per version, the time from the controller's plan to the last node's
 delivery (the detection delay of polling is reported apart).
@@ -142,7 +142,7 @@ class Env:
     """Where the store and the nodes run: on loopback, or each in a namespace of a shaped network."""
 
     def __init__(self, workdir: Path, store_dir: Path, nmax: int, shaped: bool, rate_mbit: float):
-        from syncd.cluster import sim
+        from bench import netsim as sim
 
         self.sim, self.shaped = sim, shaped
         self.workdir, self.store_dir = workdir, store_dir
@@ -157,7 +157,7 @@ class Env:
         self.store_host = self.ip("st")
         self.log = workdir / "store.log"
         port_file = workdir / "store.port"
-        self.srv = subprocess.Popen([*self.prefix("st"), sys.executable, "-m", "syncd.cluster.sim", "s3serve",
+        self.srv = subprocess.Popen([*self.prefix("st"), sys.executable, "-m", "bench.netsim", "s3serve",
                                      str(store_dir), "--host", self.store_host, "--port", "0", "--log", str(self.log),
                                      "--ready", str(port_file)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 20
@@ -190,7 +190,7 @@ class Env:
 
 def run_cluster(env: Env, n: int, states, repeats: int, args, publish) -> dict:
     """A fresh cluster of ``n`` nodes distributes ``repeats + 1`` versions; returns per-version figures."""
-    from syncd.cluster import sim
+    from bench import netsim as sim
 
     run = f"{RUN}"
     addrs = {r: (env.ip(f"n{r}"), 7400 if env.shaped else sim.free_port()) for r in range(n)}
@@ -227,7 +227,7 @@ def run_cluster(env: Env, n: int, states, repeats: int, args, publish) -> dict:
 def run(args) -> dict:
     import torch
 
-    from syncd.cluster import sim
+    from bench import netsim as sim
     from syncd.versions import read_manifest
     from trainer import WeightPublisher
 

@@ -7,7 +7,7 @@ to its engines.
 * two daemons with in-process engines in one event loop (the wiring, metrics and status, quickly);
 * the issue's end-to-end case with real processes on loopback: four daemons, each with a reference-engine
   process, a trainer process taking real AdamW steps and publishing with ``trainer.WeightPublisher`` to a
-  file store that is served as S3 (``syncd.cluster.sim``) so that every byte the store sends is counted;
+  file store that is served as S3 (``bench.netsim``) so that every byte the store sends is counted;
   a relay is killed -9 mid-broadcast, then the controller, and both come back: every engine ends on the
   newest version with the trainer's checksums, and the store served each shard about once.
 """
@@ -28,7 +28,7 @@ from syncd import cli
 from syncd.cluster import ClusterConfig, ClusterSecret, auth
 from syncd.cluster.errors import AuthError
 from syncd.cluster.membership import Member
-from syncd.cluster.sim import free_port, read_store_log, s3_env
+from bench.netsim import free_port, read_store_log, s3_env
 from syncd.daemon import DaemonConfig, NodeDaemon
 from syncd.daemon.cluster import ClusterLink, ClusterSettings, cluster_settings
 from syncd.store import Store
@@ -181,7 +181,7 @@ def test_daemons_with_engines_relay_and_controller_killed_nodes_restarted(tmp_pa
     store, gates, record = tmp_path / "store", tmp_path / "gates", tmp_path / "rec.jsonl"
     store.mkdir()
     store_log, store_ready = tmp_path / "store.log", tmp_path / "store.port"
-    procs.spawn("s3", ["-m", "syncd.cluster.sim", "s3serve", str(store), "--port", "0", "--log", str(store_log),
+    procs.spawn("s3", ["-m", "bench.netsim", "s3serve", str(store), "--port", "0", "--log", str(store_log),
                        "--ready", str(store_ready)])
     procs.trainer(store, model_dir, 5, gate_dir=gates, record=record)  # versions 0F 1 2 3F 4, one per gate
     ready = {r: tmp_path / f"engine{r}.ready" for r in range(n)}
