@@ -106,6 +106,10 @@ class ManifestSource:
         self._keep(m, bytes(raw))
         return m
 
+    def remember(self, m: mf.Manifest, raw: bytes) -> None:
+        """Keep a manifest this process has verified already (``m`` parsed from ``raw`` with the same key)."""
+        self._keep(m, bytes(raw))
+
     def _keep(self, m: mf.Manifest, raw: bytes) -> None:
         with self._lock:
             self._mem[m.version] = (m, raw)
