@@ -5,7 +5,8 @@ Commands (README.md has the full table of flags and their environment variables)
     syncd --run-id RUN --engine URL ...  the node daemon (also ``syncd daemon``): keep engines current;
                                          with ``--cluster-rank R --cluster-peers ...`` one node of a cluster
     syncd status --run-id RUN            the node daemon's state (from its status file)
-    syncd demo [--json PATH]             the local end-to-end run (trainer, daemon, two engines, a client)
+    syncd demo [--json PATH]             an RL run that learns, on this machine (--weights-only: weight sync only)
+    syncd train --model DIR --proxy URL  the thin RL trainer (python -m trainer.run; syncd train --help)
     syncd ls [--run-id RUN]              runs in the store, or the versions of one run
     syncd verify --run-id RUN [--quick]  check every version of a run (exit 1 if any is unusable)
     syncd gc --run-id RUN [--dry-run]    apply the retention policy
@@ -134,10 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", default=argparse.SUPPRESS, metavar="DIR", help="[SYNCD_CACHE_DIR]")
     p.add_argument("--status-file", default=argparse.SUPPRESS, metavar="PATH", help="[SYNCD_STATUS_FILE]")
     p.add_argument("--json", action="store_true", help="print the status file as JSON")
-    from syncd import demo
-
-    sub.add_parser("demo", parents=[demo.build_parser(add_help=False)],
-                   help="local end-to-end run: trainer, daemon, two engines, a client (syncd demo --help)")
+    sub.add_parser("demo", add_help=False,
+                   help="an RL run that learns on this machine: trainer, daemon, two engines under Dynamo, proxy "
+                        "(--weights-only: the weight-sync demo; syncd demo --help)")
+    sub.add_parser("train", add_help=False,
+                   help="the thin RL trainer (python -m trainer.run; syncd train --help)")
     sub.add_parser("serve", add_help=False,
                    help="start and supervise this node's Dynamo engine workers and frontend "
                         "(python -m engine.dynamo.serve; syncd serve --help)")
@@ -451,12 +453,16 @@ def main(argv=None) -> int:
         from engine.dynamo.serve import main as serve_main
 
         return serve_main(argv[1:])
+    if argv[:1] == ["demo"]:  # its own flags (syncd.rl_demo; --weights-only: syncd.demo's)
+        from syncd.rl_demo import main as demo_main
+
+        return demo_main(argv[1:])
+    if argv[:1] == ["train"]:  # its own flags (trainer.run)
+        from trainer.run import main as train_main
+
+        return train_main(argv[1:])
     parser = build_parser()
     args = _resolve(parser.parse_args(argv))
-    if args.command == "demo":
-        from syncd import demo
-
-        return demo.run_main(args, parser)
     level = logging.getLevelName(str(args.log_level).upper())
     if not isinstance(level, int):
         parser.error(f"unknown log level {args.log_level!r}")

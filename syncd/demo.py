@@ -1,4 +1,5 @@
-"""``syncd demo``: the whole system on one machine, in about half a minute.
+"""``syncd demo --weights-only``: weight sync on one machine, in about half a minute (plain ``syncd demo`` is the
+RL run of ``syncd.rl_demo``).
 
 A trainer process takes real AdamW steps on a tiny random-init model (``engine.reference.make_tiny``) and
 publishes a version every ``--every-k`` steps with ``trainer.WeightPublisher`` to a local file store; two
@@ -10,7 +11,7 @@ at the end a summary table is printed and written as JSON (``--json``): ``versio
 ``bytes_per_version_median``, ``full_bytes`` and more. Exit status 0 when no request was lost and every
 engine ended bit-exact on the trainer's last version.
 
-    syncd demo [--json PATH] [--versions N] [--every-k K] [--dir DIR]
+    syncd demo --weights-only [--json PATH] [--versions N] [--every-k K] [--dir DIR]
 """
 
 from __future__ import annotations

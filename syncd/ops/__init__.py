@@ -24,14 +24,14 @@ __all__ = ["BACKENDS", "available", "checksum", "checksum_bytes", "checksum_many
 
 
 def native_features() -> dict:
-    """What the native CPU module was built with: ``{"available", "nvfp4_simd", "kept_logprobs"}`` (all False
-    when it was not built)."""
+    """What the native CPU module was built with: ``{"available", "codec_simd", "nvfp4_simd", "kept_logprobs"}``
+    (all False when it was not built; ``codec_simd``: the codec kernels' SIMD level, as the module names it)."""
     from syncd.errors import BackendUnavailable
     from syncd.ops._backend import native
 
     try:
         mod = native()
     except BackendUnavailable:
-        return {"available": False, "nvfp4_simd": False, "kept_logprobs": False}
-    return {"available": True, "nvfp4_simd": bool(getattr(mod, "NVFP4_SIMD", False)),
-            "kept_logprobs": hasattr(mod, "kept_forward")}
+        return {"available": False, "codec_simd": False, "nvfp4_simd": False, "kept_logprobs": False}
+    return {"available": True, "codec_simd": getattr(mod, "CODEC_SIMD", False),
+            "nvfp4_simd": bool(getattr(mod, "NVFP4_SIMD", False)), "kept_logprobs": hasattr(mod, "kept_forward")}
