@@ -255,6 +255,7 @@ class _Live:
         if cfg.plans:
             self._plans = [json.loads(ln) for ln in Path(cfg.plans).read_text().splitlines() if ln.strip()]
             return
+        from syncd.signing import UNCHECKED
         from syncd.versions import latest_version
         from trainer.publisher import WeightPublisher
         from trainer.rollout_workers import ProxyError, RolloutWorkers, Sampling, proxy_models
@@ -264,7 +265,7 @@ class _Live:
             names = [proxy_models(u) for u in cfg.proxies]
         except ProxyError as exc:
             raise ConfigError(f"--proxy: no engines reachable: {exc}") from None
-        if latest_version(cfg.store, cfg.run_id, verify=False) is not None:
+        if latest_version(cfg.store, cfg.run_id, signing_key=UNCHECKED) is not None:
             raise ConfigError(f"--run-id: run {cfg.run_id} already has versions in {cfg.store}; the engines start "
                               "from version 0: use a new run id")
         task = get_task(cfg.task, length=cfg.task_length)

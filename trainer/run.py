@@ -127,9 +127,10 @@ def _preflight(cfg) -> None:
             proxy_models(url)
         except ProxyError as exc:
             raise ConfigError(f"--proxy: no engines reachable through {url}: {exc}") from None
+    from syncd.signing import UNCHECKED
     from syncd.versions import latest_version
 
-    if latest_version(cfg.store, cfg.run_id, verify=False) is not None:
+    if latest_version(cfg.store, cfg.run_id, signing_key=UNCHECKED) is not None:
         raise ConfigError(f"--run-id: run {cfg.run_id} already has versions in {cfg.store}; the engines start "
                           "from version 0: use a new run id")
 
