@@ -1,6 +1,6 @@
 """The thin trainer's RL loop, measured: the asynchronous loop against a synchronous baseline, side by side.
 
-Each mode gets a fresh serving side (``syncd.rl_stack``: two reference-engine workers under the Dynamo frontend
+Each mode gets a fresh serving side (``syncd.app.rl_stack``: two reference-engine workers under the Dynamo frontend
 recording replay records, the sandbox proxy, the node daemon) and one ``python -m trainer.run`` with the same
 task, sizes, seed and step count:
 
@@ -73,7 +73,7 @@ def _modes(text: str) -> list[tuple[str, str, int]]:
 
 
 def run_mode(name: str, kind: str, eta: int, args, workdir: Path, *, ceiling: bool) -> dict:
-    from syncd.rl_stack import RLStack, StackConfig
+    from syncd.app.rl_stack import RLStack, StackConfig
     from trainer.metrics import publish_to_serving, read_metrics, summarize
 
     mode = name

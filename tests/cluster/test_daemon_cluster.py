@@ -24,7 +24,7 @@ import urllib.request
 import pytest
 
 import engine
-from syncd import cli
+from syncd.app import cli
 from syncd.cluster import ClusterConfig, ClusterSecret, auth
 from syncd.cluster.errors import AuthError
 from syncd.cluster.membership import Member
@@ -203,7 +203,7 @@ def test_daemons_with_engines_relay_and_controller_killed_nodes_restarted(tmp_pa
     def start(r):
         throttle = "40000" if r == 3 else "150000"  # rank 3 relays slowly: its children are mid-shard when it dies
         daemon[r] = procs.spawn(f"daemon{r}", [
-            "-m", "syncd.cli", "--run-id", RUN, "--store", "s3://simstore", "--endpoint", endpoint,
+            "-m", "syncd.app.cli", "--run-id", RUN, "--store", "s3://simstore", "--endpoint", endpoint,
             "--cache-dir", str(cache[r]), "--engine", f"e{r}={url[r]}", "--engine-check", "0.2",
             "--metrics-port", "0", "--cluster-rank", str(r), "--cluster-heartbeat-s", "0.3",
             "--cluster-dead-after-s", "1.5", "--cluster-poll-s", "0.2", "--cluster-no-fsync",

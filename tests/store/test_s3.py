@@ -9,7 +9,7 @@ import pytest
 
 import syncd
 from syncd import manifest as mf
-from syncd.cli import main as cli
+from syncd.app.cli import main as cli
 from syncd.errors import PublishError, VersionConflict
 from syncd.store import Store
 from syncd.retention import RetentionPolicy, apply_retention

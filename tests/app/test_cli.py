@@ -9,7 +9,7 @@ import os
 import pytest
 
 import engine
-from syncd import cli
+from syncd.app import cli
 from syncd.daemon import DaemonConfig, NodeDaemon
 from tests.daemon.conftest import KEY, RUN
 
