@@ -24,7 +24,7 @@ import urllib.request
 import pytest
 
 import engine
-from syncd.app import cli
+from syncd.app import cli, commands
 from syncd.cluster import ClusterConfig, ClusterSecret, auth
 from syncd.cluster.errors import AuthError
 from syncd.cluster.membership import Member
@@ -301,7 +301,7 @@ def test_daemons_with_engines_relay_and_controller_killed_nodes_restarted(tmp_pa
     assert metric(text, "syncd_cluster_term") >= 2 and metric(text, "syncd_cluster_delivered_version") == 4
     out = io.StringIO()
     args = cli._resolve(cli.build_parser().parse_args(["status", "--status-file", str(status_file)]))
-    assert cli._status(args, out) == 0, out.getvalue()
+    assert commands.status(args, out) == 0, out.getvalue()
     assert "cluster: rank 2" in out.getvalue() and f"refused connections {refused + 1}," in out.getvalue(), \
         out.getvalue()
 
