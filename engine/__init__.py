@@ -14,7 +14,7 @@ _LAZY = {
     "ParamSpec": "syncd.engines.params", "ParamPiece": "syncd.engines.params", "Update": "syncd.engines.update",
     "SamplingParams": "syncd.engines.protocol", "GenerationRequest": "syncd.engines.protocol",
     "TokenEvent": "syncd.engines.protocol",
-    "WeightUpdater": "engine.updater", "StagedUpdate": "engine.updater", "expected_checksums": "engine.updater",
+    "WeightUpdater": "engine.updater", "StagedUpdate": "engine.staging", "expected_checksums": "engine.updater",
     "build_local": "engine.updater", "identity_specs": "engine.updater",
     "StateDictEngine": "engine.state_dict",
     "ReplayRecorder": "engine.replay", "TokenRecord": "engine.replay",

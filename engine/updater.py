@@ -41,13 +41,13 @@ checksum differs from the update's; ``ValueError`` for a ``base_version`` other 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from engine.local_params import bf16_view_of_fp32, flat_view, word_view
+from engine.staging import StagedParam, StagedUpdate, fingerprint, mismatch, write_on_device  # noqa: F401
 from syncd.engines.params import (ParamPiece, ParamSpec, build_local, check_spec, expected_checksums, identity_specs,
                                   local_slab, map_positions, slab)
 from syncd.engines.update import Update
@@ -60,49 +60,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["WeightUpdater", "StagedUpdate", "StagedParam", "expected_checksums", "build_local",
            "identity_specs", "bf16_view_of_fp32", "map_positions", "update_from_manifest"]
-
-
-
-@dataclass
-class StagedParam:
-    """The staged words of one local parameter: ascending local flat ``index`` and the ``old`` and ``new``
-    words there as same-width integers. CPU tensors; for a parameter on a GPU they are pinned, ``index`` is
-    int32 when the parameter has fewer than 2^31 words (int64 otherwise, and always on the CPU), and
-    ``old_fingerprint`` is :func:`fingerprint` of the old words, so an apply need not send them."""
-
-    name: str
-    index: torch.Tensor
-    old: torch.Tensor
-    new: torch.Tensor
-    old_fingerprint: int | None = None
-
-    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """NumPy views (no copies) of ``index``, ``old`` and ``new``."""
-        return self.index.numpy(), self.old.numpy(), self.new.numpy()
-
-
-@dataclass
-class StagedUpdate:
-    """A staged (or last applied) update. ``prev_version`` is the version before it; ``expected_checksums``
-    holds the local checksums the result must have where they are known without the full tensors (1:1
-    parameters of a delta; every parameter of a full version)."""
-
-    version: int
-    prev_version: int | None
-    kind: str
-    params: list[StagedParam]
-    epoch: int
-    expected_checksums: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def changed(self) -> int:
-        """Number of local words that change."""
-        return sum(p.index.numel() for p in self.params)
-
-    @property
-    def nbytes(self) -> int:
-        """Staging memory in bytes."""
-        return sum(p.index.nbytes + p.old.nbytes + p.new.nbytes for p in self.params)
 
 
 class WeightUpdater:
@@ -350,7 +307,7 @@ class WeightUpdater:
         hold the word being replaced. On any failure every word written so far is put back and nothing else
         is touched, then the error is raised. CPU parameters: one :func:`syncd.ops.scatter_words_` over all of
         them (every core, each word compared just before it is written); the rest (GPU parameters, or every
-        one with ``_NATIVE_SCATTER`` off): :meth:`_write_torch`."""
+        one with ``_NATIVE_SCATTER`` off): :func:`engine.staging.write_on_device`."""
         cpu = [p for p in params if p.name in self._np] if _NATIVE_SCATTER else []
         if cpu:
             failed = scatter_words_(_word_items(self._np, cpu, new), verify=verify)
@@ -359,52 +316,13 @@ class WeightUpdater:
                 if bad < 0:
                     raise DeltaError(f"apply: parameter {p.name!r} has a staged position outside the tensor; "
                                      "nothing was written")
-                raise _mismatch(p, bad, version)
+                raise mismatch(p, bad, version)
         try:
-            self._write_torch([p for p in params if p.name not in self._np or not _NATIVE_SCATTER], new=new,
-                              verify=verify, version=version)
+            write_on_device(self._flat, [p for p in params if p.name not in self._np or not _NATIVE_SCATTER],
+                            new=new, verify=verify, version=version)
         except BaseException:
             if cpu:
                 scatter_words_(_word_items(self._np, cpu, not new), verify=False)
-            raise
-
-    def _write_torch(self, params: list[StagedParam], *, new: bool, verify: bool, version) -> None:
-        """``_write`` with torch ops on each parameter's device. Only positions and the words to write cross
-        to the device (non-blocking from pinned memory): with ``verify`` the words in place are checked
-        against the staged ones by :func:`fingerprint`, computed on the device and read back with one
-        synchronisation per device (a mismatch is then counted exactly, sending the staged words, to name
-        it). Nothing is written before every parameter passed, so a mismatch leaves the weights untouched;
-        an error while writing puts back what was written."""
-        todo = []
-        for p in params:
-            bits = word_view(self._flat[p.name])
-            n = p.index.numel()  # host memory; staged positions ascend, so the ends bound them all
-            if n and not (0 <= int(p.index[0]) and int(p.index[n - 1]) < bits.numel()):
-                raise DeltaError(f"apply: parameter {p.name!r} has a staged position outside the tensor; "
-                                 "nothing was written")
-            after = p.new if new else p.old
-            todo.append((p, bits, _dev(p.index, bits).long(), _dev(after, bits)))
-        if verify and todo:
-            sums: dict[torch.device, list] = {}
-            for p, bits, idx, _ in todo:
-                sums.setdefault(bits.device, []).append((p, _fingerprint_terms(bits[idx], idx).sum()))
-            for pairs in sums.values():
-                for (p, _), got in zip(pairs, torch.stack([t for _, t in pairs]).tolist()):
-                    before = p.old if new else p.new
-                    want = p.old_fingerprint if new and p.old_fingerprint is not None else fingerprint(before,
-                                                                                                     p.index)
-                    if got != want:
-                        bits = word_view(self._flat[p.name])
-                        idx = _dev(p.index, bits).long()
-                        raise _mismatch(p, int((bits[idx] != _dev(before, bits)).sum()), version)
-        done = []
-        try:
-            for p, bits, idx, after in todo:
-                bits.index_copy_(0, idx, after)
-                done.append((p, bits, idx))
-        except BaseException:
-            for p, bits, idx in done:
-                bits.index_copy_(0, idx, _dev(p.old if new else p.new, bits))
             raise
 
     def discard(self) -> None:
@@ -464,32 +382,8 @@ def _word_items(views: Mapping[str, np.ndarray], params: list[StagedParam], new:
     return items
 
 
-# position·even + odd is odd, and an odd multiple of a nonzero word change is nonzero mod 2^64 (signed int64s)
-_FP_ADD, _FP_MUL, _FP_POS = 0x632BE59BD9B4E019, 0x3C6EF372FE94F82A, 0xD6E8FEB86659FD93 - 2 ** 64
-
-
-def _fingerprint_terms(words: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    return (words.to(torch.int64) + _FP_ADD) * (index.to(torch.int64) * _FP_MUL + _FP_POS)
-
-
-def fingerprint(words: torch.Tensor, index: torch.Tensor) -> int:
-    """A 64-bit fingerprint of staged words at positions ``index`` (same device, any integer dtypes):
-    the wrapping int64 sum of (word + a)·(position·b + c), b even and c odd, so every multiplier is odd and a
-    change to any one word changes it; positions count. Torch arithmetic, identical on the CPU and a GPU."""
-    return int(_fingerprint_terms(words, index).sum())
-
-
-def _mismatch(p: StagedParam, bad: int, version) -> DeltaError:
-    return DeltaError(f"apply: parameter {p.name!r} changed since version {version} was staged (at least "
-                      f"{bad} of its {p.index.numel()} staged words differ); nothing was written")
-
-
 def _host(t: torch.Tensor, pin: bool) -> torch.Tensor:
     t = t.detach().cpu().contiguous()
     if pin and torch.cuda.is_available():
         t = t.pin_memory()
     return t
-
-
-def _dev(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return t if t.device == like.device else t.to(like.device, non_blocking=True)
