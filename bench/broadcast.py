@@ -40,6 +40,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench._timing import Stopwatch
+
 log = logging.getLogger("bench.broadcast")
 RUN = "bench"
 KEY = "bench-broadcast-signing-key-0123456789"
@@ -240,9 +242,9 @@ def run(args) -> dict:
         modes.remove("shaped")
     per_cluster = args.repeats + 1
     total = per_cluster * len(args.nodes) * len(modes)
-    t0 = time.perf_counter()
+    sw = Stopwatch()
     states = make_states(args.size_mib, min(total, 8))
-    print(f"trained {len(states)} states in {time.perf_counter() - t0:.1f}s")
+    print(f"trained {len(states)} states in {sw.elapsed:.1f}s")
     result = {"bench": "broadcast", "host": platform.node(), "cpus": os.cpu_count(), "args": vars(args), "modes": {}}
     with tempfile.TemporaryDirectory(prefix="syncd-bcast-") as tmp:
         tmp = Path(args.workdir) if args.workdir else Path(tmp)

@@ -30,8 +30,9 @@ import platform
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from bench._timing import Stopwatch
 
 PRESETS = {
     "default": dict(total_mib=512, shard_mib=64, rounds=5, hidden=512, layers=8, heads=8, kv_heads=4,
@@ -83,9 +84,9 @@ def throughput(cfg: dict, root: Path) -> dict:
     runs = {"read": [], "read_sha256": [], "parallel_verified": []}
     for _ in range(cfg["rounds"]):
         for name, fn in (("read", read_pass), ("read_sha256", read_hash), ("parallel_verified", parallel_verified)):
-            t0 = time.perf_counter()
+            t0 = Stopwatch()
             fn()
-            runs[name].append(time.perf_counter() - t0)
+            runs[name].append(t0.elapsed)
     out = {name: total / statistics.median(ts) / 1e9 for name, ts in runs.items()}
     ratio = lambda name: statistics.median(r / h for r, h in zip(runs["read"], runs[name]))  # noqa: E731
     return {"bytes": total, "shards": n, "gbps": out,
@@ -117,13 +118,13 @@ def update_cost(cfg: dict, work: Path) -> dict:
     for r in range(cfg["update_rounds"] + 1):  # the first round warms up, untimed
         for verify in (False, True):
             eng = engine.StateDictEngine({k: v.clone() for k, v in old.items()}, 0)
-            t0 = time.perf_counter()
+            t0 = Stopwatch()
             eng.stage(Update.from_cache(m1, cache.root, verify_shards=verify).load())
             eng.pause()
             eng.apply()
             eng.resume()
             if r:
-                times[verify].append(time.perf_counter() - t0)
+                times[verify].append(t0.elapsed)
             assert all(torch.equal(eng.state_dict()[k], new[k]) for k in new)
     plain, verified = statistics.median(times[False]), statistics.median(times[True])
     return {"delta_bytes": m1.total_bytes, "full_bytes": sum(t.nbytes for t in m1.tensors),

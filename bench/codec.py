@@ -26,13 +26,13 @@ import os
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from bench._codec_refs import baselines, entropy_bound
+from bench._timing import Stopwatch, median_time
 from syncd.ops import checksum_many, delta, native_features, threads
 
 log = logging.getLogger("bench.codec")
@@ -79,17 +79,6 @@ def snapshots(cfg: dict, lr: float, steps: int, seed: int) -> list[dict[str, tor
         if step >= cfg["warmup"] - 1:
             out.append({k: v.detach().to(torch.bfloat16).clone() for k, v in model.state_dict().items()})
     return out
-
-
-def median_time(fn, repeats: int, setup=None) -> float:
-    ts = []
-    for _ in range(repeats):
-        if setup:
-            setup()
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
 
 
 def numpy_read_pass(tensors: dict, repeats: int, warm: bool = False):
@@ -259,11 +248,11 @@ def main(argv=None) -> int:
     print(f"syncd codec benchmark: preset {args.preset}, threads {threads()}, native SIMD "
           f"{native_features()['codec_simd']}, {platform.processor() or platform.machine()}")
     for lr in lrs:
-        t0 = time.perf_counter()
+        t0 = Stopwatch()
         snaps = snapshots(cfg, lr, max(ks), args.seed)
         nparams = sum(t.numel() for t in snaps[0].values())
         print(f"\nlr {lr:g}: {nparams / 1e6:.1f}M parameters, {max(ks) + cfg['warmup']} AdamW steps in "
-              f"{time.perf_counter() - t0:.1f}s")
+              f"{t0.elapsed:.1f}s")
         print(HEADER)
         for k in ks:
             r = measure_case_quiet(snaps[0], snaps[k], cfg["repeats"], args.block_log2)

@@ -11,29 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
+from bench._timing import cuda_time
 from syncd.ops import available, checksum, delta
-
-
-def cuda_time(fn, repeats: int) -> float:
-    """Median seconds of ``fn`` measured with CUDA events (host work inside ``fn`` is included)."""
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(ts)
 
 
 def main(argv=None) -> int:

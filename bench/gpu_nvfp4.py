@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from bench.gpu_codec import cuda_time
+from bench._timing import cuda_time
 from syncd.ops import available, nvfp4
 
 

@@ -26,15 +26,15 @@ import argparse
 import json
 import logging
 import platform
-import statistics
 import sys
-import time
 import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from bench._timing import Stopwatch
+from bench import _timing
 from syncd.ops import delta, native_features, nvfp4, threads
 from syncd.ops.reference import nvfp4 as ref
 
@@ -46,38 +46,11 @@ PRESETS = {
 }
 
 
-def median_time(fn, repeats: int) -> float:
-    fn()  # warm-up (allocations, first-touch)
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
-
-
 def read_pass(x: torch.Tensor):
     """The yardstick: a NumPy pass reading every byte of ``x`` (a sum over its 64-bit words)."""
     a = x.reshape(-1).view(torch.int16).numpy()
     a = a.view(np.uint64) if a.nbytes % 8 == 0 else a
     return lambda: a.sum()
-
-
-def paired(fn, read, repeats: int) -> tuple[float, float]:
-    """(median seconds of ``fn``, median over back-to-back pairs of read seconds / ``fn`` seconds): on a
-    shared, noisy machine the ratio of adjacent runs is steadier than either figure alone."""
-    fn()
-    read()
-    ts, ratios = [], []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        read()
-        t1 = time.perf_counter()
-        fn()
-        t2 = time.perf_counter()
-        ts.append(t2 - t1)
-        ratios.append((t1 - t0) / (t2 - t1))
-    return statistics.median(ts), statistics.median(ratios)
 
 
 def _torchao():
@@ -114,7 +87,7 @@ def throughput(rows: int, cols: int, repeats: int, seed: int) -> dict:
     gbps = lambda s: nbytes / s / 1e9  # noqa: E731
     read = read_pass(x)
     with _Threads(1):
-        read_s = median_time(read, repeats)
+        read_s = _timing.median_time(read, repeats, warmup=1)
     want = nvfp4.quantize(x, backend="reference")
     pts = want.per_tensor_scale
     buf = torch.empty(x.shape, dtype=torch.bfloat16)
@@ -129,9 +102,9 @@ def throughput(rows: int, cols: int, repeats: int, seed: int) -> dict:
         for op, fn in ops.items():
             if name == "cpu":
                 with _Threads(1):
-                    t, ratio = paired(lambda: fn(name), read, repeats)
+                    t, ratio = _timing.paired(lambda: fn(name), read, repeats)
             else:
-                t = median_time(lambda: fn(name), slow)
+                t = _timing.median_time(lambda: fn(name), slow, warmup=1)
                 ratio = read_s / t
             r[f"{op}_gbps"], r[f"{op}_vs_read"] = gbps(t), ratio
         got = nvfp4.quantize(x, backend=name)
@@ -141,9 +114,9 @@ def throughput(rows: int, cols: int, repeats: int, seed: int) -> dict:
                                           nvfp4.dequantize(want, torch.bfloat16, backend="reference").view(torch.int16)))
     ao = _torchao()
     if ao is not None:
-        ao_q_s = median_time(lambda: ao.nvfp4_quantize(x, per_tensor_scale=pts), slow)
+        ao_q_s = _timing.median_time(lambda: ao.nvfp4_quantize(x, per_tensor_scale=pts), slow, warmup=1)
         t = ao.NVFP4Tensor(want.qdata, want.scales, 16, torch.bfloat16, per_tensor_scale=pts)
-        ao_d_s = median_time(lambda: t.dequantize(torch.bfloat16), slow)
+        ao_d_s = _timing.median_time(lambda: t.dequantize(torch.bfloat16), slow, warmup=1)
         out["torchao"] = {"quantize_pts_gbps": gbps(ao_q_s), "dequantize_gbps": gbps(ao_d_s),
                           "quantize_pts_vs_read": read_s / ao_q_s, "dequantize_vs_read": read_s / ao_d_s}
         for r in out["backends"].values():
@@ -167,9 +140,9 @@ def delta_sizes(cfg: dict, lrs: list[float], ks: list[int], seed: int) -> list[d
 
     rows = []
     for lr in lrs:
-        t0 = time.perf_counter()
+        t0 = Stopwatch()
         snaps = snapshots(cfg, lr, max(ks), seed)
-        steps_s = time.perf_counter() - t0
+        steps_s = t0.elapsed
         names = [n for n, t in snaps[0].items() if nvfp4.is_linear_weight(n, t)]
         base = nvfp4.quantize_state_dict(snaps[0], names)
         packed = _parts_bytes(base, names)

@@ -29,7 +29,6 @@ costs, and what the records cost on the wire. Everything is measured in one run,
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
 import os
@@ -37,10 +36,11 @@ import platform
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+
+from bench._timing import Stopwatch, time_and_peak
 
 PRESETS = {
     "default": dict(requests=8, max_tokens=512, concurrency=8, updates=2, update_every=160, pretrain_steps=400,
@@ -114,7 +114,7 @@ def mismatch(name: str, cfg: dict, workdir: Path) -> dict:
         extra.update({k: [] for k in bf16})
     used = {k: [] for k in [*variants, *extra]}
     engine = []
-    t0 = time.perf_counter()
+    t0 = Stopwatch()
     for seq in rs.sequences:
         engine.append(seq.logprobs[seq.positions])
         for k, kw in variants.items():
@@ -135,7 +135,7 @@ def mismatch(name: str, cfg: dict, workdir: Path) -> dict:
             used[k].append(_used_route_disagreement(model, seq, lambda: box.update(
                 r=sampler_logprobs(model, seq, **kw))))
             extra[k].append(box["r"].logprobs)
-    recompute_s = time.perf_counter() - t0
+    recompute_s = t0.elapsed
     engine = torch.cat(engine)
 
     def dis(k):
@@ -224,27 +224,6 @@ def public_bytes(n: int, V: int, seed: int) -> dict:
 # ---------------------------------------------------------------------------------------------- 2. op
 
 
-def _rss() -> tuple[int, int]:
-    """(current RSS, peak RSS since the last reset) in bytes."""
-    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
-    return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
-
-
-def _measure(fn, repeats: int) -> tuple[float, int]:
-    """(median seconds, peak RSS above the starting point in bytes) of ``fn()``; the peak of the first call."""
-    gc.collect()
-    Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS counter
-    base, _ = _rss()
-    times = []
-    for i in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-        if i == 0:
-            peak = _rss()[1] - base
-    return statistics.median(times), peak
-
-
 OP_METHODS = {"cpu": dict(backend="cpu"), "reference": dict(backend="reference"),
               "cpu, sparse grad": dict(backend="cpu", sparse_grad=True)}
 
@@ -279,12 +258,12 @@ def op_bench(T: int, V: int, H: int, repeats: int, seed: int, budget: int) -> di
     def measure(methods: dict, naive_fn, naive_need: int) -> dict:
         res = {}
         for name, fn in methods.items():
-            t, peak = _measure(fn, repeats)
+            t, peak = time_and_peak(fn, repeats)
             res[name] = {"s": t, "peak_bytes": peak, "peak_without_grad": peak - grad_bytes}
         if naive_need > budget:
             res["naive"] = {"skipped": f"needs about {naive_need / 2**30:.1f} GiB, the budget is {budget / 2**30:.1f} GiB"}
             return res
-        t, peak = _measure(naive_fn, max(1, min(repeats, 2)))
+        t, peak = time_and_peak(naive_fn, max(1, min(repeats, 2)))
         res["naive"] = {"s": t, "peak_bytes": peak, "peak_without_grad": peak - grad_bytes}
         for name in methods:  # (peaks under 64 MiB are too close to page-size noise to divide; 1 MiB floor)
             r = res[name]
@@ -295,7 +274,7 @@ def op_bench(T: int, V: int, H: int, repeats: int, seed: int, budget: int) -> di
         return res
 
     out = {"rows": T, "vocab": V, "kept_ids": int(ids.numel()), "grad_bytes": grad_bytes}
-    out["zeros_floor_s"] = _measure(lambda: torch.zeros(T, V), repeats)[0]
+    out["zeros_floor_s"] = time_and_peak(lambda: torch.zeros(T, V), repeats)[0]
     x = torch.randn(T, V, generator=gen).requires_grad_()
     out["op"] = measure({k: run(lambda kw=kw: kept_logprobs(x, ids, offsets, targets, **kw).sum(), [x])
                          for k, kw in OP_METHODS.items()}, run(lambda: naive_loss(x), [x]), 6 * grad_bytes)
@@ -306,7 +285,7 @@ def op_bench(T: int, V: int, H: int, repeats: int, seed: int, budget: int) -> di
     h = torch.randn(T, H, generator=gen).requires_grad_()
     w = (torch.randn(V, H, generator=gen) / H ** 0.5).requires_grad_()
     linear = torch.nn.functional.linear
-    out["lm_head_s"] = _measure(lambda: linear(h.detach(), w.detach()), max(1, min(repeats, 2)))[0]
+    out["lm_head_s"] = time_and_peak(lambda: linear(h.detach(), w.detach()), max(1, min(repeats, 2)))[0]
     out["lm_head_fraction"] = {k: r["s"] / out["lm_head_s"] for k, r in out["op"].items() if "s" in r}
     if 7 * grad_bytes <= budget:  # (only where the baseline runs too: each pass is several lm_head matmuls)
         e2e = {k: run(lambda kw=kw: kept_logprobs(linear(h, w), ids, offsets, targets, **kw).sum(), [h, w])

@@ -34,8 +34,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from bench._timing import Stopwatch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,10 +50,10 @@ def _generation_ceiling(stack, requests: int, tokens: int, repeats: int = 3) -> 
     rates = []
     with cf.ThreadPoolExecutor(requests) as pool:
         for r in range(repeats):
-            t0 = time.perf_counter()
+            t0 = Stopwatch()
             list(pool.map(lambda i: complete(stack.proxy_url, {**body, "seed": i}, f"ceiling-{r}-{i}"),
                           range(requests)))
-            rates.append(requests * tokens / (time.perf_counter() - t0))
+            rates.append(requests * tokens / (t0.elapsed))
     return statistics.median(rates)
 
 
@@ -86,12 +87,12 @@ def run_mode(name: str, kind: str, eta: int, args, workdir: Path, *, ceiling: bo
                  "--every-k", str(args.every_k), "--max-lag", str(eta), "--task", args.task,
                  "--task-length", str(args.task_length), "--seed", str(args.seed), "--lr", str(args.lr),
                  "--top-p", str(args.top_p), "--no-plot", *(["--sync"] if kind == "sync" else [])]
-        t0 = time.perf_counter()
+        t0 = Stopwatch()
         p = subprocess.run(stack.trainer_argv(*flags), env=stack.env, cwd=ROOT, capture_output=True, text=True,
                            timeout=args.timeout)
         if p.returncode != 0:
             raise RuntimeError(f"{mode}: trainer.run exited {p.returncode}: {p.stderr[-3000:]}")
-        process_s = time.perf_counter() - t0
+        process_s = t0.elapsed
         lines = read_metrics(workdir / mode / "out" / "metrics.jsonl")
     finally:
         stack.close()

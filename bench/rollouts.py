@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from bench._timing import Stopwatch
+
 log = logging.getLogger("bench.rollouts")
 
 SANDBOX = "sb-replay"
@@ -245,7 +247,7 @@ def generate(workdir: Path, store_url: str, cfg: RolloutConfig, *, run_id: str |
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     run_id = run_id or f"replay-{cfg.arch}{'-nvfp4' if cfg.nvfp4 else ''}"
-    t0 = time.perf_counter()
+    t0 = Stopwatch()
     mcfg = model_config(cfg.arch, hidden=cfg.hidden, layers=cfg.layers, intermediate=2 * cfg.hidden,
                         experts=cfg.experts, top_k=cfg.experts_top_k)
     model = random_model(mcfg, cfg.seed)
@@ -336,4 +338,4 @@ def generate(workdir: Path, store_url: str, cfg: RolloutConfig, *, run_id: str |
             stop_process(proxy, 30)
         node.close()  # the workers drain and flush their replay records
     return RolloutRun(store_url, run_id, cfg, mcfg, weights, [(SANDBOX, t) for t in tids], applied,
-                      sum(progress), time.perf_counter() - t0)
+                      sum(progress), t0.elapsed)
