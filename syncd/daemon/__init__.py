@@ -5,7 +5,7 @@ come from :mod:`syncd.manifest_source`), ``planner`` (chain vs newer full versio
 (``ShardSource``: shards into the node cache, re-hashed before they are trusted), ``stager`` (staging while serving), ``driver``
 (one engine: its checks, lease and critical section), ``recovery`` (rebuilds), ``updates`` (the update
 path: fetch, stage, apply, rebuild, heal the cache), ``metrics`` (Prometheus), ``status`` (the status
-file), ``testhooks``, ``cluster`` (the daemon as a node of a cluster: flags, ``ClusterLink``), and
+file), ``points`` (named points of the update path an observer can hold), ``cluster`` (the daemon as a node of a cluster: flags, ``ClusterLink``), and
 ``daemon`` (``NodeDaemon``, the loop, supervision and signal handling). :func:`run` runs one on uvloop.
 
 The names below are imported on first use, so that ``syncd status`` or building the command line does not

@@ -21,7 +21,7 @@ import logging
 import time
 
 from syncd import manifest as mf
-from syncd.daemon import testhooks
+from syncd.daemon import points
 from syncd.engines.errors import EngineUnreachable
 from syncd.engines.params import expected_checksums  # loads torch with the daemon, never inside an engine's pause
 
@@ -223,7 +223,7 @@ class EngineDriver:
             self._count("apply")
             self._restore_or_rebuild(prev, f"apply of version {m.version} failed: {type(exc).__name__}: {exc}")
         t1 = time.perf_counter()
-        testhooks.reached("apply", m.version)
+        points.reached("apply", m.version)
         t2 = time.perf_counter()
         bad = self.mismatches(m)
         t3 = time.perf_counter()

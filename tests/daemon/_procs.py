@@ -84,7 +84,8 @@ class Procs:
     def daemon(self, store: Path, cache: Path, urls: list[str], *, hooks: str | None = None,
                mark_dir: Path | None = None, extra: list[str] = (), run_id: str = RUN,
                env: dict | None = None) -> subprocess.Popen:
-        args = ["-m", "syncd.app.cli", "--run-id", run_id, "--store", str(store), "--cache-dir", str(cache),
+        module = "tests.daemon._hooks" if hooks else "syncd.app.cli"  # the hooks hold the daemon at a point
+        args = ["-m", module, "--run-id", run_id, "--store", str(store), "--cache-dir", str(cache),
                 "--poll-interval", "0.1", "--backoff-max", "0.5", "--engine-check", "0.2", "--metrics-port", "0",
                 *extra]
         for i, u in enumerate(urls):
