@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -218,21 +216,9 @@ def _post(url: str, path: str, body: dict) -> dict:
 
 
 def _start_proxy(workdir: Path, upstream: str, store_url: str, run_id: str):
-    from engine.dynamo.procs import stop_process, wait_until
+    from engine.proxy.procs import start_proxy
 
-    ready = workdir / "proxy.json"
-    logf = open(workdir / "proxy.log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "engine.proxy", "--upstream", upstream, "--store", store_url,
-                             "--run-id", run_id, "--sandbox-id", SANDBOX, "--ready-file", str(ready)],
-                            stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-    logf.close()
-    try:
-        wait_until(ready.exists, 60, "the proxy to serve", alive=lambda: proc.poll() is not None and "proxy exited")
-    except BaseException:
-        stop_process(proc, 5)
-        raise
-    return proc, json.loads(ready.read_text())["url"]
-
+    return start_proxy(workdir, upstream, store_url, run_id, SANDBOX)
 
 def generate(workdir: Path, store_url: str, cfg: RolloutConfig, *, run_id: str | None = None) -> RolloutRun:
     """Run the rollouts (see the module docstring). ``store_url``: where versions, replay records and trajectory

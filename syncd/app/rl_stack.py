@@ -113,19 +113,15 @@ class RLStack:
                                     stdin=subprocess.DEVNULL, start_new_session=True)
 
     def _start_proxy(self) -> tuple[subprocess.Popen, str]:
-        from engine.dynamo.procs import wait_until
+        from engine.proxy.procs import start_proxy
 
-        ready = self.workdir / "proxy.json"
-        proc = self._spawn("proxy", ["-m", "engine.proxy", "--upstream", self.node.frontend_url, "--store",
-                                     self.store_url, "--run-id", self.run_id, "--sandbox-id", self.config.sandbox_id,
-                                     "--ready-file", str(ready), "--log-level", "INFO"])
+        proc, url = start_proxy(self.workdir, self.node.frontend_url, self.store_url, self.run_id,
+                                self.config.sandbox_id, env=self.env, log_path=self.logs / "proxy.log")
         self.proxy = proc
-        wait_until(ready.exists, 60, "the proxy to serve",
-                   alive=lambda: proc.poll() is not None and f"the proxy exited ({self.log_tail('proxy')})")
-        return proc, json.loads(ready.read_text())["url"]
+        return proc, url
 
     def _start_daemon(self) -> subprocess.Popen:
-        from engine.control import RemoteAdapter
+        from syncd.engines.client import RemoteAdapter
         from engine.dynamo.procs import wait_until
 
         argv = ["-m", "syncd.app.cli", "--run-id", self.run_id, "--store", self.store_url, "--cache-dir",
@@ -167,7 +163,7 @@ class RLStack:
 
     def engine_versions(self) -> dict[str, int | None]:
         """Each worker's version, asked through its admin route."""
-        from engine.control import RemoteAdapter
+        from syncd.engines.client import RemoteAdapter
 
         return {n: RemoteAdapter(u, timeout_s=30).version for n, u in self.engines.items()}
 
@@ -180,7 +176,7 @@ class RLStack:
 
     def engines_bit_exact(self, version: int) -> dict[str, bool]:
         """Per worker: does every tensor it serves have the checksum the manifest of ``version`` records?"""
-        from engine.control import RemoteAdapter
+        from syncd.engines.client import RemoteAdapter
         from syncd.versions import read_manifest
 
         m = read_manifest(self.store_url, self.run_id, version, signing_key=self.env["SYNCD_SIGNING_KEY"])
