@@ -129,8 +129,8 @@ def refuse_unchecked(store, run_id: str, signing_key=None) -> None:
     versions = (mf.parse_version_dir(d) for d in store.list_dirs(mf.versions_prefix(run_id)))
     for v in sorted((v for v in versions if v is not None), reverse=True):
         try:
-            raw = store.get_bounded(mf.manifest_key(run_id, v), mf.MAX_MANIFEST_BYTES)
-        except (ObjectNotFound, ObjectTooLarge):
+            raw = read_manifest_bytes(store, run_id, v)
+        except (VersionNotFound, ManifestError):
             continue
         key_id = mf.signature_key_id(raw)
         if key_id is not None:
