@@ -59,7 +59,8 @@ def best_time(fn: Callable[[], object], repeats: int, **kw) -> float:
     return min(times(fn, repeats, **kw))
 
 
-def paired(fn: Callable[[], object], base: Callable[[], object], repeats: int, *, warmup: int = 1) -> tuple[float, float]:
+def paired(fn: Callable[[], object], base: Callable[[], object], repeats: int, *,
+           warmup: int = 1) -> tuple[float, float]:
     """``(median seconds of fn, median over rounds of base seconds / fn seconds)``, ``base`` run right before
     ``fn`` in every round."""
     for _ in range(warmup):

@@ -1,7 +1,8 @@
 """What re-hashing node-cache shards on every read costs (issue 14: "a cache that heals").
 
 Every shard an engine reads from the node cache is SHA-256-checked against its manifest as it is read
-(``syncd.engines.Update.from_cache(verify_shards=True)``, ``syncd.cache.read_shards``), so bytes that rotted or were altered after the
+(``syncd.engines.Update.from_cache(verify_shards=True)``, ``syncd.cache.read_shards``), so bytes that rotted
+or were altered after the
 daemon verified them are refused, and the daemon re-fetches them. This benchmark measures that choice:
 
 1. *Throughput*, over real files in a cache directory (warm page cache, what a just-downloaded shard is):

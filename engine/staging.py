@@ -84,13 +84,13 @@ def _dev(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def write_on_device(flats, params: list[StagedParam], *, new: bool, verify: bool, version) -> None:
-    """Write the new (``new``) or old words of ``params`` into their flat tensors ``flats`` (by name) with
-    torch ops on each parameter's device (how ``WeightUpdater`` writes GPU parameters). Only positions and the words to write cross
-    to the device (non-blocking from pinned memory): with ``verify`` the words in place are checked
-    against the staged ones by :func:`fingerprint`, computed on the device and read back with one
-    synchronisation per device (a mismatch is then counted exactly, sending the staged words, to name
-    it). Nothing is written before every parameter passed, so a mismatch leaves the weights untouched;
-    an error while writing puts back what was written. Raises ``DeltaError`` naming the parameter."""
+    """Write the new (``new``) or old words of ``params`` into their flat tensors ``flats`` (by name) with torch ops on
+    each parameter's device (how ``WeightUpdater`` writes GPU parameters). Only positions and the words to write
+    cross to the device (non-blocking from pinned memory): with ``verify`` the words in place are checked against
+    the staged ones by :func:`fingerprint`, computed on the device and read back with one synchronisation per device
+    (a mismatch is then counted exactly, sending the staged words, to name it). Nothing is written before every
+    parameter passed, so a mismatch leaves the weights untouched; an error while writing puts back what was written.
+    Raises ``DeltaError`` naming the parameter."""
     todo = []
     for p in params:
         bits = word_view(flats[p.name])

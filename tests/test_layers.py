@@ -44,7 +44,8 @@ def test_the_layer_contracts_hold():
 
 @pytest.mark.parametrize("where, line, contract", [
     ("syncd/ops/checksum_extra.py", "from syncd import store", "syncd.ops imports nothing else"),
-    ("syncd/daemon/extra.py", "def f():\n    from engine.reference import ReferenceEngine", "syncd core imports neither"),
+    ("syncd/daemon/extra.py", "def f():\n    from engine.reference import ReferenceEngine",
+     "syncd core imports neither"),
     ("trainer/extra.py", "import engine.state_dict", "engine and trainer do not import each other"),
     ("syncd/cache_extra.py", "from syncd.app import cli", "only the applications"),
     ("bench/extra.py", "from syncd.ops import _backend", "private modules stay private"),

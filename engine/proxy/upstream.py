@@ -17,7 +17,8 @@ __all__ = ["stream_once", "RETRYABLE_STATUS"]
 RETRYABLE_STATUS = frozenset({404, 408, 429, 500, 502, 503, 504})
 
 
-async def stream_once(session, upstream: str, state: TurnState, up_body: dict, endpoint: str, out: ClientStream) -> None:
+async def stream_once(session, upstream: str, state: TurnState, up_body: dict, endpoint: str,
+                      out: ClientStream) -> None:
     """One attempt at a turn: stream ``up_body`` from the frontend at ``upstream`` (``/v1/<endpoint>``) into
     ``state``, passing the client what it asked for through ``out``. Raises :class:`Retryable` while no token
     came back, :class:`Broken` after, :class:`Rejected` for a status not worth a retry, ``ClientGone``."""

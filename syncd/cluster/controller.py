@@ -235,7 +235,8 @@ class Controller:
                 if delivered[r] >= v:
                     for s in m.shards:
                         holders.setdefault(s.sha256, set()).add(r)
-                part = (node.relay.partial() if r == node.rank else node.heartbeats.membership.info(r).get("part")) or {}
+                theirs = node.relay.partial() if r == node.rank else node.heartbeats.membership.info(r).get("part")
+                part = theirs or {}
                 for s in m.shards:
                     n = part.get(s.sha256)
                     if isinstance(n, int) and not isinstance(n, bool) and 0 < n < s.size:

@@ -325,7 +325,8 @@ class Relay:
             ready = 0
             for sha in earlier:
                 st = self.node.cache.states.get(sha)
-                if (st is not None and (st.complete or (st.chunk_bytes and st.have == st.n))) or self.node.cache.has(sha):
+                if ((st is not None and (st.complete or (st.chunk_bytes and st.have == st.n)))
+                        or self.node.cache.has(sha)):
                     ready += 1
             if ready >= need:
                 return
