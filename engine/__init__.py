@@ -6,7 +6,7 @@ the reference engine (``engine.reference.ReferenceEngine``). Names are imported 
 
 from __future__ import annotations
 
-import importlib
+from syncd.lazy import lazy_names
 
 _LAZY = {
     # the engine contract lives in syncd.engines; re-exported here
@@ -23,11 +23,4 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str):
-    try:
-        module = _LAZY[name]
-    except KeyError:
-        raise AttributeError(f"module 'engine' has no attribute {name!r}") from None
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names("engine", _LAZY)

@@ -27,6 +27,7 @@ from syncd.errors import (BaseVersionMissing, DeltaError, IntegrityError, Manife
                           ObjectNotFound, ObjectTooLarge, SyncdError, VersionNotFound)
 from syncd.newest import VersionPoller
 from syncd.signing import ENV_KEY, ENV_KEY_FILE, UNCHECKED, resolve_policy
+from syncd.lazy import lazy_names
 from syncd.store import Store
 
 log = logging.getLogger(__name__)
@@ -392,13 +393,6 @@ def verify_run(store, run_id: str, *, signing_key=None, deep: bool = True, backe
             yield m.version, "failed", f"{type(exc).__name__}: {exc}"
 
 
-_MOVED = {"RetentionPolicy", "RetentionPlan", "plan_retention", "apply_retention"}
-
-
-def __getattr__(name: str):
-    """Retention moved to :mod:`syncd.retention`; its names are re-exported here, kept for one release."""
-    if name in _MOVED:
-        from syncd import retention
-
-        return getattr(retention, name)
-    raise AttributeError(f"module 'syncd.versions' has no attribute {name!r}")
+# retention moved to syncd.retention; its names are re-exported here, kept for one release
+__getattr__ = lazy_names("syncd.versions", {n: "syncd.retention" for n in ("RetentionPolicy", "RetentionPlan",
+                                                                          "plan_retention", "apply_retention")})

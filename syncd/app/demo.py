@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from syncd.app.demo_io import Client, Display
+from syncd.app.demo_io import Client, Display, write_summary
 
 log = logging.getLogger(__name__)
 RUN = "demo"
@@ -329,9 +329,7 @@ def run_main(args, p: argparse.ArgumentParser) -> int:
         return 1
     print_summary(summary)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(summary, indent=1))
-        print(f"summary: {args.json}")
+        write_summary(summary, args.json)
     ok = (summary["requests_lost"] == 0 and summary["engines_bit_exact"]
           and summary["final_version"] == args.versions - 1)
     return 0 if ok else 1

@@ -7,8 +7,9 @@ import json
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
-__all__ = ["Client", "Display"]
+__all__ = ["Client", "Display", "write_summary"]
 
 
 # ---------------------------------------------------------------------------------------------- client
@@ -116,3 +117,10 @@ class Display:
     def close(self) -> None:
         if self.rich is not None:
             self.rich.stop()
+
+
+def write_summary(summary: dict, path) -> None:
+    """Write a demo's summary as JSON to ``path`` (its folder made) and say where."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(summary, indent=1))
+    print(f"summary: {path}")

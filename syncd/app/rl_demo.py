@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from syncd.app.demo_io import write_summary
+
 __all__ = ["main", "build_parser", "run"]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -213,9 +215,7 @@ def main(argv=None) -> int:
         return 1
     print_summary(summary)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(summary, indent=1))
-        print(f"summary: {args.json}")
+        write_summary(summary, args.json)
     ok = summary["rollouts_lost"] == 0 and summary["engines_bit_exact"] and summary["final_version"] == \
         -(-args.steps // args.every_k) and summary["ranks_agree"] is not False
     return 0 if ok else 1

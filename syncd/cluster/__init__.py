@@ -18,7 +18,7 @@ code: :mod:`bench.netsim`.
 
 from __future__ import annotations
 
-import importlib
+from syncd.lazy import lazy_names
 
 _LAZY = {
     "ClusterNode": ("syncd.cluster.node", "ClusterNode"),
@@ -35,11 +35,4 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str):
-    try:
-        module, attr = _LAZY[name]
-    except KeyError:
-        raise AttributeError(f"module 'syncd.cluster' has no attribute {name!r}") from None
-    value = getattr(importlib.import_module(module), attr)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names("syncd.cluster", _LAZY)

@@ -15,7 +15,7 @@ load the engines' machinery (torch).
 from __future__ import annotations
 
 import asyncio
-import importlib
+from syncd.lazy import lazy_names
 
 _LAZY = {
     "DaemonConfig": "syncd.daemon.config",
@@ -28,14 +28,7 @@ _LAZY = {
 __all__ = sorted(_LAZY) + ["run"]
 
 
-def __getattr__(name: str):
-    try:
-        module = _LAZY[name]
-    except KeyError:
-        raise AttributeError(f"module 'syncd.daemon' has no attribute {name!r}") from None
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names("syncd.daemon", _LAZY)
 
 
 def run(daemon: NodeDaemon) -> None:

@@ -14,7 +14,7 @@ The names below are imported on first use (``params`` and ``wire`` load torch).
 
 from __future__ import annotations
 
-import importlib
+from syncd.lazy import lazy_names
 
 _LAZY = {
     "Adapter": "syncd.engines.protocol", "Generator": "syncd.engines.protocol",
@@ -35,11 +35,4 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str):
-    try:
-        module = _LAZY[name]
-    except KeyError:
-        raise AttributeError(f"module 'syncd.engines' has no attribute {name!r}") from None
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names("syncd.engines", _LAZY)
