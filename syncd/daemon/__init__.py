@@ -15,6 +15,7 @@ load the engines' machinery (torch).
 from __future__ import annotations
 
 import asyncio
+
 from syncd.lazy import lazy_names
 
 _LAZY = {

@@ -40,12 +40,12 @@ from syncd.cache import ShardCache
 from syncd.daemon.config import DaemonConfig
 from syncd.daemon.driver import EngineDriver
 from syncd.daemon.fetcher import ShardSource, StoreShardSource
-from syncd.manifest_source import ManifestSource
 from syncd.daemon.metrics import DaemonMetrics
 from syncd.daemon.poller import Poller
 from syncd.daemon.status import StatusBoard, default_status_file
 from syncd.daemon.updates import UpdatePath
 from syncd.errors import ManifestMismatch, StoreError
+from syncd.manifest_source import ManifestSource
 from syncd.supervise import Supervisor
 
 log = logging.getLogger(__name__)
