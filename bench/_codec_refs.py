@@ -5,13 +5,13 @@ deltas) with their encode times."""
 from __future__ import annotations
 
 import math
-import time
 
 import numpy as np
 import torch
 import zstandard
 
-from syncd.ops import _format as fmt
+from bench._timing import Stopwatch
+from syncd.ops import delta
 from syncd.ops.reference import delta as ref_delta
 
 
@@ -31,7 +31,7 @@ def entropy_bound(old: dict, new: dict) -> dict:
     n_total = c_total = 0
     all_vals = []
     for name in old:
-        dt = fmt.dtype_of(old[name].dtype)
+        dt = delta.dtype_format(old[name].dtype)
         ob = ref_delta.bits_view(old[name].view(torch.int16).numpy(), dt)  # flattened
         nb = ref_delta.bits_view(new[name].view(torch.int16).numpy(), dt)
         _, v = ref_delta.changes(ob, nb, dt)
@@ -77,19 +77,19 @@ def baselines(old: dict, new: dict, repeats: int) -> dict:
     for name in old:
         o = old[name].view(torch.int16).numpy().reshape(-1)
         n = new[name].view(torch.int16).numpy().reshape(-1)
-        t0 = time.perf_counter()
+        sw = Stopwatch()
         sizes["zstd_full"] += len(_zstd(n.tobytes()))
-        t1 = time.perf_counter()
+        laps = [sw.lap()]
         sizes["zstd_xor"] += len(_zstd((o ^ n).tobytes()))
-        t2 = time.perf_counter()
+        laps.append(sw.lap())
         idx = np.flatnonzero(o != n)
         sizes["idx32_bf16_zstd"] += len(_zstd(idx.astype(np.int32).tobytes() + n[idx].tobytes()))
-        t3 = time.perf_counter()
-        dt = fmt.DTYPES["bfloat16"]
+        laps.append(sw.lap())
+        dt = delta.dtype_format(torch.bfloat16)
         pos, v = ref_delta.changes(o.view(np.uint16), n.view(np.uint16), dt)
         gaps = np.diff(pos, prepend=-1) - 1
         sizes["gapvarint_zigzag_zstd"] += len(_zstd(_varint_bytes(gaps)) + _zstd(_varint_bytes(v)))
-        t4 = time.perf_counter()
-        for k, dtm in zip(sizes, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+        laps.append(sw.lap())
+        for k, dtm in zip(sizes, laps):
             times[k] += dtm
     return {"sizes": sizes, "encode_s": times}

@@ -26,15 +26,14 @@ import os
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from bench._codec_refs import baselines, entropy_bound
-from syncd.ops import _backend, checksum_many, delta
-from syncd.ops import _format as fmt
+from bench._timing import Stopwatch, median_time
+from syncd.ops import checksum_many, delta, native_features, threads
 
 log = logging.getLogger("bench.codec")
 
@@ -80,17 +79,6 @@ def snapshots(cfg: dict, lr: float, steps: int, seed: int) -> list[dict[str, tor
         if step >= cfg["warmup"] - 1:
             out.append({k: v.detach().to(torch.bfloat16).clone() for k, v in model.state_dict().items()})
     return out
-
-
-def median_time(fn, repeats: int, setup=None) -> float:
-    ts = []
-    for _ in range(repeats):
-        if setup:
-            setup()
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
 
 
 def numpy_read_pass(tensors: dict, repeats: int, warm: bool = False):
@@ -200,7 +188,7 @@ def parse_args(argv):
     p.add_argument("--lrs", default="1e-6,3e-6,1e-5", help="comma-separated learning rates")
     p.add_argument("--ks", default="1,2,4,8", help="comma-separated snapshot distances in optimizer steps")
     p.add_argument("--repeats", type=int, help="timing rounds (medians of per-round ratios are reported)")
-    p.add_argument("--block-log2", type=int, default=fmt.DEFAULT_BLOCK_LOG2)
+    p.add_argument("--block-log2", type=int, default=delta.DEFAULT_BLOCK_LOG2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.environ.get("SYNCD_BENCH_OUT", "bench/results/codec.json"))
     p.add_argument("--plot", metavar="PNG", help="also draw size/bound and speed/read against density")
@@ -257,14 +245,14 @@ def main(argv=None) -> int:
     lrs = [float(x) for x in args.lrs.split(",")]
     ks = sorted(int(x) for x in args.ks.split(","))
     results = []
-    print(f"syncd codec benchmark: preset {args.preset}, threads {_backend.threads()}, native SIMD "
-          f"{_backend.native().CODEC_SIMD}, {platform.processor() or platform.machine()}")
+    print(f"syncd codec benchmark: preset {args.preset}, threads {threads()}, native SIMD "
+          f"{native_features()['codec_simd']}, {platform.processor() or platform.machine()}")
     for lr in lrs:
-        t0 = time.perf_counter()
+        t0 = Stopwatch()
         snaps = snapshots(cfg, lr, max(ks), args.seed)
         nparams = sum(t.numel() for t in snaps[0].values())
         print(f"\nlr {lr:g}: {nparams / 1e6:.1f}M parameters, {max(ks) + cfg['warmup']} AdamW steps in "
-              f"{time.perf_counter() - t0:.1f}s")
+              f"{t0.elapsed:.1f}s")
         print(HEADER)
         for k in ks:
             r = measure_case_quiet(snaps[0], snaps[k], cfg["repeats"], args.block_log2)
@@ -282,8 +270,8 @@ def main(argv=None) -> int:
           f"{statistics.median(r['numpy_read_gbps'] for r in results):.1f} GB/s)")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"bench": "codec", "preset": args.preset, "config": cfg, "threads": _backend.threads(),
-                               "simd": _backend.native().CODEC_SIMD, "python": sys.version.split()[0],
+    out.write_text(json.dumps({"bench": "codec", "preset": args.preset, "config": cfg, "threads": threads(),
+                               "simd": native_features()["codec_simd"], "python": sys.version.split()[0],
                                "torch": torch.__version__, "results": results}, indent=1))
     first = results[0]
     print(f"lr {first['lr']:g} K={first['k']}: format 2 encoded {first['formats']['2']['encoded_pct']:.3f}% of bf16 "

@@ -11,30 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from syncd.ops import _backend, checksum, delta
-from syncd.ops import _format as fmt
-
-
-def cuda_time(fn, repeats: int) -> float:
-    """Median seconds of ``fn`` measured with CUDA events (host work inside ``fn`` is included)."""
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(ts)
+from bench._timing import cuda_time
+from syncd.ops import available, checksum, delta
 
 
 def main(argv=None) -> int:
@@ -68,15 +51,13 @@ def main(argv=None) -> int:
     ref_blobs = {}
     if args.refcheck:
         ref_blobs = {v: delta.encode(old.cpu(), new.cpu(), backend="cpu", version=v) for v in versions}
-    dt = fmt.dtype_of(old.dtype)
     for name in ("cuda", "triton"):
-        why = _backend.available(name, "cuda")
+        why = available(name, "cuda")
         if why:
             print(f"{name}: unavailable ({why})")
             continue
-        k = _backend.gpu_kernels(name)
         ck_s = cuda_time(lambda: checksum(old, backend=name), args.repeats)
-        scan_s = cuda_time(lambda: k.find_changes(old, new, dt.bits, dt.is_float), args.repeats)
+        scan_s = cuda_time(lambda: delta.find_changes(old, new, backend=name), args.repeats)
         r = {"checksum_gbps": nbytes / ck_s / 1e9, "scan_gbps": 2 * nbytes / scan_s / 1e9,
              "checksum_pct_of_copy": 100 * (nbytes / ck_s / 1e9) / read_gbps_limit,
              "scan_pct_of_copy": 100 * (2 * nbytes / scan_s / 1e9) / read_gbps_limit, "formats": {}}

@@ -33,14 +33,13 @@ import contextlib
 import io
 import json
 import os
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
+from bench._timing import Stopwatch, median_time
 from syncd.ops import checksum_many, delta, nvfp4
 
 # the dense AdamW rows of the notes' table (policy gradient, lr 1e-6 / 3e-6 / 1e-5, K = 1, 2, 4, 8), and 1%
@@ -71,15 +70,7 @@ def one_core(fn, repeats: int, setup=None) -> float:
     before = os.environ.get("SYNCD_NUM_THREADS")
     os.environ["SYNCD_NUM_THREADS"] = "1"
     try:
-        ts = []
-        for i in range(repeats + 1):  # the first call warms up
-            if setup is not None:
-                setup()
-            t0 = time.perf_counter()
-            fn()
-            if i:
-                ts.append(time.perf_counter() - t0)
-        return statistics.median(ts)
+        return median_time(fn, repeats, setup=setup, warmup=1)
     finally:
         if before is None:
             os.environ.pop("SYNCD_NUM_THREADS")
@@ -288,12 +279,12 @@ def plot(projections: list[dict], a, path: str) -> None:
 def main(argv=None) -> int:
     a = parse_args(argv)
     densities = [float(x) for x in a.densities.split(",")]
-    t0 = time.perf_counter()
+    t0 = Stopwatch()
     rows = measure_codecs(densities, a.sample_mib, a.repeats)
     ck_bps = checksum_rate(a.sample_mib, a.repeats)
     hop = {"per_hop_s": a.hop_overhead_s, "assumed": True} if a.hop_overhead_s is not None else hop_overhead(a.repeats)
     assumptions = {flag: getattr(a, flag.replace("-", "_")) for flag, _, _ in ASSUMPTIONS}
-    print(f"syncd projection: measured here in {time.perf_counter() - t0:.0f}s (one core each): checksum "
+    print(f"syncd projection: measured here in {t0.elapsed:.0f}s (one core each): checksum "
           f"{ck_bps / 1e9:.2f} GB/s; broadcast hop {1e3 * hop['per_hop_s']:.1f} ms"
           f"{' (assumed)' if hop.get('assumed') else ' (bench.broadcast, loopback, N=2 vs 4)'}")
     print("assumptions: " + ", ".join(f"{k} {v:g}" for k, v in assumptions.items()))

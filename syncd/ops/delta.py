@@ -13,6 +13,7 @@ when it raises. Thread-safety: calls are independent; don't apply to the same te
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +22,7 @@ import torch
 from syncd.errors import DeltaError
 from syncd.ops import _backend, _context
 from syncd.ops import _format as fmt
+from syncd.ops._dispatch import dispatch, kernel, kernel_of, register, resolve
 from syncd.ops._tensors import byte_view, raw_ptr, shape_of
 from syncd.ops.reference import checksum as ref_ck
 from syncd.ops.reference import context as ref_ctx
@@ -29,7 +31,13 @@ from syncd.ops.reference import block_v1 as ref_v1
 from syncd.ops.reference import delta_v2 as ref_v2
 
 __all__ = ["encode", "decode", "apply_", "inspect", "encode_many", "apply_many", "Changes", "changes",
-           "apply_changes_"]
+           "apply_changes_", "find_changes", "DEFAULT_BLOCK_LOG2", "DEFAULT_FORMAT", "FORMAT_VERSIONS", "dtype_format"]
+
+#: format facts tools and benchmarks use (the format itself, ``syncd.ops._format``, is private to the ops)
+DEFAULT_BLOCK_LOG2 = fmt.DEFAULT_BLOCK_LOG2
+DEFAULT_FORMAT = fmt.DEFAULT_FORMAT
+FORMAT_VERSIONS = fmt.FORMAT_VERSIONS
+dtype_format = fmt.dtype_of
 
 
 def _native_call(fn, *args):
@@ -71,12 +79,20 @@ def encode(old: torch.Tensor, new: torch.Tensor, *, backend: str = "auto",
     _check_version(version)
     if not fmt.MIN_BLOCK_LOG2 <= block_log2 <= fmt.MAX_BLOCK_LOG2:
         raise DeltaError(f"block_log2 {block_log2} outside {fmt.MIN_BLOCK_LOG2}..{fmt.MAX_BLOCK_LOG2}")
-    name = _backend.resolve(backend, old.device.type, "encode")
-    shape = shape_of(old)
-    if name == "cpu":
-        return _native_encode(old, new, dt, shape, block_log2, _backend.threads(), version)
-    if name == "reference":
-        return ref.encode(byte_view(old.cpu()), byte_view(new.cpu()), dt, shape, block_log2, version)
+    return dispatch("encode", backend, old.device.type)(old, new, dt, shape_of(old), block_log2, version)
+
+
+@kernel("encode", "cpu")
+def _encode_cpu(old, new, dt, shape, block_log2, version) -> bytes:
+    return _native_encode(old, new, dt, shape, block_log2, _backend.threads(), version)
+
+
+@kernel("encode", "reference")
+def _encode_reference(old, new, dt, shape, block_log2, version) -> bytes:
+    return ref.encode(byte_view(old.cpu()), byte_view(new.cpu()), dt, shape, block_log2, version)
+
+
+def _encode_gpu(name, old, new, dt, shape, block_log2, version) -> bytes:
     k = _backend.gpu_kernels(name)
     o, n = old.detach().contiguous(), new.detach().contiguous()
     pos, v = k.find_changes(o, n, dt.bits, dt.is_float)
@@ -87,6 +103,22 @@ def encode(old: torch.Tensor, new: torch.Tensor, *, backend: str = "auto",
         context = (nib.cpu().numpy(), e_tops.cpu().tolist())
     return _pack(dt, shape, block_log2, pos.cpu().numpy().view(np.uint64), v.cpu().numpy().view(np.uint64),
                  base_ck, new_ck, version, context)
+
+
+def find_changes(old: torch.Tensor, new: torch.Tensor, *, backend: str = "auto"):
+    """The changed-word scan of :func:`encode` on its own: ``(positions, values)``, int64 tensors on ``old``'s
+    device -- ascending flat positions of the elements that differ and their coded changes
+    (``docs/delta-format.md``). Backends ``reference``, ``cuda``, ``triton`` (the CPU encoder fuses the scan
+    into its native pass). Raises ``DeltaError`` for mismatched inputs, ``BackendUnavailable``."""
+    dt = _check_pair(old, new)
+    scan = dispatch("find_changes", backend, old.device.type)
+    return scan(old.detach().contiguous(), new.detach().contiguous(), dt)
+
+
+@kernel("find_changes", "reference")
+def _find_changes_reference(old, new, dt):
+    pos, v = ref.changes(ref.bits_view(byte_view(old.cpu()), dt), ref.bits_view(byte_view(new.cpu()), dt), dt)
+    return torch.from_numpy(pos).to(old.device), torch.from_numpy(v.view(np.int64)).to(old.device)
 
 
 def _native_encode(old, new, dt, shape, block_log2, threads, version) -> bytes:
@@ -170,30 +202,33 @@ def apply_(tensor: torch.Tensor, blob, *, backend: str = "auto", verify: bool = 
     reading the tensor during the call can see a partial update; engines apply while paused).
     """
     dt = fmt.dtype_of(tensor.dtype)
-    name = _backend.resolve(backend, tensor.device.type, "apply")
-    shape = shape_of(tensor)
+    name = resolve("apply", backend, tensor.device.type)
     if name in ("cpu", "reference") and not tensor.is_contiguous():
         tmp = tensor.contiguous()
         apply_(tmp, blob, backend=name, verify=verify)
         with torch.no_grad():
             tensor.copy_(tmp)
         return
-    if name == "cpu":
-        _native_apply(tensor, blob, dt, shape, verify, _backend.threads())
-        return
-    if name == "reference":
-        if tensor.device.type != "cpu":
-            tmp = tensor.cpu()
-            ref.decode_into(byte_view(tmp), blob, dt, shape, verify)
-            with torch.no_grad():
-                tensor.copy_(tmp)
-            return
-        ref.decode_into(byte_view(tensor), blob, dt, shape, verify)
-        return
-    _apply_gpu(tensor, blob, dt, shape, name, verify)
+    kernel_of("apply", name)(tensor, blob, dt, shape_of(tensor), verify)
 
 
-def _apply_gpu(tensor: torch.Tensor, blob, dt: fmt.DType, shape, name: str, verify: bool) -> None:
+@kernel("apply", "cpu")
+def _apply_cpu(tensor, blob, dt, shape, verify) -> None:
+    _native_apply(tensor, blob, dt, shape, verify, _backend.threads())
+
+
+@kernel("apply", "reference")
+def _apply_reference(tensor, blob, dt, shape, verify) -> None:
+    if tensor.device.type != "cpu":
+        tmp = tensor.cpu()
+        ref.decode_into(byte_view(tmp), blob, dt, shape, verify)
+        with torch.no_grad():
+            tensor.copy_(tmp)
+        return
+    ref.decode_into(byte_view(tensor), blob, dt, shape, verify)
+
+
+def _apply_gpu(name: str, tensor: torch.Tensor, blob, dt: fmt.DType, shape, verify: bool) -> None:
     k = _backend.gpu_kernels(name)
     work = tensor if tensor.is_contiguous() else tensor.contiguous()
     h = fmt.parse_header(blob, ref_ck.checksum_bytes)
@@ -217,6 +252,13 @@ def _apply_gpu(tensor: torch.Tensor, blob, dt: fmt.DType, shape, name: str, veri
             tensor.copy_(work)
 
 
+for _gpu in ("cuda", "triton"):
+    register("encode", _gpu, functools.partial(_encode_gpu, _gpu))
+    register("apply", _gpu, functools.partial(_apply_gpu, _gpu))
+    register("find_changes", _gpu, lambda old, new, dt, _name=_gpu: _backend.gpu_kernels(_name).find_changes(
+        old, new, dt.bits, dt.is_float))
+
+
 def encode_many(olds, news, *, backend: str = "auto", block_log2: int = fmt.DEFAULT_BLOCK_LOG2,
                 version: int = fmt.DEFAULT_FORMAT) -> list[bytes]:
     """``[encode(o, n) for o, n in zip(olds, news)]``, using every core across tensors as well as within
@@ -225,7 +267,7 @@ def encode_many(olds, news, *, backend: str = "auto", block_log2: int = fmt.DEFA
     _check_version(version)
     if len(olds) != len(news):
         raise DeltaError(f"{len(olds)} old tensors but {len(news)} new ones")
-    if not olds or any(t.device.type != "cpu" for t in olds) or _backend.resolve(backend, "cpu", "encode") != "cpu":
+    if not olds or any(t.device.type != "cpu" for t in olds) or resolve("encode", backend, "cpu") != "cpu":
         return [encode(o, n, backend=backend, block_log2=block_log2, version=version) for o, n in zip(olds, news)]
 
     keep, items = [], []  # every block of every tensor goes to one native pool
@@ -250,7 +292,7 @@ def apply_many(tensors, blobs, *, backend: str = "auto", verify: bool = True) ->
     if len(tensors) != len(blobs):
         raise DeltaError(f"{len(tensors)} tensors but {len(blobs)} blobs")
     if (not tensors or any(raw_ptr(t) is None for t in tensors)
-            or _backend.resolve(backend, "cpu", "apply") != "cpu"):
+            or resolve("apply", backend, "cpu") != "cpu"):
         for t, b in zip(tensors, blobs):
             apply_(t, b, backend=backend, verify=verify)
         return
