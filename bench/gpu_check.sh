@@ -38,6 +38,9 @@ echo "== replay: kept_logprobs (Triton) vs the naive masked log-softmax and the 
 "$py" -m bench.gpu_replay --rows 8192 --refcheck --out "$out/gpu_replay.json" || rc=1
 "$py" -m pytest -q -p no:cacheprovider tests/trainer/test_routing_replay.py -m gpu 2>&1 | tee "$out/gpu_routing_replay.log" | tail -5
 [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+echo "== thin trainer: the policy-gradient loss and an AdamW/Muon step on CUDA (against the CPU, repeated bit for bit)"
+"$py" -m pytest -q -p no:cacheprovider tests/trainer/test_objective_optim.py -m gpu 2>&1 | tee "$out/gpu_trainer.log" | tail -5
+[ "${PIPESTATUS[0]}" = 0 ] || rc=1
 echo "== engine update on the GPU (pause vs full reload from host memory)"
 "$py" -m bench.engine_update --device cuda --updates 5 --window 10 --interval 1 --out "$out/engine_update_gpu.json" || rc=1
 exit $rc

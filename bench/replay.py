@@ -34,19 +34,19 @@ costs, and what the records cost on the wire. Everything is measured in one run,
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import platform
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-from bench.replay_kept import kept_sizes_public, public_kept
+from bench._timing import Stopwatch, time_and_peak
+from bench.replay_bytes import kept_sizes_public, print_bytes, random_sets, recorded_bytes, route_bytes
+from bench.replay_kept import public_kept
 
 PRESETS = {
     "default": dict(requests=8, max_tokens=512, concurrency=8, updates=2, update_every=160, pretrain_steps=400,
@@ -107,9 +107,9 @@ def mismatch(name: str, cfg: dict, workdir: Path) -> dict:
     rs = read_rollouts(run.store_url, run.run_id)
     model = run.trainer_model()
     newest = max(run.weights)
-    t0 = time.perf_counter()  # every set rebuilt once from the sampled versions, for the rows that need them listed
+    t0 = Stopwatch()  # every set rebuilt once from the sampled versions, for the rows that need them listed
     resolved = resolve_kept(model, rs.sequences, weights_of=run.weights_of)
-    resolve_s = time.perf_counter() - t0
+    resolve_s = t0.elapsed
     rebuild = {"pending": sum(len(q.kept_pending) for q in rs.sequences if q.kept_pending is not None),
                "rebuilt": 0, "mismatches": 0, "newest_own_verified": 0, "newest_own_refused": 0}
     variants = {"no replay": dict(kept=False, routing=False), "kept-set replay": dict(kept=True, routing=False),
@@ -126,7 +126,7 @@ def mismatch(name: str, cfg: dict, workdir: Path) -> dict:
         extra.update({k: [] for k in bf16})
     used = {k: [] for k in [*variants, *extra]}
     engine = []
-    t0 = time.perf_counter()
+    t0 = Stopwatch()
     for recorded, seq in zip(rs.sequences, resolved):
         engine.append(seq.logprobs[seq.positions])
         for k, kw in variants.items():  # on the sets as recorded: rebuilt from each recomputation's logits
@@ -154,7 +154,7 @@ def mismatch(name: str, cfg: dict, workdir: Path) -> dict:
             used[k].append(_used_route_disagreement(model, seq, lambda: box.update(
                 r=sampler_logprobs(model, seq, **kw))))
             extra[k].append(box["r"].logprobs)
-    recompute_s = time.perf_counter() - t0
+    recompute_s = t0.elapsed
     engine = torch.cat(engine)
     if rebuild["mismatches"] or rebuild["rebuilt"] != rebuild["pending"]:
         raise RuntimeError(f"{name}: {rebuild} (every recorded set must rebuild from the sampled versions' logits)")
@@ -181,87 +181,7 @@ def mismatch(name: str, cfg: dict, workdir: Path) -> dict:
             "generate_s": run.wall_s, "recompute_s": recompute_s}
 
 
-# ---------------------------------------------------------------------------------------------- 3. bytes
-
-
-def random_sets(sizes: torch.Tensor, V: int, gen: torch.Generator) -> list[torch.Tensor]:
-    out = []
-    for s in sizes.tolist():
-        ids = torch.unique(torch.randint(0, V, (2 * s + 4,), generator=gen))
-        while ids.numel() < s:
-            ids = torch.unique(torch.cat([ids, torch.randint(0, V, (s,), generator=gen)]))
-        out.append(ids[torch.randperm(ids.numel(), generator=gen)[:s]].sort().values)
-    return out
-
-
-_FORMS = {0x20: "list", 0x21: "bitmap", 0x22: "all", 0x23: "sampled", 0x24: "top", 0x25: "top+extra"}
-
-
-def recorded_bytes(store_url: str, run_id: str, resolved) -> dict:
-    """Bytes per generated token in the run's replay records: kept sets as recorded (format 2) and by form, the same
-    sets listed (format 1, from the ``resolved`` sequences) and as int32 ids, token routes, whole chunks."""
-    from syncd.records.replay import decode_chunk, encode_kept, encode_kept_record, pack_routing
-    from syncd.store import Store
-
-    store = Store(store_url)
-    kept = routes = total = tokens = 0
-    forms: dict[str, int] = {}
-    for o in store.list(f"runs/{run_id}/replay/"):
-        raw = store.get(o.key)
-        c = decode_chunk(raw)
-        tokens += len(c.records)
-        total += len(raw)
-        for r in c.records:
-            blob = encode_kept_record(r.kept, r.token_id, c.vocab_size, tolerance=c.kept_tolerance)
-            kept += len(blob)
-            forms[_FORMS[blob[0]]] = forms.get(_FORMS[blob[0]], 0) + 1
-        if c.records[0].routing is not None:
-            routes += len(pack_routing(torch.stack([torch.as_tensor(r.routing) for r in c.records]).numpy(),
-                                       c.num_experts))
-    listed = int32 = n = 0
-    for seq in resolved:
-        for g in range(seq.positions.numel()):
-            ids = seq.kept_ids[seq.kept_offsets[g]:seq.kept_offsets[g + 1]].numpy()
-            listed += len(encode_kept(ids, seq.vocab_size))
-            int32 += 4 * ids.size
-            n += 1
-    return {"tokens": tokens, "kept_per_token": kept / tokens, "kept_forms_pct": {k: 100 * v / tokens for k, v in
-                                                                                  forms.items()},
-            "kept_listed_v1_per_token": listed / max(n, 1), "kept_int32_per_token": int32 / max(n, 1),
-            "routes_per_token": routes / tokens, "chunk_per_token": total / tokens}
-
-
-def route_bytes() -> dict:
-    from syncd.ops.replay import bits_per_id
-
-    E, k, L = 128, 8, 48
-    b = bits_per_id(E)
-    return {"experts": E, "top_k": k, "layers": L, "bits_per_id": b, "per_token": L * k * b / 8,
-            "int32_per_token": L * k * 4}
-
-
 # ---------------------------------------------------------------------------------------------- 2. op
-
-
-def _rss() -> tuple[int, int]:
-    """(current RSS, peak RSS since the last reset) in bytes."""
-    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
-    return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
-
-
-def _measure(fn, repeats: int) -> tuple[float, int]:
-    """(median seconds, peak RSS above the starting point in bytes) of ``fn()``; the peak of the first call."""
-    gc.collect()
-    Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS counter
-    base, _ = _rss()
-    times = []
-    for i in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-        if i == 0:
-            peak = _rss()[1] - base
-    return statistics.median(times), peak
 
 
 OP_METHODS = {"cpu": dict(backend="cpu"), "reference": dict(backend="reference"),
@@ -298,12 +218,12 @@ def op_bench(T: int, V: int, H: int, repeats: int, seed: int, budget: int) -> di
     def measure(methods: dict, naive_fn, naive_need: int) -> dict:
         res = {}
         for name, fn in methods.items():
-            t, peak = _measure(fn, repeats)
+            t, peak = time_and_peak(fn, repeats)
             res[name] = {"s": t, "peak_bytes": peak, "peak_without_grad": peak - grad_bytes}
         if naive_need > budget:
             res["naive"] = {"skipped": f"needs about {naive_need / 2**30:.1f} GiB, the budget is {budget / 2**30:.1f} GiB"}
             return res
-        t, peak = _measure(naive_fn, max(1, min(repeats, 2)))
+        t, peak = time_and_peak(naive_fn, max(1, min(repeats, 2)))
         res["naive"] = {"s": t, "peak_bytes": peak, "peak_without_grad": peak - grad_bytes}
         for name in methods:  # (peaks under 64 MiB are too close to page-size noise to divide; 1 MiB floor)
             r = res[name]
@@ -314,7 +234,7 @@ def op_bench(T: int, V: int, H: int, repeats: int, seed: int, budget: int) -> di
         return res
 
     out = {"rows": T, "vocab": V, "kept_ids": int(ids.numel()), "grad_bytes": grad_bytes}
-    out["zeros_floor_s"] = _measure(lambda: torch.zeros(T, V), repeats)[0]
+    out["zeros_floor_s"] = time_and_peak(lambda: torch.zeros(T, V), repeats)[0]
     x = torch.randn(T, V, generator=gen).requires_grad_()
     out["op"] = measure({k: run(lambda kw=kw: kept_logprobs(x, ids, offsets, targets, **kw).sum(), [x])
                          for k, kw in OP_METHODS.items()}, run(lambda: naive_loss(x), [x]), 6 * grad_bytes)
@@ -325,7 +245,7 @@ def op_bench(T: int, V: int, H: int, repeats: int, seed: int, budget: int) -> di
     h = torch.randn(T, H, generator=gen).requires_grad_()
     w = (torch.randn(V, H, generator=gen) / H ** 0.5).requires_grad_()
     linear = torch.nn.functional.linear
-    out["lm_head_s"] = _measure(lambda: linear(h.detach(), w.detach()), max(1, min(repeats, 2)))[0]
+    out["lm_head_s"] = time_and_peak(lambda: linear(h.detach(), w.detach()), max(1, min(repeats, 2)))[0]
     out["lm_head_fraction"] = {k: r["s"] / out["lm_head_s"] for k, r in out["op"].items() if "s" in r}
     if 7 * grad_bytes <= budget:  # (only where the baseline runs too: each pass is several lm_head matmuls)
         e2e = {k: run(lambda kw=kw: kept_logprobs(linear(h, w), ids, offsets, targets, **kw).sum(), [h, w])
@@ -373,42 +293,6 @@ def _print_op(o: dict) -> None:
     if "lm_head_s" in o:
         fr = ", ".join(f"{k} {100 * v:.2f}%" for k, v in o["lm_head_fraction"].items())
         print(f"  the lm_head forward matmul alone: {o['lm_head_s'] * 1e3:.1f} ms; the op as a share of it: {fr}")
-
-
-def _print_bytes(results: dict, tolerance: float) -> None:
-    pk = results["bytes"]["public"]
-    ks = pk["kept_size"]
-    print(f"\nbytes per token of kept sets, synthetic logits at V={pk['vocab']:,} whose top-p {pk['top_p']} sets follow "
-          f"the public distribution ({pk['tokens']} tokens: median {ks['median']:.0f}, p99 {ks['p99']:.0f}, "
-          f"{ks['single_pct']:.0f}% single, mean {ks['mean']:.1f}; ids uniform):")
-    print(f"  format 1, every id listed {pk['listed_v1_per_token']:6.2f} B   int32 ids {pk['int32_ids_per_token']:6.2f} B   "
-          f"bound of any listing {pk['listed_bound_per_token']:6.2f} B   prime-rl about "
-          f"{PUBLIC['prime_rl_bytes_per_token']} B   goal <= 8 B")
-    for d, r in pk["by_tolerance"].items():
-        forms = ", ".join(f"{k} {v:.1f}%" for k, v in sorted(r["forms_pct"].items()))
-        print(f"  format 2, tolerance {float(d):g}: {r['per_token']:6.2f} B/token ({pk['listed_v1_per_token'] / r['per_token']:.1f}x "
-              f"less than listed; fragile boundary {r['fragile_pct']:.1f}%, listed {r['listed_pct']:.1f}%; {forms}); "
-              f"rebuilt within the tolerance: {r['rebuilt_within_exact']}/{r['rebuilt_within']} exact; logits 10x "
-              f"beyond it: {r['beyond_refused']} refused, {r['beyond_verified']} still verified, {r['beyond_wrong']} wrong")
-    op = pk["op"]
-    lm = "" if op["rebuild_vs_lm_head"] is None else f", {100 * op['rebuild_vs_lm_head']:.2f}% of the lm_head matmul"
-    print(f"  rebuilding {op['rebuilt_rows']} of {op['rows']} rows (tolerance {tolerance:g}; {op['rebuilt_verified']} "
-          f"verified): {op['rebuild_s'] * 1e3:.1f} ms, next to kept_logprobs forward + backward on those {op['rows']} "
-          f"rows {op['kept_logprobs_cpu_s'] * 1e3:.1f} ms (cpu; {op['rebuild_vs_kept_logprobs']:.2f}x), "
-          f"{op['kept_logprobs_cpu_sparse_s'] * 1e3:.1f} ms with a sparse gradient{lm}; the engine's kept_sets "
-          f"{pk['engine_kept_sets_s_per_token'] * 1e3:.2f} ms per token")
-    r = results["bytes"]["routes"]
-    print(f"routes, E={r['experts']} top-{r['top_k']} x {r['layers']} layers: {r['per_token']:.0f} B/token at "
-          f"{r['bits_per_id']} bits per id, int32 {r['int32_per_token']} B ({r['int32_per_token'] / r['per_token']:.2f}x)")
-    for m in results["mismatch"]:
-        b, rb = m["bytes"], m["rebuild"]
-        forms = ", ".join(f"{k} {v:.0f}%" for k, v in sorted(b["kept_forms_pct"].items()))
-        print(f"recorded ({m['model']}, V=320, tolerance {tolerance:g}): kept sets {b['kept_per_token']:.2f} B/token "
-              f"(format 1 {b['kept_listed_v1_per_token']:.2f} B, int32 {b['kept_int32_per_token']:.1f} B; {forms}); "
-              f"{rb['rebuilt']}/{rb['pending']} rebuilt from the sampled versions, {rb['mismatches']} mismatches "
-              f"(a trainer a version ahead, from its own logits: {rb['newest_own_verified']} verified, "
-              f"{rb['newest_own_refused']} refused); routes {b['routes_per_token']:.1f} B/token, whole chunks "
-              f"{b['chunk_per_token']:.1f} B/token")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -464,7 +348,7 @@ def main(argv=None) -> int:
     pk["op"]["rebuild_vs_lm_head"] = None if lm is None else pk["op"]["rebuild_s"] / lm
     results["bytes"] = {"public": pk, "routes": route_bytes(),
                         "recorded": {m["model"]: m["bytes"] for m in results["mismatch"]}}
-    _print_bytes(results, cfg["tolerance"])
+    print_bytes(results, cfg["tolerance"])
     results.update(python=sys.version.split()[0], torch=torch.__version__, machine=platform.machine(),
                    cpus=os.cpu_count())
     out = Path(args.out)

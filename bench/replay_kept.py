@@ -16,22 +16,14 @@ the real counterpart (tiny models, V = 320).
 from __future__ import annotations
 
 import math
-import statistics
-import time
 
 import torch
 
+from bench._timing import Stopwatch, median_time
+from bench.replay_bytes import kept_sizes_public
+
 TOP_P = 0.8
 _HEAD = 2048  # ranks with random spacings; the tail follows the average curve
-
-
-def kept_sizes_public(n: int, gen: torch.Generator, top: int) -> torch.Tensor:
-    """Kept-set sizes with prime-rl's quantiles: 46% single tokens, median 2, p99 about 82 (a rounded log-normal
-    tail, mu 2.2 and sigma 1.05, fitted to those points by sampling; its mean is about 9 ids, which at int32 per id
-    is prime-rl's 32-odd bytes per token), at most ``top``."""
-    single = torch.rand(n, generator=gen) < 0.46
-    tail = torch.exp(2.2 + 1.05 * torch.randn(n, generator=gen)).round().clamp(2, top)
-    return torch.where(single, torch.ones(n), tail).long()
 
 
 class ZipfLogits:
@@ -109,6 +101,7 @@ def public_kept(rows: int, V: int, seed: int, deltas=(1e-3, 1e-2, 1e-1), *, batc
     ``op_rows`` rows, the rebuild's time next to ``kept_logprobs``."""
     from syncd.ops.replay import kept_sets
     from syncd.records.replay import KeptToRebuild, decode_kept, encode_kept
+    from syncd.records.replay_kept import kept_form
 
     src = ZipfLogits(V, seed)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -121,9 +114,9 @@ def public_kept(rows: int, V: int, seed: int, deltas=(1e-3, 1e-2, 1e-1), *, batc
     while done < rows:
         B = min(batch, rows - done)
         logits, want = src.batch(B)
-        t0 = time.perf_counter()
+        t0 = Stopwatch()
         ks = kept_sets(logits, 1.0, 0, TOP_P)  # the engine's sampler
-        t_engine += time.perf_counter() - t0
+        t_engine += t0.elapsed
         n = ks.offsets[1:] - ks.offsets[:-1]
         tokens = []
         for t in range(B):
@@ -143,8 +136,7 @@ def public_kept(rows: int, V: int, seed: int, deltas=(1e-3, 1e-2, 1e-1), *, batc
             for t in range(B):
                 blob = _record(ks, t, tokens[t], V, d)
                 acc["bytes"] += len(blob)
-                form = {0x20: "list", 0x21: "bitmap", 0x22: "all", 0x23: "sampled", 0x24: "top",
-                        0x25: "top+extra"}[blob[0]]
+                form = kept_form(blob)
                 acc["forms"][form] = acc["forms"].get(form, 0) + 1
                 a, b = int(ks.offsets[t]), int(ks.offsets[t + 1])
                 acc["fragile"] += int(b - a > 1 and not bool(ks.gaps[b - 1] > 2 * d))
@@ -229,24 +221,17 @@ def rebuild_cost(logits: torch.Tensor, sets, targets: torch.Tensor, delta: float
     fps = kept_fingerprint(ids, offsets)[rows]
     empty = torch.zeros(rows.numel() + 1, dtype=torch.int64)
 
-    def med(fn):
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
     res = {"rows": T, "vocab": logits.shape[1], "rebuilt_rows": int(rows.numel())}
     rb = rebuild_kept(logits[rows], top, torch.zeros(0, dtype=torch.int64), empty, fps)
     res["rebuilt_verified"] = int((rb.status == 0).sum())
-    res["rebuild_s"] = med(lambda: rebuild_kept(logits[rows], top, torch.zeros(0, dtype=torch.int64), empty, fps))
+    res["rebuild_s"] = median_time(lambda: rebuild_kept(logits[rows], top, torch.zeros(0, dtype=torch.int64), empty,
+                                                        fps), repeats)
     x = logits.clone().requires_grad_()
     for name, kw in (("kept_logprobs_cpu_s", dict(backend="cpu")),
                      ("kept_logprobs_cpu_sparse_s", dict(backend="cpu", sparse_grad=True))):
         def fwd_bwd(kw=kw):
             kept_logprobs(x, ids, offsets, targets, **kw).sum().backward()
             x.grad = None
-        res[name] = med(fwd_bwd)
+        res[name] = median_time(fwd_bwd, repeats)
     res["rebuild_vs_kept_logprobs"] = res["rebuild_s"] / res["kept_logprobs_cpu_s"]
     return res

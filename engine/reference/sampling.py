@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.adapter import SamplingParams
+from syncd.engines.protocol import SamplingParams
 from syncd.ops.replay import kept_sets
 
 __all__ = ["Sample", "sample", "draw_uniform", "kept_set"]

@@ -25,11 +25,12 @@ import numpy as np
 from syncd.records._binary import Reader, ReplayFormatError, put_id_list, put_varint
 
 __all__ = ["KeptToRebuild", "ReplayFormatError", "encode_kept", "decode_kept", "encode_kept_record", "plan_kept",
-           "read_kept", "MAX_VOCAB", "MAX_TOLERANCE"]
+           "read_kept", "kept_form", "MAX_VOCAB", "MAX_TOLERANCE"]
 
 MAX_VOCAB = 1 << 26
 MAX_TOLERANCE = 1e3
 LIST, BITMAP, ALL, SAMPLED, TOP, TOP_EXTRA = range(6)
+_FORM_NAMES = ("list", "bitmap", "all", "sampled", "top", "top+extra")
 
 
 @dataclass(frozen=True, eq=False)
@@ -47,6 +48,14 @@ class KeptToRebuild:
     @property
     def size(self) -> int:
         return self.top + int(self.extra.size)
+
+
+def kept_form(blob: bytes) -> str:
+    """The name of an encoded kept set's form (``list``, ``bitmap``, ``all``, ``sampled``, ``top``, ``top+extra``),
+    from its first byte; ReplayFormatError for an empty blob or an unknown form."""
+    if not blob or blob[0] & 15 >= len(_FORM_NAMES) or blob[0] >> 4 not in (1, 2):
+        raise ReplayFormatError(f"not an encoded kept set (first byte {blob[:1].hex() or 'missing'})")
+    return _FORM_NAMES[blob[0] & 15]
 
 
 def _sorted_ids(ids, vocab_size: int) -> np.ndarray:

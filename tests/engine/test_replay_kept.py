@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.adapter import SamplingParams
+from syncd.engines.protocol import SamplingParams
 from engine.reference.sampling import sample
 from syncd.ops import replay
 from syncd.records.replay import KeptToRebuild, ReplayFormatError, decode_kept, encode_kept_record

@@ -9,6 +9,7 @@ import torch
 
 from syncd.errors import BackendUnavailable
 from syncd.ops import replay
+from syncd.ops._dispatch import backends_of
 from syncd.ops.reference import replay as ref
 
 
@@ -142,9 +143,12 @@ def test_bad_arguments_and_backends_are_refused():
         replay.rebuild_kept(x, [0, 1, 1], [], [0, 0, 0, 0], [0, 0, 0])
     with pytest.raises(ValueError, match="extra offsets"):
         replay.rebuild_kept(x, [1, 1, 1], [1], [0, 2, 1, 1], [0, 0, 0])
-    with pytest.raises(BackendUnavailable, match="no cpu kernel"):
-        replay.kept_sets(x, backend="cpu")
+    with pytest.raises(BackendUnavailable, match="works on CUDA tensors"):
+        replay.kept_sets(x, backend="cuda")  # the device's own reason, from the dispatch table
     with pytest.raises(BackendUnavailable, match="unknown backend"):
         replay.kept_sets(x, backend="fast")
+    assert set(backends_of("kept_sets")) == {"reference", "cpu", "cuda", "triton"}
+    a, b = replay.kept_sets(x, 0.8, 3, 0.9), replay.kept_sets(x, 0.8, 3, 0.9, backend="cpu")  # auto takes cpu
+    assert all(torch.equal(u, v) for u, v in zip(a, b))
     empty = replay.kept_sets(torch.zeros(0, 10))
     assert empty.ids.numel() == 0 and empty.offsets.tolist() == [0]

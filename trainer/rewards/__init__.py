@@ -12,6 +12,8 @@ Pure Python and numpy; every function is exact (no sampling) and validates its i
 * :mod:`~trainer.rewards.latency`: latency estimate and :func:`latency_penalty` from users' switch-away
   times; :mod:`~trainer.rewards.phases`: the capability → product two-phase reward.
 * :mod:`~trainer.rewards.length`: the alternating length penalty and :func:`zero_if_cheating`.
+* :mod:`~trainer.rewards.swe`: :class:`SWECheckReward`, all of the above behind the thin trainer's reward
+  interface (``trainer.tasks.RewardFn``: a ``Sample`` in, a float out).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from .linearize import LinearizedReward, linearize
 from .matching import SampleScore, max_bipartite_matching, sample_pr, score_sample
 from .phases import Phase, TwoPhaseReward
 from .population import PopulationMetrics, population_metrics
+from .swe import SWECheckReward
 
 __all__ = [
     "AlternatingLengthPenalty",
@@ -34,6 +37,7 @@ __all__ = [
     "Phase",
     "PopulationMetrics",
     "RewardInputError",
+    "SWECheckReward",
     "SampleScore",
     "SwitchAwayCDF",
     "TwoPhaseReward",

@@ -3,8 +3,10 @@ trainer alike (:func:`kept_sets`), their 32-bit fingerprint (:func:`kept_fingerp
 set from the trainer's own logits (:func:`rebuild_kept`). The rules are specified one row at a time by
 ``syncd/ops/reference/replay.py`` (``kept_set_row``, ``kept_fingerprint``); here they run vectorised over rows.
 
-Backends: ``auto`` (vectorised PyTorch, on the logits' device) and ``reference`` (the per-row specification);
-``cpu``/``cuda``/``triton`` have no kernel of their own (BackendUnavailable says so). Pure functions; thread-safe.
+Backends (the op ``kept_sets`` of :mod:`syncd.ops._dispatch`; :func:`rebuild_kept` ranks through it):
+``reference`` is the per-row specification; ``cpu``, ``cuda`` and ``triton`` all run the one vectorised PyTorch
+implementation on the logits' device (torch's own kernels: ranking is a ``topk``/``sort``, there is no kernel of
+ours to write), so ``auto`` takes it on every device. Pure functions; thread-safe.
 """
 
 from __future__ import annotations
@@ -14,8 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from syncd.errors import BackendUnavailable
-from syncd.ops import _backend
+from syncd.ops._dispatch import kernel, kernel_of, resolve
 from syncd.ops.reference import replay as ref
 
 __all__ = ["KeptSets", "RebuiltKept", "kept_sets", "kept_fingerprint", "rebuild_kept", "REBUILD_OK",
@@ -49,14 +50,6 @@ class RebuiltKept(NamedTuple):
     offsets: torch.Tensor
     status: torch.Tensor
     margin: torch.Tensor
-
-
-def _check_backend(backend: str, device_type: str) -> str:
-    if backend in ("auto", "reference"):
-        return backend
-    _backend.resolve(backend, device_type, "kept_logprobs")  # unknown names and the device's own reason first
-    raise BackendUnavailable(f"the kept-set ops have no {backend} kernel: their vectorised PyTorch implementation "
-                             "(backend='auto') runs on every device; 'reference' is the per-row specification")
 
 
 def _per_row(x, T: int, dtype, what: str, device) -> torch.Tensor:
@@ -142,14 +135,14 @@ def kept_sets(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0, *, size
     ``sizes[t]`` ranks instead (``top_k``/``top_p`` unused): how a trainer rebuilds a recorded set.
 
     The engine's sampler and the trainer both call this, so they rank alike. Raises ``ValueError`` for malformed
-    arguments, ``BackendUnavailable`` for a backend without a kernel."""
+    arguments, ``BackendUnavailable`` for a backend that cannot run (module docstring)."""
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not logits.dtype.is_floating_point:
         raise ValueError("kept_sets takes logits as a [T, V] floating-point tensor")
-    name = _check_backend(backend, logits.device.type)
+    name = resolve("kept_sets", backend, logits.device.type)
     T, V = logits.shape
     dev = logits.device
-    if T == 1 and sizes is None and name == "auto" and all(isinstance(v, (int, float)) for v in (temperature, top_k,
-                                                                                                 top_p)):
+    if T == 1 and sizes is None and name != "reference" and all(isinstance(v, (int, float)) for v in (
+            temperature, top_k, top_p)):
         if not (math.isfinite(temperature) and temperature >= 0 and 0 < top_p <= 1):
             raise ValueError("kept_sets: temperature must be finite and >= 0, top_p in (0, 1]")
         return _one(logits[0], float(temperature), int(top_k), float(top_p))  # the sampler's call, token by token
@@ -165,14 +158,28 @@ def kept_sets(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0, *, size
         sizes = _per_row(sizes, T, torch.int64, "sizes", dev)
         if T and (int(sizes.min()) < 1 or int(sizes.max()) > V):
             raise ValueError(f"kept_sets: sizes must be in 1..{V}")
+    return kernel_of("kept_sets", name)(logits, temp, k, p, sizes)
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+# kept_sets(logits [T, V], temperature [T] (0: greedy), top_k [T] (1..V), top_p [T], sizes [T] or None) by backend
+
+
+@kernel("kept_sets", "reference")
+def _sets_reference(logits, temp, k, p, sizes) -> KeptSets:
+    rows = [ref.kept_set_row(logits[t], float(temp[t]), int(k[t]), float(p[t]), None if sizes is None else
+                             int(sizes[t])) for t in range(logits.shape[0])]
+    parts = [torch.cat([r[i] for r in rows]) if rows else torch.zeros(0, dtype=torch.int64 if i == 0 else
+                                                                       torch.float32) for i in range(4)]
+    n = torch.tensor([r[0].numel() for r in rows], dtype=torch.int64)
+    return KeptSets(parts[0], torch.cat([n.new_zeros(1), n.cumsum(0)]), *parts[1:])
+
+
+@kernel("kept_sets", "cpu", "cuda", "triton")
+def _sets_vectorised(logits, temp, k, p, sizes) -> KeptSets:
+    T = logits.shape[0]
+    dev = logits.device
     greedy = temp == 0
-    if name == "reference":
-        rows = [ref.kept_set_row(logits[t], float(temp[t]), int(k[t]), float(p[t]),
-                                 None if sizes is None else int(sizes[t])) for t in range(T)]
-        parts = [torch.cat([r[i] for r in rows]) if rows else torch.zeros(0, dtype=torch.int64 if i == 0 else
-                                                                           torch.float32) for i in range(4)]
-        n = torch.tensor([r[0].numel() for r in rows], dtype=torch.int64)
-        return KeptSets(parts[0], torch.cat([n.new_zeros(1), n.cumsum(0)]), *parts[1:])
     if not T:
         z64, z32 = torch.zeros(0, dtype=torch.int64, device=dev), torch.zeros(0, dtype=torch.float32, device=dev)
         return KeptSets(z64, torch.zeros(1, dtype=torch.int64, device=dev), z32, z32, z32)

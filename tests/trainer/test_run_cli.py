@@ -1,0 +1,81 @@
+"""``python -m trainer.run`` refuses a configuration it cannot run with exit status 2 and a message that names the
+flag: no engines reachable through the proxy, an unknown task, eta < 0, K < 1, and more; nothing is published."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.dynamo.procs import free_port
+from engine.reference.make_tiny import write_model
+from tests.trainer._fake_proxy import FakeProxy
+from trainer.run import main
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_model(tmp_path_factory.mktemp("cli-model") / "tiny", hidden=32)
+
+
+@pytest.fixture
+def frontend():
+    f = FakeProxy()
+    yield f
+    f.close()
+
+
+def _run(capsys, model_dir, tmp_path, *flags, proxy=None, store=None):
+    argv = ["--model", str(model_dir), "--store", store or (tmp_path / "store").as_uri(), "--run-id", "rl",
+            "--out", str(tmp_path / "out"), *(["--proxy", proxy] if proxy else []), *flags]
+    rc = main(argv)
+    return rc, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--task", "bogus"], "--task: unknown task 'bogus'; choose one of letters, repeat, reverse"),
+    (["--max-lag", "-1"], "--max-lag: the staleness bound eta must be >= 0, got -1"),
+    (["--every-k", "0"], "--every-k: K must be >= 1, got 0"),
+    (["--group-size", "1"], "--group-size: a group needs >= 2 samples"),
+    (["--optimizer", "sgd"], "--optimizer: unknown optimizer 'sgd'; choose one of adamw, muon"),
+    (["--sync"], "--daemon-status: the synchronous baseline (--sync) waits"),
+    (["--lookahead", "1"], "--lookahead: must be >= --groups-per-step (4)"),
+    (["--top-p", "0"], "--temperature/--top-p/--top-k: top_p must be in (0, 1]"),
+    (["--is-band", "1.5,2"], "--is-cap/--is-band/--is-seq-band/--micro-batch: is_band must be (low, high)"),
+])
+def test_bad_settings_exit_2_naming_the_flag(capsys, model_dir, tmp_path, frontend, flags, message):
+    rc, err = _run(capsys, model_dir, tmp_path, *flags, proxy=frontend.url)
+    assert rc == 2 and message in err, err
+    assert not (tmp_path / "store").exists() or not any((tmp_path / "store").rglob("manifest*"))
+
+
+def test_no_engines_reachable(capsys, model_dir, tmp_path):
+    dead = f"http://127.0.0.1:{free_port()}"
+    rc, err = _run(capsys, model_dir, tmp_path, proxy=dead)
+    assert rc == 2 and f"--proxy: no engines reachable through {dead}" in err and "ConnectionRefusedError" in err
+    empty = FakeProxy(models=[])
+    try:
+        rc, err = _run(capsys, model_dir, tmp_path, proxy=empty.url)
+    finally:
+        empty.close()
+    assert rc == 2 and "lists no model (no engine serving)" in err, err
+    rc, err = _run(capsys, model_dir, tmp_path)
+    assert rc == 2 and "--proxy: at least one proxy URL is needed" in err
+
+
+def test_missing_store_model_or_plans(capsys, model_dir, tmp_path, frontend, monkeypatch):
+    monkeypatch.delenv("SYNCD_STORE", raising=False)
+    rc = main(["--model", str(model_dir), "--run-id", "rl", "--out", str(tmp_path), "--proxy", frontend.url])
+    assert rc == 2 and "--store is required" in capsys.readouterr().err
+    rc, err = _run(capsys, tmp_path, tmp_path, proxy=frontend.url)
+    assert rc == 2 and "--model:" in err and "no config.json" in err
+    rc, err = _run(capsys, model_dir, tmp_path, "--plans", str(tmp_path / "none.jsonl"), "--steps", "3")
+    assert rc == 2 and "--plans:" in err, err
+
+
+def test_a_run_that_already_has_versions_is_refused(capsys, model_dir, tmp_path, frontend):
+    from trainer.publisher import WeightPublisher
+
+    store = (tmp_path / "store").as_uri()
+    with WeightPublisher(store, "rl", signing_key=False) as pub:
+        pub.publish({"w": __import__("torch").zeros(4)}, 0)
+    rc, err = _run(capsys, model_dir, tmp_path, proxy=frontend.url, store=store)
+    assert rc == 2 and "--run-id: run rl already has versions" in err, err

@@ -1,0 +1,60 @@
+"""The end-of-run picture of a thin-trainer run (matplotlib, Agg backend): reward over steps, the trainer/engine
+mismatch over steps, and each engine's weight version against the trainer's over wall time. Needs matplotlib
+(the ``bench`` and ``test`` extras); :func:`plot_run` raises ImportError naming it otherwise."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = ["plot_run"]
+
+
+def _steps(lines, key):
+    pts = [(ln["step"], ln.get(key)) for ln in lines if ln.get("kind") == "step"]
+    return [s for s, v in pts if v is not None], [v for s, v in pts if v is not None]
+
+
+def plot_run(lines: list[dict], path, *, title: str = "syncd thin trainer", runs: dict | None = None) -> Path:
+    """Write the PNG of one run's metrics ``lines`` to ``path``; ``runs`` (label -> lines) overlays the reward
+    of other runs (a baseline) in the first panel. Returns the path."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:  # pragma: no cover
+        raise ImportError("plotting needs matplotlib (pip install 'syncd[bench]')") from exc
+    t0 = min((ln["t"] for ln in lines), default=0.0)
+    fig, axes = plt.subplots(3, 1, figsize=(8, 10))
+    ax = axes[0]
+    for label, ls in {"this run": lines, **(runs or {})}.items():
+        s, r = _steps(ls, "reward_mean")
+        ax.plot(s, r, marker=".", label=label)
+    s, sd = _steps(lines, "reward_std")
+    ax.set(xlabel="step", ylabel="reward (group mean)", title=title, ylim=(-0.02, 1.02))
+    ax.legend(loc="lower right")
+    ax = axes[1]
+    for key, label in (("is_outside", "share of tokens with IS ratio outside [0.9, 1.1]"),
+                       ("kl_k3", "mismatch KL(mu || pi), k3"), ("staleness_mean", "staleness (versions behind)")):
+        s, v = _steps(lines, key)
+        ax.plot(s, v, marker=".", label=label)
+    ax.set(xlabel="step", ylabel="mismatch", yscale="symlog", title="trainer vs engine")
+    ax.legend(loc="upper right", fontsize=8)
+    ax = axes[2]
+    pubs = [ln for ln in lines if ln.get("kind") == "publish"]
+    if pubs:
+        ax.step([p["t"] - t0 for p in pubs], [p["version"] for p in pubs], where="post", label="trainer (publish)",
+                linewidth=2)
+    engines = sorted({ln["engine"] for ln in lines if ln.get("kind") == "engine"})
+    for name in engines:
+        ev = [ln for ln in lines if ln.get("kind") == "engine" and ln["engine"] == name]
+        ax.step([e["t"] - t0 for e in ev], [e["version"] for e in ev], where="post", label=f"engine {name}",
+                linestyle="--")
+    ax.set(xlabel="wall time (s)", ylabel="weight version", title="versions over time")
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path

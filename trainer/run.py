@@ -1,0 +1,224 @@
+"""``python -m trainer.run`` (also ``syncd train`` and ``syncd-train``): the thin trainer's asynchronous RL run.
+
+    python -m trainer.run --model DIR --store URL --run-id RUN --proxy URL [--proxy URL ...] --out DIR
+                          [--task repeat] [--steps 30] [--group-size 8] [--groups-per-step 4] [--every-k 1]
+                          [--max-lag 2] [--optimizer adamw|muon] [--nproc 2] [--daemon-status FILE] [--sync]
+    python -m trainer.run --model DIR --store URL --run-id RUN --plans OLD/plans.jsonl --out DIR   # offline
+
+It trains against engines that something else runs: ``syncd serve`` (the Dynamo frontend and workers, started
+with ``--weights-version 0 --replay-store URL --run-id RUN`` on the same model folder), the node daemon
+(``syncd --run-id RUN --engine ...``) and a sandbox proxy per ``--proxy`` (``syncd-proxy --upstream FRONTEND
+--run-id RUN``). ``--nproc N`` runs N data-parallel ranks (it starts N-1 more processes of itself; under
+``torchrun``, whose ``RANK``/``WORLD_SIZE`` are set, it runs one rank). ``--store`` and ``--run-id`` default to
+``SYNCD_STORE`` and ``SYNCD_RUN_ID``; the signing key comes from ``SYNCD_SIGNING_KEY``.
+
+Rank 0 prints the summary as one JSON object on stdout (also ``OUT/summary.json``). Exit status: 0 done; 1 the
+run failed (no rollouts, a rank died, the store failed); 2 bad configuration (the message names the flag).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+__all__ = ["main", "parser", "config_from_args"]
+
+log = logging.getLogger("trainer.run")
+
+
+def _band(text: str) -> tuple[float, float]:
+    try:
+        lo, hi = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LOW,HIGH (e.g. 0.5,2.0), got {text!r}") from None
+    return lo, hi
+
+
+def parser() -> argparse.ArgumentParser:
+    from trainer.tasks import DEFAULT_TASK, TASKS
+
+    env = os.environ.get
+    p = argparse.ArgumentParser(prog="python -m trainer.run", description=__doc__.split("\n\n")[0])
+    a = p.add_argument
+    a("--model", required=True, help="the model folder the engines serve as version 0 (config.json, weights)")
+    a("--store", default=env("SYNCD_STORE"), help="store URL for versions and records [SYNCD_STORE]")
+    a("--run-id", default=env("SYNCD_RUN_ID"), help="run id of versions, replay and trajectory records [SYNCD_RUN_ID]")
+    a("--proxy", action="append", default=[], metavar="URL", help="sandbox proxy in front of the frontend (repeat)")
+    a("--out", required=True, help="folder for metrics.jsonl, plans.jsonl, summary.json, run.png")
+    a("--task", default=DEFAULT_TASK, help=f"one of {', '.join(sorted(TASKS))} (trainer.tasks)")
+    a("--task-length", type=int, default=8, help="answer length in tokens")
+    a("--reward", default=None, metavar="MODULE:ATTR",
+      help="reward function replacing the task's (trainer.tasks.Sample -> float)")
+    a("--steps", type=int, default=30, help="optimizer steps")
+    a("--group-size", type=int, default=8, help="G: samples per prompt")
+    a("--groups-per-step", type=int, default=4, help="prompts (groups) per step")
+    a("--every-k", type=int, default=1, help="K: publish a version every K steps")
+    a("--max-lag", type=int, default=2, help="eta: drop groups with a token more than eta versions behind")
+    a("--lookahead", type=int, default=None,
+      help="groups requested ahead of training (default: 2 x groups-per-step; 1 x with eta 0)")
+    a("--workers", type=int, default=None, help="groups generated at once (default: groups-per-step)")
+    a("--temperature", type=float, default=1.0)
+    a("--top-p", type=float, default=1.0)
+    a("--top-k", type=int, default=0, help="0: off")
+    a("--optimizer", default="adamw", help="adamw, or muon (Muon for hidden matrices, AdamW for the rest)")
+    a("--lr", type=float, default=1e-2)
+    a("--weight-decay", type=float, default=0.0)
+    a("--grad-clip", type=float, default=1.0, help="global gradient-norm clip (0: off)")
+    a("--is-cap", type=float, default=2.0, help="token-level truncated IS cap C (0: untruncated)")
+    a("--is-band", type=_band, default=None, metavar="LOW,HIGH", help="mask tokens whose IS ratio is outside")
+    a("--is-seq-band", type=_band, default=None, metavar="LOW,HIGH", help="reject sequences by geometric-mean ratio")
+    a("--micro-batch", type=int, default=64, help="sequences per forward/backward")
+    a("--no-adv-scale", action="store_true", help="advantages r - mean, not divided by the group's std")
+    a("--seed", type=int, default=0)
+    a("--threads", type=int, default=1, help="torch intra-op threads per rank (fixed: determinism)")
+    a("--full-every", type=int, default=16, help="a full version every that many (deltas between)")
+    a("--daemon-status", default=None, metavar="FILE", help="the node daemon's status file: engine versions")
+    a("--sync", action="store_true", help="synchronous baseline: generate, then train, then update")
+    a("--plans", default=None, metavar="FILE", help="train offline on the plans.jsonl of an earlier run")
+    a("--save-weights", action="store_true", help="write OUT/weights.safetensors (float32) at the end")
+    a("--no-plot", action="store_true", help="no OUT/run.png")
+    a("--nproc", type=int, default=1, help="data-parallel ranks (processes)")
+    a("--rollout-timeout", type=float, default=300.0, help="seconds a step may wait for rollouts")
+    a("--log-level", default=env("SYNCD_LOG_LEVEL", "WARNING"))
+    return p
+
+
+def config_from_args(args):
+    from trainer.loop import LoopConfig
+
+    return LoopConfig(
+        model=args.model, store=args.store, run_id=args.run_id, out=args.out, proxies=tuple(args.proxy),
+        task=args.task, task_length=args.task_length, reward=args.reward, steps=args.steps, group_size=args.group_size,
+        groups_per_step=args.groups_per_step, every_k=args.every_k, max_lag=args.max_lag, lookahead=args.lookahead,
+        workers=args.workers, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
+        is_cap=args.is_cap or None, is_band=args.is_band, is_seq_band=args.is_seq_band, micro_batch=args.micro_batch,
+        adv_scale=not args.no_adv_scale, seed=args.seed, threads=args.threads, full_every=args.full_every,
+        daemon_status=args.daemon_status, sync=args.sync, plans=args.plans, save_weights=args.save_weights,
+        plot=not args.no_plot, rollout_timeout_s=args.rollout_timeout)
+
+
+def _preflight(cfg) -> None:
+    """What rank 0 checks before any rank starts (ConfigError naming the flag)."""
+    from trainer.loop import ConfigError
+
+    for flag, var, value in (("--store", "SYNCD_STORE", cfg.store), ("--run-id", "SYNCD_RUN_ID", cfg.run_id)):
+        if not value:
+            raise ConfigError(f"{flag} is required (or its variable, {var})")
+    cfg.check()
+    if cfg.plans:
+        return
+    from trainer.rollout_workers import ProxyError, Sampling, proxy_models
+
+    try:
+        Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
+    except ValueError as exc:
+        raise ConfigError(f"--temperature/--top-p/--top-k: {exc}") from None
+    for url in cfg.proxies:
+        try:
+            proxy_models(url)
+        except ProxyError as exc:
+            raise ConfigError(f"--proxy: no engines reachable through {url}: {exc}") from None
+    from syncd.versions import has_versions
+
+    if has_versions(cfg.store, cfg.run_id):
+        raise ConfigError(f"--run-id: run {cfg.run_id} already has versions in {cfg.store}; the engines start "
+                          "from version 0: use a new run id")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(argv: list[str], nproc: int) -> int:
+    """Rank 0 here, ranks 1..N-1 as processes of this module; a rank that fails stops the others."""
+    port = str(_free_port())
+    base = dict(os.environ, WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    children = [subprocess.Popen([sys.executable, "-m", "trainer.run", *argv],
+                                 env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}, start_new_session=True)
+                for r in range(1, nproc)]
+    os.environ.update(WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", LOCAL_RANK="0")
+    done = threading.Event()
+
+    def watch():
+        while not done.wait(0.5):
+            for r, c in enumerate(children, 1):
+                if c.poll() not in (None, 0):
+                    print(f"trainer.run: rank {r} exited with status {c.returncode}; stopping the run",
+                          file=sys.stderr, flush=True)
+                    for other in children:
+                        if other.poll() is None:
+                            other.kill()
+                    os._exit(1)
+
+    threading.Thread(target=watch, name="rank-watch", daemon=True).start()
+    try:
+        rc = _run_rank(argv)
+    finally:
+        done.set()
+        for c in children:
+            try:
+                c.wait(60)
+            except subprocess.TimeoutExpired:
+                c.send_signal(signal.SIGKILL)
+                c.wait()
+    return rc or max((c.returncode or 0 for c in children), default=0)
+
+
+def _run_rank(argv: list[str]) -> int:
+    from syncd.errors import SyncdError
+    from trainer.loop import ConfigError, run_loop
+
+    args = parser().parse_args(argv)
+    cfg = config_from_args(args)
+    try:
+        summary = run_loop(cfg)
+    except ConfigError as exc:
+        print(f"trainer.run: {exc}", file=sys.stderr)
+        return 2
+    except (RuntimeError, SyncdError, OSError, TimeoutError) as exc:
+        print(f"trainer.run: rank {os.environ.get('RANK', '0')}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    if os.environ.get("RANK", "0") == "0":
+        print(json.dumps(summary), flush=True)
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    from trainer.loop import ConfigError
+
+    if args.nproc < 1:
+        print("trainer.run: --nproc: must be >= 1", file=sys.stderr)
+        return 2
+    if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return _run_rank(argv)  # one rank of torchrun or of --nproc
+    try:
+        _preflight(config_from_args(args))
+    except ConfigError as exc:
+        print(f"trainer.run: {exc}", file=sys.stderr)
+        return 2
+    if args.nproc > 1:
+        return _launch(argv, args.nproc)
+    t = time.time()
+    rc = _run_rank(argv)
+    log.info("done in %.1f s", time.time() - t)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
