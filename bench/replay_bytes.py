@@ -79,18 +79,20 @@ def print_bytes(results: dict, tolerance: float) -> None:
     """Print the bytes section of ``bench.replay``'s ``results`` (recorded with ``tolerance``)."""
     pk = results["bytes"]["public"]
     ks = pk["kept_size"]
-    print(f"\nbytes per token of kept sets, synthetic logits at V={pk['vocab']:,} whose top-p {pk['top_p']} sets follow "
-          f"the public distribution ({pk['tokens']} tokens: median {ks['median']:.0f}, p99 {ks['p99']:.0f}, "
+    print(f"\nbytes per token of kept sets, synthetic logits at V={pk['vocab']:,} whose top-p {pk['top_p']} sets "
+          f"follow the public distribution ({pk['tokens']} tokens: median {ks['median']:.0f}, p99 {ks['p99']:.0f}, "
           f"{ks['single_pct']:.0f}% single, mean {ks['mean']:.1f}; ids uniform):")
-    print(f"  format 1, every id listed {pk['listed_v1_per_token']:6.2f} B   int32 ids {pk['int32_ids_per_token']:6.2f} B   "
-          f"bound of any listing {pk['listed_bound_per_token']:6.2f} B   prime-rl about "
-          f"{results['public']['prime_rl_bytes_per_token']} B   goal <= 8 B")
+    print(f"  format 1, every id listed {pk['listed_v1_per_token']:6.2f} B   int32 ids "
+          f"{pk['int32_ids_per_token']:6.2f} B   bound of any listing {pk['listed_bound_per_token']:6.2f} B   "
+          f"prime-rl about {results['public']['prime_rl_bytes_per_token']} B   goal <= 8 B")
     for d, r in pk["by_tolerance"].items():
         forms = ", ".join(f"{k} {v:.1f}%" for k, v in sorted(r["forms_pct"].items()))
-        print(f"  format 2, tolerance {float(d):g}: {r['per_token']:6.2f} B/token ({pk['listed_v1_per_token'] / r['per_token']:.1f}x "
-              f"less than listed; fragile boundary {r['fragile_pct']:.1f}%, listed {r['listed_pct']:.1f}%; {forms}); "
+        print(f"  format 2, tolerance {float(d):g}: {r['per_token']:6.2f} B/token "
+              f"({pk['listed_v1_per_token'] / r['per_token']:.1f}x less than listed; fragile boundary "
+              f"{r['fragile_pct']:.1f}%, listed {r['listed_pct']:.1f}%; {forms}); "
               f"rebuilt within the tolerance: {r['rebuilt_within_exact']}/{r['rebuilt_within']} exact; logits 10x "
-              f"beyond it: {r['beyond_refused']} refused, {r['beyond_verified']} still verified, {r['beyond_wrong']} wrong")
+              f"beyond it: {r['beyond_refused']} refused, {r['beyond_verified']} still verified, "
+              f"{r['beyond_wrong']} wrong")
     op = pk["op"]
     lm = "" if op["rebuild_vs_lm_head"] is None else f", {100 * op['rebuild_vs_lm_head']:.2f}% of the lm_head matmul"
     print(f"  rebuilding {op['rebuilt_rows']} of {op['rows']} rows (tolerance {tolerance:g}; {op['rebuilt_verified']} "
@@ -100,7 +102,8 @@ def print_bytes(results: dict, tolerance: float) -> None:
           f"{pk['engine_kept_sets_s_per_token'] * 1e3:.2f} ms per token")
     r = results["bytes"]["routes"]
     print(f"routes, E={r['experts']} top-{r['top_k']} x {r['layers']} layers: {r['per_token']:.0f} B/token at "
-          f"{r['bits_per_id']} bits per id, int32 {r['int32_per_token']} B ({r['int32_per_token'] / r['per_token']:.2f}x)")
+          f"{r['bits_per_id']} bits per id, int32 {r['int32_per_token']} B "
+          f"({r['int32_per_token'] / r['per_token']:.2f}x)")
     for m in results["mismatch"]:
         b, rb = m["bytes"], m["rebuild"]
         forms = ", ".join(f"{k} {v:.0f}%" for k, v in sorted(b["kept_forms_pct"].items()))

@@ -106,7 +106,8 @@ class PendingKept:
         sizes = torch.tensor([k.extra.size for k in sets], dtype=torch.int64)
         extra = np.concatenate([k.extra for k in sets]).astype(np.int64)
         return PendingKept(torch.tensor(rows, dtype=torch.int64),
-                           torch.tensor([k.top for k in sets], dtype=torch.int64), torch.from_numpy(extra), torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)]),
+                           torch.tensor([k.top for k in sets], dtype=torch.int64), torch.from_numpy(extra),
+                           torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)]),
                            torch.tensor([k.fingerprint for k in sets], dtype=torch.int64),
                            torch.tensor([k.tolerance for k in sets], dtype=torch.float32))
 

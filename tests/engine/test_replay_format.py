@@ -162,7 +162,8 @@ OLD_DENSE = bytes.fromhex(
 def test_format_1_chunks_still_read():
     c = decode_chunk(OLD_MOE)
     assert c.request_id == "req-old" and c.vocab_size == 320 and c.num_experts == 8 and c.kept_tolerance == 0
-    assert [r.kept.tolist() for r in c.records] == [[302], [17, 71, 245, 265], [37, 41, 88, 96, 108, 147, 230, 249, 258]]
+    assert [r.kept.tolist() for r in c.records] == [[302], [17, 71, 245, 265],
+                                                    [37, 41, 88, 96, 108, 147, 230, 249, 258]]
     assert [(r.position, r.index, r.version, r.token_id) for r in c.records] == [(10, 0, 2, 302), (11, 1, 2, 265),
                                                                                 (12, 2, 3, 258)]
     assert [r.routing.tolist() for r in c.records] == [[[5, 5], [7, 4]], [[7, 0], [3, 6]], [[7, 6], [6, 5]]]

@@ -289,7 +289,8 @@ def test_sets_to_rebuild_rebuild_to_exactly_the_listed_sets(migrated):
     assert a.kept_pending is None and b.kept_pending is not None and len(b.kept_pending) >= 3
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs)
     sizes = b.kept_offsets[1:] - b.kept_offsets[:-1]
-    assert (sizes[b.kept_pending.rows] == 0).all() and (sizes[~torch.isin(torch.arange(14), b.kept_pending.rows)] > 0).all()
+    pending = b.kept_pending.rows
+    assert (sizes[pending] == 0).all() and (sizes[~torch.isin(torch.arange(14), pending)] > 0).all()
     model = _model(folder)
     got = sampler_logprobs(model, b)  # the engine's weights: rebuilt from the recomputed logits
     assert got.kept.rebuilt == len(b.kept_pending) and got.kept.mismatches == 0 and bool(got.kept.valid.all())
@@ -330,7 +331,8 @@ def test_logits_of_other_weights_get_a_named_error_never_another_set(migrated):
         trainer_logprobs(other, batch)
     r = trainer_logprobs(other, batch, on_mismatch="drop")
     bad = ~r.kept.valid
-    assert r.kept.mismatches == int(bad.sum()) > 0 and r.kept.rebuilt + r.kept.mismatches == len(b := batch.kept_pending)
+    b = batch.kept_pending
+    assert r.kept.mismatches == int(bad.sum()) > 0 and r.kept.rebuilt + r.kept.mismatches == len(b)
     assert bool(torch.isin(b.rows, bad.nonzero()[:, 0]).sum() == bad.sum())  # only rows to rebuild can fail
     assert (r.logprobs[bad] == 0).all()  # the target alone: no gradient, masked by the caller
     truth = a.kept_ids.long()
