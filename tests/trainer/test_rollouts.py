@@ -289,8 +289,8 @@ def test_sets_to_rebuild_rebuild_to_exactly_the_listed_sets(migrated):
     assert a.kept_pending is None and b.kept_pending is not None and len(b.kept_pending) >= 3
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs)
     sizes = b.kept_offsets[1:] - b.kept_offsets[:-1]
-    pending = b.kept_pending.rows
-    assert (sizes[pending] == 0).all() and (sizes[~torch.isin(torch.arange(14), pending)] > 0).all()
+    later = b.kept_pending.rows
+    assert (sizes[later] == 0).all() and (sizes[~torch.isin(torch.arange(14), later)] > 0).all()
     model = _model(folder)
     got = sampler_logprobs(model, b)  # the engine's weights: rebuilt from the recomputed logits
     assert got.kept.rebuilt == len(b.kept_pending) and got.kept.mismatches == 0 and bool(got.kept.valid.all())
