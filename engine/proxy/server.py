@@ -85,6 +85,7 @@ class ProxyConfig:
     read_timeout_s: float = 600.0
     write_retry_s: float = 2.0
     spill_dir: Path | None = None
+    compaction: object | None = None  # an engine.proxy.compaction.CompactionConfig: self-compaction on
 
     def __post_init__(self):
         check_id(self.run_id, "run id")
@@ -118,6 +119,11 @@ class Proxy:
         self._runner: web.AppRunner | None = None
         self._closing = False
         self.url: str | None = None
+        self.compactor = None
+        if config.compaction is not None:
+            from engine.proxy.compaction import Compactor
+
+            self.compactor = Compactor(config.compaction)
 
     # ------------------------------------------------------------------------------------ lifecycle
 
@@ -314,6 +320,9 @@ class Proxy:
             traj = self._open(tid)
         except RecordError as exc:
             return error_response(400, str(exc), "invalid_request_error")
+        plan = self.compactor.plan(tid, body, endpoint) if self.compactor is not None else None
+        if plan is not None:
+            return await self.compactor.run(self, plan, traj, tid, body, request)
         turn = Turn(index=len(traj.turns), endpoint=endpoint, request=body, stream=bool(body.get("stream")))
         traj.turns.append(turn)
         state = TurnState(turn)
@@ -343,15 +352,29 @@ class Proxy:
 
     async def _run_turn(self, state: TurnState, body: dict, endpoint: str, out: ClientStream):
         turn = state.turn
+        failed = await self._attempts(state, upstream_body(body), endpoint, out)
+        if failed is not None:
+            return failed
+        check_complete(state)
+        if turn.status == "failed":
+            return await out.fail(turn.error)
+        turn.status, turn.finished_at = "ok", now()
+        if turn.stream:
+            return await out.end()
+        return web.json_response(whole_response(state, endpoint), headers=out.headers)
+
+    async def _attempts(self, state: TurnState, up_body: dict, endpoint: str, out: ClientStream):
+        """The turn's attempts at the frontend with their retries: None when one streamed the turn to its end,
+        else the response that tells the client why not (the turn is marked failed)."""
+        turn = state.turn
         cfg = self.config
         deadline = time.monotonic() + cfg.retry_deadline_s
-        up_body = upstream_body(body)
         for attempt in range(1, cfg.retry_attempts + 1):
             record = {"attempt": attempt, "started_at": now(), "error": None}
             turn.attempts.append(record)
             try:
                 await stream_once(self._session, self.upstream, state, up_body, endpoint, out)
-                break
+                return None
             except Retryable as exc:
                 record["error"] = str(exc)
                 left = deadline - time.monotonic()
@@ -373,10 +396,3 @@ class Proxy:
             except ClientGone:
                 turn.fail(f"the client went away after {state.tokens} tokens")
                 return out.response
-        check_complete(state)
-        if turn.status == "failed":
-            return await out.fail(turn.error)
-        turn.status, turn.finished_at = "ok", now()
-        if turn.stream:
-            return await out.end()
-        return web.json_response(whole_response(state, endpoint), headers=out.headers)
