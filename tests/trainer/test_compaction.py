@@ -197,3 +197,42 @@ def test_every_sample_is_prefix_consistent_and_equals_what_the_engine_saw(node, 
     for s in samples:
         assert prefix_consistent(s, doc)
         assert len(s.sequence) <= WINDOW
+
+
+def test_the_loops_rollout_workers_take_compacted_groups_from_a_curated_task(node):
+    """The loop's side: rollout workers (HTTP, threads) through a compacting proxy, on a curated task: the group
+    reaches the buffer with one sequence per context window, one advantage per sequence, and the curator saw its
+    rewards."""
+    import threading
+
+    from trainer.buffer import RolloutBuffer, group_advantages
+    from trainer.compaction import sequence_rewards
+    from trainer.curation import CuratedTask, CurationConfig
+    from trainer.rollout_workers import RolloutWorkers, Sampling
+    from trainer.tasks import get_task
+
+    url, model, _, store = node
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    proxy = Proxy(ProxyConfig(upstream=url, run_id=RUN, sandbox_id="sb-loop", compaction=_compaction(node)), store)
+    base = asyncio.run_coroutine_threadsafe(proxy.start(), loop).result(60)
+    task = CuratedTask(get_task("repeat", length=150), CurationConfig(pool=2))
+    buf = RolloutBuffer(1)
+    workers = RolloutWorkers(proxies=[base], model_name=model, task=task, reward=task.observing(task.reward),
+                             group_size=2, sampling=Sampling(1.0, 1.0, 20), store=store, run_id=RUN, buffer=buf,
+                             version=lambda: 0, step=lambda: 1, workers=1, vocab_size=320).start()
+    try:
+        workers.allow(1)
+        (group,) = buf.take(1, 0, timeout_s=300)
+    finally:
+        workers.stop(10)
+        asyncio.run_coroutine_threadsafe(proxy.close(), loop).result(60)
+        loop.call_soon_threadsafe(loop.stop)
+    assert workers.stats()["failures"] == {k: 0 for k in workers.failures.totals}
+    seqs = [s for ro in group.rollouts for s in ro.sequences]
+    assert all(len(ro.sequences) >= 2 and ro.compaction for ro in group.rollouts)  # 150 tokens > one window
+    assert group.tokens == sum(int(s.loss_mask.sum()) for s in seqs) > 2 * 150  # summaries are trained too
+    adv = sequence_rewards(group.rollouts, group_advantages(group.rewards))
+    assert adv.numel() == len(seqs)
+    assert task.draws == 1 and task.curator.estimate(0).attempts == 2  # the curator saw both rewards
