@@ -212,6 +212,11 @@ def _matches(path: str, patterns: Sequence[str]) -> str | None:
     return None
 
 
+def _hits(name: str, calls, evidence) -> list[Hit]:
+    """A hit of detector ``name`` for every call where ``evidence(call)`` finds something."""
+    return [Hit(name, c, ev) for c in calls for ev in [evidence(c)] if ev]
+
+
 def _mentioned(text: str) -> list[str]:
     return [w for w in re.split(r"""[\s'"`=,;|&<>()\[\]{}]+""", text) if w]
 
@@ -250,12 +255,7 @@ class GitHistory:
     name: str = "git_history"
 
     def __call__(self, calls, record) -> list[Hit]:
-        hits = []
-        for c in calls:
-            ev = self._evidence(c)
-            if ev:
-                hits.append(Hit(self.name, c, ev))
-        return hits
+        return _hits(self.name, calls, self._evidence)
 
     @staticmethod
     def _evidence(c: ToolCall) -> str | None:
@@ -304,12 +304,7 @@ class NetworkAccess:
         sandbox = (record.get("metadata") or {}).get("sandbox") or {}
         if not (self.restricted or (isinstance(sandbox, dict) and sandbox.get("network") == "restricted")):
             return []
-        hits = []
-        for c in calls:
-            ev = self._evidence(c)
-            if ev:
-                hits.append(Hit(self.name, c, ev))
-        return hits
+        return _hits(self.name, calls, self._evidence)
 
     @staticmethod
     def _evidence(c: ToolCall) -> str | None:
