@@ -7,7 +7,8 @@ the proxy runs it as segments, each one upstream request recorded as a turn of t
 
 1. **generate** -- the context ``C`` (the prompt's token ids) generates up to the budget
    ``floor(trigger * window) - len(C)`` tokens ``O``;
-2. **summary** -- ``C + O + summary_prompt`` generates ``summary_tokens`` tokens ``S`` (the model's own
+2. **summary** -- ``C + O + summary_prompt`` (just ``C + summary_prompt`` when ``C`` itself leaves no room)
+   generates ``summary_tokens`` tokens ``S`` (the model's own
    summary; never shown to the client);
 3. **continuation** -- the new context ``C' = C[:keep_prompt] + resume_prompt + S + continue_prompt`` (the task's
    head and the summary's *sampled* ids, never detokenised and tokenised again) generates the next tokens; steps
@@ -23,15 +24,17 @@ request ends), ``usage`` counting those tokens, and ``nvext.compactions``, the n
 
 A later request of a compacted trajectory whose prompt text extends what the client saw (its prompt and the
 answer) continues from the live context: the new text alone is tokenised and appended to ``C'`` and what it
-generated. Chat requests, ``n > 1`` and prompts of several texts pass through uncompacted.
+generated. Chat requests, ``n > 1``, prompts of several texts and prompts too long even to summarize pass
+through uncompacted.
 
 Errors: a configuration that leaves no room (``trigger * window`` plus the summary prompt and tokens past the
-window, a continuation context that fills the budget) raises ValueError at start-up or fails the turn with the
-reason. Thread-safety: one asyncio loop, like the proxy.
+window, a continuation's fixed part filling the budget) raises ValueError at start-up; a live context too long to
+summarize, or ``max_compactions`` used up, fails the request (HTTP 400, a failed turn saying why). Thread-safety: one asyncio loop, like the proxy.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from dataclasses import dataclass, field
@@ -132,6 +135,10 @@ class Compactor:
         self._live: dict[str, _Live] = {}
         self.compactions = 0
 
+    def forget(self, tid: str) -> None:
+        """Drop the live context of trajectory ``tid`` (it was finished)."""
+        self._live.pop(tid, None)
+
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
@@ -158,35 +165,42 @@ class Compactor:
             return None
         if len(ids) + max_tokens <= self.config.budget:
             return None
+        if len(ids) + len(self.summary_ids) + self.config.summary_tokens > self.config.window:
+            return None  # too long even to summarize: the usual path, where the engine decides
         return _Request(ids, ids[:self.config.keep_prompt], text, max_tokens)
 
     # ------------------------------------------------------------------------------------ running
 
     async def run(self, proxy, req: _Request, traj, tid: str, body: dict, request: web.Request):
-        """Run ``req`` (segments, summaries, continuations), record each segment in ``traj``, answer the client."""
+        """Run ``req`` (segments, summaries, continuations), record each segment in ``traj``, answer the client.
+        A context that leaves no room to generate (a long prompt, a long live context) is summarized first."""
         cfg = self.config
         number = len(traj.turns)  # the client request is named by the index of its first segment
         context, left, compactions, visible = list(req.context), req.max_tokens, 0, []
+        segment, first = 0, {"client_request": body}
         while True:
             room = cfg.budget - len(context)
-            if room < 1:
-                return self._refuse(traj, number, f"the context of {len(context)} tokens leaves no room to generate "
-                                                  f"within {cfg.budget} of the {cfg.window}-token window")
-            role = "generate" if not visible else "continuation"
-            turn, err = await self._segment(proxy, traj, tid, body, request, context, min(left, room),
-                                            {"request": number, "segment": len(visible) + compactions, "role": role,
-                                             **({"client_request": body} if not visible else {})})
-            if err is not None:
-                return err
-            visible.append(turn)
-            left -= len(turn.output_token_ids)
-            if turn.finish_reason != "length" or left <= 0:
-                break
+            if room >= 1:
+                meta = {"request": number, "segment": segment, "role": "continuation" if compactions else "generate"}
+                turn, err = await self._segment(proxy, traj, tid, body, request, context, min(left, room),
+                                                {**meta, **first})
+                segment, first = segment + 1, {}
+                if err is not None:
+                    return err
+                visible.append(turn)
+                left -= len(turn.output_token_ids)
+                if turn.finish_reason != "length" or left <= 0:
+                    break
+                context = context + turn.output_token_ids
             if compactions == cfg.max_compactions:
                 return self._refuse(traj, number, f"{compactions} compactions and {left} tokens still to make")
-            summary, err = await self._segment(
-                proxy, traj, tid, body, request, context + turn.output_token_ids + self.summary_ids,
-                cfg.summary_tokens, {"request": number, "segment": len(visible) + compactions, "role": "summary"})
+            if len(context) + len(self.summary_ids) + cfg.summary_tokens > cfg.window:
+                return self._refuse(traj, number, f"a context of {len(context)} tokens is too long to summarize "
+                                                  f"within the {cfg.window}-token window")
+            summary, err = await self._segment(proxy, traj, tid, body, request, context + self.summary_ids,
+                                               cfg.summary_tokens,
+                                               {"request": number, "segment": segment, "role": "summary", **first})
+            segment, first = segment + 1, {}
             if err is not None:
                 return err
             compactions += 1
@@ -197,7 +211,7 @@ class Compactor:
         if req.prompt_text is not None:
             self._live[tid] = _Live(req.prompt_text + text, last.prompt_token_ids + last.output_token_ids,
                                     req.head)
-        return await self._answer(body, request, tid, visible, text, compactions)
+        return await self._answer(body, request, tid, visible, text, compactions, len(req.context))
 
     async def _segment(self, proxy, traj, tid, body, request, prompt_ids, max_tokens, meta):
         """One upstream request of the compacted run, recorded as a turn; ``(turn, None)`` or ``(turn, the
@@ -222,6 +236,10 @@ class Compactor:
                 else:
                     turn.status, turn.finished_at = "ok", now()
             return turn, err
+        except asyncio.CancelledError:
+            turn.fail("the proxy stopped while this request was running" if proxy._closing
+                      else f"the client went away after {state.tokens} tokens of this segment")
+            raise
         finally:
             if turn.status == "running":
                 turn.fail("the proxy stopped while this request was running")
@@ -236,11 +254,10 @@ class Compactor:
         return error_response(400, turn.error, "invalid_request_error")
 
     async def _answer(self, body: dict, request: web.Request, tid: str, visible: list[Turn], text: str,
-                      compactions: int):
+                      compactions: int, prompt_tokens: int):
         last = visible[-1]
         n_out = sum(len(t.output_token_ids) for t in visible)
-        usage = {"prompt_tokens": len(visible[0].prompt_token_ids), "completion_tokens": n_out,
-                 "total_tokens": len(visible[0].prompt_token_ids) + n_out}
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n_out, "total_tokens": prompt_tokens + n_out}
         nvext = {"compactions": compactions}
         wants = set(((body.get("nvext") or {}).get("extra_fields")) or [])
         if "engine_data" in wants:

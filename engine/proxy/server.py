@@ -246,6 +246,8 @@ class Proxy:
             raise
         self.written[tid] = traj.key
         self.trajectories.pop(tid, None)  # only now: written, or pending (and spilled)
+        if self.compactor is not None:
+            self.compactor.forget(tid)
         self._finishing.pop(tid, None)
         log.info("trajectory %s: %s, %d turns, %s", tid, traj.status, len(traj.turns),
                  f"written to {traj.key}" if written else "store write pending")
@@ -322,7 +324,10 @@ class Proxy:
             return error_response(400, str(exc), "invalid_request_error")
         plan = self.compactor.plan(tid, body, endpoint) if self.compactor is not None else None
         if plan is not None:
-            return await self.compactor.run(self, plan, traj, tid, body, request)
+            try:
+                return await self.compactor.run(self, plan, traj, tid, body, request)
+            finally:
+                self._request_ended(tid)
         turn = Turn(index=len(traj.turns), endpoint=endpoint, request=body, stream=bool(body.get("stream")))
         traj.turns.append(turn)
         state = TurnState(turn)
@@ -339,10 +344,14 @@ class Proxy:
                 turn.fail("the proxy stopped while this request was running")
             state.done.set()
             self._running[tid].remove(state)
-            if self.config.per_request and tid in self.trajectories and not self._closing:
-                task = asyncio.ensure_future(self._finish_logged(tid))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+            self._request_ended(tid)
+
+    def _request_ended(self, tid: str) -> None:
+        """With ``per_request``, a request's trajectory is written once the request ends."""
+        if self.config.per_request and tid in self.trajectories and not self._closing:
+            task = asyncio.ensure_future(self._finish_logged(tid))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     async def _finish_logged(self, tid: str) -> None:
         try:

@@ -39,6 +39,8 @@ def test_only_requests_that_would_pass_the_trigger_are_compacted(model):
     assert req.context == [64, 25] and req.head == [64, 25] and req.max_tokens == 95
     assert c.plan("t", {"prompt": [64] * 90, "max_tokens": 10}, "completions").context == [64] * 90
     assert c.plan("t", {"prompt": [64] * 90, "max_tokens": 10}, "completions").head == [64] * 8
+    assert c.plan("t", {"prompt": [64] * 100, "max_tokens": 4}, "completions").context == [64] * 100  # summarized
+    assert c.plan("t", {"prompt": [64] * 110, "max_tokens": 4}, "completions") is None  # too long to summarize
     for body, endpoint in [({"messages": [], "max_tokens": 500}, "chat/completions"),
                            ({"prompt": "a:", "max_tokens": 500, "n": 2}, "completions"),
                            ({"prompt": ["a:", "b:"], "max_tokens": 500}, "completions"),

@@ -156,6 +156,17 @@ def test_compacted_trajectories_read_back_as_prefix_consistent_samples_with_the_
         assert len(s.sequence) <= WINDOW and s.sequence.positions.numel() == int(s.sequence.loss_mask.sum())
 
 
+def test_a_prompt_that_leaves_no_room_is_summarized_first(node):
+    body = {**BODY, "prompt": "a:" + "a" * 98, "max_tokens": 20}  # 100 prompt tokens: past the 96-token budget
+    (status, reply, _), = asyncio.run(_session(node, _compaction(node), [("t-big", body)], "sb-big"))
+    assert status == 200 and reply["usage"] == {"prompt_tokens": 100, "completion_tokens": 20, "total_tokens": 120}
+    doc = read_record(node[3], RUN, "sb-big", "t-big")
+    assert [t["compaction"]["role"] for t in doc["turns"]] == ["summary", "continuation"]
+    assert doc["turns"][0]["compaction"]["client_request"]["prompt"] == body["prompt"]
+    assert len(doc["turns"][0]["prompt_token_ids"]) == 100 + 11  # and "\nSummarize:"
+    assert all(prefix_consistent(s, doc) for s in training_samples(_rollouts(node, "sb-big").rollouts[0]))
+
+
 def test_a_later_request_continues_from_the_compacted_context(node):
     first = {**BODY, "max_tokens": 150}
 
@@ -236,3 +247,31 @@ def test_the_loops_rollout_workers_take_compacted_groups_from_a_curated_task(nod
     adv = sequence_rewards(group.rollouts, group_advantages(group.rewards))
     assert adv.numel() == len(seqs)
     assert task.draws == 1 and task.curator.estimate(0).attempts == 2  # the curator saw both rewards
+
+
+def test_per_request_trajectories_are_written_when_a_compacted_request_ends(node):
+    from syncd.records.trajectory import list_records
+
+    url, model, _, store = node
+
+    async def go():
+        proxy = Proxy(ProxyConfig(upstream=url, run_id=RUN, sandbox_id="sb-per", per_request=True,
+                                  compaction=_compaction(node)), store)
+        base = await proxy.start()
+        try:
+            async with aiohttp.ClientSession() as http:
+                async with http.post(f"{base}/v1/completions", json={"model": model, **BODY}) as resp:
+                    assert resp.status == 200
+            for _ in range(200):  # written in the background once the request ended, before the proxy stops
+                if proxy.written:
+                    return dict(proxy.written), dict(proxy.compactor._live)
+                await asyncio.sleep(0.05)
+            raise AssertionError("the per-request trajectory was not written")
+        finally:
+            await proxy.close()
+
+    written, live = asyncio.run(go())
+    ((tid, _),) = written.items()
+    assert live == {}  # a finished trajectory's live context is dropped
+    assert list_records(store, RUN, "sb-per") == [("sb-per", tid)]
+    assert len(read_record(store, RUN, "sb-per", tid)["compactions"]) >= 2
