@@ -8,11 +8,12 @@ and equals what the engine saw (a hypothesis property over compaction settings a
 from __future__ import annotations
 
 import asyncio
+import math
 import uuid
 
 import aiohttp
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from engine.proxy.compaction import CompactionConfig
@@ -188,12 +189,13 @@ def test_a_later_request_continues_from_the_compacted_context(node):
     assert any(s.roles[:2] == ("continuation", "generate") for s in samples)  # merged into the live context
 
 
-@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=5, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(trigger=st.sampled_from([0.6, 0.75, 0.85]), summary_tokens=st.integers(1, 12),
-       keep=st.integers(0, 6), max_tokens=st.integers(40, 260), letter=st.sampled_from("abcd"),
+       keep=st.integers(0, 6), max_tokens=st.integers(110, 260), letter=st.sampled_from("abcd"),
        temperature=st.sampled_from([0.7, 1.0]), seed=st.integers(0, 1000))
 def test_every_sample_is_prefix_consistent_and_equals_what_the_engine_saw(node, trigger, summary_tokens, keep,
                                                                         max_tokens, letter, temperature, seed):
+    assume(math.floor(trigger * WINDOW) + len("\nSummary:") + summary_tokens <= WINDOW)  # else refused at start-up
     sandbox = f"sb-p{uuid.uuid4().hex[:8]}"
     cfg = _compaction(node, trigger=trigger, summary_tokens=summary_tokens, keep_prompt=keep,
                       summary_prompt="\nSummary:")
@@ -204,7 +206,7 @@ def test_every_sample_is_prefix_consistent_and_equals_what_the_engine_saw(node, 
     doc = read_record(node[3], RUN, sandbox, "t")
     (ro,) = _rollouts(node, sandbox).rollouts  # joined with the engine's replay records: ids, versions, log-probs
     samples = training_samples(ro)
-    assert len(samples) == len(doc.get("compactions", [])) + 1  # one per context window (no compaction: one)
+    assert doc["compactions"] and len(samples) == len(doc["compactions"]) + 1  # one per context window
     for s in samples:
         assert prefix_consistent(s, doc)
         assert len(s.sequence) <= WINDOW
