@@ -8,6 +8,7 @@ and equals what the engine saw (a hypothesis property over compaction settings a
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import uuid
 
@@ -277,3 +278,28 @@ def test_per_request_trajectories_are_written_when_a_compacted_request_ends(node
     assert live == {}  # a finished trajectory's live context is dropped
     assert list_records(store, RUN, "sb-per") == [("sb-per", tid)]
     assert len(read_record(store, RUN, "sb-per", tid)["compactions"]) >= 2
+
+
+def test_a_streaming_client_gets_the_compacted_answer_as_one_chunk(node):
+    url, model, _, store = node
+
+    async def go():
+        proxy = Proxy(ProxyConfig(upstream=url, run_id=RUN, sandbox_id="sb-stream", compaction=_compaction(node)),
+                      store)
+        base = await proxy.start()
+        try:
+            async with aiohttp.ClientSession() as http:
+                body = {"model": model, **BODY, "stream": True, "stream_options": {"include_usage": True}}
+                async with http.post(f"{base}/v1/completions", json=body, headers={"X-Syncd-Trajectory": "s"}) as r:
+                    assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+                    return (await r.read()).decode()
+        finally:
+            await proxy.close()
+
+    events = [e[len("data: "):] for e in asyncio.run(go()).split("\n\n") if e.startswith("data: ")]
+    assert events[-1] == "[DONE]" and len(events) == 2
+    chunk = json.loads(events[0])
+    assert chunk["usage"]["completion_tokens"] == 300 and chunk["choices"][0]["finish_reason"] == "length"
+    doc = read_record(store, RUN, "sb-stream", "s")
+    visible = [t for t in doc["turns"] if t["compaction"]["role"] != "summary"]
+    assert chunk["choices"][0]["text"] == "".join(t["text"] for t in visible) and chunk["nvext"]["compactions"] >= 2
