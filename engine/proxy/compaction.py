@@ -43,7 +43,9 @@ from pathlib import Path
 from aiohttp import web
 
 from engine.proxy.record import Turn, now
-from engine.proxy.turn import ClientStream, TurnState, check_complete, error_response, upstream_body
+from engine.proxy import sse
+from engine.proxy.turn import (TRAJECTORY_HEADER, ClientStream, TurnState, check_complete, error_response,
+                               upstream_body)
 from syncd.records.trajectory import COMPACTION_ROLES
 
 __all__ = ["CompactionConfig", "Compactor", "ROLES"]
@@ -268,12 +270,10 @@ class Compactor:
         out = {"id": visible[0].response_id, "object": "text_completion", "model": body.get("model"),
                "choices": [{"index": 0, "text": text, "finish_reason": last.finish_reason, "logprobs": None}],
                "usage": usage, "nvext": nvext}
-        headers = {"X-Syncd-Trajectory": tid, "X-Syncd-Turn": str(visible[0].index),
+        headers = {TRAJECTORY_HEADER: tid, "X-Syncd-Turn": str(visible[0].index),
                    "X-Syncd-Compactions": str(compactions)}
         if not body.get("stream"):
             return web.json_response(out, headers=headers)
-        from engine.proxy import sse
-
         resp = web.StreamResponse(status=200, headers={**headers, "Content-Type": "text/event-stream",
                                                        "Cache-Control": "no-cache"})
         await resp.prepare(request)
