@@ -163,6 +163,8 @@ class Rollout:
     status: str
     metadata: dict
     sequences: list[RolloutSequence]
+    #: turn index -> the turn's ``compaction`` member, for the segments of compacted requests (trainer.compaction)
+    compaction: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -402,5 +404,6 @@ def read_rollouts(store, run_id: str, *, sandbox_id: str | None = None, trajecto
             out.errors.append((sb, tid, str(exc)))
             log.warning("dropped trajectory %s/%s: %s", sb, tid, exc)
             continue
-        out.rollouts.append(Rollout(run_id, sb, tid, doc["status"], doc.get("metadata") or {}, seqs))
+        out.rollouts.append(Rollout(run_id, sb, tid, doc["status"], doc.get("metadata") or {}, seqs,
+                                    {t["index"]: t["compaction"] for t in doc["turns"] if t.get("compaction")}))
     return out
