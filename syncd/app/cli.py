@@ -10,6 +10,8 @@ Commands (README.md has the full table of flags and their environment variables)
     syncd ls [--run-id RUN]              runs in the store, or the versions of one run
     syncd verify --run-id RUN [--quick]  check every version of a run (exit 1 if any is unusable)
     syncd gc --run-id RUN [--dry-run]    apply the retention policy
+    syncd materialize --run-id RUN --out DIR [--version V] [--config-from MODEL_DIR]
+                                         a version as a Hugging Face folder (from_pretrained, SGLang, evals)
 
 Every flag has a ``SYNCD_*`` environment variable; a flag given on the command line wins. The signing key
 is read only from ``SYNCD_SIGNING_KEY`` or a file (``--signing-key-file``), never from a flag, so that it
@@ -27,7 +29,7 @@ import os
 import sys
 from pathlib import Path
 
-from syncd.app.commands import gc, ls, need_run, open_store, status, value, verify
+from syncd.app.commands import gc, ls, materialize, need_run, open_store, size, status, value, verify
 from syncd.errors import SyncdError
 
 log = logging.getLogger("syncd.app.cli")
@@ -159,6 +161,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--orphan-grace", default=argparse.SUPPRESS, type=float,
                    help="seconds before unreferenced objects are removed [SYNCD_GC_ORPHAN_GRACE_S]")
     p.add_argument("--dry-run", action="store_true", help="show what would be deleted")
+    p = sub.add_parser("materialize", help="write a version as a Hugging Face model folder (from_pretrained reads it)")
+    _common(p)
+    p.add_argument("--version", type=int, default=None, help="the version (default: the newest)")
+    p.add_argument("--out", required=True, metavar="DIR", help="the folder to write (must not exist or be empty)")
+    p.add_argument("--config-from", default=None, metavar="MODEL_DIR",
+                   help="take config.json and the tokenizer from this model folder (default: the files the "
+                        "publisher stored with the run)")
+    p.add_argument("--max-shard-size", default="5G", metavar="N",
+                   help="largest safetensors file; more weights than that are split into model-0000N-of-0000M "
+                        "files with an index (default: %(default)s)")
     return parser
 
 
@@ -179,12 +191,6 @@ def _resolve(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-def _size(text: str) -> int:
-    t = str(text).strip().upper().removesuffix("B")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
-    return int(float(t[:-1] if mult > 1 else t) * mult)
-
-
 def _daemon_config(args):
     from syncd.daemon import DaemonConfig, EngineSpec
 
@@ -192,19 +198,19 @@ def _daemon_config(args):
     if not engines:
         raise ValueError("--engine (or SYNCD_ENGINES) is required: the engines this daemon keeps current")
     port = str(args.metrics_port).strip()
-    size = "a size (e.g. 16G, 500M, 1073741824)"
+    what = "a size (e.g. 16G, 500M, 1073741824)"
     return DaemonConfig(
         run_id=need_run(args), store_url=args.store,
         engines=tuple(EngineSpec.parse(e, i) for i, e in enumerate(engines)),
         cache_dir=Path(args.cache_dir) if args.cache_dir else None,
-        cache_max_bytes=value(args, "cache_max_bytes", _size, size),
+        cache_max_bytes=value(args, "cache_max_bytes", size, what),
         poll_interval_s=value(args, "poll_interval", float), poll_jitter=value(args, "poll_jitter", float),
         backoff_max_s=value(args, "backoff_max", float), engine_check_s=value(args, "engine_check", float),
         download_concurrency=value(args, "download_concurrency", int, "an integer"),
         metrics_port=value(args, "metrics_port", int, "a port number") if port else None,
         metrics_addr=args.metrics_addr, status_file=Path(args.status_file) if args.status_file else None,
         engine_lease_s=value(args, "engine_lease", float),
-        engine_scrub_bytes=value(args, "engine_scrub_bytes", _size, size),
+        engine_scrub_bytes=value(args, "engine_scrub_bytes", size, what),
         engine_token_file=Path(args.engine_token_file) if args.engine_token_file else None)
 
 
@@ -270,7 +276,8 @@ def main(argv=None) -> int:
     if not isinstance(level, int):
         parser.error(f"unknown log level {args.log_level!r}")
     _setup_logging(level, args.log_format)
-    commands = {"ls": ls, "verify": verify, "gc": gc, "status": status, "daemon": _run_daemon}
+    commands = {"ls": ls, "verify": verify, "gc": gc, "status": status, "daemon": _run_daemon,
+                "materialize": materialize}
     if args.command is None and args.run_id:
         args.command = "daemon"
     if args.command not in commands:

@@ -14,8 +14,8 @@ from pathlib import Path
 from syncd import manifest as mf
 from syncd.errors import SyncdError
 
-__all__ = ["value", "signing", "open_store", "need_run", "status", "cluster_lines", "ls", "verify", "gc",
-           "unknown_run"]
+__all__ = ["value", "size", "signing", "open_store", "need_run", "status", "cluster_lines", "ls", "verify", "gc",
+           "materialize", "unknown_run"]
 
 
 def value(args, dest: str, conv, what: str = "a number"):
@@ -24,7 +24,15 @@ def value(args, dest: str, conv, what: str = "a number"):
     try:
         return conv(raw)
     except (TypeError, ValueError):
-        raise ValueError(f"{args.source_of.get(dest, dest)}={raw!r} is not {what}") from None
+        where = getattr(args, "source_of", {}).get(dest, "--" + dest.replace("_", "-"))
+        raise ValueError(f"{where}={raw!r} is not {what}") from None
+
+
+def size(text) -> int:
+    """``16G``, ``500M``, ``64k``, ``1073741824`` -> bytes (binary multiples); ``ValueError`` otherwise."""
+    t = str(text).strip().upper().removesuffix("B")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
+    return int(float(t[:-1] if mult > 1 else t) * mult)
 
 
 def signing(args):
@@ -212,4 +220,21 @@ def gc(args, out) -> int:
               f"({len(plan.delete_keys)} objects)\n")
     for p in plan.problems:
         out.write(f"problem: {p}\n")
+    return 0
+
+
+def materialize(args, out) -> int:
+    """``syncd materialize``: one version of a run as a Hugging Face folder (:mod:`syncd.model_folder`)."""
+    from syncd.model_folder import materialize_folder
+
+    store, key = open_store(args)
+    run = need_run(args)
+    if not store.list_dirs(mf.versions_prefix(run)):
+        return unknown_run(store, run)
+    shard = value(args, "max_shard_size", size, "a size (e.g. 5G, 500M)")
+    done = materialize_folder(store, run, args.version, args.out, config_from=args.config_from, signing_key=key,
+                              max_shard_bytes=shard)
+    out.write(f"run {run} version {done['version']}: {done['tensors']} tensors, {done['bytes'] / 1e6:.1f} MB in "
+              f"{', '.join(done['weight_files'])}; model files {', '.join(done['model_files'])}\n"
+              f"wrote {done['out']} (transformers: AutoModelForCausalLM.from_pretrained({str(done['out'])!r}))\n")
     return 0
