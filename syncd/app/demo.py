@@ -46,8 +46,10 @@ def _trainer(argv) -> int:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from engine.reference.model import load_folder_weights
+    from syncd.lazy import quiet_optional_imports
     from trainer.publisher import WeightPublisher
 
+    quiet_optional_imports()
     p = argparse.ArgumentParser(prog="syncd.app.demo _trainer")
     for name, kind in (("--model", str), ("--store", str), ("--progress", str), ("--versions", int),
                        ("--every-k", int), ("--full-every", int), ("--lr", float), ("--interval", float)):
@@ -124,8 +126,6 @@ def _wait(cond, what: str, timeout: float, children: dict):
 
 
 def run(args) -> dict:
-    for noisy in ("torchao", "torch", "torch.utils._pytree"):  # import-time warnings of optional modules
-        logging.getLogger(noisy).setLevel(logging.ERROR)
     from syncd.engines.client import RemoteAdapter
     from engine.reference.make_tiny import write_model
     from syncd.versions import read_manifest

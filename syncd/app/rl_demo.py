@@ -111,8 +111,6 @@ def run(args) -> dict:
         f"{work}{'' if args.dir or args.keep else ' (removed at the end; --keep keeps it)'}")
     from syncd.app.rl_stack import RLStack, StackConfig
 
-    for noisy in ("torchao", "torch", "torch.utils._pytree"):
-        logging.getLogger(noisy).setLevel(logging.ERROR)
     t0 = time.time()
     stack = RLStack(StackConfig(work, engines=args.engines, seed=args.seed))
     display = None
