@@ -402,15 +402,20 @@ def plot(r: dict, path, preset: str):
         ms = [v * 1e3 for v in vals]
         ax.scatter([i] * len(ms), ms, color=f"C{i}", alpha=0.7, zorder=3)
         if ms:
-            med = sorted(ms)[len(ms) // 2]
+            med = median(ms)
             ax.hlines(med, i - 0.3, i + 0.3, color=f"C{i}", lw=2.5)
             ax.annotate(f"{med:.1f} ms", (i + 0.32, med), va="center", fontsize=8)
     ax.set_xticks(range(len(groups)), [g[0] for g in groups], fontsize=8)
     ax.set_xlim(-0.5, len(groups) - 0.2)
-    ax.set(yscale="log", ylabel="milliseconds", title=(
-        f"engine update, {r['params'] / 1e6:.1f}M parameters, {100 * r['density']:.2f}% changed (lr {r['lr']:g}, "
-        f"preset {preset}): reload / pause {r['ratio_reload_to_stall']:.1f}x, physical limit "
-        f"{r['physical_limit_ratio']:.1f}x"))
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
+    ax.set(yscale="log", ylabel="milliseconds (log scale)", title=(
+        f"engine update: {r['params'] / 1e6:.1f}M parameters, {100 * r['density']:.2f}% of the words changed "
+        f"(lr {r['lr']:g}, preset {preset})\nfull reload / pause {r['ratio_reload_to_stall']:.1f}x; the memory "
+        f"traffic allows {r['physical_limit_ratio']:.1f}x at this density"))
+    ax.yaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_minor_formatter(NullFormatter())
     ax.title.set_fontsize(9)
     return save(fig, path)
 

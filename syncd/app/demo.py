@@ -207,8 +207,9 @@ def run(args) -> dict:
         pictures = {}
         if args.plot:
             try:
-                pictures["timeline_png"] = str(plot_timeline(versions, status.get("updates", []), Path(args.plot).resolve(),
-                                                             title="syncd demo --weights-only: versions over time"))
+                drawn = plot_timeline(versions, status.get("updates", []), Path(args.plot).resolve(),
+                                      title="syncd demo --weights-only: versions over time")
+                pictures["timeline_png"] = str(drawn)
             except ImportError as exc:
                 pictures["plot_error"] = str(exc)
         return {**summarize(args, status, history, client, exact, time.time() - t_start, work),

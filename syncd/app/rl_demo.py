@@ -224,7 +224,7 @@ def print_summary(s: dict) -> None:
             ("publish -> every engine (median)", f"{f(s['publish_to_serving_s_median'], '.3f')} s"),
             ("delta per version (median)", _delta_text(s)),
             ("staleness of trained tokens", f"mean {f(s['staleness_mean'], '.2f')}, max {s['staleness_max']}, "
-                                            + ", ".join(f"{n} at {k}" for k, n in (s['staleness_counts'] or {}).items())),
+             + ", ".join(f"{n} at {k}" for k, n in (s['staleness_counts'] or {}).items())),
             ("groups dropped as stale", str(s["groups_dropped_stale"])),
             ("IS ratio mean / share outside [0.9, 1.1]", f"{f(s['is_mean_median'], '.4f')} / "
                                                          f"{f(s['is_outside_median'], '.1%')} (median over steps)"),

@@ -161,7 +161,7 @@ class NodeDaemon(UpdatePath):
         if self._stop is None or self._stop.is_set():
             return
         log.info("run %s: stopping (%s)", self.run_id,
-                    "after the engine update in progress" if self._critical else "now")
+                 "after the engine update in progress" if self._critical else "now")
         self.supervisor.stopping = True  # a task that ends now is stopping, not failing
         self._stop.set()
         if self._task is not None and not self._critical:

@@ -71,8 +71,9 @@ def test_a_whole_chat_response_folds_tool_calls_logprobs_and_finish_reason():
     from engine.proxy.turn import whole_response
 
     st = TurnState(Turn(0, "chat/completions", {}, False))
-    lp = lambda tok, x: {"content": [{"token": tok, "logprob": x, "top_logprobs": [{"token": tok, "logprob": x}]}],  # noqa: E731
-                         "refusal": None}
+    def lp(tok, x):
+        return {"content": [{"token": tok, "logprob": x, "top_logprobs": [{"token": tok, "logprob": x}]}],
+                "refusal": None}
     chunks = [
         {"index": 0, "delta": {"role": "assistant", "content": None}, "logprobs": lp("a", -0.5)},
         {"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
