@@ -39,3 +39,17 @@ def test_help_answers_without_importing_torch(name, target, argv):
     last = out.stdout.strip().splitlines()[-1]
     assert last == "RC 0 TORCH False", (name, last, out.stderr[-2000:])
     assert "usage:" in out.stdout
+
+
+def test_the_demos_help_shows_every_default(monkeypatch):
+    """`syncd demo --help` and `--weights-only --help`: each flag described, with its default (0 included)."""
+    from syncd.app import demo, rl_demo
+
+    monkeypatch.setenv("COLUMNS", "400")  # one line per flag: no default broken at a hyphen
+    for parser in (rl_demo.build_parser(), demo.build_parser()):
+        text = parser.format_help()
+        for action in parser._actions:
+            assert action.help, action.dest
+            if action.default is not None and action.default is not False and action.dest != "help":
+                assert f"(default: {action.default})" in text, action.dest
+    assert "(default: 0)" in rl_demo.build_parser().format_help()  # --seed
