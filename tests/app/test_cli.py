@@ -168,3 +168,33 @@ def test_help_shows_defaults_and_keeps_cluster_flags_apart():
     assert rest.index("cluster mode") > rest.index("--engine-token-file")
     gc_help = next(a for a in cli.build_parser()._subparsers._group_actions[0].choices.items() if a[0] == "gc")[1]
     assert "[SYNCD_KEEP_LAST; default 8]" in gc_help.format_help()
+
+
+def test_the_run_error_clears_once_versions_appear(tmp_path, published):
+    """A daemon started before the trainer's first version says the run has none; once versions appear (found
+    through the latest.json hint, without another listing) `syncd status` no longer says so."""
+    eng = engine.StateDictEngine(published.zeros(), None)
+    cfg = DaemonConfig(run_id=RUN, cache_dir=tmp_path / "cache", poll_interval_s=0.05, engine_check_s=0.1)
+    d = NodeDaemon(cfg, adapters={"e0": eng}, store=published.store, signing_key=KEY)
+    seen = {}
+
+    async def main():
+        task = asyncio.ensure_future(d.run())
+        while not d.status.get("run_error"):
+            await asyncio.sleep(0.02)
+        seen["before"] = d.status.get("run_error")
+        await asyncio.to_thread(published.publish, 2)
+        while not (eng.version == 1 and d.drivers["e0"].state == "serving"):
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.3)  # a few more polls
+        d._write_status(force=True)
+        out = io.StringIO()
+        args = cli._resolve(cli.build_parser().parse_args(["status", "--run-id", RUN, "--cache-dir",
+                                                           str(tmp_path / "cache")]))
+        seen["rc"], seen["text"] = commands.status(args, out), out.getvalue()
+        d.request_stop()
+        await task
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+    assert "has no versions" in seen["before"]
+    assert seen["rc"] == 0 and "has no versions" not in seen["text"] and "run error" not in seen["text"], seen["text"]
