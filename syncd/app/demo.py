@@ -277,9 +277,10 @@ def print_summary(s: dict) -> None:
             return "-"
         return f"{x * 1e3:.1f} ms" if unit == "ms" else (f"{x:.2%}" if unit == "%" else f"{x:,.0f}")
 
-    skipped = s["versions_published"] - 1 - s["versions_applied"]
+    skipped = s["versions_published"] - s["versions_applied"]
     rows = [("versions published / applied", f"{s['versions_published']} / {s['versions_applied']}"
-             + (f" ({skipped} skipped: an engine behind goes straight to the newest version)" if skipped > 0 else "")),
+             + (f" ({skipped} never applied: an engine that is behind, or starts, goes straight to the newest "
+                "version)" if skipped > 0 else "")),
             ("engines bit-exact with the trainer", str(s["engines_bit_exact"])),
             ("requests served / lost", f"{s['requests_served']:,} / {s['requests_lost']:,}"),
             ("tokens served", f(s["tokens_served"])),
