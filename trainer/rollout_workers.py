@@ -17,7 +17,10 @@ trainer's newest version.
 Failures (HTTP errors, a record not written or incomplete, records that do not join) never reach the buffer:
 the group is dropped whole (its trajectories still open in the proxy are finished with ``{"dropped": reason}``),
 logged, counted by kind in :attr:`RolloutWorkers.failures` and its credit given back, and the worker goes on after
-a backoff. Records are trusted only after ``read_rollouts`` checked them.
+a backoff -- except for an error marked ``fatal`` (an exhausted curation pool), which stops the workers and closes
+the buffer, so the trainer's wait ends with the cause in :meth:`RolloutWorkers.stats`. A task with an ``observe``
+method (:class:`trainer.curation.CuratedTask`) is told each group's rewards once the group is in the buffer.
+Records are trusted only after ``read_rollouts`` checked them.
 
 Thread-safety: :meth:`allow`, :meth:`stats` and :meth:`stop` from any thread; ``reward`` is called from the worker
 threads (one call at a time per worker).
@@ -195,6 +198,11 @@ class RolloutWorkers:
                 kind = getattr(exc, "kind", "task")
                 self.failures(kind)
                 self.last_error = f"group {index}: {type(exc).__name__}: {exc}"
+                if getattr(exc, "fatal", False):  # no retry can succeed (trainer.curation.CurationExhausted)
+                    log.error("rollout %s failure, the workers stop: %s", kind, self.last_error)
+                    self._stop.set()
+                    self.buffer.close()  # the trainer's take() raises BufferClosed; stats() name the cause
+                    return
                 log.warning("rollout %s failure: %s", kind, self.last_error)
                 with self._cond:
                     self._inflight -= 1
@@ -208,6 +216,14 @@ class RolloutWorkers:
                 self.groups += 1
                 self.tokens += group.tokens
             self.buffer.put(group)
+            observe = getattr(self.task, "observe", None)  # trainer.curation.CuratedTask: only groups buffered
+            if observe is not None:
+                try:
+                    observe(group.item, group.rewards)
+                except Exception as exc:  # noqa: BLE001 -- the group is buffered; only its estimate is lost
+                    self.failures("task")
+                    self.last_error = f"group {index}: observe: {type(exc).__name__}: {exc}"
+                    log.warning("rollout task failure: %s", self.last_error)
 
     def _complete(self, proxy: str, tid: str, prompt: str, seed: int) -> dict:
         body = {"model": self.model_name, "prompt": prompt, "max_tokens": self.task.max_tokens,
