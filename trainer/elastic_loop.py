@@ -181,8 +181,9 @@ def run_elastic(cfg) -> dict:
                                  participants=n)
                 plans.accounted = step
             if ft is not None:
+                gated = live is not None and live.published_step == step  # its version waits for this checkpoint
                 ft.checkpointer.save(step, model, opt, state=live.snapshot() if live is not None else {"step": step},
-                                       wait=step == cfg.steps)
+                                     wait=gated or step == cfg.steps)
         summary = {"digest": weights_digest(model), "group": group, "steps": dp.step, "quorums": dp.quorums,
                    "failed_commits": dp.failed_commits, "restored_step": start}
         if ft is not None:

@@ -113,7 +113,7 @@ class FaultTolerance:
         c = newest_checkpoint(self.own, owner=self.cfg.owner, signing_key=key, step=step)
         if c is not None:
             log.warning("%s: restoring step %d from the local checkpoint %s", self.cfg.owner, c.step, c.path)
-            return c
+            return self._restored(c)
         got = rebuild_from_peers(self.cfg.owner, self.holders, self.directory, self.own, signing_key=key,
                                  at_most=step)
         if got is None or (step is not None and got[0] != step):
@@ -121,6 +121,24 @@ class FaultTolerance:
         c = newest_checkpoint(self.own, owner=self.cfg.owner, signing_key=key, step=got[0])
         if c is not None:
             c.source = got[1]
+            self._restored(c)
+        return c
+
+    def _restored(self, c: Checkpoint) -> Checkpoint:
+        """The restored checkpoint is this life's first durable one: later local ones (of a lineage that did not
+        survive: the job restored an older step) are removed, and it is offered to the holders again (they may
+        have lost it, or it came from one of them) so that the durability of its step is known."""
+        import shutil
+
+        from trainer.checkpoint import step_dir
+
+        for s in list_steps(self.own):
+            if s > c.step:
+                shutil.rmtree(step_dir(self.own, s), ignore_errors=True)
+        with self.checkpointer._cond:
+            self.checkpointer.durable_step = c.step
+        if self.replicator is not None:
+            self.replicator(c.step, c.path)
         return c
 
     # ------------------------------------------------------------------------------------ durability
@@ -128,6 +146,8 @@ class FaultTolerance:
     def durable(self, step: int, timeout: float | None = None) -> bool:
         """Wait until a checkpoint of ``step`` or later is on local disk and was offered to every holder; True
         if every holder took it (False: fewer replicas than asked, logged)."""
+        if step <= 0:  # the initial weights: always restorable (from the model itself)
+            return True
         timeout = self.cfg.gate_timeout_s if timeout is None else timeout
         if not self.checkpointer.wait_durable(step, timeout):
             log.warning("%s: no checkpoint of step %d on disk after %.0f s", self.cfg.owner, step, timeout)

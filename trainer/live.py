@@ -64,7 +64,7 @@ class LiveSide:
             if not cfg.plans:
                 _truncate_jsonl(out / "plans.jsonl", lambda d: d["step"] <= resume_step)
         self.metrics = MetricsLog(out / "metrics.jsonl", truncate=resume_step is None)
-        self.version, self.step = 0, 0
+        self.version, self.step, self.published_step = 0, 0, None
         self.pub = self.workers = self.watcher = self.buffer = None
         self._recorded = None if cfg.plans else open(out / "plans.jsonl", "w" if resume_step is None else "a")
         self._plans = None
@@ -151,6 +151,7 @@ class LiveSide:
         stall = time.perf_counter()
         self.pub.publish(self.model, step)
         self.version = 0 if step == 0 else self.version + 1
+        self.published_step = step
         self.metrics.write("publish", version=self.version, step=step, stall_s=time.perf_counter() - stall, t=t)
 
     def plan(self, step: int) -> dict:

@@ -223,8 +223,9 @@ def run_loop(cfg: LoopConfig) -> dict:
             if live is not None:
                 live.finish_step(step, plan, [r for r in recs if r is not None], loss, grad_norm, train_s, loss_cfg)
             if ft is not None:
+                gated = live is not None and live.published_step == step  # its version waits for this checkpoint
                 ft.checkpointer.save(step, model, opt, state=live.snapshot() if live is not None else None,
-                                       wait=step == cfg.steps)
+                                     wait=gated or step == cfg.steps)
         digests = dp.gather(weights_digest(model))
         summary = {"digest": digests[0] if digests else None,
                    "ranks_agree": None if digests is None else len(set(digests)) == 1}
