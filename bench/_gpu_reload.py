@@ -11,10 +11,11 @@ stops; nothing here runs, or pretends to run, without a real CUDA device.
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Callable, Mapping, Sequence
 
 import torch
+
+from bench._timing import Stopwatch, best_time
 
 DEVICES = ("cpu", "cuda", "auto")
 BW_MIN_BYTES = 64 << 20  # copies timed for the bandwidths: at least this large (latency negligible) ...
@@ -49,20 +50,6 @@ def gpu_name(device: str) -> str | None:
     return torch.cuda.get_device_name(torch.device(device)) if torch.device(device).type == "cuda" else None
 
 
-def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
-    """Shortest wall time of ``fn`` over ``repeats`` calls after one untimed warm-up call, each timed between
-    two ``torch.cuda.synchronize()``."""
-    fn()
-    ts = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        ts.append(time.perf_counter() - t0)
-    return min(ts)
-
-
 def copy_bandwidths(nbytes: int, device: str = "cuda", repeats: int = 5) -> dict:
     """Measured copy rates on ``device`` in bytes copied per second, best of ``repeats``, for a buffer of
     ``nbytes`` clamped to [64 MiB, 1 GiB]: ``h2d_pinned_bytes_per_s`` (pinned host -> device, the PCIe
@@ -74,10 +61,11 @@ def copy_bandwidths(nbytes: int, device: str = "cuda", repeats: int = 5) -> dict
     pinned = pageable.pin_memory()
     dev = torch.empty(n, dtype=torch.uint8, device=device)
     dev2 = torch.empty_like(dev)
+    synced = dict(warmup=1, sync=torch.cuda.synchronize)  # each copy timed between two synchronisations
     out = dict(bandwidth_buffer_bytes=n,
-               h2d_pinned_bytes_per_s=n / _best_seconds(lambda: dev.copy_(pinned, non_blocking=True), repeats),
-               h2d_pageable_bytes_per_s=n / _best_seconds(lambda: dev.copy_(pageable), repeats),
-               device_copy_bytes_per_s=n / _best_seconds(lambda: dev2.copy_(dev), repeats))
+               h2d_pinned_bytes_per_s=n / best_time(lambda: dev.copy_(pinned, non_blocking=True), repeats, **synced),
+               h2d_pageable_bytes_per_s=n / best_time(lambda: dev.copy_(pageable), repeats, **synced),
+               device_copy_bytes_per_s=n / best_time(lambda: dev2.copy_(dev), repeats, **synced))
     del pageable, pinned, dev, dev2
     torch.cuda.empty_cache()
     return out
@@ -98,10 +86,10 @@ def reload_baselines(model: torch.nn.Module, snaps: Sequence[Mapping[str, torch.
         ts = []
         for sd in sds:
             torch.cuda.synchronize()
-            t0 = time.perf_counter()
+            t0 = Stopwatch()
             model.load_state_dict(sd, strict=True)
             torch.cuda.synchronize()
-            ts.append(time.perf_counter() - t0)
+            ts.append(t0.elapsed)
         return ts
 
     out = dict(host_pageable_s=timed(used))

@@ -2,7 +2,7 @@
 
 A real model (Qwen2-style, bf16, sized to ``--size-mib``) takes real AdamW steps; each step is published
 as a full version (``trainer.WeightPublisher``) to a file store that an S3 endpoint serves
-(``python -m syncd.cluster.sim s3serve``; it counts every byte it sends). For each cluster size N a fresh
+(``python -m bench.netsim s3serve``; it counts every byte it sends). For each cluster size N a fresh
 cluster of N ``python -m syncd.cluster.node`` processes distributes a first version (warm-up), then
 ``--repeats`` more; the figure is, per version, the time from the controller's plan to the last node's
 delivery (the detection delay of polling is reported apart).
@@ -39,6 +39,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bench._timing import Stopwatch
 
 log = logging.getLogger("bench.broadcast")
 RUN = "bench"
@@ -142,7 +144,7 @@ class Env:
     """Where the store and the nodes run: on loopback, or each in a namespace of a shaped network."""
 
     def __init__(self, workdir: Path, store_dir: Path, nmax: int, shaped: bool, rate_mbit: float):
-        from syncd.cluster import sim
+        from bench import netsim as sim
 
         self.sim, self.shaped = sim, shaped
         self.workdir, self.store_dir = workdir, store_dir
@@ -157,7 +159,7 @@ class Env:
         self.store_host = self.ip("st")
         self.log = workdir / "store.log"
         port_file = workdir / "store.port"
-        self.srv = subprocess.Popen([*self.prefix("st"), sys.executable, "-m", "syncd.cluster.sim", "s3serve",
+        self.srv = subprocess.Popen([*self.prefix("st"), sys.executable, "-m", "bench.netsim", "s3serve",
                                      str(store_dir), "--host", self.store_host, "--port", "0", "--log", str(self.log),
                                      "--ready", str(port_file)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 20
@@ -190,7 +192,7 @@ class Env:
 
 def run_cluster(env: Env, n: int, states, repeats: int, args, publish) -> dict:
     """A fresh cluster of ``n`` nodes distributes ``repeats + 1`` versions; returns per-version figures."""
-    from syncd.cluster import sim
+    from bench import netsim as sim
 
     run = f"{RUN}"
     addrs = {r: (env.ip(f"n{r}"), 7400 if env.shaped else sim.free_port()) for r in range(n)}
@@ -227,7 +229,7 @@ def run_cluster(env: Env, n: int, states, repeats: int, args, publish) -> dict:
 def run(args) -> dict:
     import torch
 
-    from syncd.cluster import sim
+    from bench import netsim as sim
     from syncd.versions import read_manifest
     from trainer import WeightPublisher
 
@@ -240,9 +242,9 @@ def run(args) -> dict:
         modes.remove("shaped")
     per_cluster = args.repeats + 1
     total = per_cluster * len(args.nodes) * len(modes)
-    t0 = time.perf_counter()
+    sw = Stopwatch()
     states = make_states(args.size_mib, min(total, 8))
-    print(f"trained {len(states)} states in {time.perf_counter() - t0:.1f}s")
+    print(f"trained {len(states)} states in {sw.elapsed:.1f}s")
     result = {"bench": "broadcast", "host": platform.node(), "cpus": os.cpu_count(), "args": vars(args), "modes": {}}
     with tempfile.TemporaryDirectory(prefix="syncd-bcast-") as tmp:
         tmp = Path(args.workdir) if args.workdir else Path(tmp)

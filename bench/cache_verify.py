@@ -1,12 +1,13 @@
 """What re-hashing node-cache shards on every read costs (issue 14: "a cache that heals").
 
 Every shard an engine reads from the node cache is SHA-256-checked against its manifest as it is read
-(``syncd.cache.update_from_cache(verify_shards=True)``), so bytes that rotted or were altered after the
+(``syncd.engines.Update.from_cache(verify_shards=True)``, ``syncd.cache.read_shards``), so bytes that rotted
+or were altered after the
 daemon verified them are refused, and the daemon re-fetches them. This benchmark measures that choice:
 
 1. *Throughput*, over real files in a cache directory (warm page cache, what a just-downloaded shard is):
    the read pass alone (open + ``readinto``, what the engine does anyway), the read pass plus SHA-256 on one
-   thread, and ``update_from_cache``'s parallel read+hash over all shards -- GB/s each, and the ratios to the
+   thread, and ``read_shards``' parallel read+hash over all shards -- GB/s each, and the ratios to the
    read pass as medians of per-round ratios (the three take turns in every round, so a noisy neighbour
    moves numerator and denominator together). The physical limit is the read pass itself.
 2. *What it adds to an update*: a real delta (AdamW steps at an RL learning rate on a small Qwen2,
@@ -30,8 +31,9 @@ import platform
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from bench._timing import Stopwatch
 
 PRESETS = {
     "default": dict(total_mib=512, shard_mib=64, rounds=5, hidden=512, layers=8, heads=8, kv_heads=4,
@@ -49,9 +51,9 @@ def _read(path: Path) -> bytearray:
 
 
 def throughput(cfg: dict, root: Path) -> dict:
-    """Read pass vs read+SHA-256 vs update_from_cache's parallel verified read over the same files."""
+    """Read pass vs read+SHA-256 vs read_shards' parallel verified read over the same files."""
     from syncd import manifest as mf
-    from syncd.cache import _read_verified, shard_path
+    from syncd.cache import read_shard, shard_path
 
     n, size = cfg["total_mib"] // cfg["shard_mib"], cfg["shard_mib"] << 20
     entries = []
@@ -76,16 +78,16 @@ def throughput(cfg: dict, root: Path) -> dict:
     def parallel_verified():
         from concurrent.futures import ThreadPoolExecutor
 
-        with ThreadPoolExecutor(4) as pool:  # what update_from_cache does (threads=4)
-            list(pool.map(lambda s: _read_verified(shard_path(root, s.sha256), s, 0, True), entries))
+        with ThreadPoolExecutor(4) as pool:  # what read_shards does (threads=4)
+            list(pool.map(lambda s: read_shard(root, s, 0), entries))
 
     read_pass()  # warm the page cache
     runs = {"read": [], "read_sha256": [], "parallel_verified": []}
     for _ in range(cfg["rounds"]):
         for name, fn in (("read", read_pass), ("read_sha256", read_hash), ("parallel_verified", parallel_verified)):
-            t0 = time.perf_counter()
+            t0 = Stopwatch()
             fn()
-            runs[name].append(time.perf_counter() - t0)
+            runs[name].append(t0.elapsed)
     out = {name: total / statistics.median(ts) / 1e9 for name, ts in runs.items()}
     ratio = lambda name: statistics.median(r / h for r, h in zip(runs["read"], runs[name]))  # noqa: E731
     return {"bytes": total, "shards": n, "gbps": out,
@@ -98,7 +100,8 @@ def update_cost(cfg: dict, work: Path) -> dict:
 
     import engine
     from bench.codec import snapshots
-    from syncd.cache import ShardCache, update_from_cache
+    from syncd.cache import ShardCache
+    from syncd.engines.update import Update
     from syncd.store import Store
     from syncd.versions import fetch_shards, read_manifest
     from trainer.publisher import WeightPublisher
@@ -116,13 +119,13 @@ def update_cost(cfg: dict, work: Path) -> dict:
     for r in range(cfg["update_rounds"] + 1):  # the first round warms up, untimed
         for verify in (False, True):
             eng = engine.StateDictEngine({k: v.clone() for k, v in old.items()}, 0)
-            t0 = time.perf_counter()
-            eng.stage(update_from_cache(m1, cache.root, verify_shards=verify))
+            t0 = Stopwatch()
+            eng.stage(Update.from_cache(m1, cache.root, verify_shards=verify).load())
             eng.pause()
             eng.apply()
             eng.resume()
             if r:
-                times[verify].append(time.perf_counter() - t0)
+                times[verify].append(t0.elapsed)
             assert all(torch.equal(eng.state_dict()[k], new[k]) for k in new)
     plain, verified = statistics.median(times[False]), statistics.median(times[True])
     return {"delta_bytes": m1.total_bytes, "full_bytes": sum(t.nbytes for t in m1.tensors),

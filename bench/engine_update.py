@@ -39,7 +39,6 @@ import json
 import logging
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import threading
@@ -49,6 +48,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench._timing import Stopwatch, median
 from bench import _gpu_reload as gpu
 
 log = logging.getLogger("bench.engine_update")
@@ -91,7 +91,7 @@ class Load:
             t.start()
 
     def _client(self, i: int, seed: int):
-        from engine.adapter import GenerationRequest, SamplingParams
+        from syncd.engines.protocol import GenerationRequest, SamplingParams
 
         g = np.random.default_rng(seed + i)
         n = 0
@@ -123,9 +123,9 @@ class Load:
 
 
 def tokens_during(engine, seconds: float, stop: threading.Event | None = None) -> tuple[int, float]:
-    t0, n0 = time.perf_counter(), engine.stats.tokens
+    sw, n0 = Stopwatch(), engine.stats.tokens
     (stop or threading.Event()).wait(seconds)
-    return engine.stats.tokens - n0, time.perf_counter() - t0
+    return engine.stats.tokens - n0, sw.elapsed
 
 
 def touched_lines(updater, staged) -> int:
@@ -140,9 +140,6 @@ def touched_lines(updater, staged) -> int:
     return lines
 
 
-def median(xs):
-    return statistics.median(xs) if xs else float("nan")
-
 
 def run(cfg: dict, lr: float, seed: int, workdir: Path, verify_apply: bool = True, device: str = "cpu") -> dict:
     """The measurements described in the module docstring, on ``device`` ("cpu" or "cuda", already resolved
@@ -152,23 +149,23 @@ def run(cfg: dict, lr: float, seed: int, workdir: Path, verify_apply: bool = Tru
 
     from bench.codec import snapshots
     from engine.reference import ReferenceEngine
-    from engine.updater import update_from_manifest
+    from syncd.engines.update import Update
     from syncd.store import Store
     from syncd.versions import fetch_shards, read_manifest
     from trainer import WeightPublisher
 
-    t0 = time.perf_counter()
+    sw = Stopwatch()
     snaps = snapshots(cfg, lr, cfg["updates"], seed)
     nparams = sum(t.numel() for t in snaps[0].values())
     weight_bytes = sum(t.numel() * t.element_size() for t in snaps[0].values())
     print(f"{nparams / 1e6:.1f}M parameters, {cfg['warmup'] + cfg['updates']} AdamW steps (lr {lr:g}) in "
-          f"{time.perf_counter() - t0:.1f}s")
+          f"{sw.lap():.1f}s")
     store = Store(workdir / "store")
-    t0 = time.perf_counter()
+    sw.lap()
     with WeightPublisher(store, "bench", signing_key=False, full_every=10**6) as pub:
         for step, snap in enumerate(snaps):
             pub.publish(snap, step)
-    print(f"published 1 full + {cfg['updates']} delta versions in {time.perf_counter() - t0:.1f}s")
+    print(f"published 1 full + {cfg['updates']} delta versions in {sw.lap():.1f}s")
 
     config = qwen2_config(cfg)
     engine = ReferenceEngine.from_store(store, "bench", 0, config=config, signing_key=False,
@@ -182,34 +179,34 @@ def run(cfg: dict, lr: float, seed: int, workdir: Path, verify_apply: bool = Tru
         while engine.stats.tokens == 0:  # warm: every client has produced tokens
             time.sleep(0.01)
         tokens_base, secs_base = tokens_during(engine, cfg["window"])
-        t_phase, n_phase = time.perf_counter(), engine.stats.tokens
+        phase, n_phase = Stopwatch(), engine.stats.tokens
         for v in range(1, cfg["updates"] + 1):
             time.sleep(cfg["interval"])
             m = read_manifest(store, "bench", v, signing_key=False)
             shards = fetch_shards(store, "bench", m)
-            t_a = time.perf_counter()
-            engine.stage(update_from_manifest(m, shards))
-            t_b = time.perf_counter()
+            sw = Stopwatch()
+            engine.stage(Update.from_shards(m, shards))
+            stage_s = sw.lap()
             engine.pause()
             sync()  # the last step's device work belongs to the pause wait, not to the stall
-            t_c = time.perf_counter()
+            pause_wait_s = sw.lap()
             engine.apply()
             sync()  # the scatter is launched asynchronously: the stall ends when it has run
-            t_d = time.perf_counter()
+            apply_s = sw.lap()
             engine.resume()
-            t_e = time.perf_counter()
+            stall_s = apply_s + sw.lap()
             got = engine.checksum()
-            t_f = time.perf_counter()
+            verify_s = sw.lap()
             want = {t.name: t.checksum for t in m.tensors}
             if got != want:
                 raise RuntimeError(f"version {v}: engine checksums differ from the manifest's after apply")
             staged = engine.updater.last_applied
-            updates.append(dict(version=v, stage_s=t_b - t_a, pause_wait_s=t_c - t_b, apply_s=t_d - t_c,
-                                stall_s=t_e - t_c, verify_s=t_f - t_e, changed=staged.changed,
+            updates.append(dict(version=v, stage_s=stage_s, pause_wait_s=pause_wait_s, apply_s=apply_s,
+                                stall_s=stall_s, verify_s=verify_s, changed=staged.changed,
                                 staged_bytes=staged.nbytes, lines=touched_lines(engine.updater, staged)))
             if cuda:  # what apply copies host -> device: positions and new words (old ones by fingerprint)
                 updates[-1]["h2d_bytes"] = sum(p.index.nbytes + p.new.nbytes for p in staged.params)
-        tokens_upd, secs_upd = engine.stats.tokens - n_phase, time.perf_counter() - t_phase
+        tokens_upd, secs_upd = engine.stats.tokens - n_phase, phase.elapsed
     finally:
         load.finish()
     lost = load.submitted - load.completed
@@ -219,19 +216,18 @@ def run(cfg: dict, lr: float, seed: int, workdir: Path, verify_apply: bool = Tru
     sync()
     quiet_apply, quiet_rollback = [], []
     last = read_manifest(store, "bench", cfg["updates"], signing_key=False)
-    last_update = update_from_manifest(last, fetch_shards(store, "bench", last))
+    last_update = Update.from_shards(last, fetch_shards(store, "bench", last))
     for _ in range(cfg["reload_repeats"]):
-        t0 = time.perf_counter()
+        sw = Stopwatch()
         engine.rollback()
         sync()
-        t1 = time.perf_counter()
+        quiet_rollback.append(sw.lap())
         engine.stage(last_update)
         sync()
-        t2 = time.perf_counter()
+        sw.lap()
         engine.apply()
         sync()
-        quiet_rollback.append(t1 - t0)
-        quiet_apply.append(time.perf_counter() - t2)
+        quiet_apply.append(sw.lap())
     engine.resume()
 
     # full-weight reloads of the same model, same run
@@ -245,20 +241,20 @@ def run(cfg: dict, lr: float, seed: int, workdir: Path, verify_apply: bool = Tru
         reload = []
         for i in range(cfg["reload_repeats"]):
             sd = snaps[i % len(snaps)]
-            t0 = time.perf_counter()
+            sw = Stopwatch()
             model.load_state_dict(sd, strict=True)
-            reload.append(time.perf_counter() - t0)
+            reload.append(sw.elapsed)
     del model
-    from engine.adapter import Update
+    from syncd.engines.update import Update
     engine.pause()
     load_full = []
     for i in range(max(1, cfg["reload_repeats"] // 2)):
         upd = Update(100 + i, "full", snaps[(i + 1) % len(snaps)])
         sync()
-        t0 = time.perf_counter()
+        sw = Stopwatch()
         engine.load_full(upd)
         sync()
-        load_full.append(time.perf_counter() - t0)
+        load_full.append(sw.elapsed)
     engine.close()
 
     storage_bytes = sum(t.numel() * t.element_size() for t in engine.runner.model.state_dict().values())

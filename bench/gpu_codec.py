@@ -1,7 +1,8 @@
 """GPU halves of the codec, timed on the device: checksum, changed-word scan + compaction, full encode
 (scan on the GPU, compact list over PCIe, entropy coding on the host) and apply (decode on the host, compact
-list over PCIe, scatter + two checksums on the GPU), per GPU backend, next to a device-to-device copy of the
-same bytes (the HBM bandwidth yardstick) measured in the same run. Writes JSON.
+list over PCIe, scatter + two checksums on the GPU), per GPU backend and delta format (format 2 also
+computes the old elements' classes on the GPU and copies them, half a byte each, to the host), next to a
+device-to-device copy of the same bytes (the HBM bandwidth yardstick) measured in the same run. Writes JSON.
 
     python -m bench.gpu_codec --gib 1 --density 0.01 --refcheck
 """
@@ -10,30 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from syncd.ops import _backend, checksum, delta
-from syncd.ops import _format as fmt
-
-
-def cuda_time(fn, repeats: int) -> float:
-    """Median seconds of ``fn`` measured with CUDA events (host work inside ``fn`` is included)."""
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(ts)
+from bench._timing import cuda_time
+from syncd.ops import available, checksum, delta
 
 
 def main(argv=None) -> int:
@@ -41,6 +25,7 @@ def main(argv=None) -> int:
     p.add_argument("--gib", type=float, default=1.0, help="bf16 tensor size in GiB")
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--versions", default="1,2", help="delta formats to time")
     p.add_argument("--refcheck", action="store_true", help="check every backend's output against the CPU codec")
     p.add_argument("--out", default="bench/results/gpu_codec.json")
     args = p.parse_args(argv)
@@ -62,48 +47,51 @@ def main(argv=None) -> int:
           f"device copy {copy_gbps:.0f} GB/s (read+write) is the yardstick")
     results = {"device": torch.cuda.get_device_name(), "bytes": nbytes, "density": args.density,
                "copy_gbps": copy_gbps, "backends": {}}
-    ref_blob = None
+    versions = [int(x) for x in args.versions.split(",")]
+    ref_blobs = {}
     if args.refcheck:
-        ref_blob = delta.encode(old.cpu(), new.cpu(), backend="cpu")
-    dt = fmt.dtype_of(old.dtype)
+        ref_blobs = {v: delta.encode(old.cpu(), new.cpu(), backend="cpu", version=v) for v in versions}
     for name in ("cuda", "triton"):
-        why = _backend.available(name, "cuda")
+        why = available(name, "cuda")
         if why:
             print(f"{name}: unavailable ({why})")
             continue
-        k = _backend.gpu_kernels(name)
         ck_s = cuda_time(lambda: checksum(old, backend=name), args.repeats)
-        scan_s = cuda_time(lambda: k.find_changes(old, new, dt.bits, dt.is_float), args.repeats)
-        enc_s = cuda_time(lambda: delta.encode(old, new, backend=name), max(3, args.repeats // 3))
-        blob = delta.encode(old, new, backend=name)
-        work = old.clone()
-
-        def apply_once():
-            work.copy_(old)
-            delta.apply_(work, blob, backend=name)
-        app_s = cuda_time(apply_once, max(3, args.repeats // 3)) - copy_s
-        ok = None
-        if ref_blob is not None:
-            ok = blob == ref_blob and torch.equal(work.view(torch.int16), new.view(torch.int16))
+        scan_s = cuda_time(lambda: delta.find_changes(old, new, backend=name), args.repeats)
         r = {"checksum_gbps": nbytes / ck_s / 1e9, "scan_gbps": 2 * nbytes / scan_s / 1e9,
-             "encode_gbps": nbytes / enc_s / 1e9, "apply_gbps": nbytes / app_s / 1e9,
-             "blob_bytes": len(blob), "blob_pct": 100 * len(blob) / nbytes, "refcheck": ok,
              "checksum_pct_of_copy": 100 * (nbytes / ck_s / 1e9) / read_gbps_limit,
-             "scan_pct_of_copy": 100 * (2 * nbytes / scan_s / 1e9) / read_gbps_limit}
-        results["backends"][name] = r
+             "scan_pct_of_copy": 100 * (2 * nbytes / scan_s / 1e9) / read_gbps_limit, "formats": {}}
         print(f"{name:6s} checksum {r['checksum_gbps']:7.0f} GB/s ({r['checksum_pct_of_copy']:.0f}% of copy)  "
-              f"scan {r['scan_gbps']:7.0f} GB/s read ({r['scan_pct_of_copy']:.0f}%)  "
-              f"encode {r['encode_gbps']:6.1f} GB/s  apply {r['apply_gbps']:6.1f} GB/s of weights  "
-              f"blob {r['blob_pct']:.3f}%  refcheck {ok}")
+              f"scan {r['scan_gbps']:7.0f} GB/s read ({r['scan_pct_of_copy']:.0f}%)")
+        for v in versions:
+            enc_s = cuda_time(lambda: delta.encode(old, new, backend=name, version=v), max(3, args.repeats // 3))
+            blob = delta.encode(old, new, backend=name, version=v)
+            work = old.clone()
+
+            def apply_once():
+                work.copy_(old)
+                delta.apply_(work, blob, backend=name)
+            app_s = cuda_time(apply_once, max(3, args.repeats // 3)) - copy_s
+            ok = None
+            if v in ref_blobs:
+                ok = blob == ref_blobs[v] and torch.equal(work.view(torch.int16), new.view(torch.int16))
+            f = {"encode_gbps": nbytes / enc_s / 1e9, "apply_gbps": nbytes / app_s / 1e9,
+                 "blob_bytes": len(blob), "blob_pct": 100 * len(blob) / nbytes, "refcheck": ok}
+            r["formats"][str(v)] = f
+            print(f"{name:6s} format {v}: encode {f['encode_gbps']:6.1f} GB/s  apply {f['apply_gbps']:6.1f} GB/s of "
+                  f"weights  blob {f['blob_pct']:.3f}%  refcheck {ok}")
+        results["backends"][name] = r
     if len(results["backends"]) == 2:
         a, b = results["backends"]["cuda"], results["backends"]["triton"]
         print(f"cuda/triton: checksum {a['checksum_gbps'] / b['checksum_gbps']:.2f}x, scan "
-              f"{a['scan_gbps'] / b['scan_gbps']:.2f}x, encode {a['encode_gbps'] / b['encode_gbps']:.2f}x, "
-              f"apply {a['apply_gbps'] / b['apply_gbps']:.2f}x")
+              f"{a['scan_gbps'] / b['scan_gbps']:.2f}x, " + ", ".join(
+                  f"format {v} encode {a['formats'][v]['encode_gbps'] / b['formats'][v]['encode_gbps']:.2f}x, "
+                  f"apply {a['formats'][v]['apply_gbps'] / b['formats'][v]['apply_gbps']:.2f}x" for v in a["formats"]))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
-    bad = [k for k, r in results["backends"].items() if r["refcheck"] is False]
+    bad = [f"{k} format {v}" for k, r in results["backends"].items() for v, f in r["formats"].items()
+           if f["refcheck"] is False]
     if bad:
         print(f"REFCHECK FAILED: {bad}")
         return 2

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from bench.gpu_codec import cuda_time
-from syncd.ops import _backend, nvfp4
+from bench._timing import cuda_time
+from syncd.ops import available, nvfp4
 
 
 def main(argv=None) -> int:
@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     pts = want.per_tensor_scale.cuda()
     results = {"device": torch.cuda.get_device_name(), "bytes": nbytes, "copy_gbps": copy_gbps, "backends": {}}
     for name in ("cuda", "triton"):
-        why = _backend.available(name, "cuda")
+        why = available(name, "cuda")
         if why:
             print(f"{name}: unavailable ({why})")
             continue

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from bench.gpu_codec import cuda_time
-from bench.replay import kept_sizes_public, random_sets
+from bench._timing import cuda_time
+from bench.replay_bytes import kept_sizes_public, random_sets
 
 
 def _peak(fn) -> int:

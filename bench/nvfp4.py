@@ -26,16 +26,16 @@ import argparse
 import json
 import logging
 import platform
-import statistics
 import sys
-import time
 import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from syncd.ops import _backend, delta, nvfp4
+from bench._timing import Stopwatch
+from bench import _timing
+from syncd.ops import delta, native_features, nvfp4, threads
 from syncd.ops.reference import nvfp4 as ref
 
 log = logging.getLogger("bench.nvfp4")
@@ -46,38 +46,11 @@ PRESETS = {
 }
 
 
-def median_time(fn, repeats: int) -> float:
-    fn()  # warm-up (allocations, first-touch)
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
-
-
 def read_pass(x: torch.Tensor):
     """The yardstick: a NumPy pass reading every byte of ``x`` (a sum over its 64-bit words)."""
     a = x.reshape(-1).view(torch.int16).numpy()
     a = a.view(np.uint64) if a.nbytes % 8 == 0 else a
     return lambda: a.sum()
-
-
-def paired(fn, read, repeats: int) -> tuple[float, float]:
-    """(median seconds of ``fn``, median over back-to-back pairs of read seconds / ``fn`` seconds): on a
-    shared, noisy machine the ratio of adjacent runs is steadier than either figure alone."""
-    fn()
-    read()
-    ts, ratios = [], []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        read()
-        t1 = time.perf_counter()
-        fn()
-        t2 = time.perf_counter()
-        ts.append(t2 - t1)
-        ratios.append((t1 - t0) / (t2 - t1))
-    return statistics.median(ts), statistics.median(ratios)
 
 
 def _torchao():
@@ -114,7 +87,7 @@ def throughput(rows: int, cols: int, repeats: int, seed: int) -> dict:
     gbps = lambda s: nbytes / s / 1e9  # noqa: E731
     read = read_pass(x)
     with _Threads(1):
-        read_s = median_time(read, repeats)
+        read_s = _timing.median_time(read, repeats, warmup=1)
     want = nvfp4.quantize(x, backend="reference")
     pts = want.per_tensor_scale
     buf = torch.empty(x.shape, dtype=torch.bfloat16)
@@ -129,9 +102,9 @@ def throughput(rows: int, cols: int, repeats: int, seed: int) -> dict:
         for op, fn in ops.items():
             if name == "cpu":
                 with _Threads(1):
-                    t, ratio = paired(lambda: fn(name), read, repeats)
+                    t, ratio = _timing.paired(lambda: fn(name), read, repeats)
             else:
-                t = median_time(lambda: fn(name), slow)
+                t = _timing.median_time(lambda: fn(name), slow, warmup=1)
                 ratio = read_s / t
             r[f"{op}_gbps"], r[f"{op}_vs_read"] = gbps(t), ratio
         got = nvfp4.quantize(x, backend=name)
@@ -141,9 +114,9 @@ def throughput(rows: int, cols: int, repeats: int, seed: int) -> dict:
                                           nvfp4.dequantize(want, torch.bfloat16, backend="reference").view(torch.int16)))
     ao = _torchao()
     if ao is not None:
-        ao_q_s = median_time(lambda: ao.nvfp4_quantize(x, per_tensor_scale=pts), slow)
+        ao_q_s = _timing.median_time(lambda: ao.nvfp4_quantize(x, per_tensor_scale=pts), slow, warmup=1)
         t = ao.NVFP4Tensor(want.qdata, want.scales, 16, torch.bfloat16, per_tensor_scale=pts)
-        ao_d_s = median_time(lambda: t.dequantize(torch.bfloat16), slow)
+        ao_d_s = _timing.median_time(lambda: t.dequantize(torch.bfloat16), slow, warmup=1)
         out["torchao"] = {"quantize_pts_gbps": gbps(ao_q_s), "dequantize_gbps": gbps(ao_d_s),
                           "quantize_pts_vs_read": read_s / ao_q_s, "dequantize_vs_read": read_s / ao_d_s}
         for r in out["backends"].values():
@@ -167,9 +140,9 @@ def delta_sizes(cfg: dict, lrs: list[float], ks: list[int], seed: int) -> list[d
 
     rows = []
     for lr in lrs:
-        t0 = time.perf_counter()
+        t0 = Stopwatch()
         snaps = snapshots(cfg, lr, max(ks), seed)
-        steps_s = time.perf_counter() - t0
+        steps_s = t0.elapsed
         names = [n for n, t in snaps[0].items() if nvfp4.is_linear_weight(n, t)]
         base = nvfp4.quantize_state_dict(snaps[0], names)
         packed = _parts_bytes(base, names)
@@ -221,8 +194,8 @@ def main(argv=None) -> int:
     for key in ("rows", "cols", "repeats", "lrs", "ks"):
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)
-    print(f"syncd NVFP4 benchmark: preset {args.preset}, threads {_backend.threads()}, "
-          f"native SIMD {_backend.native().NVFP4_SIMD}, {platform.processor() or platform.machine()}")
+    print(f"syncd NVFP4 benchmark: preset {args.preset}, threads {threads()}, "
+          f"native SIMD {native_features()['nvfp4_simd']}, {platform.processor() or platform.machine()}")
     tp = throughput(cfg["rows"], cfg["cols"], cfg["repeats"], args.seed)
     print(f"\nthroughput on a {cfg['rows']}x{cfg['cols']} bf16 matrix ({tp['bytes_bf16'] / 2**20:.0f} MiB), "
           f"GB/s of bf16; NumPy read pass {tp['read_gbps']:.2f} GB/s")
@@ -260,8 +233,8 @@ def main(argv=None) -> int:
           f"{cpu['quantize_pts_vs_read']:.2f}x with the per-tensor scale given")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"bench": "nvfp4", "preset": args.preset, "config": cfg, "threads": _backend.threads(),
-                               "native_simd": bool(_backend.native().NVFP4_SIMD), "python": sys.version.split()[0],
+    out.write_text(json.dumps({"bench": "nvfp4", "preset": args.preset, "config": cfg, "threads": threads(),
+                               "native_simd": native_features()["nvfp4_simd"], "python": sys.version.split()[0],
                                "torch": torch.__version__, "throughput": tp, "deltas": rows}, indent=1))
     print(f"results written to {out}")
     return 0 if all(r["bit_exact"] for r in tp["backends"].values()) else 2

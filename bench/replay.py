@@ -29,18 +29,18 @@ costs, and what the records cost on the wire. Everything is measured in one run,
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import math
 import os
 import platform
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+
+from bench._timing import Stopwatch, time_and_peak
+from bench.replay_bytes import kept_sizes_public, public_bytes, random_sets, recorded_bytes
 
 PRESETS = {
     "default": dict(requests=8, max_tokens=512, concurrency=8, updates=2, update_every=160, pretrain_steps=400,
@@ -114,7 +114,7 @@ def mismatch(name: str, cfg: dict, workdir: Path) -> dict:
         extra.update({k: [] for k in bf16})
     used = {k: [] for k in [*variants, *extra]}
     engine = []
-    t0 = time.perf_counter()
+    t0 = Stopwatch()
     for seq in rs.sequences:
         engine.append(seq.logprobs[seq.positions])
         for k, kw in variants.items():
@@ -135,7 +135,7 @@ def mismatch(name: str, cfg: dict, workdir: Path) -> dict:
             used[k].append(_used_route_disagreement(model, seq, lambda: box.update(
                 r=sampler_logprobs(model, seq, **kw))))
             extra[k].append(box["r"].logprobs)
-    recompute_s = time.perf_counter() - t0
+    recompute_s = t0.elapsed
     engine = torch.cat(engine)
 
     def dis(k):
@@ -159,90 +159,7 @@ def mismatch(name: str, cfg: dict, workdir: Path) -> dict:
             "bytes": recorded_bytes(run.store_url, run.run_id), "generate_s": run.wall_s, "recompute_s": recompute_s}
 
 
-# ---------------------------------------------------------------------------------------------- 3. bytes
-
-
-def kept_sizes_public(n: int, gen: torch.Generator, top: int) -> torch.Tensor:
-    """Kept-set sizes with prime-rl's quantiles: 46% single tokens, median 2, p99 about 82 (a rounded log-normal
-    tail, mu 2.2 and sigma 1.05, fitted to those points by sampling; its mean is about 9 ids, which at int32 per id
-    is prime-rl's 32-odd bytes per token), at most ``top``."""
-    single = torch.rand(n, generator=gen) < 0.46
-    tail = torch.exp(2.2 + 1.05 * torch.randn(n, generator=gen)).round().clamp(2, top)
-    return torch.where(single, torch.ones(n), tail).long()
-
-
-def random_sets(sizes: torch.Tensor, V: int, gen: torch.Generator) -> list[torch.Tensor]:
-    out = []
-    for s in sizes.tolist():
-        ids = torch.unique(torch.randint(0, V, (2 * s + 4,), generator=gen))
-        while ids.numel() < s:
-            ids = torch.unique(torch.cat([ids, torch.randint(0, V, (s,), generator=gen)]))
-        out.append(ids[torch.randperm(ids.numel(), generator=gen)[:s]].sort().values)
-    return out
-
-
-def recorded_bytes(store_url: str, run_id: str) -> dict:
-    """Bytes per generated token in the run's replay records: kept sets, token routes, whole chunks."""
-    from syncd.records.replay import decode_chunk, encode_kept, pack_routing
-    from syncd.store import Store
-
-    store = Store(store_url)
-    kept = routes = total = tokens = 0
-    for o in store.list(f"runs/{run_id}/replay/"):
-        raw = store.get(o.key)
-        c = decode_chunk(raw)
-        tokens += len(c.records)
-        total += len(raw)
-        kept += sum(len(encode_kept(r.kept, c.vocab_size)) for r in c.records)
-        if c.records[0].routing is not None:
-            routes += len(pack_routing(torch.stack([torch.as_tensor(r.routing) for r in c.records]).numpy(),
-                                       c.num_experts))
-    return {"tokens": tokens, "kept_per_token": kept / tokens, "routes_per_token": routes / tokens,
-            "chunk_per_token": total / tokens}
-
-
-def public_bytes(n: int, V: int, seed: int) -> dict:
-    from syncd.records.replay import encode_kept
-    from syncd.ops.replay import bits_per_id
-
-    gen = torch.Generator().manual_seed(seed)
-    sizes = kept_sizes_public(n, gen, 1000)
-    sets = random_sets(sizes, V, gen)
-    v1 = statistics.fmean(len(encode_kept(s.numpy(), V)) for s in sets)
-    bound = statistics.fmean((math.lgamma(V + 1) - math.lgamma(s + 1) - math.lgamma(V - s + 1)) / math.log(2) / 8
-                             for s in sizes.tolist())
-    E, k, L = 128, 8, 48
-    b = bits_per_id(E)
-    return {"vocab": V, "tokens": n, "kept_size_median": float(sizes.double().median()),
-            "kept_size_p99": float(sizes.double().quantile(0.99)), "single_pct": float(100 * (sizes == 1).double().mean()),
-            "kept_size_mean": float(sizes.double().mean()), "kept_v1_per_token": v1, "kept_bound_per_token": bound,
-            "int32_ids_per_token": 4 * float(sizes.double().mean()),
-            "routes": {"experts": E, "top_k": k, "layers": L, "bits_per_id": b, "per_token": L * k * b / 8,
-                       "int32_per_token": L * k * 4}}
-
-
 # ---------------------------------------------------------------------------------------------- 2. op
-
-
-def _rss() -> tuple[int, int]:
-    """(current RSS, peak RSS since the last reset) in bytes."""
-    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
-    return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
-
-
-def _measure(fn, repeats: int) -> tuple[float, int]:
-    """(median seconds, peak RSS above the starting point in bytes) of ``fn()``; the peak of the first call."""
-    gc.collect()
-    Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS counter
-    base, _ = _rss()
-    times = []
-    for i in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-        if i == 0:
-            peak = _rss()[1] - base
-    return statistics.median(times), peak
 
 
 OP_METHODS = {"cpu": dict(backend="cpu"), "reference": dict(backend="reference"),
@@ -279,12 +196,12 @@ def op_bench(T: int, V: int, H: int, repeats: int, seed: int, budget: int) -> di
     def measure(methods: dict, naive_fn, naive_need: int) -> dict:
         res = {}
         for name, fn in methods.items():
-            t, peak = _measure(fn, repeats)
+            t, peak = time_and_peak(fn, repeats)
             res[name] = {"s": t, "peak_bytes": peak, "peak_without_grad": peak - grad_bytes}
         if naive_need > budget:
             res["naive"] = {"skipped": f"needs about {naive_need / 2**30:.1f} GiB, the budget is {budget / 2**30:.1f} GiB"}
             return res
-        t, peak = _measure(naive_fn, max(1, min(repeats, 2)))
+        t, peak = time_and_peak(naive_fn, max(1, min(repeats, 2)))
         res["naive"] = {"s": t, "peak_bytes": peak, "peak_without_grad": peak - grad_bytes}
         for name in methods:  # (peaks under 64 MiB are too close to page-size noise to divide; 1 MiB floor)
             r = res[name]
@@ -295,7 +212,7 @@ def op_bench(T: int, V: int, H: int, repeats: int, seed: int, budget: int) -> di
         return res
 
     out = {"rows": T, "vocab": V, "kept_ids": int(ids.numel()), "grad_bytes": grad_bytes}
-    out["zeros_floor_s"] = _measure(lambda: torch.zeros(T, V), repeats)[0]
+    out["zeros_floor_s"] = time_and_peak(lambda: torch.zeros(T, V), repeats)[0]
     x = torch.randn(T, V, generator=gen).requires_grad_()
     out["op"] = measure({k: run(lambda kw=kw: kept_logprobs(x, ids, offsets, targets, **kw).sum(), [x])
                          for k, kw in OP_METHODS.items()}, run(lambda: naive_loss(x), [x]), 6 * grad_bytes)
@@ -306,7 +223,7 @@ def op_bench(T: int, V: int, H: int, repeats: int, seed: int, budget: int) -> di
     h = torch.randn(T, H, generator=gen).requires_grad_()
     w = (torch.randn(V, H, generator=gen) / H ** 0.5).requires_grad_()
     linear = torch.nn.functional.linear
-    out["lm_head_s"] = _measure(lambda: linear(h.detach(), w.detach()), max(1, min(repeats, 2)))[0]
+    out["lm_head_s"] = time_and_peak(lambda: linear(h.detach(), w.detach()), max(1, min(repeats, 2)))[0]
     out["lm_head_fraction"] = {k: r["s"] / out["lm_head_s"] for k, r in out["op"].items() if "s" in r}
     if 7 * grad_bytes <= budget:  # (only where the baseline runs too: each pass is several lm_head matmuls)
         e2e = {k: run(lambda kw=kw: kept_logprobs(linear(h, w), ids, offsets, targets, **kw).sum(), [h, w])

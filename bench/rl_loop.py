@@ -1,6 +1,6 @@
 """The thin trainer's RL loop, measured: the asynchronous loop against a synchronous baseline, side by side.
 
-Each mode gets a fresh serving side (``syncd.rl_stack``: two reference-engine workers under the Dynamo frontend
+Each mode gets a fresh serving side (``syncd.app.rl_stack``: two reference-engine workers under the Dynamo frontend
 recording replay records, the sandbox proxy, the node daemon) and one ``python -m trainer.run`` with the same
 task, sizes, seed and step count:
 
@@ -34,8 +34,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from bench._timing import Stopwatch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,10 +50,10 @@ def _generation_ceiling(stack, requests: int, tokens: int, repeats: int = 3) -> 
     rates = []
     with cf.ThreadPoolExecutor(requests) as pool:
         for r in range(repeats):
-            t0 = time.perf_counter()
+            t0 = Stopwatch()
             list(pool.map(lambda i: complete(stack.proxy_url, {**body, "seed": i}, f"ceiling-{r}-{i}"),
                           range(requests)))
-            rates.append(requests * tokens / (time.perf_counter() - t0))
+            rates.append(requests * tokens / (t0.elapsed))
     return statistics.median(rates)
 
 
@@ -73,7 +74,7 @@ def _modes(text: str) -> list[tuple[str, str, int]]:
 
 
 def run_mode(name: str, kind: str, eta: int, args, workdir: Path, *, ceiling: bool) -> dict:
-    from syncd.rl_stack import RLStack, StackConfig
+    from syncd.app.rl_stack import RLStack, StackConfig
     from trainer.metrics import publish_to_serving, read_metrics, summarize
 
     mode = name
@@ -86,12 +87,12 @@ def run_mode(name: str, kind: str, eta: int, args, workdir: Path, *, ceiling: bo
                  "--every-k", str(args.every_k), "--max-lag", str(eta), "--task", args.task,
                  "--task-length", str(args.task_length), "--seed", str(args.seed), "--lr", str(args.lr),
                  "--top-p", str(args.top_p), "--no-plot", *(["--sync"] if kind == "sync" else [])]
-        t0 = time.perf_counter()
+        t0 = Stopwatch()
         p = subprocess.run(stack.trainer_argv(*flags), env=stack.env, cwd=ROOT, capture_output=True, text=True,
                            timeout=args.timeout)
         if p.returncode != 0:
             raise RuntimeError(f"{mode}: trainer.run exited {p.returncode}: {p.stderr[-3000:]}")
-        process_s = time.perf_counter() - t0
+        process_s = t0.elapsed
         lines = read_metrics(workdir / mode / "out" / "metrics.jsonl")
     finally:
         stack.close()

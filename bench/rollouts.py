@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -32,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from bench._timing import Stopwatch
 
 log = logging.getLogger("bench.rollouts")
 
@@ -149,7 +149,7 @@ def _write_folder(out: Path, config, model, state: dict) -> Path:
 
 
 def _workers(node):
-    from engine.control import RemoteAdapter
+    from syncd.engines.client import RemoteAdapter
 
     return [RemoteAdapter(w["admin_url"]) for w in node.workers()]
 
@@ -216,21 +216,9 @@ def _post(url: str, path: str, body: dict) -> dict:
 
 
 def _start_proxy(workdir: Path, upstream: str, store_url: str, run_id: str):
-    from engine.dynamo.procs import stop_process, wait_until
+    from engine.proxy.procs import start_proxy
 
-    ready = workdir / "proxy.json"
-    logf = open(workdir / "proxy.log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "engine.proxy", "--upstream", upstream, "--store", store_url,
-                             "--run-id", run_id, "--sandbox-id", SANDBOX, "--ready-file", str(ready)],
-                            stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-    logf.close()
-    try:
-        wait_until(ready.exists, 60, "the proxy to serve", alive=lambda: proc.poll() is not None and "proxy exited")
-    except BaseException:
-        stop_process(proc, 5)
-        raise
-    return proc, json.loads(ready.read_text())["url"]
-
+    return start_proxy(workdir, upstream, store_url, run_id, SANDBOX)
 
 def generate(workdir: Path, store_url: str, cfg: RolloutConfig, *, run_id: str | None = None) -> RolloutRun:
     """Run the rollouts (see the module docstring). ``store_url``: where versions, replay records and trajectory
@@ -239,12 +227,13 @@ def generate(workdir: Path, store_url: str, cfg: RolloutConfig, *, run_id: str |
     from engine.dynamo.serve import Node, NodeConfig
     from engine.dynamo.settings import DynamoSettings
     from engine.reference.make_tiny import model_config, random_model
+    from syncd.engines.update import Update
     from trainer import WeightPublisher
 
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     run_id = run_id or f"replay-{cfg.arch}{'-nvfp4' if cfg.nvfp4 else ''}"
-    t0 = time.perf_counter()
+    t0 = Stopwatch()
     mcfg = model_config(cfg.arch, hidden=cfg.hidden, layers=cfg.layers, intermediate=2 * cfg.hidden,
                         experts=cfg.experts, top_k=cfg.experts_top_k)
     model = random_model(mcfg, cfg.seed)
@@ -312,7 +301,7 @@ def generate(workdir: Path, store_url: str, cfg: RolloutConfig, *, run_id: str |
                 weights[version] = _served(model)
                 raw = _cache_version(store_url, run_id, version, workdir / "cache")
                 for e in engines:  # through the workers' admin routes, as a node daemon does
-                    e.stage_from_cache(raw, workdir / "cache")
+                    e.stage(Update.from_cache(raw, workdir / "cache"))
                     e.apply()
                     if e.version != version:
                         raise RuntimeError(f"a worker is at version {e.version} after applying {version}")
@@ -335,4 +324,4 @@ def generate(workdir: Path, store_url: str, cfg: RolloutConfig, *, run_id: str |
             stop_process(proxy, 30)
         node.close()  # the workers drain and flush their replay records
     return RolloutRun(store_url, run_id, cfg, mcfg, weights, [(SANDBOX, t) for t in tids], applied,
-                      sum(progress), time.perf_counter() - t0)
+                      sum(progress), t0.elapsed)

@@ -35,6 +35,8 @@ import time
 import uuid
 from pathlib import Path
 
+from bench._timing import Stopwatch
+
 log = logging.getLogger("bench.serve")
 
 PRESETS = {
@@ -60,14 +62,14 @@ async def _run_load(one, n: int, concurrency: int) -> tuple[list[float], float, 
     async def go(i):
         nonlocal made
         async with sem:
-            t0 = time.perf_counter()
+            t0 = Stopwatch()
             n = await one(i)  # (not `made += await ...`: that reads `made` before awaiting)
             made += n
-            lat.append(time.perf_counter() - t0)
+            lat.append(t0.elapsed)
 
-    t0 = time.perf_counter()
+    t0 = Stopwatch()
     await asyncio.gather(*(go(i) for i in range(n)))
-    return lat, time.perf_counter() - t0, made
+    return lat, t0.elapsed, made
 
 
 async def _http_stream(session, url: str, body: dict, on_token=None) -> int:
@@ -152,9 +154,9 @@ async def _migrations(node, session, proxy_url: str, cfg: dict, model: str) -> d
                 "seed": 1000 + k, "temperature": 1.0, "ignore_eos": True}
         await _wait_workers(node)
         await _wait_routable(session, node, model)
-        t0 = time.perf_counter()
+        t0 = Stopwatch()
         n_calm = await _http_stream(session, f"{proxy_url}/v1/completions", body)
-        calm = time.perf_counter() - t0
+        calm = t0.elapsed
         killed = {}
 
         def kill(n, obj):
@@ -164,10 +166,10 @@ async def _migrations(node, session, proxy_url: str, cfg: dict, model: str) -> d
                 killed.update(w, at=time.perf_counter())
                 os.kill(w["pid"], signal.SIGKILL)
 
-        t0 = time.perf_counter()
+        t0 = Stopwatch()
         n_hurt = await _http_stream(session, f"{proxy_url}/v1/completions",
                                     {**body, "nvext": {"extra_fields": ["worker_id"]}}, on_token=kill)
-        hurt = time.perf_counter() - t0
+        hurt = t0.elapsed
         if not killed or n_hurt != n_calm:
             raise RuntimeError(f"migration {k}: killed={bool(killed)}, {n_hurt} tokens vs {n_calm} undisturbed")
         pairs.append({"undisturbed_s": calm, "migrated_s": hurt, "extra_s": hurt - calm})

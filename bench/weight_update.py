@@ -42,6 +42,8 @@ from pathlib import Path
 
 import torch
 
+from bench._timing import Stopwatch
+
 log = logging.getLogger("bench.weight_update")
 
 MODELS = {
@@ -105,27 +107,25 @@ def run(args) -> dict:
 
     alone_s = []  # training steps with no publisher: what the background work is compared against
     for _ in range(args.warmup):
-        t0 = time.perf_counter()
+        sw = Stopwatch()
         pg_step(model, opt, gen, args.batch, args.seq)
         _sync(args.device)
-        alone_s.append(time.perf_counter() - t0)
+        alone_s.append(sw.elapsed)
     pub = WeightPublisher(store, run_id, every_k=args.every_k, full_every=args.full_every,
                           shard_bytes=args.shard_mb << 20, signing_key=args.signing_key or False)
     step_s, publish_s, snapshots = [], [], []
     for step in range(args.versions * args.every_k):
-        t0 = time.perf_counter()
+        sw = Stopwatch()
         pg_step(model, opt, gen, args.batch, args.seq)
         _sync(args.device)
-        t1 = time.perf_counter()
+        step_s.append(sw.lap())
         published = pub.publish(model, step)
-        t2 = time.perf_counter()
-        step_s.append(t1 - t0)
-        publish_s.append(t2 - t1)
+        publish_s.append(sw.lap())
         if published and args.e2e:  # the very weights published, for the end-to-end replay
             snapshots.append({k: v.detach().to(torch.bfloat16).cpu().clone() for k, v in model.state_dict().items()})
-    t0 = time.perf_counter()
+    sw = Stopwatch()
     pub.close()
-    drain_s = time.perf_counter() - t0
+    drain_s = sw.elapsed
     final = {k: v.detach().to(torch.bfloat16).cpu() for k, v in model.state_dict().items()}
     versions = {s.version: s for s in pub.history}
 
@@ -133,36 +133,36 @@ def run(args) -> dict:
     rows, weights, prev = [], None, None
     for info in list_versions(store, run_id, signing_key=args.signing_key or False):
         m, st = info.manifest, versions[info.version]
-        t0 = time.perf_counter()
+        sw = Stopwatch()
         shards = fetch_shards(store, run_id, m)
-        t1 = time.perf_counter()
+        fetch_s = sw.lap()
         if m.kind == "full":
             weights = load_full(m, shards)
         else:
             apply_delta(weights, prev, m, shards)
-        t2 = time.perf_counter()
+        apply_s = sw.lap()
         prev = m
         blob = st_save(weights)
-        t3 = time.perf_counter()
+        save_s = sw.lap()
         key = f"baseline/{run_id}/{m.version:012d}.safetensors"
         store.put(key, blob)
-        t4 = time.perf_counter()
+        upload_s = sw.lap()
         back = store.download(key)
-        t5 = time.perf_counter()
+        download_s = sw.lap()
         loaded = st_load(bytes(back))
-        t6 = time.perf_counter()
+        load_s = sw.lap()
         assert all(torch.equal(loaded[k].view(torch.uint8) if loaded[k].dim() else loaded[k],
                                weights[k].view(torch.uint8) if weights[k].dim() else weights[k])
                    for k in weights), "baseline round trip differs"
         rows.append(dict(version=m.version, kind=m.kind, step=m.step, bytes=st.uploaded_bytes,
                          base_bytes=len(blob), ratio=st.uploaded_bytes / len(blob),
                          snapshot=st.snapshot_s, stall=st.stall_s, encode=st.encode_s, upload=st.upload_s,
-                         fetch=t1 - t0, apply=t2 - t1, base_save=t3 - t2, base_upload=t4 - t3,
-                         base_fetch=t5 - t4, base_load=t6 - t5))
+                         fetch=fetch_s, apply=apply_s, base_save=save_s, base_upload=upload_s,
+                         base_fetch=download_s, base_load=load_s))
     store.delete([o.key for o in store.list(f"baseline/{run_id}/")])
-    t0 = time.perf_counter()
+    sw = Stopwatch()
     latest = syncd.materialize(store, run_id, signing_key=args.signing_key or False)
-    cold_s = time.perf_counter() - t0
+    cold_s = sw.elapsed
     exact = all(torch.equal(latest[k].view(torch.int16) if latest[k].dtype == torch.bfloat16 else latest[k],
                             final[k].view(torch.int16) if final[k].dtype == torch.bfloat16 else final[k])
                 for k in final)

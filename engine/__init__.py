@@ -1,17 +1,20 @@
-"""Engine adapters: the protocol an inference engine implements to take weight updates (``engine.Adapter``)
-and to serve (``engine.Generator``), the reusable update machinery (``engine.WeightUpdater``), a headless
+"""Engines and their servers: the protocol an inference engine implements to take weight updates
+(``engine.Adapter``) and to serve (``engine.Generator``) -- defined in :mod:`syncd.engines`, re-exported here --,
+the reusable update machinery (``engine.WeightUpdater``), a headless
 engine over plain tensors (``engine.StateDictEngine``), the replay recorder (``engine.ReplayRecorder``) and
 the reference engine (``engine.reference.ReferenceEngine``). Names are imported lazily."""
 
 from __future__ import annotations
 
-import importlib
+from syncd.lazy import lazy_names
 
 _LAZY = {
-    "Adapter": "engine.adapter", "Generator": "engine.adapter", "ParamSpec": "engine.adapter",
-    "ParamPiece": "engine.adapter", "Update": "engine.adapter", "SamplingParams": "engine.adapter",
-    "GenerationRequest": "engine.adapter", "TokenEvent": "engine.adapter",
-    "WeightUpdater": "engine.updater", "StagedUpdate": "engine.updater", "expected_checksums": "engine.updater",
+    # the engine contract lives in syncd.engines; re-exported here
+    "Adapter": "syncd.engines.protocol", "Generator": "syncd.engines.protocol",
+    "ParamSpec": "syncd.engines.params", "ParamPiece": "syncd.engines.params", "Update": "syncd.engines.update",
+    "SamplingParams": "syncd.engines.protocol", "GenerationRequest": "syncd.engines.protocol",
+    "TokenEvent": "syncd.engines.protocol",
+    "WeightUpdater": "engine.updater", "StagedUpdate": "engine.staging", "expected_checksums": "engine.updater",
     "build_local": "engine.updater", "identity_specs": "engine.updater",
     "StateDictEngine": "engine.state_dict",
     "ReplayRecorder": "engine.replay", "TokenRecord": "engine.replay",
@@ -20,11 +23,4 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str):
-    try:
-        module = _LAZY[name]
-    except KeyError:
-        raise AttributeError(f"module 'engine' has no attribute {name!r}") from None
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names("engine", _LAZY)

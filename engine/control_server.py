@@ -1,5 +1,5 @@
 """The HTTP server of a standalone engine process (``python -m engine.control --model DIR --port P``), on
-aiohttp (the proxy's HTTP stack): the weight routes of :mod:`engine.control` through an
+aiohttp (the proxy's HTTP stack): the control routes (:mod:`syncd.engines.wire`) through an
 :class:`~engine.control.EngineControl`, and, when the engine serves generation, ``POST /generate``
 (newline-delimited JSON token events) and ``GET /health``.
 
@@ -24,9 +24,11 @@ import threading
 
 from aiohttp import web
 
-from engine.adapter import GenerationRequest, SamplingParams
-from engine.control import MAX_BODY_BYTES, ROUTE_PREFIX, BadRequest, EngineControl, status_of
+from engine.control import EngineControl
 from syncd import jsonsafe
+from syncd.engines.errors import BadRequest
+from syncd.engines.protocol import GenerationRequest, SamplingParams
+from syncd.engines.wire import MAX_BODY_BYTES, ROUTE_PREFIX, error_reply
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +49,8 @@ def _request_from_json(d: dict) -> GenerationRequest:
 
 
 def _error(exc: BaseException) -> web.Response:
-    msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
-    return web.json_response({"error": str(msg), "type": type(exc).__name__}, status=status_of(exc))
+    status, body = error_reply(exc)
+    return web.json_response(body, status=status)
 
 
 class ControlServer:

@@ -26,7 +26,7 @@ from typing import Mapping
 
 import torch
 
-from engine.adapter import ParamPiece, ParamSpec
+from syncd.engines.params import ParamPiece, ParamSpec
 
 __all__ = ["tp_specs", "fused_specs"]
 

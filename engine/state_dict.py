@@ -4,7 +4,7 @@ For daemons, controllers and tests where generation is irrelevant: it takes upda
 engine (same :class:`~engine.updater.WeightUpdater`, same contract), including as a tensor-parallel rank
 (:meth:`StateDictEngine.from_full` with sliced/fused specs).
 
-Thread-safety: the Adapter contract (``engine/adapter.py``). ``apply``/``rollback``/``load_full`` raise
+Thread-safety: the Adapter contract (``syncd/engines/protocol.py``). ``apply``/``rollback``/``load_full`` raise
 ``RuntimeError`` unless paused, so a controller that forgets ``pause()`` is caught here rather than on a
 serving engine.
 """
@@ -16,7 +16,8 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
-from engine.adapter import ParamSpec, Update
+from syncd.engines.params import ParamSpec
+from syncd.engines.update import Update
 from engine.updater import WeightUpdater, build_local, identity_specs
 
 __all__ = ["StateDictEngine"]

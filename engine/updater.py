@@ -1,6 +1,6 @@
 """``WeightUpdater``: the weight-update half of ``engine.Adapter`` over a set of local tensors, for any engine.
 
-An engine describes its local parameters with :class:`~engine.adapter.ParamSpec` (renamed, fused and
+An engine describes its local parameters with :class:`~syncd.engines.params.ParamSpec` (renamed, fused and
 tensor-parallel sliced ones included) and hands over the live tensors; the updater implements ``stage``,
 ``apply``, ``rollback``, ``load_full``, ``checksum`` and ``version`` on them. The engine keeps the serving
 side (``pause``/``resume``) and calls the updater while paused.
@@ -18,7 +18,7 @@ How an update moves (``docs/engine.md``):
   they are pinned, positions are int32 where they fit and the old words get a fingerprint
   (:func:`fingerprint`), so an apply sends 6 bytes per changed bf16 word over PCIe.
 * ``apply()`` scatters the new words; each staged position must still hold its staged old word, checked
-  just before it is written (CPU: one native pass on every core, ``syncd._native.scatter_runs_ptr``). Only
+  just before it is written (CPU: one pass on every core, ``syncd.ops.scatter_words_``). Only
   changed words move. If anything fails, every word already written is restored from the old words and the
   error is raised: all or nothing.
 * ``rollback()`` scatters the old words of the last apply back: bit-exact and as cheap as the apply.
@@ -27,8 +27,8 @@ How an update moves (``docs/engine.md``):
 Local tensors may be any view that flattens without a copy (``t.view(-1)`` works), for example the bf16
 words inside an fp32 tensor that holds bf16-exact values (:func:`bf16_view_of_fp32`), so an engine can
 compute in fp32 while the trainer's bf16 words are updated in place. How local parameters map onto the
-trainer's tensors (validation, position mapping, building and checksumming local tensors) is in
-:mod:`engine.local_params`, whose public names this module re-exports.
+trainer's tensors (validation, position mapping, building and checksumming local tensors) is part of the
+engine contract, :mod:`syncd.engines.params`; this module re-exports the names it always did.
 
 Thread-safety: ``stage``/``apply``/``rollback``/``load_full`` follow the Adapter contract (one controller
 thread; ``apply``/``rollback``/``load_full`` only while the engine runs no forward pass). ``stage`` and
@@ -41,67 +41,25 @@ checksum differs from the update's; ``ValueError`` for a ``base_version`` other 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
 
-from engine.adapter import ParamSpec, Update
-from engine.local_params import (bf16_view_of_fp32, build_local, check_spec, expected_checksums, flat_view,
-                                 identity_specs, local_slab, map_positions, slab, word_view)
+from engine.local_params import bf16_view_of_fp32, flat_view, word_view
+from engine.staging import StagedParam, StagedUpdate, fingerprint, mismatch, write_on_device  # noqa: F401
+from syncd.engines.params import (ParamPiece, ParamSpec, build_local, check_spec, expected_checksums, identity_specs,
+                                  local_slab, map_positions, slab)
+from syncd.engines.update import Update
 from syncd.errors import DeltaError, IntegrityError
 from syncd.ops import checksum as _checksum
-from syncd.ops import checksum_many
+from syncd.ops import checksum_many, scatter_words_
 from syncd.ops import delta as _delta
 
 log = logging.getLogger(__name__)
 
 __all__ = ["WeightUpdater", "StagedUpdate", "StagedParam", "expected_checksums", "build_local",
            "identity_specs", "bf16_view_of_fp32", "map_positions", "update_from_manifest"]
-
-
-
-@dataclass
-class StagedParam:
-    """The staged words of one local parameter: ascending local flat ``index`` and the ``old`` and ``new``
-    words there as same-width integers. CPU tensors; for a parameter on a GPU they are pinned, ``index`` is
-    int32 when the parameter has fewer than 2^31 words (int64 otherwise, and always on the CPU), and
-    ``old_fingerprint`` is :func:`fingerprint` of the old words, so an apply need not send them."""
-
-    name: str
-    index: torch.Tensor
-    old: torch.Tensor
-    new: torch.Tensor
-    old_fingerprint: int | None = None
-
-    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """NumPy views (no copies) of ``index``, ``old`` and ``new``."""
-        return self.index.numpy(), self.old.numpy(), self.new.numpy()
-
-
-@dataclass
-class StagedUpdate:
-    """A staged (or last applied) update. ``prev_version`` is the version before it; ``expected_checksums``
-    holds the local checksums the result must have where they are known without the full tensors (1:1
-    parameters of a delta; every parameter of a full version)."""
-
-    version: int
-    prev_version: int | None
-    kind: str
-    params: list[StagedParam]
-    epoch: int
-    expected_checksums: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def changed(self) -> int:
-        """Number of local words that change."""
-        return sum(p.index.numel() for p in self.params)
-
-    @property
-    def nbytes(self) -> int:
-        """Staging memory in bytes."""
-        return sum(p.index.nbytes + p.old.nbytes + p.new.nbytes for p in self.params)
 
 
 class WeightUpdater:
@@ -347,64 +305,24 @@ class WeightUpdater:
                version: int | None = None) -> None:
         """Scatter the new (``new``) or old words of every parameter. With ``verify``, each position must
         hold the word being replaced. On any failure every word written so far is put back and nothing else
-        is touched, then the error is raised. CPU parameters: one native call (``scatter_runs_ptr``) over
-        runs of ``_SUB`` words on every core, each word compared just before it is written; the rest
-        (GPU parameters, or every one without the native scatter): :meth:`_write_torch`."""
-        native = {n: a for n, a in self._np.items() if _NATIVE_SCATTER}
-        runs, owners = _cpu_runs(native, params, new)
-        if runs:
-            failed, bad = _scatter(runs, verify)
-            if failed >= 0:
-                p = owners[failed]
+        is touched, then the error is raised. CPU parameters: one :func:`syncd.ops.scatter_words_` over all of
+        them (every core, each word compared just before it is written); the rest (GPU parameters, or every
+        one with ``_NATIVE_SCATTER`` off): :func:`engine.staging.write_on_device`."""
+        cpu = [p for p in params if p.name in self._np] if _NATIVE_SCATTER else []
+        if cpu:
+            failed = scatter_words_(_word_items(self._np, cpu, new), verify=verify)
+            if failed is not None:
+                p, bad = cpu[failed[0]], failed[1]
                 if bad < 0:
                     raise DeltaError(f"apply: parameter {p.name!r} has a staged position outside the tensor; "
                                      "nothing was written")
-                raise _mismatch(p, bad, version)
+                raise mismatch(p, bad, version)
         try:
-            self._write_torch([p for p in params if p.name not in native], new=new, verify=verify,
-                              version=version)
+            write_on_device(self._flat, [p for p in params if p.name not in self._np or not _NATIVE_SCATTER],
+                            new=new, verify=verify, version=version)
         except BaseException:
-            if runs:
-                _scatter(_cpu_runs(native, params, not new)[0], False)
-            raise
-
-    def _write_torch(self, params: list[StagedParam], *, new: bool, verify: bool, version) -> None:
-        """``_write`` with torch ops on each parameter's device. Only positions and the words to write cross
-        to the device (non-blocking from pinned memory): with ``verify`` the words in place are checked
-        against the staged ones by :func:`fingerprint`, computed on the device and read back with one
-        synchronisation per device (a mismatch is then counted exactly, sending the staged words, to name
-        it). Nothing is written before every parameter passed, so a mismatch leaves the weights untouched;
-        an error while writing puts back what was written."""
-        todo = []
-        for p in params:
-            bits = word_view(self._flat[p.name])
-            n = p.index.numel()  # host memory; staged positions ascend, so the ends bound them all
-            if n and not (0 <= int(p.index[0]) and int(p.index[n - 1]) < bits.numel()):
-                raise DeltaError(f"apply: parameter {p.name!r} has a staged position outside the tensor; "
-                                 "nothing was written")
-            after = p.new if new else p.old
-            todo.append((p, bits, _dev(p.index, bits).long(), _dev(after, bits)))
-        if verify and todo:
-            sums: dict[torch.device, list] = {}
-            for p, bits, idx, _ in todo:
-                sums.setdefault(bits.device, []).append((p, _fingerprint_terms(bits[idx], idx).sum()))
-            for pairs in sums.values():
-                for (p, _), got in zip(pairs, torch.stack([t for _, t in pairs]).tolist()):
-                    before = p.old if new else p.new
-                    want = p.old_fingerprint if new and p.old_fingerprint is not None else fingerprint(before,
-                                                                                                     p.index)
-                    if got != want:
-                        bits = word_view(self._flat[p.name])
-                        idx = _dev(p.index, bits).long()
-                        raise _mismatch(p, int((bits[idx] != _dev(before, bits)).sum()), version)
-        done = []
-        try:
-            for p, bits, idx, after in todo:
-                bits.index_copy_(0, idx, after)
-                done.append((p, bits, idx))
-        except BaseException:
-            for p, bits, idx in done:
-                bits.index_copy_(0, idx, _dev(p.old if new else p.new, bits))
+            if cpu:
+                scatter_words_(_word_items(self._np, cpu, not new), verify=False)
             raise
 
     def discard(self) -> None:
@@ -446,65 +364,22 @@ class WeightUpdater:
 
 
 def update_from_manifest(m, shards: Sequence) -> Update:
-    """An :class:`~engine.adapter.Update` for verified manifest ``m`` (``syncd.manifest.Manifest``) and its
-    verified shards (``syncd.versions.fetch_shards``): delta blobs as memoryviews into the shards, or full
-    tensors (checked against the manifest's checksums by ``syncd.versions.load_full``)."""
-    checksums = {t.name: t.checksum for t in m.tensors}
-    if m.kind == "delta":
-        blobs = {t.name: memoryview(shards[t.shard])[t.offset:t.offset + t.length] for t in m.tensors}
-        return Update(m.version, "delta", blobs, base_version=m.base_version, checksums=checksums)
-    from syncd.versions import load_full
-
-    return Update(m.version, "full", load_full(m, list(shards)), checksums=checksums)
+    """Moved to :meth:`syncd.engines.Update.from_shards <syncd.engines.update.Update.from_shards>`, kept for one
+    release."""
+    return Update.from_shards(m, shards)
 
 
-_NATIVE_SCATTER = True  # CPU parameters through the native scatter (tests turn it off to run the torch path)
-_SUB = 1 << 13  # words compared and then written while their cache lines are hot
-_PARALLEL_MIN = 1 << 17  # fewer staged words than this are written by the calling thread
-def _cpu_runs(views: Mapping[str, np.ndarray], params: list[StagedParam], new: bool) -> tuple[list, list]:
-    """The native scatter's runs for the CPU parameters (those in ``views``, their word arrays): ``_SUB``
-    words each, writing the new (``new``) or the old words; and the parameter of each run. The pointers stay
-    valid while ``views`` and ``params`` are alive."""
-    runs, owners = [], []
+_NATIVE_SCATTER = True  # CPU parameters through syncd.ops.scatter_words_ (tests turn it off to run the torch path)
+
+
+def _word_items(views: Mapping[str, np.ndarray], params: list[StagedParam], new: bool) -> list:
+    """``syncd.ops.scatter_words_`` items of CPU parameters (``views``: their word arrays): the new (``new``) or
+    the old words over the others."""
+    items = []
     for p in params:
-        a = views.get(p.name)
-        if a is None:
-            continue
         i, o, n = p.arrays()
-        before, after = (o, n) if new else (n, o)
-        w = a.itemsize
-        for lo in range(0, i.size, _SUB):
-            runs.append((a.ctypes.data, a.size, a.strides[0], i.ctypes.data + 8 * lo, before.ctypes.data + w * lo,
-                         after.ctypes.data + w * lo, min(_SUB, i.size - lo), w))
-            owners.append(p)
-    return runs, owners
-
-
-def _scatter(runs: list, verify: bool) -> tuple[int, int]:
-    from syncd.ops import _backend
-
-    threads = max(1, _backend.threads()) if sum(r[6] for r in runs) >= _PARALLEL_MIN else 1
-    return _backend.native().scatter_runs_ptr(runs, verify, threads)
-
-
-# position·even + odd is odd, and an odd multiple of a nonzero word change is nonzero mod 2^64 (signed int64s)
-_FP_ADD, _FP_MUL, _FP_POS = 0x632BE59BD9B4E019, 0x3C6EF372FE94F82A, 0xD6E8FEB86659FD93 - 2 ** 64
-
-
-def _fingerprint_terms(words: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    return (words.to(torch.int64) + _FP_ADD) * (index.to(torch.int64) * _FP_MUL + _FP_POS)
-
-
-def fingerprint(words: torch.Tensor, index: torch.Tensor) -> int:
-    """A 64-bit fingerprint of staged words at positions ``index`` (same device, any integer dtypes):
-    the wrapping int64 sum of (word + a)·(position·b + c), b even and c odd, so every multiplier is odd and a
-    change to any one word changes it; positions count. Torch arithmetic, identical on the CPU and a GPU."""
-    return int(_fingerprint_terms(words, index).sum())
-
-
-def _mismatch(p: StagedParam, bad: int, version) -> DeltaError:
-    return DeltaError(f"apply: parameter {p.name!r} changed since version {version} was staged (at least "
-                      f"{bad} of its {p.index.numel()} staged words differ); nothing was written")
+        items.append((views[p.name], i, o, n) if new else (views[p.name], i, n, o))
+    return items
 
 
 def _host(t: torch.Tensor, pin: bool) -> torch.Tensor:
@@ -512,7 +387,3 @@ def _host(t: torch.Tensor, pin: bool) -> torch.Tensor:
     if pin and torch.cuda.is_available():
         t = t.pin_memory()
     return t
-
-
-def _dev(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return t if t.device == like.device else t.to(like.device, non_blocking=True)

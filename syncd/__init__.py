@@ -6,7 +6,7 @@ is used).
 
 from __future__ import annotations
 
-import importlib
+from syncd.lazy import lazy_names
 
 __version__ = "0.1.0"
 
@@ -20,11 +20,4 @@ _LAZY = {
 __all__ = sorted(_LAZY) + ["__version__"]
 
 
-def __getattr__(name: str):
-    try:
-        module, attr = _LAZY[name]
-    except KeyError:
-        raise AttributeError(f"module 'syncd' has no attribute {name!r}") from None
-    value = getattr(importlib.import_module(module), attr)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names("syncd", _LAZY)

@@ -9,8 +9,10 @@ Layout under ``root`` (one cache per node; any number of runs)::
 
 Contract (shared with every writer, see ``/work/shared`` contract 2): a file under ``shards/`` is named by
 the SHA-256 of its content and only ever appears by ``os.replace`` of a fully written, verified file in
-``tmp/`` (same filesystem), so a reader never sees a partial shard, and a crash leaves at most a stray file
-in ``tmp/``. Anyone may add shards that way (:meth:`ShardCache.put`); eviction is this module's alone.
+``tmp/`` (same filesystem), or of a verified file its writer kept elsewhere under the same root
+(:meth:`ShardCache.adopt`: the cluster's ``partial/`` files), so a reader never sees a partial shard, and a
+crash leaves at most a stray file in ``tmp/``. Anyone may add shards that way (:meth:`ShardCache.put`);
+eviction is this module's alone.
 
 Bounded: :meth:`ShardCache.evict` removes least recently used shards until the cache fits ``max_bytes``,
 but never a *pinned* shard: the caller (the daemon) pins what a restart needs -- the newest full version at
@@ -18,7 +20,8 @@ or below the engines' version plus the delta chain after it up to the newest ver
 alone exceed the bound, they are all kept and a warning is logged.
 
 Thread- and process-safe for concurrent readers and writers (atomic renames; eviction tolerates files
-vanishing under it). :func:`update_from_cache` builds an ``engine.Update`` from a manifest and this cache.
+vanishing under it). :func:`read_shards` reads a version's shards back, re-hashing each
+(``syncd.engines.Update.from_cache`` builds an engine update on it).
 """
 
 from __future__ import annotations
@@ -162,6 +165,14 @@ class ShardCache:
         self._write_atomic(dest, data, sha256[:16])
         return dest
 
+    def adopt(self, sha256: str, path: str | os.PathLike) -> Path:
+        """Move the complete file at ``path`` (same filesystem as the cache), which the caller has verified to
+        hash to ``sha256``, into ``shards/`` atomically (``os.replace``). How the cluster's partial shards
+        (:mod:`syncd.cluster.partials`) enter the cache."""
+        dest = self.path(sha256)
+        os.replace(path, dest)
+        return dest
+
     def read(self, sha256: str, *, verify: bool = True) -> bytearray:
         """The shard's bytes. With ``verify`` the hash is checked again (a disk can rot): a mismatch
         removes the file and raises :class:`IntegrityError`. ``FileNotFoundError`` if it is not here."""
@@ -272,7 +283,11 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def _read_verified(path: Path, s: mf.ShardEntry, version: int, verify: bool) -> bytearray:
+def read_shard(cache_root: str | os.PathLike, s: mf.ShardEntry, version: int, *, verify: bool = True) -> bytearray:
+    """The bytes of shard ``s`` (of ``version``) from the cache at ``cache_root``, its size and (``verify``)
+    SHA-256 checked against the manifest. Raises ``FileNotFoundError`` if it is not cached and
+    :class:`IntegrityError` if it does not match (the node cache must fetch it again)."""
+    path = shard_path(cache_root, s.sha256)
     try:
         with open(path, "rb") as fh:
             data = bytearray(os.fstat(fh.fileno()).st_size)
@@ -285,38 +300,24 @@ def _read_verified(path: Path, s: mf.ShardEntry, version: int, verify: bool) -> 
     return data
 
 
-def update_from_cache(manifest, cache_root: str | os.PathLike, *, verify_shards: bool = True, threads: int = 4):
-    """The ``engine.Update`` of a manifest whose shards are all in the cache at ``cache_root``.
-
-    ``manifest`` is a parsed, verified :class:`~syncd.manifest.Manifest`, or a manifest's exact bytes whose
-    signature the caller has checked (the daemon that put the shards in the cache did); their structure is
-    checked here (:class:`~syncd.errors.ManifestError`). Every shard is re-hashed as it is read
-    (``verify_shards``; ``threads`` at a time -- bench/cache_verify.py measures the cost), so bytes that
-    rotted or were altered in the cache since they were verified are refused. Full versions become CPU
-    tensors (their checksums checked against the manifest); delta versions become ``{name: memoryview
-    blob}``. ``checksums`` holds every tensor's result checksum. Raises ``FileNotFoundError`` if a shard is
-    missing and :class:`IntegrityError` for a shard or tensor that does not match.
-    """
+def read_shards(m: mf.Manifest, cache_root: str | os.PathLike, *, verify: bool = True, threads: int = 4) -> list:
+    """Every shard of manifest ``m`` from the cache (:func:`read_shard`), ``threads`` at a time. Every shard is
+    re-hashed as it is read (``verify``; bench/cache_verify.py measures the cost), so bytes that rotted or were
+    altered in the cache since they were verified are refused."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from engine.adapter import Update
-    from syncd.versions import load_full
-
-    m = manifest if isinstance(manifest, mf.Manifest) else mf.parse(
-        manifest, key=None, allow_unsigned=True, where="manifest given to update_from_cache")
-    cache = Path(cache_root)
-
     def one(s):
-        return _read_verified(shard_path(cache, s.sha256), s, m.version, verify_shards)
+        return read_shard(cache_root, s, m.version, verify=verify)
 
-    if len(m.shards) == 1 or threads <= 1:
-        shards = [one(s) for s in m.shards]
-    else:
-        with ThreadPoolExecutor(min(threads, len(m.shards)), thread_name_prefix="syncd-cache-read") as pool:
-            shards = list(pool.map(one, m.shards))
-    checksums = {t.name: t.checksum for t in m.tensors}
-    if m.kind == "full":
-        return Update(version=m.version, kind="full", tensors=load_full(m, shards), checksums=checksums)
-    tensors = {t.name: memoryview(shards[t.shard])[t.offset:t.offset + t.length] for t in m.tensors}
-    return Update(version=m.version, kind="delta", tensors=tensors, base_version=m.base_version,
-                  checksums=checksums)
+    if len(m.shards) <= 1 or threads <= 1:
+        return [one(s) for s in m.shards]
+    with ThreadPoolExecutor(min(threads, len(m.shards)), thread_name_prefix="syncd-cache-read") as pool:
+        return list(pool.map(one, m.shards))
+
+
+def update_from_cache(manifest, cache_root: str | os.PathLike, *, verify_shards: bool = True, threads: int = 4):
+    """Moved to :meth:`syncd.engines.Update.from_cache <syncd.engines.update.Update.from_cache>`, kept for one
+    release: the same update, its shards read at once (``Update.from_cache(...).load()``)."""
+    from syncd.engines.update import Update
+
+    return Update.from_cache(manifest, cache_root, verify_shards=verify_shards, threads=threads).load()

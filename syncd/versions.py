@@ -1,4 +1,5 @@
-"""Reading weight versions back from the store: list, latest, verify, materialize, and retention.
+"""Reading weight versions back from the store: the one bounded manifest read and the one chain walk, list,
+latest, verify, materialize (retention: :mod:`syncd.retention`).
 
 Everything read from the store is hostile until checked. The order is always: manifest bytes → strict parse
 → HMAC (when a key is configured) → schema → "is it where it claims to be" → shard size and SHA-256 →
@@ -20,20 +21,20 @@ import hashlib
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 
 from syncd import manifest as mf
 from syncd.errors import (BaseVersionMissing, DeltaError, IntegrityError, ManifestError, ManifestMismatch,
                           ObjectNotFound, ObjectTooLarge, SyncdError, VersionNotFound)
 from syncd.newest import VersionPoller
 from syncd.signing import ENV_KEY, ENV_KEY_FILE, UNCHECKED, resolve_policy
+from syncd.lazy import lazy_names
 from syncd.store import Store
 
 log = logging.getLogger(__name__)
 _warned_unsigned = False
 
-__all__ = ["latest_version", "poll_latest", "refuse_unchecked", "materialize", "read_manifest", "resolve_chain", "list_versions", "verify_run",
-           "RetentionPolicy", "RetentionPlan", "plan_retention", "apply_retention", "fetch_shards",
+__all__ = ["latest_version", "poll_latest", "refuse_unchecked", "materialize", "read_manifest", "read_manifest_bytes",
+           "resolve_chain", "walk_back", "check_link", "list_versions", "verify_run", "fetch_shard", "fetch_shards",
            "load_full", "apply_delta", "VersionInfo"]
 
 
@@ -54,20 +55,28 @@ def _resolve(signing_key):
 # ---------------------------------------------------------------------------------------------- manifests
 
 
-def read_manifest(store, run_id: str, version: int, *, signing_key=None) -> mf.Manifest:
-    """The verified manifest of ``version``. Raises :class:`VersionNotFound` if it has none, and
-    :class:`ManifestError` / :class:`SignatureError` / :class:`ManifestMismatch` if it is not acceptable."""
-    store = Store.open(store, create=False)
+def read_manifest_bytes(store, run_id: str, version: int) -> bytes:
+    """The stored bytes of ``version``'s manifest, unverified (the one bounded read every reader uses: a
+    manifest over :data:`~syncd.manifest.MAX_MANIFEST_BYTES` is refused after one ranged GET, unread).
+    Raises :class:`VersionNotFound` if it has none, :class:`ManifestError` if it is too large,
+    :class:`~syncd.errors.StoreError` if the store cannot be read."""
     k = mf.manifest_key(run_id, version)
     try:
-        raw = store.get_bounded(k, mf.MAX_MANIFEST_BYTES)  # a huge object is refused unread
+        return store.get_bounded(k, mf.MAX_MANIFEST_BYTES)
     except ObjectNotFound:
         raise VersionNotFound(f"run {run_id!r} has no version {version} in {store.url}") from None
     except ObjectTooLarge as exc:
         raise ManifestError(f"manifest of version {version}: {exc}") from None
+
+
+def read_manifest(store, run_id: str, version: int, *, signing_key=None) -> mf.Manifest:
+    """The verified manifest of ``version``. Raises :class:`VersionNotFound` if it has none, and
+    :class:`ManifestError` / :class:`SignatureError` / :class:`ManifestMismatch` if it is not acceptable."""
+    store = Store.open(store, create=False)
+    raw = read_manifest_bytes(store, run_id, version)
     key = _resolve(signing_key)
-    return mf.parse(raw, key=key or None, run_id=run_id, version=version, where=f"{store.url}/{k}",
-                    allow_unsigned=key is UNCHECKED)
+    return mf.parse(raw, key=key or None, run_id=run_id, version=version,
+                    where=f"{store.url}/{mf.manifest_key(run_id, version)}", allow_unsigned=key is UNCHECKED)
 
 
 def latest_version(store, run_id: str, *, signing_key=None) -> int | None:
@@ -76,6 +85,15 @@ def latest_version(store, run_id: str, *, signing_key=None) -> int | None:
     directories without a manifest (an upload in progress, or torn by a crash) and versions whose manifest
     is unusable are skipped, the latter logged as a warning. Raises :class:`~syncd.errors.StoreError`."""
     return _newest_valid(Store.open(store, create=False), run_id, _resolve(signing_key))[0]
+
+
+def has_versions(store, run_id: str) -> bool:
+    """Whether the run has any version directory at all (valid, torn or invalid): one LIST, nothing read or
+    verified. What a trainer asks before it starts a run at version 0. Raises
+    :class:`~syncd.errors.StoreError`."""
+    store = Store.open(store, create=False)
+    vp = mf.versions_prefix(run_id)
+    return any(mf.parse_version_dir(o.key[len(vp):].split("/", 1)[0]) is not None for o in store.list(vp))
 
 
 def _newest_valid(store: Store, run_id: str, signing_key) -> tuple[int | None, list]:
@@ -121,14 +139,29 @@ def refuse_unchecked(store, run_id: str, signing_key=None) -> None:
     versions = (mf.parse_version_dir(d) for d in store.list_dirs(mf.versions_prefix(run_id)))
     for v in sorted((v for v in versions if v is not None), reverse=True):
         try:
-            raw = store.get_bounded(mf.manifest_key(run_id, v), mf.MAX_MANIFEST_BYTES)
-        except (ObjectNotFound, ObjectTooLarge):
+            raw = read_manifest_bytes(store, run_id, v)
+        except (VersionNotFound, ManifestError):
             continue
         key_id = mf.signature_key_id(raw)
         if key_id is not None:
             raise ValueError(f"run {run_id!r} in {store.url} holds signed manifests (version {v}: key id "
                              f"{key_id!r}) but no signing key is configured; refusing to start: {NO_KEY_HELP}")
         return
+
+
+def walk_back(get, version: int, *, check=None):
+    """The one chain walk: yield ``version``'s manifest, then each base down to the newest full version at or
+    below it. ``get(v) -> Manifest`` reads a verified manifest (raising what it raises: a missing base propagates
+    after the manifests above it were yielded); ``check(base, child)`` vets each delta against its base before
+    the base is yielded (e.g. :func:`check_link`; None: no check)."""
+    m = get(version)
+    yield m
+    while m.kind == "delta":
+        base = get(m.base_version)
+        if check is not None:
+            check(base, m)
+        yield base
+        m = base
 
 
 def resolve_chain(store, run_id: str, version: int | None = None, *, signing_key=None) -> list[mf.Manifest]:
@@ -144,17 +177,17 @@ def resolve_chain(store, run_id: str, version: int | None = None, *, signing_key
             raise skipped[0][1]  # the newest unusable one says best what is wrong
         if version is None:
             raise VersionNotFound(f"run {run_id!r} has no versions in {store.url}")
-    chain = [read_manifest(store, run_id, version, signing_key=signing_key)]
-    while chain[-1].kind == "delta":
-        child = chain[-1]
-        try:
-            base = read_manifest(store, run_id, child.base_version, signing_key=signing_key)
-        except VersionNotFound:
-            raise BaseVersionMissing(
-                f"run {run_id!r} version {version} cannot be materialized: delta version {child.version} "
-                f"needs base version {child.base_version}, which is not in {store.url}") from None
-        check_link(base, child)
-        chain.append(base)
+    chain = []
+    try:
+        for m in walk_back(lambda v: read_manifest(store, run_id, v, signing_key=signing_key), version,
+                           check=check_link):
+            chain.append(m)
+    except VersionNotFound:
+        if not chain:
+            raise
+        raise BaseVersionMissing(
+            f"run {run_id!r} version {version} cannot be materialized: delta version {chain[-1].version} "
+            f"needs base version {chain[-1].base_version}, which is not in {store.url}") from None
     return chain[::-1]
 
 
@@ -369,106 +402,6 @@ def verify_run(store, run_id: str, *, signing_key=None, deep: bool = True, backe
             yield m.version, "failed", f"{type(exc).__name__}: {exc}"
 
 
-# ---------------------------------------------------------------------------------------------- retention
-
-
-@dataclass(frozen=True)
-class RetentionPolicy:
-    """What to keep. The newest ``keep_last`` versions stay materializable: they and every version in
-    their base chains are kept. A version outside that set is deleted only once no reader can still be
-    using it: ``grace_s`` seconds after the last version depending on it stopped being the newest. Version
-    directories without a manifest, and shards a manifest does not name, are deleted once their newest
-    object is ``orphan_grace_s`` old (a slow upload in progress is never touched before that)."""
-
-    keep_last: int = 8
-    grace_s: float = 300.0
-    orphan_grace_s: float = 3600.0
-
-    def __post_init__(self):
-        if self.keep_last < 1:
-            raise ValueError("keep_last must be at least 1 (the newest version is always kept)")
-        if self.grace_s < 0 or self.orphan_grace_s < 0:
-            raise ValueError("grace periods must not be negative")
-
-
-@dataclass
-class RetentionPlan:
-    """Outcome of :func:`plan_retention`: versions to keep / delete, object keys to delete, problems seen."""
-
-    keep: list[int] = field(default_factory=list)
-    delete_versions: list[int] = field(default_factory=list)
-    delete_keys: list[str] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
-
-
-def plan_retention(store, run_id: str, policy: RetentionPolicy, *, signing_key=None,
-                   now: datetime | None = None) -> RetentionPlan:
-    """Decide what :func:`apply_retention` would delete; reads the store, changes nothing.
-
-    Versions whose manifest does not verify are never deleted (they are reported in ``problems``), and
-    nothing that a valid retained version's chain needs is ever deleted."""
-    store = Store.open(store, create=False)
-    now = now or datetime.now(timezone.utc)
-    infos = list_versions(store, run_id, signing_key=signing_key)
-    valid = {i.version: i for i in infos if i.manifest is not None}
-    order = sorted(valid)
-    plan = RetentionPlan()
-    for i in infos:
-        if i.error:
-            plan.problems.append(f"version {i.version}: {i.error}")
-
-    def chain(v: int) -> list[int]:
-        out = [v]
-        while valid[out[-1]].manifest.kind == "delta":
-            b = valid[out[-1]].manifest.base_version
-            if b not in valid:
-                plan.problems.append(f"version {v}: base version {b} is missing; it cannot be materialized")
-                break
-            out.append(b)
-        return out
-
-    chains = {v: chain(v) for v in order}
-    needed = {b for v in order[-policy.keep_last:] for b in chains[v]}
-    # when did each version stop being usable by a reader that picked some dependent version as newest?
-    released: dict[int, datetime] = {}
-    for v, nxt in zip(order, order[1:]):
-        t = valid[nxt].manifest.created_datetime
-        for b in chains[v]:
-            released[b] = max(released.get(b, t), t)
-    prefix = mf.run_prefix(run_id)
-    shards_to_delete = []
-    for v in order:
-        if v in needed or (now - released[v]).total_seconds() < policy.grace_s:
-            plan.keep.append(v)
-            continue
-        plan.delete_versions.append(v)
-        shards_to_delete += [o.key for o in valid[v].objects if o.key != mf.manifest_key(run_id, v)]
-    # manifests first: each deleted version vanishes at once for readers; then its shards
-    plan.delete_keys = [mf.manifest_key(run_id, v) for v in plan.delete_versions] + shards_to_delete
-    for i in infos:
-        if i.error is not None or i.version in plan.delete_versions:
-            continue  # a version whose manifest does not verify is left for a person to look at
-        named = {mf.manifest_key(run_id, i.version)}
-        if i.manifest is not None:
-            named |= {prefix + s.key for s in i.manifest.shards}
-        stray = [o for o in i.objects if o.key not in named]
-        if stray and all((now - o.last_modified).total_seconds() >= policy.orphan_grace_s for o in stray):
-            plan.delete_keys += [o.key for o in stray]
-    return plan
-
-
-def apply_retention(store, run_id: str, policy: RetentionPolicy, *, signing_key=None,
-                    dry_run: bool = False) -> RetentionPlan:
-    """Plan (see :func:`plan_retention`) and delete. Each version's manifest is deleted before its shards,
-    so a concurrent reader sees the version either whole or gone. Safe to run from several processes."""
-    store = Store.open(store, create=False)
-    plan = plan_retention(store, run_id, policy, signing_key=signing_key)
-    if not dry_run and plan.delete_keys:
-        n_manifests = len(plan.delete_versions)
-        store.delete(plan.delete_keys[:n_manifests])
-        store.delete(plan.delete_keys[n_manifests:])
-        log.info("retention of run %s: deleted versions %s and %d objects; keeping %s", run_id,
-                 plan.delete_versions, len(plan.delete_keys), plan.keep)
-    for p in plan.problems:
-        log.warning("retention of run %s: %s", run_id, p)
-    return plan
+# retention moved to syncd.retention; its names are re-exported here, kept for one release
+__getattr__ = lazy_names("syncd.versions", {n: "syncd.retention" for n in ("RetentionPolicy", "RetentionPlan",
+                                                                          "plan_retention", "apply_retention")})

@@ -81,7 +81,7 @@ class LiveSide:
         if cfg.plans:
             self._plans = [json.loads(ln) for ln in Path(cfg.plans).read_text().splitlines() if ln.strip()]
             return
-        from syncd.versions import latest_version
+        from syncd.versions import has_versions, latest_version
         from trainer.loop import ConfigError
         from trainer.publisher import WeightPublisher
         from trainer.rollout_workers import ProxyError, RolloutWorkers, Sampling, proxy_models
@@ -91,10 +91,10 @@ class LiveSide:
             names = [proxy_models(u) for u in cfg.proxies]
         except ProxyError as exc:
             raise ConfigError(f"--proxy: no engines reachable: {exc}") from None
-        newest = latest_version(cfg.store, cfg.run_id)
-        if restored is None and newest is not None:
+        if restored is None and has_versions(cfg.store, cfg.run_id):
             raise ConfigError(f"--run-id: run {cfg.run_id} already has versions in {cfg.store}; the engines start "
                               "from version 0: use a new run id (or --resume with its --checkpoint-dir)")
+        newest = None if restored is None else latest_version(cfg.store, cfg.run_id)
         task = get_task(cfg.task, length=cfg.task_length)
         reward = load_reward(cfg.reward) if cfg.reward else task.reward
         self.pub = WeightPublisher(cfg.store, cfg.run_id, every_k=1, full_every=cfg.full_every,

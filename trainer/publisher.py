@@ -38,12 +38,10 @@ Contract:
 from __future__ import annotations
 
 import atexit
-import hashlib
 import json
 import logging
 import queue
 import secrets
-import struct
 import threading
 import time
 from collections import deque
@@ -54,9 +52,10 @@ import torch
 
 from syncd import manifest as mf
 from syncd.errors import ObjectExists, ObjectNotFound, PublishError, StoreError, SyncdError, VersionConflict
+from syncd.retention import RetentionPolicy, apply_retention
 from syncd.signing import resolve_key
 from syncd.store import Store
-from syncd.versions import RetentionPolicy, apply_retention
+from trainer.shard_writer import ShardWriter
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +106,7 @@ class WeightPublisher:
     its own). ``signing_key``: None reads ``SYNCD_SIGNING_KEY``; False publishes unsigned. ``dtype``: the
     serving dtype that float32/64/16/bf16 tensors are cast to (None: keep). ``snapshot_device``: where
     snapshots live (None: where each weight is; ``"cpu"`` to spare GPU memory). ``retention``: a
-    :class:`~syncd.versions.RetentionPolicy` applied after each version (None: keep everything).
+    :class:`~syncd.retention.RetentionPolicy` applied after each version (None: keep everything).
     ``on_busy``: ``"wait"`` or ``"skip"`` when a version is due while the previous one still uploads.
     ``backend``: the codec backend (``syncd.ops``). ``upload_threads``: shards uploaded in parallel.
     ``commit_gate``: see the module docstring.
@@ -300,7 +299,7 @@ class WeightPublisher:
         st = job.stats
         st.version, st.kind = version, kind
         t0 = time.perf_counter()
-        writer = _ShardWriter(self, version, kind)
+        writer = ShardWriter(self, version, kind)
         try:
             if kind == "full":
                 for name, t in job.snap.items():
@@ -340,7 +339,7 @@ class WeightPublisher:
             except Exception as exc:  # noqa: BLE001 -- retention is housekeeping; publishing goes on
                 log.warning("run %s: retention failed: %s", self.run_id, exc)
 
-    def _put_manifest(self, version: int, raw: bytes, writer: "_ShardWriter") -> None:
+    def _put_manifest(self, version: int, raw: bytes, writer: "ShardWriter") -> None:
         """Write the manifest, create-if-absent: the moment the version becomes visible. On failure the
         shards are removed -- unless the write's outcome is unknown (the store stopped answering), in
         which case they stay (retention removes them if no manifest names them) and the next version is
@@ -468,98 +467,3 @@ def _tensors_of(weights) -> dict:
     if not out:
         raise ValueError("weights hold no tensors")
     return out
-
-
-class _ShardWriter:
-    """Builds one version's shards and uploads them in parallel while later shards are still being built
-    (at most ``upload_threads`` shards in memory at once)."""
-
-    def __init__(self, pub: WeightPublisher, version: int, kind: str):
-        self.pub, self.version, self.kind = pub, version, kind
-        self.prefix = mf.run_prefix(pub.run_id)
-        self.pending: list = []  # (name, tensor) for full; (name, dtype, shape, blob, checksum) for delta
-        self.pending_bytes = 0
-        self.futures: list = []
-        self.shards: list[mf.ShardEntry] = []
-        self.tensors: list[mf.TensorEntry] = []
-
-    def add_full(self, name: str, t: torch.Tensor) -> None:
-        from syncd.ops import checksum
-
-        self._add((name, t.detach().cpu().contiguous(), checksum(t, backend=self.pub.backend)),
-                  t.numel() * t.element_size())
-
-    def add_deltas(self, names: list, olds: list, news: list) -> None:
-        """Encode a batch of tensors at once (all cores across and within tensors) and add their blobs."""
-        from syncd.ops import delta
-
-        for name, new, blob in zip(names, news, delta.encode_many(olds, news, backend=self.pub.backend)):
-            info = delta.inspect(blob)
-            self._add((name, str(new.dtype).removeprefix("torch."), tuple(new.shape), blob,
-                       info["new_checksum"]), len(blob))
-
-    def _add(self, item, nbytes: int) -> None:
-        """Shards hold at most ``shard_bytes`` of tensor data, or a single larger tensor."""
-        if self.pending and self.pending_bytes + nbytes > self.pub.shard_bytes:
-            self._cut()
-        self.pending.append(item)
-        self.pending_bytes += nbytes
-        if self.pending_bytes >= self.pub.shard_bytes:
-            self._cut()
-
-    def _cut(self) -> None:
-        if not self.pending:
-            return
-        index = len(self.shards)
-        key = mf.shard_key(self.version, self.pub.session, index, self.kind)
-        if self.kind == "full":
-            data, entries = _safetensors_shard(self.pending, index, self.pub.run_id, self.version)
-        else:
-            data, entries, off = bytearray(), [], 0
-            for name, dtype, shape, blob, ck in self.pending:
-                entries.append(mf.TensorEntry(name, dtype, shape, index, off, len(blob), ck))
-                data += blob
-                off += len(blob)
-        self.tensors += entries
-        self.shards.append(mf.ShardEntry(key, len(data), hashlib.sha256(data).hexdigest(),
-                                         mf.SHARD_FORMATS[self.kind]))
-        self.pending, self.pending_bytes = [], 0
-        while len([f for f in self.futures if not f.done()]) >= self.pub._upload_threads:
-            next(f for f in self.futures if not f.done()).result()
-        self.futures.append(self.pub._pool.submit(self.pub.store.put, self.prefix + key, data))
-
-    def finish(self):
-        """Cut the last shard, wait for every upload; raises the first upload error."""
-        self._cut()
-        for f in self.futures:
-            f.result()
-        return self.shards, self.tensors
-
-    def discard(self) -> None:
-        """Best-effort removal of this attempt's shards after a failure (retention catches the rest)."""
-        for f in self.futures:
-            f.cancel()
-        try:
-            for f in self.futures:
-                if not f.cancelled():
-                    f.exception()
-            self.pub.store.delete([self.prefix + s.key for s in self.shards])
-        except Exception as exc:  # noqa: BLE001
-            log.debug("could not remove the shards of a failed version: %s", exc)
-
-
-def _safetensors_shard(items, index: int, run_id: str, version: int):
-    """One safetensors file holding ``items`` [(name, cpu tensor, checksum)] and its manifest entries
-    (offsets are absolute byte positions of each tensor's data in the file)."""
-    from safetensors.torch import save
-
-    data = save({n: t for n, t, _ in items},
-                metadata={"format": "pt", "syncd_run_id": run_id, "syncd_version": str(version)})
-    (hlen,) = struct.unpack_from("<Q", data, 0)
-    header = json.loads(data[8:8 + hlen])
-    entries = []
-    for name, t, ck in items:
-        begin, end = header[name]["data_offsets"]
-        entries.append(mf.TensorEntry(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), index,
-                                      8 + hlen + begin, end - begin, ck))
-    return data, entries

@@ -147,9 +147,9 @@ def _preflight(cfg) -> None:
             proxy_models(url)
         except ProxyError as exc:
             raise ConfigError(f"--proxy: no engines reachable through {url}: {exc}") from None
-    from syncd.versions import latest_version
+    from syncd.versions import has_versions
 
-    if not cfg.resume and cfg.lighthouse is None and latest_version(cfg.store, cfg.run_id) is not None:
+    if not cfg.resume and cfg.lighthouse is None and has_versions(cfg.store, cfg.run_id):
         raise ConfigError(f"--run-id: run {cfg.run_id} already has versions in {cfg.store}; the engines start "
                           "from version 0: use a new run id (or --resume with its --checkpoint-dir)")
 

@@ -6,6 +6,7 @@
 
 #include <tuple>
 
+#include "v2_kernels.h"
 #include "checksum.h"
 #include "delta_codec.h"
 #include "scatter.h"
@@ -61,10 +62,12 @@ py::bytes to_bytes(const std::vector<uint8_t>& v) { return py::bytes(reinterpret
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
-  m.doc() = "syncd native CPU kernels: delta codec (format v1) and content checksum";
+  m.doc() = "syncd native CPU kernels: delta codec (formats 1 and 2) and content checksum";
   py::register_exception<DeltaError>(m, "NativeDeltaError", PyExc_ValueError);
 
-  m.attr("FORMAT_VERSION") = kFormatVersion;
+  m.attr("FORMAT_VERSIONS") = py::make_tuple(1, 2);
+  m.attr("DEFAULT_FORMAT") = kDefaultFormat;
+  m.attr("CODEC_SIMD") = simd_name(simd_level());
   m.attr("PROB_BITS") = kProbBits;
   m.attr("RANS_L") = kRansL;
   m.attr("DEFAULT_BLOCK_LOG2") = kDefaultBlockLog2;
@@ -77,7 +80,7 @@ PYBIND11_MODULE(_native, m) {
   }, py::arg("data"), py::arg("threads") = 1, "64-bit content checksum of a contiguous buffer's bytes.");
 
   m.def("encode", [](const py::buffer& old_b, const py::buffer& new_b, int dtype_code, const std::vector<int64_t>& shape,
-                     int block_log2, int threads) {
+                     int block_log2, int threads, int version) {
     py::buffer_info k1, k2;
     View o = read_view(old_b, k1), n = read_view(new_b, k2);
     auto sh = to_shape(shape);
@@ -86,11 +89,11 @@ PYBIND11_MODULE(_native, m) {
     std::vector<uint8_t> out;
     {
       py::gil_scoped_release nogil;
-      out = delta_encode(o.ptr, n.ptr, dtype_code, sh, block_log2, threads);
+      out = delta_encode(o.ptr, n.ptr, dtype_code, sh, block_log2, threads, version);
     }
     return to_bytes(out);
   }, py::arg("old"), py::arg("new"), py::arg("dtype_code"), py::arg("shape"), py::arg("block_log2") = kDefaultBlockLog2,
-     py::arg("threads") = 1);
+     py::arg("threads") = 1, py::arg("version") = kDefaultFormat);
 
   m.def("apply", [](const py::buffer& target, const py::buffer& blob, int dtype_code, const std::vector<int64_t>& shape,
                     bool verify, int threads) {
@@ -118,17 +121,17 @@ PYBIND11_MODULE(_native, m) {
     return checksum_many(b, threads);
   }, py::arg("buffers"), py::arg("threads") = 1, "checksum of every (data_ptr, nbytes), all in one pool.");
   m.def("encode_ptr", [](uintptr_t old_ptr, uintptr_t new_ptr, int dtype_code, const std::vector<int64_t>& shape,
-                         int block_log2, int threads) {
+                         int block_log2, int threads, int version) {
     auto sh = to_shape(shape);
     std::vector<uint8_t> out;
     {
       py::gil_scoped_release nogil;
       out = delta_encode(reinterpret_cast<const uint8_t*>(old_ptr), reinterpret_cast<const uint8_t*>(new_ptr),
-                         dtype_code, sh, block_log2, threads);
+                         dtype_code, sh, block_log2, threads, version);
     }
     return to_bytes(out);
   }, py::arg("old_ptr"), py::arg("new_ptr"), py::arg("dtype_code"), py::arg("shape"),
-     py::arg("block_log2") = kDefaultBlockLog2, py::arg("threads") = 1);
+     py::arg("block_log2") = kDefaultBlockLog2, py::arg("threads") = 1, py::arg("version") = kDefaultFormat);
 
   m.def("apply_ptr", [](uintptr_t target_ptr, const py::buffer& blob, int dtype_code, const std::vector<int64_t>& shape,
                         bool verify, int threads) {
@@ -143,19 +146,20 @@ PYBIND11_MODULE(_native, m) {
   // Batches: (old_ptr, new_ptr, dtype_code, shape) per tensor -> list of blobs; (target_ptr, blob, dtype_code,
   // shape) per tensor -> list of error messages ("" when applied; a failed target is left unchanged).
   m.def("encode_many_ptr", [](const std::vector<std::tuple<uintptr_t, uintptr_t, int, std::vector<int64_t>>>& items,
-                              int block_log2, int threads) {
+                              int block_log2, int threads, int version) {
     std::vector<EncodeJob> jobs;
     for (const auto& [o, n, code, shape] : items)
       jobs.push_back({reinterpret_cast<const uint8_t*>(o), reinterpret_cast<const uint8_t*>(n), code, to_shape(shape)});
     std::vector<std::vector<uint8_t>> blobs;
     {
       py::gil_scoped_release nogil;
-      blobs = delta_encode_many(jobs, block_log2, threads);
+      blobs = delta_encode_many(jobs, block_log2, threads, version);
     }
     py::list out;
     for (const auto& b : blobs) out.append(to_bytes(b));
     return out;
-  }, py::arg("items"), py::arg("block_log2") = kDefaultBlockLog2, py::arg("threads") = 1);
+  }, py::arg("items"), py::arg("block_log2") = kDefaultBlockLog2, py::arg("threads") = 1,
+     py::arg("version") = kDefaultFormat);
   m.def("apply_many_ptr", [](const std::vector<std::tuple<uintptr_t, py::buffer, int, std::vector<int64_t>>>& items,
                              bool verify, int threads) {
     std::vector<ApplyJob> jobs;
@@ -186,42 +190,74 @@ PYBIND11_MODULE(_native, m) {
     }
     return py::make_tuple(res.failed_run, res.mismatches);
   }, py::arg("runs"), py::arg("verify") = true, py::arg("threads") = 1);
+  // Format 2 needs the classes of the old elements (two per byte, `nibbles`) and each block's e_top.
   m.def("pack", [](int dtype_code, const std::vector<int64_t>& shape, int block_log2,
                    py::array_t<uint64_t, py::array::c_style | py::array::forcecast> pos,
                    py::array_t<uint64_t, py::array::c_style | py::array::forcecast> v,
-                   uint64_t base_checksum, uint64_t new_checksum, int threads) {
+                   uint64_t base_checksum, uint64_t new_checksum, int threads, int version, py::object nibbles,
+                   std::vector<int> e_tops) {
     if (pos.size() != v.size()) throw std::invalid_argument("pos and v differ in length");
     auto sh = to_shape(shape);
+    Context ctx;
+    py::buffer_info kn;
+    if (!nibbles.is_none()) {
+      View nv = read_view(nibbles.cast<py::buffer>(), kn);
+      ctx.nibbles = nv.ptr;
+      unsigned __int128 numel = 1;
+      for (uint64_t d : sh) numel *= d;
+      if (numel > kMaxNumel || nv.size != (size_t(numel) + 1) / 2)
+        throw std::invalid_argument("nibbles must hold ceil(numel / 2) bytes");
+      ctx.numel = uint64_t(numel);
+      ctx.e_tops = std::move(e_tops);
+    }
     std::vector<uint8_t> out;
     {
       py::gil_scoped_release nogil;
       out = delta_pack(dtype_code, sh, block_log2, pos.data(), v.data(), size_t(pos.size()), base_checksum,
-                       new_checksum, threads);
+                       new_checksum, threads, version, ctx);
     }
     return to_bytes(out);
   }, py::arg("dtype_code"), py::arg("shape"), py::arg("block_log2"), py::arg("pos"), py::arg("v"),
-     py::arg("base_checksum"), py::arg("new_checksum"), py::arg("threads") = 1);
+     py::arg("base_checksum"), py::arg("new_checksum"), py::arg("threads") = 1, py::arg("version") = kDefaultFormat,
+     py::arg("nibbles") = py::none(), py::arg("e_tops") = std::vector<int>());
 
-  m.def("unpack", [](const py::buffer& blob, int dtype_code, const std::vector<int64_t>& shape, int threads) {
-    py::buffer_info kb;
+  // Format 2's context blocks need the base: its bytes (`base_ptr`, a contiguous CPU tensor the caller keeps
+  // alive) or the classes of its elements for the blob's e_tops (`nibbles`, two per byte).
+  m.def("unpack", [](const py::buffer& blob, int dtype_code, const std::vector<int64_t>& shape, int threads,
+                     uintptr_t base_ptr, py::object nibbles) {
+    py::buffer_info kb, kn;
     View bl = read_view(blob, kb);
     auto sh = to_shape(shape);
+    BaseView base;
+    base.bytes = reinterpret_cast<const uint8_t*>(base_ptr);
     Header h;
     {
       py::gil_scoped_release nogil;
       h = parse_header(bl.ptr, bl.size);
       check_target(h, dtype_code, sh);
     }
+    if (!nibbles.is_none()) {
+      View nv = read_view(nibbles.cast<py::buffer>(), kn);
+      if (nv.size != (size_t(h.numel) + 1) / 2) throw std::invalid_argument("nibbles must hold ceil(numel / 2) bytes");
+      base.nibbles = nv.ptr;
+    }
     py::array_t<uint64_t> p_arr(h.n_changed), v_arr(h.n_changed);
     uint64_t* pp = p_arr.mutable_data();
     uint64_t* vp = v_arr.mutable_data();
     {
       py::gil_scoped_release nogil;
-      delta_unpack_into(h, bl.ptr, pp, vp, threads);
+      delta_unpack_into(h, bl.ptr, pp, vp, threads, base);
     }
     return py::make_tuple(p_arr, v_arr, h.base_checksum, h.new_checksum);
-  }, py::arg("blob"), py::arg("dtype_code"), py::arg("shape"), py::arg("threads") = 1,
+  }, py::arg("blob"), py::arg("dtype_code"), py::arg("shape"), py::arg("threads") = 1, py::arg("base_ptr") = 0,
+     py::arg("nibbles") = py::none(),
      "Validate a blob for a target of dtype/shape and return (positions, values, base_checksum, new_checksum).");
+  m.def("block_e_tops", [](const py::buffer& blob) {
+    py::buffer_info kb;
+    View bl = read_view(blob, kb);
+    Header h = parse_header(bl.ptr, bl.size);
+    return delta_block_e_tops(h, bl.ptr);
+  }, py::arg("blob"), "Each block's e_top (format 2 context blocks; -1 for the others).");
 
   register_nvfp4(m);
   register_replay(m);

@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "block_coder.h"
+#include "block_v2.h"
 #include "checksum.h"
 #include "parallel.h"
 #include "simd_scan.h"
@@ -70,9 +71,9 @@ inline size_t visit_word(uint64_t w, uint64_t a, uint64_t bw, uint64_t start, bo
 
 // Scans one block: the checksum of its old words (*sum_old), the checksum change to the new words (*adj),
 // and every change, fed to `enc` one 64-word group at a time while the group is still in L1.
-template <class T>
+template <class T, class Enc>
 void scan_block(const uint8_t* ob, const uint8_t* nb, uint64_t numel, uint64_t start, uint64_t span, bool is_float,
-                BlockEncoder& enc, uint64_t* sum_old, uint64_t* adj) {
+                Enc& enc, uint64_t* sum_old, uint64_t* adj) {
   constexpr unsigned E = 8 / sizeof(T);
   const size_t nbytes = size_t(numel) * sizeof(T);
   const uint64_t wbeg = start * sizeof(T) / 8;
@@ -120,8 +121,8 @@ struct Assembled {
 };
 
 std::vector<uint8_t> assemble(const DTypeInfo& dt, const std::vector<uint64_t>& shape, int block_log2,
-                              const Assembled& a, uint64_t base_ck, uint64_t new_ck) {
-  std::vector<uint8_t> out = pack_header(dt, shape, block_log2, a.entries, base_ck, new_ck);
+                              const Assembled& a, uint64_t base_ck, uint64_t new_ck, int version) {
+  std::vector<uint8_t> out = pack_header(dt, shape, block_log2, a.entries, base_ck, new_ck, version);
   size_t total = out.size();
   for (const auto& p : a.payloads) total += p.size();
   out.reserve(total);
@@ -129,14 +130,25 @@ std::vector<uint8_t> assemble(const DTypeInfo& dt, const std::vector<uint64_t>& 
   return out;
 }
 
-// Writes the changes gathered in `enc` as block b's payload into a.payloads[b] / a.entries[b].
+void enter_block(uint64_t count, Assembled& a, size_t b) {
+  const auto& p = a.payloads[b];
+  if (p.size() > 0xFFFFFFFFull) throw DeltaError("block payload exceeds 4 GiB");
+  a.entries[b] = {static_cast<uint32_t>(p.size()), static_cast<uint32_t>(count),
+                  checksum_finalize(checksum_raw_range(p.data(), 0, p.size()), p.size())};
+}
+
+// Writes the changes gathered in `enc` as block b's payload into a.payloads[b] / a.entries[b] (format 1).
 void code_block(BlockEncoder& enc, Assembled& a, size_t b) {
   if (!enc.count()) return;
   enc.finish(a.payloads[b]);
-  const auto& p = a.payloads[b];
-  if (p.size() > 0xFFFFFFFFull) throw DeltaError("block payload exceeds 4 GiB");
-  a.entries[b] = {static_cast<uint32_t>(p.size()), static_cast<uint32_t>(enc.count()),
-                  checksum_finalize(checksum_raw_range(p.data(), 0, p.size()), p.size())};
+  enter_block(enc.count(), a, b);
+}
+
+// Format 2: the block's old classes come from `cs` (e_top: see V2BlockEncoder::finish).
+void code_block(V2BlockEncoder& enc, Assembled& a, size_t b, const DTypeInfo& dt, const ClassSource& cs, int e_top) {
+  if (!enc.count()) return;
+  enc.finish(a.payloads[b], dt, cs, e_top);
+  enter_block(enc.count(), a, b);
 }
 
 uint64_t numel_of(const std::vector<uint64_t>& shape) {
@@ -154,8 +166,8 @@ uint64_t numel_of(const std::vector<uint64_t>& shape) {
 // change. *written counts the changes written so far, exact whenever this throws (a corrupt block).
 // Dense blocks checksum each 32 KiB step before and after its changes while it is in L1; sparse ones read
 // every step once, ahead of its changes, and adjust the terms of the changed words only.
-template <class T>
-void apply_block(BlockDecoder& dec, uint32_t n, uint8_t* target, size_t nbytes, size_t lo, size_t hi,
+template <class T, class Source>
+void apply_block(Source& dec, uint32_t n, uint8_t* target, size_t nbytes, size_t lo, size_t hi,
                  bool is_float, bool verify, uint32_t* written, uint64_t* base_sum, uint64_t* adj) {
   constexpr unsigned E = 8 / sizeof(T);
   constexpr unsigned W = sizeof(T) * 8;
@@ -238,6 +250,7 @@ struct EncodeTask {
 struct ApplyTask {
   Header h;
   std::vector<uint32_t> written;  // changes written per block: what undo() reverses
+  std::vector<BlockChanges> decoded;  // format 2: each block's changes, kept for undo
   std::vector<uint64_t> sums, adjs;
   std::atomic<bool> failed{false};
   std::string error;
@@ -259,13 +272,30 @@ void run_largest_first(std::vector<Item>& items, int threads, const std::functio
   parallel_for(items.size(), threads, [&](size_t i) { body(items[i]); });
 }
 
+// The format-1 payload of block b: the whole payload in format 1, the payload after its mode byte in a
+// format-2 mode-0 block; null for a context block (verify_payload has checked the payload's bytes).
+const uint8_t* order0_payload(const Header& h, const uint8_t* blob, size_t b, size_t* len) {
+  const uint8_t* p = blob + h.payload_offset[b];
+  *len = h.blocks[b].payload_bytes;
+  if (h.version == 1) return p;
+  if (*len == 0 || p[0] != kModeOrder0) return nullptr;  // a context block, or a malformed one for V2BlockDecoder
+  *len -= 1;
+  return p + 1;
+}
+
 template <class T>
 void undo_block(const ApplyTask& t, const ApplyJob& j, size_t b) {
   const Header& h = t.h;
   const BlockEntry& e = h.blocks[b];
-  BlockDecoder dec(j.blob + h.payload_offset[b], e.payload_bytes, e.n_changed, h.block_span(b), int(sizeof(T) * 8), b);
   T* tgt = reinterpret_cast<T*>(j.target);
   const uint64_t start = h.block_start(b);
+  size_t len;
+  const uint8_t* payload = order0_payload(h, j.blob, b, &len);
+  if (!payload) {  // the positions depend on the old values: undo from the decoded changes
+    apply_changes(j.target + start * sizeof(T), t.decoded[b], h.dtype, start * sizeof(T) / 8, false);
+    return;
+  }
+  BlockDecoder dec(payload, len, e.n_changed, h.block_span(b), int(sizeof(T) * 8), b);
   for (uint32_t i = 0; i < t.written[b]; ++i) {  // replays exactly the changes decoded and written before
     uint32_t p;
     uint64_t v;
@@ -285,9 +315,33 @@ void apply_item(ApplyTask& t, const ApplyJob& j, size_t b, bool verify) {
     return;
   }
   verify_payload(h, j.blob, b);
-  BlockDecoder dec(j.blob + h.payload_offset[b], e.payload_bytes, e.n_changed, h.block_span(b), int(sizeof(T) * 8), b);
+  size_t len;
+  const uint8_t* payload = order0_payload(h, j.blob, b, &len);
+  if (!payload) {  // a context block: decode everything first, the positions depend on the old values
+    V2BlockDecoder dec;
+    dec.parse(j.blob + h.payload_offset[b], e.payload_bytes, e.n_changed, h.block_span(b), h.dtype, b);
+    ClassSource cs;
+    cs.old = j.target + lo;
+    cs.first_word = lo / 8;
+    BlockChanges& d = t.decoded[b];
+    dec.decode(cs, d);
+    if (verify) t.sums[b] = d.has_old_sum ? d.old_sum : checksum_raw_range(j.target, lo, hi);
+    const bool dense = verify && uint64_t(e.n_changed) * 16 > h.block_span(b);  // most words change
+    const uint64_t ad = apply_changes(j.target + lo, d, h.dtype, lo / 8, true, dense);
+    t.written[b] = e.n_changed;
+    if (verify) t.adjs[b] = ad;
+    return;
+  }
+  BlockDecoder dec(payload, len, e.n_changed, h.block_span(b), int(sizeof(T) * 8), b);
   apply_block<T>(dec, e.n_changed, j.target, size_t(h.numel) * sizeof(T), lo, hi, h.dtype.is_float, verify,
                  &t.written[b], &t.sums[b], &t.adjs[b]);
+}
+
+std::string wrong_base(uint64_t want, uint64_t have) {
+  char msg[160];
+  std::snprintf(msg, sizeof msg, "wrong base: blob expects base checksum %#018llx, target has %#018llx",
+                (unsigned long long)want, (unsigned long long)have);
+  return msg;
 }
 
 // The base and result checksums of a task whose blocks all ran; the first mismatch fails it.
@@ -298,10 +352,7 @@ void check_sums(ApplyTask& t) {
   const uint64_t nbytes = t.h.numel * (t.h.dtype.bits / 8);
   uint64_t have = checksum_finalize(raw_old, nbytes);
   if (have != t.h.base_checksum) {
-    char msg[160];
-    std::snprintf(msg, sizeof msg, "wrong base: blob expects base checksum %#018llx, target has %#018llx",
-                  (unsigned long long)t.h.base_checksum, (unsigned long long)have);
-    t.fail(msg);
+    t.fail(wrong_base(t.h.base_checksum, have));
   } else if (checksum_finalize(raw_old + ad, nbytes) != t.h.new_checksum) {
     t.fail("result checksum mismatch: the decoded tensor differs from the encoder's");
   }
@@ -310,8 +361,9 @@ void check_sums(ApplyTask& t) {
 }  // namespace
 
 std::vector<std::vector<uint8_t>> delta_encode_many(const std::vector<EncodeJob>& jobs, int block_log2,
-                                                    int threads) {
+                                                    int threads, int version) {
   if (block_log2 < kMinBlockLog2 || block_log2 > kMaxBlockLog2) throw DeltaError("block_log2 out of range");
+  if (version < kMinFormat || version > kMaxFormat) throw DeltaError("unknown delta format version " + std::to_string(version));
   std::vector<EncodeTask> tasks(jobs.size());
   std::vector<Item> items;
   for (size_t t = 0; t < jobs.size(); ++t) {
@@ -332,9 +384,28 @@ std::vector<std::vector<uint8_t>> delta_encode_many(const std::vector<EncodeJob>
   run_largest_first(items, threads, [&](const Item& it) {
     EncodeTask& k = tasks[it.task];
     const EncodeJob& j = jobs[it.task];
+    const uint64_t start = uint64_t(it.block) << block_log2;
+    if (version == 2) {
+      V2BlockEncoder& enc = thread_v2_encoder();
+      const size_t w = size_t(k.dt.bits / 8);
+      if (k.dt.bits == 16) {
+        enc.scan16(reinterpret_cast<const uint16_t*>(j.old_bytes) + start,
+                   reinterpret_cast<const uint16_t*>(j.new_bytes) + start, it.cost, start / 4, k.dt,
+                   &k.sums[it.block], &k.adjs[it.block]);
+      } else {
+        enc.reset(it.cost, k.dt);
+        by_word_bytes(int(w), [&](auto tag) {
+          scan_block<decltype(tag)>(j.old_bytes, j.new_bytes, k.numel, start, it.cost, k.dt.is_float, enc,
+                                    &k.sums[it.block], &k.adjs[it.block]);
+        });
+      }
+      ClassSource cs;
+      cs.old = j.old_bytes + start * w;
+      code_block(enc, k.a, it.block, k.dt, cs, 0);
+      return;
+    }
     BlockEncoder& enc = thread_block_encoder();  // keeps its capacity: no page faults on fresh memory per call
     enc.reset();
-    const uint64_t start = uint64_t(it.block) << block_log2;
     by_word_bytes(k.dt.bits / 8, [&](auto tag) {
       scan_block<decltype(tag)>(j.old_bytes, j.new_bytes, k.numel, start, it.cost, k.dt.is_float, enc,
                                 &k.sums[it.block], &k.adjs[it.block]);
@@ -351,15 +422,15 @@ std::vector<std::vector<uint8_t>> delta_encode_many(const std::vector<EncodeJob>
     }
     const uint64_t nbytes = k.numel * (k.dt.bits / 8);
     out[t] = assemble(k.dt, jobs[t].shape, block_log2, k.a, checksum_finalize(so, nbytes),
-                      checksum_finalize(so + ad, nbytes));
+                      checksum_finalize(so + ad, nbytes), version);
     k.a = Assembled();  // payloads are copied: free them as we go
   });
   return out;
 }
 
 std::vector<uint8_t> delta_encode(const uint8_t* old_bytes, const uint8_t* new_bytes, int dtype_code,
-                                  const std::vector<uint64_t>& shape, int block_log2, int threads) {
-  return std::move(delta_encode_many({{old_bytes, new_bytes, dtype_code, shape}}, block_log2, threads)[0]);
+                                  const std::vector<uint64_t>& shape, int block_log2, int threads, int version) {
+  return std::move(delta_encode_many({{old_bytes, new_bytes, dtype_code, shape}}, block_log2, threads, version)[0]);
 }
 
 // Each tensor in one pass per block: stream the decoded changes, checksum the target in 32 KiB steps, and
@@ -381,6 +452,7 @@ std::vector<std::string> delta_apply_many(const std::vector<ApplyJob>& jobs, boo
     }
     size_t nb = k.h.blocks.size();
     k.written.assign(nb, 0);
+    if (k.h.version == 2) k.decoded.resize(nb);
     k.sums.assign(nb, 0);
     k.adjs.assign(nb, 0);
     for (size_t b = 0; b < nb; ++b)  // a block's cost: its bytes read plus its changes decoded
@@ -415,6 +487,17 @@ std::vector<std::string> delta_apply_many(const std::vector<ApplyJob>& jobs, boo
                   [&](auto tag) { undo_block<decltype(tag)>(*tasks[it.task], jobs[it.task], it.block); });
   });
   if (internal) std::rethrow_exception(internal);
+  // Format 2: a wrong base gives wrong classes, so a context block usually fails to decode before the base
+  // checksum is known. The target is restored by now: say what is wrong if its checksum differs.
+  if (verify)
+    for (size_t t = 0; t < tasks.size(); ++t) {
+      ApplyTask& k = *tasks[t];
+      if (!k.failed.load() || k.h.version != 2 || k.h.blocks.empty()) continue;
+      if (k.error.rfind("wrong base", 0) == 0) continue;
+      const uint64_t nbytes = k.h.numel * (k.h.dtype.bits / 8);
+      const uint64_t have = checksum_finalize(checksum_raw_range(jobs[t].target, 0, nbytes), nbytes);
+      if (have != k.h.base_checksum) k.error = wrong_base(k.h.base_checksum, have);
+    }
   std::vector<std::string> errors;
   for (auto& k : tasks) errors.push_back(k->failed.load() ? k->error : std::string());
   return errors;
@@ -428,9 +511,10 @@ void delta_apply(uint8_t* target, const uint8_t* blob, size_t blob_len, int dtyp
 
 std::vector<uint8_t> delta_pack(int dtype_code, const std::vector<uint64_t>& shape, int block_log2,
                                 const uint64_t* pos, const uint64_t* v, size_t n, uint64_t base_checksum,
-                                uint64_t new_checksum, int threads) {
+                                uint64_t new_checksum, int threads, int version, const Context& ctx) {
   DTypeInfo dt = dtype_info(dtype_code);
   if (block_log2 < kMinBlockLog2 || block_log2 > kMaxBlockLog2) throw DeltaError("block_log2 out of range");
+  if (version < kMinFormat || version > kMaxFormat) throw DeltaError("unknown delta format version " + std::to_string(version));
   uint64_t numel = numel_of(shape);
   const uint64_t vmax = max_value(dt.bits);
   for (size_t i = 0; i < n; ++i) {
@@ -441,24 +525,40 @@ std::vector<uint8_t> delta_pack(int dtype_code, const std::vector<uint64_t>& sha
   Assembled a;
   a.payloads.assign(n_blocks, {});
   a.entries.assign(n_blocks, {0, 0, 0});
+  if (version == 2 && (!ctx.nibbles || ctx.e_tops.size() != n_blocks || ctx.numel != numel))
+    throw DeltaError("pack: format 2 needs the classes of every element and an e_top per block");
   parallel_for(n_blocks, threads, [&](size_t b) {
-    BlockEncoder& enc = thread_block_encoder();
-    enc.reset();
     uint64_t lo = uint64_t(b) << block_log2, hi = lo + (uint64_t(1) << block_log2);
     size_t i0 = std::lower_bound(pos, pos + n, lo) - pos, i1 = std::lower_bound(pos, pos + n, hi) - pos;
-    constexpr size_t kBatch = 1024;
-    uint32_t rel[kBatch];
-    for (size_t i = i0; i < i1; i += kBatch) {
-      size_t k = std::min(kBatch, i1 - i);
-      for (size_t j = 0; j < k; ++j) rel[j] = static_cast<uint32_t>(pos[i + j] - lo);
-      enc.add(rel, v + i, k);
+    auto feed = [&](auto& enc) {
+      constexpr size_t kBatch = 1024;
+      uint32_t rel[kBatch];
+      for (size_t i = i0; i < i1; i += kBatch) {
+        size_t k = std::min(kBatch, i1 - i);
+        for (size_t j = 0; j < k; ++j) rel[j] = static_cast<uint32_t>(pos[i + j] - lo);
+        enc.add(rel, v + i, k);
+      }
+    };
+    if (version == 2) {
+      V2BlockEncoder& enc = thread_v2_encoder();
+      enc.reset(std::min(hi, numel) - lo, dt);
+      feed(enc);
+      ClassSource cs;
+      cs.nibbles = ctx.nibbles;
+      cs.first = lo;
+      code_block(enc, a, b, dt, cs, ctx.e_tops[b]);
+      return;
     }
+    BlockEncoder& enc = thread_block_encoder();
+    enc.reset();
+    feed(enc);
     code_block(enc, a, b);
   });
-  return assemble(dt, shape, block_log2, a, base_checksum, new_checksum);
+  return assemble(dt, shape, block_log2, a, base_checksum, new_checksum, version);
 }
 
-void delta_unpack_into(const Header& h, const uint8_t* blob, uint64_t* pos, uint64_t* v, int threads) {
+void delta_unpack_into(const Header& h, const uint8_t* blob, uint64_t* pos, uint64_t* v, int threads,
+                       const BaseView& base) {
   size_t nb = h.blocks.size();
   std::vector<size_t> first(nb + 1, 0);
   for (size_t b = 0; b < nb; ++b) first[b + 1] = first[b] + h.blocks[b].n_changed;
@@ -466,10 +566,35 @@ void delta_unpack_into(const Header& h, const uint8_t* blob, uint64_t* pos, uint
     const BlockEntry& e = h.blocks[b];
     if (!e.n_changed) return;
     verify_payload(h, blob, b);
-    BlockDecoder dec(blob + h.payload_offset[b], e.payload_bytes, e.n_changed, h.block_span(b), h.dtype.bits, b);
     uint64_t start = h.block_start(b);
     uint64_t* pb = pos + first[b];
     uint64_t* vb = v + first[b];
+    size_t len;
+    const uint8_t* payload = order0_payload(h, blob, b, &len);
+    if (!payload) {
+      V2BlockDecoder dec;
+      dec.parse(blob + h.payload_offset[b], e.payload_bytes, e.n_changed, h.block_span(b), h.dtype, b);
+      ClassSource cs;
+      if (dec.context()) {
+        if (base.bytes) {
+          cs.old = base.bytes + start * (h.dtype.bits / 8);
+          cs.first_word = start * (h.dtype.bits / 8) / 8;
+        } else if (base.nibbles) {
+          cs.nibbles = base.nibbles;
+          cs.first = start;
+        } else {
+          throw DeltaError("block " + std::to_string(b) +
+                           " is context-coded (format 2): decoding it needs the base tensor");
+        }
+      }
+      BlockChanges ch;
+      dec.decode(cs, ch);
+      std::vector<uint32_t> rel(e.n_changed);
+      ch.list(rel.data(), vb);
+      for (size_t i = 0; i < e.n_changed; ++i) pb[i] = start + rel[i];
+      return;
+    }
+    BlockDecoder dec(payload, len, e.n_changed, h.block_span(b), h.dtype.bits, b);
     constexpr size_t kBatch = 256;
     uint32_t bp[kBatch];
     for (size_t i = 0; i < e.n_changed; i += kBatch) {
@@ -479,6 +604,21 @@ void delta_unpack_into(const Header& h, const uint8_t* blob, uint64_t* pos, uint
     }
     dec.finish();
   });
+}
+
+}  // namespace syncd
+
+namespace syncd {
+
+std::vector<int> delta_block_e_tops(const Header& h, const uint8_t* blob) {
+  std::vector<int> out(h.blocks.size(), -1);
+  if (h.version != 2) return out;
+  for (size_t b = 0; b < h.blocks.size(); ++b) {
+    const BlockEntry& e = h.blocks[b];
+    const uint8_t* p = blob + h.payload_offset[b];
+    if (e.payload_bytes >= 3 && p[0] == kModeContext) out[b] = int(p[1] | p[2] << 8);
+  }
+  return out;
 }
 
 }  // namespace syncd

@@ -25,18 +25,18 @@ std::string shape_str(const std::vector<uint64_t>& s) {
 
 DTypeInfo dtype_info(int code) {
   switch (code) {
-    case 1: return {1, 16, true};   // bfloat16
-    case 2: return {2, 16, true};   // float16
-    case 3: return {3, 32, true};   // float32
-    case 4: return {4, 8, true};    // float8_e4m3fn
-    case 5: return {5, 8, true};    // float8_e5m2
-    case 6: return {6, 8, false};   // uint8
-    case 7: return {7, 8, false};   // int8
-    case 8: return {8, 16, false};  // int16
-    case 9: return {9, 32, false};  // int32
-    case 10: return {10, 64, true};  // float64
-    case 11: return {11, 64, false};  // int64
-    case 12: return {12, 8, false};  // bool
+    case 1: return {1, 16, true, 7, 8};     // bfloat16
+    case 2: return {2, 16, true, 10, 5};    // float16
+    case 3: return {3, 32, true, 23, 8};    // float32
+    case 4: return {4, 8, true, 3, 4};      // float8_e4m3fn
+    case 5: return {5, 8, true, 2, 5};      // float8_e5m2
+    case 6: return {6, 8, false, 0, 0};     // uint8
+    case 7: return {7, 8, false, 0, 0};     // int8
+    case 8: return {8, 16, false, 0, 0};    // int16
+    case 9: return {9, 32, false, 0, 0};    // int32
+    case 10: return {10, 64, true, 52, 11};  // float64
+    case 11: return {11, 64, false, 0, 0};  // int64
+    case 12: return {12, 8, false, 0, 0};   // bool
     default: bad("corrupt header: unknown dtype code " + std::to_string(code));
   }
 }
@@ -50,9 +50,10 @@ Header parse_header(const uint8_t* b, size_t n) {
     bad("blob truncated: " + std::to_string(n) + " bytes, shorter than the 48-byte header");
   if (std::memcmp(b, "SYDL", 4) != 0) bad("not a syncd delta blob: bad magic");
   uint16_t version = uint16_t(b[4] | b[5] << 8);
-  if (version != kFormatVersion)
-    bad("unsupported delta format version " + std::to_string(version) + " (this build reads 1)");
+  if (version < kMinFormat || version > kMaxFormat)
+    bad("unsupported delta format version " + std::to_string(version) + " (this build reads 1, 2)");
   Header h;
+  h.version = version;
   h.dtype = dtype_info(b[6]);
   size_t ndim = b[7];
   if (ndim > kMaxNdim) bad("corrupt header: rank " + std::to_string(ndim) + " exceeds 8");
@@ -109,15 +110,16 @@ void check_target(const Header& h, int dtype_code, const std::vector<uint64_t>& 
 }
 
 std::vector<uint8_t> pack_header(const DTypeInfo& dt, const std::vector<uint64_t>& shape, int block_log2,
-                                 const std::vector<BlockEntry>& blocks, uint64_t base_checksum, uint64_t new_checksum) {
+                                 const std::vector<BlockEntry>& blocks, uint64_t base_checksum, uint64_t new_checksum,
+                                 int version) {
   uint64_t numel = 1, nchg = 0;
   for (uint64_t d : shape) numel *= d;
   for (const auto& e : blocks) nchg += e.n_changed;
   std::vector<uint8_t> o;
   o.reserve(header_size(shape.size(), blocks.size()));
   o.insert(o.end(), {'S', 'Y', 'D', 'L'});
-  o.push_back(kFormatVersion & 0xFF);
-  o.push_back(kFormatVersion >> 8);
+  o.push_back(static_cast<uint8_t>(version & 0xFF));
+  o.push_back(static_cast<uint8_t>(version >> 8));
   o.push_back(static_cast<uint8_t>(dt.code));
   o.push_back(static_cast<uint8_t>(shape.size()));
   wr64(o, numel);

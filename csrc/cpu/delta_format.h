@@ -1,4 +1,5 @@
-// Delta blob format v1: header layout and validation (spec: syncd/ops/_format.py, docs/delta-format.md).
+// Delta blob formats 1 and 2: header layout and validation (spec: syncd/ops/_format.py, docs/delta-format.md).
+// Both versions share the header and block table; they differ in the block payloads.
 #pragma once
 
 #include <cstddef>
@@ -10,7 +11,7 @@
 
 namespace syncd {
 
-constexpr uint16_t kFormatVersion = 1;
+constexpr uint16_t kMinFormat = 1, kMaxFormat = 2, kDefaultFormat = 1;
 constexpr int kDefaultBlockLog2 = 20;
 constexpr int kMinBlockLog2 = 8;
 constexpr int kMaxBlockLog2 = 26;
@@ -23,6 +24,8 @@ struct DTypeInfo {
   int code;
   int bits;
   bool is_float;
+  int exp_shift;  // floats: where the exponent field sits (format 2's context); 0, 0 for integers
+  int exp_bits;
 };
 
 // Throws DeltaError for an unknown code.
@@ -35,6 +38,7 @@ struct BlockEntry {
 };
 
 struct Header {
+  int version = kDefaultFormat;
   DTypeInfo dtype;
   std::vector<uint64_t> shape;
   uint64_t numel = 0;
@@ -65,6 +69,6 @@ void check_target(const Header& h, int dtype_code, const std::vector<uint64_t>& 
 // Serialises a header for the given block table (payloads follow it in order).
 std::vector<uint8_t> pack_header(const DTypeInfo& dt, const std::vector<uint64_t>& shape, int block_log2,
                                  const std::vector<BlockEntry>& blocks, uint64_t base_checksum,
-                                 uint64_t new_checksum);
+                                 uint64_t new_checksum, int version);
 
 }  // namespace syncd

@@ -2,6 +2,7 @@
 
 #include "checksum.h"
 #include "codec_core.h"
+#include "simd_mix.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(SYNCD_NO_MULTIVERSION)
 #define SYNCD_HAVE_AVX512_PATH 1
@@ -52,21 +53,14 @@ size_t scalar_extract16(const uint8_t* o, const uint8_t* n, uint64_t mask, uint6
 }
 
 #ifdef SYNCD_HAVE_AVX512_PATH
-__attribute__((target("avx512f,avx512dq"))) inline __m512i mix512(__m512i x) {
-  x = _mm512_mullo_epi64(_mm512_xor_si512(x, _mm512_srli_epi64(x, 32)), _mm512_set1_epi64(int64_t(kWordMul)));
-  return _mm512_xor_si512(x, _mm512_srli_epi64(x, 32));
-}
 
 // Little-endian only (x86). Two independent accumulators hide the multiply latency.
 __attribute__((target("avx512f,avx512dq"))) uint64_t avx512_checksum_and_diff(const uint8_t* o, const uint8_t* n,
                                                                                size_t nwords, uint64_t first,
                                                                                uint64_t* masks) {
-  const __m512i golden = _mm512_set1_epi64(int64_t(kGolden));
   const __m512i step8 = _mm512_set1_epi64(int64_t(8 * kGolden));
   // key of lane l in the current group of 8: (first + w + l + 1) * golden, advanced by adding 8 * golden
-  __m512i key = _mm512_mullo_epi64(_mm512_add_epi64(_mm512_set1_epi64(int64_t(first + 1)),
-                                                    _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0)),
-                                   golden);
+  __m512i key = word_keys512(first);
   __m512i acc0 = _mm512_setzero_si512(), acc1 = _mm512_setzero_si512();
   size_t groups = nwords / 64;
   for (size_t g = 0; g < groups; ++g) {
@@ -103,13 +97,11 @@ bool have_avx512() {
 __attribute__((target("avx512f,avx512dq,avx512bw,avx512vbmi2"))) size_t avx512_extract16(
     const uint8_t* o, const uint8_t* n, uint64_t mask, uint64_t first_word, uint32_t first_pos, bool is_float,
     uint32_t* pos, uint64_t* v, uint64_t* adj) {
-  const __m512i golden = _mm512_set1_epi64(int64_t(kGolden));
-  const __m512i lanes8 = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
   const __m512i iota = _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14,
                                         13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const __m512i sign = _mm512_set1_epi16(int16_t(0x8000));
   const __m512i one = _mm512_set1_epi16(1);
-  const __m512i key0 = _mm512_mullo_epi64(_mm512_add_epi64(_mm512_set1_epi64(int64_t(first_word + 1)), lanes8), golden);
+  const __m512i key0 = word_keys512(first_word);
   __m512i acc = _mm512_setzero_si512();
   size_t k = 0;
   // only the vectors holding a changed word: one loop exit to predict per group, not one branch per vector

@@ -31,7 +31,7 @@ import hashlib
 import math
 from typing import Any, Mapping
 
-from engine.adapter import GenerationRequest, SamplingParams, TokenEvent
+from syncd.engines.protocol import GenerationRequest, SamplingParams, TokenEvent
 
 __all__ = ["UnsupportedRequest", "BadRequest", "to_generation_request", "to_chunk", "seed_for",
            "ENGINE_DATA_SCHEMA", "DEFAULT_MAX_TOKENS"]

@@ -5,10 +5,10 @@ completions: the frontend tokenizes and applies the chat template), serves token
 ``<namespace>.<component>.<endpoint>`` and exposes the weight-update lifecycle as admin routes on the
 worker's system port (``DYN_SYSTEM_PORT``)::
 
-    POST /engine/weights/<op>     op in engine.control.OPS: version, lease, release, parameters, checksum,
+    POST /engine/weights/<op>     op in syncd.engines.wire.OPS: version, lease, release, parameters, checksum,
                                   stage, pause, apply, rollback, load_full, resume  (contract: engine/control.py)
 
-so the node daemon drives the engine through ``engine.control.RemoteAdapter("http://host:system_port")``.
+so the node daemon drives the engine through ``syncd.engines.RemoteAdapter("http://host:system_port")``.
 The routes go through an :class:`engine.control.EngineControl`: every call must carry the node's engine
 token (``--token-file`` / ``SYNCD_ENGINE_TOKEN_FILE``) as the body member ``"auth"`` (Dynamo hands a route
 only its body), weight ops need the caller's lease, and with ``SYNCD_SIGNING_KEY``/``_FILE`` set the worker
@@ -154,8 +154,8 @@ class DynamoWorker:
         return route
 
     def register_admin_routes(self, runtime) -> None:
-        """Register ``/engine/weights/<op>`` for every op of ``engine.control.OPS``."""
-        from engine.control import OPS
+        """Register ``/engine/weights/<op>`` for every op of ``syncd.engines.wire.OPS``."""
+        from syncd.engines.wire import OPS
 
         for op in OPS:
             runtime.register_engine_route(WEIGHT_ROUTE_PREFIX + op, self._weight_route(op))
@@ -260,7 +260,7 @@ def build_engine(args):
             raise ValueError(f"--engine must be 'reference' or MODULE:FACTORY, got {spec!r}")
         factory = getattr(importlib.import_module(mod), name)
     engine = factory(args)
-    from engine.adapter import Adapter, Generator
+    from syncd.engines.protocol import Adapter, Generator
 
     missing = [p.__name__ for p in (Adapter, Generator) if not isinstance(engine, p)]
     if missing:

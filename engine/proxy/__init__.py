@@ -4,7 +4,7 @@ records every trajectory's tokens and writes the records to the object store (``
 
 from __future__ import annotations
 
-import importlib
+from syncd.lazy import lazy_names
 
 _LAZY = {"Proxy": "engine.proxy.server", "ProxyConfig": "engine.proxy.server",
          "TRAJECTORY_HEADER": "engine.proxy.server", "read_record": "engine.proxy.record",
@@ -14,11 +14,4 @@ _LAZY = {"Proxy": "engine.proxy.server", "ProxyConfig": "engine.proxy.server",
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str):
-    try:
-        module = _LAZY[name]
-    except KeyError:
-        raise AttributeError(f"module 'engine.proxy' has no attribute {name!r}") from None
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names("engine.proxy", _LAZY)

@@ -34,7 +34,7 @@ Supervision: the retry task runs under a :class:`syncd.supervise.Supervisor`; it
 what it did not expect are logged and counted in ``syncd_failures_total{kind}`` (``GET /metrics``; kinds
 ``store``, ``record``, ``task``, ``request``); ``GET /health`` shows the counts and the task's health.
 
-The per-turn bookkeeping is ``engine.proxy.turn``.
+The per-turn bookkeeping is ``engine.proxy.turn``, one attempt at the frontend ``engine.proxy.upstream``.
 
 Thread-safety: one asyncio loop (uvloop) runs everything; the store is called from worker threads.
 """
@@ -53,11 +53,10 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from engine.proxy import sse
 from engine.proxy.record import RecordError, Trajectory, Turn, check_id, now
 from engine.proxy.turn import (TRAJECTORY_HEADER, BadRequest, Broken, ClientGone, ClientStream, Rejected, Retryable,
-                               TurnState, annotation_ids, client_wants, error_response, for_client, parse_body,
-                               parse_event, upstream_body)
+                               TurnState, check_complete, error_response, parse_body, upstream_body, whole_response)
+from engine.proxy.upstream import stream_once
 from engine.proxy.writer import RecordWriter, new_life
 from syncd.supervise import Failures, Supervisor
 
@@ -65,7 +64,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["ProxyConfig", "Proxy", "TRAJECTORY_HEADER"]
 
-RETRYABLE_STATUS = frozenset({404, 408, 429, 500, 502, 503, 504})
 MAX_REQUEST_BYTES = 64 << 20
 FAILURE_KINDS = ("store", "record", "task", "request")
 
@@ -352,7 +350,7 @@ class Proxy:
             record = {"attempt": attempt, "started_at": now(), "error": None}
             turn.attempts.append(record)
             try:
-                await self._stream_once(state, up_body, endpoint, out)
+                await stream_once(self._session, self.upstream, state, up_body, endpoint, out)
                 break
             except Retryable as exc:
                 record["error"] = str(exc)
@@ -375,100 +373,10 @@ class Proxy:
             except ClientGone:
                 turn.fail(f"the client went away after {state.tokens} tokens")
                 return out.response
-        self._check_complete(state)
+        check_complete(state)
         if turn.status == "failed":
             return await out.fail(turn.error)
         turn.status, turn.finished_at = "ok", now()
         if turn.stream:
             return await out.end()
-        return web.json_response(self._whole_response(state, endpoint), headers=out.headers)
-
-    async def _stream_once(self, state: TurnState, up_body: dict, endpoint: str, out: ClientStream) -> None:
-        turn = state.turn
-        wants_fields, wants_ids, wants_usage = client_wants(turn.request)
-        chat = endpoint == "chat/completions"
-        try:
-            async with self._session.post(f"{self.upstream}/v1/{endpoint}", json=up_body) as resp:
-                if resp.status != 200:
-                    text = await resp.text()
-                    if resp.status in RETRYABLE_STATUS:
-                        raise Retryable(f"HTTP {resp.status}: {text[:300]}")
-                    raise Rejected(resp.status, text)
-                async for event, data in sse.events(resp.content.iter_any()):
-                    if event == "token_ids":
-                        turn.prompt_token_ids = annotation_ids(data)
-                        if wants_ids and turn.stream:
-                            await out.send(sse.format_event(data, event))
-                        continue
-                    if event != "message":
-                        continue
-                    if data.strip() == "[DONE]":
-                        break
-                    try:
-                        obj = parse_event(data)
-                    except Broken as exc:
-                        raise self._failure(state, f"upstream sent a malformed event: {exc}") from None
-                    if "error" in obj:
-                        raise self._failure(state, f"upstream error: {json.dumps(obj['error'])[:500]}")
-                    if obj.get("usage"):
-                        turn.usage = obj["usage"]
-                    turn.response_id = turn.response_id or obj.get("id")
-                    nvext = obj.get("nvext") or {}
-                    if obj.get("choices"):
-                        state.add_engine_data(nvext.get("engine_data"))
-                        state.add_choices(obj, chat)
-                    state.last = obj
-                    if turn.stream:
-                        client_obj = for_client(obj, wants_fields)
-                        if obj.get("choices") or wants_usage:
-                            await out.send(sse.format_event(client_obj))
-                if state.tokens == 0:
-                    raise Retryable("the upstream stream ended before any token")
-        except (aiohttp.ClientError, asyncio.TimeoutError, sse.SSEError, ConnectionError) as exc:
-            raise self._failure(state, f"{type(exc).__name__}: {exc}") from None
-
-    def _failure(self, state: TurnState, reason: str) -> Exception:
-        return Retryable(reason) if state.tokens == 0 else Broken(reason)
-
-    def _check_complete(self, state: TurnState) -> None:
-        """Fail the turn unless its record is whole and agrees with the frontend's counts."""
-        t = state.turn
-        if t.status == "failed":
-            return
-        if t.finish_reason is None:
-            t.fail(f"the upstream stream ended without a finish reason after {state.tokens} tokens")
-        elif not t.prompt_token_ids:
-            t.fail("the frontend sent no prompt token ids (nvext annotation token_ids)")
-        elif t.usage is None:
-            t.fail("the frontend sent no usage counts to check the token record against")
-        elif t.usage.get("completion_tokens") != state.tokens:
-            t.fail(f"token record incomplete: the frontend counted {t.usage.get('completion_tokens')} output "
-                   f"tokens, the proxy recorded {state.tokens}")
-        elif t.usage.get("prompt_tokens") != len(t.prompt_token_ids):
-            t.fail(f"prompt record mismatch: the frontend counted {t.usage.get('prompt_tokens')} prompt tokens, "
-                   f"its token_ids annotation had {len(t.prompt_token_ids)}")
-
-    def _whole_response(self, state: TurnState, endpoint: str) -> dict:
-        last = state.last or {}
-        wants_fields, _, _ = client_wants(state.turn.request)
-        choices = []
-        for i, acc in sorted(state.choices.items()):
-            if endpoint == "chat/completions":
-                msg = {"role": acc["role"] or "assistant", "content": acc["text"]}
-                if acc["tool_calls"]:
-                    msg["tool_calls"] = [acc["tool_calls"][k] for k in sorted(acc["tool_calls"])]
-                choices.append({"index": i, "message": msg, "finish_reason": acc["finish_reason"], "logprobs": None})
-            else:
-                choices.append({"index": i, "text": acc["text"], "finish_reason": acc["finish_reason"],
-                                "logprobs": None})
-        out = {"id": state.turn.response_id, "object": "chat.completion" if endpoint == "chat/completions"
-               else "text_completion", "created": last.get("created"), "model": last.get("model"),
-               "choices": choices, "usage": state.turn.usage}
-        if wants_fields:
-            nvext = {k: v for k, v in (last.get("nvext") or {}).items() if k in wants_fields}
-            if "engine_data" in wants_fields:
-                t = state.turn
-                nvext["engine_data"] = {"syncd": 1, "request_id": t.request_id, "token_ids": t.output_token_ids,
-                                        "versions": t.versions, "logprobs": t.logprobs}
-            out["nvext"] = nvext
-        return out
+        return web.json_response(whole_response(state, endpoint), headers=out.headers)

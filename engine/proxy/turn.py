@@ -37,8 +37,8 @@ from engine.proxy.record import Turn
 from syncd import jsonsafe
 
 __all__ = ["TRAJECTORY_HEADER", "TurnState", "ClientStream", "client_wants", "upstream_body", "for_client",
-           "parse_body", "parse_event", "annotation_ids", "error_response", "BadRequest", "Retryable", "Rejected",
-           "Broken", "ClientGone"]
+           "parse_body", "parse_event", "annotation_ids", "error_response", "check_complete", "whole_response",
+           "BadRequest", "Retryable", "Rejected", "Broken", "ClientGone"]
 
 TRAJECTORY_HEADER = "X-Syncd-Trajectory"
 #: nesting bound of client bodies and upstream events (a record nests a body 3 levels deeper)
@@ -268,3 +268,47 @@ class ClientStream:
             pass
         return self.response
 
+
+def check_complete(state: TurnState) -> None:
+    """Fail the turn unless its record is whole and agrees with the frontend's counts."""
+    t = state.turn
+    if t.status == "failed":
+        return
+    if t.finish_reason is None:
+        t.fail(f"the upstream stream ended without a finish reason after {state.tokens} tokens")
+    elif not t.prompt_token_ids:
+        t.fail("the frontend sent no prompt token ids (nvext annotation token_ids)")
+    elif t.usage is None:
+        t.fail("the frontend sent no usage counts to check the token record against")
+    elif t.usage.get("completion_tokens") != state.tokens:
+        t.fail(f"token record incomplete: the frontend counted {t.usage.get('completion_tokens')} output "
+               f"tokens, the proxy recorded {state.tokens}")
+    elif t.usage.get("prompt_tokens") != len(t.prompt_token_ids):
+        t.fail(f"prompt record mismatch: the frontend counted {t.usage.get('prompt_tokens')} prompt tokens, "
+               f"its token_ids annotation had {len(t.prompt_token_ids)}")
+
+def whole_response(state: TurnState, endpoint: str) -> dict:
+    """The non-streamed response of a finished turn, with what the client asked for of ``nvext``."""
+    last = state.last or {}
+    wants_fields, _, _ = client_wants(state.turn.request)
+    choices = []
+    for i, acc in sorted(state.choices.items()):
+        if endpoint == "chat/completions":
+            msg = {"role": acc["role"] or "assistant", "content": acc["text"]}
+            if acc["tool_calls"]:
+                msg["tool_calls"] = [acc["tool_calls"][k] for k in sorted(acc["tool_calls"])]
+            choices.append({"index": i, "message": msg, "finish_reason": acc["finish_reason"], "logprobs": None})
+        else:
+            choices.append({"index": i, "text": acc["text"], "finish_reason": acc["finish_reason"],
+                            "logprobs": None})
+    out = {"id": state.turn.response_id, "object": "chat.completion" if endpoint == "chat/completions"
+           else "text_completion", "created": last.get("created"), "model": last.get("model"),
+           "choices": choices, "usage": state.turn.usage}
+    if wants_fields:
+        nvext = {k: v for k, v in (last.get("nvext") or {}).items() if k in wants_fields}
+        if "engine_data" in wants_fields:
+            t = state.turn
+            nvext["engine_data"] = {"syncd": 1, "request_id": t.request_id, "token_ids": t.output_token_ids,
+                                    "versions": t.versions, "logprobs": t.logprobs}
+        out["nvext"] = nvext
+    return out

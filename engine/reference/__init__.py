@@ -4,13 +4,10 @@ weight updates while it serves. ``ReferenceEngine`` (``engine.reference.engine``
 
 from __future__ import annotations
 
+from syncd.lazy import lazy_names
 
-def __getattr__(name: str):
-    if name in ("ReferenceEngine", "EngineStats"):
-        from engine.reference import engine as _engine
 
-        return getattr(_engine, name)
-    raise AttributeError(f"module 'engine.reference' has no attribute {name!r}")
-
+__getattr__ = lazy_names("engine.reference", {"ReferenceEngine": "engine.reference.engine",
+                                              "EngineStats": "engine.reference.engine"})
 
 __all__ = ["ReferenceEngine", "EngineStats"]

@@ -10,8 +10,8 @@ own forward call, so its numbers never depend on its batch mates. Each token is 
 request's seed at the token's absolute position (:mod:`engine.reference.sampling`): the same seed, prompt
 and weights give the same tokens.
 
-Updates (the Adapter contract in ``engine/adapter.py``): ``stage`` runs on the caller's thread while steps go
-on; ``pause`` stops the scheduler before its next step and returns once the current step has finished (at
+Updates (the Adapter contract in ``syncd/engines/protocol.py``): ``stage`` runs on the caller's thread while
+steps go on; ``pause`` stops the scheduler before its next step and returns once the current step has finished (at
 most one step); ``apply``/``rollback``/``load_full`` need the engine paused (``RuntimeError`` otherwise);
 ``resume`` lets the next step run. Running requests keep their KV caches across the update and go on with the
 new weights; requests submitted while paused queue. Every token carries the version it was sampled with.
@@ -33,9 +33,11 @@ from typing import AsyncIterator, Callable, Mapping, Sequence
 
 import torch
 
-from engine.adapter import GenerationRequest, ParamSpec, SamplingParams, TokenEvent, Update
 from engine.reference.sampling import sample
 from engine.updater import WeightUpdater
+from syncd.engines.params import ParamSpec
+from syncd.engines.protocol import GenerationRequest, SamplingParams, TokenEvent
+from syncd.engines.update import Update
 
 log = logging.getLogger(__name__)
 
@@ -103,59 +105,25 @@ class ReferenceEngine:
     # ------------------------------------------------------------------------------------ constructors
 
     @classmethod
-    def from_pretrained(cls, folder, *, version: int | None = 0, device="cpu", compute_dtype=None,
-                        tp_size: int = 1, **kw) -> "ReferenceEngine":
-        """From a local model folder (``config.json`` + ``*.safetensors``, as ``make_tiny`` writes)."""
-        from transformers import AutoConfig
+    def from_pretrained(cls, folder, **kw) -> "ReferenceEngine":
+        """From a local model folder (:func:`engine.reference.build.from_pretrained`)."""
+        from engine.reference import build
 
-        from engine.reference.model import load_folder_weights
-
-        config = AutoConfig.from_pretrained(str(folder))
-        return cls.from_state_dict(load_folder_weights(folder), config, version=version, device=device,
-                                   compute_dtype=compute_dtype, tp_size=tp_size, **kw)
+        return build.from_pretrained(cls, folder, **kw)
 
     @classmethod
-    def from_state_dict(cls, state_dict: Mapping[str, torch.Tensor], config, *, version: int | None = 0,
-                        device="cpu", compute_dtype=None, tp_size: int = 1, **kw) -> "ReferenceEngine":
-        """From the trainer's tensors (names as the transformers model of ``config`` has them) and its
-        config. ``tp_size=2`` runs a simulated tensor-parallel split (dense Llama/Qwen2 only): two ranks each
-        holding half of each sliced parameter, with fused qkv and gate_up (:mod:`engine.reference.tp`).
+    def from_state_dict(cls, state_dict: Mapping[str, torch.Tensor], config, **kw) -> "ReferenceEngine":
+        """From the trainer's tensors and their config (:func:`engine.reference.build.from_state_dict`)."""
+        from engine.reference import build
 
-        NVFP4: a state dict holding ``<name>.qdata/.scales/.per_tensor_scale`` triples (what
-        ``trainer.qat.export_nvfp4`` publishes) is detected; those weights are served from their packed
-        parts, which are the engine's parameters under those names (:mod:`engine.reference.nvfp4_weights`).
-        ``tp_size`` must then be 1 (ValueError otherwise)."""
-        if tp_size == 1:
-            from engine.reference.model import HFRunner
-
-            runner = HFRunner(config, state_dict, device=device, compute_dtype=compute_dtype)
-        else:
-            from engine.reference.tp import TPRunner
-
-            runner = TPRunner(config, state_dict, world_size=tp_size, device=device, compute_dtype=compute_dtype)
-        return cls(runner, version=version, **kw)
+        return build.from_state_dict(cls, state_dict, config, **kw)
 
     @classmethod
-    def from_store(cls, store, run_id: str, version: int | None = None, *, config=None, model_dir=None,
-                   signing_key=None, **kw) -> "ReferenceEngine":
-        """From version ``version`` (None: the latest) of a run, rebuilt by ``syncd.materialize`` (every
-        manifest, hash and checksum verified). The architecture comes from ``config`` or ``model_dir``'s
-        ``config.json``. Raises what ``materialize`` raises."""
-        from syncd.versions import latest_version, materialize
+    def from_store(cls, store, run_id: str, version: int | None = None, **kw) -> "ReferenceEngine":
+        """From a version of a run in the store (:func:`engine.reference.build.from_store`)."""
+        from engine.reference import build
 
-        if config is None:
-            if model_dir is None:
-                raise ValueError("from_store needs config= or model_dir= (the store holds weights only)")
-            from transformers import AutoConfig
-
-            config = AutoConfig.from_pretrained(str(model_dir))
-        if version is None:
-            version = latest_version(store, run_id, signing_key=signing_key)
-            if version is None:
-                from syncd.errors import VersionNotFound
-                raise VersionNotFound(f"run {run_id!r} has no versions")
-        weights = materialize(store, run_id, version, signing_key=signing_key)
-        return cls.from_state_dict(weights, config, version=version, **kw)
+        return build.from_store(cls, store, run_id, version, **kw)
 
     # ------------------------------------------------------------------------------------ Adapter
 

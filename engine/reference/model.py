@@ -29,7 +29,7 @@ from typing import Mapping
 
 import torch
 
-from engine.adapter import ParamPiece, ParamSpec
+from syncd.engines.params import ParamPiece, ParamSpec
 from engine.updater import bf16_view_of_fp32
 
 log = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ from typing import Mapping
 
 import torch
 
-from engine.adapter import ParamPiece, ParamSpec
+from syncd.engines.params import ParamPiece, ParamSpec
 from engine.local_params import word_view
 from syncd.ops import nvfp4
 from syncd.ops.nvfp4 import BLOCK, PER_TENSOR_SCALE, QDATA, SCALES, NVFP4Tensor

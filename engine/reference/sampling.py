@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.adapter import SamplingParams
+from syncd.engines.protocol import SamplingParams
 
 __all__ = ["Sample", "sample", "draw_uniform", "kept_set"]
 

@@ -20,7 +20,7 @@ from typing import Mapping
 import torch
 import torch.nn.functional as F
 
-from engine.adapter import ParamSpec
+from syncd.engines.params import ParamSpec
 from engine.reference.model import default_compute_dtype, local_view
 from engine.sharding import tp_specs
 from engine.updater import build_local

@@ -7,16 +7,18 @@ into each node's local disk cache. See ``docs/cluster.md``.
 Modules: :mod:`~syncd.cluster.membership` (who is in the cluster, who is alive),
 :mod:`~syncd.cluster.election` (the controller), :mod:`~syncd.cluster.planner` (roots and trees),
 :mod:`~syncd.cluster.wire` (frames), :mod:`~syncd.cluster.auth` (the cluster secret, handshake),
-:mod:`~syncd.cluster.transfer` (cache, chunk lists, pulls, store reads), :mod:`~syncd.cluster.fetching` (where a
-node gets each shard from), :mod:`~syncd.cluster.controller` (the controller's work), :mod:`~syncd.cluster.node`
-(:class:`ClusterNode`), :mod:`~syncd.cluster.config` (its settings), :mod:`~syncd.cluster.cli` (the
-``python -m syncd.cluster.node`` process), :mod:`~syncd.cluster.sim`
-(simulated clusters: network namespaces, shaped links, an S3 endpoint over a file store).
+:mod:`~syncd.cluster.partials` (partial shards and their chunk tags, on the node cache),
+:mod:`~syncd.cluster.transfer` (pulls, store reads), :mod:`~syncd.cluster.node` (:class:`ClusterNode`) and its
+roles :mod:`~syncd.cluster.heartbeats` (membership), :mod:`~syncd.cluster.fetching` (the relay) and
+:mod:`~syncd.cluster.controller`, :mod:`~syncd.cluster.state` (the delivered version, the event log),
+:mod:`~syncd.cluster.config` (settings), :mod:`~syncd.cluster.cli` (the ``python -m syncd.cluster.node``
+process). Simulated clusters (network namespaces, shaped links, an S3 endpoint over a file store) are lab
+code: :mod:`bench.netsim`.
 """
 
 from __future__ import annotations
 
-import importlib
+from syncd.lazy import lazy_names
 
 _LAZY = {
     "ClusterNode": ("syncd.cluster.node", "ClusterNode"),
@@ -33,11 +35,4 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str):
-    try:
-        module, attr = _LAZY[name]
-    except KeyError:
-        raise AttributeError(f"module 'syncd.cluster' has no attribute {name!r}") from None
-    value = getattr(importlib.import_module(module), attr)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names("syncd.cluster", _LAZY)

@@ -1,20 +1,21 @@
-"""The controller's side of a cluster node (part of :class:`syncd.cluster.node.ClusterNode`): while a node is the
-controller it polls the store for new versions, plans every version some live node still needs (roots,
-trees, slow nodes at the leaves), and sends each plan with its signed manifest to the nodes in it, again
-whenever membership changes. On takeover it continues from shared state, not from its predecessor. Runs on
-the node's event loop (store reads and manifest parsing in worker threads).
+"""The controller role of a cluster node (:class:`Controller`, held by :class:`~syncd.cluster.node.ClusterNode`):
+while a node is the controller it polls the store for new versions, plans every version some live node still
+needs (roots, trees, slow nodes at the leaves), and sends each plan with its signed manifest to the nodes in
+it, again whenever membership changes. On takeover it continues from shared state, not from its predecessor.
+Runs on the node's event loop (store reads and manifest parsing in worker threads).
 
-**Newest means verified.** The controller takes a version as the run's newest only once it has read,
-parsed and (with a key) verified that version's manifest itself. Each poll (every ``poll_s``) it reads the
-``latest.json`` hint with a conditional GET (bounded, strict parse; the hint is unsigned, so only a
-candidate), probes the version after the newest one it knows (so new versions are found under a stale or
+**Newest means verified.** The poll is the one every reader uses, :class:`syncd.newest.VersionPoller`, over
+the controller's :class:`~syncd.manifest_source.ManifestSource` (the daemon's reader of verified manifests): a
+version is the run's newest only once its manifest has been read, parsed and (with a key) verified. Each poll
+(every ``poll_s``) reads the ``latest.json`` hint with a conditional GET (bounded, strict parse; unsigned, so
+only a candidate), probes the versions after the newest one known (so new versions are found under a stale or
 forged hint too), and lists the version directories, newest first, when the hint is missing, malformed or
-names nothing usable, and every :data:`LIST_EVERY_S` anyway. A candidate without a manifest is not there
-yet. A candidate whose manifest does not parse or verify is *unusable*: it is skipped, remembered (not read
-again this term), reported (event ``bad_version``, an error in the log, ``failures{kind="manifest"}``), and
-never a high-water mark -- valid versions below it and after it are still found. The same holds for a
-version between two a node needs: it is skipped, not a reason to stop planning. At most
-:data:`MAX_READS_PER_POLL` manifests are read per poll, so a store full of garbage costs bounded work.
+names nothing usable, and every :data:`LIST_EVERY_S` anyway. A candidate without a manifest is not there yet. A
+candidate whose manifest does not parse or verify is *unusable*: it is skipped, remembered for the term (not
+read again), reported once (event ``bad_version``, an error in the log, ``failures{kind="manifest"}``), and
+never a high-water mark -- valid versions below it and after it are still found. The same holds for a version
+between two a node needs: it is skipped, not a reason to stop planning. At most :data:`MAX_READS_PER_POLL`
+manifests are read per poll by a listing, so a store full of garbage costs bounded work.
 """
 
 from __future__ import annotations
@@ -23,195 +24,119 @@ import asyncio
 import logging
 import time
 
-from syncd import manifest as mf
+from syncd import versions
 from syncd.cluster import wire
-from syncd.cluster.errors import ProtocolError
 from syncd.cluster.planner import plan_version
 from syncd.cluster.wire import T
-from syncd.errors import ObjectNotFound, StoreError, SyncdError, VersionNotFound
+from syncd.errors import ManifestError, StoreError, VersionNotFound
+from syncd.manifest_source import ManifestSource
+from syncd.newest import VersionPoller
 
 log = logging.getLogger("syncd.cluster.node")
 
+__all__ = ["Controller", "LIST_EVERY_S", "MAX_READS_PER_POLL"]
+
 #: seconds between listings of the version directories when the hint looks fine
 LIST_EVERY_S = 30.0
-#: manifests read per poll at most (new candidates and probes)
+#: manifests a listing reads per poll at most
 MAX_READS_PER_POLL = 64
-#: the largest ``latest.json`` hint read
-HINT_MAX_BYTES = 4096
 
 
-class UnusableVersion(SyncdError, ValueError):
-    """A version's manifest exists but does not parse or verify; the version is skipped."""
+class Controller:
+    """The controller role of ``node`` (see the module docstring); made by :meth:`ClusterNode.start` (on its
+    loop). ``latest``: the newest verified version known (None: none yet)."""
 
+    def __init__(self, node):
+        self.node = node
+        self.latest: int | None = None
+        self.source = ManifestSource(node.run_id, store=node.store, cache=node.cache.cache, key=node.key,
+                                     retry_failed_s=float("inf"), on_reject=self._unusable)
+        self._poller: VersionPoller | None = None
+        self._wake = asyncio.Event()
+        self._sent: dict[tuple, tuple] = {}
+        self._starts: dict[tuple, int] = {}
+        self._slow: dict[int, tuple[float, int]] = {}
+        self._seq = 0
 
-class ControllerRole:
-    """Mixin of :class:`~syncd.cluster.node.ClusterNode`: what it does while it is the controller."""
+    def wake(self) -> None:
+        """Plan again now (membership changed)."""
+        self._wake.set()
 
-    def _rebuild_controller_state(self) -> None:
-        """On takeover: continue from shared state -- the plans this node received (every node gets
-        them), each node's delivered version and holdings (heartbeats), the manifests (store)."""
+    def take_over(self) -> None:
+        """This node became the controller: continue from shared state -- the plans this node received (every
+        node gets them), each node's delivered version and holdings (heartbeats), the manifests (store)."""
+        node = self.node
         self._sent.clear()
-        self._etag = None
-        self._listed_at = float("-inf")
-        self._bad.clear()
-        for v, ps in self.plans.items():
-            self._manifests.setdefault(v, (ps.raw, ps.manifest))
-        self._seq = max([ps.plan.seq for ps in self.plans.values()] + [self._seq])
+        self.source.forget_rejections()
+        self._poller = VersionPoller(node.store, node.run_id, read=self.source.get, list_every_s=LIST_EVERY_S,
+                                     max_reads=MAX_READS_PER_POLL, retry_s=float("inf"), probe_next=True,
+                                     on_skip=lambda v, exc: None,  # the source reports refusals (once)
+                                     on_bad_hint=lambda exc: node.events("bad_hint", why=str(exc)[:200]))
+        self._poller.newest = self.latest
+        for ps in node.plans.values():
+            self.source.remember(ps.manifest, ps.raw)
+        self._seq = max([ps.plan.seq for ps in node.plans.values()] + [self._seq])
+        self._wake.set()
 
-    async def _controller_loop(self) -> None:
+    def heartbeat_fields(self) -> dict:
+        """What the controller's heartbeat adds: each new node's start version, the newest verified version."""
+        node = self.node
+        peers = node.heartbeats.membership.peers
+        return {"starts": {str(r): v for (r, inc), v in self._starts.items()
+                           if peers.get(r) is not None and peers[r].incarnation == inc},
+                "latest": -1 if self.latest is None else self.latest}
+
+    def skipped(self) -> dict[str, str]:
+        """``{version: why}`` of the unusable versions skipped this term (newest 16)."""
+        return {str(v): why[:500] for v, why in sorted(self.source.rejections().items())[-16:]}
+
+    async def loop(self) -> None:
         """Supervised (:class:`syncd.supervise.Supervisor`): what a step raises restarts the loop."""
-        while self._running:
-            if self.is_controller:
+        node = self.node
+        while node.running:
+            if node.heartbeats.election.is_controller:
                 await self._control_once()
-            self._ctrl_wake.clear()
+            self._wake.clear()
             try:
-                await asyncio.wait_for(self._ctrl_wake.wait(), self.cfg.poll_s)
+                await asyncio.wait_for(self._wake.wait(), node.cfg.poll_s)
             except asyncio.TimeoutError:
                 pass
 
     # ------------------------------------------------------------------------------------- manifests
 
-    def _read_manifest(self, v: int) -> tuple[bytes, mf.Manifest]:
-        """Blocking (a worker thread): read and verify version ``v``'s manifest. Raises
-        :class:`VersionNotFound`, :class:`UnusableVersion`, :class:`StoreError`."""
-        k = mf.manifest_key(self.run_id, v)
-        try:
-            raw = self.store.get(k, limit=mf.MAX_MANIFEST_BYTES + 1)
-        except ObjectNotFound:
-            raise VersionNotFound(f"run {self.run_id!r} has no version {v}") from None
-        try:
-            return raw, mf.parse(raw, key=self.key, run_id=self.run_id, version=v, where=f"{self.store.url}/{k}")
-        except StoreError:
-            raise
-        except SyncdError as exc:
-            raise UnusableVersion(str(exc)) from exc
+    def _unusable(self, v: int, reason: str, exc: BaseException) -> None:
+        """A version's manifest was refused (reported once by the source; here: the event and the count)."""
+        self.node.events("bad_version", v=v, why=str(exc)[:200])
+        self.node.failure("manifest")
 
-    async def _manifest(self, v: int) -> tuple[bytes, mf.Manifest]:
-        """Version ``v``'s verified manifest (cached). Raises :class:`VersionNotFound`,
-        :class:`UnusableVersion` (reported the first time), :class:`StoreError`."""
-        got = self._manifests.get(v)
-        if got is not None:
-            return got
-        if v in self._bad:
-            raise UnusableVersion(self._bad[v])
-        try:
-            got = await asyncio.to_thread(self._read_manifest, v)
-        except UnusableVersion as exc:
-            self._unusable(v, exc)
-            raise
-        self._manifests[v] = got
-        if len(self._manifests) > 256:
-            del self._manifests[min(self._manifests)]
-        return got
-
-    def _unusable(self, v: int, exc: BaseException) -> None:
-        self._bad[v] = str(exc)[:500]
-        while len(self._bad) > 4096:
-            del self._bad[min(self._bad)]
-        log.error("node %d: version %d of run %s is unusable and skipped: %s", self.rank, v, self.run_id, exc)
-        self.events("bad_version", v=v, why=str(exc)[:200])
-        self._failure("manifest")
+    async def _manifest(self, v: int):
+        """``(manifest, raw)`` of verified version ``v``. Raises :class:`VersionNotFound`,
+        :class:`ManifestError` (unusable, reported the first time), :class:`StoreError`."""
+        return await asyncio.to_thread(self.source.entry, v)
 
     async def _chain_start(self, v: int) -> int:
-        m = (await self._manifest(v))[1]
-        while m.kind == "delta":
-            m = (await self._manifest(m.base_version))[1]
-        return m.version
+        """The full version ``v``'s chain starts at (the one chain walk, :func:`syncd.versions.walk_back`)."""
+        chain = await asyncio.to_thread(lambda: list(versions.walk_back(self.source.get, v,
+                                                                        check=self.source.check_link)))
+        return chain[-1].version
 
     # ------------------------------------------------------------------------------------- polling
 
     async def _poll_newest(self) -> None:
-        """One poll (see the module docstring): raise ``_latest`` to the newest verified version found."""
-        budget = [MAX_READS_PER_POLL]
+        """One poll (see the module docstring): raise ``latest`` to the newest verified version found."""
+        node = self.node
+        if self._poller is None:
+            self.take_over()
         try:
-            found, hint_bad = await self._from_hint(budget)
-            if (hint_bad or time.monotonic() - self._listed_at >= LIST_EVERY_S) and budget[0] > 0:
-                self._listed_at = time.monotonic()
-                listed = await self._from_listing(budget)
-                found = max((v for v in (found, listed) if v is not None), default=None)
-            while found is not None and budget[0] > 0:  # the hint and the listing may lag the manifests
-                nxt = await self._usable([found + 1], budget)
-                if nxt is None:
-                    break
-                found = nxt
+            await asyncio.to_thread(self._poller.poll)
         except (StoreError, OSError) as exc:
-            log.warning("node %d: polling run %s failed: %s", self.rank, self.run_id, exc)
-            self._failure("store")
+            log.warning("node %d: polling run %s failed: %s", node.rank, node.run_id, exc)
+            node.failure("store")
             return
-        if found is not None and (self._latest is None or found > self._latest):
-            self._latest = found
-            self.events("latest", v=found)
-
-    async def _from_hint(self, budget: list) -> tuple[int | None, bool]:
-        """``(usable version from the hint or the probe after the newest known, whether to list)``: list
-        when the hint changed but names nothing usable, or there is no hint and no version known yet."""
-        try:
-            got = await asyncio.to_thread(self.store.get_if_changed, mf.latest_hint_key(self.run_id), self._etag)
-        except ObjectNotFound:
-            got = None
-            hint_bad = self._latest is None
-        else:
-            hint_bad = False
-        candidates = [] if self._latest is None else [self._latest + 1]
-        if got is not None:
-            body, self._etag = got
-            hinted = self._parse_hint(body)
-            if hinted is not None:
-                candidates.append(hinted)
-        found = await self._usable(candidates, budget)
-        if got is not None and (found is None or found < max(candidates, default=-1)):
-            hint_bad = True  # it named something missing, unusable or old
-        return found, hint_bad
-
-    async def _from_listing(self, budget: list) -> int | None:
-        """The newest usable version in a listing of the version directories: newest first while no version
-        is known, else upwards from the newest known (real versions are dense there; forged far-future
-        ones come last). Directories whose manifest was missing are skipped for :data:`LIST_EVERY_S`."""
-        dirs = await asyncio.to_thread(self.store.list_dirs, mf.versions_prefix(self.run_id))
-        now = time.monotonic()
-        self._missing = {v: t for v, t in self._missing.items() if now - t < LIST_EVERY_S}
-        listed = [v for v in map(mf.parse_version_dir, dirs) if v is not None and v not in self._missing]
-        return await self._usable(listed, budget, upwards=self._latest is not None, note_missing=True)
-
-    def _parse_hint(self, body: bytes) -> int | None:
-        try:
-            doc = wire.parse_json(body, "latest.json hint", max_bytes=HINT_MAX_BYTES)
-            v = doc.get("version")
-            mf.version_dir(v)
-            return v
-        except (ProtocolError, ValueError) as exc:
-            if body != self._bad_hint:  # reported once per content, however often it is rewritten
-                self._bad_hint = bytes(body)
-                log.warning("node %d: run %s: the latest.json hint is unusable (%s); listing versions instead",
-                            self.rank, self.run_id, str(exc)[:200])
-                self.events("bad_hint", why=str(exc)[:200])
-            return None
-
-    async def _usable(self, candidates, budget: list, *, upwards: bool = False, note_missing: bool = False):
-        """The highest of ``candidates`` above ``_latest`` whose manifest verifies, or None. Reads at most
-        ``budget[0]`` manifests (decremented), newest first and stopping at the first usable one, or
-        ``upwards`` through all of them."""
-        floor = -1 if self._latest is None else self._latest
-        best = None
-        for v in sorted({v for v in candidates if v > floor}, reverse=not upwards):
-            if v in self._bad:
-                continue
-            if v not in self._manifests:
-                if budget[0] <= 0:
-                    break
-                budget[0] -= 1
-            try:
-                await self._manifest(v)
-            except VersionNotFound:
-                if note_missing:
-                    self._missing[v] = time.monotonic()
-                continue
-            except UnusableVersion:
-                continue
-            best = v
-            if not upwards:
-                break
-        return best
+        found = self._poller.newest
+        if found is not None and (self.latest is None or found > self.latest):
+            self.latest = found
+            node.events("latest", v=found)
 
     def _slow_set(self, live: list[int]) -> set[int]:
         """Nodes to keep at the leaves. Children report, per parent, the rate they receive at while the
@@ -219,10 +144,11 @@ class ControllerRole:
         cluster's median rate, or reported stalled, is slow. Marks last 30 s (plans do not flap), and at
         most a third of the live nodes are slow at once (the most reported first): when everyone looks
         slow, the network is, not the nodes."""
+        node = self.node
         now = time.monotonic()
         per_parent: dict[int, list[int]] = {}
         for r in live:
-            info = self.membership.info(r) if r != self.rank else self._heartbeat()
+            info = node.heartbeats.membership.info(r) if r != node.rank else node.heartbeats.heartbeat()
             for p, x in (info.get("rates") or {}).items():
                 if isinstance(x, int) and x > 0 and isinstance(p, str) and p.isdigit():
                     per_parent.setdefault(int(p), []).append(x)
@@ -234,7 +160,7 @@ class ControllerRole:
         if len(med) >= 3:
             overall = sorted(med.values())[len(med) // 2]
             for p, x in med.items():
-                if x < self.cfg.slow_fraction * overall:
+                if x < node.cfg.slow_fraction * overall:
                     old = self._slow.get(p, (0.0, 0))
                     self._slow[p] = (now, old[1] + 1)
         marked = sorted((p for p, (t, _) in self._slow.items() if now - t < 30 and p in live),
@@ -243,13 +169,13 @@ class ControllerRole:
 
     async def _control_once(self) -> None:
         await self._poll_newest()
-        if self._latest is None:
+        if self.latest is None:
             return
         try:
-            await self._plan_all(self._latest)
+            await self._plan_all(self.latest)
         except (StoreError, OSError) as exc:
-            log.warning("node %d: planning stopped at a store error (next poll retries): %s", self.rank, exc)
-            self._failure("store")
+            log.warning("node %d: planning stopped at a store error (next poll retries): %s", self.node.rank, exc)
+            self.node.failure("store")
 
     async def _start_of(self, r: int, inc, latest: int) -> int | None:
         """The version a node without history starts at (the full version under ``latest``, fixed per
@@ -257,26 +183,27 @@ class ControllerRole:
         if (r, inc) not in self._starts:
             try:
                 self._starts[(r, inc)] = await self._chain_start(latest)
-            except (VersionNotFound, UnusableVersion) as exc:
+            except (VersionNotFound, ManifestError) as exc:
                 log.warning("node %d: no start version for rank %d yet: the chain of version %d is broken: %s",
-                            self.rank, r, latest, exc)
+                            self.node.rank, r, latest, exc)
                 return None
         return self._starts[(r, inc)]
 
     async def _plan_all(self, latest: int) -> None:
-        live = self.membership.live()
+        node = self.node
+        live = node.heartbeats.membership.live()
         nxt: dict[int, int] = {}
         delivered: dict[int, int] = {}
         for r in live:
-            info = self._heartbeat() if r == self.rank else self.membership.info(r)
-            inc = self.inc if r == self.rank else info.get("inc")
+            info = node.heartbeats.heartbeat() if r == node.rank else node.heartbeats.membership.info(r)
+            inc = node.inc if r == node.rank else info.get("inc")
             d, s = info.get("delivered", -1), info.get("start", -1)
             delivered[r] = d
             if d >= 0 and d + 1 <= latest:
                 try:
                     await self._manifest(d + 1)
                     nxt[r] = d + 1
-                except (VersionNotFound, UnusableVersion):  # gone (retention) or unusable: the newest full one
+                except (VersionNotFound, ManifestError):  # gone (retention) or unusable: the newest full one
                     start = await self._start_of(r, inc, latest)
                     if start is not None:
                         nxt[r] = start
@@ -288,16 +215,16 @@ class ControllerRole:
                 start = await self._start_of(r, inc, latest)
                 if start is not None:
                     nxt[r] = start
-            if r == self.rank and d < 0 and r in nxt and self._adopt_start(nxt[r]):
-                self._pulse()
+            if r == node.rank and d < 0 and r in nxt and node.adopt_start(nxt[r]):
+                node.pulse()
         if not nxt:
             return
         lo = min(nxt.values())
         slow = self._slow_set(live)
         for v in range(lo, latest + 1):
             try:
-                raw, m = await self._manifest(v)
-            except (VersionNotFound, UnusableVersion):
+                m, raw = await self._manifest(v)
+            except (VersionNotFound, ManifestError):
                 continue
             needers = {r for r in nxt if nxt[r] <= v}
             if not needers:
@@ -308,37 +235,39 @@ class ControllerRole:
                 if delivered[r] >= v:
                     for s in m.shards:
                         holders.setdefault(s.sha256, set()).add(r)
-                part = (self._partial() if r == self.rank else self.membership.info(r).get("part")) or {}
+                theirs = node.relay.partial() if r == node.rank else node.heartbeats.membership.info(r).get("part")
+                part = theirs or {}
                 for s in m.shards:
                     n = part.get(s.sha256)
                     if isinstance(n, int) and not isinstance(n, bool) and 0 < n < s.size:
                         partial.setdefault(s.sha256, {})[r] = n
             for s in m.shards:
-                for r in self._holders(s.sha256) if v in self.plans else ():
+                for r in node.relay.holders(s.sha256) if v in node.plans else ():
                     holders.setdefault(s.sha256, set()).add(r)
-                if self.cache.has(s.sha256):
-                    holders.setdefault(s.sha256, set()).add(self.rank)
-            prev = self.plans.get(v)
+                if node.cache.has(s.sha256):
+                    holders.setdefault(s.sha256, set()).add(node.rank)
+            prev = node.plans.get(v)
             cand = plan_version(m, live=live, needers=needers, holders=holders, partial=partial,
-                                prev=prev.plan if prev is not None else None, slow=slow, fanout=self.cfg.fanout,
-                                chunk_bytes=self.cfg.chunk_bytes, store_streams=self.cfg.store_streams,
-                                term=self.election.term, seq=self._seq + 1)
+                                prev=prev.plan if prev is not None else None, slow=slow, fanout=node.cfg.fanout,
+                                chunk_bytes=node.cfg.chunk_bytes, store_streams=node.cfg.store_streams,
+                                term=node.heartbeats.election.term, seq=self._seq + 1)
             if prev is None or prev.plan.key() != cand.key():
                 self._seq += 1
-                self._accept_plan(cand, m, raw)
+                node.accept_plan(cand, m, raw)
                 plan = cand
             else:
                 plan = prev.plan
             payload = None
             for r in plan.members:
-                if r == self.rank or r not in live:
+                if r == node.rank or r not in live:
                     continue
-                inc = self.membership.info(r).get("inc")
+                inc = node.heartbeats.membership.info(r).get("inc")
                 if self._sent.get((r, inc, v)) == plan.key():
                     continue
                 if payload is None:
                     payload = wire.dump_json({"plan": plan.to_json(), "manifest": raw.decode("ascii")})
-                if await self._send_control(r, T.PLAN, payload):
+                if await node.heartbeats.send(r, T.PLAN, payload):
                     self._sent[(r, inc, v)] = plan.key()
         for k in [k for k in self._sent if k[2] < lo]:
             del self._sent[k]
+        self.source.forget_below(lo)

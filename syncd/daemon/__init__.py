@@ -1,11 +1,11 @@
 """The syncd node daemon: keeps a node's engines on the newest verified version of a run.
 
-Modules, one concept each: ``config`` (settings), ``poller`` (noticing versions), ``manifests`` (verified
-manifests, rejections), ``planner`` (chain vs newer full version), ``fetcher`` (``ShardSource``: shards
-into the node cache, re-hashed before they are trusted), ``stager`` (staging while serving), ``driver``
-(one engine: its checks, lease and critical section), ``recovery`` (rebuilds), ``updates`` (the update
-path: fetch, stage, apply, rebuild, heal the cache), ``metrics`` (Prometheus), ``status`` (the status
-file), ``testhooks``, ``cluster`` (the daemon as a node of a cluster: flags, ``ClusterLink``), and
+Modules, one concept each: ``config`` (settings), ``poller`` (noticing versions; the verified manifests come from
+:mod:`syncd.manifest_source`), ``planner`` (chain vs newer full version), ``fetcher`` (``ShardSource``: shards into
+the node cache, re-hashed before they are trusted), ``stager`` (staging while serving), ``driver`` (one engine: its
+checks, lease and critical section), ``recovery`` (rebuilds), ``updates`` (the update path: fetch, stage, apply,
+rebuild, heal the cache), ``metrics`` (Prometheus), ``status`` (the status file), ``points`` (named points of the
+update path an observer can hold), ``cluster`` (the daemon as a node of a cluster: flags, ``ClusterLink``), and
 ``daemon`` (``NodeDaemon``, the loop, supervision and signal handling). :func:`run` runs one on uvloop.
 
 The names below are imported on first use, so that ``syncd status`` or building the command line does not
@@ -15,7 +15,8 @@ load the engines' machinery (torch).
 from __future__ import annotations
 
 import asyncio
-import importlib
+
+from syncd.lazy import lazy_names
 
 _LAZY = {
     "DaemonConfig": "syncd.daemon.config",
@@ -28,14 +29,7 @@ _LAZY = {
 __all__ = sorted(_LAZY) + ["run"]
 
 
-def __getattr__(name: str):
-    try:
-        module = _LAZY[name]
-    except KeyError:
-        raise AttributeError(f"module 'syncd.daemon' has no attribute {name!r}") from None
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names("syncd.daemon", _LAZY)
 
 
 def run(daemon: NodeDaemon) -> None:

@@ -40,12 +40,12 @@ from syncd.cache import ShardCache
 from syncd.daemon.config import DaemonConfig
 from syncd.daemon.driver import EngineDriver
 from syncd.daemon.fetcher import ShardSource, StoreShardSource
-from syncd.daemon.manifests import ManifestSource
 from syncd.daemon.metrics import DaemonMetrics
 from syncd.daemon.poller import Poller
 from syncd.daemon.status import StatusBoard, default_status_file
 from syncd.daemon.updates import UpdatePath
 from syncd.errors import ManifestMismatch, StoreError
+from syncd.manifest_source import ManifestSource
 from syncd.supervise import Supervisor
 
 log = logging.getLogger(__name__)
@@ -54,8 +54,9 @@ log = logging.getLogger(__name__)
 class NodeDaemon(UpdatePath):
     """The node daemon for ``config.run_id``.
 
-    ``adapters``: in-process engines by name (``engine.Adapter``), in addition to ``config.engines``
-    (engine processes, reached through ``engine.control.RemoteAdapter``). ``store``: a
+    ``adapters``: in-process engines by name (any ``syncd.engines.Adapter``; each driven through an
+    :class:`~syncd.engines.local.InProcessLink`), in addition to ``config.engines`` (engine processes, driven
+    through a :class:`~syncd.engines.client.RemoteAdapter`): one kind of link for both. ``store``: a
     :class:`~syncd.store.Store` (None: opened from ``config.store_url``). ``source``: the
     :class:`ShardSource` (None: downloads from the store). ``poll=False``: versions arrive only through
     :meth:`on_version_ready`. ``signing_key``: as in :func:`syncd.signing.resolve_key` (None: from the
@@ -67,7 +68,8 @@ class NodeDaemon(UpdatePath):
     def __init__(self, config: DaemonConfig, *, adapters: Mapping[str, object] | None = None, store=None,
                  cache: ShardCache | None = None, source: ShardSource | None = None, poll: bool = True,
                  signing_key=None, metrics: DaemonMetrics | None = None, on_update=None):
-        from engine.control import RemoteAdapter
+        from syncd.engines.client import RemoteAdapter
+        from syncd.engines.local import InProcessLink
         from syncd.signing import ENV_KEY, ENV_KEY_FILE, resolve_policy
         from syncd.store import Store
 
@@ -89,7 +91,7 @@ class NodeDaemon(UpdatePath):
                                         allow_unsigned=self.allow_unsigned)
         self.source = source or StoreShardSource(store, self.cache, concurrency=config.download_concurrency,
                                                  metrics=self.metrics)
-        engines = dict(adapters or {})
+        engines = {name: InProcessLink(a) for name, a in (adapters or {}).items()}
         for spec in config.engines:
             if spec.name in engines:
                 raise ValueError(f"engine name {spec.name!r} is used twice")
@@ -101,8 +103,8 @@ class NodeDaemon(UpdatePath):
         status_path = config.status_file or default_status_file(self.cache.root, self.run_id)
         self.status = StatusBoard(status_path, run_id=self.run_id, store=getattr(store, "url", None),
                                   cache_dir=str(self.cache.root), metrics_url=None)
-        for name, spec_url in ((n, getattr(a, "base_url", "in-process")) for n, a in engines.items()):
-            self.status.engine(name, url=spec_url, version=None, lag=None, state="unknown", error=None,
+        for name, link in engines.items():
+            self.status.engine(name, url=link.url, version=None, lag=None, state="unknown", error=None,
                                applied=0, last_pause_s=None)
         self.poll, self.on_update = poll, on_update
         self.newest: int | None = None

@@ -21,7 +21,9 @@ import logging
 import time
 
 from syncd import manifest as mf
-from syncd.daemon import testhooks
+from syncd.daemon import points
+from syncd.engines.errors import EngineUnreachable
+from syncd.engines.params import expected_checksums  # loads torch with the daemon, never inside an engine's pause
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +37,8 @@ class NeedsRebuild(RuntimeError):
 
 
 class EngineDriver:
-    """State and update sequences of one engine (``adapter``: any ``engine.Adapter``; remote ones are
-    ``engine.control.RemoteAdapter``). Not thread-safe: the daemon drives one engine from one task.
+    """State and update sequences of one engine (``adapter``: its :class:`~syncd.engines.protocol.EngineLink`,
+    in this process or another, driven alike). Not thread-safe: the daemon drives one engine from one task.
 
     ``known``: ``(instance, writes)`` of the engine's control state right after this daemon's last write
     or check. Only the lease holder can write, so a change the daemon did not make means its lease lapsed
@@ -58,20 +60,12 @@ class EngineDriver:
         self.failures = 0
         self._specs = None
 
-    @property
-    def remote(self) -> bool:
-        from engine.control import RemoteAdapter
-
-        return isinstance(self.adapter, RemoteAdapter)
-
     def forget_specs(self) -> None:
         self._specs = None
 
     def expected(self, m: mf.Manifest) -> dict[str, int]:
         """Checksums the engine's parameters must have at version ``m``, by local name (parameters that
         are slices or fusions of trainer tensors are not in a manifest and are left out)."""
-        from engine.updater import expected_checksums
-
         if self._specs is None:
             self._specs = list(self.adapter.parameters())
         exp = expected_checksums(self._specs, {t.name: t.checksum for t in m.tensors})
@@ -88,28 +82,22 @@ class EngineDriver:
 
     def probe(self) -> dict:
         """The engine's control state ``{"run_id", "version", "writes", "instance"}``, renewing this
-        daemon's lease where the engine has one (an engine process); an in-process engine has no lease,
-        counter or instance (None). Raises ``LeaseHeld`` or ``EngineUnreachable``."""
-        lease = getattr(self.adapter, "lease", None)
-        if callable(lease):
-            return lease()
-        return {"run_id": None, "version": self.adapter.version, "writes": None, "instance": None}
+        daemon's lease. Raises ``LeaseHeld`` or ``EngineUnreachable``."""
+        return self.adapter.lease()
 
     def release(self) -> None:
         """Give the engine's lease back (the daemon stops); never raises."""
-        release = getattr(self.adapter, "release", None)
-        if callable(release):
-            try:
-                release()
-            except Exception as exc:  # noqa: BLE001 -- it expires by itself anyway
-                log.info("engine %s: lease not released (%s); it expires on its own", self.name, exc)
+        try:
+            self.adapter.release()
+        except Exception as exc:  # noqa: BLE001 -- it expires by itself anyway
+            log.info("engine %s: lease not released (%s); it expires on its own", self.name, exc)
 
     def settle(self) -> None:
         """Record the control state after this daemon's own write (see ``known``): the write counter as
         this daemon's last write left it (so a write someone slipped in since, while the lease had lapsed
         during a long call, still shows), the instance as the engine reports it now."""
         st = self.probe()
-        writes = getattr(self.adapter, "last_writes", None)
+        writes = self.adapter.last_writes
         self.known = (st["instance"], st["writes"] if writes is None else writes)
 
     def scrub(self, m: mf.Manifest, budget_bytes: int) -> list[str]:
@@ -135,7 +123,6 @@ class EngineDriver:
         when they are new to this daemon, were written by someone else, or are another run's; scrub a
         slice of them otherwise. Leaves ``state``/``error`` saying what was found; never raises for the
         engine's sake (a store error reading a manifest propagates)."""
-        from engine.control import EngineUnreachable
         from syncd.errors import LeaseHeld, ManifestError, StoreError, VersionNotFound
 
         try:
@@ -236,7 +223,7 @@ class EngineDriver:
             self._count("apply")
             self._restore_or_rebuild(prev, f"apply of version {m.version} failed: {type(exc).__name__}: {exc}")
         t1 = time.perf_counter()
-        testhooks.reached("apply", m.version)
+        points.reached("apply", m.version)
         t2 = time.perf_counter()
         bad = self.mismatches(m)
         t3 = time.perf_counter()

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from typing import Protocol, runtime_checkable
 
 from syncd import manifest as mf
-from syncd.daemon import testhooks
+from syncd.daemon import points
 from syncd.versions import fetch_shard
 
 log = logging.getLogger(__name__)
@@ -94,19 +93,10 @@ class StoreShardSource:
 
     def _fetch(self, run_id: str, m: mf.Manifest, s: mf.ShardEntry) -> None:
         data = fetch_shard(self.store, run_id, m, s)
-        if testhooks._HOOKS.get("download"):
-            self._partial_then_hook(s.sha256, data, m.version)
+        points.reached("download", m.version, cache=self.cache, sha256=s.sha256, data=data)
         self.cache.put_verified(s.sha256, data)
         self._trusted.add(s.sha256)
         self.fetched_bytes += len(data)
         if self.metrics is not None:
             self.metrics.count("bytes_fetched", len(data))
             self.metrics.count("shards_fetched")
-
-    def _partial_then_hook(self, sha256: str, data, version: int) -> None:
-        """Test hook ``download``: leave half a shard in ``tmp/`` (as a crash mid-write would) and hold."""
-        fd, tmp = self.cache.temp_file(sha256[:16])
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(memoryview(data)[: len(data) // 2])
-        testhooks.reached("download", version)
-        os.unlink(tmp)

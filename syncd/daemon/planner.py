@@ -22,6 +22,7 @@ import logging
 from dataclasses import dataclass
 
 from syncd import manifest as mf
+from syncd import versions
 from syncd.errors import ManifestError, VersionNotFound
 
 log = logging.getLogger(__name__)
@@ -54,23 +55,17 @@ def walk_back(manifests, target: int) -> list[mf.Manifest] | None:
     checked against its base; None if a version on the way is gone or refused (the refusal is recorded by
     ``manifests``). Raises :class:`~syncd.errors.StoreError` if the store cannot be read."""
     try:
-        path = [manifests.get(target)]
-        while path[-1].kind == "delta":
-            child = path[-1]
-            base = manifests.get(child.base_version)
-            manifests.check_link(base, child)
-            path.append(base)
+        return list(versions.walk_back(manifests.get, target, check=manifests.check_link))[::-1]
     except (VersionNotFound, ManifestError) as exc:
         log.info("version %d cannot be reached: %s", target, exc)
         return None
-    return path[::-1]
 
 
 def plan_update(manifests, current: int | None, newest: int, *, max_targets: int = MAX_TARGETS) -> Plan | None:
     """The cheapest :class:`Plan` from ``current`` (None: weights unknown, rebuild) towards ``newest``;
     None when there is nothing to do or no version above ``current`` can be reached.
 
-    ``manifests`` is a :class:`~syncd.daemon.manifests.ManifestSource` (``get``, ``check_link``,
+    ``manifests`` is a :class:`~syncd.manifest_source.ManifestSource` (``get``, ``check_link``,
     ``rejected``). Blocking (reads manifests from the cache or the store)."""
     floor = -1 if current is None else current
     for target in range(newest, max(floor, newest - max_targets), -1):

@@ -2,7 +2,7 @@
 
 One poll costs one conditional GET of the run's ``latest.json`` while nothing changed. What the poller reports
 is always a version whose manifest was read, parsed and verified (through the daemon's
-:class:`~syncd.daemon.manifests.ManifestSource`, which records and counts every refusal); garbage, forged,
+:class:`~syncd.manifest_source.ManifestSource`, which records and counts every refusal); garbage, forged,
 replayed or far-future objects are skipped, never taken as a high-water mark (``syncd/newest.py``).
 
 Waits between polls: ``interval_s`` ± ``jitter`` (a fraction), so a fleet of nodes does not poll in step;

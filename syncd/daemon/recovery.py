@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 
-from engine.control import load_full_from_cache, stage_from_cache
+from syncd.engines.update import Update
 
 log = logging.getLogger(__name__)
 
@@ -23,16 +23,17 @@ class RebuildFailed(RuntimeError):
 
 def rebuild_engine(driver, plan, raws: list[bytes], cache_root) -> dict:
     """Blocking: load ``plan.steps[0]`` (a full version) into ``driver``'s engine and apply the deltas
-    after it (``raws``: each step's manifest bytes), all while paused; verify; resume.
+    after it (``raws``: each step's manifest bytes; the shards in the node cache at ``cache_root``), all while
+    paused; verify; resume.
     Returns ``{"pause_s"}``. Raises :class:`RebuildFailed` (engine left paused)."""
     if not plan.from_full:
         raise ValueError("a rebuild starts from a full version")
     t0 = time.perf_counter()
     driver._pause()
     try:
-        load_full_from_cache(driver.adapter, raws[0], cache_root)
+        driver.adapter.load_full(Update.from_cache(plan.steps[0], cache_root, raw=raws[0]))
         for m, raw in zip(plan.steps[1:], raws[1:]):
-            stage_from_cache(driver.adapter, raw, cache_root)
+            driver.adapter.stage(Update.from_cache(m, cache_root, raw=raw))
             driver.adapter.apply()
         bad = driver.mismatches(plan.steps[-1])
     except Exception as exc:

@@ -26,10 +26,12 @@ import time
 from collections import deque
 from pathlib import Path
 
+from syncd import jsonsafe
 from syncd.cache import pid_alive  # noqa: F401  (re-exported: `syncd status` uses it)
 
 log = logging.getLogger(__name__)
 MAX_UPDATES = 200
+MAX_STATUS_BYTES = 16 << 20  # what read_status reads at most (the file holds MAX_UPDATES records)
 
 
 def default_status_file(cache_dir: Path, run_id: str) -> Path:
@@ -89,6 +91,9 @@ class StatusBoard:
 
 
 def read_status(path: Path) -> dict:
-    """The status file's content; ``FileNotFoundError`` / ``ValueError`` if missing or unreadable."""
-    return json.loads(Path(path).read_text())
+    """The status file's content, parsed bounded and strictly (:func:`syncd.jsonsafe.loads`); ``FileNotFoundError``
+    / ``ValueError`` if missing or unreadable."""
+    with open(path, "rb") as fh:
+        raw = fh.read(MAX_STATUS_BYTES + 1)
+    return jsonsafe.loads(raw, what=f"status file {path}", max_bytes=MAX_STATUS_BYTES, max_depth=16)
 

@@ -19,7 +19,7 @@ import logging
 import time
 
 from syncd import manifest as mf
-from syncd.daemon import testhooks
+from syncd.daemon import points
 from syncd.daemon.driver import EngineDriver, NeedsRebuild, UpdateFailed
 from syncd.daemon.fetcher import check_cached
 from syncd.daemon.planner import Plan, plan_update, walk_back
@@ -117,7 +117,7 @@ class UpdatePath:
             for d in group:
                 d.state = "staging"
             try:
-                await stage_group(group, raw, self.cache.root)
+                await stage_group(group, m, raw, self.cache.root)
             except Exception as exc:  # noqa: BLE001 -- the engines are untouched: re-check them next round
                 log.error("run %s: staging version %d failed: %s: %s", self.run_id, m.version, type(exc).__name__, exc)
                 self.metrics.failure("apply")
@@ -129,7 +129,7 @@ class UpdatePath:
                 return
             stage_s = time.perf_counter() - t0
             self.metrics.stage_s.observe(stage_s)
-            await asyncio.to_thread(testhooks.reached, "stage", m.version)
+            await asyncio.to_thread(points.reached, "stage", m.version)
             record = self._record(m, stage_s)
             for d in group:
                 if self._stopping():

@@ -1,7 +1,8 @@
-"""Backend selection for every op: ``backend="auto"|"cpu"|"cuda"|"triton"|"reference"``.
-
-``auto`` picks the fastest backend that can run on the tensor's device; naming a backend that cannot run
-raises :class:`syncd.errors.BackendUnavailable` with the reason. Thread-safe (module state is set once).
+"""Backends of every op: ``backend="auto"|"cpu"|"cuda"|"triton"|"reference"``: whether each can run on a
+device (:func:`check`, :func:`available`), the native and GPU modules, and the GPU order ``auto`` follows
+(:data:`GPU_PREFERENCE`). Which op runs where is the dispatch table's (:mod:`syncd.ops._dispatch`). Naming a
+backend that cannot run raises :class:`syncd.errors.BackendUnavailable` with the reason. Thread-safe (module
+state is set once).
 """
 
 from __future__ import annotations
@@ -127,20 +128,11 @@ def check(name: str, device_type: str) -> None:
 
 
 def resolve(backend: str, device_type: str, op: str = "apply") -> str:
-    """The concrete backend to run ``op`` (a key of GPU_PREFERENCE) for ``backend`` on ``device_type``."""
-    if backend not in BACKENDS:
-        raise BackendUnavailable(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
-    if backend != "auto":
-        check(backend, device_type)
-        return backend
-    order = ("cpu", "reference") if device_type == "cpu" else GPU_PREFERENCE[op]
-    reasons = []
-    for name in order:
-        why = available(name, device_type)
-        if why is None:
-            return name
-        reasons.append(f"{name}: {why}")
-    raise BackendUnavailable(f"no backend can run on {device_type}: " + "; ".join(reasons))
+    """The concrete backend to run ``op`` for ``backend`` on ``device_type``: the one dispatch table decides
+    (:func:`syncd.ops._dispatch.resolve`, where every op registers its kernels)."""
+    from syncd.ops import _dispatch
+
+    return _dispatch.resolve(op, backend, device_type)
 
 
 def threads() -> int:

@@ -7,12 +7,36 @@ shape. Thread-safe.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
 from syncd.ops import _backend
+from syncd.ops._dispatch import dispatch, kernel, register, resolve
 from syncd.ops._tensors import byte_view, nbytes_of, raw_ptr
 from syncd.ops.reference import checksum as ref
+
+
+@kernel("checksum", "reference")
+def _checksum_reference(tensor: torch.Tensor) -> int:
+    return ref.checksum_bytes(byte_view(tensor.cpu()))
+
+
+@kernel("checksum", "cpu")
+def _checksum_cpu(tensor: torch.Tensor) -> int:
+    ptr = raw_ptr(tensor)
+    if ptr is not None:
+        return int(_backend.native().checksum_ptr(ptr, nbytes_of(tensor), _backend.threads()))
+    return int(_backend.native().checksum(byte_view(tensor), _backend.threads()))
+
+
+def _checksum_gpu(name: str, tensor: torch.Tensor) -> int:
+    return _backend.gpu_kernels(name).checksum(tensor.detach().contiguous())
+
+
+for _gpu in ("cuda", "triton"):
+    register("checksum", _gpu, functools.partial(_checksum_gpu, _gpu))
 
 
 def checksum(tensor: torch.Tensor, *, backend: str = "auto") -> int:
@@ -20,22 +44,14 @@ def checksum(tensor: torch.Tensor, *, backend: str = "auto") -> int:
 
     Raises ``BackendUnavailable`` when the named backend cannot run on the tensor's device.
     """
-    name = _backend.resolve(backend, tensor.device.type, "checksum")
-    if name == "reference":
-        return ref.checksum_bytes(byte_view(tensor.cpu()))
-    if name == "cpu":
-        ptr = raw_ptr(tensor)
-        if ptr is not None:
-            return int(_backend.native().checksum_ptr(ptr, nbytes_of(tensor), _backend.threads()))
-        return int(_backend.native().checksum(byte_view(tensor), _backend.threads()))
-    return _backend.gpu_kernels(name).checksum(tensor.detach().contiguous())
+    return dispatch("checksum", backend, tensor.device.type)(tensor)
 
 
 def checksum_many(tensors, *, backend: str = "auto") -> list[int]:
     """``[checksum(t) for t in tensors]`` using every core across tensors as well as within them (contiguous
     CPU tensors on the CPU backend; anything else goes one by one). The values equal ``checksum``'s."""
     tensors = list(tensors)
-    if not tensors or any(_backend.resolve(backend, t.device.type, "checksum") != "cpu" or raw_ptr(t) is None
+    if not tensors or any(resolve("checksum", backend, t.device.type) != "cpu" or raw_ptr(t) is None
                           for t in tensors):
         return [checksum(t, backend=backend) for t in tensors]
     buffers = [(raw_ptr(t), nbytes_of(t)) for t in tensors]  # every 512 KiB piece of every one in one pool
@@ -45,7 +61,6 @@ def checksum_many(tensors, *, backend: str = "auto") -> list[int]:
 def checksum_bytes(data, *, backend: str = "auto") -> int:
     """The same checksum over a bytes-like object (``bytes``, ``memoryview``, a NumPy array's buffer)."""
     arr = np.frombuffer(data, np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1).view(np.uint8)
-    name = _backend.resolve(backend, "cpu", "checksum")
-    if name == "cpu":
+    if resolve("checksum", backend, "cpu") == "cpu":
         return int(_backend.native().checksum(arr, _backend.threads()))
     return ref.checksum_bytes(arr)

@@ -1,4 +1,4 @@
-"""Constants and header layout of the delta blob format, version 1 (see ``docs/delta-format.md``).
+"""Constants and header layout of the delta blob format, versions 1 and 2 (see ``docs/delta-format.md``).
 
 This module is the single Python statement of the format's fixed parts; the reference codec, the
 ``inspect`` op and the tests use it. The native code in ``csrc/`` states the same numbers and the tests
@@ -15,7 +15,10 @@ import numpy as np
 from syncd.errors import DeltaError
 
 MAGIC = b"SYDL"
-FORMAT_VERSION = 1
+#: versions this build reads; both share the header and block table, and differ in the block payload.
+FORMAT_VERSIONS = (1, 2)
+#: what ``syncd.ops.delta.encode`` writes unless told otherwise (v2 needs the base to decode, see the docs).
+DEFAULT_FORMAT = 1
 
 #: log2 of the elements per block written by default (1 Mi elements, 2 MiB of bf16).
 DEFAULT_BLOCK_LOG2 = 20
@@ -32,6 +35,29 @@ ALPHABET = 256
 #: values below DIRECT_SYMBOLS are their own symbol; larger ones are bucketed (see ``bucket``).
 DIRECT_SYMBOLS = 16
 
+# ---- format 2, context blocks (``syncd/ops/reference/context.py``, ``binary_rans.py``, ``delta_v2.py``)
+#: block payload modes: 0 = the v1 payload (order-0, decodable without the base); 1 = context-modelled.
+MODE_ORDER0, MODE_CONTEXT = 0, 1
+#: context classes of an element (from its old value's exponent, relative to the block's ``e_top``).
+CLASSES = 16
+#: binary rANS: states in [BIN_L, 2**32), 16-bit renormalisation words, probabilities in 1/2**16.
+BIN_PROB_BITS = 16
+BIN_L = 1 << 16
+#: interleaved states come in groups of LANES, each group with its own word stream.
+LANES = 16
+MAX_GROUPS = 8
+#: the encoder's statistics sample: block-relative elements i with i % SAMPLE_PERIOD < SAMPLE_RUN.
+SAMPLE_PERIOD = 1 << 14
+SAMPLE_RUN = 1 << 10
+#: encoders write a context block when it has at least this many changes and elements.
+CONTEXT_MIN_CHANGES = 256
+CONTEXT_MIN_SPAN = 4096
+CONTEXT_MIN_CHANGES_PER_GROUP = 128
+#: elements per interleaved position group, changes per value group the encoders aim for (1..4 groups).
+ELEMENTS_PER_GROUP = 1 << 16
+CHANGES_PER_GROUP = 2048
+ENCODER_MAX_GROUPS = 4
+
 # header: magic, version u16, dtype u8, ndim u8, numel u64, block_log2 u8, 3 reserved, n_blocks u32,
 # n_changed u64, base checksum u64, new checksum u64; then ndim u64 dims, n_blocks block entries, and a
 # u64 checksum of everything before it.
@@ -42,12 +68,15 @@ assert HEADER_FIXED.size == 48
 
 @dataclass(frozen=True)
 class DType:
-    """How the codec sees one element type: its code in the blob, width in bits, and whether it is a float."""
+    """How the codec sees one element type: its code in the blob, width in bits, whether it is a float, and
+    (floats) where its exponent field sits: ``exp_bits`` bits from bit ``exp_shift`` (0, 0 for integers)."""
 
     code: int
     name: str
     bits: int
     is_float: bool
+    exp_shift: int = 0
+    exp_bits: int = 0
 
     @property
     def itemsize(self) -> int:
@@ -61,16 +90,16 @@ class DType:
 DTYPES: dict[str, DType] = {
     d.name: d
     for d in [
-        DType(1, "bfloat16", 16, True),
-        DType(2, "float16", 16, True),
-        DType(3, "float32", 32, True),
-        DType(4, "float8_e4m3fn", 8, True),
-        DType(5, "float8_e5m2", 8, True),
+        DType(1, "bfloat16", 16, True, 7, 8),
+        DType(2, "float16", 16, True, 10, 5),
+        DType(3, "float32", 32, True, 23, 8),
+        DType(4, "float8_e4m3fn", 8, True, 3, 4),
+        DType(5, "float8_e5m2", 8, True, 2, 5),
         DType(6, "uint8", 8, False),
         DType(7, "int8", 8, False),
         DType(8, "int16", 16, False),
         DType(9, "int32", 32, False),
-        DType(10, "float64", 64, True),
+        DType(10, "float64", 64, True, 52, 11),
         DType(11, "int64", 64, False),
         DType(12, "bool", 8, False),
     ]
@@ -100,6 +129,7 @@ def dtype_of(torch_dtype) -> DType:
 class Header:
     """The parsed fixed part of a blob. ``blocks`` holds (payload_bytes, n_changed, payload_checksum)."""
 
+    version: int
     dtype: DType
     shape: tuple[int, ...]
     numel: int
@@ -125,13 +155,13 @@ def header_size(ndim: int, n_blocks: int) -> int:
 
 
 def pack_header(dtype: DType, shape, block_log2: int, blocks, base_checksum: int, new_checksum: int,
-                checksum_bytes) -> bytes:
+                checksum_bytes, version: int = DEFAULT_FORMAT) -> bytes:
     """Serialise a header; ``checksum_bytes`` is the byte checksum used for the trailing header checksum."""
     numel = 1
     for s in shape:
         numel *= int(s)
     n_changed = sum(b[1] for b in blocks)
-    parts = [HEADER_FIXED.pack(MAGIC, FORMAT_VERSION, dtype.code, len(shape), numel, block_log2,
+    parts = [HEADER_FIXED.pack(MAGIC, version, dtype.code, len(shape), numel, block_log2,
                                len(blocks), n_changed, base_checksum, new_checksum)]
     parts += [struct.pack("<Q", int(s)) for s in shape]
     parts += [BLOCK_ENTRY.pack(*b) for b in blocks]
@@ -153,8 +183,9 @@ def parse_header(blob, checksum_bytes) -> Header:
      new_ck) = HEADER_FIXED.unpack_from(mv, 0)
     if magic != MAGIC:
         raise DeltaError(f"not a syncd delta blob: magic {bytes(magic)!r}, expected {MAGIC!r}")
-    if version != FORMAT_VERSION:
-        raise DeltaError(f"unsupported delta format version {version} (this build reads {FORMAT_VERSION})")
+    if version not in FORMAT_VERSIONS:
+        raise DeltaError(f"unsupported delta format version {version} (this build reads "
+                         f"{', '.join(map(str, FORMAT_VERSIONS))})")
     if code not in DTYPE_BY_CODE:
         raise DeltaError(f"corrupt header: unknown dtype code {code}")
     if ndim > MAX_NDIM:
@@ -195,5 +226,5 @@ def parse_header(blob, checksum_bytes) -> Header:
     if total != n:
         what = "truncated" if total > n else "has trailing bytes"
         raise DeltaError(f"blob {what}: {n} bytes, header and payloads need {total}")
-    return Header(DTYPE_BY_CODE[code], tuple(shape), numel, block_log2, n_changed, base_ck, new_ck,
+    return Header(version, DTYPE_BY_CODE[code], tuple(shape), numel, block_log2, n_changed, base_ck, new_ck,
                   blocks, hsize)

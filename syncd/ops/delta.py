@@ -1,8 +1,10 @@
-"""Lossless weight deltas: the public codec surface (format v1, ``docs/delta-format.md``).
+"""Lossless weight deltas: the public codec surface (formats 1 and 2, ``docs/delta-format.md``).
 
 ``encode(old, new) -> bytes`` makes a blob from which ``decode(old, blob)`` / ``apply_(old, blob)`` reproduce
 ``new`` bit for bit. Every backend writes blobs every other backend reads; for the same input the CPU,
-GPU and reference encoders write the same bytes.
+GPU and reference encoders write the same bytes. ``version=2`` writes format 2, which models each element
+on its old value (0.7-0.8x the size of format 1 on real deltas, and faster on dense ones); its blobs need the
+base tensor to decode (``changes(blob, base=...)``), format 1's do not.
 
 Blobs are hostile input: a truncated, altered, oversized or mismatched blob (wrong dtype, shape or base)
 raises :class:`syncd.errors.DeltaError` saying what is wrong, and ``apply_`` leaves the target unchanged
@@ -11,22 +13,31 @@ when it raises. Thread-safety: calls are independent; don't apply to the same te
 
 from __future__ import annotations
 
-import struct
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from syncd.errors import DeltaError
-from syncd.ops import _backend
+from syncd.ops import _backend, _context
 from syncd.ops import _format as fmt
+from syncd.ops._dispatch import dispatch, kernel, kernel_of, register, resolve
 from syncd.ops._tensors import byte_view, raw_ptr, shape_of
 from syncd.ops.reference import checksum as ref_ck
+from syncd.ops.reference import context as ref_ctx
 from syncd.ops.reference import delta as ref
-from syncd.ops.reference import entropy as ref_ent
+from syncd.ops.reference import block_v1 as ref_v1
+from syncd.ops.reference import delta_v2 as ref_v2
 
 __all__ = ["encode", "decode", "apply_", "inspect", "encode_many", "apply_many", "Changes", "changes",
-           "apply_changes_"]
+           "apply_changes_", "find_changes", "DEFAULT_BLOCK_LOG2", "DEFAULT_FORMAT", "FORMAT_VERSIONS", "dtype_format"]
+
+#: format facts tools and benchmarks use (the format itself, ``syncd.ops._format``, is private to the ops)
+DEFAULT_BLOCK_LOG2 = fmt.DEFAULT_BLOCK_LOG2
+DEFAULT_FORMAT = fmt.DEFAULT_FORMAT
+FORMAT_VERSIONS = fmt.FORMAT_VERSIONS
+dtype_format = fmt.dtype_of
 
 
 def _native_call(fn, *args):
@@ -49,37 +60,73 @@ def _check_pair(old: torch.Tensor, new: torch.Tensor) -> fmt.DType:
     return fmt.dtype_of(old.dtype)
 
 
+def _check_version(version: int) -> None:
+    if version not in fmt.FORMAT_VERSIONS:
+        raise DeltaError(f"unknown delta format version {version!r} (known: {', '.join(map(str, fmt.FORMAT_VERSIONS))})")
+
+
 def encode(old: torch.Tensor, new: torch.Tensor, *, backend: str = "auto",
-           block_log2: int = fmt.DEFAULT_BLOCK_LOG2) -> bytes:
+           block_log2: int = fmt.DEFAULT_BLOCK_LOG2, version: int = fmt.DEFAULT_FORMAT) -> bytes:
     """Blob that takes ``old`` to ``new`` (same dtype, shape and device; any layout).
 
-    ``block_log2`` sets the elements per independent block (2**8 .. 2**26). On a GPU the changed-word scan
-    runs on the device and only the compact change list is copied to the host for entropy coding.
-    Raises ``DeltaError`` for mismatched inputs or an unsupported dtype, ``BackendUnavailable`` for a
-    backend that cannot run here.
+    ``block_log2`` sets the elements per independent block (2**8 .. 2**26); ``version`` the format (1 or 2).
+    On a GPU the changed-word scan runs on the device and only the compact change list (and, for format 2,
+    the classes of the old elements, half a byte each) is copied to the host for entropy coding.
+    Raises ``DeltaError`` for mismatched inputs, an unsupported dtype or an unknown version,
+    ``BackendUnavailable`` for a backend that cannot run here.
     """
     dt = _check_pair(old, new)
+    _check_version(version)
     if not fmt.MIN_BLOCK_LOG2 <= block_log2 <= fmt.MAX_BLOCK_LOG2:
         raise DeltaError(f"block_log2 {block_log2} outside {fmt.MIN_BLOCK_LOG2}..{fmt.MAX_BLOCK_LOG2}")
-    name = _backend.resolve(backend, old.device.type, "encode")
-    shape = shape_of(old)
-    if name == "cpu":
-        return _native_encode(old, new, dt, shape, block_log2, _backend.threads())
-    if name == "reference":
-        return ref.encode(byte_view(old.cpu()), byte_view(new.cpu()), dt, shape, block_log2)
+    return dispatch("encode", backend, old.device.type)(old, new, dt, shape_of(old), block_log2, version)
+
+
+@kernel("encode", "cpu")
+def _encode_cpu(old, new, dt, shape, block_log2, version) -> bytes:
+    return _native_encode(old, new, dt, shape, block_log2, _backend.threads(), version)
+
+
+@kernel("encode", "reference")
+def _encode_reference(old, new, dt, shape, block_log2, version) -> bytes:
+    return ref.encode(byte_view(old.cpu()), byte_view(new.cpu()), dt, shape, block_log2, version)
+
+
+def _encode_gpu(name, old, new, dt, shape, block_log2, version) -> bytes:
     k = _backend.gpu_kernels(name)
     o, n = old.detach().contiguous(), new.detach().contiguous()
     pos, v = k.find_changes(o, n, dt.bits, dt.is_float)
     base_ck, new_ck = k.checksum(o), k.checksum(n)
+    context = None
+    if version == 2:
+        nib, e_tops = _context.class_nibbles(o, dt, block_log2)
+        context = (nib.cpu().numpy(), e_tops.cpu().tolist())
     return _pack(dt, shape, block_log2, pos.cpu().numpy().view(np.uint64), v.cpu().numpy().view(np.uint64),
-                 base_ck, new_ck)
+                 base_ck, new_ck, version, context)
 
 
-def _native_encode(old, new, dt, shape, block_log2, threads) -> bytes:
+def find_changes(old: torch.Tensor, new: torch.Tensor, *, backend: str = "auto"):
+    """The changed-word scan of :func:`encode` on its own: ``(positions, values)``, int64 tensors on ``old``'s
+    device -- ascending flat positions of the elements that differ and their coded changes
+    (``docs/delta-format.md``). Backends ``reference``, ``cuda``, ``triton`` (the CPU encoder fuses the scan
+    into its native pass). Raises ``DeltaError`` for mismatched inputs, ``BackendUnavailable``."""
+    dt = _check_pair(old, new)
+    scan = dispatch("find_changes", backend, old.device.type)
+    return scan(old.detach().contiguous(), new.detach().contiguous(), dt)
+
+
+@kernel("find_changes", "reference")
+def _find_changes_reference(old, new, dt):
+    pos, v = ref.changes(ref.bits_view(byte_view(old.cpu()), dt), ref.bits_view(byte_view(new.cpu()), dt), dt)
+    return torch.from_numpy(pos).to(old.device), torch.from_numpy(v.view(np.int64)).to(old.device)
+
+
+def _native_encode(old, new, dt, shape, block_log2, threads, version) -> bytes:
     po, pn = raw_ptr(old), raw_ptr(new)
     if po is not None and pn is not None:
-        return _native_call(_backend.native().encode_ptr, po, pn, dt.code, shape, block_log2, threads)
-    return _native_call(_backend.native().encode, byte_view(old), byte_view(new), dt.code, shape, block_log2, threads)
+        return _native_call(_backend.native().encode_ptr, po, pn, dt.code, shape, block_log2, threads, version)
+    return _native_call(_backend.native().encode, byte_view(old), byte_view(new), dt.code, shape, block_log2, threads,
+                        version)
 
 
 def _native_apply(tensor, blob, dt, shape, verify, threads) -> None:
@@ -90,20 +137,59 @@ def _native_apply(tensor, blob, dt, shape, verify, threads) -> None:
         _native_call(_backend.native().apply, byte_view(tensor), blob, dt.code, shape, verify, threads)
 
 
-def _pack(dt, shape, block_log2, pos, v, base_ck, new_ck) -> bytes:
+def _pack(dt, shape, block_log2, pos, v, base_ck, new_ck, version, context) -> bytes:
+    """Entropy-code changes found elsewhere; ``context`` (format 2): (class nibbles, e_top per block)."""
     if _backend.available("cpu", "cpu") is None:
+        nib, e_tops = context if context is not None else (None, [])
         return _native_call(_backend.native().pack, dt.code, shape, block_log2, pos, v, base_ck, new_ck,
-                            _backend.threads())
-    return ref.pack(dt, shape, block_log2, pos.astype(np.int64), v, base_ck, new_ck)
+                            _backend.threads(), version, nib, e_tops)
+    ctx_of = None
+    if context is not None:
+        classes = ref_ctx.unpack_nibbles(context[0], int(np.prod(shape, dtype=np.int64)))
+        ctx_of = lambda b, lo, hi: (context[1][b], classes[lo:hi])  # noqa: E731
+    return ref.pack(dt, shape, block_log2, pos.astype(np.int64), v, base_ck, new_ck, version, ctx_of)
 
 
-def _unpack(blob, dt: fmt.DType, shape) -> tuple[np.ndarray, np.ndarray, int, int]:
-    if _backend.available("cpu", "cpu") is None:
-        pos, v, base_ck, new_ck = _native_call(_backend.native().unpack, blob, dt.code, shape, _backend.threads())
-        return pos, v, base_ck, new_ck
-    h, pos, v = ref.unpack(blob)
+def _unpack(blob, dt: fmt.DType, shape, base: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """Positions, values and checksums of a blob for a target of ``dt``/``shape``. ``base`` (any device) is
+    the tensor the blob applies to; format 2's context blocks cannot be decoded without it."""
+    h = fmt.parse_header(blob, ref_ck.checksum_bytes)
     ref.check_target(h, dt, shape)
+    host = nibbles = None
+    if base is not None and h.version == 2:
+        if tuple(base.shape) != tuple(h.shape) or base.dtype != getattr(torch, h.dtype.name):
+            raise DeltaError(f"base is {base.dtype}{list(base.shape)}, the blob is for {h.dtype.name}{list(h.shape)}")
+        if base.device.type == "cpu":
+            host = _plain(base)
+        else:
+            e_tops = torch.tensor([max(0, e) for e in _block_e_tops(blob)], dtype=torch.int64)
+            nibbles = _context.class_nibbles(base.detach().contiguous(), dt, h.block_log2, e_tops)[0].cpu().numpy()
+    if _backend.available("cpu", "cpu") is None:
+        pos, v, base_ck, new_ck = _native_call(_backend.native().unpack, blob, dt.code, shape, _backend.threads(),
+                                               host.data_ptr() if host is not None else 0, nibbles)
+        return pos, v, base_ck, new_ck
+    classes_of = None
+    if host is not None:
+        bits = ref.bits_view(byte_view(host), dt)
+        classes_of = lambda b, lo, hi, e_top: ref_ctx.classes_of(bits[lo:hi], dt, e_top)  # noqa: E731
+    elif nibbles is not None:
+        all_cls = ref_ctx.unpack_nibbles(nibbles, int(np.prod(shape, dtype=np.int64)))
+        classes_of = lambda b, lo, hi, e_top: all_cls[lo:hi]  # noqa: E731
+    h, pos, v = ref.unpack(blob, classes_of)
     return pos.view(np.uint64), v, h.base_checksum, h.new_checksum
+
+
+def _block_e_tops(blob) -> list[int]:
+    """Each block's e_top (format 2 context blocks), -1 for the others."""
+    if _backend.available("cpu", "cpu") is None:
+        return list(_native_call(_backend.native().block_e_tops, blob))
+    h = fmt.parse_header(blob, ref_ck.checksum_bytes)
+    out, off, data = [], h.header_bytes, bytes(blob)
+    for plen, _, _ in h.blocks:
+        e = ref_v2.read_e_top(data[off : off + plen]) if h.version == 2 else None
+        out.append(-1 if e is None else e)
+        off += plen
+    return out
 
 
 def apply_(tensor: torch.Tensor, blob, *, backend: str = "auto", verify: bool = True) -> None:
@@ -116,37 +202,42 @@ def apply_(tensor: torch.Tensor, blob, *, backend: str = "auto", verify: bool = 
     reading the tensor during the call can see a partial update; engines apply while paused).
     """
     dt = fmt.dtype_of(tensor.dtype)
-    name = _backend.resolve(backend, tensor.device.type, "apply")
-    shape = shape_of(tensor)
+    name = resolve("apply", backend, tensor.device.type)
     if name in ("cpu", "reference") and not tensor.is_contiguous():
         tmp = tensor.contiguous()
         apply_(tmp, blob, backend=name, verify=verify)
         with torch.no_grad():
             tensor.copy_(tmp)
         return
-    if name == "cpu":
-        _native_apply(tensor, blob, dt, shape, verify, _backend.threads())
-        return
-    if name == "reference":
-        if tensor.device.type != "cpu":
-            tmp = tensor.cpu()
-            ref.decode_into(byte_view(tmp), blob, dt, shape, verify)
-            with torch.no_grad():
-                tensor.copy_(tmp)
-            return
-        ref.decode_into(byte_view(tensor), blob, dt, shape, verify)
-        return
-    _apply_gpu(tensor, blob, dt, shape, name, verify)
+    kernel_of("apply", name)(tensor, blob, dt, shape_of(tensor), verify)
 
 
-def _apply_gpu(tensor: torch.Tensor, blob, dt: fmt.DType, shape, name: str, verify: bool) -> None:
+@kernel("apply", "cpu")
+def _apply_cpu(tensor, blob, dt, shape, verify) -> None:
+    _native_apply(tensor, blob, dt, shape, verify, _backend.threads())
+
+
+@kernel("apply", "reference")
+def _apply_reference(tensor, blob, dt, shape, verify) -> None:
+    if tensor.device.type != "cpu":
+        tmp = tensor.cpu()
+        ref.decode_into(byte_view(tmp), blob, dt, shape, verify)
+        with torch.no_grad():
+            tensor.copy_(tmp)
+        return
+    ref.decode_into(byte_view(tensor), blob, dt, shape, verify)
+
+
+def _apply_gpu(name: str, tensor: torch.Tensor, blob, dt: fmt.DType, shape, verify: bool) -> None:
     k = _backend.gpu_kernels(name)
-    pos, v, base_ck, new_ck = _unpack(blob, dt, shape)
     work = tensor if tensor.is_contiguous() else tensor.contiguous()
-    if verify:
+    h = fmt.parse_header(blob, ref_ck.checksum_bytes)
+    ref.check_target(h, dt, shape)
+    if verify:  # first: with a wrong base, format 2's context blocks would fail to decode
         have = k.checksum(work)
-        if have != base_ck:
-            raise DeltaError(f"wrong base: blob expects base checksum {base_ck:#018x}, target has {have:#018x}")
+        if have != h.base_checksum:
+            raise DeltaError(f"wrong base: blob expects base checksum {h.base_checksum:#018x}, target has {have:#018x}")
+    pos, v, base_ck, new_ck = _unpack(blob, dt, shape, work)
     if not len(pos):
         return
     # pageable copies: pinning a fresh buffer per call costs more than it saves
@@ -161,14 +252,23 @@ def _apply_gpu(tensor: torch.Tensor, blob, dt: fmt.DType, shape, name: str, veri
             tensor.copy_(work)
 
 
-def encode_many(olds, news, *, backend: str = "auto", block_log2: int = fmt.DEFAULT_BLOCK_LOG2) -> list[bytes]:
+for _gpu in ("cuda", "triton"):
+    register("encode", _gpu, functools.partial(_encode_gpu, _gpu))
+    register("apply", _gpu, functools.partial(_apply_gpu, _gpu))
+    register("find_changes", _gpu, lambda old, new, dt, _name=_gpu: _backend.gpu_kernels(_name).find_changes(
+        old, new, dt.bits, dt.is_float))
+
+
+def encode_many(olds, news, *, backend: str = "auto", block_log2: int = fmt.DEFAULT_BLOCK_LOG2,
+                version: int = fmt.DEFAULT_FORMAT) -> list[bytes]:
     """``[encode(o, n) for o, n in zip(olds, news)]``, using every core across tensors as well as within
     them (CPU backend); the blobs are identical to ``encode``'s."""
     olds, news = list(olds), list(news)
+    _check_version(version)
     if len(olds) != len(news):
         raise DeltaError(f"{len(olds)} old tensors but {len(news)} new ones")
-    if not olds or any(t.device.type != "cpu" for t in olds) or _backend.resolve(backend, "cpu", "encode") != "cpu":
-        return [encode(o, n, backend=backend, block_log2=block_log2) for o, n in zip(olds, news)]
+    if not olds or any(t.device.type != "cpu" for t in olds) or resolve("encode", backend, "cpu") != "cpu":
+        return [encode(o, n, backend=backend, block_log2=block_log2, version=version) for o, n in zip(olds, news)]
 
     keep, items = [], []  # every block of every tensor goes to one native pool
     for o, n in zip(olds, news):
@@ -176,7 +276,7 @@ def encode_many(olds, news, *, backend: str = "auto", block_log2: int = fmt.DEFA
         o, n = _plain(o), _plain(n)
         keep += (o, n)
         items.append((o.data_ptr(), n.data_ptr(), dt.code, shape_of(o)))
-    return _native_call(_backend.native().encode_many_ptr, items, block_log2, _backend.threads())
+    return _native_call(_backend.native().encode_many_ptr, items, block_log2, _backend.threads(), version)
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -192,7 +292,7 @@ def apply_many(tensors, blobs, *, backend: str = "auto", verify: bool = True) ->
     if len(tensors) != len(blobs):
         raise DeltaError(f"{len(tensors)} tensors but {len(blobs)} blobs")
     if (not tensors or any(raw_ptr(t) is None for t in tensors)
-            or _backend.resolve(backend, "cpu", "apply") != "cpu"):
+            or resolve("apply", backend, "cpu") != "cpu"):
         for t, b in zip(tensors, blobs):
             apply_(t, b, backend=backend, verify=verify)
         return
@@ -221,28 +321,26 @@ def decode(old: torch.Tensor, blob, *, backend: str = "auto", verify: bool = Tru
 
 def inspect(blob) -> dict:
     """Facts of a blob without decoding its changes: dtype, shape, changed count, format version, block size,
-    base and new checksums, and section sizes in bytes (header; per-block frequency tables, length fields,
-    raw bits and rANS streams). Raises ``DeltaError`` for a malformed header or table."""
+    base and new checksums, and section sizes in bytes. Format 1: frequency tables, length fields, raw bits
+    and rANS streams; format 2 adds the mode bytes, context blocks' parameters, position and value streams,
+    mantissa and sign bits (``context_blocks`` counts them). Raises ``DeltaError`` for a malformed header or
+    section layout."""
     h = fmt.parse_header(blob, ref_ck.checksum_bytes)
     payload = sum(b[0] for b in h.blocks)
-    sections = {"tables": 0, "lengths": 0, "raw_bits": 0, "rans": 0}
+    sections = dict.fromkeys(ref_v1.SECTIONS if h.version == 1 else ref_v2.SECTIONS, 0)
     data = memoryview(blob).cast("B")
-    off = h.header_bytes
-    for b, (plen, _, _) in enumerate(h.blocks):
+    off, context_blocks = h.header_bytes, 0
+    for b, (plen, nchg, _) in enumerate(h.blocks):
         if plen:
-            r = ref_ent.Reader(bytes(data[off : off + plen]), f"block {b}")
-            ref_ent.read_table(r)
-            ref_ent.read_table(r)
-            tables = r.pos
-            (raw_len,) = struct.unpack("<I", r.take(4))
-            r.take(raw_len)
-            sections["tables"] += tables
-            sections["lengths"] += 4
-            sections["raw_bits"] += raw_len
-            sections["rans"] += plen - r.pos
+            part = bytes(data[off : off + plen])
+            what = f"block {b}"
+            got = ref_v1.sections(part, what) if h.version == 1 else ref_v2.sections(part, nchg, what)
+            context_blocks += h.version == 2 and part[0] == fmt.MODE_CONTEXT
+            for k, n in got.items():
+                sections[k] += n
         off += plen
     return {
-        "format_version": fmt.FORMAT_VERSION,
+        "format_version": h.version,
         "dtype": h.dtype.name,
         "shape": tuple(h.shape),
         "numel": h.numel,
@@ -250,6 +348,7 @@ def inspect(blob) -> dict:
         "density": (h.n_changed / h.numel) if h.numel else 0.0,
         "block_elems": h.block_elems,
         "blocks": len(h.blocks),
+        "context_blocks": context_blocks,
         "header_bytes": h.header_bytes,
         "payload_bytes": payload,
         "total_bytes": h.header_bytes + payload,
@@ -277,11 +376,13 @@ class Changes:
     new_checksum: int
 
 
-def changes(blob) -> Changes:
-    """Parse and fully validate ``blob`` (every block checksum) into its change list. Raises ``DeltaError``."""
+def changes(blob, base: torch.Tensor | None = None) -> Changes:
+    """Parse and fully validate ``blob`` (every block checksum) into its change list. A format-2 blob's
+    context blocks need ``base``, the tensor the blob applies to (any device; only read). Raises
+    ``DeltaError`` (also for a context block without a base, or a base of another dtype or shape)."""
     h = fmt.parse_header(blob, ref_ck.checksum_bytes)
     torch_dtype = getattr(torch, h.dtype.name)
-    pos, v, base_ck, new_ck = _unpack(blob, h.dtype, tuple(h.shape))
+    pos, v, base_ck, new_ck = _unpack(blob, h.dtype, tuple(h.shape), base)
     return Changes(torch_dtype, tuple(h.shape), torch.from_numpy(np.asarray(pos).view(np.int64)),
                    torch.from_numpy(np.asarray(v).view(np.int64)), base_ck, new_ck)
 

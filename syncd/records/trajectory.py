@@ -29,9 +29,9 @@ record under another id (``<id>.<proxy life>``) only when an earlier proxy life 
 
 from __future__ import annotations
 
-import json
 import re
 
+from syncd import jsonsafe
 from syncd import manifest as mf
 from syncd.errors import SyncdError
 
@@ -74,9 +74,9 @@ def parse(raw: bytes, *, where: str = "trajectory record") -> dict:
     """The record in ``raw``, checked (see the module docstring). Raises :class:`RecordError`."""
     if len(raw) > MAX_RECORD_BYTES:
         raise RecordError(f"{where}: larger than {MAX_RECORD_BYTES} bytes")
-    try:
-        doc = json.loads(raw, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(f"{c} not allowed")))
-    except (ValueError, UnicodeDecodeError) as exc:
+    try:  # strict and bounded (syncd.jsonsafe): the client's bodies nest at most 64 deep, a few levels down
+        doc = jsonsafe.loads(raw, what="the text", max_bytes=MAX_RECORD_BYTES, max_depth=jsonsafe.MAX_DEPTH + 8)
+    except jsonsafe.JSONError as exc:
         raise RecordError(f"{where}: not JSON: {exc}") from None
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
         raise RecordError(f"{where}: not a {SCHEMA} record")

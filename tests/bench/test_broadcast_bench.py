@@ -8,7 +8,7 @@ import json
 import pytest
 
 from bench import broadcast
-from syncd.cluster import sim
+from bench import netsim as sim
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

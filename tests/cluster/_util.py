@@ -88,7 +88,7 @@ def shard_roots(c, ranks) -> dict[tuple[int, int], set[tuple[int, int]]]:
 
 
 def store_log_reads(store_log, ip_rank: dict) -> list[dict]:
-    """The shard reads of a simulated store's log (:func:`syncd.cluster.sim.read_store_log`) as
+    """The shard reads of a simulated store's log (:func:`bench.netsim.read_store_log`) as
     ``{"key", "bytes", "rank"}`` (the reader's rank from its address)."""
     return [{"key": e["key"], "bytes": e["bytes"], "rank": ip_rank.get(e["peer"])} for e in store_log
             if "/shards/" in e["key"]]

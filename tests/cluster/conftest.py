@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from syncd.cluster.sim import NodeProcs, free_port
+from bench.netsim import NodeProcs, free_port
 from tests.cluster._util import KEY, RUN, SECRET
 from tests.daemon._fixtures import model_dir, procs  # noqa: F401  (fixtures shared by both packages)
 from tests.store._models import trajectory

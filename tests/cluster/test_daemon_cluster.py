@@ -7,7 +7,7 @@ to its engines.
 * two daemons with in-process engines in one event loop (the wiring, metrics and status, quickly);
 * the issue's end-to-end case with real processes on loopback: four daemons, each with a reference-engine
   process, a trainer process taking real AdamW steps and publishing with ``trainer.WeightPublisher`` to a
-  file store that is served as S3 (``syncd.cluster.sim``) so that every byte the store sends is counted;
+  file store that is served as S3 (``bench.netsim``) so that every byte the store sends is counted;
   a relay is killed -9 mid-broadcast, then the controller, and both come back: every engine ends on the
   newest version with the trainer's checksums, and the store served each shard about once.
 """
@@ -24,11 +24,11 @@ import urllib.request
 import pytest
 
 import engine
-from syncd import cli
+from syncd.app import cli, commands
 from syncd.cluster import ClusterConfig, ClusterSecret, auth
 from syncd.cluster.errors import AuthError
 from syncd.cluster.membership import Member
-from syncd.cluster.sim import free_port, read_store_log, s3_env
+from bench.netsim import free_port, read_store_log, s3_env
 from syncd.daemon import DaemonConfig, NodeDaemon
 from syncd.daemon.cluster import ClusterLink, ClusterSettings, cluster_settings
 from syncd.store import Store
@@ -181,7 +181,7 @@ def test_daemons_with_engines_relay_and_controller_killed_nodes_restarted(tmp_pa
     store, gates, record = tmp_path / "store", tmp_path / "gates", tmp_path / "rec.jsonl"
     store.mkdir()
     store_log, store_ready = tmp_path / "store.log", tmp_path / "store.port"
-    procs.spawn("s3", ["-m", "syncd.cluster.sim", "s3serve", str(store), "--port", "0", "--log", str(store_log),
+    procs.spawn("s3", ["-m", "bench.netsim", "s3serve", str(store), "--port", "0", "--log", str(store_log),
                        "--ready", str(store_ready)])
     procs.trainer(store, model_dir, 5, gate_dir=gates, record=record)  # versions 0F 1 2 3F 4, one per gate
     ready = {r: tmp_path / f"engine{r}.ready" for r in range(n)}
@@ -203,7 +203,7 @@ def test_daemons_with_engines_relay_and_controller_killed_nodes_restarted(tmp_pa
     def start(r):
         throttle = "40000" if r == 3 else "150000"  # rank 3 relays slowly: its children are mid-shard when it dies
         daemon[r] = procs.spawn(f"daemon{r}", [
-            "-m", "syncd.cli", "--run-id", RUN, "--store", "s3://simstore", "--endpoint", endpoint,
+            "-m", "syncd.app.cli", "--run-id", RUN, "--store", "s3://simstore", "--endpoint", endpoint,
             "--cache-dir", str(cache[r]), "--engine", f"e{r}={url[r]}", "--engine-check", "0.2",
             "--metrics-port", "0", "--cluster-rank", str(r), "--cluster-heartbeat-s", "0.3",
             "--cluster-dead-after-s", "1.5", "--cluster-poll-s", "0.2", "--cluster-no-fsync",
@@ -301,7 +301,7 @@ def test_daemons_with_engines_relay_and_controller_killed_nodes_restarted(tmp_pa
     assert metric(text, "syncd_cluster_term") >= 2 and metric(text, "syncd_cluster_delivered_version") == 4
     out = io.StringIO()
     args = cli._resolve(cli.build_parser().parse_args(["status", "--status-file", str(status_file)]))
-    assert cli._status(args, out) == 0, out.getvalue()
+    assert commands.status(args, out) == 0, out.getvalue()
     assert "cluster: rank 2" in out.getvalue() and f"refused connections {refused + 1}," in out.getvalue(), \
         out.getvalue()
 

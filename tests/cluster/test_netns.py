@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from syncd.cluster import sim
+from bench import netsim as sim
 from tests.cluster._util import (KEY, RUN, SECRET, assert_in_order, assert_no_task_errors, assert_store_reads_by_roots,
                                  segments, store_log_reads, version_bytes, weights_from_cache)
 from tests.cluster.conftest import Publisher
@@ -35,7 +35,7 @@ def test_shaped_network_relay_and_controller_die_node_restarts(tmp_path, states)
             net.shape(h, 4e6)  # inside the cluster: 4 Mbit/s each
         log = tmp_path / "store.log"
         ready = tmp_path / "store.port"
-        srv = subprocess.Popen([*net.exec_prefix("st"), sys.executable, "-m", "syncd.cluster.sim", "s3serve",
+        srv = subprocess.Popen([*net.exec_prefix("st"), sys.executable, "-m", "bench.netsim", "s3serve",
                                 str(store), "--host", net.ip("st"), "--port", "8080", "--log", str(log),
                                 "--ready", str(ready)])
         c = sim.NodeProcs(tmp_path / "nodes", store="s3://simstore", run_id=RUN, secret=SECRET, signing_key=KEY,

@@ -12,6 +12,7 @@ import pytest
 from syncd.cluster import auth, transfer, wire
 from syncd.cluster.auth import ClusterSecret
 from syncd.cluster.errors import AuthError, NotHeld, ProtocolError
+from syncd.cluster.partials import PartialShards
 from syncd.cluster.wire import T
 from syncd.errors import IntegrityError
 from syncd.store import Store
@@ -150,10 +151,10 @@ def test_pull_is_verified_resumes_after_restart_and_serves_while_receiving(tmp_p
     data = os.urandom(50_000)
 
     async def main():
-        src = transfer.ShardCache(tmp_path / "src", SECRET, fsync=False)
+        src = PartialShards(tmp_path / "src", SECRET, fsync=False)
         sha = put_shard(src, data)
         src.get(sha)
-        dst = transfer.ShardCache(tmp_path / "dst", SECRET, fsync=False)
+        dst = PartialShards(tmp_path / "dst", SECRET, fsync=False)
         async with Server(src, rate=100_000) as s:  # slow enough to stop it mid-shard
             st = dst.state(sha, len(data))
             ch = await auth.connect("127.0.0.1", s.port, SECRET, rank=1, role="data")
@@ -167,7 +168,7 @@ def test_pull_is_verified_resumes_after_restart_and_serves_while_receiving(tmp_p
             have = st.have
             assert 5 <= have < st.n and not os.path.exists(dst.final_path(sha))
         # a new process: a fresh cache object finds the partial file and its tags, and resumes there
-        dst2 = transfer.ShardCache(tmp_path / "dst", SECRET, fsync=False)
+        dst2 = PartialShards(tmp_path / "dst", SECRET, fsync=False)
         st2 = dst2.state(sha, len(data))
         await dst2.recover(st2)
         assert st2.have == have
@@ -184,7 +185,7 @@ def test_pull_is_verified_resumes_after_restart_and_serves_while_receiving(tmp_p
 
 def test_bad_chunk_tag_or_content_is_refused_before_write(tmp_path):
     async def main():
-        cache = transfer.ShardCache(tmp_path, SECRET, fsync=False)
+        cache = PartialShards(tmp_path, SECRET, fsync=False)
         data = os.urandom(10_000)
         sha = hashlib.sha256(data).hexdigest()
         st = cache.state(sha, len(data))
@@ -219,7 +220,7 @@ def test_store_read_checks_the_manifest_hash(tmp_path, verify_first):
         store = Store(tmp_path / "store")
         data = os.urandom(70_000)
         store.put("obj", data)
-        cache = transfer.ShardCache(tmp_path / "c", SECRET, fsync=False)
+        cache = PartialShards(tmp_path / "c", SECRET, fsync=False)
         st = cache.state(hashlib.sha256(data).hexdigest(), len(data))
         read = []
         await transfer.fetch_from_store(store, "obj", st, cache, chunk_bytes=8192, verify_first=verify_first,
@@ -238,14 +239,14 @@ def test_store_read_checks_the_manifest_hash(tmp_path, verify_first):
 def test_a_damaged_cached_shard_is_removed_never_served(tmp_path):
     async def main():
         data = os.urandom(30_000)
-        src = transfer.ShardCache(tmp_path / "src", SECRET, fsync=False)
+        src = PartialShards(tmp_path / "src", SECRET, fsync=False)
         sha = put_shard(src, data)
         with open(src.final_path(sha), "r+b") as fh:  # one bit flipped on disk, same size (after a restart)
             fh.seek(12345)
             fh.write(bytes([data[12345] ^ 1]))
         corrupt = []
         src.on_corrupt = lambda st, why: corrupt.append(why)
-        dst = transfer.ShardCache(tmp_path / "dst", SECRET, fsync=False)
+        dst = PartialShards(tmp_path / "dst", SECRET, fsync=False)
         async with Server(src) as s:
             ch = await auth.connect("127.0.0.1", s.port, SECRET, rank=1, role="data")
             with pytest.raises(NotHeld):

@@ -1,5 +1,5 @@
 """Real processes for the daemon tests: engine processes (``python -m engine.control``), daemons
-(``python -m syncd.cli``) and trainers (``tests.daemon._trainer_child``), with their logs in files, bounded
+(``python -m syncd.app.cli``) and trainers (``tests.daemon._trainer_child``), with their logs in files, bounded
 waits that say what they waited for (and show the logs), and cleanup of every child even on failure."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from engine.control import RemoteAdapter
+from syncd.engines.client import RemoteAdapter
 from tests.daemon.conftest import KEY, RUN
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -84,7 +84,8 @@ class Procs:
     def daemon(self, store: Path, cache: Path, urls: list[str], *, hooks: str | None = None,
                mark_dir: Path | None = None, extra: list[str] = (), run_id: str = RUN,
                env: dict | None = None) -> subprocess.Popen:
-        args = ["-m", "syncd.cli", "--run-id", run_id, "--store", str(store), "--cache-dir", str(cache),
+        module = "tests.daemon._hooks" if hooks else "syncd.app.cli"  # the hooks hold the daemon at a point
+        args = ["-m", module, "--run-id", run_id, "--store", str(store), "--cache-dir", str(cache),
                 "--poll-interval", "0.1", "--backoff-max", "0.5", "--engine-check", "0.2", "--metrics-port", "0",
                 *extra]
         for i, u in enumerate(urls):
@@ -95,8 +96,8 @@ class Procs:
         return self.spawn("daemon", args, env)
 
     def cli(self, *args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-        """Run ``python -m syncd.cli ARGS`` to completion; its exit status and output."""
-        return subprocess.run([sys.executable, "-m", "syncd.cli", *args], cwd=ROOT, env={**self.env, **(env or {})},
+        """Run ``python -m syncd.app.cli ARGS`` to completion; its exit status and output."""
+        return subprocess.run([sys.executable, "-m", "syncd.app.cli", *args], cwd=ROOT, env={**self.env, **(env or {})},
                               capture_output=True, text=True, timeout=timeout)
 
     def trainer(self, store: Path, model: Path, steps: int, *, gate_dir: Path | None = None, record: Path,

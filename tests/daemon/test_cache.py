@@ -1,5 +1,5 @@
 """syncd.cache: verified, atomic shard files; bounded by LRU eviction that never drops pinned shards;
-manifests; building an engine.Update from the cache."""
+manifests. (An engine update read from the cache: ``tests/engines/test_update.py``.)"""
 
 from __future__ import annotations
 
@@ -9,11 +9,9 @@ import time
 
 import pytest
 
-from syncd.cache import ShardCache, shard_path, update_from_cache
+from syncd.cache import ShardCache, shard_path
 from syncd.errors import IntegrityError
-from syncd.versions import fetch_shards, read_manifest
-from tests.daemon.conftest import KEY, RUN, Published
-from tests.store._models import assert_same
+from tests.daemon.conftest import RUN
 
 
 def sha(b: bytes) -> str:
@@ -81,37 +79,3 @@ def test_manifests_roundtrip(tmp_path):
     assert cache.manifest_versions(RUN) == [12]
     with pytest.raises(ValueError):
         cache.put_manifest("../x", 1, b"{}")
-
-
-def test_update_from_cache_full_and_delta(tmp_path):
-    pub = Published(tmp_path / "store")
-    try:
-        pub.publish(2)
-        cache = ShardCache(tmp_path / "c")
-        raws = {}
-        for v in (0, 1):
-            m = read_manifest(pub.store, RUN, v, signing_key=KEY)
-            for s, data in zip(m.shards, fetch_shards(pub.store, RUN, m)):
-                cache.put(s.sha256, data)
-            raws[v] = pub.store.get(f"runs/{RUN}/versions/{v:012d}/manifest.json")
-        full = update_from_cache(raws[0], cache.root)
-        assert full.kind == "full" and full.version == 0
-        assert_same(dict(full.tensors), pub.states[0])
-        d = update_from_cache(raws[1], cache.root, verify_shards=True)
-        assert d.kind == "delta" and d.base_version == 0 and set(d.tensors) == set(pub.states[1])
-        from syncd.ops import delta
-
-        got = {k: delta.decode(pub.states[0][k], d.tensors[k]) for k in pub.states[1]}
-        assert_same(got, pub.states[1])
-        assert d.checksums == {t.name: t.checksum for t in read_manifest(pub.store, RUN, 1, signing_key=KEY).tensors}
-        # a shard missing from the cache, and one altered in it
-        s0 = read_manifest(pub.store, RUN, 1, signing_key=KEY).shards[0]
-        data = bytes(cache.read(s0.sha256))
-        cache.discard(s0.sha256)
-        with pytest.raises(FileNotFoundError, match="not in the cache"):
-            update_from_cache(raws[1], cache.root)
-        cache.path(s0.sha256).write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
-        with pytest.raises(IntegrityError):
-            update_from_cache(raws[1], cache.root, verify_shards=True)
-    finally:
-        pub.close()

@@ -14,9 +14,10 @@ from dataclasses import replace
 
 import pytest
 
-from engine.control import RemoteAdapter
 from syncd import manifest as mf
 from syncd.engine_token import read_token
+from syncd.engines.client import RemoteAdapter
+from syncd.engines.update import Update
 from syncd.errors import LeaseHeld, NotAuthorized, SignatureError
 from syncd.signing import SigningKey
 from syncd.versions import fetch_shards, read_manifest
@@ -98,7 +99,7 @@ def test_case5_engine_control_needs_the_token_the_lease_and_a_valid_signature(tm
                                                  for s in m0.shards))
     for raw in (forged.encode(None), forged.encode(SigningKey(b"attacker-key-0123456789abcdef"))):
         with pytest.raises(SignatureError):
-            intruder.load_full_from_cache(raw, cache)
+            intruder.load_full(Update.from_cache(raw, cache))
     intruder.resume()
     assert engine_version(url) == 1 and engine_checksums(url) == run.checksums(1)
     assert RemoteAdapter(url).state()["writes"] == writes  # nothing the intruder sent wrote a weight
@@ -165,7 +166,7 @@ def test_a_write_made_while_the_daemons_lease_lapsed_is_noticed(tmp_path, procs,
         other = RemoteAdapter(url, run_id=RUN)
         raw = run.store.get(mf.manifest_key(RUN, 0))
         other.pause()
-        other.load_full_from_cache(raw, cache)  # genuine, signed: but not what this daemon set
+        other.load_full(Update.from_cache(raw, cache))  # genuine, signed: but not what this daemon set
         other.resume()
         other.release()
     finally:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from syncd.cache import ShardCache
-from syncd.daemon.manifests import ManifestSource
+from syncd.manifest_source import ManifestSource
 from syncd.daemon.metrics import DaemonMetrics
 from syncd.daemon.planner import plan_update, walk_back
 from syncd.errors import IntegrityError, ManifestMismatch, SignatureError

@@ -3,16 +3,15 @@ by ``engine.dynamo.serve.Node``) and per-sandbox proxies (``python -m engine.pro
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from engine.dynamo.procs import stop_process, wait_until
+from engine.dynamo.procs import stop_process
+from engine.proxy import procs as proxy_procs
 
 RUN_ID = "dyn-run"
 
@@ -37,22 +36,8 @@ class ProxyProcess:
 
 
 def start_proxy(workdir: Path, upstream: str, store_url: str, sandbox_id: str, *extra: str) -> ProxyProcess:
-    workdir.mkdir(parents=True, exist_ok=True)
-    ready = workdir / f"proxy-{sandbox_id}.json"
-    log = workdir / f"proxy-{sandbox_id}.log"
-    with open(log, "ab") as logf:
-        proc = subprocess.Popen([sys.executable, "-m", "engine.proxy", "--upstream", upstream, "--store", store_url,
-                                 "--run-id", RUN_ID, "--sandbox-id", sandbox_id, "--ready-file", str(ready),
-                                 "--log-level", "INFO", *extra],
-                                stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
-    try:
-        wait_until(ready.exists, 60, f"proxy {sandbox_id} to serve",
-                   alive=lambda: proc.poll() is not None and f"exited: {log.read_text()[-2000:]}")
-    except BaseException:
-        stop_process(proc, 5)
-        raise
-    return ProxyProcess(proc, json.loads(ready.read_text())["url"], log)
+    proc, url = proxy_procs.start_proxy(workdir, upstream, store_url, RUN_ID, sandbox_id, *extra)
+    return ProxyProcess(proc, url, workdir / f"proxy-{sandbox_id}.log")
 
 
 @pytest.fixture

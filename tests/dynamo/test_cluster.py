@@ -19,6 +19,7 @@ from engine.dynamo.procs import free_port, http_json, stop_process, wait_until
 from engine.dynamo.serve import Node, NodeConfig
 from engine.dynamo.settings import DynamoSettings
 from engine.proxy.record import read_record, replay_tokens
+from syncd.engines.update import Update
 from tests.dynamo._client import finish_reason, get_json, post_json, post_stream, stream_text
 from tests.dynamo.conftest import RUN_ID, start_proxy
 
@@ -53,7 +54,7 @@ class Cluster:
 
     def wait_two_workers(self, timeout_s: float = 90.0) -> None:
         """Until both workers run, are visible through discovery and answer on their admin port."""
-        from engine.control import RemoteAdapter
+        from syncd.engines.client import RemoteAdapter
 
         def ready():
             ws = self.node.workers()
@@ -260,7 +261,7 @@ def _cache_version(store_url: str, version: int, cache_root: Path) -> bytes:
 
 
 def test_weight_update_through_admin_routes_while_streaming(cluster, model_dir):
-    from engine.control import RemoteAdapter
+    from syncd.engines.client import RemoteAdapter
     from syncd import manifest as mf
 
     c = cluster
@@ -286,7 +287,7 @@ def test_weight_update_through_admin_routes_while_streaming(cluster, model_dir):
         t.start()
     wait_until(lambda: min(progress) >= 10, 60, "all four streams to be under way")
     for e in engines:  # what the node daemon does, through the workers' admin routes
-        assert e.stage_from_cache(raw1, cache_root) == 1
+        e.stage(Update.from_cache(raw1, cache_root))
         e.pause()
         e.apply()
         assert e.version == 1 and e.checksum() == want1

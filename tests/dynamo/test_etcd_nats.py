@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from engine.control import RemoteAdapter
+from syncd.engines.client import RemoteAdapter
 from engine.dynamo.procs import stop_process, wait_until
 from engine.dynamo.services import find_binary
 from engine.proxy.record import read_record
@@ -41,7 +41,7 @@ def test_node_with_etcd_and_nats(model_dir, tmp_path):
     ready = tmp_path / "node.json"
     log = open(tmp_path / "serve.log", "wb")
     serve = subprocess.Popen(
-        [sys.executable, "-m", "syncd.cli", "serve", "--model", str(model_dir), "--workers", "2", "--frontend",
+        [sys.executable, "-m", "syncd.app.cli", "serve", "--model", str(model_dir), "--workers", "2", "--frontend",
          "--http-port", "0", "--start-services", "--namespace", "etcdtest", "--run-dir", str(tmp_path / "run"),
          "--ready-file", str(ready), "--", "--weights-version", "0", "--replay-store", store_url, "--run-id", RUN_ID],
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)

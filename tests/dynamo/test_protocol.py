@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.adapter import TokenEvent
+from syncd.engines.protocol import TokenEvent
 from engine.dynamo.protocol import (BadRequest, UnsupportedRequest, seed_for, to_chunk, to_generation_request,
                                     wants_logprobs)
 

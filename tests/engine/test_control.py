@@ -1,39 +1,21 @@
-"""engine.control: the weight routes as pure handlers, over a real loopback HTTP server, and
-RemoteAdapter driving a real engine (engine.StateDictEngine) through them."""
+"""engine.control.EngineControl: the weight routes as pure handlers driving a real engine
+(engine.StateDictEngine): lease, run checks, signature checks. (The client over a real server:
+``tests/engines/test_client.py``.)"""
 
 from __future__ import annotations
-
-import http.client
-import json
 
 import pytest
 
 import engine
-from engine.control import (BadRequest, EngineControl, EngineUnreachable, RemoteAdapter, load_full_from_cache,
-                            spec_from_json, spec_to_json, stage_from_cache)
-from engine.control_server import ControlServer
-from syncd.cache import ShardCache
-from syncd.errors import DeltaError, LeaseHeld, NotAuthorized
+from engine.control import EngineControl
+from syncd.engines.errors import BadRequest
+from syncd.engines.wire import spec_from_json, spec_to_json
+from syncd.errors import LeaseHeld, NotAuthorized
 from syncd.signing import parse_key
-from syncd.versions import fetch_shards, read_manifest
-from tests.daemon.conftest import KEY, RUN, Published, free_port
+from syncd.versions import read_manifest
+from tests.daemon.conftest import KEY, RUN
+from tests.engines._published import setup  # noqa: F401 (the fixture)
 from tests.store._models import assert_same
-
-
-@pytest.fixture
-def setup(tmp_path):
-    """Versions 0 (full), 1, 2 (deltas) in a store; their shards and manifests in a node cache."""
-    pub = Published(tmp_path / "store")
-    pub.publish(3)
-    cache = ShardCache(tmp_path / "cache")
-    raws = {}
-    for v in range(3):
-        m = read_manifest(pub.store, RUN, v, signing_key=KEY)
-        for s, data in zip(m.shards, fetch_shards(pub.store, RUN, m)):
-            cache.put(s.sha256, data)
-        raws[v] = pub.store.get(f"runs/{RUN}/versions/{v:012d}/manifest.json")
-    yield pub, cache, raws
-    pub.close()
 
 
 TOKEN = "t" * 64
@@ -88,104 +70,6 @@ def test_handlers_refuse_bad_requests(setup):
     with pytest.raises(FileNotFoundError, match="not in the cache"):
         handle(eng, "load_full", {"manifest": raws[0].decode(), "cache_root": str(cache.root / "elsewhere")})
     assert eng.version is None  # nothing was loaded by the refused requests
-
-
-def test_remote_adapter_over_a_real_server(setup):
-    pub, cache, raws = setup
-    eng = engine.StateDictEngine(pub.zeros(), None)
-    server = ControlServer(eng, port=free_port()).start()
-    try:
-        remote = RemoteAdapter(server.url)
-        assert isinstance(remote, engine.Adapter)
-        assert remote.version is None
-        assert list(remote.parameters()) == list(eng.parameters())
-        remote.pause()
-        load_full_from_cache(remote, raws[0], cache.root)
-        stage_from_cache(remote, raws[1], cache.root)
-        remote.apply()
-        remote.resume()
-        assert remote.version == 1
-        assert remote.checksum() == eng.checksum()
-        assert_same(eng.state_dict(), pub.states[1])
-        # errors come back with their type: applying nothing staged is a state error (409) ...
-        remote.pause()
-        with pytest.raises(RuntimeError):
-            remote.apply()
-        # ... a delta for another base is a ValueError (422), and the weights are untouched
-        with pytest.raises(ValueError, match="base version"):
-            stage_from_cache(remote, raws[1], cache.root)
-        with pytest.raises(TypeError, match="stage_from_cache"):
-            remote.stage(engine.Update(version=2, kind="delta", tensors={}))
-        assert remote.version == 1
-        # unknown routes and malformed bodies
-        auth = {"Authorization": f"Bearer {remote.credentials()['auth']}"}
-        conn = http.client.HTTPConnection(server.host, server.port, timeout=10)
-        conn.request("POST", "/engine/weights/explode", body=b"{}", headers=auth)
-        resp = conn.getresponse()
-        assert resp.status == 404 and json.loads(resp.read())["type"] == "KeyError"
-        conn = http.client.HTTPConnection(server.host, server.port, timeout=10)
-        conn.request("POST", "/engine/weights/checksum", body=b"not json", headers=auth)
-        resp = conn.getresponse()
-        assert resp.status == 400 and "not valid JSON" in json.loads(resp.read())["error"]
-    finally:
-        server.close()
-    with pytest.raises(EngineUnreachable):
-        RemoteAdapter(server.url, connect_timeout_s=2).version
-
-
-def test_a_corrupt_blob_is_a_delta_error_across_the_wire(setup, tmp_path):
-    pub, cache, raws = setup
-    eng = engine.StateDictEngine({k: v.clone() for k, v in pub.states[0].items()}, 0)
-    m1 = read_manifest(pub.store, RUN, 1, signing_key=KEY)
-    # a node cache whose shard bytes were altered after verification (disk rot): the engine must refuse
-    bad = ShardCache(tmp_path / "bad")
-    for s in m1.shards:
-        data = bytearray(cache.read(s.sha256))
-        data[len(data) // 2] ^= 0xFF
-        bad.put_verified(s.sha256, data)
-    server = ControlServer(eng, port=0).start()
-    try:
-        with pytest.raises((DeltaError, ValueError)):
-            stage_from_cache(RemoteAdapter(server.url), raws[1], bad.root)
-        assert eng.version == 0
-        assert_same(eng.state_dict(), pub.states[0])
-    finally:
-        server.close()
-
-
-def test_remote_adapter_rejects_a_non_http_url():
-    with pytest.raises(ValueError, match="http://"):
-        RemoteAdapter("unix:///tmp/engine.sock")
-
-
-def test_remote_adapter_reads_dynamos_error_envelope():
-    """Dynamo's system server cannot choose a status: a failed route is a 500 with the exception in
-    ``message``. The client still raises the engine's own error type with its text."""
-    import http.server
-    import threading
-
-    from syncd.errors import ManifestError
-
-    class H(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802
-            self.rfile.read(int(self.headers["Content-Length"]))
-            body = json.dumps({"error": "Handler error",
-                               "message": "Python callback failed: ManifestError: bad schema\nline 2"}).encode()
-            self.send_response(500)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *a):
-            pass
-
-    srv = http.server.HTTPServer(("127.0.0.1", 0), H)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
-        with pytest.raises(ManifestError, match="bad schema\nline 2"):
-            RemoteAdapter(f"http://127.0.0.1:{srv.server_port}").call("stage", {})
-    finally:
-        srv.shutdown()
 
 
 def test_engine_control_owns_the_engine_one_lease_at_a_time(setup):

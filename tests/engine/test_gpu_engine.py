@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from engine import StateDictEngine
-from engine.adapter import GenerationRequest, SamplingParams, Update
+from syncd.engines.protocol import GenerationRequest, SamplingParams
+from syncd.engines.update import Update
 from engine.sharding import tp_specs
 from engine.updater import expected_checksums
 from syncd.ops import checksum, delta

@@ -17,11 +17,12 @@ import threading
 import pytest
 import torch
 
-from engine.adapter import GenerationRequest, SamplingParams, Update
+from syncd.engines.protocol import GenerationRequest, SamplingParams
+from syncd.engines.update import Update
 from engine.reference import ReferenceEngine
 from engine.reference.make_tiny import write_model
 from engine.reference.sampling import sample
-from engine.updater import update_from_manifest
+from syncd.engines.update import Update
 from syncd.ops import checksum, nvfp4
 from syncd.store import Store
 from syncd.versions import fetch_shards, read_manifest
@@ -87,7 +88,7 @@ class _Trainer:
 
     def update(self, v) -> Update:
         m = self.manifest(v)
-        return update_from_manifest(m, fetch_shards(self.store, RUN, m))
+        return Update.from_shards(m, fetch_shards(self.store, RUN, m))
 
     def engine(self, **kw) -> ReferenceEngine:
         return ReferenceEngine.from_store(self.store, RUN, 0, config=copy.deepcopy(self.config), signing_key=KEY,

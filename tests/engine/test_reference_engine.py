@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from engine import Adapter, Generator
-from engine.adapter import GenerationRequest, SamplingParams, Update
+from syncd.engines.protocol import GenerationRequest, SamplingParams
+from syncd.engines.update import Update
 from engine.reference import ReferenceEngine
 from engine.reference.make_tiny import main as make_tiny_main
 from engine.reference.make_tiny import special_ids

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.adapter import GenerationRequest, SamplingParams
+from syncd.engines.protocol import GenerationRequest, SamplingParams
 from engine.reference import ReferenceEngine
 from engine.reference.sampling import kept_set
 from engine.replay import ReplayRecorder, ReplayUploadError, list_requests, read_request, request_key

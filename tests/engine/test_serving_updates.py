@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from engine.adapter import GenerationRequest, SamplingParams
+from syncd.engines.protocol import GenerationRequest, SamplingParams
 from engine.reference import ReferenceEngine
 from engine.replay import ReplayRecorder, read_request
-from engine.updater import expected_checksums, update_from_manifest
+from engine.updater import expected_checksums
+from syncd.engines.update import Update
 from syncd.ops import checksum
 from syncd.store import Store
 from syncd.versions import fetch_shards, read_manifest
@@ -70,7 +71,7 @@ def test_generation_continues_across_real_published_deltas(dense_dir, tmp_path, 
                 while len(events) < want_tokens and not finished.is_set():
                     finished.wait(0.01)
                 m = read_manifest(store, RUN, v, signing_key=KEY)
-                eng.stage(update_from_manifest(m, fetch_shards(store, RUN, m)))  # while serving
+                eng.stage(Update.from_shards(m, fetch_shards(store, RUN, m)))  # while serving
                 eng.pause()
                 boundaries[v] = len(events)
                 eng.apply()

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from engine import StateDictEngine
-from engine.adapter import ParamPiece, ParamSpec, Update
+from syncd.engines.params import ParamPiece, ParamSpec
+from syncd.engines.update import Update
 from engine.sharding import tp_specs
 from engine.updater import WeightUpdater, bf16_view_of_fp32, build_local, expected_checksums, map_positions
 from syncd.errors import DeltaError, IntegrityError
@@ -129,13 +130,15 @@ def test_corrupt_blob_is_refused_at_stage_and_nothing_changes(states):
 
 @pytest.fixture(params=["serial", "parallel", "torch"])
 def write_mode(request, monkeypatch):
-    """Run a test with the native scatter on the calling thread, split over the pool in small runs, or
-    through the torch path GPU parameters take (batched compares, one synchronisation, then writes)."""
+    """Run a test with the native scatter (syncd.ops.scatter_words_) on the calling thread, split over the pool
+    in small runs, or through the torch path GPU parameters take (batched compares, one synchronisation, then
+    writes)."""
     import engine.updater as upd
+    import syncd.ops.scatter as scatter
 
     if request.param == "parallel":
-        monkeypatch.setattr(upd, "_PARALLEL_MIN", 0)
-        monkeypatch.setattr(upd, "_SUB", 64)
+        monkeypatch.setattr(scatter, "_PARALLEL_MIN", 0)
+        monkeypatch.setattr(scatter, "_RUN", 64)
     if request.param == "torch":
         monkeypatch.setattr(upd, "_NATIVE_SCATTER", False)
     return request.param

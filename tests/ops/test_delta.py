@@ -132,8 +132,8 @@ def test_native_constants_match_the_python_spec():
     from syncd.ops import _backend
 
     n = _backend.native()
-    assert (n.FORMAT_VERSION, n.PROB_BITS, n.RANS_L, n.DEFAULT_BLOCK_LOG2) == (
-        fmt.FORMAT_VERSION, fmt.PROB_BITS, fmt.RANS_L, fmt.DEFAULT_BLOCK_LOG2)
+    assert (n.FORMAT_VERSIONS, n.DEFAULT_FORMAT, n.PROB_BITS, n.RANS_L, n.DEFAULT_BLOCK_LOG2) == (
+        fmt.FORMAT_VERSIONS, fmt.DEFAULT_FORMAT, fmt.PROB_BITS, fmt.RANS_L, fmt.DEFAULT_BLOCK_LOG2)
 
 
 def test_inspect_reports_sections():

@@ -21,17 +21,27 @@ FUZZ_EXAMPLES = int(os.environ.get("SYNCD_FUZZ_EXAMPLES", "300"))
 DECODERS = ["cpu", "reference"]
 
 
-def _case(dtype=torch.bfloat16, n=3000, density=0.05, seed=0, block_log2=10):
+def _case(dtype=torch.bfloat16, n=3000, density=0.05, seed=0, block_log2=10, version=1):
     g = torch.Generator().manual_seed(seed)
     old = random_bits((n,), dtype, g)
     new = perturb(old, density, g, max_step=40)
-    return old, new, delta.encode(old, new, block_log2=block_log2)
+    return old, new, delta.encode(old, new, block_log2=block_log2, version=version)
 
 
 OLD, NEW, BLOB = _case()
 OLD32, NEW32, BLOB32 = _case(torch.float32, n=700, density=0.3, seed=1, block_log2=8)
 # dense blocks of ~1200 changes: long enough for the decoder's unchecked fast loop and the apply's dense mode
 OLDD, NEWD, BLOBD = _case(n=8192, density=0.3, seed=2, block_log2=12)
+# format 2: two context blocks of ~400 changes (bf16), a context block of wide values (float32), and a mode-0 one
+OLDV2, NEWV2, BLOBV2 = _case(n=8192, density=0.1, seed=3, block_log2=12, version=2)
+OLDV2W, NEWV2W, BLOBV2W = _case(torch.float32, n=4096, density=0.3, seed=4, block_log2=12, version=2)
+OLDV20, NEWV20, BLOBV20 = _case(n=3000, density=0.05, seed=5, block_log2=10, version=2)
+V2_CASES = {"context": (OLDV2, NEWV2, BLOBV2), "wide": (OLDV2W, NEWV2W, BLOBV2W), "mode0": (OLDV20, NEWV20, BLOBV20)}
+
+
+def test_format_2_cases_cover_both_modes():
+    assert delta.inspect(BLOBV2)["context_blocks"] == 2 and delta.inspect(BLOBV2W)["context_blocks"] == 1
+    assert delta.inspect(BLOBV20)["context_blocks"] == 0
 
 
 def _apply_expect_error(blob, backend, match=None, old=OLD, verify=True):
@@ -180,6 +190,43 @@ def test_fuzz_native_decoder_dense_blocks(data, verify):
     _check_mutation(BLOBD, mutated, resealed, OLDD, NEWD, "cpu", verify)
 
 
+@pytest.mark.parametrize("case", sorted(V2_CASES))
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data(), verify=st.booleans())
+def test_fuzz_native_decoder_format_2(case, data, verify):
+    old, new, blob = V2_CASES[case]
+    mutated, resealed = data.draw(mutations(blob))
+    _check_mutation(blob, mutated, resealed, old, new, "cpu", verify)
+
+
+@settings(max_examples=max(10, FUZZ_EXAMPLES // 20), deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_fuzz_reference_decoder_format_2(data):
+    mutated, resealed = data.draw(mutations(BLOBV2W))
+    _check_mutation(BLOBV2W, mutated, resealed, OLDV2W, NEWV2W, "reference", True)
+
+
+@pytest.mark.parametrize("backend", DECODERS)
+def test_format_2_resealed_corruption_is_a_structural_error(backend):
+    """With every checksum recomputed, the context decoder's own checks catch damage to its parameters and
+    streams, and the target stays as it was."""
+    h = fmt.parse_header(BLOBV2, __import__("syncd.ops.reference.checksum", fromlist=["x"]).checksum_bytes)
+    caught = 0
+    offsets = list(range(h.header_bytes, h.header_bytes + 90)) + list(range(len(BLOBV2) - 30, len(BLOBV2)))
+    for off in offsets[:: 1 if backend == "cpu" else 6]:
+        b = bytearray(BLOBV2)
+        b[off] ^= 0x5A
+        t = OLDV2.clone()
+        try:
+            delta.apply_(t, reseal(bytes(b)), backend=backend)
+        except DeltaError:
+            caught += 1
+            assert same_bits(t, OLDV2)
+        else:
+            assert same_bits(t, NEWV2)
+    assert caught > (100 if backend == "cpu" else 15)
+
+
 @settings(max_examples=max(20, FUZZ_EXAMPLES // 10), deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_fuzz_reference_decoder(data):
@@ -188,15 +235,19 @@ def test_fuzz_reference_decoder(data):
 
 
 @settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
-@given(payload=st.binary(min_size=0, max_size=400), nchg=st.integers(0, 300))
-def test_fuzz_random_payloads_behind_a_valid_header(payload, nchg):
-    """Arbitrary payload bytes behind a well-formed, correctly checksummed header."""
+@given(payload=st.binary(min_size=0, max_size=400), nchg=st.integers(0, 300), version=st.sampled_from([1, 2]),
+       context=st.booleans())
+def test_fuzz_random_payloads_behind_a_valid_header(payload, nchg, version, context):
+    """Arbitrary payload bytes behind a well-formed, correctly checksummed header (format 2: often behind
+    a context mode byte and plausible group counts, so the parameter and stream checks get exercised)."""
     from syncd.ops.reference import checksum as ck
 
+    if version == 2 and context:
+        payload = bytes([fmt.MODE_CONTEXT, 0x7F, 0, 1 + payload[:1].hex().count("a") % 4, 1]) + payload
     nchg = nchg if payload else 0
     old = torch.zeros(256, dtype=torch.bfloat16)
     header = fmt.pack_header(fmt.DTYPES["bfloat16"], (256,), 8, [(len(payload), nchg, ck.checksum_bytes(payload))],
-                             ck.checksum_bytes(old.view(torch.uint8).numpy()), 0, ck.checksum_bytes)
+                             ck.checksum_bytes(old.view(torch.uint8).numpy()), 0, ck.checksum_bytes, version)
     blob = header + payload
     t = old.clone()
     try:

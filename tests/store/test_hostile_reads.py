@@ -111,3 +111,30 @@ def test_a_poller_walks_past_many_garbage_versions_within_a_few_polls(tmp_path):
     assert found == [None, None, 1], found  # 16 reads per poll: 40 garbage versions, then version 1
     assert sorted(skipped) == list(range(10**6, 10**6 + 40))  # each read once, reported once
     assert poller.poll() == 1 and len(skipped) == 40  # remembered: not read again
+
+
+def test_a_poller_walks_past_many_empty_version_directories_within_a_few_polls(tmp_path):
+    """Directories without a manifest (torn, or squatted) far above the real versions: each is read once per
+    listing interval, so the walk gets past them in a few polls instead of reading the same first ones forever;
+    the next versions right above the newest one are never skipped that way."""
+    store = Store(tmp_path / "store")
+    with publisher(store) as pub:
+        publish(pub, range(2))
+        for v in range(10**6, 10**6 + 40):
+            store.put(mf.manifest_key(RUN, v).replace("manifest.json", "shards/x.sdelta"), b"torn")
+        store.delete(mf.latest_hint_key(RUN))
+        reads = []
+
+        def read(v):
+            reads.append(v)
+            return read_manifest(store, RUN, v, signing_key=KEY)
+
+        poller = VersionPoller(store, RUN, read=read, max_reads=16)
+        assert [poller.poll() for _ in range(3)] == [None, None, 1]
+        assert sorted(reads) == sorted(list(range(10**6, 10**6 + 40)) + [1])  # each empty one read once
+        store.put(mf.manifest_key(RUN, 2).replace("manifest.json", "shards/x.sdelta"), b"upload in progress")
+        assert poller.poll() == 1  # version 2 has no manifest yet
+        publish(pub, [2])
+        store.delete(mf.latest_hint_key(RUN))
+        poller._last_list = float("-inf")  # the next listing is due
+        assert poller.poll() == 2  # right above the newest: read again, not remembered as missing

@@ -12,7 +12,8 @@ import syncd
 from syncd import manifest as mf
 from syncd.errors import VersionNotFound
 from syncd.store import Store
-from syncd.versions import RetentionPolicy, apply_retention, list_versions, plan_retention, read_manifest
+from syncd.retention import RetentionPolicy, apply_retention, plan_retention
+from syncd.versions import list_versions, read_manifest
 from trainer.publisher import WeightPublisher
 
 from ._models import assert_same, trajectory
@@ -143,3 +144,11 @@ def test_retention_under_concurrent_readers(tmp_path):
     assert left[-2:] == [22, 23] and 0 not in left  # retention did delete while they read
     for v in left:
         assert_same(syncd.materialize(store, RUN, v, signing_key=KEY), states[v])
+
+
+def test_retention_keeps_its_old_import_path_for_one_release():
+    import syncd.retention
+    import syncd.versions
+
+    for name in ("RetentionPolicy", "RetentionPlan", "plan_retention", "apply_retention"):
+        assert getattr(syncd.versions, name) is getattr(syncd.retention, name)

@@ -9,10 +9,11 @@ import pytest
 
 import syncd
 from syncd import manifest as mf
-from syncd.cli import main as cli
+from syncd.app.cli import main as cli
 from syncd.errors import PublishError, VersionConflict
 from syncd.store import Store
-from syncd.versions import RetentionPolicy, apply_retention, list_versions, poll_latest, read_manifest
+from syncd.retention import RetentionPolicy, apply_retention
+from syncd.versions import list_versions, poll_latest, read_manifest
 from trainer.publisher import WeightPublisher
 
 from ._models import assert_same, trajectory

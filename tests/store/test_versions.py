@@ -12,7 +12,7 @@ import pytest
 
 import syncd
 from syncd import manifest as mf
-from syncd.cli import main as cli
+from syncd.app.cli import main as cli
 from syncd.errors import (BaseVersionMissing, IntegrityError, ManifestError, ManifestMismatch,
                           SignatureError, VersionNotFound)
 from syncd.signing import SigningKey

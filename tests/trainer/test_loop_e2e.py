@@ -1,6 +1,6 @@
 """The thin trainer end to end on real parts: two data-parallel ranks (``python -m trainer.run --nproc 2``, gloo),
 two reference-engine workers under the Dynamo frontend recording replay records, the sandbox proxy recording
-trajectories, and the node daemon applying every version (K = 1) while the engines generate (``syncd.rl_stack``).
+trajectories, and the node daemon applying every version (K = 1) while the engines generate (``syncd.app.rl_stack``).
 One run serves the module; the offline runs retrain on its recorded plans (the same rollouts, from the store).
 
 Learning margin: the shipped ``repeat`` task starts near 0.01 (a random model) and is around 0.5 after 30 steps
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from syncd.rl_stack import RLStack, StackConfig
+from syncd.app.rl_stack import RLStack, StackConfig
 from syncd.versions import materialize
 from trainer.metrics import publish_to_serving, read_metrics
 from trainer.rollouts import read_rollouts

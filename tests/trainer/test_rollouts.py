@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.adapter import GenerationRequest, SamplingParams
+from syncd.engines.protocol import GenerationRequest, SamplingParams
 from engine.proxy.record import Trajectory, Turn
 from engine.reference import ReferenceEngine
 from engine.replay import ReplayRecorder

@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 
 import torch
 
 from syncd.ops import _backend
+from syncd.ops._dispatch import dispatch, kernel, kernel_of, register, resolve
 from syncd.ops._tensors import raw_ptr
 from syncd.ops.nvfp4._tensor import BLOCK, NVFP4Tensor
 from syncd.ops.reference import nvfp4 as ref
@@ -39,19 +41,80 @@ def _from_amax(amax: torch.Tensor) -> torch.Tensor:
     return torch.clamp(amax.float().reshape(()) / ref.AMAX_PER_SCALE, ref.PTS_MIN, ref.PTS_MAX)
 
 
-def _per_tensor_scale(x: torch.Tensor, name: str) -> torch.Tensor:
-    if name == "reference":
-        return ref.per_tensor_scale(x.cpu()).to(x.device)
-    if name == "cpu":
-        xc = x.detach().contiguous()
-        amax, bad = _backend.native().nvfp4_amax(raw_ptr(xc), xc.numel(), _CODE[x.dtype], _backend.threads())
-        if bad:
-            raise ValueError(_NONFINITE)
-        return _from_amax(torch.tensor(amax, dtype=torch.float32))
+# ---------------------------------------------------------------------------------------------- kernels
+# Each op's kernels by backend (syncd.ops._dispatch). The per-tensor scale runs on the backend quantize picked.
+
+
+@kernel("nvfp4_scale", "reference")
+def _scale_reference(x: torch.Tensor) -> torch.Tensor:
+    return ref.per_tensor_scale(x.cpu()).to(x.device)
+
+
+@kernel("nvfp4_scale", "cpu")
+def _scale_cpu(x: torch.Tensor) -> torch.Tensor:
+    xc = x.detach().contiguous()
+    amax, bad = _backend.native().nvfp4_amax(raw_ptr(xc), xc.numel(), _CODE[x.dtype], _backend.threads())
+    if bad:
+        raise ValueError(_NONFINITE)
+    return _from_amax(torch.tensor(amax, dtype=torch.float32))
+
+
+@kernel("nvfp4_scale", "cuda", "triton")
+def _scale_gpu(x: torch.Tensor) -> torch.Tensor:
     if not x.numel():
         return _from_amax(torch.zeros((), dtype=torch.float32, device=x.device))
     # GPU: one fused reduction on the device, no host sync (NaN/Inf are caught by the quantize kernel)
     return _from_amax(torch.linalg.vector_norm(x.detach(), float("inf"), dtype=torch.float32))
+
+
+@kernel("nvfp4_quantize", "reference")
+def _quantize_reference(x: torch.Tensor, pts: torch.Tensor):
+    ref.check_finite(x)
+    qdata, scales = ref.quantize(x, pts)
+    return qdata.to(x.device), scales.to(x.device)
+
+
+def _quantize_into(name: str, x: torch.Tensor, pts: torch.Tensor):
+    xc = x.detach().contiguous()
+    k = x.shape[-1]
+    lead = tuple(x.shape[:-1])
+    qdata = torch.empty((*lead, k // 2), dtype=torch.uint8, device=x.device)
+    scales = torch.empty((*lead, k // BLOCK), dtype=torch.float8_e4m3fn, device=x.device)
+    if name == "cpu":
+        bad = _backend.native().nvfp4_quantize(raw_ptr(xc), xc.numel() // BLOCK, _CODE[x.dtype], float(pts),
+                                               qdata.data_ptr(), scales.data_ptr(), _backend.threads())
+    else:
+        bad = _gpu_kernels(name).quantize(xc, pts, qdata, scales.view(torch.uint8))
+    if bad:
+        raise ValueError(_NONFINITE)
+    return qdata, scales
+
+
+@kernel("nvfp4_dequantize", "reference")
+def _dequantize_reference(q: NVFP4Tensor, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor:
+    values = ref.dequantize(q.qdata, q.scales, q.per_tensor_scale, dtype).to(q.device)
+    return values if out is None else out.copy_(values)
+
+
+def _dequantize_into(name: str, q: NVFP4Tensor, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    qdata, scales = q.qdata.contiguous(), q.scales.contiguous().view(torch.uint8)
+    if name == "cpu":
+        _backend.native().nvfp4_dequantize(qdata.data_ptr(), scales.data_ptr(), out.numel() // BLOCK,
+                                           float(q.per_tensor_scale), out.data_ptr(), _CODE[dtype],
+                                           _backend.threads())
+    else:
+        _gpu_kernels(name).dequantize(qdata, scales, q.per_tensor_scale.contiguous(), out)
+    return out
+
+
+for _name in ("cpu", "cuda", "triton"):
+    register("nvfp4_quantize", _name, functools.partial(_quantize_into, _name))
+    register("nvfp4_dequantize", _name, functools.partial(_dequantize_into, _name))
+
+
+# ---------------------------------------------------------------------------------------------- ops
 
 
 def per_tensor_scale(x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
@@ -61,7 +124,7 @@ def per_tensor_scale(x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     Raises ``ValueError`` for NaN/Inf (on the CPU backends; GPU backends report them from ``quantize``),
     ``ValueError``/``TypeError`` for inputs ``quantize`` rejects, ``BackendUnavailable``."""
     _check_input(x)
-    return _per_tensor_scale(x, _backend.resolve(backend, x.device.type, "nvfp4_quantize"))
+    return kernel_of("nvfp4_scale", resolve("nvfp4_quantize", backend, x.device.type))(x)
 
 
 def _given_scale(pts, device: torch.device) -> torch.Tensor:
@@ -89,25 +152,10 @@ def quantize(x: torch.Tensor, *, per_tensor_scale=None, swizzle: bool = False,
     Raises ``ValueError`` for NaN/Inf in ``x``, a bad shape, dtype or scale; ``TypeError`` for a non-tensor;
     ``BackendUnavailable`` when the named backend cannot run on ``x``'s device."""
     _check_input(x)
-    name = _backend.resolve(backend, x.device.type, "nvfp4_quantize")
-    pts = _per_tensor_scale(x, name) if per_tensor_scale is None else _given_scale(per_tensor_scale, x.device)
-    k = x.shape[-1]
-    lead = tuple(x.shape[:-1])
-    if name == "reference":
-        ref.check_finite(x)
-        qdata, scales = ref.quantize(x, pts)
-        qdata, scales = qdata.to(x.device), scales.to(x.device)
-    else:
-        xc = x.detach().contiguous()
-        qdata = torch.empty((*lead, k // 2), dtype=torch.uint8, device=x.device)
-        scales = torch.empty((*lead, k // BLOCK), dtype=torch.float8_e4m3fn, device=x.device)
-        if name == "cpu":
-            bad = _backend.native().nvfp4_quantize(raw_ptr(xc), xc.numel() // BLOCK, _CODE[x.dtype], float(pts),
-                                                   qdata.data_ptr(), scales.data_ptr(), _backend.threads())
-        else:
-            bad = _gpu_kernels(name).quantize(xc, pts, qdata, scales.view(torch.uint8))
-        if bad:
-            raise ValueError(_NONFINITE)
+    name = resolve("nvfp4_quantize", backend, x.device.type)
+    pts = (kernel_of("nvfp4_scale", name)(x) if per_tensor_scale is None
+           else _given_scale(per_tensor_scale, x.device))
+    qdata, scales = kernel_of("nvfp4_quantize", name)(x, pts)
     q = NVFP4Tensor(qdata, scales, pts)
     return q.to_swizzled() if swizzle else q
 
@@ -129,20 +177,7 @@ def dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16, *, out: torc
         raise ValueError(f"out must be a contiguous {dtype} tensor of shape {tuple(q.shape)} on {q.device}; got "
                          f"{out.dtype} {tuple(out.shape)} on {out.device}{'' if out.is_contiguous() else ', strided'}")
     q = q.to_linear()
-    name = _backend.resolve(backend, q.device.type, "nvfp4_dequantize")
-    if name == "reference":
-        values = ref.dequantize(q.qdata, q.scales, q.per_tensor_scale, dtype).to(q.device)
-        return values if out is None else out.copy_(values)
-    if out is None:
-        out = torch.empty(q.shape, dtype=dtype, device=q.device)
-    qdata, scales = q.qdata.contiguous(), q.scales.contiguous().view(torch.uint8)
-    if name == "cpu":
-        _backend.native().nvfp4_dequantize(qdata.data_ptr(), scales.data_ptr(), out.numel() // BLOCK,
-                                           float(q.per_tensor_scale), out.data_ptr(), _CODE[dtype],
-                                           _backend.threads())
-    else:
-        _gpu_kernels(name).dequantize(qdata, scales, q.per_tensor_scale.contiguous(), out)
-    return out
+    return dispatch("nvfp4_dequantize", backend, q.device.type)(q, dtype, out)
 
 
 __all__ = ["dequantize", "per_tensor_scale", "quantize"]

@@ -1,20 +1,24 @@
-"""Reference delta codec (format v1, ``docs/delta-format.md``): the executable spec.
+"""Reference delta codec (formats 1 and 2, ``docs/delta-format.md``): the executable spec.
 
 Works on NumPy views of raw element bits. ``encode`` and ``decode_into`` are what every other backend must
 match: the native and GPU encoders produce the same bytes for the same input, and every decoder accepts
-every encoder's blobs.
+every encoder's blobs. This module holds the header-level codec and the format-1 block payload;
+``delta_v2`` holds format 2's payloads, whose context blocks need the old values (``context``) to decode.
 """
 
 from __future__ import annotations
-
-import struct
 
 import numpy as np
 
 from syncd.errors import DeltaError
 from syncd.ops import _format as fmt
 from syncd.ops.reference import checksum as ck
-from syncd.ops.reference import entropy as ent
+from syncd.ops.reference import context as v2ctx
+from syncd.ops.reference import delta_v2 as v2
+from syncd.ops.reference.block_v1 import decode_block, encode_block
+
+__all__ = ["to_key", "from_key", "changes", "apply_values", "encode_block", "decode_block", "bits_view", "encode",
+           "checksum_of", "pack", "unpack", "check_target", "decode_into"]
 
 
 def to_key(bits: np.ndarray, dtype: fmt.DType) -> np.ndarray:
@@ -62,93 +66,63 @@ def apply_values(old_bits: np.ndarray, v: np.ndarray, dtype: fmt.DType) -> np.nd
     return from_key(key.astype(dtype.np_uint), dtype)
 
 
-def encode_block(pos: np.ndarray, v: np.ndarray) -> bytes:
-    """Payload of one block with changes at block-relative ``pos`` (ascending) and values ``v``."""
-    gaps = np.diff(pos, prepend=-1) - 1
-    symbols: list[int] = []
-    raw = ent.BitWriter()
-    counts = [[0] * fmt.ALPHABET, [0] * fmt.ALPHABET]
-    for g, val in zip(gaps.tolist(), v.tolist()):
-        for m, x in enumerate((g, val)):
-            s, n, extra = ent.bucket(x)
-            symbols.append(s)
-            counts[m][s] += 1
-            if n:
-                raw.write(extra, n)
-    models = [ent.normalize(c) for c in counts]
-    out = bytearray()
-    for m in models:
-        ent.write_table(out, m)
-    raw_bytes = raw.getvalue()
-    out += struct.pack("<I", len(raw_bytes))
-    out += raw_bytes
-    out += ent.rans_encode(symbols, models)
-    return bytes(out)
-
-
-def decode_block(payload: bytes, n_changed: int, span: int, dtype: fmt.DType, what: str):
-    """Inverse of ``encode_block``: block-relative positions and values, fully validated."""
-    r = ent.Reader(payload, what)
-    models = [ent.read_table(r), ent.read_table(r)]
-    (raw_len,) = struct.unpack("<I", r.take(4))
-    bits = ent.BitReader(r.take(raw_len), what)
-    vmax = (1 << dtype.bits) - 2
-    pos = np.empty(n_changed, np.int64)
-    vals = np.empty(n_changed, np.uint64)
-    prev = -1
-    syms = ent.rans_decoder(r, models, 2 * n_changed)
-    for i in range(n_changed):
-        for m in (0, 1):
-            base, n = ent.unbucket_base(next(syms))
-            x = base + bits.read(n) if n else base
-            if m == 0:
-                prev = prev + 1 + x
-                if prev >= span:
-                    raise DeltaError(f"{what}: change position {prev} outside the block of {span} elements")
-                pos[i] = prev
-            else:
-                if x > vmax:
-                    raise DeltaError(f"{what}: value change {x} too wide for {dtype.name}")
-                vals[i] = x
-    for _ in syms:  # runs the generator's end-of-stream checks
-        pass
-    bits.finish()
-    return pos, vals
-
-
 def bits_view(arr: np.ndarray, dtype: fmt.DType) -> np.ndarray:
     return np.ascontiguousarray(arr).reshape(-1).view(np.uint8).view(dtype.np_uint)
 
 
-def encode(old: np.ndarray, new: np.ndarray, dtype: fmt.DType, shape, block_log2: int = fmt.DEFAULT_BLOCK_LOG2) -> bytes:
+def encode(old: np.ndarray, new: np.ndarray, dtype: fmt.DType, shape, block_log2: int = fmt.DEFAULT_BLOCK_LOG2,
+           version: int = fmt.DEFAULT_FORMAT) -> bytes:
     """Blob taking ``old`` to ``new`` (arrays of raw bytes or element bits of equal size)."""
     ob, nb = bits_view(old, dtype), bits_view(new, dtype)
     pos, v = changes(ob, nb, dtype)
-    return pack(dtype, shape, block_log2, pos, v, checksum_of(ob), checksum_of(nb))
+    ctx_of = None
+    if version == 2:
+        ctx_of = lambda b, lo, hi: v2ctx.block_context(ob[lo:hi], dtype)  # noqa: E731
+    return pack(dtype, shape, block_log2, pos, v, checksum_of(ob), checksum_of(nb), version, ctx_of)
 
 
 def checksum_of(bits: np.ndarray) -> int:
     return ck.checksum_bytes(bits.view(np.uint8))
 
 
-def pack(dtype: fmt.DType, shape, block_log2: int, pos: np.ndarray, v: np.ndarray, base_ck: int, new_ck: int) -> bytes:
+def pack(dtype: fmt.DType, shape, block_log2: int, pos: np.ndarray, v: np.ndarray, base_ck: int, new_ck: int,
+         version: int = fmt.DEFAULT_FORMAT, context=None) -> bytes:
     """Blob from global change positions (ascending) and values: the entropy-coding half of ``encode``,
-    shared with the GPU encoders, which find the changes on the device."""
+    shared with the GPU encoders, which find the changes on the device. Format 2 needs ``context(b, lo, hi)``:
+    block ``b``'s ``(e_top, classes)`` (``context.block_context`` of its old elements ``lo:hi``)."""
+    if version not in fmt.FORMAT_VERSIONS:
+        raise DeltaError(f"unknown delta format version {version} (known: {fmt.FORMAT_VERSIONS})")
+    if version == 2 and context is None:
+        raise DeltaError("format 2 needs the old tensor's context to encode")
     numel = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
     n_blocks = (numel + (1 << block_log2) - 1) >> block_log2
     edges = np.searchsorted(pos, np.arange(n_blocks + 1, dtype=np.int64) << block_log2)
     payloads, table = [], []
     for b in range(n_blocks):
         lo, hi = edges[b], edges[b + 1]
-        payload = encode_block(pos[lo:hi] - (b << block_log2), v[lo:hi]) if hi > lo else b""
+        start = b << block_log2
+        rel, vb = pos[lo:hi] - start, v[lo:hi]
+        if hi == lo:
+            payload = b""
+        elif version == 1:
+            payload = encode_block(rel, vb)
+        else:
+            span = min(1 << block_log2, numel - start)
+            if v2.use_context(int(hi - lo), span, dtype):
+                e_top, classes = context(b, start, start + span)
+                payload = v2.encode_block(rel, vb, classes, e_top, dtype)
+            else:  # mode 0: no context needed
+                payload = v2.encode_block(rel, vb, np.zeros(span, np.uint8), 0, dtype)
         payloads.append(payload)
         table.append((len(payload), int(hi - lo), ck.checksum_bytes(payload) if payload else 0))
-    header = fmt.pack_header(dtype, shape, block_log2, table, base_ck, new_ck, ck.checksum_bytes)
+    header = fmt.pack_header(dtype, shape, block_log2, table, base_ck, new_ck, ck.checksum_bytes, version)
     return header + b"".join(payloads)
 
 
-def unpack(blob) -> tuple[fmt.Header, np.ndarray, np.ndarray]:
-    """Parse and fully validate a blob into (header, global positions, values). Does not need the base."""
+def unpack(blob, base_classes=None) -> tuple[fmt.Header, np.ndarray, np.ndarray]:
+    """Parse and fully validate a blob into (header, global positions, values). Format 1 and mode-0 blocks
+    do not need the base; a format-2 context block calls ``base_classes(b, lo, hi, e_top)`` for the classes
+    of the old elements ``lo:hi`` of block ``b`` (``DeltaError`` when it is None)."""
     h = fmt.parse_header(blob, ck.checksum_bytes)
     data = bytes(blob)
     off = h.header_bytes
@@ -162,7 +136,14 @@ def unpack(blob) -> tuple[fmt.Header, np.ndarray, np.ndarray]:
         if ck.checksum_bytes(payload) != pck:
             raise DeltaError(f"{what}: payload checksum mismatch (corrupt or altered blob)")
         start, span = h.block_span(b)
-        pos, v = decode_block(payload, nchg, span, h.dtype, what)
+        if h.version == 1:
+            pos, v = decode_block(payload, nchg, span, h.dtype, what)
+        else:
+            def classes_for(e_top, b=b, start=start, span=span, what=what):
+                if base_classes is None:
+                    raise DeltaError(f"{what} is context-coded (format 2): decoding it needs the base tensor")
+                return base_classes(b, start, start + span, e_top)
+            pos, v = v2.decode_block(payload, nchg, classes_for, span, h.dtype, what)
         all_pos.append(pos + start)
         all_v.append(v)
     pos = np.concatenate(all_pos) if all_pos else np.empty(0, np.int64)
@@ -180,14 +161,15 @@ def check_target(h: fmt.Header, dtype: fmt.DType, shape) -> None:
 def decode_into(target: np.ndarray, blob, dtype: fmt.DType, shape, verify_base: bool = True) -> None:
     """Apply ``blob`` to ``target`` (raw bytes, modified in place). Everything is checked first; on any
     error ``target`` is unchanged and ``DeltaError`` says what is wrong."""
-    h, pos, v = unpack(blob)
+    h = fmt.parse_header(blob, ck.checksum_bytes)
     check_target(h, dtype, shape)
     tb = bits_view(target, dtype)
-    if verify_base:
+    if verify_base:  # first: with a wrong base, format 2's context blocks would fail to decode
         have = checksum_of(tb)
         if have != h.base_checksum:
             raise DeltaError(
                 f"wrong base: blob expects base checksum {h.base_checksum:#018x}, target has {have:#018x}")
+    h, pos, v = unpack(blob, lambda b, lo, hi, e_top: v2ctx.classes_of(tb[lo:hi], dtype, e_top))
     result = tb.copy()
     result[pos] = apply_values(tb[pos], v, dtype)
     if verify_base and checksum_of(result) != h.new_checksum:

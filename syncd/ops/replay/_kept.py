@@ -9,8 +9,8 @@ import math
 
 import torch
 
-from syncd.errors import BackendUnavailable
 from syncd.ops import _backend
+from syncd.ops._dispatch import kernel_of, register, resolve
 from syncd.ops.reference import replay as ref
 
 __all__ = ["kept_logprobs", "check_kept", "check_csr", "kept_backend"]
@@ -19,17 +19,15 @@ _CODE = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 _INT = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
+def _native_kept() -> str | None:
+    if not hasattr(_backend.native(), "kept_forward"):
+        return "the native module syncd._native predates kept_logprobs; rebuild it (bash scripts/setup.sh)"
+    return None
+
+
 def kept_backend(backend: str, device_type: str) -> str:
     """The concrete backend of ``kept_logprobs`` for ``backend`` on ``device_type`` (BackendUnavailable)."""
-    name = _backend.resolve(backend, device_type, "kept_logprobs")
-    if name == "cpu" and not hasattr(_backend.native(), "kept_forward"):
-        if backend == "cpu":
-            raise BackendUnavailable("the native module syncd._native predates kept_logprobs; rebuild it "
-                                     "(bash scripts/setup.sh)")
-        return "reference"
-    if name == "cuda":
-        raise BackendUnavailable("kept_logprobs has no CUDA C++ kernel; its GPU backend is triton")
-    return name
+    return resolve("kept_logprobs", backend, device_type)
 
 
 def _ints(x, what: str, device) -> torch.Tensor:
@@ -89,29 +87,58 @@ def _triton():
     return importlib.import_module("syncd.ops.triton_kernels.replay")
 
 
+# ---------------------------------------------------------------------------------------------- kernels
+# kept_logprobs: forward ``(logprob, lse, zk, bad row or -1)`` and backward (dense gradient) by backend.
+
+
+def _first_missing(found: torch.Tensor) -> int:
+    return int(torch.nonzero(found == 0)[0]) if bool((found == 0).any()) else -1
+
+
+def _forward_reference(logits, ids, offsets, targets, temperature):
+    with torch.no_grad():
+        out, lse, zk = ref.kept_logprobs(logits, ids, offsets, targets, temperature)
+        rows = ref.kept_rows(offsets)
+        found = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device).index_add_(
+            0, rows, (ids == targets[rows]).to(torch.int64))
+    return out, lse, zk, _first_missing(found)
+
+
+def _forward_cpu(logits, ids, offsets, targets, temperature):
+    T = logits.shape[0]
+    out = torch.empty(T, dtype=torch.float32)
+    lse = torch.empty(T, dtype=torch.float32)
+    zk = torch.empty(ids.numel(), dtype=torch.float32)
+    bad = _backend.native().kept_forward(logits.data_ptr(), _CODE[logits.dtype], T, logits.stride(0),
+                                         ids.data_ptr(), offsets.data_ptr(), targets.data_ptr(),
+                                         float(temperature), out.data_ptr(), lse.data_ptr(), zk.data_ptr(),
+                                         _backend.threads())
+    return out, lse, zk, bad
+
+
+def _forward_triton(logits, ids, offsets, targets, temperature):
+    out, lse, zk, found = _triton().kept_forward(logits, ids, offsets, targets, temperature)
+    return out, lse, zk, _first_missing(found)
+
+
+def _backward_cpu(grad, zk, ids, offsets, targets, lse, temperature, shape, dtype):
+    out = torch.empty(tuple(shape), dtype=dtype)
+    _backend.native().kept_backward(grad.data_ptr(), zk.data_ptr(), shape[0], shape[1], ids.data_ptr(),
+                                    offsets.data_ptr(), targets.data_ptr(), lse.data_ptr(), float(temperature),
+                                    out.data_ptr(), _CODE[dtype], _backend.threads())
+    return out
+
+
+register("kept_logprobs", "reference", (_forward_reference, ref.kept_logprobs_backward))
+register("kept_logprobs", "cpu", (_forward_cpu, _backward_cpu), requires=_native_kept)
+register("kept_logprobs", "triton", (_forward_triton, lambda *a: _triton().kept_backward(*a)))
+
+
 def _forward(name: str, logits, ids, offsets, targets, temperature):
     """``(logprob, lse, zk)``; raises ValueError for a target outside its kept set."""
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    if name == "reference":
-        with torch.no_grad():
-            out, lse, zk = ref.kept_logprobs(logits, ids, offsets, targets, temperature)
-            rows = ref.kept_rows(offsets)
-            found = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device).index_add_(
-                0, rows, (ids == targets[rows]).to(torch.int64))
-        bad = int(torch.nonzero(found == 0)[0]) if bool((found == 0).any()) else -1
-    elif name == "cpu":
-        T = logits.shape[0]
-        out = torch.empty(T, dtype=torch.float32)
-        lse = torch.empty(T, dtype=torch.float32)
-        zk = torch.empty(ids.numel(), dtype=torch.float32)
-        bad = _backend.native().kept_forward(logits.data_ptr(), _CODE[logits.dtype], T, logits.stride(0),
-                                             ids.data_ptr(), offsets.data_ptr(), targets.data_ptr(),
-                                             float(temperature), out.data_ptr(), lse.data_ptr(), zk.data_ptr(),
-                                             _backend.threads())
-    else:
-        out, lse, zk, found = _triton().kept_forward(logits, ids, offsets, targets, temperature)
-        bad = int(torch.nonzero(found == 0)[0]) if bool((found == 0).any()) else -1
+    out, lse, zk, bad = kernel_of("kept_logprobs", name)[0](logits, ids, offsets, targets, temperature)
     if bad >= 0:
         raise ValueError(f"kept_logprobs: the target {int(targets[bad])} of row {bad} is not in its kept set")
     return out, lse, zk
@@ -128,15 +155,7 @@ def _sparse_backward(grad, zk, ids, offsets, targets, lse, temperature, shape, d
 
 def _backward(name: str, grad, zk, ids, offsets, targets, lse, temperature, shape, dtype):
     grad = grad.detach().float().contiguous()
-    if name == "reference":
-        return ref.kept_logprobs_backward(grad, zk, ids, offsets, targets, lse, temperature, shape, dtype)
-    if name == "cpu":
-        out = torch.empty(tuple(shape), dtype=dtype)
-        _backend.native().kept_backward(grad.data_ptr(), zk.data_ptr(), shape[0], shape[1], ids.data_ptr(),
-                                        offsets.data_ptr(), targets.data_ptr(), lse.data_ptr(), float(temperature),
-                                        out.data_ptr(), _CODE[dtype], _backend.threads())
-        return out
-    return _triton().kept_backward(grad, zk, ids, offsets, targets, lse, temperature, shape, dtype)
+    return kernel_of("kept_logprobs", name)[1](grad, zk, ids, offsets, targets, lse, temperature, shape, dtype)
 
 
 class _KeptLogprobs(torch.autograd.Function):

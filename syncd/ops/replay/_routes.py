@@ -8,8 +8,8 @@ import importlib
 
 import torch
 
-from syncd.errors import BackendUnavailable
 from syncd.ops import _backend
+from syncd.ops._dispatch import dispatch, kernel_of, register, resolve
 from syncd.ops.reference import replay as ref
 
 __all__ = ["NO_ROUTE", "route_dtype", "routes_backend", "pack_routes", "unpack_routes", "gather_routed",
@@ -30,13 +30,7 @@ def route_dtype(num_experts: int) -> torch.dtype:
 
 def routes_backend(backend: str, device_type: str) -> str:
     """The concrete backend of the route ops (``reference`` or ``triton``); BackendUnavailable with the reason."""
-    if backend in ("cpu", "cuda"):
-        _backend.check(backend, device_type)  # the device's own reason first
-        raise BackendUnavailable(f"the route ops have no {backend} kernel (reference: vectorised PyTorch; "
-                                 "triton on GPUs); use backend='auto', 'reference' or 'triton'")
-    if backend == "auto" and device_type == "cpu":
-        return "reference"
-    return _backend.resolve(backend, device_type, "routes")
+    return resolve("gather_routed", backend, device_type)
 
 
 def _triton():
@@ -50,6 +44,28 @@ def _check_experts(num_experts) -> int:
     return num_experts
 
 
+# ---------------------------------------------------------------------------------------------- kernels
+# reference: vectorised PyTorch (what ``auto`` picks on the CPU; there is no native route kernel); triton on GPUs
+
+
+register("pack_routes", "reference", lambda ids, E: ref.pack_routes(ids, E))
+register("pack_routes", "triton", lambda ids, E: _triton().pack_routes(ids.to(torch.int64).contiguous(),
+                                                                    ref.bits_per_id(E)))
+
+
+def _unpack_triton(packed, count, E):
+    vals = _triton().unpack_routes(packed, count, ref.bits_per_id(E))
+    tail = count * ref.bits_per_id(E)
+    return vals, tail % 8 == 0 or not int(packed[-1]) >> (tail % 8)
+
+
+register("unpack_routes", "reference", lambda packed, count, E: ref.unpack_routes(packed, count, E))
+register("unpack_routes", "triton", _unpack_triton)
+register("gather_routed", "reference", (ref.gather_routed, ref.gather_routed_backward))
+register("gather_routed", "triton", (lambda probs, routes: _triton().gather_routed(probs, routes),
+                                     lambda grad, routes, E: _triton().gather_routed_backward(grad, routes, E)))
+
+
 def pack_routes(ids: torch.Tensor, num_experts: int, *, backend: str = "auto") -> torch.Tensor:
     """uint8 ``[ceil(n * b / 8)]``: the ``n`` expert ids of ``ids`` (any shape, row-major) as ``b =
     max(1, ceil(log2 num_experts))``-bit fields, LSB first, padding bits 0 (``docs/replay-format.md``).
@@ -59,10 +75,7 @@ def pack_routes(ids: torch.Tensor, num_experts: int, *, backend: str = "auto") -
         raise ValueError("pack_routes takes an integer tensor of expert ids")
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= E):
         raise ValueError(f"pack_routes: expert ids outside 0..{E - 1}")
-    name = routes_backend(backend, ids.device.type)
-    if name == "reference":
-        return ref.pack_routes(ids, E)
-    return _triton().pack_routes(ids.to(torch.int64).contiguous(), ref.bits_per_id(E))
+    return dispatch("pack_routes", backend, ids.device.type)(ids, E)
 
 
 def unpack_routes(packed: torch.Tensor, count: int, num_experts: int, *, backend: str = "auto") -> torch.Tensor:
@@ -75,14 +88,8 @@ def unpack_routes(packed: torch.Tensor, count: int, num_experts: int, *, backend
     if count < 0 or packed.numel() != (count * b + 7) // 8:
         raise ValueError(f"unpack_routes: {count} ids of {b} bits take {(count * b + 7) // 8} bytes, got "
                          f"{packed.numel()}")
-    name = routes_backend(backend, packed.device.type)
-    packed = packed.reshape(-1).contiguous()
-    if name == "reference":
-        vals, clean = ref.unpack_routes(packed, count, E)
-    else:
-        vals = _triton().unpack_routes(packed, count, b)
-        tail = count * b
-        clean = tail % 8 == 0 or not int(packed[-1]) >> (tail % 8)
+    unpack = dispatch("unpack_routes", backend, packed.device.type)
+    vals, clean = unpack(packed.reshape(-1).contiguous(), count, E)
     if not clean:
         raise ValueError("unpack_routes: padding bits after the last id are not zero")
     if vals.numel() and int(vals.max()) >= E:
@@ -95,18 +102,13 @@ class _GatherRouted(torch.autograd.Function):
     def forward(ctx, probs, routes, name):
         ctx.save_for_backward(routes)
         ctx.meta = (name, probs.shape[1])
-        if name == "reference":
-            return ref.gather_routed(probs.detach(), routes)
-        return _triton().gather_routed(probs.detach().contiguous(), routes)
+        return kernel_of("gather_routed", name)[0](probs.detach().contiguous(), routes)
 
     @staticmethod
     def backward(ctx, grad):
         (routes,) = ctx.saved_tensors
         name, E = ctx.meta
-        grad = grad.contiguous()
-        if name == "reference":
-            return ref.gather_routed_backward(grad, routes, E), None, None
-        return _triton().gather_routed_backward(grad, routes, E), None, None
+        return kernel_of("gather_routed", name)[1](grad.contiguous(), routes, E), None, None
 
 
 def gather_routed(probs: torch.Tensor, routes: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:

@@ -9,7 +9,7 @@ import os
 import pytest
 
 import engine
-from syncd import cli
+from syncd.app import cli, commands
 from syncd.daemon import DaemonConfig, NodeDaemon
 from tests.daemon.conftest import KEY, RUN
 
@@ -62,7 +62,7 @@ def test_status_reports_the_node(tmp_path, published, capsys, monkeypatch):
         out = io.StringIO()
         args = cli._resolve(cli.build_parser().parse_args(["status", "--run-id", RUN, "--cache-dir",
                                                            str(tmp_path / "cache")]))
-        seen["running"] = (cli._status(args, out), out.getvalue())
+        seen["running"] = (commands.status(args, out), out.getvalue())
         d.request_stop()
         await task
 

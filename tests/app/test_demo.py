@@ -1,5 +1,5 @@
 """`syncd demo --weights-only` end to end with small settings: real trainer, daemon and engine processes and a
-client (the RL demo, plain `syncd demo`, is tests/trainer/test_rl_demo.py)."""
+client (the RL demo, plain `syncd demo`, is tests/app/test_rl_demo.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_demo_runs_and_loses_no_request(tmp_path):
     out = tmp_path / "demo.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    p = subprocess.run([sys.executable, "-m", "syncd.cli", "demo", "--weights-only", "--versions", "6",
+    p = subprocess.run([sys.executable, "-m", "syncd.app.cli", "demo", "--weights-only", "--versions", "6",
                         "--every-k", "1", "--full-every", "4", "--interval", "0.5", "--clients", "2",
                         "--json", str(out), "--dir", str(tmp_path / "work")],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -22,7 +22,7 @@ STEPS = 20
 def test_syncd_demo_runs_the_rl_loop(tmp_path):
     out, png = tmp_path / "demo.json", tmp_path / "demo.png"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    p = subprocess.run([sys.executable, "-m", "syncd.cli", "demo", "--steps", str(STEPS), "--json", str(out),
+    p = subprocess.run([sys.executable, "-m", "syncd.app.cli", "demo", "--steps", str(STEPS), "--json", str(out),
                         "--plot", str(png), "--dir", str(tmp_path / "work")], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

@@ -1,12 +1,13 @@
-"""The native all-or-nothing scatter behind ``WeightUpdater.apply``/``rollback`` on CPU parameters
-(``syncd._native.scatter_runs_ptr``), checked against NumPy fancy indexing."""
+"""``syncd.ops.scatter_words_``, the all-or-nothing scatter behind ``WeightUpdater.apply``/``rollback`` on CPU
+parameters: its ``cpu`` and ``reference`` backends against each other, and the native kernel under the ``cpu``
+backend (``syncd._native.scatter_runs_ptr``) against NumPy fancy indexing."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from syncd.ops import _backend
+from syncd.ops import _backend, scatter_words_
 
 native = _backend.native()
 
@@ -84,3 +85,53 @@ def test_bad_word_width_or_stride_is_refused():
     with pytest.raises(ValueError, match="stride"):
         native.scatter_runs_ptr([run], True, 1)
     assert not t.any()
+
+
+def _case(rng, n_items: int, dtype, *, bad_item=None, bad_words=0, outside=None):
+    items, want = [], []
+    for i in range(n_items):
+        t = rng.integers(0, 1000, 20_000).astype(dtype)
+        idx = np.sort(rng.choice(t.size, 2_500, replace=False)).astype(np.int64)
+        old, new = t[idx].copy(), (t[idx] + 7).astype(dtype)
+        if i == bad_item:
+            old[rng.choice(idx.size, bad_words, replace=False)] += 1
+        if i == outside:
+            idx[-1] = t.size
+        w = t.copy()
+        w[idx[idx < t.size]] = new[idx < t.size]
+        items.append((t, idx, old, new))
+        want.append(w)
+    return items, want
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.int16, np.int32, np.int64])
+def test_the_public_op_writes_the_same_words_on_every_backend(dtype):
+    for backend in ("cpu", "reference"):
+        items, want = _case(np.random.default_rng(2), 3, dtype)
+        assert scatter_words_(items, backend=backend) is None
+        assert all(np.array_equal(t, w) for (t, *_), w in zip(items, want))
+        undo = [(t, i, n, o) for t, i, o, n in items]
+        assert scatter_words_(undo, verify=True, backend=backend) is None  # back to the old words
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("fault", ["mismatch", "outside"])
+def test_the_public_op_writes_nothing_when_any_item_fails(backend, fault):
+    kw = {"bad_item": 1, "bad_words": 3} if fault == "mismatch" else {"outside": 2}
+    items, _ = _case(np.random.default_rng(3), 3, np.int16, **kw)
+    before = [t.copy() for t, *_ in items]
+    failed = scatter_words_(items, backend=backend)
+    item, count = failed
+    assert item == (1 if fault == "mismatch" else 2)
+    assert (count >= 1) if fault == "mismatch" else (count == -1)
+    assert all(np.array_equal(t, b) for (t, *_), b in zip(items, before))
+    if fault == "mismatch":  # without verify the same words are written regardless
+        assert scatter_words_(items, verify=False, backend=backend) is None
+
+
+def test_the_public_op_refuses_mismatched_arrays():
+    t = np.zeros(10, dtype=np.int16)
+    with pytest.raises(ValueError, match="word width"):
+        scatter_words_([(t, np.zeros(1, np.int64), np.zeros(1, np.int32), np.zeros(1, np.int16))])
+    with pytest.raises(ValueError, match="int64"):
+        scatter_words_([(t, np.zeros(1, np.int32), np.zeros(1, np.int16), np.zeros(1, np.int16))])

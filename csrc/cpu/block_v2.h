@@ -1,0 +1,133 @@
+// Format 2 block payloads (spec: syncd/ops/reference/delta_v2.py, context.py): mode 0 is the format-1
+// payload behind a mode byte; mode 1 codes every element's "changed" decision with the probability of its
+// context class (from the old value's exponent) and each change's value by its bit length, in binary rANS
+// group streams. Torch-free. Thread-safe: each object is used by one thread at a time; buffers keep their
+// capacity between blocks.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "binary_rans.h"
+#include "block_coder.h"
+#include "delta_format.h"
+#include "v2_kernels.h"
+
+namespace syncd {
+
+constexpr int kClasses = 16;
+constexpr uint8_t kModeOrder0 = 0, kModeContext = 1;
+constexpr uint64_t kSamplePeriod = 1 << 14, kSampleRun = 1 << 10;
+constexpr uint64_t kContextMinChanges = 256, kContextMinSpan = 4096, kContextMinChangesPerGroup = 128;
+constexpr uint64_t kElementsPerGroup = 1 << 16, kChangesPerGroup = 2048;
+constexpr int kEncoderMaxGroups = 4;
+
+// The position groups an encoder gives a block of `span` elements (one per kElementsPerGroup, 1..4).
+inline int position_groups(uint64_t span) {
+  return int(std::min<uint64_t>(kEncoderMaxGroups, std::max<uint64_t>(1, span / kElementsPerGroup)));
+}
+
+// Whether encoders write a block of n changes in `span` elements in mode 1: float dtypes of 16 bits or more,
+// enough changes in all and per position group (see delta_v2.use_context in the reference).
+inline bool use_context(uint64_t n, uint64_t span, const DTypeInfo& dt) {
+  return dt.exp_bits > 0 && dt.bits >= 16 && span >= kContextMinSpan &&
+         n >= std::max<uint64_t>(kContextMinChanges, kContextMinChangesPerGroup * uint64_t(position_groups(span)));
+}
+
+// Where the classes of a block's old elements come from: the old elements themselves (`old`, the block's
+// first element), or classes computed elsewhere (a GPU), two per byte (`nibbles`, element 2i in the low
+// nibble of byte i; `first` is the block's first element index in that array).
+struct ClassSource {
+  const uint8_t* old = nullptr;
+  const uint8_t* nibbles = nullptr;
+  uint64_t first = 0;
+  uint64_t first_word = 0;  // with `old`: the checksum index of the block's first word
+};
+
+// The encoder's e_top of a block of `span` elements whose old elements start at `old`.
+int choose_e_top(const uint8_t* old, uint64_t span, const DTypeInfo& dt);
+
+// One block's changes as format 2 codes them: a bitmap (one u16 per 16 elements), and per change (in
+// position order) its class and value v (v16 for 16-bit dtypes, else v64).
+struct BlockChanges {
+  uint64_t span = 0, n = 0;
+  bool wide = false;  // values in v64
+  bool has_old_sum = false;  // the decoder summed the checksum terms of the old words (old_sum)
+  uint64_t old_sum = 0;
+  PodBuffer<uint16_t> bitmap;
+  PodBuffer<uint8_t> cls;
+  PodBuffer<uint16_t> v16;
+  PodBuffer<uint64_t> v64;
+  void reset(uint64_t span_, bool wide_, uint64_t n_max);
+  uint64_t value(uint64_t i) const { return wide ? v64.data()[i] : v16.data()[i]; }
+  // Block-relative positions and values (for mode 0 and for unpack).
+  void list(uint32_t* pos, uint64_t* v) const;
+};
+
+// Accumulates one block's changes and writes its format-2 payload.
+class V2BlockEncoder {
+ public:
+  // CPU, 16-bit dtypes: scans old/new of a block (classes from the old words; SIMD) and keeps its changes.
+  // Sets the checksum terms of the old words (*sum_old) and their change to the new ones (*adj).
+  void scan16(const uint16_t* old, const uint16_t* nw, uint64_t span, uint64_t first_word, const DTypeInfo& dt,
+              uint64_t* sum_old, uint64_t* adj);
+  // Any dtype: changes added as block-relative positions (ascending) and values; classes come at finish().
+  void reset(uint64_t span, const DTypeInfo& dt);
+  void add(const uint32_t* pos, const uint64_t* v, size_t n);
+  uint64_t count() const { return n_; }
+  // Appends the payload (count() >= 1) to `out`. Mode 1 takes the classes from `cs` and e_top from the old
+  // elements (cs.old, chosen here) or from `e_top`.
+  void finish(std::vector<uint8_t>& out, const DTypeInfo& dt, const ClassSource& cs, int e_top);
+
+ private:
+  void finish_context(std::vector<uint8_t>& out, const DTypeInfo& dt, const ClassSource& cs);
+  BlockChanges ch_;
+  PodBuffer<uint32_t> pos_;
+  PodBuffer<uint64_t> v_;
+  PodBuffer<uint8_t> all_cls_, words_, signs_;
+  uint64_t n_ = 0, span_ = 0;
+  bool scanned_ = false;  // scan16 filled ch_ (else pos_/v_ hold the changes)
+  int e_top_ = 0;
+};
+
+V2BlockEncoder& thread_v2_encoder();
+
+// Decodes one format-2 payload (mode 0 or 1), validating everything (DeltaError names the block).
+class V2BlockDecoder {
+ public:
+  // Parses the payload's parameters; decode() then needs the classes of the old elements.
+  void parse(const uint8_t* payload, size_t len, uint32_t n, uint64_t span, const DTypeInfo& dt, size_t block);
+  bool context() const { return mode_ == kModeContext; }
+  // Decodes into `out` (for mode 0, cs is not used). Reads the old elements only.
+  void decode(const ClassSource& cs, BlockChanges& out);
+
+ private:
+  void decode_values(BlockChanges& out);
+  std::string what_;
+  const uint8_t* payload_ = nullptr;
+  size_t len_ = 0;
+  uint32_t n_ = 0;
+  uint64_t span_ = 0;
+  DTypeInfo dt_{};
+  size_t block_ = 0;
+  uint8_t mode_ = 0;
+  int e_top_ = 0, gp_ = 0, gv_ = 0;
+  uint32_t p1_[kClasses] = {};
+  ValueTrees trees_{};
+  const uint8_t* streams_[2 * kMaxGroups] = {};
+  size_t stream_len_[2 * kMaxGroups] = {};
+  const uint8_t* mant_ = nullptr;
+  size_t mant_len_ = 0;
+  const uint8_t* signs_ = nullptr;
+};
+
+// Applies (forward) or undoes a block's decoded changes at `target` (the block's first element) in place;
+// returns the checksum change of the words written (words indexed from first_word). `dense` lets it sum
+// every new word (when ch.has_old_sum) instead of two terms per changed word.
+uint64_t apply_changes(uint8_t* target, const BlockChanges& ch, const DTypeInfo& dt, uint64_t first_word,
+                       bool forward, bool dense = false);
+
+}  // namespace syncd

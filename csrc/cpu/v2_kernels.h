@@ -1,0 +1,117 @@
+// The hot loops of format 2's context blocks for 16-bit dtypes (bf16, fp16, int16), whose classes come from
+// the old words: the encoder's scan, the position rows (one yes/no decision per element, with its class's
+// probability) encoded backwards and decoded forwards, and the in-place apply. Each has a portable scalar
+// version (v2_kernels.cpp), an AVX2 one (v2_kernels_avx2.cpp) and an AVX-512 one (v2_kernels_avx512.cpp),
+// chosen at run time; every version writes and reads the same bytes (the tests run all three).
+//
+// A block's change bitmap holds one u16 per vector of 16 elements (bit l: element 16t + l changed), with
+// room for one more u16 of slack; per-change arrays are in position order.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include <vector>
+
+#include "binary_rans.h"
+
+namespace syncd {
+
+enum class Simd : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+
+// What this CPU can run, capped by SYNCD_SIMD=scalar|avx2|avx512 (read once).
+Simd simd_level();
+const char* simd_name(Simd s);
+
+// How the 16-bit position kernels find a class: clamp(e_top - ((w >> shift) & emask), 0, 15) of old word w.
+struct Classes16 {
+  const uint16_t* old;  // the block's old elements
+  uint64_t span;        // elements in the block
+  int shift;
+  uint32_t emask;       // 0 for integer dtypes (every class 0)
+  int e_top;
+  const uint32_t* p1;   // the 16 classes' probabilities; 0: the class is not coded
+  // the position kernels only: the classes computed elsewhere (a GPU), two per byte, element 0 in the low
+  // nibble of byte 0; then `old` is not read (and decode_positions16 leaves *old_sum alone)
+  const uint8_t* nibbles = nullptr;
+};
+
+// Decodes the position rows of a block (vector t with group t % gp): writes the bitmap and each change's
+// class (cls_ch needs n_max + 64 bytes); returns the changes found. Also sets *old_sum to the checksum terms
+// of the block's old words (indexed from first_word; a partial last word is zero-padded). Throws DeltaError
+// (naming `what`) when a stream is short or there are more than n_max changes.
+size_t decode_positions16(const Classes16& c, BinGroupDecoder* dec, int gp, uint16_t* bitmap, uint8_t* cls_ch,
+                          size_t n_max, const std::string& what, uint64_t first_word, uint64_t* old_sum, Simd s);
+
+// The encoder's statistics sample of a block (elements i with i % 16384 < 1024): the largest exponent field
+// that is not all ones (-1 if none), and the class counts (with c.e_top).
+int sample_max_exponent16(const Classes16& c, Simd s);
+void sample_class_counts16(const Classes16& c, uint64_t counts[16], Simd s);
+
+// Encodes the position rows of a block backwards into enc[0..gp) from its bitmap.
+void encode_positions16(const Classes16& c, const uint16_t* bitmap, BinGroupEncoder* enc, int gp, Simd s);
+
+// The encoder's scan of a 16-bit block: the bitmap, each change's value v (zigzag of the key delta, minus one)
+// and class (v16, cls_ch: room for span + 64 entries), and the checksum terms of the old words (*sum_old) and
+// their change to the new ones (*adj); words are indexed from first_word, the block's last word may be
+// partial (zero-padded). Returns the number of changes.
+uint64_t scan16(const Classes16& c, const uint16_t* nw, uint64_t first_word, bool is_float, uint16_t* bitmap,
+                uint16_t* v16, uint8_t* cls_ch, uint64_t* sum_old, uint64_t* adj, Simd s);
+
+// Applies (forward) or undoes the changes of a 16-bit block in place: target[16t + l] for each bitmap bit,
+// values v16 in order. Returns the checksum change of the words it wrote (new minus old terms). With
+// old_sum (the terms of every old word, as decode_positions16 gives them) it sums the terms of every new word
+// instead of two terms per changed word: cheaper when most words change.
+uint64_t apply16(uint16_t* target, uint64_t span, uint64_t first_word, const uint16_t* bitmap, const uint16_t* v16,
+                 bool is_float, bool forward, const uint64_t* old_sum, Simd s);
+
+// ---- values: every change's v = 2m + low; the changes J of classes with a value tree code the bit length nb
+// of m by its binary digits, most significant first (row r of 16 consecutive J entries: digit r of each lane
+// whose tree has more than r levels; group g of each step of 16 * gv), each with its tree node's probability,
+// and the bits below m's leading one raw (`mant`, in position order); the low bits are the sign bytes.
+
+// The value trees of a context block as the kernels read them.
+struct ValueTrees {
+  int depth[16];           // levels of each class's tree (0: its changes all have nb = 0)
+  uint32_t node[16][128];  // node probabilities, heap order from node 1; the leaves' entries are unused
+};
+
+// Per class its number of changes, and how many of them have each bit length of m (hist[c][nb]).
+template <class V>
+void value_stats(const uint8_t* cls, const V* v, size_t n, uint64_t changed[16], uint64_t hist[16][65], Simd s);
+
+// Encodes the value rows of the n changes backwards into venc[0..gv), and writes their mantissa bits
+// (appended to `mant`) and sign bytes (ceil(n / 8) at `signs`).
+template <class V>
+void encode_values(const uint8_t* cls, const V* v, size_t n, const ValueTrees& lv, BinGroupEncoder* venc, int gv,
+                   std::vector<uint8_t>& mant, uint8_t* signs, Simd s);
+
+// Decodes the values of n changes (classes cls) into v, validating everything: gv against the changes with
+// a value tree, the values against vmax, the mantissa bits (mant_len bytes at mant) used exactly. The
+// caller checks the value groups' final states. Throws DeltaError naming `what`.
+template <class V>
+void decode_values(const uint8_t* cls, size_t n, const uint8_t* signs, const ValueTrees& lv, BinGroupDecoder* vdec,
+                   int gv, const uint8_t* mant, size_t mant_len, uint64_t vmax, V* v, const std::string& what, Simd s);
+
+// Throws unless there are value groups exactly when some change has a value tree.
+void check_value_groups(int gv, size_t nj, const std::string& what);
+
+// The versions behind the dispatch (tests reach them through SYNCD_SIMD).
+namespace scalar16 {
+int sample_max_exponent(const Classes16& c, uint64_t from);
+void sample_class_counts(const Classes16& c, uint64_t counts[16], uint64_t from);
+// Checksum terms of the words of a 16-bit block from element `from` (a multiple of 4) to its end.
+uint64_t checksum(const uint16_t* p, uint64_t span, uint64_t first_word, uint64_t from);
+size_t decode_positions(const Classes16& c, BinGroupDecoder* dec, int gp, uint16_t* bitmap, uint8_t* cls_ch,
+                        size_t n_max, const std::string& what);
+void encode_positions(const Classes16& c, const uint16_t* bitmap, BinGroupEncoder* enc, int gp);
+// from: the first element (a multiple of 16) to scan; k: the changes found before it; returns the total.
+uint64_t scan(const Classes16& c, const uint16_t* nw, uint64_t first_word, bool is_float, uint16_t* bitmap,
+              uint16_t* v16, uint8_t* cls_ch, uint64_t* sum_old, uint64_t* adj, uint64_t from, uint64_t k);
+// from: the first element (a multiple of 16); v16 + k holds its first change's value.
+uint64_t apply(uint16_t* target, uint64_t span, uint64_t first_word, const uint16_t* bitmap, const uint16_t* v16,
+               bool is_float, bool forward, uint64_t from, uint64_t k);
+}  // namespace scalar16
+
+}  // namespace syncd

@@ -1,0 +1,506 @@
+// AVX2 versions of the 16-bit format-2 kernels (v2_kernels.h): each 16-lane row is two 8-lane halves, lanes
+// 0..7 first (the order their renormalisation words are read in); expand and compress are permutes from
+// lookup tables. Bit for bit the scalar kernels' results; the value rows and the sample statistics use the
+// scalar code. Called only when simd_level() says the CPU has AVX2.
+#include "v2_kernels.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "checksum.h"
+#include "codec_core.h"
+#include "entropy.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+
+#define SYNCD_256 __attribute__((target("avx2,bmi,bmi2,popcnt")))
+#define SYNCD_INLINE __attribute__((always_inline)) inline
+
+namespace syncd {
+namespace avx2_16 {
+
+namespace {
+
+// expand[m][l]: for lane l of mask m, the index of its word among the m-lanes (lanes outside m: 0);
+// top[m][l]: the lane whose word goes to slot l when the m-lanes are packed into the top popcount(m) slots.
+struct Tables {
+  alignas(32) int32_t expand[256][8];
+  alignas(32) int32_t top[256][8];
+  Tables() {
+    for (int m = 0; m < 256; ++m) {
+      int k = 0;
+      for (int l = 0; l < 8; ++l) expand[m][l] = (m >> l & 1) ? k++ : 0;
+      const int cnt = __builtin_popcount(unsigned(m));
+      for (int l = 0; l < 8; ++l) top[m][l] = 0;
+      k = 8 - cnt;
+      for (int l = 0; l < 8; ++l)
+        if (m >> l & 1) top[m][k++] = l;
+    }
+  }
+};
+const Tables kTab;
+
+[[noreturn]] __attribute__((noinline, cold)) void fail(const std::string& what, const char* msg) {
+  throw DeltaError(what + msg);
+}
+
+// The classes (16-bit lanes) and probabilities (two 8-lane halves) of the 16 elements at `old`.
+struct Row16 {
+  __m256i cls, p_lo, p_hi;
+};
+
+struct Consts {
+  __m256i emask, etop, fifteen, zero, tlo, thi, hibit;
+  __m128i shift;
+  SYNCD_256 explicit Consts(const Classes16& c)
+      : emask(_mm256_set1_epi16(int16_t(c.emask))),
+        etop(_mm256_set1_epi16(int16_t(c.e_top))),
+        fifteen(_mm256_set1_epi16(15)),
+        zero(_mm256_setzero_si256()),
+        hibit(_mm256_set1_epi16(int16_t(0x8000))),
+        shift(_mm_cvtsi32_si128(c.shift)) {
+    alignas(16) uint8_t lo[16], hi[16];
+    for (int l = 0; l < 16; ++l) {
+      lo[l] = uint8_t(c.p1 ? c.p1[l] : 0);
+      hi[l] = uint8_t(c.p1 ? c.p1[l] >> 8 : 0);
+    }
+    tlo = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(lo)));
+    thi = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(hi)));
+  }
+  SYNCD_256 SYNCD_INLINE __m256i classes(__m256i w) const {
+    const __m256i e = _mm256_and_si256(_mm256_srl_epi16(w, shift), emask);
+    return _mm256_min_epi16(_mm256_max_epi16(_mm256_sub_epi16(etop, e), zero), fifteen);
+  }
+  SYNCD_256 SYNCD_INLINE Row16 row(const uint16_t* old) const {
+    const __m256i cls = classes(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(old)));
+    const __m256i idx = _mm256_or_si256(cls, hibit);  // the high byte of each index zeroes its byte
+    const __m256i p = _mm256_or_si256(_mm256_shuffle_epi8(tlo, idx), _mm256_slli_epi16(_mm256_shuffle_epi8(thi, idx), 8));
+    return {cls, _mm256_cvtepu16_epi32(_mm256_castsi256_si128(p)), _mm256_cvtepu16_epi32(_mm256_extracti128_si256(p, 1))};
+  }
+};
+
+inline uint32_t live_mask(uint64_t span, uint64_t t) {
+  const uint64_t left = span - t * kLanes;
+  return left >= kLanes ? 0xFFFFu : (1u << left) - 1;
+}
+
+SYNCD_256 SYNCD_INLINE __m256i lane_mask(uint32_t m8) {
+  const __m256i bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  return _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(int(m8)), bits), bits);
+}
+
+SYNCD_256 SYNCD_INLINE uint32_t mask8(__m256i v) { return uint32_t(_mm256_movemask_ps(_mm256_castsi256_ps(v))); }
+
+// One decoder step of 8 lanes (coded8: the lanes coded); returns their bits.
+SYNCD_256 SYNCD_INLINE uint32_t dec8(__m256i& x, uint32_t coded8, __m256i p1, const uint8_t*& p, const uint8_t* end,
+                                     const std::string& what) {
+  if (!coded8) return 0;
+  const __m256i lo16 = _mm256_set1_epi32(0xFFFF), one16 = _mm256_set1_epi32(1 << 16), zero = _mm256_setzero_si256();
+  const __m256i cm = lane_mask(coded8);
+  const __m256i slot = _mm256_and_si256(x, lo16);
+  const __m256i bitv = _mm256_and_si256(_mm256_cmpgt_epi32(p1, slot), cm);
+  const __m256i f = _mm256_blendv_epi8(_mm256_sub_epi32(one16, p1), p1, bitv);
+  const __m256i sc = _mm256_sub_epi32(slot, _mm256_andnot_si256(bitv, p1));
+  x = _mm256_blendv_epi8(x, _mm256_add_epi32(_mm256_mullo_epi32(f, _mm256_srli_epi32(x, 16)), sc), cm);
+  const __m256i renv = _mm256_and_si256(_mm256_cmpeq_epi32(_mm256_srli_epi32(x, 16), zero), cm);
+  const uint32_t ren = mask8(renv);
+  const unsigned cnt = unsigned(__builtin_popcount(ren));
+  __m128i w8;
+  if (__builtin_expect(end - p >= 16, 1)) {  // the next 8 words, whether or not this step takes them
+    w8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  } else {
+    if (size_t(end - p) < 2 * size_t(cnt)) fail(what, ": binary stream truncated");
+    alignas(16) uint8_t tmp[16] = {};
+    std::memcpy(tmp, p, 2 * cnt);
+    w8 = _mm_load_si128(reinterpret_cast<const __m128i*>(tmp));
+  }
+  const __m256i w = _mm256_permutevar8x32_epi32(_mm256_cvtepu16_epi32(w8),
+                                                _mm256_load_si256(reinterpret_cast<const __m256i*>(kTab.expand[ren])));
+  x = _mm256_blendv_epi8(x, _mm256_or_si256(_mm256_slli_epi32(x, 16), w), renv);
+  p += 2 * cnt;
+  return mask8(bitv);
+}
+
+// One encoder step of 8 lanes, rows going backwards: words are written below w.
+SYNCD_256 SYNCD_INLINE void enc8(__m256i& x, uint32_t coded8, uint32_t bits8, __m256i p1, uint8_t*& w) {
+  if (!coded8) return;
+  const __m256i one16 = _mm256_set1_epi32(1 << 16), zero = _mm256_setzero_si256(), one = _mm256_set1_epi32(1);
+  const __m256i sign = _mm256_set1_epi32(int32_t(0x80000000u));
+  const __m256i cm = lane_mask(coded8), bitv = lane_mask(bits8 & coded8);
+  const __m256i f = _mm256_blendv_epi8(_mm256_sub_epi32(one16, p1), p1, bitv);
+  const __m256i cc = _mm256_andnot_si256(bitv, p1);
+  // x >= f << 16, unsigned
+  const __m256i lt = _mm256_cmpgt_epi32(_mm256_xor_si256(_mm256_slli_epi32(f, 16), sign), _mm256_xor_si256(x, sign));
+  const __m256i emitv = _mm256_andnot_si256(lt, cm);
+  const uint32_t emit = mask8(emitv);
+  {  // the emitting lanes' low halves, packed into the top slots, stored to end at w
+    const __m256i packed = _mm256_permutevar8x32_epi32(x, _mm256_load_si256(reinterpret_cast<const __m256i*>(kTab.top[emit])));
+    const __m256i lo = _mm256_shuffle_epi8(packed, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                                   0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1));
+    const __m128i words = _mm_unpacklo_epi64(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(w - 16), words);  // below w is free space (and the states' room)
+    w -= 2 * __builtin_popcount(emit);
+  }
+  const __m256i xs = _mm256_blendv_epi8(x, _mm256_srli_epi32(x, 16), emitv);
+  // q = xs / f from a float estimate (xs may pass 2^31: converted halved), exact after one correction each way
+  const __m256 xf = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(xs, 1)), _mm256_set1_ps(2.0f));
+  const __m256i fm = _mm256_blendv_epi8(one, f, cm);
+  __m256i q = _mm256_cvttps_epi32(_mm256_div_ps(xf, _mm256_cvtepi32_ps(fm)));
+  __m256i r = _mm256_sub_epi32(xs, _mm256_mullo_epi32(q, fm));
+  const __m256i neg = _mm256_cmpgt_epi32(zero, r);
+  q = _mm256_add_epi32(q, neg);
+  r = _mm256_add_epi32(r, _mm256_and_si256(neg, fm));
+  const __m256i big = _mm256_cmpgt_epi32(r, _mm256_sub_epi32(fm, one));
+  q = _mm256_sub_epi32(q, big);
+  r = _mm256_sub_epi32(r, _mm256_and_si256(big, fm));
+  x = _mm256_blendv_epi8(x, _mm256_add_epi32(_mm256_slli_epi32(q, 16), _mm256_add_epi32(r, cc)), cm);
+}
+
+struct State {
+  __m256i lo, hi;
+};
+
+// The 16 elements of vector t (fewer in the last, zero-padded).
+SYNCD_256 SYNCD_INLINE Row16 row_at(const Consts& k, const Classes16& c, uint64_t t, uint32_t live) {
+  if (live == 0xFFFF) return k.row(c.old + t * kLanes);
+  alignas(32) uint16_t tmp[16] = {};
+  std::memcpy(tmp, c.old + t * kLanes, size_t(__builtin_popcount(live)) * 2);
+  return k.row(tmp);
+}
+
+SYNCD_256 SYNCD_INLINE uint32_t coded_lanes(const Consts& k, const Row16& r, uint32_t live) {
+  return live & ~(mask8(_mm256_cmpeq_epi32(r.p_lo, k.zero)) | mask8(_mm256_cmpeq_epi32(r.p_hi, k.zero)) << 8);
+}
+
+struct DecRow {
+  const Consts& k;
+  const Classes16& c;
+  uint16_t* bitmap;
+  uint8_t* cls_ch;
+  size_t n_max, found;
+  const std::string& what;
+  SYNCD_256 SYNCD_INLINE void row(uint64_t t, uint32_t live, State& s, const uint8_t*& p, const uint8_t* e) {
+    const Row16 r = row_at(k, c, t, live);
+    const uint32_t coded = coded_lanes(k, r, live);
+    const uint32_t lo = dec8(s.lo, coded & 0xFF, r.p_lo, p, e, what);
+    const uint32_t b = lo | dec8(s.hi, coded >> 8, r.p_hi, p, e, what) << 8;
+    bitmap[t] = uint16_t(b);
+    if (!b) return;
+    if (size_t(__builtin_popcount(b)) > n_max - found) fail(what, ": more changes than the block table says");
+    alignas(32) uint16_t cl[16];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(cl), r.cls);
+    for (uint32_t m = b; m; m &= m - 1) cls_ch[found++] = uint8_t(cl[__builtin_ctz(m)]);
+  }
+};
+
+template <int GP>
+SYNCD_256 size_t decode_gp(const Classes16& c, BinGroupDecoder* dec, uint16_t* bitmap, uint8_t* cls_ch, size_t n_max,
+                           const std::string& what) {
+  const Consts k(c);
+  DecRow row{k, c, bitmap, cls_ch, n_max, 0, what};
+  State x[GP];
+  const uint8_t* p[GP];
+  const uint8_t* e[GP];
+  for (int g = 0; g < GP; ++g) {
+    x[g] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dec[g].x)),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(dec[g].x + 8))};
+    p[g] = dec[g].p;
+    e[g] = dec[g].end;
+  }
+  const uint64_t vectors = (c.span + kLanes - 1) / kLanes, full = c.span / kLanes / GP * GP;
+  uint64_t t = 0;
+  for (; t < full; t += GP)
+    for (int g = 0; g < GP; ++g) row.row(t + g, 0xFFFF, x[g], p[g], e[g]);
+  for (int g = 0; g < GP; ++g) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dec[g].x), x[g].lo);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dec[g].x + 8), x[g].hi);
+    dec[g].p = p[g];
+  }
+  for (; t < vectors; ++t) {
+    BinGroupDecoder& d = dec[t % GP];
+    State s{_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d.x)),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(d.x + 8))};
+    row.row(t, live_mask(c.span, t), s, d.p, d.end);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d.x), s.lo);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d.x + 8), s.hi);
+  }
+  return row.found;
+}
+
+struct EncRow {
+  const Consts& k;
+  const Classes16& c;
+  const uint16_t* bitmap;
+  SYNCD_256 SYNCD_INLINE void row(uint64_t t, uint32_t live, State& s, uint8_t*& w) {
+    const Row16 r = row_at(k, c, t, live);
+    const uint32_t coded = coded_lanes(k, r, live), bits = bitmap[t] & coded;
+    enc8(s.hi, coded >> 8, bits >> 8, r.p_hi, w);  // backwards: the upper half's words first
+    enc8(s.lo, coded & 0xFF, bits & 0xFF, r.p_lo, w);
+  }
+};
+
+template <int GP>
+SYNCD_256 void encode_gp(const Classes16& c, const uint16_t* bitmap, BinGroupEncoder* enc) {
+  const Consts k(c);
+  EncRow row{k, c, bitmap};
+  const uint64_t vectors = (c.span + kLanes - 1) / kLanes, full = c.span / kLanes / GP * GP;
+  for (uint64_t t = vectors; t > full; --t) {
+    BinGroupEncoder& e = enc[(t - 1) % GP];
+    State s{_mm256_loadu_si256(reinterpret_cast<const __m256i*>(e.x)),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(e.x + 8))};
+    row.row(t - 1, live_mask(c.span, t - 1), s, e.w);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(e.x), s.lo);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(e.x + 8), s.hi);
+  }
+  State x[GP];
+  uint8_t* w[GP];
+  for (int g = 0; g < GP; ++g) {
+    x[g] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(enc[g].x)),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(enc[g].x + 8))};
+    w[g] = enc[g].w;
+  }
+  for (uint64_t t = full; t > 0; t -= GP)
+    for (int g = GP - 1; g >= 0; --g) row.row(t - GP + g, 0xFFFF, x[g], w[g]);
+  for (int g = 0; g < GP; ++g) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(enc[g].x), x[g].lo);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(enc[g].x + 8), x[g].hi);
+    enc[g].w = w[g];
+  }
+}
+
+struct Keys16 {
+  __m256i sign, one, ones;
+  SYNCD_256 Keys16() : sign(_mm256_set1_epi16(int16_t(0x8000))), one(_mm256_set1_epi16(1)), ones(_mm256_set1_epi16(-1)) {}
+  SYNCD_256 SYNCD_INLINE __m256i key(__m256i a) const {
+    return _mm256_xor_si256(a, _mm256_or_si256(_mm256_srai_epi16(a, 15), sign));
+  }
+  SYNCD_256 SYNCD_INLINE __m256i unkey(__m256i k) const {
+    return _mm256_xor_si256(k, _mm256_or_si256(_mm256_andnot_si256(_mm256_srai_epi16(k, 15), ones), sign));
+  }
+};
+
+}  // namespace
+
+SYNCD_256 size_t decode_positions(const Classes16& c, BinGroupDecoder* dec, int gp, uint16_t* bitmap, uint8_t* cls_ch,
+                                  size_t n_max, const std::string& what, uint64_t first_word, uint64_t* old_sum) {
+  *old_sum = scalar16::checksum(c.old, c.span, first_word, 0);
+  switch (gp) {
+    case 1: return decode_gp<1>(c, dec, bitmap, cls_ch, n_max, what);
+    case 2: return decode_gp<2>(c, dec, bitmap, cls_ch, n_max, what);
+    case 3: return decode_gp<3>(c, dec, bitmap, cls_ch, n_max, what);
+    case 4: return decode_gp<4>(c, dec, bitmap, cls_ch, n_max, what);
+    default: return scalar16::decode_positions(c, dec, gp, bitmap, cls_ch, n_max, what);
+  }
+}
+
+SYNCD_256 void encode_positions(const Classes16& c, const uint16_t* bitmap, BinGroupEncoder* enc, int gp) {
+  switch (gp) {
+    case 1: return encode_gp<1>(c, bitmap, enc);
+    case 2: return encode_gp<2>(c, bitmap, enc);
+    case 3: return encode_gp<3>(c, bitmap, enc);
+    case 4: return encode_gp<4>(c, bitmap, enc);
+    default: return scalar16::encode_positions(c, bitmap, enc, gp);
+  }
+}
+
+SYNCD_256 uint64_t scan(const Classes16& c, const uint16_t* nw, uint64_t first_word, bool is_float, uint16_t* bitmap,
+                        uint16_t* v16, uint8_t* cls_ch, uint64_t* sum_old, uint64_t* adj) {
+  const Keys16 kk;
+  const Consts k(c);
+  const uint64_t vecs = c.span / 16;
+  uint64_t so = 0, ad = 0, kch = 0;
+  for (uint64_t j = 0; j < vecs; ++j) {
+    const uint8_t* op = reinterpret_cast<const uint8_t*>(c.old + 16 * j);
+    const uint8_t* np = reinterpret_cast<const uint8_t*>(nw + 16 * j);
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(op));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(np));
+    for (int q = 0; q < 4; ++q) so += checksum_term(load_le64(op + 8 * q), first_word + 4 * j + q);
+    const uint32_t eq = uint32_t(_mm256_movemask_epi8(_mm256_cmpeq_epi16(a, b)));
+    const uint32_t ne = _pext_u32(~eq, 0x55555555u);
+    bitmap[j] = uint16_t(ne);
+    if (!ne) continue;
+    for (int q = 0; q < 4; ++q) {
+      if (!((ne >> (4 * q)) & 0xF)) continue;
+      const uint64_t wa = load_le64(op + 8 * q), wb = load_le64(np + 8 * q);
+      ad += checksum_term(wb, first_word + 4 * j + q) - checksum_term(wa, first_word + 4 * j + q);
+    }
+    const __m256i ka = is_float ? kk.key(a) : a, kb = is_float ? kk.key(b) : b;
+    const __m256i d = _mm256_sub_epi16(kb, ka);
+    const __m256i v = _mm256_sub_epi16(_mm256_xor_si256(_mm256_slli_epi16(d, 1), _mm256_srai_epi16(d, 15)), kk.one);
+    alignas(32) uint16_t vv[16], cl[16];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(vv), v);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(cl), k.classes(a));
+    for (uint32_t m = ne; m; m &= m - 1) {
+      const int l = __builtin_ctz(m);
+      v16[kch] = vv[l];
+      cls_ch[kch++] = uint8_t(cl[l]);
+    }
+  }
+  *sum_old = so;
+  *adj = ad;
+  return scalar16::scan(c, nw, first_word, is_float, bitmap, v16, cls_ch, sum_old, adj, vecs * 16, kch);
+}
+
+SYNCD_256 uint64_t apply(uint16_t* target, uint64_t span, uint64_t first_word, const uint16_t* bitmap,
+                         const uint16_t* v16, bool is_float, bool forward, const uint64_t*) {
+  const Keys16 kk;
+  const uint64_t vecs = span / 16;
+  uint64_t ad = 0, k = 0;
+  for (uint64_t j = 0; j < vecs; ++j) {
+    const uint32_t bits = bitmap[j];
+    if (!bits) continue;
+    uint8_t* tp = reinterpret_cast<uint8_t*>(target + 16 * j);
+    alignas(32) uint16_t vv[16] = {};
+    for (uint32_t m = bits; m; m &= m - 1) vv[__builtin_ctz(m)] = v16[k++];
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tp));
+    const __m256i u = _mm256_add_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(vv)), kk.one);
+    const __m256i d = _mm256_xor_si256(_mm256_srli_epi16(u, 1), _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_and_si256(u, kk.one)));
+    const __m256i ka = is_float ? kk.key(a) : a;
+    const __m256i kb = forward ? _mm256_add_epi16(ka, d) : _mm256_sub_epi16(ka, d);
+    const __m256i lanes = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+                                            int16_t(0x8000));
+    const __m256i sel = _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16(int16_t(bits)), lanes), lanes);
+    const __m256i b = _mm256_blendv_epi8(a, is_float ? kk.unkey(kb) : kb, sel);
+    uint64_t before[4];
+    std::memcpy(before, tp, 32);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(tp), b);
+    for (int q = 0; q < 4; ++q) {
+      if (!((bits >> (4 * q)) & 0xF)) continue;
+      ad += checksum_term(load_le64(tp + 8 * q), first_word + 4 * j + q) - checksum_term(before[q], first_word + 4 * j + q);
+    }
+  }
+  return ad + scalar16::apply(target, span, first_word, bitmap, v16, is_float, forward, vecs * 16, k);
+}
+
+// ---- values: the rows of 16 J entries as two 8-lane halves; node probabilities looked up lane by lane
+
+namespace {
+
+thread_local std::vector<uint32_t> t_jidx;
+thread_local std::vector<uint16_t> t_m;
+
+// The J entries (changes of classes with a value tree), branch-free.
+size_t select_j(const uint8_t* cls, size_t n, const ValueTrees& lv, uint32_t* jidx) {
+  size_t nj = 0;
+  for (size_t i = 0; i < n; ++i) {
+    jidx[nj] = uint32_t(i);
+    nj += lv.depth[cls[i]] != 0;
+  }
+  return nj;
+}
+
+}  // namespace
+
+SYNCD_256 void decode_values(const uint8_t* cls, size_t n, const uint8_t* signs, const ValueTrees& lv,
+                             BinGroupDecoder* vdec, int gv, const uint8_t* mant_p, size_t mant_len, uint16_t* v,
+                             const std::string& what) {
+  t_jidx.resize(n + 1);
+  uint32_t* jidx = t_jidx.data();
+  const size_t nj = select_j(cls, n, lv, jidx);
+  check_value_groups(gv, nj, what);
+  for (size_t i = 0; i < n; ++i) v[i] = uint16_t(signs[i >> 3] >> (i & 7) & 1);
+  ByteReader owner(mant_p, mant_len, what);
+  BitReader mant(mant_p, mant_len, owner);
+  const size_t step = size_t(kLanes) * std::max(gv, 1);
+  for (size_t s0 = 0; s0 < nj && gv; s0 += step)
+    for (int g = 0; g < gv; ++g) {
+      const size_t lo = s0 + size_t(g) * kLanes;
+      if (lo >= nj) break;
+      const int width = int(std::min<size_t>(kLanes, nj - lo));
+      alignas(32) uint32_t cl[kLanes] = {}, d[kLanes] = {}, u[kLanes], pl[kLanes];
+      int top = 0;
+      for (int l = 0; l < width; ++l) {
+        cl[l] = cls[jidx[lo + l]];
+        d[l] = uint32_t(lv.depth[cl[l]]);
+        top = std::max(top, int(d[l]));
+      }
+      for (int l = 0; l < kLanes; ++l) u[l] = 1;
+      State x{_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vdec[g].x)),
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vdec[g].x + 8))};
+      for (int r = 0; r < top; ++r) {
+        uint32_t coded = 0;
+        for (int l = 0; l < width; ++l) {
+          coded |= uint32_t(d[l] > uint32_t(r)) << l;
+          pl[l] = lv.node[cl[l]][u[l] & 127];
+        }
+        for (int l = width; l < kLanes; ++l) pl[l] = 0;
+        const __m256i plo = _mm256_load_si256(reinterpret_cast<const __m256i*>(pl));
+        const __m256i phi = _mm256_load_si256(reinterpret_cast<const __m256i*>(pl + 8));
+        const uint32_t b = dec8(x.lo, coded & 0xFF, plo, vdec[g].p, vdec[g].end, vdec[g].what) |
+                           dec8(x.hi, coded >> 8, phi, vdec[g].p, vdec[g].end, vdec[g].what) << 8;
+        for (int l = 0; l < width; ++l)
+          if (coded >> l & 1) u[l] = 2 * u[l] + (b >> l & 1);
+      }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(vdec[g].x), x.lo);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(vdec[g].x + 8), x.hi);
+      for (int l = 0; l < width; ++l) {  // mantissa bits in J order
+        const uint32_t k = u[l] - (1u << d[l]);
+        if (!k) continue;
+        const uint32_t m = (1u << (k - 1)) | (k >= 2 ? uint32_t(mant.read(k - 1)) : 0);
+        const uint32_t xv = (m << 1) | v[jidx[lo + l]];
+        if (xv > 0xFFFE) fail(what, ": value change 65535 too wide for the dtype");
+        v[jidx[lo + l]] = uint16_t(xv);
+      }
+    }
+  mant.finish();
+}
+
+SYNCD_256 void encode_values(const uint8_t* cls, const uint16_t* v, size_t n, const ValueTrees& lv,
+                             BinGroupEncoder* venc, int gv, std::vector<uint8_t>& mant, uint8_t* signs) {
+  t_jidx.resize(n + 1);
+  uint32_t* jidx = t_jidx.data();
+  const size_t nj = select_j(cls, n, lv, jidx);
+  const size_t step = size_t(kLanes) * std::max(gv, 1);
+  for (size_t s0 = gv ? (nj + step - 1) / step * step : 0; s0 > 0;) {  // steps back to front, rows bottom up
+    s0 -= step;
+    for (int g = gv - 1; g >= 0; --g) {
+      const size_t lo = s0 + size_t(g) * kLanes;
+      if (lo >= nj) continue;
+      const int width = int(std::min<size_t>(kLanes, nj - lo));
+      alignas(32) uint32_t cl[kLanes] = {}, d[kLanes] = {}, leaf[kLanes] = {}, pl[kLanes];
+      int top = 0;
+      for (int l = 0; l < width; ++l) {
+        const uint32_t i = jidx[lo + l], m = v[i] >> 1;
+        cl[l] = cls[i];
+        d[l] = uint32_t(lv.depth[cl[l]]);
+        leaf[l] = (1u << d[l]) | (m ? 32 - uint32_t(__builtin_clz(m)) : 0);
+        top = std::max(top, int(d[l]));
+      }
+      State x{_mm256_loadu_si256(reinterpret_cast<const __m256i*>(venc[g].x)),
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(venc[g].x + 8))};
+      for (int r = top - 1; r >= 0; --r) {
+        uint32_t coded = 0, bits = 0;
+        for (int l = 0; l < kLanes; ++l) {
+          const bool on = l < width && d[l] > uint32_t(r);
+          coded |= uint32_t(on) << l;
+          bits |= (on ? (leaf[l] >> (d[l] - 1 - r) & 1) : 0) << l;
+          pl[l] = on ? lv.node[cl[l]][leaf[l] >> (d[l] - r)] : 0;
+        }
+        const __m256i plo = _mm256_load_si256(reinterpret_cast<const __m256i*>(pl));
+        const __m256i phi = _mm256_load_si256(reinterpret_cast<const __m256i*>(pl + 8));
+        enc8(x.hi, coded >> 8, bits >> 8, phi, venc[g].w);
+        enc8(x.lo, coded & 0xFF, bits & 0xFF, plo, venc[g].w);
+      }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(venc[g].x), x.lo);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(venc[g].x + 8), x.hi);
+    }
+  }
+  uint64_t acc = 0;  // mantissa bits, LSB first, in position order (that of J)
+  uint32_t fill = 0;
+  for (size_t t = 0; t < nj; ++t) {
+    const uint32_t m = v[jidx[t]] >> 1, k = m ? 32 - uint32_t(__builtin_clz(m)) : 0;
+    if (k < 2) continue;
+    acc |= uint64_t(m - (1u << (k - 1))) << fill;
+    fill += k - 1;
+    for (; fill >= 8; fill -= 8, acc >>= 8) mant.push_back(uint8_t(acc));
+  }
+  if (fill) mant.push_back(uint8_t(acc));
+  std::memset(signs, 0, (n + 7) / 8);
+  for (size_t i = 0; i < n; ++i) signs[i >> 3] |= uint8_t((v[i] & 1) << (i & 7));
+}
+
+}  // namespace avx2_16
+}  // namespace syncd
+
+#endif

@@ -1,0 +1,361 @@
+// AVX-512 versions of the 16-bit format-2 position, scan and apply kernels (v2_kernels.h; the value kernels are
+// in v2_values_avx512.cpp): 16 binary rANS lanes per zmm, one state vector per group kept in registers, masked
+// expand loads / compress stores of the renormalisation words. Bit for bit the scalar kernels' results.
+// Called only when simd_level() says the CPU has AVX-512.
+#include "v2_kernels.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "block_coder.h"
+#include "checksum.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include "simd_mix.h"
+#include "v2_avx512.h"
+
+namespace syncd {
+namespace avx512_16 {
+
+namespace {
+using namespace detail;
+
+// The classes (as bytes) and probabilities (32-bit lanes, one vector per row) of the 32 elements of vectors
+// t and t + 1, computed in 16-bit lanes.
+struct Pair {
+  __m512i p1_lo, p1_hi, words, cls16;
+  __m256i cls;
+};
+
+struct Consts16 {
+  __m512i p1, emask, etop, fifteen, zero;
+  __m128i shift;
+  SYNCD_512 explicit Consts16(const Classes16& c)
+      : emask(_mm512_set1_epi16(int16_t(c.emask))),
+        etop(_mm512_set1_epi16(int16_t(c.e_top))),
+        fifteen(_mm512_set1_epi16(15)),
+        zero(_mm512_setzero_si512()),
+        shift(_mm_cvtsi32_si128(c.shift)) {
+    alignas(64) uint16_t t[32] = {};
+    for (int l = 0; l < kLanes && c.p1; ++l) t[l] = uint16_t(c.p1[l]);
+    p1 = _mm512_load_si512(t);
+  }
+  SYNCD_512 __attribute__((always_inline)) inline Pair pair(const uint16_t* old) const {
+    const __m512i w = _mm512_loadu_si512(old);
+    const __m512i e = _mm512_and_si512(_mm512_srl_epi16(w, shift), emask);
+    return from_classes(w, _mm512_min_epi16(_mm512_max_epi16(_mm512_sub_epi16(etop, e), zero), fifteen));
+  }
+  // the same from 16 bytes of nibbles (32 classes; no old words)
+  SYNCD_512 __attribute__((always_inline)) inline Pair pair_nibbles(const uint8_t* nib) const {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(nib)));
+    const __m512i cls = _mm512_or_si512(_mm512_and_si512(b, _mm512_set1_epi32(0xF)),
+                                        _mm512_slli_epi32(_mm512_srli_epi32(b, 4), 16));
+    return from_classes(zero, cls);
+  }
+  SYNCD_512 __attribute__((always_inline)) inline Pair from_classes(__m512i w, __m512i cls) const {
+    const __m512i q = _mm512_permutexvar_epi16(cls, p1);
+    return {_mm512_cvtepu16_epi32(_mm512_castsi512_si256(q)), _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(q, 1)),
+            w, cls, _mm512_cvtepi16_epi8(cls)};
+  }
+};
+
+// One decoder row: state x, word cursor p (bounds-checked), vector t.
+struct DecRow {
+  const Classes16& c;
+  const Consts& k;
+  uint16_t* bitmap;
+  uint8_t* cls_ch;
+  size_t n_max, found;
+  const std::string& what;
+
+  template <bool checked>
+  SYNCD_512 __attribute__((always_inline)) inline void row(uint64_t t, __m512i p1, __m128i cls8, __mmask16 live,
+                                                            __m512i& x, const uint8_t*& p, const uint8_t* end) {
+    const __mmask16 coded = _mm512_mask_test_epi32_mask(live, p1, p1);
+    const __mmask16 bit = dec_step<checked>(x, coded, p1, p, end, what);
+    bitmap[t] = uint16_t(bit);
+    compress_bytes16(cls_ch + found, bit, cls8);  // cls_ch has 64 bytes of slack
+    found += unsigned(__builtin_popcount(bit));
+    if (__builtin_expect(found > n_max, 0)) fail(what, ": more changes than the block table says");
+  }
+  SYNCD_512 __attribute__((always_inline)) inline void step(uint64_t t, __mmask16 live, __m512i& x,
+                                                             const uint8_t*& p, const uint8_t* end) {
+    const __m512i cls = classes_at(c, k, t, live);
+    row<true>(t, _mm512_permutexvar_epi32(cls, k.p1), _mm512_cvtepi32_epi8(cls), live, x, p, end);
+  }
+};
+
+template <int GP, bool kNibbles>
+SYNCD_512 size_t decode_gp(const Classes16& c, BinGroupDecoder* dec, uint16_t* bitmap, uint8_t* cls_ch, size_t n_max,
+                           const std::string& what, uint64_t first_word, uint64_t* old_sum) {
+  const Consts k(c);
+  const Consts16 k16(c);
+  DecRow row{c, k, bitmap, cls_ch, n_max, 0, what};
+  // the main loop indexes its state arrays by constants only, so that they stay in registers
+  __m512i x[GP];
+  const uint8_t* p[GP];
+  const uint8_t* e[GP];
+  for (int g = 0; g < GP; ++g) {
+    x[g] = _mm512_loadu_si512(dec[g].x);
+    p[g] = dec[g].p;
+    e[g] = dec[g].end;
+  }
+  constexpr int kUnit = 2 * GP;  // a whole number of pairs and of group rounds
+  const uint64_t vectors = (c.span + kLanes - 1) / kLanes, full = c.span / kLanes / kUnit * kUnit;
+  const __m512i step8 = _mm512_set1_epi64(int64_t(8 * core::kGolden));
+  __m512i key = word_keys512(first_word), acc = _mm512_setzero_si512();  // the old words' checksum terms
+  uint64_t t = 0;
+  for (; t < full; t += kUnit) {
+#pragma GCC unroll 16
+    for (int u = 0; u < kUnit; u += 2) {
+      const Pair q = kNibbles ? k16.pair_nibbles(c.nibbles + (t + u) * 8) : k16.pair(c.old + (t + u) * kLanes);
+      if (!kNibbles) {
+        acc = _mm512_add_epi64(acc, mix512(_mm512_xor_si512(q.words, key)));
+        key = _mm512_add_epi64(key, step8);
+      }
+      row.row<true>(t + u, q.p1_lo, _mm256_castsi256_si128(q.cls), 0xFFFF, x[u % GP], p[u % GP], e[u % GP]);
+      row.row<true>(t + u + 1, q.p1_hi, _mm256_extracti128_si256(q.cls, 1), 0xFFFF, x[(u + 1) % GP],
+                    p[(u + 1) % GP], e[(u + 1) % GP]);
+    }
+  }
+  for (int g = 0; g < GP; ++g) {
+    _mm512_storeu_si512(dec[g].x, x[g]);
+    dec[g].p = p[g];
+  }
+  if (!kNibbles) *old_sum = reduce_add_u64(acc) + scalar16::checksum(c.old, c.span, first_word, t * kLanes);
+  for (; t < vectors; ++t) {
+    BinGroupDecoder& d = dec[t % GP];
+    __m512i xt = _mm512_loadu_si512(d.x);
+    row.step(t, live_lanes(c.span, t), xt, d.p, d.end);
+    _mm512_storeu_si512(d.x, xt);
+  }
+  return row.found;
+}
+
+struct EncRow {
+  const Classes16& c;
+  const Consts& k;
+  const uint16_t* bitmap;
+  __m512 inv0, inv1;  // 1 / (2^16 - p1) and 1 / p1 per class
+
+  SYNCD_512 __attribute__((always_inline)) inline void row(uint64_t t, __m512i cls, __m512i p1, __mmask16 live,
+                                                            __m512i& x, uint8_t*& w) {
+    const __mmask16 coded = _mm512_mask_test_epi32_mask(live, p1, p1);
+    const __mmask16 bit = __mmask16(bitmap[t]) & coded;
+    const __m512 inv = _mm512_mask_blend_ps(bit, _mm512_permutexvar_ps(cls, inv0), _mm512_permutexvar_ps(cls, inv1));
+    enc_step(x, coded, bit, p1, inv, w);
+  }
+  SYNCD_512 __attribute__((always_inline)) inline void step(uint64_t t, __mmask16 live, __m512i& x, uint8_t*& w) {
+    const __m512i cls = classes_at(c, k, t, live);
+    row(t, cls, _mm512_permutexvar_epi32(cls, k.p1), live, x, w);
+  }
+};
+
+template <int GP, bool kNibbles>
+SYNCD_512 void encode_gp(const Classes16& c, const uint16_t* bitmap, BinGroupEncoder* enc) {
+  const Consts k(c);
+  const Consts16 k16(c);
+  float i0[kLanes], i1[kLanes];
+  for (int l = 0; l < kLanes; ++l) {
+    i0[l] = c.p1[l] ? 1.0f / float(kBinOne - c.p1[l]) : 0.0f;
+    i1[l] = c.p1[l] ? 1.0f / float(c.p1[l]) : 0.0f;
+  }
+  EncRow row{c, k, bitmap, _mm512_loadu_ps(i0), _mm512_loadu_ps(i1)};
+  constexpr int kUnit = 2 * GP;
+  const uint64_t vectors = (c.span + kLanes - 1) / kLanes, full = c.span / kLanes / kUnit * kUnit;
+  // rows go backwards: first the vectors past the last whole unit, one by one, on the states in memory
+  for (uint64_t t = vectors; t > full; --t) {
+    BinGroupEncoder& e = enc[(t - 1) % GP];
+    __m512i xt = _mm512_loadu_si512(e.x);
+    row.step(t - 1, live_lanes(c.span, t - 1), xt, e.w);
+    _mm512_storeu_si512(e.x, xt);
+  }
+  // then whole units, their states in registers (indexed by constants only)
+  __m512i x[GP];
+  uint8_t* w[GP];
+  for (int g = 0; g < GP; ++g) {
+    x[g] = _mm512_loadu_si512(enc[g].x);
+    w[g] = enc[g].w;
+  }
+  for (uint64_t t = full; t > 0; t -= kUnit) {
+#pragma GCC unroll 16
+    for (int u = kUnit - 2; u >= 0; u -= 2) {
+      const uint64_t v = t - kUnit + u;
+      const Pair q = kNibbles ? k16.pair_nibbles(c.nibbles + v * 8) : k16.pair(c.old + v * kLanes);
+      row.row(v + 1, _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(q.cls16, 1)), q.p1_hi, 0xFFFF, x[(u + 1) % GP],
+              w[(u + 1) % GP]);
+      row.row(v, _mm512_cvtepu16_epi32(_mm512_castsi512_si256(q.cls16)), q.p1_lo, 0xFFFF, x[u % GP], w[u % GP]);
+    }
+  }
+  for (int g = 0; g < GP; ++g) {
+    _mm512_storeu_si512(enc[g].x, x[g]);
+    enc[g].w = w[g];
+  }
+}
+
+struct Keys16 {
+  __m512i sign, one, ones;
+  SYNCD_512 Keys16() : sign(_mm512_set1_epi16(int16_t(0x8000))), one(_mm512_set1_epi16(1)), ones(_mm512_set1_epi16(-1)) {}
+  // order-preserving key of float bits: negative flips every bit, positive sets the sign
+  SYNCD_512 inline __m512i key(__m512i a) const { return _mm512_xor_si512(a, _mm512_or_si512(_mm512_srai_epi16(a, 15), sign)); }
+  SYNCD_512 inline __m512i unkey(__m512i k) const {
+    return _mm512_xor_si512(k, _mm512_or_si512(_mm512_andnot_si512(_mm512_srai_epi16(k, 15), ones), sign));
+  }
+};
+
+}  // namespace
+
+// The sample: the first 1024 elements of every 16384, 32 at a time (the scalar code takes a partial end).
+SYNCD_512 int sample_max_exponent(const Classes16& c) {
+  const __m512i emask = _mm512_set1_epi16(int16_t(c.emask));
+  const __m128i shift = _mm_cvtsi32_si128(c.shift);
+  __m512i best = _mm512_set1_epi16(-1);
+  uint64_t done = 0;
+  for (uint64_t s = 0; s < c.span; s += 1 << 14) {
+    const uint64_t e = std::min(c.span, s + 1024) / 32 * 32;
+    for (uint64_t i = s; i < e; i += 32) {
+      const __m512i x = _mm512_and_si512(_mm512_srl_epi16(_mm512_loadu_si512(c.old + i), shift), emask);
+      best = _mm512_mask_max_epi16(best, _mm512_cmpneq_epi16_mask(x, emask), best, x);
+    }
+    if (e < std::min(c.span, s + 1024)) {
+      done = e;
+      break;
+    }
+  }
+  alignas(64) int16_t b[32];
+  _mm512_store_si512(b, best);
+  int m = -1;
+  for (int l = 0; l < 32; ++l) m = std::max(m, int(b[l]));
+  return done ? std::max(m, scalar16::sample_max_exponent(c, done)) : m;
+}
+
+SYNCD_512 void sample_class_counts(const Classes16& c, uint64_t counts[16]) {
+  const Consts16 k16(c);
+  uint64_t done = 0;
+  for (uint64_t s = 0; s < c.span; s += 1 << 14) {
+    const uint64_t e = std::min(c.span, s + 1024) / 32 * 32;
+    for (uint64_t i = s; i < e; i += 32) {
+      const __m512i w = _mm512_loadu_si512(c.old + i);
+      const __m512i cls = _mm512_min_epi16(
+          _mm512_max_epi16(_mm512_sub_epi16(k16.etop, _mm512_and_si512(_mm512_srl_epi16(w, k16.shift), k16.emask)), k16.zero),
+          k16.fifteen);
+      for (int q = 0; q < 16; ++q)
+        counts[q] += unsigned(__builtin_popcount(_mm512_cmpeq_epi16_mask(cls, _mm512_set1_epi16(int16_t(q)))));
+    }
+    if (e < std::min(c.span, s + 1024)) {
+      done = e;
+      break;
+    }
+  }
+  if (done) scalar16::sample_class_counts(c, counts, done);
+}
+
+// The kernels per group count (1..8) and class source, for a group count known at run time.
+using DecodeGp = size_t (*)(const Classes16&, BinGroupDecoder*, uint16_t*, uint8_t*, size_t, const std::string&,
+                            uint64_t, uint64_t*);
+using EncodeGp = void (*)(const Classes16&, const uint16_t*, BinGroupEncoder*);
+template <bool kNibbles>
+constexpr DecodeGp kDecodeGp[8] = {decode_gp<1, kNibbles>, decode_gp<2, kNibbles>, decode_gp<3, kNibbles>,
+                                   decode_gp<4, kNibbles>, decode_gp<5, kNibbles>, decode_gp<6, kNibbles>,
+                                   decode_gp<7, kNibbles>, decode_gp<8, kNibbles>};
+template <bool kNibbles>
+constexpr EncodeGp kEncodeGp[8] = {encode_gp<1, kNibbles>, encode_gp<2, kNibbles>, encode_gp<3, kNibbles>,
+                                   encode_gp<4, kNibbles>, encode_gp<5, kNibbles>, encode_gp<6, kNibbles>,
+                                   encode_gp<7, kNibbles>, encode_gp<8, kNibbles>};
+
+SYNCD_512 size_t decode_positions(const Classes16& c, BinGroupDecoder* dec, int gp, uint16_t* bitmap, uint8_t* cls_ch,
+                                  size_t n_max, const std::string& what, uint64_t first_word, uint64_t* old_sum) {
+  if (gp >= 1 && gp <= 8)
+    return (c.nibbles ? kDecodeGp<true> : kDecodeGp<false>)[gp - 1](c, dec, bitmap, cls_ch, n_max, what, first_word,
+                                                                     old_sum);
+  if (!c.nibbles) *old_sum = scalar16::checksum(c.old, c.span, first_word, 0);
+  return scalar16::decode_positions(c, dec, gp, bitmap, cls_ch, n_max, what);
+}
+
+SYNCD_512 void encode_positions(const Classes16& c, const uint16_t* bitmap, BinGroupEncoder* enc, int gp) {
+  if (gp >= 1 && gp <= 8) return (c.nibbles ? kEncodeGp<true> : kEncodeGp<false>)[gp - 1](c, bitmap, enc);
+  scalar16::encode_positions(c, bitmap, enc, gp);
+}
+
+SYNCD_512 uint64_t scan(const Classes16& c, const uint16_t* nw, uint64_t first_word, bool is_float, uint16_t* bitmap,
+                        uint16_t* v16, uint8_t* cls_ch, uint64_t* sum_old, uint64_t* adj) {
+  const Keys16 kk;
+  const __m512i etop = _mm512_set1_epi16(int16_t(c.e_top)), emask = _mm512_set1_epi16(int16_t(c.emask));
+  const __m512i zero = _mm512_setzero_si512(), fifteen = _mm512_set1_epi16(15);
+  const __m128i shift = _mm_cvtsi32_si128(c.shift);
+  const __m512i step8 = _mm512_set1_epi64(int64_t(8 * core::kGolden));
+  __m512i key = word_keys512(first_word), acc_old = zero, acc_adj = zero;
+  const uint64_t vecs = c.span / 32;
+  uint64_t k = 0;
+  for (uint64_t j = 0; j < vecs; ++j, key = _mm512_add_epi64(key, step8)) {
+    const __m512i a = _mm512_loadu_si512(c.old + 32 * j), b = _mm512_loadu_si512(nw + 32 * j);
+    const __m512i ma = mix512(_mm512_xor_si512(a, key));
+    acc_old = _mm512_add_epi64(acc_old, ma);
+    const __mmask32 ne = _mm512_cmpneq_epi16_mask(a, b);
+    std::memcpy(bitmap + 2 * j, &ne, 4);
+    if (!ne) continue;
+    acc_adj = _mm512_add_epi64(acc_adj, _mm512_sub_epi64(mix512(_mm512_xor_si512(b, key)), ma));
+    const __m512i ka = is_float ? kk.key(a) : a, kb = is_float ? kk.key(b) : b;
+    const __m512i d = _mm512_sub_epi16(kb, ka);
+    const __m512i v = _mm512_sub_epi16(_mm512_xor_si512(_mm512_slli_epi16(d, 1), _mm512_srai_epi16(d, 15)), kk.one);
+    compress_store32x16(v16 + k, ne, v);
+    const __m512i e = _mm512_and_si512(_mm512_srl_epi16(a, shift), emask);
+    const __m512i cls = _mm512_min_epi16(_mm512_max_epi16(_mm512_sub_epi16(etop, e), zero), fifteen);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(cls_ch + k), _mm512_cvtepi16_epi8(_mm512_maskz_compress_epi16(ne, cls)));
+    k += unsigned(__builtin_popcount(ne));
+  }
+  *sum_old = (reduce_add_u64(acc_old));
+  *adj = (reduce_add_u64(acc_adj));
+  return scalar16::scan(c, nw, first_word, is_float, bitmap, v16, cls_ch, sum_old, adj, vecs * 32, k);
+}
+
+SYNCD_512 uint64_t apply(uint16_t* target, uint64_t span, uint64_t first_word, const uint16_t* bitmap,
+                         const uint16_t* v16, bool is_float, bool forward, const uint64_t* old_sum) {
+  const Keys16 kk;
+  const __m512i step8 = _mm512_set1_epi64(int64_t(8 * core::kGolden));
+  __m512i key = word_keys512(first_word), acc = _mm512_setzero_si512();
+  const uint64_t vecs = span / 32;
+  uint64_t k = 0;
+  if (old_sum) {  // every new word's term, unchanged ones included: one term per word
+    for (uint64_t j = 0; j < vecs; ++j, key = _mm512_add_epi64(key, step8)) {
+      uint32_t bits;
+      std::memcpy(&bits, bitmap + 2 * j, 4);
+      __m512i a = _mm512_loadu_si512(target + 32 * j);
+      if (bits) {
+        const __m512i v = expand_load32x16(bits, v16 + k);
+        const __m512i u = _mm512_add_epi16(v, kk.one);
+        const __m512i d = _mm512_xor_si512(_mm512_srli_epi16(u, 1), _mm512_sub_epi16(_mm512_setzero_si512(), _mm512_and_si512(u, kk.one)));
+        const __m512i ka = is_float ? kk.key(a) : a;
+        const __m512i kb = forward ? _mm512_add_epi16(ka, d) : _mm512_sub_epi16(ka, d);
+        a = _mm512_mask_mov_epi16(a, bits, is_float ? kk.unkey(kb) : kb);
+        _mm512_mask_storeu_epi16(target + 32 * j, bits, a);
+        k += unsigned(__builtin_popcount(bits));
+      }
+      acc = _mm512_add_epi64(acc, mix512(_mm512_xor_si512(a, key)));
+    }
+    scalar16::apply(target, span, first_word, bitmap, v16, is_float, forward, vecs * 32, k);  // the tail
+    return (reduce_add_u64(acc)) + scalar16::checksum(target, span, first_word, vecs * 32) - *old_sum;
+  }
+  for (uint64_t j = 0; j < vecs; ++j, key = _mm512_add_epi64(key, step8)) {
+    uint32_t bits;
+    std::memcpy(&bits, bitmap + 2 * j, 4);
+    if (!bits) continue;
+    const __m512i a = _mm512_loadu_si512(target + 32 * j);
+    const __m512i v = expand_load32x16(bits, v16 + k);
+    const __m512i u = _mm512_add_epi16(v, kk.one);  // the key delta: (u >> 1) ^ -(u & 1)
+    const __m512i d = _mm512_xor_si512(_mm512_srli_epi16(u, 1), _mm512_sub_epi16(_mm512_setzero_si512(), _mm512_and_si512(u, kk.one)));
+    const __m512i ka = is_float ? kk.key(a) : a;
+    const __m512i kb = forward ? _mm512_add_epi16(ka, d) : _mm512_sub_epi16(ka, d);
+    const __m512i b = _mm512_mask_mov_epi16(a, bits, is_float ? kk.unkey(kb) : kb);
+    _mm512_mask_storeu_epi16(target + 32 * j, bits, b);
+    acc = _mm512_add_epi64(acc, _mm512_sub_epi64(mix512(_mm512_xor_si512(b, key)), mix512(_mm512_xor_si512(a, key))));
+    k += unsigned(__builtin_popcount(bits));
+  }
+  return (reduce_add_u64(acc)) +
+         scalar16::apply(target, span, first_word, bitmap, v16, is_float, forward, vecs * 32, k);
+}
+
+}  // namespace avx512_16
+}  // namespace syncd
+
+#endif

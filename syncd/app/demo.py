@@ -1,0 +1,339 @@
+"""``syncd demo --weights-only``: weight sync on one machine, in about half a minute (plain ``syncd demo`` is the
+RL run of ``syncd.app.rl_demo``).
+
+A trainer process takes real AdamW steps on a tiny random-init model (``engine.reference.make_tiny``) and
+publishes a version every ``--every-k`` steps with ``trainer.WeightPublisher`` to a local file store; two
+reference-engine processes (``python -m engine.control``) serve generation; a ``syncd`` daemon process keeps
+them on the newest version; a client in this process streams requests to both engines the whole time.
+Progress shows the trainer's step and loss, each engine's version and lag, and each update's bytes and pause;
+at the end a summary table is printed and written as JSON (``--json``): ``versions_applied``,
+``requests_served``, ``requests_lost`` (must be 0), ``pause_s_median``/``pause_s_max``,
+``bytes_per_version_median``, ``full_bytes`` and more. Exit status 0 when no request was lost and every
+engine ended bit-exact on the trainer's last version.
+
+    syncd demo --weights-only [--json PATH] [--versions N] [--every-k K] [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from syncd.app.demo_io import Client, Display, write_summary
+
+log = logging.getLogger(__name__)
+RUN = "demo"
+
+
+# ---------------------------------------------------------------------------------------------- trainer
+
+
+def _trainer(argv) -> int:
+    """The trainer process: ``python -m syncd.app.demo _trainer --model DIR --store URL --progress FILE ...``."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from engine.reference.model import load_folder_weights
+    from trainer.publisher import WeightPublisher
+
+    p = argparse.ArgumentParser(prog="syncd.app.demo _trainer")
+    for name, kind in (("--model", str), ("--store", str), ("--progress", str), ("--versions", int),
+                       ("--every-k", int), ("--full-every", int), ("--lr", float), ("--interval", float)):
+        p.add_argument(name, type=kind, required=True)
+    a = p.parse_args(argv)
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(a.model), dtype=torch.float32)
+    model.load_state_dict({k: v.float() for k, v in load_folder_weights(a.model).items()})
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
+    gen = torch.Generator().manual_seed(0)
+    out = open(a.progress, "a")
+
+    def emit(**rec):
+        out.write(json.dumps({"t": time.time(), **rec}) + "\n")
+        out.flush()
+
+    # the task: continue a counting sequence (token i+1 = token i + 1 mod 256); the loss falls visibly
+    def batch():
+        start = torch.randint(0, 256, (8, 1), generator=gen)
+        return (start + torch.arange(32)) % 256
+
+    pub = WeightPublisher(a.store, RUN, every_k=a.every_k, full_every=a.full_every, shard_bytes=64 << 10)
+    pub.publish(model, 0)
+    emit(step=0, loss=None)
+    step = 0
+    for _ in range(a.versions - 1):
+        t0 = time.monotonic()
+        for _ in range(a.every_k):
+            step += 1
+            x = batch()
+            loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        # the rest of an RL step (rollouts on the engines) is what the interval stands for
+        time.sleep(max(0.0, a.interval - (time.monotonic() - t0)))
+        pub.publish(model, step)
+        emit(step=step, loss=float(loss))
+    pub.close()
+    emit(done=True, step=step, history=[{"version": s.version, "kind": s.kind, "bytes": s.uploaded_bytes,
+                                         "full_bytes": s.full_bytes, "encode_s": s.encode_s,
+                                         "upload_s": s.upload_s} for s in pub.history])
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- the run
+
+
+def _spawn(args: list[str], env: dict, log_path: Path) -> subprocess.Popen:
+    fh = open(log_path, "wb")
+    try:
+        return subprocess.Popen([sys.executable, *args], env=env, stdout=fh, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    finally:
+        fh.close()
+
+
+def _wait(cond, what: str, timeout: float, children: dict):
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            got = cond()
+        except (OSError, ValueError, KeyError):
+            got = None
+        if got:
+            return got
+        dead = [n for n, p in children.items() if p.poll() not in (None, 0)]
+        if dead or time.monotonic() > deadline:
+            why = f"{', '.join(dead)} exited" if dead else f"timed out after {timeout:.0f}s"
+            raise RuntimeError(f"demo: {why} while waiting for {what}")
+        time.sleep(0.05)
+
+
+def run(args) -> dict:
+    for noisy in ("torchao", "torch", "torch.utils._pytree"):  # import-time warnings of optional modules
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    from syncd.engines.client import RemoteAdapter
+    from engine.reference.make_tiny import write_model
+    from syncd.versions import read_manifest
+
+    work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="syncd-demo-"))
+    work.mkdir(parents=True, exist_ok=True)
+    store, cache, logs = work / "store", work / "cache", work / "logs"
+    logs.mkdir(exist_ok=True)
+    store.mkdir(exist_ok=True)  # the daemon is a reader: it never creates a missing store
+    key = "hex:" + secrets.token_hex(32)
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, SYNCD_SIGNING_KEY=key, OMP_NUM_THREADS="1", SYNCD_LOG_LEVEL="INFO",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    for var in ("SYNCD_TEST_PAUSE_AT", "SYNCD_STORE", "SYNCD_RUN_ID", "SYNCD_ENGINES", "SYNCD_STATUS_FILE"):
+        env.pop(var, None)
+    t_start = time.time()
+    model = write_model(work / "model", seed=args.seed)
+    children: dict[str, subprocess.Popen] = {}
+    client = None
+    display = None
+    try:
+        names = [f"e{i}" for i in range(args.engines)]
+        for n in names:
+            children[n] = _spawn(["-m", "engine.control", "--model", str(model), "--ready-file",
+                                  str(work / f"{n}.ready")], env, logs / f"{n}.log")
+        progress = work / "trainer.jsonl"
+        children["trainer"] = _spawn(
+            ["-m", "syncd.app.demo", "_trainer", "--model", str(model), "--store", str(store), "--progress",
+             str(progress), "--versions", str(args.versions), "--every-k", str(args.every_k), "--full-every",
+             str(args.full_every), "--lr", str(args.lr), "--interval", str(args.interval)], env, logs / "trainer.log")
+        urls = [_wait(lambda n=n: json.loads((work / f"{n}.ready").read_text())["url"], f"engine {n}", 180, children)
+                for n in names]
+        daemon_args = ["-m", "syncd.app.cli", "--run-id", RUN, "--store", str(store), "--cache-dir", str(cache),
+                       "--poll-interval", "0.2", "--engine-check", "0.5", "--metrics-port", "0"]
+        for n, u in zip(names, urls):
+            daemon_args += ["--engine", f"{n}={u}"]
+        children["daemon"] = _spawn(daemon_args, env, logs / "daemon.log")
+        status_file = cache / f"status-{RUN}.json"
+        remotes = [RemoteAdapter(u) for u in urls]
+        _wait(lambda: all(r.version is not None for r in remotes), "the engines' first version", 180, children)
+        client = Client(urls, threads=args.clients, max_tokens=args.max_tokens).start()
+        plain = args.plain or not sys.stdout.isatty()
+        display = Display(args.versions, (args.versions - 1) * args.every_k, names, plain)
+        step, loss, done, history = 0, None, False, []
+        final = (args.versions - 1)
+        while True:
+            if progress.exists():
+                for line in progress.read_text().splitlines():
+                    rec = json.loads(line)
+                    step, loss = rec.get("step", step), rec.get("loss", loss)
+                    if rec.get("done"):
+                        done, history = True, rec["history"]
+            status = json.loads(status_file.read_text()) if status_file.exists() else {}
+            updates = status.get("updates", [])
+            display.show(step, loss, status, client, updates)
+            engines = status.get("engines", {})
+            if done and engines and all(e.get("version") == final for e in engines.values()):
+                break
+            dead = [n for n, p in children.items() if p.poll() not in (None, 0)]
+            if dead or time.time() - t_start > args.timeout:
+                raise RuntimeError(f"demo: {', '.join(dead) + ' exited' if dead else 'timed out'}; logs in {logs}")
+            time.sleep(0.2)
+        client.stop()
+        display.close()
+        display = None
+        manifest = read_manifest(store, RUN, final, signing_key=key)
+        want = {t.name: t.checksum for t in manifest.tensors}
+        exact = all(r.checksum() == want for r in remotes)
+        children["daemon"].send_signal(signal.SIGTERM)
+        children["daemon"].wait(timeout=60)
+        status = json.loads(status_file.read_text())
+        return summarize(args, status, history, client, exact, time.time() - t_start, work)
+    finally:
+        if client is not None:
+            client._stop.set()
+        if display is not None:
+            display.close()
+        for p in children.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in children.values():
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        if not args.dir and not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def summarize(args, status: dict, history: list, client: Client, exact: bool, wall_s: float, work: Path) -> dict:
+    updates = status.get("updates", [])
+    live = [u for u in updates if u.get("rebuild_from") is None]  # updates of serving engines, not rebuilds
+    pauses = [p for u in live for p in u["pause_s"].values()]
+    rebuilds = [p for u in updates if u.get("rebuild_from") is not None for p in u["pause_s"].values()]
+    lags = [u["done_at"] - _ts(u["created_at"]) for u in live]
+    published = [h["bytes"] for h in history]
+    full = history[0]["full_bytes"] if history else 0
+    med = statistics.median
+    return {
+        "versions_published": len(history),
+        "versions_applied": len({u["version"] for u in updates}),
+        "final_version": max((u["version"] for u in updates), default=None),
+        "engines": len(status.get("engines", {})),
+        "engines_bit_exact": exact,
+        "requests_served": client.served,
+        "requests_lost": client.lost,
+        "tokens_served": client.tokens,
+        "tokens_by_version": {str(k): v for k, v in sorted(client.by_version.items(),
+                                                             key=lambda kv: -1 if kv[0] is None else kv[0])},
+        "pause_s_median": med(pauses) if pauses else None,
+        "pause_s_max": max(pauses) if pauses else None,
+        "rebuild_pause_s_max": max(rebuilds) if rebuilds else None,
+        "update_lag_s_median": med(lags) if lags else None,
+        "bytes_per_version_median": med(published) if published else None,
+        "delta_bytes_median": med([h["bytes"] for h in history if h["kind"] == "delta"] or [0]),
+        "full_bytes": full,
+        "compression": (med(published) / full) if published and full else None,
+        "wall_s": wall_s,
+        "versions": args.versions, "every_k": args.every_k, "full_every": args.full_every, "lr": args.lr,
+        "workdir": str(work) if (args.dir or args.keep) else None,
+    }
+
+
+def _ts(rfc3339: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(rfc3339.replace("Z", "+00:00")).timestamp()
+
+
+def print_summary(s: dict) -> None:
+    def f(x, unit=""):
+        if x is None:
+            return "-"
+        return f"{x * 1e3:.1f} ms" if unit == "ms" else (f"{x:.2%}" if unit == "%" else f"{x:,}")
+
+    rows = [("versions published / applied", f"{s['versions_published']} / {s['versions_applied']}"),
+            ("engines bit-exact with the trainer", str(s["engines_bit_exact"])),
+            ("requests served / lost", f"{s['requests_served']} / {s['requests_lost']}"),
+            ("tokens served", f(s["tokens_served"])),
+            ("pause median / max", f"{f(s['pause_s_median'], 'ms')} / {f(s['pause_s_max'], 'ms')}"),
+            ("publish -> serving lag (median)", f(s["update_lag_s_median"], "ms")),
+            ("bytes per version (median)", f"{f(s['bytes_per_version_median'])} B"),
+            ("full weights (bf16)", f"{f(s['full_bytes'])} B"),
+            ("compression", f(s["compression"], "%")),
+            ("wall time", f"{s['wall_s']:.1f} s")]
+    try:
+        from rich.console import Console
+        from rich.table import Table
+
+        if not sys.stdout.isatty():
+            raise ImportError
+        t = Table(title="syncd demo")
+        t.add_column("")
+        t.add_column("", justify="right")
+        for k, v in rows:
+            t.add_row(k, v)
+        Console().print(t)
+    except ImportError:
+        width = max(len(k) for k, _ in rows)
+        print("syncd demo summary")
+        for k, v in rows:
+            print(f"  {k:<{width}}  {v}")
+
+
+def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
+    """The demo's flags (also mounted as ``syncd demo`` by the CLI)."""
+    p = argparse.ArgumentParser(prog="syncd demo", description=__doc__.split("\n\n")[0], add_help=add_help)
+    p.add_argument("--json", default=None, metavar="PATH", help="write the summary here (default: print only)")
+    p.add_argument("--versions", type=int, default=16, help="versions the trainer publishes")
+    p.add_argument("--every-k", type=int, default=2, help="optimizer steps per version")
+    p.add_argument("--full-every", type=int, default=8, help="a full version every that many")
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--seed", type=int, default=0, help="seed of the tiny model's random init")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between versions (a real RL step's pace)")
+    p.add_argument("--engines", type=int, default=2)
+    p.add_argument("--clients", type=int, default=4, help="client threads streaming requests")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--dir", default=None, help="work directory (kept); default a temp dir, removed after")
+    p.add_argument("--keep", action="store_true", help="keep the temp work directory (logs, store, cache)")
+    p.add_argument("--plain", action="store_true", help="plain progress lines even on a terminal")
+    p.add_argument("--timeout", type=float, default=300, help="give up after this many seconds")
+    return p
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["_trainer"]:
+        return _trainer(argv[1:])
+    p = build_parser()
+    return run_main(p.parse_args(argv), p)
+
+
+def run_main(args, p: argparse.ArgumentParser) -> int:
+    """Run the demo for parsed ``args``; returns the exit status."""
+    if args.versions < 2 or args.every_k < 1 or args.engines < 1 or args.clients < 1:
+        p.error("--versions >= 2, --every-k >= 1, --engines >= 1, --clients >= 1")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        summary = run(args)
+    except RuntimeError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    print_summary(summary)
+    if args.json:
+        write_summary(summary, args.json)
+    ok = (summary["requests_lost"] == 0 and summary["engines_bit_exact"]
+          and summary["final_version"] == args.versions - 1)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,225 @@
+"""``syncd demo``: an asynchronous RL run that learns, end to end on this machine, in about a minute.
+
+The serving side (``syncd.app.rl_stack``): a tiny random-init model, two reference-engine workers under the NVIDIA
+Dynamo frontend (recording replay records), the sandbox proxy (recording trajectories) and the ``syncd`` node
+daemon. The trainer (``python -m trainer.run``, two data-parallel ranks) sends each prompt of the ``repeat`` task
+8 times through the proxy, reads trajectories and replay records back from the store, takes a replay-corrected
+policy-gradient step and publishes a version every step; the daemon applies it to both engines in place while
+they keep generating. Progress shows the step, the reward, the staleness and each engine's version; the summary
+gives the reward before and after, versions published and applied, pauses, staleness and the trainer/engine
+mismatch, and is written as JSON with ``--json``. Exit status 0 only when no rollout was lost (every request
+answered, every record complete) and every engine ended bit-exact on the trainer's last version.
+
+    syncd demo [--steps 60] [--json PATH] [--plot PNG] [--dir DIR] [--keep] [--plain]
+    syncd demo --weights-only [...]     the weight-sync demo (syncd.app.demo: a supervised trainer, a client)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from syncd.app.demo_io import write_summary
+
+__all__ = ["main", "build_parser", "run"]
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="syncd demo", description=__doc__.split("\n\n")[0],
+                                epilog="syncd demo --weights-only --help: the weight-sync demo's flags")
+    p.add_argument("--weights-only", action="store_true", help="run the weight-sync demo (syncd.app.demo) instead")
+    p.add_argument("--steps", type=int, default=60, help="optimizer steps (a version each)")
+    p.add_argument("--nproc", type=int, default=2, help="data-parallel trainer ranks")
+    p.add_argument("--engines", type=int, default=2, help="Dynamo engine workers")
+    p.add_argument("--task", default="repeat", help="trainer.tasks task")
+    p.add_argument("--every-k", type=int, default=1, help="publish a version every K steps")
+    p.add_argument("--max-lag", type=int, default=2, help="staleness bound eta")
+    p.add_argument("--top-p", type=float, default=0.95, help="the engines sample from the top-p kept set")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, metavar="PATH", help="write the summary here")
+    p.add_argument("--plot", default=None, metavar="PNG", help="copy the run's picture here")
+    p.add_argument("--dir", default=None, help="work directory (kept); default a temp dir, removed after")
+    p.add_argument("--keep", action="store_true", help="keep the temp work directory")
+    p.add_argument("--plain", action="store_true", help="plain progress lines even on a terminal")
+    p.add_argument("--timeout", type=float, default=600, help="give up after this many seconds")
+    return p
+
+
+def _progress_line(step_line: dict | None, steps: int, engines: dict) -> str:
+    if step_line is None:
+        return "[demo] waiting for the first step"
+    s = step_line
+    engs = " ".join(f"{n} v{e.get('version')}" for n, e in sorted(engines.items()))
+    return (f"[demo] step {s['step']}/{steps} reward {s['reward_mean']:.3f} | trainer v{s.get('published_version')}"
+            f" | {engs} | staleness {s.get('staleness_mean') or 0:.2f} | IS mean {s.get('is_mean') or 0:.3f}")
+
+
+def _watch(proc: subprocess.Popen, metrics: Path, stack, args, display) -> None:
+    from trainer.metrics import read_metrics
+
+    deadline = time.monotonic() + args.timeout
+    last_print = 0.0
+    while proc.poll() is None:
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"demo: timed out after {args.timeout:.0f} s")
+        dead = stack.dead()
+        if dead:
+            proc.kill()
+            raise RuntimeError(f"demo: {dead}")
+        lines = read_metrics(metrics) if metrics.exists() else []
+        step = next((ln for ln in reversed(lines) if ln["kind"] == "step"), None)
+        engines = stack.daemon_status().get("engines", {})
+        if display is not None:
+            display.update(display.task_ids[0], completed=step["step"] if step else 0,
+                           info=_progress_line(step, args.steps, engines)[7:])
+        elif time.monotonic() - last_print > 2.0:
+            print(_progress_line(step, args.steps, engines), flush=True)
+            last_print = time.monotonic()
+        time.sleep(0.25)
+
+
+def run(args) -> dict:
+    """Run the demo (see the module docstring); returns the summary. RuntimeError when a part fails."""
+    from syncd.app.rl_stack import RLStack, StackConfig
+
+    for noisy in ("torchao", "torch", "torch.utils._pytree"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="syncd-rl-demo-"))
+    t0 = time.time()
+    stack = RLStack(StackConfig(work, engines=args.engines, seed=args.seed))
+    display = None
+    try:
+        stack.start()
+        out = work / "trainer"
+        argv = stack.trainer_argv("--out", str(out), "--nproc", str(args.nproc), "--steps", str(args.steps),
+                                  "--every-k", str(args.every_k), "--max-lag", str(args.max_lag), "--task", args.task,
+                                  "--top-p", str(args.top_p), "--seed", str(args.seed))
+        with open(stack.logs / "trainer.log", "wb") as err:
+            proc = subprocess.Popen(argv, env=stack.env, cwd=ROOT, stdout=subprocess.PIPE, stderr=err)
+        if not args.plain and sys.stdout.isatty():
+            try:
+                from rich.progress import BarColumn, Progress, TextColumn
+
+                display = Progress(TextColumn("RL steps"), BarColumn(), TextColumn("{task.fields[info]}"))
+                display.add_task("steps", total=args.steps, info="starting")
+                display.start()
+            except ImportError:
+                display = None
+        _watch(proc, out / "metrics.jsonl", stack, args, display)
+        if display is not None:
+            display.stop()
+            display = None
+        reply = proc.stdout.read().decode(errors="replace").strip().splitlines()
+        if proc.returncode != 0 or not reply:
+            raise RuntimeError(f"demo: the trainer exited with status {proc.returncode}: "
+                               f"{stack.log_tail('trainer', 3000)}")
+        trained = json.loads(reply[-1])
+        final = trained["final_version"]
+        stack.wait_engines_at(final, timeout_s=120)
+        exact = stack.engines_bit_exact(final)
+        proxy = stack.proxy_health()
+        stack.stop_daemon()
+        status = stack.daemon_status()
+        if args.plot and (out / "run.png").exists():
+            shutil.copyfile(out / "run.png", args.plot)
+        return summarize(args, trained, status, exact, proxy, time.time() - t0, work)
+    finally:
+        if display is not None:
+            display.stop()
+        stack.close()
+        if not args.dir and not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def summarize(args, trained: dict, status: dict, exact: dict, proxy: dict, wall_s: float, work: Path) -> dict:
+    """The demo's summary. Lost: rollout failures the trainer counted (requests, records, replay records, rewards)
+    plus the proxy's failure counts (``/health``) and records it still has pending."""
+    updates = [u for u in status.get("updates", []) if u.get("rebuild_from") is None]
+    pauses = [p for u in updates for p in u["pause_s"].values()]
+    rollouts = trained.get("rollouts") or {}
+    failures = {f"trainer/{k}": v for k, v in (rollouts.get("failures") or {}).items()}
+    failures.update({f"proxy/{k}": v for k, v in (proxy.get("failures") or {}).items()})
+    failures["proxy/pending_writes"] = int(proxy.get("pending_writes") or 0)
+    return {
+        "steps": trained.get("steps"), "reward_before": trained.get("reward_first"),
+        "reward_after": trained.get("reward_last"), "reward_window": trained.get("reward_window"),
+        "versions_published": trained.get("versions_published"), "final_version": trained.get("final_version"),
+        "versions_applied": len({u["version"] for u in updates}), "engines": len(exact),
+        "engines_bit_exact": bool(exact) and all(exact.values()), "engine_bit_exact": exact,
+        "pause_s_median": statistics.median(pauses) if pauses else None, "pause_s_max": max(pauses, default=None),
+        "publish_to_serving_s_median": trained.get("publish_to_serving_s_median"),
+        "staleness_mean": trained.get("staleness_mean"), "staleness_max": trained.get("staleness_max"),
+        "staleness_counts": trained.get("staleness_counts"), "is_mean_median": trained.get("is_mean_median"),
+        "is_outside_median": trained.get("is_outside_median"), "kl_k3_median": trained.get("kl_k3_median"),
+        "tokens_trained": trained.get("tokens_trained"), "trained_tokens_per_s": trained.get("trained_tokens_per_s"),
+        "rollout_requests": rollouts.get("requests"), "groups_dropped_stale": trained.get("dropped_stale"),
+        "rollouts_lost": sum(failures.values()), "rollout_failures": failures,
+        "ranks_agree": trained.get("ranks_agree"),
+        "wall_s": wall_s, "workdir": str(work) if (args.dir or args.keep) else None,
+    }
+
+
+def print_summary(s: dict) -> None:
+    def f(x, spec):
+        return "-" if x is None else format(x, spec)
+
+    rows = [("reward before -> after", f"{f(s['reward_before'], '.3f')} -> {f(s['reward_after'], '.3f')} "
+                                        f"(mean of {s['reward_window']} steps)"),
+            ("steps / versions published / applied",
+             f"{s['steps']} / {s['versions_published']} / {s['versions_applied']}"),
+            ("engines bit-exact on the last version", f"{s['engines_bit_exact']} (version {s['final_version']})"),
+            ("rollout requests / lost", f"{s['rollout_requests']} / {s['rollouts_lost']}"),
+            ("pause median / max", f"{f(s['pause_s_median'] and s['pause_s_median'] * 1e3, '.1f')} / "
+                                   f"{f(s['pause_s_max'] and s['pause_s_max'] * 1e3, '.1f')} ms"),
+            ("publish -> every engine (median)", f"{f(s['publish_to_serving_s_median'], '.3f')} s"),
+            ("staleness of trained tokens", f"mean {f(s['staleness_mean'], '.2f')}, max {s['staleness_max']}, "
+                                            f"{s['staleness_counts']}"),
+            ("groups dropped as stale", str(s["groups_dropped_stale"])),
+            ("IS ratio mean / share outside [0.9, 1.1]", f"{f(s['is_mean_median'], '.4f')} / "
+                                                         f"{f(s['is_outside_median'], '.1%')} (median over steps)"),
+            ("mismatch KL k3 (median over steps)", f(s["kl_k3_median"], ".2e")),
+            ("trained tokens / per second", f"{s['tokens_trained']} / {f(s['trained_tokens_per_s'], '.0f')}"),
+            ("wall time", f"{s['wall_s']:.1f} s")]
+    width = max(len(k) for k, _ in rows)
+    print("syncd demo summary (RL)")
+    for k, v in rows:
+        print(f"  {k:<{width}}  {v}")
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--weights-only" in argv:
+        from syncd.app import demo
+
+        return demo.main([a for a in argv if a != "--weights-only"])
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.nproc < 1 or args.engines < 1 or args.every_k < 1 or args.max_lag < 0:
+        p.error("--steps, --nproc, --engines, --every-k must be >= 1 and --max-lag >= 0")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        summary = run(args)
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    print_summary(summary)
+    if args.json:
+        write_summary(summary, args.json)
+    ok = summary["rollouts_lost"] == 0 and summary["engines_bit_exact"] and summary["final_version"] == \
+        -(-args.steps // args.every_k) and summary["ranks_agree"] is not False
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

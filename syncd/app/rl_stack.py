@@ -1,0 +1,228 @@
+"""The serving side of a local RL run, started as real processes: what ``syncd demo``, ``bench.rl_loop`` and the
+trainer's end-to-end tests run the thin trainer (``python -m trainer.run``) against.
+
+* a tiny random-init model folder (``engine.reference.make_tiny``), which the engines serve as version 0;
+* one inference node (``engine.dynamo.serve.Node``, what ``syncd serve`` runs): the Dynamo frontend and
+  ``engines`` reference-engine workers, each recording replay records to the store under the run;
+* the sandbox proxy (``python -m engine.proxy``) in front of the frontend, recording trajectories;
+* the node daemon (``python -m syncd.app.cli``), keeping every worker on the newest version through its admin
+  routes and writing its status file (engines' versions, every update with its pauses).
+
+Wiring: it imports ``engine`` and the syncd core, never ``trainer`` (the trainer is a process of its own, whose
+command line :meth:`RLStack.trainer_argv` builds). Versions are signed with a key made for the stack
+(:attr:`RLStack.env` carries it to the trainer and the daemon).
+
+Thread-safety: one owner thread; :meth:`close` is idempotent and stops everything it started.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+__all__ = ["StackConfig", "RLStack"]
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    """``workdir``: everything goes below it (model, store, logs, cache); ``store_url``: None for a file store
+    in ``workdir``; ``engines``: Dynamo workers; the tiny model's ``arch``/``hidden``/``layers``/``seed``;
+    ``max_batch``: requests one engine runs at once; ``poll_interval_s``: the daemon's poll of the store."""
+
+    workdir: Path
+    run_id: str = "rl"
+    engines: int = 2
+    arch: str = "qwen2"
+    hidden: int = 64
+    layers: int = 2
+    seed: int = 0
+    store_url: str | None = None
+    max_batch: int = 16
+    poll_interval_s: float = 0.1
+    sandbox_id: str = "rl-sandbox"
+    startup_timeout_s: float = 240.0
+
+
+class RLStack:
+    """Start with :meth:`start` (or ``with``); see the module docstring."""
+
+    def __init__(self, config: StackConfig):
+        self.config = config
+        self.workdir = Path(config.workdir).resolve()
+        self.store_url = config.store_url or (self.workdir / "store").as_uri()
+        self.run_id = config.run_id
+        self.model_dir = self.workdir / "model"
+        self.logs = self.workdir / "logs"
+        self.status_file = self.workdir / "daemon-status.json"
+        key = "hex:" + secrets.token_hex(32)
+        self.env = dict(os.environ, SYNCD_SIGNING_KEY=key, OMP_NUM_THREADS="1",
+                        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+        for var in ("SYNCD_STORE", "SYNCD_RUN_ID", "SYNCD_ENGINES", "SYNCD_STATUS_FILE", "SYNCD_TEST_PAUSE_AT"):
+            self.env.pop(var, None)
+        self.node = None
+        self.proxy: subprocess.Popen | None = None
+        self.proxy_url: str | None = None
+        self.daemon: subprocess.Popen | None = None
+        self.engines: dict[str, str] = {}  # worker name -> admin URL
+
+    # ------------------------------------------------------------------------------------ start
+
+    def start(self) -> "RLStack":
+        from engine.dynamo.serve import Node, NodeConfig
+        from engine.dynamo.settings import DynamoSettings
+        from engine.reference.make_tiny import write_model
+
+        cfg = self.config
+        self.logs.mkdir(parents=True, exist_ok=True)
+        if self.store_url.startswith("file://"):
+            Path(self.store_url[len("file://"):]).mkdir(parents=True, exist_ok=True)
+        write_model(self.model_dir, arch=cfg.arch, seed=cfg.seed, hidden=cfg.hidden, layers=cfg.layers,
+                    intermediate=2 * cfg.hidden)
+        try:
+            self.node = Node(NodeConfig(
+                model=self.model_dir, run_dir=self.workdir / "node", workers=cfg.engines, frontend=True,
+                settings=DynamoSettings(file_kv=self.workdir / "kv", namespace=f"rl{uuid.uuid4().hex[:8]}"),
+                worker_args=("--weights-version", "0", "--replay-store", self.store_url, "--run-id", self.run_id,
+                             "--max-batch", str(cfg.max_batch), "--threads", "1"),
+                startup_timeout_s=cfg.startup_timeout_s))
+            self.node.start()
+            self.node.supervise(background=True)
+            self.engines = {w["name"]: w["admin_url"] for w in self.node.workers()}
+            self.proxy, self.proxy_url = self._start_proxy()
+            self.daemon = self._start_daemon()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+        with open(self.logs / f"{name}.log", "ab") as fh:
+            return subprocess.Popen([sys.executable, *argv], env=self.env, stdout=fh, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def _start_proxy(self) -> tuple[subprocess.Popen, str]:
+        from engine.proxy.procs import start_proxy
+
+        proc, url = start_proxy(self.workdir, self.node.frontend_url, self.store_url, self.run_id,
+                                self.config.sandbox_id, env=self.env, log_path=self.logs / "proxy.log")
+        self.proxy = proc
+        return proc, url
+
+    def _start_daemon(self) -> subprocess.Popen:
+        from syncd.engines.client import RemoteAdapter
+        from engine.dynamo.procs import wait_until
+
+        argv = ["-m", "syncd.app.cli", "--run-id", self.run_id, "--store", self.store_url, "--cache-dir",
+                str(self.workdir / "cache"), "--status-file", str(self.status_file), "--poll-interval",
+                str(self.config.poll_interval_s), "--poll-jitter", "0", "--engine-check", "0.5",
+                "--log-level", "INFO"]
+        for name, url in self.engines.items():
+            argv += ["--engine", f"{name}={url}"]
+        proc = self._spawn("daemon", argv)
+        remotes = [RemoteAdapter(u, timeout_s=10) for u in self.engines.values()]
+        wait_until(lambda: all(r.version == 0 for r in remotes), 60, "the engines at version 0",
+                   alive=lambda: proc.poll() is not None and f"the daemon exited ({self.log_tail('daemon')})")
+        return proc
+
+    # ------------------------------------------------------------------------------------ state
+
+    def log_tail(self, name: str, n: int = 2000) -> str:
+        try:
+            return (self.logs / f"{name}.log").read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def daemon_status(self) -> dict:
+        """The daemon's status file (``{}`` before its first write)."""
+        try:
+            return json.loads(self.status_file.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def proxy_health(self) -> dict:
+        """The proxy's ``/health`` (open trajectories, pending writes, failure counts); raises RuntimeError when it
+        does not answer."""
+        from engine.dynamo.procs import http_json
+
+        status, body = http_json("GET", f"{self.proxy_url}/health", timeout_s=10)
+        if status != 200 or not isinstance(body, dict):
+            raise RuntimeError(f"the proxy's /health answered {status}: {body}")
+        return body
+
+    def engine_versions(self) -> dict[str, int | None]:
+        """Each worker's version, asked through its admin route."""
+        from syncd.engines.client import RemoteAdapter
+
+        return {n: RemoteAdapter(u, timeout_s=30).version for n, u in self.engines.items()}
+
+    def wait_engines_at(self, version: int, timeout_s: float = 120.0) -> None:
+        """Until every worker serves ``version`` (TimeoutError otherwise)."""
+        from engine.dynamo.procs import wait_until
+
+        wait_until(lambda: all(v == version for v in self.engine_versions().values()), timeout_s,
+                   f"every engine at version {version}", interval_s=0.2, alive=self.dead)
+
+    def engines_bit_exact(self, version: int) -> dict[str, bool]:
+        """Per worker: does every tensor it serves have the checksum the manifest of ``version`` records?"""
+        from syncd.engines.client import RemoteAdapter
+        from syncd.versions import read_manifest
+
+        m = read_manifest(self.store_url, self.run_id, version, signing_key=self.env["SYNCD_SIGNING_KEY"])
+        want = {t.name: t.checksum for t in m.tensors}
+        return {n: RemoteAdapter(u, timeout_s=60).checksum() == want for n, u in self.engines.items()}
+
+    def dead(self) -> str | None:
+        """Why the stack cannot serve (a process exited), or None."""
+        for name, p in (("proxy", self.proxy), ("daemon", self.daemon)):
+            if p is not None and p.poll() is not None:
+                return f"the {name} exited with status {p.returncode}: {self.log_tail(name)}"
+        if self.node is not None and self.node._failed:
+            return f"the node failed: {self.node._failed}"
+        return None
+
+    def trainer_argv(self, *extra: str) -> list[str]:
+        """``python -m trainer.run`` against this stack, plus ``extra`` flags."""
+        return [sys.executable, "-m", "trainer.run", "--proxy", self.proxy_url, "--store", self.store_url,
+                "--run-id", self.run_id, "--model", str(self.model_dir), "--daemon-status", str(self.status_file),
+                *extra]
+
+    # ------------------------------------------------------------------------------------ stop
+
+    def stop_daemon(self, timeout_s: float = 60.0) -> int | None:
+        """SIGTERM the daemon and wait (its status file is final afterwards)."""
+        if self.daemon is None or self.daemon.poll() is not None:
+            return None if self.daemon is None else self.daemon.returncode
+        self.daemon.send_signal(signal.SIGTERM)
+        try:
+            return self.daemon.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.daemon.kill()
+            return self.daemon.wait()
+
+    def close(self) -> None:
+        from engine.dynamo.procs import stop_process
+
+        self.stop_daemon()
+        if self.proxy is not None:
+            stop_process(self.proxy, 30)  # open trajectories get written
+        if self.node is not None:
+            self.node.close()  # the workers drain and flush their replay records
+
+    def __enter__(self) -> "RLStack":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
