@@ -479,7 +479,7 @@ def rebuild_from_peers(owner: str, holders: list[str], directory: PeerDirectory,
                        if at_most is None or s <= at_most]
         except ReplicaError as exc:
             log.warning("%s: cannot list the replicas %s holds: %s", owner, holder, exc)
-    for step, holder, url in sorted(offers, reverse=True):
+    for step, holder, url in sorted(offers, key=lambda o: -o[0]):  # newest first; holders in placement order
         try:
             fetch_replica(url, owner, step, dest_root, signing_key=signing_key)
             log.warning("%s: rebuilt step %d from the replica held by %s", owner, step, holder)
