@@ -83,6 +83,11 @@ def place_replicas(nodes: list[str], k: int) -> list[list[int]]:
 # ---------------------------------------------------------------------------------------------- server
 
 
+class _QuietServer(ThreadingHTTPServer):
+    def handle_error(self, request, client_address) -> None:  # a peer that hung up (e.g. after a refusal)
+        log.debug("replica server: connection from %s ended in an error", client_address, exc_info=True)
+
+
 class ReplicaServer:
     """Holds replicas for other owners under ``root/<owner>/step-*`` and serves them (module docstring).
     ``keep``: steps kept per owner; ``max_bytes``: the largest replica accepted."""
@@ -151,7 +156,7 @@ class ReplicaServer:
                     return self._error(404, f"no replica of {owner} step {step}")
                 outer._send_dir(self, path)
 
-        self._server = ThreadingHTTPServer((host, port), Handler)
+        self._server = _QuietServer((host, port), Handler)
         self._server.daemon_threads = True
         self.url = f"http://{host}:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, name="replica-server", daemon=True)

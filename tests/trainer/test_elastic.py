@@ -86,10 +86,11 @@ class Job:
 
     def argv(self, group: int) -> list[str]:
         d = self.data
-        return [sys.executable, "-m", "trainer.run", "--model", str(d["model"]), "--store", self.store, "--run-id", "el",
-                "--plans", str(d["plans" if self.groups == GROUPS else "plans-big"]), "--steps", str(self.steps),
-                "--groups-per-step", str(self.groups), "--group-size", str(G), "--out", str(self.dir / "out"), "--no-plot",
-                "--lighthouse", self.url, "--replica-groups", "2", "--replica-group", str(group),
+        plans = d["plans" if self.groups == GROUPS else "plans-big"]
+        return [sys.executable, "-m", "trainer.run", "--model", str(d["model"]), "--store", self.store,
+                "--run-id", "el", "--plans", str(plans), "--steps", str(self.steps),
+                "--groups-per-step", str(self.groups), "--group-size", str(G), "--out", str(self.dir / "out"),
+                "--no-plot", "--lighthouse", self.url, "--replica-groups", "2", "--replica-group", str(group),
                 "--min-replicas", str(self.min_replicas), "--checkpoint-dir", str(self.ckpt(group)),
                 "--replicas", "1", "--ft-timeout", "20", "--log-level", "WARNING"]
 

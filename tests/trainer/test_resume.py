@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -25,6 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from bench.trainer_ft import kill_process_tree
 
 pytestmark = pytest.mark.integration
 
@@ -54,39 +55,6 @@ def _argv(data, out: Path, ckpt: Path, *extra: str) -> list[str]:
 
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "SYNCD_NODE": "node-{rank}"}
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            out += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return out
-
-
-def _kill_trainer(p: subprocess.Popen) -> None:
-    """SIGKILL every process of the trainer: rank 0 and the ranks it started (their own sessions)."""
-    victims = [p.pid, *_children(p.pid)]
-    for pid in victims:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    p.wait()
-    for pid in victims[1:]:
-        for _ in range(200):
-            if not Path(f"/proc/{pid}").exists() or "zombie" in _state(pid):
-                break
-            time.sleep(0.05)
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split("\n")[0].lower()
-    except (OSError, IndexError):
-        return "zombie"
 
 
 def _durable(ckpt: Path) -> int:
@@ -128,7 +96,7 @@ def test_kill_9_of_the_whole_trainer_at_random_points_loses_and_repeats_nothing(
         if p.poll() is not None:  # it finished before the kill
             assert p.returncode == 0, (tmp_path / f"life{life}.err").read_text()[-3000:]
             break
-        _kill_trainer(p)
+        kill_process_tree(p)  # every rank: the whole trainer
         floors.append(_durable(ckpt))
     log.close()
     for life in range(1, len(floors) + 1):
