@@ -10,10 +10,11 @@ failures. Each figure next to its baseline, measured in the same process, median
   Figures: the stall as a share of the no-checkpoint step, and sync stall / async stall. The physical floor of a
   non-overlapped snapshot is one memcpy of the state (measured).
 * **rebuild**: the checkpoint of a ~``--rebuild-params`` model with its AdamW state, rebuilt by a new process's
-  worth of work from a peer's replica (:func:`trainer.replicas.fetch_replica` from a :class:`ReplicaServer`
-  in another process, over loopback) against the same bundle from the object store (``--store``, default a
-  ``file://`` store in the work folder: a local disk, faster than any cloud object store), each verified (hashes)
-  and loaded into a fresh model and optimizer. Projected to a 1T-parameter run: the per-node shard over the
+  worth of work from a peer's replica (:func:`trainer.replicas.fetch_checkpoint` from a :class:`ReplicaServer`
+  in another process, over loopback, verified and parsed in memory as ``FaultTolerance.restore`` does; the copy to
+  local disk happens afterwards, in the background) against the same bundle from the object store (``--store``,
+  default a ``file://`` store in the work folder: a local disk, faster than any cloud object store), verified and
+  parsed the same way, each loaded into a fresh model and optimizer. Projected to a 1T-parameter run: the per-node shard over the
   measured per-link rate, with the assumptions printed.
 * **goodput**: the thin trainer (``python -m trainer.run --nproc 2 --checkpoint-dir``, offline on recorded
   rollouts, ``bench.ft_data``) killed with SIGKILL every ``--fail-every`` steps and resumed, against a
@@ -24,10 +25,10 @@ failures. Each figure next to its baseline, measured in the same process, median
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import platform
-import shutil
 import signal
 import subprocess
 import sys
@@ -145,8 +146,9 @@ def bench_rebuild(args, work: Path) -> dict:
     import torch
 
     from syncd.store import Store
-    from trainer.checkpoint import Checkpointer, newest_checkpoint, step_dir
-    from trainer.replicas import fetch_replica, push_replica
+    from trainer.checkpoint import Checkpointer, parse_checkpoint, step_dir
+    from trainer.ckpt_format import MANIFEST, frame_prefix, read_frame
+    from trainer.replicas import fetch_checkpoint, push_replica
 
     torch.manual_seed(0)
     model = _mlp(args.rebuild_params, args.width)
@@ -170,24 +172,17 @@ def bench_rebuild(args, work: Path) -> dict:
         fresh = _mlp(args.rebuild_params, args.width)
         fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-4, foreach=False)
 
-        def load(root: Path) -> None:
-            c = newest_checkpoint(root, owner="rank-1")
+        def from_peer() -> None:  # what FaultTolerance.restore does: fetched, verified, parsed in memory, loaded
+            _, c = fetch_checkpoint(url, "rank-1", 1)
             c.apply(fresh, fresh_opt)
 
-        def from_peer() -> None:
-            dest = work / "from-peer"
-            shutil.rmtree(dest, ignore_errors=True)
-            fetch_replica(url, "rank-1", 1, dest)
-            load(dest)
-
-        def from_store() -> None:
-            dest = work / "from-store"
-            shutil.rmtree(dest, ignore_errors=True)
-            d = step_dir(dest, 1)
-            d.mkdir(parents=True)
-            for o in store.list("ckpt/rank-1/step-1/"):
-                (d / o.key.rsplit("/", 1)[1]).write_bytes(store.download(o.key))
-            load(dest)
+        def from_store() -> None:  # the same bundle from the store, verified and parsed the same way
+            objs = {o.key.rsplit("/", 1)[1]: o.key for o in store.list("ckpt/rank-1/step-1/")}
+            raw = bytes(store.download(objs.pop(MANIFEST)))
+            frame = io.BytesIO(b"".join([frame_prefix(raw), raw, *(bytes(store.download(objs[n]))
+                                                                   for n in sorted(objs))]))
+            b = read_frame(frame.read, None, where="object store", owner="rank-1", step=1)
+            parse_checkpoint(b, "object store").apply(fresh, fresh_opt)
 
         peer, obj, ratios = [], [], []
         for _ in range(args.rounds):

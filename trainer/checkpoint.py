@@ -287,6 +287,13 @@ class Checkpointer:
         if len(self.stats.stalls) > 4096:
             del self.stats.stalls[:2048]
 
+    def mark_durable(self, step: int) -> None:
+        """A checkpoint of ``step`` written by someone else (a restore) is on disk: it counts as durable."""
+        with self._cond:
+            if self.durable_step is None or self.durable_step < step:
+                self.durable_step = step
+            self._cond.notify_all()
+
     def wait_durable(self, step: int, timeout: float | None = None) -> bool:
         """True once a checkpoint of ``step`` or later is on disk (False after ``timeout`` seconds)."""
         deadline = None if timeout is None else time.monotonic() + timeout

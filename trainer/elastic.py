@@ -156,18 +156,11 @@ class ElasticDP:
         peer's failure the gradients are garbage and :meth:`commit` returns False."""
         from torch.distributed import ReduceOp
 
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
-                          for p in params])
+        from trainer.dist import flat_grads, set_grads
+
+        flat = flat_grads(params)
         self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
-        at = 0
-        for p in params:
-            n = p.numel()
-            g = flat[at:at + n].view_as(p).to(p.dtype)
-            if p.grad is None:
-                p.grad = g.clone()
-            else:
-                p.grad.copy_(g)
-            at += n
+        set_grads(params, flat)
 
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         from torch.distributed import ReduceOp

@@ -22,13 +22,15 @@ that is behind the others.
 from __future__ import annotations
 
 import logging
+import shutil
 import socket
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainer.checkpoint import Checkpoint, Checkpointer, list_steps, newest_checkpoint
+from trainer.checkpoint import Checkpoint, Checkpointer, list_steps, newest_checkpoint, step_dir
 from trainer.replicas import (PeerDirectory, ReplicaError, ReplicaServer, Replicator, list_replicas,
-                              place_replicas, rebuild_from_peers)
+                              place_replicas, rebuild_from_peers, write_bundle)
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +84,7 @@ class FaultTolerance:
         self.holders = [cfg.owners[j] for j in place_replicas(list(cfg.nodes), cfg.replicas)[me]]
         self.directory.announce(cfg.owner, self.server.url, cfg.nodes[me])
         self.replicator = Replicator(cfg.owner, self.holders, self.directory) if self.holders else None
+        self._persisting: threading.Thread | None = None
         self.checkpointer = Checkpointer(self.own, owner=cfg.owner, keep=cfg.keep, on_busy=cfg.on_busy,
                                          fsync=cfg.fsync, signing_key=cfg.signing_key,
                                          on_durable=[self.replicator] if self.replicator else [])
@@ -114,32 +117,42 @@ class FaultTolerance:
         if c is not None:
             log.warning("%s: restoring step %d from the local checkpoint %s", self.cfg.owner, c.step, c.path)
             return self._restored(c)
-        got = rebuild_from_peers(self.cfg.owner, self.holders, self.directory, self.own, signing_key=key,
-                                 at_most=step)
-        if got is None or (step is not None and got[0] != step):
+        got = rebuild_from_peers(self.cfg.owner, self.holders, self.directory, signing_key=key, at_most=step)
+        if got is None or (step is not None and got[1].step != step):
             return None
-        c = newest_checkpoint(self.own, owner=self.cfg.owner, signing_key=key, step=got[0])
-        if c is not None:
-            c.source = got[1]
-            self._restored(c)
+        bundle, c, _ = got
+        c.path = step_dir(self.own, c.step)
+        self._drop_later(c.step)
+        # loaded from memory at once; written to local disk (and offered to the holders again) in the background
+        self._persisting = threading.Thread(target=self._persist, args=(bundle, c.step), name="ft-persist",
+                                            daemon=True)
+        self._persisting.start()
         return c
 
-    def _restored(self, c: Checkpoint) -> Checkpoint:
-        """The restored checkpoint is this life's first durable one: later local ones (of a lineage that did not
-        survive: the job restored an older step) are removed, and it is offered to the holders again (they may
-        have lost it, or it came from one of them) so that the durability of its step is known."""
-        import shutil
-
-        from trainer.checkpoint import step_dir
-
+    def _drop_later(self, step: int) -> None:
+        """Later local checkpoints belong to a lineage that did not survive (the job restored an older step)."""
         for s in list_steps(self.own):
-            if s > c.step:
+            if s > step:
                 shutil.rmtree(step_dir(self.own, s), ignore_errors=True)
-        with self.checkpointer._cond:
-            self.checkpointer.durable_step = c.step
+
+    def _restored(self, c: Checkpoint) -> Checkpoint:
+        """The restored local checkpoint is this life's first durable one; offered to the holders again (they
+        may have lost it) so that the durability of its step is known."""
+        self._drop_later(c.step)
+        self.checkpointer.mark_durable(c.step)
         if self.replicator is not None:
             self.replicator(c.step, c.path)
         return c
+
+    def _persist(self, bundle, step: int) -> None:
+        try:
+            path = write_bundle(bundle, self.own)
+        except OSError as exc:
+            log.warning("%s: the rebuilt step %d could not be written to %s: %s", self.cfg.owner, step, self.own, exc)
+            return
+        self.checkpointer.mark_durable(step)
+        if self.replicator is not None:
+            self.replicator(step, path)
 
     # ------------------------------------------------------------------------------------ durability
 
@@ -162,6 +175,8 @@ class FaultTolerance:
         return True
 
     def close(self) -> None:
+        if self._persisting is not None:
+            self._persisting.join()
         self.checkpointer.close()
         if self.replicator is not None:
             self.replicator.close()

@@ -46,13 +46,13 @@ from urllib.parse import urlsplit
 
 from syncd import jsonsafe
 from syncd import manifest as mf
-from trainer.checkpoint import list_steps, step_dir
+from trainer.checkpoint import list_steps, parse_checkpoint, step_dir
 from trainer.ckpt_format import MANIFEST, StateError, check_owner, frame_prefix, read_frame
 
 log = logging.getLogger(__name__)
 
-__all__ = ["place_replicas", "ReplicaServer", "push_replica", "fetch_replica", "list_replicas", "PeerDirectory",
-           "Replicator", "ReplicaError", "rebuild_from_peers"]
+__all__ = ["place_replicas", "ReplicaServer", "push_replica", "fetch_replica", "fetch_checkpoint", "write_bundle",
+           "list_replicas", "PeerDirectory", "Replicator", "ReplicaError", "rebuild_from_peers"]
 
 _PATH = re.compile(r"^/v1/replicas(?:/([A-Za-z0-9][A-Za-z0-9._-]{0,63}))?(?:/(\d{1,18}))?$")
 _HEAL = re.compile(r"^/v1/heal/(\d{1,18})$")
@@ -346,6 +346,50 @@ def fetch_replica(url: str, owner: str, step: int, dest_root, *, signing_key=Non
         conn.close()
 
 
+def fetch_checkpoint(url: str, owner: str, step: int, *, signing_key=None, timeout_s: float = 120.0,
+                     max_bytes: int = 1 << 40):
+    """``owner``'s replica of ``step`` from ``url``, verified (every hash) and parsed in memory, never touching the
+    disk: ``(bundle, checkpoint)``; :func:`write_bundle` persists the bundle. StateError / ReplicaError."""
+    where = f"replica of {owner} step {step} from {url}"
+    conn = _conn(url, timeout_s)
+    try:
+        conn.request("GET", f"/v1/replicas/{check_owner(owner)}/{int(step)}")
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise ReplicaError(f"{url}: HTTP {resp.status} for the replica of {owner} step {step}: "
+                               f"{resp.read(2000).decode('utf-8', 'replace')}")
+        length = resp.headers.get("Content-Length")
+        bundle = read_frame(resp.read, int(length) if length and length.isdigit() else None, where=where,
+                            signing_key=signing_key, owner=owner, step=step, max_bytes=max_bytes)
+    except OSError as exc:
+        raise ReplicaError(f"{url}: replica of {owner} step {step}: {type(exc).__name__}: {exc}") from None
+    finally:
+        conn.close()
+    return bundle, parse_checkpoint(bundle, where)
+
+
+def write_bundle(bundle, root) -> Path:
+    """Write a verified in-memory bundle to ``root/step-<step>`` atomically (files fsynced, the manifest last,
+    renamed into place)."""
+    root = Path(root)
+    final = step_dir(root, bundle.step)
+    tmp = root / f".tmp-{final.name}-{os.getpid()}-{threading.get_ident()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        for name, data in [*sorted(bundle.files.items()), (MANIFEST, bundle.raw_manifest)]:
+            with open(tmp / name, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        return final
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 # ---------------------------------------------------------------------------------------------- directory
 
 
@@ -469,10 +513,11 @@ class Replicator:
                     self._cond.notify_all()
 
 
-def rebuild_from_peers(owner: str, holders: list[str], directory: PeerDirectory, dest_root, *, signing_key=None,
-                       at_most: int | None = None) -> tuple[int, str] | None:
-    """Fetch ``owner``'s newest verifiable replica from its holders into ``dest_root``; ``(step, holder)``, or None
-    when no holder has one that verifies (each corrupt or unreachable one is logged and the next tried)."""
+def rebuild_from_peers(owner: str, holders: list[str], directory: PeerDirectory, *, signing_key=None,
+                       at_most: int | None = None):
+    """``owner``'s newest verifiable replica from its holders, fetched and parsed in memory (:func:`fetch_checkpoint`):
+    ``(bundle, checkpoint, holder)``, or None when no holder has one that verifies (each corrupt or unreachable one
+    is logged and the next tried). The caller persists the bundle (:func:`write_bundle`), off the critical path."""
     offers = []
     for holder in holders:
         where = directory.lookup(holder)
@@ -486,9 +531,10 @@ def rebuild_from_peers(owner: str, holders: list[str], directory: PeerDirectory,
             log.warning("%s: cannot list the replicas %s holds: %s", owner, holder, exc)
     for step, holder, url in sorted(offers, key=lambda o: -o[0]):  # newest first; holders in placement order
         try:
-            fetch_replica(url, owner, step, dest_root, signing_key=signing_key)
+            bundle, c = fetch_checkpoint(url, owner, step, signing_key=signing_key)
             log.warning("%s: rebuilt step %d from the replica held by %s", owner, step, holder)
-            return step, holder
+            c.source = holder
+            return bundle, c, holder
         except (StateError, ReplicaError) as exc:
             log.warning("%s: replica of step %d held by %s skipped: %s", owner, step, holder, exc)
     return None

@@ -17,7 +17,7 @@ from trainer.checkpoint import Checkpointer, list_steps, newest_checkpoint, step
 from trainer.ckpt_format import StateError
 from trainer.ft import FaultTolerance, FTConfig, agree_step
 from trainer.replicas import (PeerDirectory, ReplicaError, ReplicaServer, fetch_replica, place_replicas,
-                              push_replica, rebuild_from_peers)
+                              push_replica, rebuild_from_peers, write_bundle)
 
 
 @settings(max_examples=200, deadline=None)
@@ -88,14 +88,15 @@ def test_a_replica_round_trips_and_a_corrupt_one_is_skipped_for_the_next_holder(
     d.announce("a", a.url, "n1")
     d.announce("b", b.url, "n2")
     _flip(step_dir(a.root / "rank-0", 2) / "model.safetensors")  # bit rot at the first holder
-    lost = tmp_path / "rebuilt"
     with caplog.at_level(logging.WARNING, "trainer.replicas"):
-        got = rebuild_from_peers("rank-0", ["a", "b"], d, lost)
-    assert got == (2, "b")  # a's step 2 skipped, b's step 2 taken
+        bundle, c, holder = rebuild_from_peers("rank-0", ["a", "b"], d)
+    assert (c.step, holder, c.source) == (2, "b", "b")  # a's step 2 skipped, b's step 2 taken
     assert "replica of step 2 held by a skipped" in caplog.text
     assert "model.safetensors does not match its SHA-256 in the manifest (corrupt)" in caplog.text
-    c = newest_checkpoint(lost, owner="rank-0")
-    assert c.step == 2 and all(torch.equal(c.model[k], v) for k, v in m.state_dict().items())
+    assert all(torch.equal(c.model[k], v) for k, v in m.state_dict().items())
+    lost = tmp_path / "rebuilt"
+    write_bundle(bundle, lost)  # persisted as it arrived: a checkpoint that verifies on its own
+    assert newest_checkpoint(lost, owner="rank-0").step == 2
     assert not [p for p in lost.iterdir() if p.name.startswith(".tmp")]  # nothing half-written left
 
 
@@ -147,6 +148,9 @@ def test_a_lost_node_rebuilds_from_its_peers_and_the_gate_counts_holders(tmp_pat
         c = fts[1].restore(step=1)
         assert c is not None and c.step == 1 and c.source in ("rank-0", "rank-2")
         assert all(torch.equal(c.model[k], v) for k, v in models[1].state_dict().items())
+        fts[1]._persisting.join()  # written to the new disk in the background, then counted durable
+        assert newest_checkpoint(tmp_path / "n1-new" / "rank-1" / "own", owner="rank-1").step == 1
+        assert fts[1].checkpointer.durable_step == 1
         fts[2].close()  # a holder dies: the next step is on fewer holders than asked, and the gate says so
         fts[0].checkpointer.save(2, models[0], None, state={"step": 2}, wait=True)
         with caplog.at_level(logging.WARNING, "trainer.ft"):
