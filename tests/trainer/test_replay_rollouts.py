@@ -24,7 +24,10 @@ from trainer.rollouts import read_rollouts
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-CFG = dict(requests=3, max_tokens=48, concurrency=3, updates=1, update_every=16, pretrain_steps=30, hidden=32)
+# The update is applied once every stream has made 16 tokens; the other 80 are the margin for the controller to
+# notice and pause the engines on a busy machine (48 tokens in all were not enough at load ~10).
+CFG = dict(requests=3, max_tokens=96, concurrency=3, updates=1, update_every=16, pretrain_steps=30, hidden=32)
+N = CFG["max_tokens"]
 
 
 @pytest.fixture(scope="module")
@@ -62,12 +65,12 @@ def test_rollouts_join_both_records_and_carry_the_update_mid_trajectory(runs, ki
     assert sorted((r.sandbox_id, r.trajectory_id) for r in rs.rollouts) == sorted(run.trajectories)
     for seq in rs.sequences:
         gen = seq.versions[seq.loss_mask].tolist()
-        assert len(gen) == 48 and gen[0] == 0 and gen[-1] == 1 and gen == sorted(gen), gen  # one switch, 0 -> 1
-        assert seq.positions.numel() == 48 and seq.temperature == 1.0
+        assert len(gen) == N and gen[0] == 0 and gen[-1] == 1 and gen == sorted(gen), (run.applied_at, gen)  # 0 -> 1
+        assert seq.positions.numel() == N and seq.temperature == 1.0
         sizes = seq.kept_offsets[1:] - seq.kept_offsets[:-1]
         assert int(sizes.max()) <= 20  # top-k 20
         rows = kept_rows(seq.kept_offsets)
-        assert bool((seq.kept_ids.long() == seq.tokens[seq.positions][rows]).long().sum() == 48)
+        assert bool((seq.kept_ids.long() == seq.tokens[seq.positions][rows]).long().sum() == N)
         if kind == "moe":
             assert seq.routes.shape == (len(seq), 2, 2) and seq.routes.dtype == torch.int8
             assert int(seq.routes.max()) < 8 and (seq.routes[:-1] >= 0).all() and (seq.routes[-1] == -1).all()
