@@ -162,3 +162,22 @@ def test_a_lost_node_rebuilds_from_its_peers_and_the_gate_counts_holders(tmp_pat
                 ft.close()
             except Exception:  # noqa: BLE001 -- closed above
                 pass
+
+
+def test_the_live_heal_state_is_verified_before_it_is_parsed(tmp_path):
+    import io
+
+    from trainer.heal import decode_state, encode_state
+
+    state = {"model": {"w": torch.arange(6.0)}, "step": 3, "lr": 0.5}
+    frame = encode_state("group-1", 3, state)
+    got = decode_state(io.BytesIO(frame).read, len(frame), where="heal", step=3)
+    assert torch.equal(got["model"]["w"], state["model"]["w"]) and got["step"] == 3 and got["lr"] == 0.5
+    bad = bytearray(frame)
+    bad[-3] ^= 0x10  # one bit of a tensor on the wire
+    with pytest.raises(StateError, match="tensors.safetensors does not match its SHA-256"):
+        decode_state(io.BytesIO(bytes(bad)).read, len(bad), where="heal", step=3)
+    with pytest.raises(StateError, match="the state of step 3, expected step 4"):  # a stale answer
+        decode_state(io.BytesIO(frame).read, len(frame), where="heal", step=4)
+    with pytest.raises(StateError, match="ended .* bytes early"):  # a peer that died mid-transfer
+        decode_state(io.BytesIO(frame[:-10]).read, None, where="heal", step=3)
