@@ -262,7 +262,8 @@ def _fault_tolerance(cfg: LoopConfig, dp: DataParallel, model, opt):
         return None, None
     from trainer.ft import FaultTolerance, FTConfig, agree_step, default_node
 
-    nodes = dp.broadcast(dp.gather(cfg.node or default_node()))
+    node = cfg.node.replace("{rank}", str(dp.rank)) if cfg.node else default_node()
+    nodes = dp.broadcast(dp.gather(node))
     owners = tuple(f"rank-{r}" for r in range(dp.world))
     k = min(cfg.replicas, len(set(nodes)) - 1)
     if k < cfg.replicas and dp.is_main:
