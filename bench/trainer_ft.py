@@ -303,6 +303,8 @@ def bench_goodput(args, work: Path) -> dict:
             lost.append(last - start)
             restarts.append(clock() - t_kill)
         target = start + args.fail_every
+        if target >= args.goodput_steps:  # no failure due before the end
+            p.wait()
         while p.poll() is None and max(_trained(work / "failing" / "out"), default=0) < target:
             time.sleep(0.01)
         if p.poll() is not None:

@@ -24,7 +24,8 @@ def test_trainer_ft_benchmark_tiny(tmp_path, capsys):
     s, r, g = d["stall"], d["rebuild"], d["goodput"]
     assert s["async_stall_s"] >= 0 and s["sync_stall_s"] > 0 and s["step_s"] > 0
     assert len(s["stalls_async"]) == len(s["stalls_sync"]) == 4
-    assert r["bit_exact"] and r["peer_s"] > 0 and r["store_s"] > 0 and r["bytes"] > 2e6 * 4 * 3
+    assert r["bit_exact"] and r["peer_s"] > 0 and r["store_s"] > 0
+    assert r["bytes"] > r["params"] * 4 * 3  # weights + AdamW's two moments
     p = r["projection_1t"]
     assert p["shard_bytes_per_node"] == pytest.approx(1e12 * 16 / 2048) and p["assumptions"]["why_bytes"]
     assert g["failures"] == 1 and len(g["steps_lost"]) == 1 and 0 <= g["steps_lost"][0] <= 3
