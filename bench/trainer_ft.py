@@ -284,7 +284,8 @@ def bench_goodput(args, work: Path) -> dict:
         return [sys.executable, "-m", "trainer.run", "--model", str(model), "--store", store, "--run-id", "gp",
                 "--plans", str(plans), "--steps", str(args.goodput_steps), "--groups-per-step", "4",
                 "--group-size", "4", "--out", str(work / name / "out"), "--no-plot", "--nproc", "2",
-                "--checkpoint-dir", str(work / name / "ckpt"), "--replicas", "1", *extra]
+                "--checkpoint-dir", str(work / name / "ckpt"), "--replicas", "1", "--checkpoint-busy", args.busy,
+                *extra]
 
     t0 = clock()
     subprocess.run(argv("plain"), cwd=ROOT, env=env, check=True, capture_output=True, timeout=1800)
@@ -317,7 +318,7 @@ def bench_goodput(args, work: Path) -> dict:
         life += 1
     failing_s = clock() - t0
     s = args.goodput_steps
-    return {"steps": s, "fail_every": args.fail_every, "failures": len(lost), "steps_lost": lost,
+    return {"steps": s, "fail_every": args.fail_every, "busy": args.busy, "failures": len(lost), "steps_lost": lost,
             "steps_lost_per_failure": sum(lost) / len(lost) if lost else 0.0,
             "restart_to_resumed_s": median(restarts), "plain_wall_s": plain_s, "failing_wall_s": failing_s,
             "goodput_plain": s / plain_s, "goodput_failing": s / failing_s,
@@ -350,6 +351,8 @@ def parser() -> argparse.ArgumentParser:
     a("--store", default=None, help="object store URL for the rebuild baseline (default: file:// in the work folder)")
     a("--goodput-steps", type=int, default=40, help="steps of each goodput run")
     a("--fail-every", type=int, default=10, help="kill -9 the trainer every N steps (goodput)")
+    a("--busy", choices=("skip", "wait"), default="skip",
+      help="the trainer's --checkpoint-busy in the goodput runs (skip: no stall, wait: every step checkpointed)")
     a("--workdir", default=None, help="keep the files here (default: a temporary folder)")
     a("--json", default=None, metavar="PATH")
     a("--plot", default=None, metavar="PNG")
@@ -415,6 +418,7 @@ def _report(out: dict) -> None:
     if "goodput" in out:
         g = out["goodput"]
         print(f"goodput ({g['steps']} steps, kill -9 of the whole trainer every {g['fail_every']} steps, "
+              f"--checkpoint-busy {g['busy']}, "
               f"{g['failures']} failures): steps lost per failure {g['steps_lost_per_failure']:.2f} {g['steps_lost']}; "
               f"{g['goodput_failing']:.3f} steps/s against {g['goodput_plain']:.3f} failure-free "
               f"({g['goodput_ratio']:.2f}x); restart to resumed {g['restart_to_resumed_s']:.1f} s (process start)")

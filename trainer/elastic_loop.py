@@ -112,7 +112,7 @@ def run_elastic(cfg) -> dict:
         if cfg.checkpoint_dir:
             ft = FaultTolerance(FTConfig(cfg.checkpoint_dir, owner, owners, owners, cfg.store, cfg.run_id,
                                          replicas=min(cfg.replicas, len(owners) - 1), keep=cfg.keep_checkpoints,
-                                         host=cfg.ft_host))
+                                         host=cfg.ft_host, on_busy=cfg.checkpoint_busy))
             server = ft.server
         else:
             tmp = tempfile.TemporaryDirectory(prefix=f"heal-{owner}-")

@@ -109,6 +109,7 @@ class LoopConfig:
     resume: bool = False
     replicas: int = 1
     keep_checkpoints: int = 2
+    checkpoint_busy: str = "skip"
     node: str | None = None
     ft_host: str = "127.0.0.1"
     lighthouse: str | None = None
@@ -142,6 +143,8 @@ class LoopConfig:
                   "needs --checkpoint-dir (where the run's checkpoints are)"),
                  (self.replicas >= 0, "--replicas", f"must be >= 0, got {self.replicas}"),
                  (self.keep_checkpoints >= 1, "--keep-checkpoints", f"must be >= 1, got {self.keep_checkpoints}"),
+                 (self.checkpoint_busy in ("skip", "wait"), "--checkpoint-busy",
+                  f"must be skip or wait, got {self.checkpoint_busy!r}"),
                  (self.replica_groups >= 1 and 0 <= self.replica_group < self.replica_groups, "--replica-group",
                   f"must be in [0, --replica-groups={self.replica_groups}), got {self.replica_group}"),
                  (1 <= self.min_replicas <= self.replica_groups, "--min-replicas",
@@ -270,7 +273,8 @@ def _fault_tolerance(cfg: LoopConfig, dp: DataParallel, model, opt):
         log.warning("--replicas %d: the %d ranks are on %d node(s); keeping %d replica(s) (a replica on the "
                     "owner's own node would not survive the node)", cfg.replicas, dp.world, len(set(nodes)), k)
     ft = FaultTolerance(FTConfig(cfg.checkpoint_dir, owners[dp.rank], owners, tuple(nodes), cfg.store, cfg.run_id,
-                                 replicas=k, keep=cfg.keep_checkpoints, host=cfg.ft_host))
+                                 replicas=k, keep=cfg.keep_checkpoints, host=cfg.ft_host,
+                                 on_busy=cfg.checkpoint_busy))
     dp.barrier()  # every replica server announced before anyone asks for its replicas
     if not cfg.resume:
         taken = dp.gather(ft.checkpointer.durable_step is not None)

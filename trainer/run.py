@@ -95,6 +95,9 @@ def parser() -> argparse.ArgumentParser:
       "(its checkpoints in --checkpoint-dir, else the replicas its peers hold)")
     b("--replicas", type=int, default=1, help="k: peers on other nodes that hold a copy of each rank's checkpoint")
     b("--keep-checkpoints", type=int, default=2, help="checkpoints kept per rank (and replicas per peer)")
+    b("--checkpoint-busy", choices=("skip", "wait"), default="skip",
+      help="a step due while the previous checkpoint is still being written: skip its checkpoint (no stall; a "
+           "crash may then cost more than one step) or wait for the write (every step checkpointed)")
     b("--node", default=None, help="this process's node id for replica placement [SYNCD_NODE, else the host name;"
       " '{rank}' in it is replaced by the rank]")
     b("--ft-host", default="127.0.0.1", help="address the replica server (and torchft's manager) binds and advertises")
@@ -121,7 +124,8 @@ def config_from_args(args):
         adv_scale=not args.no_adv_scale, seed=args.seed, threads=args.threads, full_every=args.full_every,
         daemon_status=args.daemon_status, sync=args.sync, plans=args.plans, save_weights=args.save_weights,
         plot=not args.no_plot, rollout_timeout_s=args.rollout_timeout, checkpoint_dir=args.checkpoint_dir,
-        resume=args.resume, replicas=args.replicas, keep_checkpoints=args.keep_checkpoints, node=args.node,
+        resume=args.resume, replicas=args.replicas, keep_checkpoints=args.keep_checkpoints,
+        checkpoint_busy=args.checkpoint_busy, node=args.node,
         ft_host=args.ft_host, lighthouse=args.lighthouse, replica_group=args.replica_group,
         replica_groups=args.replica_groups, min_replicas=args.min_replicas, ft_timeout_s=args.ft_timeout)
 
