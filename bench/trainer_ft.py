@@ -14,12 +14,12 @@ failures. Each figure next to its baseline, measured in the same process, median
   in another process, over loopback, verified and parsed in memory as ``FaultTolerance.restore`` does; the copy to
   local disk happens afterwards, in the background) against the same bundle from the object store (``--store``,
   default a ``file://`` store in the work folder: a local disk, faster than any cloud object store), verified and
-  parsed the same way, each loaded into a fresh model and optimizer. Projected to a 1T-parameter run: the per-node shard over the
-  measured per-link rate, with the assumptions printed.
+  parsed the same way, each loaded into a fresh model and optimizer. Projected to a 1T-parameter run: the per-node
+  shard over the measured per-link rate, with the assumptions printed.
 * **goodput**: the thin trainer (``python -m trainer.run --nproc 2 --checkpoint-dir``, offline on recorded
   rollouts, ``bench.ft_data``) killed with SIGKILL every ``--fail-every`` steps and resumed, against a
   failure-free run of the same steps: steps lost per failure (trained before the kill, minus the resume step)
-  and goodput (steps per wall second, process starts included).
+  and goodput (steps per wall second, process starts included); ``--busy`` is the trainer's ``--checkpoint-busy``.
 """
 
 from __future__ import annotations
