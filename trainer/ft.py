@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainer.checkpoint import Checkpoint, Checkpointer, list_steps, newest_checkpoint, step_dir
-from trainer.replicas import (PeerDirectory, ReplicaError, ReplicaServer, Replicator, list_replicas,
-                              place_replicas, rebuild_from_peers, write_bundle)
+from trainer.peers import PeerDirectory, Replicator, rebuild_from_peers
+from trainer.replicas import ReplicaError, ReplicaServer, list_replicas, place_replicas, write_bundle
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ Outputs in ``out`` (replaced when there from an earlier run): ``metrics.jsonl`` 
 
 Fault tolerance (``docs/trainer.md``): with ``checkpoint_dir`` every rank checkpoints every step in the
 background (``trainer.checkpoint``; rank 0's holds the RL state of ``trainer.live``), replicated to ``replicas``
-peers on other nodes (``trainer.replicas``), and publishing waits until a step's checkpoint is durable;
+peers on other nodes (``trainer.replicas``, ``trainer.peers``), and publishing waits until a step's checkpoint is durable;
 ``resume`` continues a killed run from the newest step every rank can restore (local, else peers' replicas).
 With ``lighthouse`` the job is elastic (``trainer.elastic_loop``): one process per replica group, a per-step
 quorum on torchft, groups leaving and rejoining without a restart.

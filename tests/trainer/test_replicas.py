@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 from trainer.checkpoint import Checkpointer, list_steps, newest_checkpoint, step_dir
 from trainer.ckpt_format import StateError
 from trainer.ft import FaultTolerance, FTConfig, agree_step
-from trainer.replicas import (PeerDirectory, ReplicaError, ReplicaServer, fetch_replica, place_replicas,
-                              push_replica, rebuild_from_peers, write_bundle)
+from trainer.peers import PeerDirectory, rebuild_from_peers
+from trainer.replicas import (ReplicaError, ReplicaServer, fetch_replica, place_replicas, push_replica,
+                              write_bundle)
 
 
 @settings(max_examples=200, deadline=None)
