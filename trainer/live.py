@@ -71,6 +71,7 @@ class LiveSide:
         self._live_groups: dict[int, list] = {}
         self._last = (time.time(), 0)
         self.restore_report: dict | None = None
+        self.curated = None
 
     def start(self, restored: dict | None = None) -> None:
         """Start publishing and generating; ``restored``: the RL state of a restored checkpoint."""
@@ -97,6 +98,11 @@ class LiveSide:
         newest = None if restored is None else latest_version(cfg.store, cfg.run_id)
         task = get_task(cfg.task, length=cfg.task_length)
         reward = load_reward(cfg.reward) if cfg.reward else task.reward
+        if cfg.curation is not None:
+            from trainer.curation import CuratedTask
+
+            task = self.curated = CuratedTask(task, cfg.curation)
+            reward = task.observing(reward)
         self.pub = WeightPublisher(cfg.store, cfg.run_id, every_k=1, full_every=cfg.full_every,
                                    commit_gate=self.commit_gate)
         self.buffer = RolloutBuffer(0 if cfg.sync else cfg.max_lag, on_drop=lambda n: self.workers.allow(n))
@@ -220,7 +226,8 @@ class LiveSide:
                 "buffer": len(self.buffer) if self.buffer is not None else 0,
                 "dropped_stale": self.buffer.dropped_stale if self.buffer is not None else 0,
                 "rollout_failures": self.workers.failures.totals if self.workers is not None else {},
-                "published_version": self.version, **extra}
+                "published_version": self.version,
+                "curation": self.curated.stats() if self.curated is not None else None, **extra}
         self._last = (now, made)
         if recs:
             line.update(step_diagnostics(TokenRecord.cat(recs), plan["version"], loss_cfg))

@@ -48,6 +48,7 @@ import torch
 
 from syncd.store import Store
 from trainer.buffer import group_advantages
+from trainer.compaction import sequence_rewards
 from trainer.dist import DataParallel, make_deterministic, weights_digest
 from trainer.objective import LossConfig, policy_gradient_loss
 from trainer.optim import build_optimizer
@@ -117,6 +118,7 @@ class LoopConfig:
     replica_groups: int = 1
     min_replicas: int = 1
     ft_timeout_s: float = 30.0
+    curation: object | None = None  # a trainer.curation.CurationConfig: the difficulty filter on the task sampler
 
     def check(self) -> None:
         """Raise :class:`ConfigError` naming the flag of the first bad setting."""
@@ -325,5 +327,6 @@ def _sequences(cfg: LoopConfig, store, groups: list[dict], live, vocab_size: int
                 raise RuntimeError(f"group {g['gid']}: {len(rollouts)} of {len(ids)} trajectories in the store")
         for ro in rollouts:
             seqs.extend(ro.sequences)
-        adv.append(group_advantages(g["rewards"], scale=cfg.adv_scale))
+        # one advantage per sequence: a compacted trajectory's sequences (its summaries too) share its reward's
+        adv.append(sequence_rewards(rollouts, group_advantages(g["rewards"], scale=cfg.adv_scale)))
     return seqs, (torch.cat(adv) if adv else torch.zeros(0))

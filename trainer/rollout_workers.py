@@ -298,7 +298,7 @@ class RolloutWorkers:
         ids = [tuple(t) for t in doc["trajectories"]]
         rollouts = self._read(ids)
         want = doc.get("token_versions")
-        got = [ro.sequences[0].versions[ro.sequences[0].loss_mask].tolist() for ro in rollouts]
+        got = [_token_versions(ro) for ro in rollouts]
         if want is not None and got != want:
             raise _Failed("record", f"group of prompt {doc['item']['index']}: the records' token versions differ "
                                     "from the checkpoint's")
@@ -366,23 +366,29 @@ class RolloutWorkers:
         return rs.rollouts
 
 
+def _token_versions(ro) -> list[int]:
+    """The weight version of each generated token of a rollout, over its sequences (a compacted request has one
+    per context window, its summaries too)."""
+    return [int(v) for seq in ro.sequences for v in seq.versions[seq.loss_mask].tolist()]
+
+
 def _make_group(index, item, ids, rewards, rollouts, counted, version, requested_at, finished_at) -> Group:
-    """A group from its read-back rollouts (one sequence each; ``counted``: the token counts the responses
-    reported, checked when given)."""
+    """A group from its read-back rollouts (one sequence each, or one per context window for a compacted request,
+    ``engine.proxy.compaction``; ``counted``: the token counts the responses reported, checked when given: equal,
+    or at most the recorded ones when compacted)."""
     versions: dict[int, int] = {}
     tokens, per_token = 0, []
     for j, ro in enumerate(rollouts):
-        if len(ro.sequences) != 1:
+        if len(ro.sequences) != 1 and not (ro.compaction and ro.sequences):
             raise _Failed("record", f"trajectory {ro.trajectory_id}: {len(ro.sequences)} sequences, want 1")
-        seq = ro.sequences[0]
-        n = int(seq.loss_mask.sum())
-        if counted is not None and counted[j] >= 0 and n != counted[j]:
+        vs = _token_versions(ro)
+        n = len(vs)
+        if counted is not None and counted[j] >= 0 and (n < counted[j] if ro.compaction else n != counted[j]):
             raise _Failed("record", f"trajectory {ro.trajectory_id}: {n} recorded tokens, the response "
                                     f"counted {counted[j]}")
-        vs = seq.versions[seq.loss_mask]
-        per_token.append(vs.tolist())
-        for v, c in zip(*vs.unique(return_counts=True)):
-            versions[int(v)] = versions.get(int(v), 0) + int(c)
+        per_token.append(vs)
+        for v in vs:
+            versions[v] = versions.get(v, 0) + 1
         tokens += n
     return Group(index, item, list(ids), list(rewards), rollouts, versions, tokens, version, requested_at,
                  finished_at, per_token)

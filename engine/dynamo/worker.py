@@ -243,7 +243,7 @@ def _reference_engine(args):
 
         if not args.run_id:
             raise ValueError("--replay-store needs --run-id")
-        recorder = ReplayRecorder(args.replay_store, args.run_id)
+        recorder = ReplayRecorder(args.replay_store, args.run_id, kept_tolerance=args.replay_kept_tolerance)
     return ReferenceEngine.from_pretrained(args.model, version=args.weights_version, max_batch=args.max_batch,
                                            recorder=recorder)
 
@@ -290,6 +290,9 @@ def parser() -> argparse.ArgumentParser:
                    help="the run version the folder's weights are (default: none; the daemon loads one)")
     p.add_argument("--replay-store", default=None, help="store URL for replay records (needs --run-id)")
     p.add_argument("--run-id", default=os.environ.get("SYNCD_RUN_ID"), help="run id of the replay records")
+    p.add_argument("--replay-kept-tolerance", type=float, default=None,
+                   help="record kept sets the trainer can rebuild from its logits within this tolerance (scaled "
+                        "logits; docs/replay-format.md); default: list every set")
     p.add_argument("--max-batch", type=int, default=8, help="requests running at once (reference engine)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--default-max-tokens", type=int, default=protocol.DEFAULT_MAX_TOKENS)
