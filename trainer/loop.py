@@ -38,10 +38,9 @@ quorum on torchft, groups leaving and rejoining without a restart.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
