@@ -294,6 +294,12 @@ class Checkpointer:
                 self.durable_step = step
             self._cond.notify_all()
 
+    def rescan(self) -> None:
+        """The newest step on disk is the durable one again (after checkpoints were removed from ``root``)."""
+        with self._cond:
+            self.durable_step = max(list_steps(self.root), default=None)
+            self._cond.notify_all()
+
     def wait_durable(self, step: int, timeout: float | None = None) -> bool:
         """True once a checkpoint of ``step`` or later is on disk (False after ``timeout`` seconds)."""
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -134,6 +134,7 @@ class FaultTolerance:
         for s in list_steps(self.own):
             if s > step:
                 shutil.rmtree(step_dir(self.own, s), ignore_errors=True)
+        self.checkpointer.rescan()  # a dropped later step must not count as durable
 
     def _restored(self, c: Checkpoint) -> Checkpoint:
         """The restored local checkpoint is this life's first durable one; offered to the holders again (they

@@ -182,3 +182,18 @@ def test_the_live_heal_state_is_verified_before_it_is_parsed(tmp_path):
         decode_state(io.BytesIO(frame).read, len(frame), where="heal", step=4)
     with pytest.raises(StateError, match="ended .* bytes early"):  # a peer that died mid-transfer
         decode_state(io.BytesIO(frame[:-10]).read, None, where="heal", step=3)
+
+
+def test_restoring_an_older_step_drops_the_later_ones_and_their_durability(tmp_path):
+    ft = FaultTolerance(FTConfig(str(tmp_path / "n0"), "rank-0", ("rank-0",), ("n0",), f"file://{tmp_path / 's'}",
+                                 "run", replicas=0, keep=3, on_busy="wait"))
+    try:
+        m = torch.nn.Linear(4, 2)
+        for s in (1, 2):
+            ft.checkpointer.save(s, m, None, state={"step": s}, wait=True)
+        assert ft.durable(2, timeout=5)
+        c = ft.restore(step=1)  # the job agreed on step 1 (another rank lacks step 2)
+        assert c.step == 1 and list_steps(ft.own) == [1] and ft.checkpointer.durable_step == 1
+        assert ft.durable(2, timeout=0.3) is False  # step 2's lineage is gone: it must not gate a publish open
+    finally:
+        ft.close()
