@@ -28,7 +28,9 @@ def test_trainer_ft_benchmark_tiny(tmp_path, capsys):
     assert r["bytes"] > r["params"] * 4 * 3  # weights + AdamW's two moments
     p = r["projection_1t"]
     assert p["shard_bytes_per_node"] == pytest.approx(1e12 * 16 / 2048) and p["assumptions"]["why_bytes"]
-    assert g["failures"] == 1 and len(g["steps_lost"]) == 1 and 0 <= g["steps_lost"][0] <= 3
+    # a failure every 3 steps after each resume: one or two kills in 5 steps, depending on where the first resumed
+    assert g["failures"] in (1, 2) and len(g["steps_lost"]) == g["failures"]
+    assert all(0 <= n <= 3 for n in g["steps_lost"])
     assert g["goodput_failing"] > 0 and g["goodput_plain"] > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert trainer_ft.main(["--sections", "later"]) == 2
