@@ -114,6 +114,7 @@ class LiveSide:
             request_timeout_s=cfg.request_timeout_s, record_timeout_s=cfg.record_timeout_s)
         target = cfg.lookahead or cfg.groups_per_step * (1 + min(cfg.max_lag, 1))
         if restored is None:
+            self.pub.publish_model_files(cfg.model)  # config + tokenizer: `syncd materialize` needs no --config-from
             self._publish(0)
             kept = 0
         else:
