@@ -10,7 +10,8 @@ import time
 from engine.reference.make_tiny import write_model
 from tests.trainer._fake_proxy import FakeProxy
 from trainer.curation import CuratedTask, CurationConfig
-from trainer.loop import LoopConfig, _Live
+from trainer.live import LiveSide
+from trainer.loop import LoopConfig
 
 
 def test_the_loops_task_sampler_is_curated(tmp_path):
@@ -23,7 +24,7 @@ def test_the_loops_task_sampler_is_curated(tmp_path):
                      proxies=(proxy.url,), group_size=2, groups_per_step=1, record_timeout_s=0.1, plot=False,
                      curation=CurationConfig(band=(0.2, 0.8), pool=4, window=8))
     cfg.check()
-    live = _Live(cfg, AutoModelForCausalLM.from_pretrained(model_dir))
+    live = LiveSide(cfg, AutoModelForCausalLM.from_pretrained(model_dir))
     try:
         live.start()
         assert isinstance(live.workers.task, CuratedTask) and live.workers.task is live.curated
