@@ -22,7 +22,7 @@ def write_offline_plans(model_dir, store, run_id: str, out: Path, *, steps: int,
     ones when fewer); returns ``out``."""
     from transformers import AutoTokenizer
 
-    from engine.adapter import GenerationRequest, SamplingParams
+    from syncd.engines.protocol import GenerationRequest, SamplingParams
     from engine.proxy.record import Trajectory, Turn
     from engine.reference import ReferenceEngine
     from engine.replay import ReplayRecorder

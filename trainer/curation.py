@@ -226,11 +226,6 @@ class CuratedTask(Task):
         the rollout buffer, so groups dropped on the way (a missing record, a timeout) never move an estimate."""
         self.curator.observe(item.meta["curation"]["task_id"], rewards)
 
-    def observing(self, reward):
-        """``reward`` itself: rewards are recorded by :meth:`observe` once a group reaches the buffer, not when they
-        are computed. Kept so that callers wrapping their reward function (trainer.loop) need no change."""
-        return reward
-
     def state_dict(self) -> dict:
         """The filter's state, JSON-able: the curator's outcomes and the draw counters (the draw itself depends on
         nothing else). Restore it with :meth:`load_state_dict` on a task built with the same configuration."""

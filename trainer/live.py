@@ -2,8 +2,9 @@
 buffer, plans, metrics -- and the RL state that survives a restart.
 
 :meth:`LiveSide.snapshot` is the RL-state part of a step's checkpoint, taken between two steps: the trainer
-step, the trainer version, the rollout buffer's snapshot (the prompt ledger -- cursor, per-prompt consumed bits,
-prompts to regenerate, the in-flight request ledger -- and every buffered group with its per-token versions).
+step, the trainer version, the difficulty filter's state (with curation), the rollout buffer's snapshot (the
+prompt ledger -- cursor, per-prompt consumed bits, prompts to regenerate, the in-flight request ledger -- and
+every buffered group with its per-token versions).
 :meth:`LiveSide.start` with a restored snapshot applies the buffer policy (:func:`trainer.rl_state.restore_groups`),
 closes the earlier life's trajectories still open in the proxy, and keeps the versions monotonic: the publisher
 numbers after the run's newest *valid* version, and when that is not the version the restored step had published
@@ -102,7 +103,6 @@ class LiveSide:
             from trainer.curation import CuratedTask
 
             task = self.curated = CuratedTask(task, cfg.curation)
-            reward = task.observing(reward)
         self.pub = WeightPublisher(cfg.store, cfg.run_id, every_k=1, full_every=cfg.full_every,
                                    commit_gate=self.commit_gate)
         self.buffer = RolloutBuffer(0 if cfg.sync else cfg.max_lag, on_drop=lambda n: self.workers.allow(n))
@@ -142,6 +142,8 @@ class LiveSide:
             if int(index) not in report.recovered:
                 self.workers.close_open(entry)
         self.buffer.restore(ledger, groups, int(rl["buffer"].get("dropped_stale", 0)) + len(report.dropped_stale))
+        if self.curated is not None and rl.get("curation") is not None:
+            self.curated.load_state_dict(rl["curation"])  # the difficulty filter's estimates survive the restart
         self.restore_report = report.counts()
         self.metrics.write("restore", step=self.step, version=self.version, newest_valid=newest, **report.counts())
         log.warning("restore: step %d, version %d, buffer: %s", self.step, self.version, report.counts())
@@ -149,9 +151,10 @@ class LiveSide:
 
     def snapshot(self) -> dict:
         """The RL state of this step boundary (JSON-able; module docstring)."""
+        curation = self.curated.state_dict() if self.curated is not None else None
         if self.buffer is None:
-            return {"step": self.step, "version": self.version, "buffer": None}
-        return {"step": self.step, "version": self.version, "buffer": self.buffer.snapshot()}
+            return {"step": self.step, "version": self.version, "buffer": None, "curation": curation}
+        return {"step": self.step, "version": self.version, "buffer": self.buffer.snapshot(), "curation": curation}
 
     def _publish(self, step: int) -> None:
         t = time.time()

@@ -233,7 +233,7 @@ def test_the_loops_rollout_workers_take_compacted_groups_from_a_curated_task(nod
     base = asyncio.run_coroutine_threadsafe(proxy.start(), loop).result(60)
     task = CuratedTask(get_task("repeat", length=150), CurationConfig(pool=2))
     buf = RolloutBuffer(1)
-    workers = RolloutWorkers(proxies=[base], model_name=model, task=task, reward=task.observing(task.reward),
+    workers = RolloutWorkers(proxies=[base], model_name=model, task=task, reward=task.reward,
                              group_size=2, sampling=Sampling(1.0, 1.0, 20), store=store, run_id=RUN, buffer=buf,
                              version=lambda: 0, step=lambda: 1, workers=1, vocab_size=320).start()
     try:

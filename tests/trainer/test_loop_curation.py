@@ -37,6 +37,9 @@ def test_the_loops_task_sampler_is_curated(tmp_path):
         assert not live.curated.curator.estimates()  # the groups were dropped before the buffer: nothing observed
         seen = {k for t, b in proxy.requests for k in range(4) if b["prompt"] == live.curated.task.item(k).prompt}
         assert seen  # the prompts came from the curated pool
+        live.curated.observe(live.curated.item(0, 0), [1.0, 1.0])
+        snap = live.snapshot()  # the RL state checkpoint carries the filter's state (restored by LiveSide._restore)
+        assert snap["curation"] == live.curated.state_dict() and snap["curation"]["curator"]
     finally:
         live.abort()
         proxy.close()

@@ -83,7 +83,7 @@ def test_requests_of_one_item_use_distinct_reproducible_seeds(tmp_path):
 
 def _curated_workers(tmp_path, proxy, task, reward):
     buf = RolloutBuffer(1)
-    w = RolloutWorkers(proxies=[proxy.url], model_name="tiny", task=task, reward=task.observing(reward), group_size=2,
+    w = RolloutWorkers(proxies=[proxy.url], model_name="tiny", task=task, reward=reward, group_size=2,
                        sampling=Sampling(1.0, 0.9, 20), store=(tmp_path / "store").as_uri(), run_id="rl", buffer=buf,
                        version=lambda: 3, step=lambda: 7, workers=1, seed=5, record_timeout_s=0.2)
     return w, buf
@@ -131,7 +131,7 @@ def test_curation_sees_only_the_rewards_of_groups_that_reached_the_buffer(tmp_pa
     # the hook itself: a group that is put in the buffer is observed once, with its rewards
     task = CuratedTask(get_task("repeat"), CurationConfig(pool=4))
     w, buf = _curated_workers(tmp_path, FakeProxy(), task, lambda s: 1.0)
-    w._group = lambda index: Group(index, task.item(index), [("s", f"t{index}")] * 2, [1.0, 0.0])
+    w._group = lambda index, attempt=0: Group(index, task.item(index), [("s", f"t{index}")] * 2, [1.0, 0.0])
     try:
         w.start()
         w.allow(3)
