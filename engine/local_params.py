@@ -3,19 +3,21 @@
 
 How local parameters map onto the trainer's tensors (:func:`check_spec`, :func:`map_positions`,
 :func:`build_local`, :func:`expected_checksums`, ...) moved to :mod:`syncd.engines.params`, the engine contract;
-those names are re-exported here, kept for one release. Pure functions; thread-safe.
+those names are re-exported here until 0.3, with a DeprecationWarning. Pure functions; thread-safe.
 """
 
 from __future__ import annotations
 
 import torch
 
-# moved to syncd.engines.params (the layout is part of the engine contract), kept here for one release
-from syncd.engines.params import (ParamPiece, ParamSpec, build_local, check_spec, expected_checksums,  # noqa: F401
-                                  identity_specs, local_slab, map_positions, slab)
+from syncd.lazy import lazy_names
 
-__all__ = ["identity_specs", "check_spec", "map_positions", "build_local", "expected_checksums",
-           "bf16_view_of_fp32", "word_view", "flat_view", "slab", "local_slab"]
+__all__ = ["bf16_view_of_fp32", "word_view", "flat_view"]
+
+# moved to syncd.engines.params (the layout is part of the engine contract); the old paths warn until 0.3
+__getattr__ = lazy_names(__name__, {n: "syncd.engines.params" for n in (
+    "ParamPiece", "ParamSpec", "build_local", "check_spec", "expected_checksums", "identity_specs", "local_slab",
+    "map_positions", "slab")}, deprecated=True)
 
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

@@ -402,6 +402,7 @@ def verify_run(store, run_id: str, *, signing_key=None, deep: bool = True, backe
             yield m.version, "failed", f"{type(exc).__name__}: {exc}"
 
 
-# retention moved to syncd.retention; its names are re-exported here, kept for one release
+# retention moved to syncd.retention; its names are re-exported here until 0.3, with a DeprecationWarning
 __getattr__ = lazy_names("syncd.versions", {n: "syncd.retention" for n in ("RetentionPolicy", "RetentionPlan",
-                                                                          "plan_retention", "apply_retention")})
+                                                                          "plan_retention", "apply_retention")},
+                         deprecated=True)

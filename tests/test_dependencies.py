@@ -27,3 +27,25 @@ print("zstandard" in sys.modules)
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.strip().splitlines()[-1] == "False"
+
+
+def _imports(path: Path) -> set[str]:
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_what_a_module_imports_is_declared_by_its_extra():
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    declared = {extra: {d.split(">")[0].split("=")[0].split("[")[0].strip() for d in deps}
+                for extra, deps in extras.items()}
+    for module, package, extra in [("trainer/curation.py", "mpmath", "trainer"),
+                                   ("engine/proxy/compaction.py", "tokenizers", "dynamo")]:
+        assert package in _imports(ROOT / module), (module, package)  # the module does import it
+        assert package in declared[extra], f"{module} imports {package}: declare it in the {extra} extra"

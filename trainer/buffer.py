@@ -11,6 +11,13 @@ advantages are normalised within the group.
 :func:`group_advantages`: ``(r - mean) / (std + eps)`` within each group (population std), or ``r - mean``
 with ``scale=False``; a group whose rewards are all equal has advantages 0 (it carries no signal).
 
+The buffer also keeps the run's :class:`trainer.rl_state.PromptLedger` under its lock (which prompt is fresh,
+in flight, buffered, planned, consumed or to be regenerated): producers ask it for the next prompt
+(:meth:`RolloutBuffer.next_prompt`), report a failure (:meth:`failed`), and a stale drop sends the prompt back
+to be regenerated, so that no prompt is lost. :meth:`snapshot` is the buffer's part of the RL-state checkpoint
+(the ledger and every buffered group with its per-token versions), taken atomically between two steps;
+:meth:`restore` puts back what :func:`trainer.rl_state.restore_groups` kept.
+
 Thread-safety: every :class:`RolloutBuffer` method may be called from any thread.
 """
 
@@ -23,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from trainer.rl_state import PromptLedger
 from trainer.tasks import TaskItem
 
 __all__ = ["Group", "RolloutBuffer", "group_advantages", "BufferClosed"]
@@ -38,7 +46,8 @@ class Group:
     order; ``rewards``: one per sample; ``rollouts``: the :class:`trainer.rollouts.Rollout` s read back (None once
     dropped from memory, e.g. on ranks that read them themselves); ``versions``: ``{version: tokens}`` over
     the generated tokens; ``tokens``: generated tokens; ``requested_version``: the trainer's version when the
-    group was requested; times are ``time.time()``."""
+    group was requested; times are ``time.time()``; ``token_versions``: per sample, the version of each generated
+    token; ``attempt``: how many times this prompt was requested before (regenerations)."""
 
     gid: int
     item: TaskItem
@@ -50,6 +59,8 @@ class Group:
     requested_version: int = 0
     requested_at: float = 0.0
     finished_at: float = 0.0
+    token_versions: list | None = None
+    attempt: int = 0
 
     @property
     def oldest_version(self) -> int:
@@ -95,6 +106,7 @@ class RolloutBuffer:
         self._groups: deque[Group] = deque()
         self._cond = threading.Condition()
         self._closed = False
+        self.ledger = PromptLedger()
         self.added = 0
         self.taken = 0
         self.dropped_stale = 0
@@ -103,19 +115,73 @@ class RolloutBuffer:
         with self._cond:
             return len(self._groups)
 
+    def next_prompt(self, entry_of=None) -> tuple[int, int]:
+        """``(index, attempt)`` of the prompt to generate next, registered as in flight (``entry_of(index,
+        attempt)`` -> the ledger entry: trajectory ids, proxy, requested version)."""
+        with self._cond:
+            index, attempt = self.ledger.next_prompt()
+            self.ledger.started(index, entry_of(index, attempt) if entry_of is not None else {})
+            return index, attempt
+
+    def record_written(self, index: int, sandbox: str) -> None:
+        with self._cond:
+            self.ledger.finished(index, sandbox)
+
+    def failed(self, index: int) -> None:
+        """The in-flight group of ``index`` failed: its prompt is regenerated."""
+        with self._cond:
+            self.ledger.failed(index)
+
     def put(self, group: Group) -> None:
         with self._cond:
             if self._closed:
                 return
             self._groups.append(group)
+            self.ledger.landed(group.item.index)
             self.added += 1
             self._cond.notify_all()
 
+    def consume(self, indices) -> None:
+        """The step that trained the prompts ``indices`` committed."""
+        with self._cond:
+            self.ledger.consume(indices)
+
+    def remove(self, indices) -> int:
+        """Take the groups of ``indices`` out (a plan already made for them, e.g. logged by an earlier life);
+        returns how many were here."""
+        want = set(indices)
+        with self._cond:
+            keep = deque(g for g in self._groups if g.item.index not in want)
+            n = len(self._groups) - len(keep)
+            self._groups = keep
+            self.ledger.planned_for(want)
+            return n
+
+    def snapshot(self) -> dict:
+        """The ledger and every buffered group (its plan and per-token versions), atomically."""
+        with self._cond:
+            return {"ledger": self.ledger.snapshot(),
+                    "groups": [{**g.plan(), "token_versions": g.token_versions, "attempt": g.attempt}
+                               for g in self._groups],
+                    "dropped_stale": self.dropped_stale}
+
+    def restore(self, ledger: PromptLedger, groups: list[Group], dropped_stale: int = 0) -> None:
+        """Replace the ledger and the buffered groups with a restored run's (:func:`trainer.rl_state.restore_groups`)."""
+        with self._cond:
+            self.ledger = ledger
+            self._groups = deque(sorted(groups, key=lambda g: g.finished_at))
+            self.dropped_stale = dropped_stale
+            self._cond.notify_all()
+
     def prune(self, version: int) -> int:
-        """Drop every group whose lag at ``version`` exceeds the bound; returns how many."""
+        """Drop every group whose lag at ``version`` exceeds the bound (their prompts are regenerated);
+        returns how many."""
         with self._cond:
             keep = deque(g for g in self._groups if g.lag(version) <= self.max_lag)
             n = len(self._groups) - len(keep)
+            for g in self._groups:
+                if g.lag(version) > self.max_lag:
+                    self.ledger.dropped(g.item.index)
             self._groups = keep
             self.dropped_stale += n
             if n and self.on_drop is not None:
@@ -133,6 +199,7 @@ class RolloutBuffer:
                 self.prune(version)
                 if len(self._groups) >= n:
                     out = [self._groups.popleft() for _ in range(n)]
+                    self.ledger.planned_for(g.item.index for g in out)
                     self.taken += n
                     return out
                 left = None if deadline is None else deadline - time.monotonic()

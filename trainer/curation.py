@@ -12,14 +12,17 @@ keeps, per task id, the outcomes of its recent attempts (a sample is *solved* wh
 * kept otherwise -- an unseen or uncertain task is kept, so it gets attempts that decide it.
 
 :class:`CuratedTask` applies the filter to the loop's task sampler: it wraps a :class:`trainer.tasks.Task`
-over a finite pool of its items (``pool`` item indices), hands the rollout workers the next kept item of the
-pool in round-robin order, and records every reward the loop's reward function returns for it. A dropped task
+over a finite pool of its items (``pool`` item indices). Draw ``index`` maps to an item as a pure function of
+the index and the current estimates (:meth:`CuratedTask.item`), so the rollout workers' per-index seeds stay
+reproducible whatever thread draws. The rollout workers record a group's rewards (:meth:`CuratedTask.observe`)
+once the group is in the rollout buffer, so a group dropped on the way never moves an estimate. A dropped task
 is not lost for good: after ``recheck_after`` of its turns were skipped it is let through once, so a task that
-was too hard is re-estimated once the policy improved (0: never). Counts of what was skipped and why, and the
-current verdict of every task, are in :meth:`Curator.stats`.
+was too hard is re-estimated once the policy improved (0: never; a pool with nothing kept is then an error).
+Counts of what was skipped and why, and the current verdict of every task, are in :meth:`CuratedTask.stats`;
+:meth:`CuratedTask.state_dict`/``load_state_dict`` checkpoint the whole filter.
 
-Beta tail probabilities come from ``mpmath.betainc`` (mpmath ships with torch's sympy dependency; scipy is not
-a dependency of the project). Thread-safety: :class:`Curator` and :class:`CuratedTask` take a lock; the rollout
+Beta tail probabilities come from ``mpmath.betainc`` (declared in the ``trainer`` extra; scipy is not a
+dependency of the project). Thread-safety: :class:`Curator` and :class:`CuratedTask` take a lock; the rollout
 workers call them from several threads.
 """
 
@@ -38,7 +41,10 @@ KEPT, TOO_EASY, TOO_HARD = "kept", "too_easy", "too_hard"
 
 
 class CurationExhausted(RuntimeError):
-    """Every task of the pool is outside the band and none is due for a recheck."""
+    """Every task of the pool is outside the band and ``recheck_after`` is 0: no draw can ever succeed again.
+    ``fatal``: the rollout workers stop and close the buffer on it rather than retry."""
+
+    fatal = True
 
 
 @dataclass(frozen=True)
@@ -116,6 +122,28 @@ class Curator:
             q.extend(float(r) >= self.config.solved_at for r in rewards)
             self._cache.pop(task_id, None)
 
+    def state_dict(self) -> dict:
+        """``{"outcomes": [[task_id, [solved: bool, ...]], ...]}`` (oldest first; JSON-able for JSON task ids)."""
+        with self._lock:
+            return {"outcomes": [[t, list(q)] for t, q in self._outcomes.items()]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Replace the outcomes with :meth:`state_dict`'s (the newest ``window`` of each task kept). Raises
+        ValueError when ``state`` is malformed; nothing changes then."""
+        rows = state.get("outcomes") if isinstance(state, dict) else None
+        if not isinstance(rows, list) or not all(
+                isinstance(r, (list, tuple)) and len(r) == 2 and isinstance(r[1], list)
+                and all(isinstance(o, bool) for o in r[1]) for r in rows):
+            raise ValueError("curator state: want {'outcomes': [[task_id, [bool, ...]], ...]}")
+        outcomes = {}
+        for t, q in rows:
+            try:
+                outcomes[t] = deque(q, maxlen=self.config.window)
+            except TypeError:
+                raise ValueError(f"curator state: task id {t!r} is not hashable") from None
+        with self._lock:
+            self._outcomes, self._cache = outcomes, {}
+
     def estimate(self, task_id) -> Estimate:
         with self._lock:
             return self._estimate(task_id)
@@ -144,8 +172,8 @@ class Curator:
 
 class CuratedTask(Task):
     """``task`` over a pool of its items, filtered by a :class:`Curator` (see the module docstring). The rollout
-    workers call :meth:`item` with consecutive indices; the index only orders the draws, the pool decides the
-    item. :meth:`observing` wraps the loop's reward function so every reward is recorded for its item."""
+    workers call :meth:`item` with consecutive indices and :meth:`observe` with each group that reached the
+    buffer."""
 
     def __init__(self, task: Task, config: CurationConfig = CurationConfig()):
         super().__init__(task.length)
@@ -156,8 +184,6 @@ class CuratedTask(Task):
         self.skipped: Counter = Counter()  # draws a task was passed over, by verdict
         self.rechecks = 0
         self.draws = 0
-        self._since: dict[int, int] = {}  # pool index -> its turns skipped since it was last drawn
-        self._next = 0
         self._lock = threading.Lock()
 
     @property
@@ -165,42 +191,69 @@ class CuratedTask(Task):
         return self.task.max_tokens
 
     def item(self, index: int, seed: int = 0) -> TaskItem:
-        """The next kept item of the pool (or a dropped one due for its recheck). Raises
-        :class:`CurationExhausted` when every item is dropped and none is due."""
+        """The item of draw ``index``: a pure function of ``index`` and the curator's estimates, so a draw gets the
+        same task whichever rollout thread asks for it and whenever (the workers' per-index seeds stay
+        reproducible). Draw ``index`` belongs to pool item ``home = index % pool`` (its turn number is
+        ``index // pool``): a kept ``home`` is drawn; a dropped one is drawn once every ``recheck_after + 1`` of
+        its turns (a recheck), otherwise the draw goes to kept item ``kept[index % len(kept)]``. When no item is
+        kept, every draw is its ``home``'s recheck -- or, with ``recheck_after == 0``, :class:`CurationExhausted`
+        is raised (no estimate can change any more: the run cannot go on)."""
+        pool, every = self.config.pool, self.config.recheck_after + 1
+        if index < 0:
+            raise ValueError(f"draw index must be >= 0, got {index}")
+        home, turn = index % pool, index // pool
         with self._lock:
-            pool = self.config.pool
-            for _ in range(pool):
-                k, self._next = self._next, (self._next + 1) % pool
-                verdict = self.curator.verdict(k)
-                if verdict == KEPT:
-                    break
-                since = self._since.get(k, 0) + 1
-                if self.config.recheck_after and since > self.config.recheck_after:
+            verdicts = [self.curator.verdict(k) for k in range(pool)]
+            k = home
+            if verdicts[home] != KEPT:
+                kept = [j for j, v in enumerate(verdicts) if v == KEPT]
+                if self.config.recheck_after and (turn % every == every - 1 or not kept):
                     self.rechecks += 1
-                    break
-                self._since[k] = since
-                self.skipped[verdict] += 1
-            else:
-                raise CurationExhausted(f"all {pool} tasks of {self.task.name} are outside the solve-rate band "
-                                        f"{self.config.band}: {self._verdicts()}")
-            self._since[k] = 0
+                elif kept:
+                    self.skipped[verdicts[home]] += 1
+                    k = kept[index % len(kept)]
+                else:
+                    raise CurationExhausted(
+                        f"curation.band {self.config.band}: all {pool} tasks of {self.task.name} are outside the "
+                        f"solve-rate band and curation.recheck_after is 0, so none is ever tried again: "
+                        f"{dict(Counter(verdicts))}; widen the band or set recheck_after > 0")
             self.draws += 1
         base = self.task.item(k, seed)
         return TaskItem(base.index, base.prompt, base.target, {**base.meta, "curation": {"task_id": k}})
 
     def observe(self, item: TaskItem, rewards) -> None:
+        """Record the rewards of a group of attempts at ``item``. The rollout workers call it once the group is in
+        the rollout buffer, so groups dropped on the way (a missing record, a timeout) never move an estimate."""
         self.curator.observe(item.meta["curation"]["task_id"], rewards)
 
     def observing(self, reward):
-        """``reward`` (a :data:`trainer.tasks.RewardFn`), recording each value it returns for its item."""
+        """``reward`` itself: rewards are recorded by :meth:`observe` once a group reaches the buffer, not when they
+        are computed. Kept so that callers wrapping their reward function (trainer.loop) need no change."""
+        return reward
 
-        def curated_reward(sample: Sample) -> float:
-            r = reward(sample)
-            if "curation" in (sample.item.meta or {}):
-                self.observe(sample.item, [r])
-            return r
+    def state_dict(self) -> dict:
+        """The filter's state, JSON-able: the curator's outcomes and the draw counters (the draw itself depends on
+        nothing else). Restore it with :meth:`load_state_dict` on a task built with the same configuration."""
+        with self._lock:
+            return {"config": {"pool": self.config.pool, "window": self.config.window},
+                    "curator": self.curator.state_dict(), "skipped": dict(self.skipped), "rechecks": self.rechecks,
+                    "draws": self.draws}
 
-        return curated_reward
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`. Raises ValueError when ``state`` is malformed or its pool differs."""
+        if not isinstance(state, dict) or not isinstance(state.get("config"), dict):
+            raise ValueError("curation state: not a CuratedTask.state_dict()")
+        if state["config"].get("pool") != self.config.pool:
+            raise ValueError(f"curation state: pool {state['config'].get('pool')!r} != configured "
+                             f"{self.config.pool}")
+        counters = [state.get("rechecks"), state.get("draws"), *(state.get("skipped") or {}).values()]
+        if not isinstance(state.get("skipped"), dict) \
+                or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counters):
+            raise ValueError("curation state: skipped/rechecks/draws must be counts >= 0")
+        self.curator.load_state_dict(state.get("curator"))
+        with self._lock:
+            self.skipped = Counter(state["skipped"])
+            self.rechecks, self.draws = state["rechecks"], state["draws"]
 
     def reward(self, sample: Sample) -> float:
         return self.task.reward(sample)

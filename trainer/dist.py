@@ -58,6 +58,25 @@ def weights_digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
+def flat_grads(params) -> torch.Tensor:
+    """Every parameter's gradient in one float32 buffer, in parameter order (a missing one as zeros): the fixed
+    reduction layout both data-parallel engines (``DataParallel``, ``trainer.elastic.ElasticDP``) sum."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params])
+
+
+def set_grads(params, flat: torch.Tensor) -> None:
+    """Write a :func:`flat_grads` buffer back into the parameters' gradients."""
+    at = 0
+    for p in params:
+        n = p.numel()
+        g = flat[at:at + n].view_as(p).to(p.dtype)
+        if p.grad is None:
+            p.grad = g.clone()
+        else:
+            p.grad.copy_(g)
+        at += n
+
+
 class DataParallel:
     """The trainer's process group (see the module docstring). ``device``: where this rank computes."""
 
@@ -111,18 +130,9 @@ class DataParallel:
             return
         import torch.distributed as dist
 
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
-                          for p in params])
+        flat = flat_grads(params)
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        at = 0
-        for p in params:
-            n = p.numel()
-            g = flat[at:at + n].view_as(p).to(p.dtype)
-            if p.grad is None:
-                p.grad = g.clone()
-            else:
-                p.grad.copy_(g)
-            at += n
+        set_grads(params, flat)
 
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         """Sum of a few numbers over the ranks (float64)."""

@@ -27,24 +27,29 @@ reduction order, fixed thread count; ``trainer.dist.make_deterministic``).
 
 Outputs in ``out`` (replaced when there from an earlier run): ``metrics.jsonl`` (``trainer.metrics``), ``plans.jsonl``, ``summary.json``, ``run.png``
 (``trainer.plots``) and, with ``save_weights``, ``weights.safetensors`` (float32).
+
+Fault tolerance (``docs/trainer.md``): with ``checkpoint_dir`` every rank checkpoints every step in the
+background (``trainer.checkpoint``; rank 0's holds the RL state of ``trainer.live``), replicated to ``replicas``
+peers on other nodes (``trainer.replicas``, ``trainer.peers``), and publishing waits until a step's checkpoint is durable;
+``resume`` continues a killed run from the newest step every rank can restore (local, else peers' replicas).
+With ``lighthouse`` the job is elastic (``trainer.elastic_loop``): one process per replica group, a per-step
+quorum on torchft, groups leaving and rejoining without a restart.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from syncd.store import Store
-from trainer.buffer import BufferClosed, RolloutBuffer, group_advantages
+from trainer.buffer import group_advantages
 from trainer.compaction import sequence_rewards
 from trainer.dist import DataParallel, make_deterministic, weights_digest
-from trainer.metrics import EngineWatcher, MetricsLog, read_metrics, summarize
-from trainer.objective import LossConfig, TokenRecord, policy_gradient_loss, step_diagnostics
+from trainer.objective import LossConfig, policy_gradient_loss
 from trainer.optim import build_optimizer
 from trainer.rollouts import read_rollouts
 
@@ -100,6 +105,18 @@ class LoopConfig:
     record_timeout_s: float = 60.0
     request_timeout_s: float = 120.0
     engine_timeout_s: float = 120.0
+    checkpoint_dir: str | None = None
+    resume: bool = False
+    replicas: int = 1
+    keep_checkpoints: int = 2
+    checkpoint_busy: str = "skip"
+    node: str | None = None
+    ft_host: str = "127.0.0.1"
+    lighthouse: str | None = None
+    replica_group: int = 0
+    replica_groups: int = 1
+    min_replicas: int = 1
+    ft_timeout_s: float = 30.0
     curation: object | None = None  # a trainer.curation.CurationConfig: the difficulty filter on the task sampler
 
     def check(self) -> None:
@@ -122,7 +139,18 @@ class LoopConfig:
                   "at least one proxy URL is needed (or --plans to train offline)"),
                  (not self.sync or self.daemon_status is not None, "--daemon-status",
                   "the synchronous baseline (--sync) waits for the engines through the daemon's status file"),
-                 (not (self.sync and self.plans), "--sync", "cannot be combined with --plans")]
+                 (not (self.sync and self.plans), "--sync", "cannot be combined with --plans"),
+                 (self.checkpoint_dir is not None or not self.resume, "--resume",
+                  "needs --checkpoint-dir (where the run's checkpoints are)"),
+                 (self.replicas >= 0, "--replicas", f"must be >= 0, got {self.replicas}"),
+                 (self.keep_checkpoints >= 1, "--keep-checkpoints", f"must be >= 1, got {self.keep_checkpoints}"),
+                 (self.checkpoint_busy in ("skip", "wait"), "--checkpoint-busy",
+                  f"must be skip or wait, got {self.checkpoint_busy!r}"),
+                 (self.replica_groups >= 1 and 0 <= self.replica_group < self.replica_groups, "--replica-group",
+                  f"must be in [0, --replica-groups={self.replica_groups}), got {self.replica_group}"),
+                 (1 <= self.min_replicas <= self.replica_groups, "--min-replicas",
+                  f"must be in [1, --replica-groups={self.replica_groups}], got {self.min_replicas}"),
+                 (self.lighthouse is None or not self.sync, "--sync", "the elastic job (--lighthouse) runs async")]
         for ok, flag, msg in rules:
             if not ok:
                 raise ConfigError(f"{flag}: {msg}")
@@ -157,6 +185,12 @@ def run_loop(cfg: LoopConfig) -> dict:
     """Run ``cfg`` on this rank (every rank calls it); returns the summary (rank 0's is complete). Raises
     :class:`ConfigError` for a bad configuration and RuntimeError when the run cannot go on."""
     cfg.check()
+    if cfg.lighthouse:
+        from trainer.elastic_loop import run_elastic
+
+        return run_elastic(cfg)
+    from trainer.live import LiveSide
+
     dp = DataParallel()
     make_deterministic(cfg.seed, cfg.threads)
     model = _load_model(cfg, dp.device)
@@ -164,10 +198,16 @@ def run_loop(cfg: LoopConfig) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     loss_cfg = LossConfig(cfg.is_cap, cfg.is_band, cfg.is_seq_band, cfg.micro_batch)
     store = Store.open(cfg.store)
-    live = _Live(cfg, model) if dp.is_main else None
+    live = ft = None
     try:
-        _shared(dp, live.start if live is not None else None)
-        for step in range(1, cfg.steps + 1):
+        ft, restored = _fault_tolerance(cfg, dp, model, opt)
+        start = restored.step if restored is not None else 0
+        if dp.is_main:
+            live = LiveSide(cfg, model, resume_step=start if restored is not None else None,
+                            commit_gate=(lambda s: ft.durable(s)) if ft is not None else None)
+        _shared(dp, (lambda: live.start(restored.state if restored is not None else None))
+                if live is not None else None)
+        for step in range(start + 1, cfg.steps + 1):
             plan = _shared(dp, (lambda: live.plan(step)) if live is not None else None)
             t0 = time.perf_counter()
             mine = [g for i, g in enumerate(plan["groups"]) if i % dp.world == dp.rank]
@@ -177,6 +217,8 @@ def run_loop(cfg: LoopConfig) -> dict:
                 if seqs else (0.0, None)
             dp.all_reduce_grads(params)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)) if cfg.grad_clip > 0 else None
+            if ft is not None:
+                ft.checkpointer.before_update()
             opt.step()
             opt.zero_grad()
             loss = dp.all_reduce_sum([loss])[0]
@@ -184,9 +226,16 @@ def run_loop(cfg: LoopConfig) -> dict:
             train_s = time.perf_counter() - t0
             if live is not None:
                 live.finish_step(step, plan, [r for r in recs if r is not None], loss, grad_norm, train_s, loss_cfg)
+            if ft is not None:
+                gated = live is not None and live.published_step == step  # its version waits for this checkpoint
+                ft.checkpointer.save(step, model, opt, state=live.snapshot() if live is not None else None,
+                                     wait=gated or step == cfg.steps)
         digests = dp.gather(weights_digest(model))
         summary = {"digest": digests[0] if digests else None,
                    "ranks_agree": None if digests is None else len(set(digests)) == 1}
+        if ft is not None:
+            ft.checkpointer.flush()
+            summary["checkpoints"] = _ckpt_summary(ft)
         if live is not None:
             summary = live.close(summary)
         if dp.is_main and cfg.save_weights:
@@ -198,7 +247,54 @@ def run_loop(cfg: LoopConfig) -> dict:
     finally:
         if live is not None:
             live.abort()
+        if ft is not None:
+            ft.close()
         dp.close()
+
+
+def _ckpt_summary(ft) -> dict:
+    st = ft.checkpointer.stats
+    return {"saved": st.saved, "skipped": st.skipped, "failures": st.failures, "stall_s": st.stall_s,
+            "durable_step": ft.checkpointer.durable_step,
+            "replica_failures": ft.replicator.failures if ft.replicator is not None else 0}
+
+
+def _fault_tolerance(cfg: LoopConfig, dp: DataParallel, model, opt):
+    """``(FaultTolerance or None, restored Checkpoint or None)`` for a plain data-parallel job: every rank's
+    checkpoints and replica server; with ``resume``, the newest step every rank can restore, applied."""
+    if cfg.checkpoint_dir is None:
+        return None, None
+    from trainer.ft import FaultTolerance, FTConfig, agree_step, default_node
+
+    node = cfg.node.replace("{rank}", str(dp.rank)) if cfg.node else default_node()
+    nodes = dp.broadcast(dp.gather(node))
+    owners = tuple(f"rank-{r}" for r in range(dp.world))
+    k = min(cfg.replicas, len(set(nodes)) - 1)
+    if k < cfg.replicas and dp.is_main:
+        log.warning("--replicas %d: the %d ranks are on %d node(s); keeping %d replica(s) (a replica on the "
+                    "owner's own node would not survive the node)", cfg.replicas, dp.world, len(set(nodes)), k)
+    ft = FaultTolerance(FTConfig(cfg.checkpoint_dir, owners[dp.rank], owners, tuple(nodes), cfg.store, cfg.run_id,
+                                 replicas=k, keep=cfg.keep_checkpoints, host=cfg.ft_host,
+                                 on_busy=cfg.checkpoint_busy))
+    dp.barrier()  # every replica server announced before anyone asks for its replicas
+    if not cfg.resume:
+        taken = dp.gather(ft.checkpointer.durable_step is not None)
+        if dp.broadcast(any(taken) if dp.is_main else None):
+            raise ConfigError(f"--checkpoint-dir: {cfg.checkpoint_dir} holds checkpoints of an earlier run: pass "
+                              "--resume to continue it, or use another folder")
+        return ft, None
+    avail = dp.gather(ft.available())
+    step = dp.broadcast(agree_step(avail) if dp.is_main else None)
+    if step is None:
+        raise ConfigError(f"--resume: no checkpoint step that every rank can restore in {cfg.checkpoint_dir} "
+                          "(nor on the peers' replicas)")
+    ckpt = ft.restore(step=step)
+    ok = dp.gather(ckpt is not None)
+    if dp.broadcast(all(ok) if dp.is_main else None) is not True:
+        raise RuntimeError(f"a rank could not restore step {step} (see its log)")
+    ckpt.apply(model, opt)
+    log.warning("rank %d: resumed at step %d", dp.rank, step)
+    return ft, ckpt
 
 
 def _shared(dp: DataParallel, make):
@@ -233,178 +329,3 @@ def _sequences(cfg: LoopConfig, store, groups: list[dict], live, vocab_size: int
         # one advantage per sequence: a compacted trajectory's sequences (its summaries too) share its reward's
         adv.append(sequence_rewards(rollouts, group_advantages(g["rewards"], scale=cfg.adv_scale)))
     return seqs, (torch.cat(adv) if adv else torch.zeros(0))
-
-
-class _Live:
-    """Rank 0's side of the loop: publishing, rollout workers, buffer, plans and metrics."""
-
-    def __init__(self, cfg: LoopConfig, model):
-        self.cfg, self.model = cfg, model
-        out = Path(cfg.out)
-        out.mkdir(parents=True, exist_ok=True)
-        self.metrics = MetricsLog(out / "metrics.jsonl", truncate=True)
-        self.version, self.step = 0, 0
-        self.pub = self.workers = self.watcher = self.buffer = None
-        self._recorded = None if cfg.plans else open(out / "plans.jsonl", "w")
-        self._plans = None
-        self._live_groups: dict[int, list] = {}
-        self._last = (time.time(), 0)
-        self.curated = None
-
-    def start(self) -> None:
-        cfg = self.cfg
-        self.metrics.write("start", config={k: v for k, v in asdict(cfg).items()})
-        if cfg.daemon_status:
-            self.watcher = EngineWatcher(cfg.daemon_status, self.metrics).start()
-        if cfg.plans:
-            self._plans = [json.loads(ln) for ln in Path(cfg.plans).read_text().splitlines() if ln.strip()]
-            return
-        from syncd.versions import has_versions
-        from trainer.publisher import WeightPublisher
-        from trainer.rollout_workers import ProxyError, RolloutWorkers, Sampling, proxy_models
-        from trainer.tasks import get_task, load_reward
-
-        try:
-            names = [proxy_models(u) for u in cfg.proxies]
-        except ProxyError as exc:
-            raise ConfigError(f"--proxy: no engines reachable: {exc}") from None
-        if has_versions(cfg.store, cfg.run_id):
-            raise ConfigError(f"--run-id: run {cfg.run_id} already has versions in {cfg.store}; the engines start "
-                              "from version 0: use a new run id")
-        task = get_task(cfg.task, length=cfg.task_length)
-        reward = load_reward(cfg.reward) if cfg.reward else task.reward
-        if cfg.curation is not None:
-            from trainer.curation import CuratedTask
-
-            task = self.curated = CuratedTask(task, cfg.curation)
-            reward = task.observing(reward)
-        self.pub = WeightPublisher(cfg.store, cfg.run_id, every_k=1, full_every=cfg.full_every)
-        self.pub.publish_model_files(cfg.model)  # config + tokenizer: `syncd materialize` needs no --config-from
-        self._publish(0)
-        self.buffer = RolloutBuffer(0 if cfg.sync else cfg.max_lag, on_drop=lambda n: self.workers.allow(n))
-        self.workers = RolloutWorkers(
-            proxies=list(cfg.proxies), model_name=names[0][0], task=task, reward=reward, group_size=cfg.group_size,
-            sampling=Sampling(cfg.temperature, cfg.top_p, cfg.top_k), store=cfg.store, run_id=cfg.run_id,
-            buffer=self.buffer, version=lambda: self.version, step=lambda: self.step,
-            workers=cfg.workers or cfg.groups_per_step, seed=cfg.seed, vocab_size=self.model.config.vocab_size,
-            request_timeout_s=cfg.request_timeout_s, record_timeout_s=cfg.record_timeout_s).start()
-        if not cfg.sync:
-            self.workers.allow(cfg.lookahead or cfg.groups_per_step * (1 + min(cfg.max_lag, 1)))
-
-    def _publish(self, step: int) -> None:
-        t = time.time()
-        stall = time.perf_counter()
-        self.pub.publish(self.model, step)
-        self.version = 0 if step == 0 else self.version + 1
-        self.metrics.write("publish", version=self.version, step=step, stall_s=time.perf_counter() - stall, t=t)
-
-    def plan(self, step: int) -> dict:
-        self.step = step
-        if self._plans is not None:
-            return self._plans[step - 1]
-        cfg, t0 = self.cfg, time.perf_counter()
-        if cfg.sync:
-            self._wait_engines(self.version)
-            self.workers.allow(cfg.groups_per_step)
-        try:
-            groups = self.buffer.take(cfg.groups_per_step, self.version, timeout_s=cfg.rollout_timeout_s)
-        except (TimeoutError, BufferClosed) as exc:
-            raise RuntimeError(f"no rollouts: {exc}; rollout workers: {self.workers.stats()}") from None
-        if not cfg.sync:
-            self.workers.allow(cfg.groups_per_step)
-        for g in groups:
-            self._live_groups[g.gid] = g.rollouts
-        plan = {"kind": "plan", "step": step, "version": self.version, "wait_s": time.perf_counter() - t0,
-                "groups": [g.plan() for g in groups]}
-        self._recorded.write(json.dumps(plan) + "\n")
-        self._recorded.flush()
-        return plan
-
-    def _wait_engines(self, version: int) -> None:
-        deadline = time.monotonic() + self.cfg.engine_timeout_s
-        while True:
-            self.watcher.poll()
-            at = self.watcher.min_version()
-            if at is not None and at >= version:
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the engines did not reach version {version} within {self.cfg.engine_timeout_s}"
-                                   f" s (daemon status {self.cfg.daemon_status}: {self.watcher.versions})")
-            time.sleep(0.05)
-
-    def rollouts_of(self, gid: int):
-        return self._live_groups.pop(gid, None)
-
-    def finish_step(self, step: int, plan: dict, recs: list, loss: float, grad_norm, train_s: float,
-                    loss_cfg: LossConfig) -> None:
-        cfg = self.cfg
-        if self.pub is not None and (step % cfg.every_k == 0 or step == cfg.steps):
-            if cfg.sync:
-                self.pub.flush()  # the baseline's update: the previous version committed first
-            self._publish(step)
-        groups = plan["groups"]
-        rewards = [r for g in groups for r in g["rewards"]]
-        stds = [float(torch.tensor(g["rewards"], dtype=torch.float64).std(unbiased=False)) for g in groups]
-        tokens = sum(g["tokens"] for g in groups)
-        now = time.time()
-        made = self.workers.tokens if self.workers is not None else 0
-        dt = now - self._last[0]
-        line = {"step": step, "version": plan["version"], "reward_mean": sum(rewards) / len(rewards),
-                "reward_std": sum(stds) / len(stds), "reward_min": min(rewards), "reward_max": max(rewards),
-                "zero_std_groups": sum(s <= 1e-6 for s in stds), "loss": loss, "grad_norm": grad_norm,
-                "tokens": tokens, "train_s": train_s, "trainer_tokens_per_s": tokens / train_s if train_s else None,
-                "rollout_tokens_per_s": (made - self._last[1]) / dt if self.workers is not None and dt > 0 else None,
-                "wait_s": plan.get("wait_s"), "groups": [g["gid"] for g in groups],
-                "buffer": len(self.buffer) if self.buffer is not None else 0,
-                "dropped_stale": self.buffer.dropped_stale if self.buffer is not None else 0,
-                "rollout_failures": self.workers.failures.totals if self.workers is not None else {},
-                "published_version": self.version,
-                "curation": self.curated.stats() if self.curated is not None else None}
-        self._last = (now, made)
-        if recs:
-            line.update(step_diagnostics(TokenRecord.cat(recs), plan["version"], loss_cfg))
-        self.metrics.write("step", **line)
-        log.info("step %d: reward %.3f, staleness %.2f, IS mean %.4f", step, line["reward_mean"],
-                 line.get("staleness_mean") or 0.0, line.get("is_mean") or float("nan"))
-
-    def close(self, summary: dict) -> dict:
-        if self.pub is not None:
-            self.pub.close()
-        if self.workers is not None:
-            self.workers.stop()
-            summary["rollouts"] = self.workers.stats()
-        if self.watcher is not None:
-            if self.pub is not None:
-                self._wait_engines_quietly()  # the engines' last versions belong in the metrics and the plot
-            self.watcher.stop()
-        lines = read_metrics(self.metrics.path)
-        summary = {**summarize(lines), **summary, "final_version": self.version if self.pub else None}
-        self.metrics.write("end", **summary)
-        out = Path(self.cfg.out)
-        (out / "summary.json").write_text(json.dumps(read_metrics(self.metrics.path)[-1], indent=1))
-        if self.cfg.plot:
-            try:
-                from trainer.plots import plot_run
-
-                plot_run(read_metrics(self.metrics.path), out / "run.png")
-            except ImportError as exc:
-                log.warning("no plot: %s", exc)
-        self.abort()
-        return summary
-
-    def _wait_engines_quietly(self) -> None:
-        try:
-            self._wait_engines(self.version)
-        except RuntimeError as exc:
-            log.warning("%s", exc)
-
-    def abort(self) -> None:
-        if self.workers is not None:
-            self.workers.stop(5)
-        if self.buffer is not None:
-            self.buffer.close()
-        if self.watcher is not None:
-            self.watcher._stop.set()
-        if self._recorded is not None and not self._recorded.closed:
-            self._recorded.close()
-        self.metrics.close()

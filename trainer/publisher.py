@@ -22,7 +22,16 @@ Contract:
   next kernels are ordered after it) and deltas are encoded there, so only compact blobs cross PCIe.
 * A failure in the background is raised, as :class:`~syncd.errors.PublishError`, by the next call to
   ``publish``/``flush``/``close``; the publisher then carries on from the last committed version. A
-  :class:`~syncd.errors.VersionConflict` (another publisher wrote the same version) is final.
+  :class:`~syncd.errors.VersionConflict` (another publisher wrote a *valid* manifest at the same number) is final.
+* Numbering: a publisher's first version follows the run's newest *valid* version (read, parsed and, with a key,
+  verified: :func:`syncd.versions.latest_version`), never a high-water mark of manifest names, so a garbage
+  manifest far ahead (``versions/999999999998/``) changes nothing; a number already taken by an unusable
+  manifest (squatted, torn, of another key) is skipped, at most :data:`MAX_SQUAT_SKIPS` in a row. A restarted
+  trainer's publisher starts with a full version.
+* ``commit_gate(step)``, when given, runs on the background thread just before a version's manifest is
+  written -- the moment it becomes visible -- and may wait (the thin trainer waits until the step's checkpoint
+  is durable on ``k + 1`` nodes, so engines never hold weights the trainer could not be restored to) or raise
+  (the version fails like an upload).
 * Methods are meant for one trainer thread; the background work runs on one internal thread.
 """
 
@@ -42,7 +51,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from syncd import manifest as mf
-from syncd.errors import ObjectExists, ObjectNotFound, PublishError, StoreError, VersionConflict
+from syncd.errors import ObjectExists, ObjectNotFound, PublishError, StoreError, SyncdError, VersionConflict
 from syncd.retention import RetentionPolicy, apply_retention
 from syncd.signing import resolve_key
 from syncd.store import Store
@@ -52,6 +61,8 @@ log = logging.getLogger(__name__)
 
 _CASTABLE = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _ENCODE_BATCH_ELEMS = 1 << 25  # tensors encoded together: all cores busy, shards still cut progressively
+#: version numbers skipped in a row because an unusable manifest squats on them, before publishing gives up
+MAX_SQUAT_SKIPS = 64
 
 
 @dataclass
@@ -98,12 +109,13 @@ class WeightPublisher:
     :class:`~syncd.retention.RetentionPolicy` applied after each version (None: keep everything).
     ``on_busy``: ``"wait"`` or ``"skip"`` when a version is due while the previous one still uploads.
     ``backend``: the codec backend (``syncd.ops``). ``upload_threads``: shards uploaded in parallel.
+    ``commit_gate``: see the module docstring.
     """
 
     def __init__(self, store, run_id: str, *, every_k: int = 1, full_every: int = 16,
                  shard_bytes: int = 64 << 20, signing_key=None, dtype=torch.bfloat16,
                  snapshot_device=None, on_busy: str = "wait", retention: RetentionPolicy | None = None,
-                 backend: str = "auto", upload_threads: int = 4):
+                 backend: str = "auto", upload_threads: int = 4, commit_gate=None):
         if every_k < 1 or full_every < 1:
             raise ValueError("every_k and full_every must be at least 1")
         if shard_bytes < 1:
@@ -118,7 +130,7 @@ class WeightPublisher:
             log.warning("publishing run %s UNSIGNED: set SYNCD_SIGNING_KEY so engines can authenticate it",
                         run_id)
         self.dtype, self.snapshot_device, self.on_busy = dtype, snapshot_device, on_busy
-        self.retention, self.backend = retention, backend
+        self.retention, self.backend, self.commit_gate = retention, backend, commit_gate
         self.session = secrets.token_hex(8)
         self.history: deque[VersionStats] = deque(maxlen=1024)
 
@@ -276,9 +288,19 @@ class WeightPublisher:
                 self._idle.set()
 
     def _publish_version(self, job: _Job) -> None:
+        for _ in range(MAX_SQUAT_SKIPS):
+            try:
+                return self._publish_once(job)
+            except _Squatted as exc:
+                log.warning("run %s: version number %d was squatted by an unusable manifest during the upload; "
+                            "publishing again under the next number", self.run_id, exc.args[0])
+        raise PublishError(f"run {self.run_id}: {MAX_SQUAT_SKIPS} version numbers squatted in a row")
+
+    def _publish_once(self, job: _Job) -> None:
         if self._next_version is None:
-            latest = _latest_committed(self.store, self.run_id)
+            latest = _newest_valid(self.store, self.run_id, self.key)
             self._next_version = 0 if latest is None else latest + 1
+        self._next_version = self._free_number(self._next_version)
         version, prev = self._next_version, self._prev
         same_layout = prev is not None and [(n, t.shape, t.dtype) for n, t in prev.items()] == \
             [(n, t.shape, t.dtype) for n, t in job.snap.items()]
@@ -304,6 +326,12 @@ class WeightPublisher:
         except BaseException:
             writer.discard()
             raise
+        if self.commit_gate is not None:
+            try:
+                self.commit_gate(job.step)
+            except BaseException:
+                writer.discard()
+                raise
         self._put_manifest(version, raw, writer)
         t2 = time.perf_counter()
         self._commit(job, m, raw)
@@ -331,9 +359,12 @@ class WeightPublisher:
             return
         except ObjectExists:
             writer.discard()
-            raise VersionConflict(
-                f"run {self.run_id} version {version} was already published by another publisher; "
-                "two trainers are publishing to one run id") from None
+            if self._usable(version):
+                raise VersionConflict(
+                    f"run {self.run_id} version {version} was already published by another publisher; "
+                    "two trainers are publishing to one run id") from None
+            self._next_version = version + 1  # squatted since it was numbered: published again under the next
+            raise _Squatted(version) from None
         except StoreError as exc:
             failure = exc
         try:
@@ -350,6 +381,34 @@ class WeightPublisher:
         writer.discard()
         raise failure
 
+    def _usable(self, version: int) -> bool:
+        """True if ``version`` has a manifest that verifies (under this publisher's key)."""
+        from syncd.versions import read_manifest
+
+        try:
+            read_manifest(self.store, self.run_id, version, signing_key=self.key or False)
+            return True
+        except StoreError:
+            raise
+        except SyncdError:
+            return False
+
+    def _free_number(self, version: int) -> int:
+        """``version``, or the first number after it that no manifest occupies: one occupied by an unusable
+        manifest (squatted) is skipped with a warning, one occupied by a valid manifest is another publisher's
+        (:class:`VersionConflict`); :class:`PublishError` after :data:`MAX_SQUAT_SKIPS` squatted numbers."""
+        for v in range(version, version + MAX_SQUAT_SKIPS + 1):
+            if v > mf.MAX_VERSION:
+                break
+            if not self.store.exists(mf.manifest_key(self.run_id, v)):
+                return v
+            if self._usable(v):
+                raise VersionConflict(f"run {self.run_id} version {v} was published by another publisher; "
+                                      "two trainers are publishing to one run id")
+            log.warning("run %s: version number %d is squatted by an unusable manifest; skipping it", self.run_id, v)
+        raise PublishError(f"run {self.run_id}: version numbers {version}..{v} are all squatted by unusable "
+                           "manifests; remove them (syncd verify) before publishing")
+
     def _commit(self, job: _Job, m: mf.Manifest, raw: bytes) -> None:
         self._prev_manifest = replace(m, digest=mf.digest(raw))
         self._spare, self._prev = self._prev, job.snap
@@ -362,6 +421,10 @@ class WeightPublisher:
             self.store.put(mf.latest_hint_key(self.run_id), json.dumps(hint, sort_keys=True).encode())
         except Exception as exc:  # noqa: BLE001 -- only a hint; the manifests are the truth
             log.warning("run %s: could not update the latest-version hint: %s", self.run_id, exc)
+
+
+class _Squatted(Exception):
+    """The manifest number was taken by an unusable manifest between numbering and writing."""
 
 
 def _batches(tensors: dict, elems: int):
@@ -377,11 +440,12 @@ def _batches(tensors: dict, elems: int):
         yield batch
 
 
-def _latest_committed(store: Store, run_id: str) -> int | None:
-    """Highest version number that has a manifest (valid or not: its number is taken either way)."""
-    nums = sorted((n for n in (mf.parse_version_dir(d) for d in store.list_dirs(mf.versions_prefix(run_id)))
-                   if n is not None), reverse=True)
-    return next((v for v in nums if store.exists(mf.manifest_key(run_id, v))), None)
+def _newest_valid(store: Store, run_id: str, key) -> int | None:
+    """The run's newest valid version under ``key`` (None: no key, signed manifests refused), via the one
+    verified-newest reader (:func:`syncd.versions.latest_version`, i.e. :class:`syncd.newest.VersionPoller`)."""
+    from syncd.versions import latest_version
+
+    return latest_version(store, run_id, signing_key=key or False)
 
 
 def _device(spec) -> torch.device:

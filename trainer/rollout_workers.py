@@ -10,14 +10,24 @@ its metadata (so the store holds the reward with the record), and reads the grou
 they write in the background once a request ends. The group (rewards, versions of its tokens) goes into the
 :class:`~trainer.buffer.RolloutBuffer`.
 
+Which prompt comes next is the buffer's prompt ledger's answer (:meth:`RolloutBuffer.next_prompt`): a prompt
+whose group was dropped (stale or failed) is regenerated before a fresh one, as attempt 1, 2, ... (its
+trajectory ids ``<life>-g<index>r<attempt>-s<j>``, unique per trainer life). After a restart,
+:meth:`RolloutWorkers.reread` and :meth:`RolloutWorkers.recover` rebuild the buffered and in-flight groups of
+the checkpointed RL state from the store, and :meth:`close_open` finishes an earlier life's trajectories still
+open in the proxy.
+
 Production is paced by credit: :meth:`RolloutWorkers.allow` lets ``n`` more groups start. The asynchronous loop
 keeps a look-ahead of credit; the synchronous baseline allows one step's groups once the engines serve the
 trainer's newest version.
 
 Failures (HTTP errors, a record not written or incomplete, records that do not join) never reach the buffer:
 the group is dropped whole (its trajectories still open in the proxy are finished with ``{"dropped": reason}``),
-logged, counted by kind in :attr:`RolloutWorkers.failures` and its credit given back, and the worker goes on after
-a backoff. Records are trusted only after ``read_rollouts`` checked them.
+logged, counted by kind in :attr:`RolloutWorkers.failures`, its prompt queued to be regenerated and its credit
+given back, and the worker goes on after a backoff -- except for an error marked ``fatal`` (an exhausted curation
+pool), which stops the workers and closes the buffer, so the trainer's wait ends with the cause in
+:meth:`RolloutWorkers.stats`. A task with an ``observe`` method (:class:`trainer.curation.CuratedTask`) is told each
+group's rewards once the group is in the buffer. Records are trusted only after ``read_rollouts`` checked them.
 
 Thread-safety: :meth:`allow`, :meth:`stats` and :meth:`stop` from any thread; ``reward`` is called from the worker
 threads (one call at a time per worker).
@@ -42,7 +52,7 @@ from syncd.store import Store
 from syncd.supervise import Failures
 from trainer.buffer import Group, RolloutBuffer
 from trainer.rollouts import MissingReplayError, RolloutError, read_rollouts
-from trainer.tasks import RewardFn, Sample, Task
+from trainer.tasks import RewardFn, Sample, Task, TaskItem
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +124,14 @@ def complete(url: str, body: dict, trajectory_id: str, *, timeout_s: float = 120
     return out
 
 
-def _seed(seed: int, index: int, sample: int) -> int:
-    return int.from_bytes(hashlib.sha256(f"{seed}:{index}:{sample}".encode()).digest()[:4], "little") >> 1
+def _seed(seed: int, index: int, sample: int, attempt: int = 0) -> int:
+    key = f"{seed}:{index}:{sample}" if attempt == 0 else f"{seed}:{index}.{attempt}:{sample}"
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "little") >> 1
+
+
+def _tids(life: str, index: int, attempt: int, group_size: int) -> list[str]:
+    again = f"r{attempt}" if attempt else ""
+    return [f"{life}-g{index:06d}{again}-s{j:02d}" for j in range(group_size)]
 
 
 class RolloutWorkers:
@@ -140,7 +156,6 @@ class RolloutWorkers:
         self.last_error: str | None = None
         self.groups = self.requests = self.tokens = 0
         self._credit = 0
-        self._next = 0
         self._inflight = 0
         self._cond = threading.Condition()
         self._stop = threading.Event()
@@ -187,15 +202,21 @@ class RolloutWorkers:
                 if self._stop.is_set():
                     return
                 self._credit -= 1
-                index, self._next = self._next, self._next + 1
                 self._inflight += 1
+            index, attempt = self.buffer.next_prompt(self._entry)
             try:
-                group = self._group(index)
+                group = self._group(index, attempt)
             except Exception as exc:  # noqa: BLE001 -- counted, logged, the credit given back, the worker goes on
                 kind = getattr(exc, "kind", "task")
                 self.failures(kind)
                 self.last_error = f"group {index}: {type(exc).__name__}: {exc}"
+                if getattr(exc, "fatal", False):  # no retry can succeed (trainer.curation.CurationExhausted)
+                    log.error("rollout %s failure, the workers stop: %s", kind, self.last_error)
+                    self._stop.set()
+                    self.buffer.close()  # the trainer's take() raises BufferClosed; stats() name the cause
+                    return
                 log.warning("rollout %s failure: %s", kind, self.last_error)
+                self.buffer.failed(index)
                 with self._cond:
                     self._inflight -= 1
                     self._credit += 1
@@ -208,6 +229,14 @@ class RolloutWorkers:
                 self.groups += 1
                 self.tokens += group.tokens
             self.buffer.put(group)
+            observe = getattr(self.task, "observe", None)  # trainer.curation.CuratedTask: only groups buffered
+            if observe is not None:
+                try:
+                    observe(group.item, group.rewards)
+                except Exception as exc:  # noqa: BLE001 -- the group is buffered; only its estimate is lost
+                    self.failures("task")
+                    self.last_error = f"group {index}: observe: {type(exc).__name__}: {exc}"
+                    log.warning("rollout task failure: %s", self.last_error)
 
     def _complete(self, proxy: str, tid: str, prompt: str, seed: int) -> dict:
         body = {"model": self.model_name, "prompt": prompt, "max_tokens": self.task.max_tokens,
@@ -217,17 +246,24 @@ class RolloutWorkers:
             self.requests += 1
         return complete(proxy, body, tid, timeout_s=self.request_timeout_s)
 
-    def _group(self, index: int) -> Group:
+    def _entry(self, index: int, attempt: int) -> dict:
+        """The ledger's record of a group being requested."""
+        return {"attempt": attempt, "life": self.life, "proxy": self.proxies[index % len(self.proxies)],
+                "trajectories": _tids(self.life, index, attempt, self.group_size), "requested_version": self.version()}
+
+    def _group(self, index: int, attempt: int = 0) -> Group:
         item = self.task.item(index, self.seed)
         proxy = self.proxies[index % len(self.proxies)]
         requested_at, version, step = time.time(), self.version(), self.step()
-        tids = [f"{self.life}-g{index:06d}-s{j:02d}" for j in range(self.group_size)]
-        futures = [self._pool.submit(self._complete, proxy, tid, item.prompt, _seed(self.seed, index, j))
+        tids = _tids(self.life, index, attempt, self.group_size)
+        futures = [self._pool.submit(self._complete, proxy, tid, item.prompt, _seed(self.seed, index, j, attempt))
                    for j, tid in enumerate(tids)]
         finished: set[str] = set()
         try:
-            return self._score_and_read(index, item, proxy, tids, [f.result() for f in futures], finished,
-                                        requested_at, version, step)
+            group = self._score_and_read(index, item, proxy, tids, [f.result() for f in futures], finished,
+                                         requested_at, version, step)
+            group.attempt = attempt
+            return group
         except BaseException as exc:
             wait(futures)
             for tid in tids:  # the proxy holds open trajectories until finished: close the group's, marked dropped
@@ -264,23 +300,65 @@ class RolloutWorkers:
                 raise _Failed("record", f"trajectory {tid}: the proxy did not write a complete record: "
                                         f"HTTP {status} {reply}")
             ids.append(_ids_of(reply, self.run_id))
+            if j == 0:
+                self.buffer.record_written(index, ids[0][0])
         rollouts = self._read(ids)
-        versions: dict[int, int] = {}
-        tokens = 0
-        for ro, out in zip(rollouts, outs):
-            # a compacted request (engine.proxy.compaction) is one sequence per context window, its summaries too
-            if len(ro.sequences) != 1 and not (ro.compaction and ro.sequences):
-                raise _Failed("record", f"trajectory {ro.trajectory_id}: {len(ro.sequences)} sequences, want 1")
-            n = sum(int(seq.loss_mask.sum()) for seq in ro.sequences)
-            counted = int((out.get("usage") or {}).get("completion_tokens") or n)
-            if n != counted if not ro.compaction else n < counted:
-                raise _Failed("record", f"trajectory {ro.trajectory_id}: {n} recorded tokens, the response "
-                                        f"counted {out['usage']['completion_tokens']}")
-            for seq in ro.sequences:
-                for v, c in zip(*seq.versions[seq.loss_mask].unique(return_counts=True)):
-                    versions[int(v)] = versions.get(int(v), 0) + int(c)
-            tokens += n
-        return Group(index, item, ids, rewards, rollouts, versions, tokens, version, requested_at, time.time())
+        counted = [int((out.get("usage") or {}).get("completion_tokens") or -1) for out in outs]
+        return _make_group(index, item, ids, rewards, rollouts, counted, version, requested_at, time.time())
+
+    # ------------------------------------------------------------------------------------ after a restart
+
+    def reread(self, doc: dict) -> Group:
+        """A buffered group of a checkpointed RL state (its plan with ``token_versions``), read back from the
+        store; ``_Failed`` when the records are gone or no longer carry the recorded per-token versions."""
+        ids = [tuple(t) for t in doc["trajectories"]]
+        rollouts = self._read(ids)
+        want = doc.get("token_versions")
+        got = [_token_versions(ro) for ro in rollouts]
+        if want is not None and got != want:
+            raise _Failed("record", f"group of prompt {doc['item']['index']}: the records' token versions differ "
+                                    "from the checkpoint's")
+        it = doc["item"]
+        item = TaskItem(int(it["index"]), str(it["prompt"]), it.get("target"), dict(it.get("meta") or {}))
+        g = _make_group(item.index, item, ids, [float(r) for r in doc["rewards"]], rollouts, None,
+                        int(doc["requested_version"]), float(doc["requested_at"]), float(doc["finished_at"]))
+        g.attempt = int(doc.get("attempt") or 0)
+        return g
+
+    def recover(self, index: int, entry: dict) -> Group | None:
+        """An in-flight group of an earlier life, if every one of its trajectories was written complete, with its
+        reward, before the crash; else None (it is regenerated)."""
+        sandbox = entry.get("sandbox")
+        if not sandbox:
+            return None
+        from syncd.records.trajectory import read_record
+
+        ids, rewards = [(sandbox, t) for t in entry["trajectories"]], []
+        for sb, tid in ids:
+            try:
+                doc = read_record(self.store, self.run_id, sb, tid)
+            except ObjectNotFound:
+                return None
+            reward = (doc.get("metadata") or {}).get("reward")
+            if doc["status"] != "complete" or not isinstance(reward, (int, float)) or isinstance(reward, bool) \
+                    or reward != reward or abs(reward) == float("inf"):
+                return None
+            rewards.append(float(reward))
+        item = self.task.item(index, self.seed)
+        g = _make_group(index, item, ids, rewards, self._read(ids), None, int(entry.get("requested_version", 0)),
+                        time.time(), time.time())
+        g.attempt = int(entry.get("attempt") or 0)
+        return g
+
+    def close_open(self, entry: dict, reason: str = "the trainer restarted") -> None:
+        """Finish an earlier life's trajectories that the proxy may still hold open, marked dropped (best effort)."""
+        for tid in entry.get("trajectories") or []:
+            try:
+                _http(str(entry.get("proxy")), "POST", f"/syncd/trajectories/{tid}/finish",
+                      {"metadata": {"dropped": reason}}, timeout_s=10)
+            except (ProxyError, ValueError):
+                pass
+
 
     def _read(self, ids: list[tuple[str, str]]) -> list:
         """The group's rollouts, once every replay record is in the store (the engines write them just after a
@@ -302,6 +380,34 @@ class RolloutWorkers:
         if len(rs.rollouts) != len(ids) or rs.skipped_failed:
             raise _Failed("record", f"{len(rs.rollouts)} of {len(ids)} trajectories complete")
         return rs.rollouts
+
+
+def _token_versions(ro) -> list[int]:
+    """The weight version of each generated token of a rollout, over its sequences (a compacted request has one
+    per context window, its summaries too)."""
+    return [int(v) for seq in ro.sequences for v in seq.versions[seq.loss_mask].tolist()]
+
+
+def _make_group(index, item, ids, rewards, rollouts, counted, version, requested_at, finished_at) -> Group:
+    """A group from its read-back rollouts (one sequence each, or one per context window for a compacted request,
+    ``engine.proxy.compaction``; ``counted``: the token counts the responses reported, checked when given: equal,
+    or at most the recorded ones when compacted)."""
+    versions: dict[int, int] = {}
+    tokens, per_token = 0, []
+    for j, ro in enumerate(rollouts):
+        if len(ro.sequences) != 1 and not (ro.compaction and ro.sequences):
+            raise _Failed("record", f"trajectory {ro.trajectory_id}: {len(ro.sequences)} sequences, want 1")
+        vs = _token_versions(ro)
+        n = len(vs)
+        if counted is not None and counted[j] >= 0 and (n < counted[j] if ro.compaction else n != counted[j]):
+            raise _Failed("record", f"trajectory {ro.trajectory_id}: {n} recorded tokens, the response "
+                                    f"counted {counted[j]}")
+        per_token.append(vs)
+        for v in vs:
+            versions[v] = versions.get(v, 0) + 1
+        tokens += n
+    return Group(index, item, list(ids), list(rewards), rollouts, versions, tokens, version, requested_at,
+                 finished_at, per_token)
 
 
 class _Failed(RuntimeError):

@@ -92,6 +92,26 @@ def parser() -> argparse.ArgumentParser:
     a("--no-plot", action="store_true", help="no OUT/run.png")
     a("--nproc", type=int, default=1, help="data-parallel ranks (processes)")
     a("--rollout-timeout", type=float, default=300.0, help="seconds a step may wait for rollouts")
+    ft = p.add_argument_group("fault tolerance (docs/trainer.md)")
+    b = ft.add_argument
+    b("--checkpoint-dir", default=None, metavar="DIR",
+      help="node-local folder for per-step checkpoints (each rank's) and the replicas it holds for its peers")
+    b("--resume", action="store_true", help="continue the run from the newest step every rank can restore "
+      "(its checkpoints in --checkpoint-dir, else the replicas its peers hold)")
+    b("--replicas", type=int, default=1, help="k: peers on other nodes that hold a copy of each rank's checkpoint")
+    b("--keep-checkpoints", type=int, default=2, help="checkpoints kept per rank (and replicas per peer)")
+    b("--checkpoint-busy", choices=("skip", "wait"), default="skip",
+      help="a step due while the previous checkpoint is still being written: skip its checkpoint (no stall; a "
+           "crash may then cost more than one step) or wait for the write (every step checkpointed)")
+    b("--node", default=None, help="this process's node id for replica placement [SYNCD_NODE, else the host name;"
+      " '{rank}' in it is replaced by the rank]")
+    b("--ft-host", default="127.0.0.1", help="address the replica server (and torchft's manager) binds and advertises")
+    b("--lighthouse", default=env("TORCHFT_LIGHTHOUSE"), metavar="URL",
+      help="elastic job: torchft lighthouse URL; this process is one replica group [TORCHFT_LIGHTHOUSE]")
+    b("--replica-groups", type=int, default=1, help="elastic job: how many replica groups it has")
+    b("--replica-group", type=int, default=0, help="elastic job: this process's group (0 runs the live side)")
+    b("--min-replicas", type=int, default=1, help="elastic job: fewer participants never commit a step")
+    b("--ft-timeout", type=float, default=30.0, help="elastic job: seconds before a silent peer counts as dead")
     a("--log-level", default=env("SYNCD_LOG_LEVEL", "WARNING"))
     return p
 
@@ -121,7 +141,11 @@ def config_from_args(args):
         is_cap=args.is_cap or None, is_band=args.is_band, is_seq_band=args.is_seq_band, micro_batch=args.micro_batch,
         adv_scale=not args.no_adv_scale, seed=args.seed, threads=args.threads, full_every=args.full_every,
         daemon_status=args.daemon_status, sync=args.sync, plans=args.plans, save_weights=args.save_weights,
-        plot=not args.no_plot, rollout_timeout_s=args.rollout_timeout, curation=_curation(args))
+        plot=not args.no_plot, rollout_timeout_s=args.rollout_timeout, curation=_curation(args),
+        checkpoint_dir=args.checkpoint_dir, resume=args.resume, replicas=args.replicas,
+        keep_checkpoints=args.keep_checkpoints, checkpoint_busy=args.checkpoint_busy, node=args.node,
+        ft_host=args.ft_host, lighthouse=args.lighthouse, replica_group=args.replica_group,
+        replica_groups=args.replica_groups, min_replicas=args.min_replicas, ft_timeout_s=args.ft_timeout)
 
 
 def _preflight(cfg) -> None:
@@ -147,9 +171,9 @@ def _preflight(cfg) -> None:
             raise ConfigError(f"--proxy: no engines reachable through {url}: {exc}") from None
     from syncd.versions import has_versions
 
-    if has_versions(cfg.store, cfg.run_id):
+    if not cfg.resume and cfg.lighthouse is None and has_versions(cfg.store, cfg.run_id):
         raise ConfigError(f"--run-id: run {cfg.run_id} already has versions in {cfg.store}; the engines start "
-                          "from version 0: use a new run id")
+                          "from version 0: use a new run id (or --resume with its --checkpoint-dir)")
 
 
 def _free_port() -> int:
@@ -207,7 +231,7 @@ def _run_rank(argv: list[str]) -> int:
     except (RuntimeError, SyncdError, OSError, TimeoutError) as exc:
         print(f"trainer.run: rank {os.environ.get('RANK', '0')}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    if os.environ.get("RANK", "0") == "0":
+    if os.environ.get("RANK", "0") == "0" or args.lighthouse:
         print(json.dumps(summary), flush=True)
     return 0
 
@@ -218,13 +242,26 @@ def main(argv=None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("torchao", "torch.utils._pytree"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
+    if logging.getLogger().level > logging.INFO:  # torchft logs every quorum (Rust, at info) and warns on each
+        os.environ.setdefault("RUST_LOG", "warn")  # reconfiguration that it cannot reset NCCL's flight recorder
+        logging.getLogger("torchft").setLevel(logging.ERROR)
     from trainer.loop import ConfigError
 
     if args.nproc < 1:
         print("trainer.run: --nproc: must be >= 1", file=sys.stderr)
         return 2
-    if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return _run_rank(argv)  # one rank of torchrun or of --nproc
+    if args.nproc > 1 and args.lighthouse:
+        print("trainer.run: --nproc: an elastic job (--lighthouse) runs one process per replica group; start "
+              "each with its --replica-group", file=sys.stderr)
+        return 2
+    if ("RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1) or args.lighthouse:
+        if args.lighthouse:  # a replica group: no collective preflight; its own errors exit 2
+            try:
+                config_from_args(args).check()
+            except ConfigError as exc:
+                print(f"trainer.run: {exc}", file=sys.stderr)
+                return 2
+        return _run_rank(argv)  # one rank of torchrun or of --nproc, or one replica group
     try:
         _preflight(config_from_args(args))
     except ConfigError as exc:

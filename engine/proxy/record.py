@@ -3,7 +3,8 @@ and the JSON schema are specified in :mod:`syncd.records.trajectory`).
 
 The reading half (schema constants, ``RecordError``, ``check_id``, ``record_key``, ``parse``, ``read_record``,
 ``list_records``, ``replay_tokens``) moved to :mod:`syncd.records.trajectory`, so that trainers read records
-without importing ``engine``; those names are re-exported here, kept for one release. This module keeps the
+without importing ``engine``; ``parse``, ``read_record``, ``list_records``, ``replay_tokens`` and
+``MAX_RECORD_BYTES`` are re-exported here until 0.3, with a DeprecationWarning. This module keeps the
 writing half: :class:`Turn` and :class:`Trajectory` build a record; a trajectory is ``complete`` only when every
 turn is ``ok``, otherwise ``failure`` says which turn failed and why. Nothing is ever dropped to make a record
 look complete.
@@ -15,12 +16,15 @@ import json
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-# moved to syncd.records.trajectory, kept here for one release
-from syncd.records.trajectory import (MAX_RECORD_BYTES, SCHEMA, SCHEMA_VERSION, RecordError,  # noqa: F401
-                                      check_id, list_records, parse, read_record, record_key, replay_tokens)
+# used here and by engine.proxy's writer/server (RecordError, check_id): the reading half's names this module keeps
+from syncd.records.trajectory import SCHEMA, SCHEMA_VERSION, RecordError, check_id, record_key  # noqa: F401
+from syncd.lazy import lazy_names
 
-__all__ = ["SCHEMA", "SCHEMA_VERSION", "Turn", "Trajectory", "RecordError", "record_key", "check_id",
-           "parse", "read_record", "list_records", "replay_tokens", "now"]
+# moved to syncd.records.trajectory; the old paths warn until 0.3
+__getattr__ = lazy_names(__name__, {n: "syncd.records.trajectory" for n in (
+    "MAX_RECORD_BYTES", "list_records", "parse", "read_record", "replay_tokens")}, deprecated=True)
+
+__all__ = ["SCHEMA", "SCHEMA_VERSION", "Turn", "Trajectory", "RecordError", "record_key", "check_id", "now"]
 
 
 def now() -> str:

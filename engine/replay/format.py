@@ -1,8 +1,9 @@
-"""Moved to :mod:`syncd.records.replay` (the record format is shared by engines and trainers); these names are
-re-exported here, kept for one release."""
+"""Moved to :mod:`syncd.records.replay` (the record format is shared by engines and trainers); kept until 0.3: each
+name imported from here warns (DeprecationWarning) with its new path."""
 
-from syncd.records.replay import (FORMAT_VERSION, MAGIC, ReplayChunk, ReplayFormatError, TokenRecord,  # noqa: F401
-                                  decode_chunk, decode_kept, encode_chunk, encode_kept, pack_routing, unpack_routing)
+from syncd.lazy import lazy_names
 
 __all__ = ["ReplayFormatError", "encode_kept", "decode_kept", "pack_routing", "unpack_routing", "TokenRecord",
            "ReplayChunk", "encode_chunk", "decode_chunk", "FORMAT_VERSION", "MAGIC"]
+
+__getattr__ = lazy_names(__name__, {n: "syncd.records.replay" for n in __all__}, deprecated=True)

@@ -281,9 +281,27 @@ def _setup_logging(level: int, fmt: str) -> None:
     logging.basicConfig(level=level, handlers=[handler])
 
 
+_PROGRAMS = ("serve", "demo", "train")  # commands that are programs of their own, with their own flags
+
+
+def _program_first(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """``argv`` with a program command (:data:`_PROGRAMS`) moved to the front when only ``syncd`` flags come
+    before it (``syncd --log-level INFO train ...`` is ``syncd train --log-level INFO ...``): the first token that
+    is neither a flag nor a flag's value is the command."""
+    i = 0
+    while i < len(argv) and argv[i] != "--":
+        tok = argv[i]
+        if not tok.startswith("-"):
+            return [tok, *argv[:i], *argv[i + 1:]] if tok in _PROGRAMS and i else argv
+        action = parser._option_string_actions.get(tok)
+        i += 2 if action is not None and action.nargs != 0 else 1
+    return argv
+
+
 def main(argv=None) -> int:
     """Entry point of the ``syncd`` console script; returns the exit status."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    argv = _program_first(list(sys.argv[1:] if argv is None else argv), parser)
     if argv[:1] == ["serve"]:  # its own flags (engine.dynamo.serve); arguments after `--` go to every worker
         from engine.dynamo.serve import main as serve_main
 
@@ -296,7 +314,6 @@ def main(argv=None) -> int:
         from trainer.run import main as train_main
 
         return train_main(argv[1:])
-    parser = build_parser()
     args = _resolve(parser.parse_args(argv))
     commands = {"ls": ls, "verify": verify, "gc": gc, "status": status, "daemon": _run_daemon,
                 "materialize": materialize}

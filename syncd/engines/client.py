@@ -15,8 +15,9 @@ from syncd import jsonsafe
 from syncd.engines import wire
 from syncd.engines.errors import EngineUnreachable, RemoteEngineError
 from syncd.engines.update import Update
+from syncd.lazy import moved
 
-__all__ = ["RemoteAdapter", "stage_from_cache", "load_full_from_cache"]
+__all__ = ["RemoteAdapter"]
 
 
 class RemoteAdapter:
@@ -149,27 +150,18 @@ class RemoteAdapter:
         reply = self.call("checksum", {"names": list(names) if names is not None else None})
         return {k: int(v, 16) for k, v in reply["checksums"].items()}
 
-    # ------------------------------------------------------------------------------------- kept for one release
+    # ------------------------------------------------------------------------------- deprecated, go in 0.3
 
     def stage_from_cache(self, manifest_raw: bytes, cache_root) -> int:
-        """Stage the version ``manifest_raw`` names from the node cache (``stage(Update.from_cache(...))``,
-        sending the bytes unparsed); the version staged. Kept for one release."""
+        """Deprecated (goes in 0.3; warns): stage the version ``manifest_raw`` names from the node cache, sending
+        the bytes unparsed (use ``stage(Update.from_cache(...))``); the version staged."""
+        moved("RemoteAdapter.stage_from_cache", "RemoteAdapter.stage(Update.from_cache(...))")
         return self.call("stage", {"manifest": bytes(manifest_raw).decode("ascii"),
                                    "cache_root": os.fspath(cache_root)})["version"]
 
     def load_full_from_cache(self, manifest_raw: bytes, cache_root) -> int:
-        """``load_full`` of the full version ``manifest_raw`` names from the node cache; the version. Kept
-        for one release."""
+        """Deprecated (goes in 0.3; warns): ``load_full`` of the full version ``manifest_raw`` names from the node
+        cache (use ``load_full(Update.from_cache(...))``); the version."""
+        moved("RemoteAdapter.load_full_from_cache", "RemoteAdapter.load_full(Update.from_cache(...))")
         return self.call("load_full", {"manifest": bytes(manifest_raw).decode("ascii"),
                                        "cache_root": os.fspath(cache_root)})["version"]
-
-
-def stage_from_cache(adapter, manifest_raw: bytes, cache_root) -> None:
-    """``adapter.stage(Update.from_cache(manifest_raw, cache_root))``: any adapter, in this process or another.
-    Kept for one release."""
-    adapter.stage(Update.from_cache(manifest_raw, cache_root))
-
-
-def load_full_from_cache(adapter, manifest_raw: bytes, cache_root) -> None:
-    """``adapter.load_full(Update.from_cache(manifest_raw, cache_root))``. Kept for one release."""
-    adapter.load_full(Update.from_cache(manifest_raw, cache_root))

@@ -19,7 +19,7 @@ from typing import Callable
 from syncd.errors import BackendUnavailable
 from syncd.ops import _backend
 
-__all__ = ["register", "kernel", "resolve", "dispatch", "backends_of"]
+__all__ = ["register", "kernel", "resolve", "dispatch", "backends_of", "kernel_of"]
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,16 @@ class _Kernel:
 
 
 _TABLE: dict[str, dict[str, _Kernel]] = {}
+
+
+def _kernels(op: str) -> dict[str, _Kernel]:
+    """``op``'s kernels; ValueError naming the registered ops for an unknown one (a typo, or an op whose module
+    was not imported)."""
+    kernels = _TABLE.get(op)
+    if kernels is None:
+        raise ValueError(f"unknown op {op!r}; registered: {', '.join(sorted(_TABLE)) or 'none'} (an op registers "
+                         "when its syncd.ops module is imported)")
+    return kernels
 
 
 def register(op: str, backend: str, fn: Callable, *, requires: Callable[[], str | None] | None = None) -> Callable:
@@ -54,16 +64,16 @@ def kernel(op: str, *backends: str, requires=None):
 
 
 def backends_of(op: str) -> tuple[str, ...]:
-    """The backends ``op`` has kernels for."""
-    return tuple(_TABLE[op])
+    """The backends ``op`` has kernels for (ValueError for an unknown op)."""
+    return tuple(_kernels(op))
 
 
 def resolve(op: str, backend: str, device_type: str) -> str:
     """The concrete backend that runs ``op`` for ``backend`` on ``device_type``; raises
-    :class:`BackendUnavailable` saying why none can (see the module docstring)."""
+    :class:`BackendUnavailable` saying why none can (see the module docstring), ValueError for an unknown op."""
     if backend not in _backend.BACKENDS:
         raise BackendUnavailable(f"unknown backend {backend!r}; expected one of {', '.join(_backend.BACKENDS)}")
-    kernels = _TABLE[op]
+    kernels = _kernels(op)
     if backend != "auto":
         _backend.check(backend, device_type)  # the device's own reason first
         k = kernels.get(backend)
@@ -89,9 +99,13 @@ def resolve(op: str, backend: str, device_type: str) -> str:
 
 def dispatch(op: str, backend: str, device_type: str) -> Callable:
     """The kernel that runs ``op`` for ``backend`` on ``device_type`` (:func:`resolve`)."""
-    return _TABLE[op][resolve(op, backend, device_type)].fn
+    return _kernels(op)[resolve(op, backend, device_type)].fn
 
 
 def kernel_of(op: str, name: str) -> Callable:
-    """The kernel of ``op`` on the concrete backend ``name`` (one :func:`resolve` returned)."""
-    return _TABLE[op][name].fn
+    """The kernel of ``op`` on the concrete backend ``name`` (one :func:`resolve` returned); ValueError for an
+    unknown op or a backend it has no kernel for."""
+    kernels = _kernels(op)
+    if name not in kernels:
+        raise ValueError(f"{op} has no {name} kernel (its backends: {', '.join(kernels)})")
+    return kernels[name].fn

@@ -198,3 +198,28 @@ def test_the_run_error_clears_once_versions_appear(tmp_path, published):
     asyncio.run(asyncio.wait_for(main(), 60))
     assert "has no versions" in seen["before"]
     assert seen["rc"] == 0 and "has no versions" not in seen["text"] and "run error" not in seen["text"], seen["text"]
+
+
+@pytest.mark.parametrize("argv, own_flag", [
+    (["--log-level", "DEBUG", "train", "--help"], "--curate"),
+    (["--log-level=INFO", "serve", "--help"], "--workers"),
+    (["--store", "memory://", "demo", "--help"], "--weights-only")])
+def test_flags_before_a_program_command_go_to_that_program(argv, own_flag, capsys):
+    with pytest.raises(SystemExit) as exc:  # before: syncd's own help and exit 2
+        cli.main(argv)
+    out = capsys.readouterr().out
+    assert exc.value.code == 0 and own_flag in out, out[-2000:]
+
+
+def test_a_flags_value_is_not_taken_for_a_command(tmp_path, capsys):
+    (tmp_path / "store").mkdir()
+    rc = cli.main(["--run-id", "demo", "--store", (tmp_path / "store").as_uri(), "ls"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "demo" in err and "usage" not in err.lower(), err  # `ls` of run "demo": no versions
+
+
+def test_a_syncd_flag_the_program_does_not_take_is_named_by_it(capsys):
+    with pytest.raises(SystemExit) as exc:  # the demo has no --log-level: its parser says so, not syncd's help
+        cli.main(["--log-level", "INFO", "demo"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "syncd demo" in err and "--log-level INFO" in err, err

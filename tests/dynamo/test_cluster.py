@@ -18,7 +18,7 @@ import torch
 from engine.dynamo.procs import free_port, http_json, stop_process, wait_until
 from engine.dynamo.serve import Node, NodeConfig
 from engine.dynamo.settings import DynamoSettings
-from engine.proxy.record import read_record, replay_tokens
+from syncd.records.trajectory import read_record, replay_tokens
 from syncd.engines.update import Update
 from tests.dynamo._client import finish_reason, get_json, post_json, post_stream, stream_text
 from tests.dynamo.conftest import RUN_ID, start_proxy
@@ -315,7 +315,7 @@ def test_weight_update_through_admin_routes_while_streaming(cluster, model_dir):
     from syncd.errors import LeaseHeld, ManifestError, NotAuthorized
 
     with pytest.raises(ManifestError):  # RemoteAdapter recovers the type from Dynamo's envelope
-        engines[0].stage_from_cache(b'{"schema":"nope"}', cache_root)
+        engines[0].call("stage", {"manifest": '{"schema":"nope"}', "cache_root": str(cache_root)})
     # the weight routes need the node's engine token (in the body: Dynamo hands a route only its body) and,
     # for weight ops, the lease, which engines[0] holds
     status, reply = http_json("POST", f"{engines[0].base_url}/engine/weights/pause", {})

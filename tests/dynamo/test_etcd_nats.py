@@ -15,7 +15,7 @@ import pytest
 from syncd.engines.client import RemoteAdapter
 from engine.dynamo.procs import stop_process, wait_until
 from engine.dynamo.services import find_binary
-from engine.proxy.record import read_record
+from syncd.records.trajectory import read_record
 from tests.dynamo._client import finish_reason, post_json, post_stream, stream_text
 from tests.dynamo.conftest import RUN_ID, start_proxy
 

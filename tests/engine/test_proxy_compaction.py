@@ -9,7 +9,8 @@ import json
 import pytest
 
 from engine.proxy.compaction import CompactionConfig, Compactor, _Live
-from engine.proxy.record import RecordError, Trajectory, Turn, parse
+from engine.proxy.record import RecordError, Trajectory, Turn
+from syncd.records.trajectory import parse
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from engine.proxy.record import RecordError, Trajectory, Turn, list_records, parse, read_record, record_key
+from engine.proxy.record import RecordError, Trajectory, Turn, record_key
+from syncd.records.trajectory import list_records, parse, read_record
 from syncd.store import Store
 
 

@@ -11,10 +11,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.replay.format import (ReplayChunk, ReplayFormatError, TokenRecord, decode_chunk, decode_kept,
-                                  encode_chunk, encode_kept, pack_routing, unpack_routing)
 from syncd.ops.replay import kept_fingerprint
-from syncd.records.replay import KeptToRebuild
+from syncd.records.replay import (KeptToRebuild, ReplayChunk, ReplayFormatError, TokenRecord, decode_chunk,
+                                  decode_kept, encode_chunk, encode_kept, pack_routing, unpack_routing)
 
 EXAMPLES = int(os.environ.get("SYNCD_FUZZ_EXAMPLES", "300"))
 fuzz = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -82,12 +82,13 @@ def test_bad_configuration_names_the_field(kw, field):
         CurationConfig(**kw)
 
 
-def _run(task: CuratedTask, reward, draws: int) -> list[int]:
+def _run(task: CuratedTask, reward, draws: int, start: int = 0) -> list[int]:
+    """Draws ``start ..`` and observes each item's reward, as the rollout workers do once a group is buffered."""
     seen = []
-    for i in range(draws):
+    for i in range(start, start + draws):
         item = task.item(i)
         seen.append(item.meta["curation"]["task_id"])
-        reward(Sample(item, "x"))
+        task.observe(item, [reward(Sample(item, "x"))])
     return seen
 
 
@@ -104,15 +105,15 @@ def test_the_sampler_skips_dropped_tasks_counts_why_and_rechecks_them():
             return float(calls[3] % 3 == 0)
         return solved[k]
 
-    seen = _run(task, task.observing(reward), 200)
+    seen = _run(task, reward, 28 * 8)
     assert seen[:4] == [0, 1, 2, 3]  # unseen tasks are kept
     st = task.stats()
     assert st["verdicts"] == {TOO_EASY: 2, TOO_HARD: 1, KEPT: 1}
     assert st["skipped"][TOO_EASY] > 0 and st["skipped"][TOO_HARD] > 0 and st["rechecks"] > 0
-    tail = seen[100:]
-    # every 7th turn of a dropped task is a recheck: per 7 rounds, 7 draws of task 3 and one of each other task
-    assert abs(tail.count(3) / len(tail) - 0.7) <= 0.05
-    assert all(abs(tail.count(k) / len(tail) - 0.1) <= 0.05 for k in (0, 1, 2))
+    tail = seen[28 * 4:]
+    # draw i is task i % 4's turn; every 7th turn of a dropped task is its recheck, its other turns go to the kept
+    # task 3: per 28 draws, 7 + 6 * 3 = 25 of task 3 and one of each other task
+    assert [tail.count(k) for k in range(4)] == [4, 4, 4, 100]
     # the item is the base task's item, with its curation id recorded in the metadata
     item = task.item(0)
     k = item.meta["curation"]["task_id"]
@@ -129,29 +130,92 @@ def test_a_dropped_task_that_the_policy_learns_comes_back():
         state["attempts"] += 1
         return float(state["learnt"] and state["attempts"] % 3 == 0)
 
-    _run(task, task.observing(reward), 400)
+    _run(task, reward, 400)
     assert task.curator.verdict(1) == TOO_HARD
     state["learnt"] = True
-    seen = _run(task, task.observing(reward), 400)
+    seen = _run(task, reward, 400, start=400)
     assert task.curator.verdict(1) == KEPT and seen[-100:].count(1) > 10  # a recheck saw it improve
 
 
-def test_an_exhausted_pool_raises_and_says_why():
+def test_an_exhausted_pool_without_rechecks_raises_and_says_why():
     task = CuratedTask(get_task("repeat"), CurationConfig(pool=2, recheck_after=0))
     for k in range(2):
         task.curator.observe(k, [1.0] * 10)
-    with pytest.raises(CurationExhausted, match="outside the solve-rate band"):
+    with pytest.raises(CurationExhausted, match=r"curation.band .*outside the solve-rate band.*recheck_after is 0"):
         task.item(0)
+    assert CurationExhausted.fatal  # the rollout workers stop on it instead of retrying forever
+
+
+def test_an_exhausted_pool_with_rechecks_rechecks_instead_of_raising():
+    task = CuratedTask(get_task("repeat"), CurationConfig(pool=3, recheck_after=5))
+    for k in range(3):
+        task.curator.observe(k, [1.0] * 10)
+    assert [task.item(i).meta["curation"]["task_id"] for i in range(6)] == [0, 1, 2, 0, 1, 2]
+    assert task.stats()["rechecks"] == 6
+
+
+def _filter_with_history() -> CuratedTask:
+    task = CuratedTask(get_task("repeat"), CurationConfig(band=(0.2, 0.8), pool=6, window=16, recheck_after=3))
+    for k, rewards in {0: [1.0] * 12, 2: [0.0] * 12, 3: [1.0, 0.0, 0.0], 5: [1.0] * 12}.items():
+        task.curator.observe(k, rewards)
+    return task
+
+
+def test_a_draw_is_a_function_of_its_index_not_of_the_order_of_the_draws():
+    indices = list(range(120))
+    in_order = _filter_with_history()
+    expected = {i: in_order.item(i, seed=9) for i in indices}
+    assert len({t.meta["curation"]["task_id"] for t in expected.values()}) > 2
+    shuffled = _filter_with_history()
+    random.Random(3).shuffle(indices)
+    got = {}
+    threads = [threading.Thread(target=lambda part: got.update({i: shuffled.item(i, seed=9) for i in part}),
+                                args=(indices[j::4],)) for j in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == expected  # same task, same prompt for each index, whatever thread drew it and when
+
+
+def test_the_filter_checkpoints_and_restores_through_json():
+    import json
+
+    task = _filter_with_history()
+    before = [task.item(i).meta["curation"]["task_id"] for i in range(40)]
+    state = json.loads(json.dumps(task.state_dict()))
+    fresh = CuratedTask(get_task("repeat"), task.config)
+    assert [fresh.item(i).meta["curation"]["task_id"] for i in range(40)] != before  # a fresh filter forgets
+    fresh.load_state_dict(state)
+    assert fresh.stats() == task.stats()
+    assert [fresh.item(i).meta["curation"]["task_id"] for i in range(40, 80)] == \
+        [task.item(i).meta["curation"]["task_id"] for i in range(40, 80)]
+    assert [(e.task_id, e.attempts, e.solved) for e in fresh.curator.estimates()] == \
+        [(e.task_id, e.attempts, e.solved) for e in task.curator.estimates()]
+
+
+@pytest.mark.parametrize("state, match", [
+    ("x", "not a CuratedTask"), ({"config": {"pool": 5}}, "pool 5"),
+    ({"config": {"pool": 6}, "skipped": {}, "rechecks": -1, "draws": 0, "curator": {"outcomes": []}}, "counts"),
+    ({"config": {"pool": 6}, "skipped": {}, "rechecks": 0, "draws": 0, "curator": {"outcomes": [[1, [2]]]}},
+     "curator state"),
+    ({"config": {"pool": 6}, "skipped": {}, "rechecks": 0, "draws": 0, "curator": {"outcomes": [[[1], [True]]]}},
+     "not hashable")])
+def test_a_malformed_checkpoint_is_refused_and_changes_nothing(state, match):
+    task = _filter_with_history()
+    before = task.state_dict()
+    with pytest.raises(ValueError, match=match):
+        task.load_state_dict(state)
+    assert task.state_dict() == before
 
 
 def test_threads_draw_and_observe_concurrently():
     task = CuratedTask(get_task("repeat"), CurationConfig(band=(0.001, 0.99), pool=8, window=100))
-    reward = task.observing(lambda s: 0.0)
     errors = []
 
     def work():
         try:
-            _run(task, reward, 100)
+            _run(task, lambda s: 0.0, 100)
         except Exception as exc:  # noqa: BLE001
             errors.append(exc)
 

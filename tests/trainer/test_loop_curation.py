@@ -1,7 +1,7 @@
 """``LoopConfig.curation`` puts the difficulty filter on the loop's task sampler: the live side starts its rollout
-workers on a :class:`trainer.curation.CuratedTask` whose curator sees every reward (the proxy here is
-``tests.trainer._fake_proxy``; its records never reach the store, so no group is trained -- the sampler is what is
-checked)."""
+workers on a :class:`trainer.curation.CuratedTask` (the proxy here is ``tests.trainer._fake_proxy``; its records
+never reach the store, so no group reaches the buffer or is trained -- the sampler is what is checked, and that the
+curator saw none of those dropped groups' rewards)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import time
 from engine.reference.make_tiny import write_model
 from tests.trainer._fake_proxy import FakeProxy
 from trainer.curation import CuratedTask, CurationConfig
-from trainer.loop import LoopConfig, _Live
+from trainer.live import LiveSide
+from trainer.loop import LoopConfig
 
 
 def test_the_loops_task_sampler_is_curated(tmp_path):
@@ -23,16 +24,17 @@ def test_the_loops_task_sampler_is_curated(tmp_path):
                      proxies=(proxy.url,), group_size=2, groups_per_step=1, record_timeout_s=0.1, plot=False,
                      curation=CurationConfig(band=(0.2, 0.8), pool=4, window=8))
     cfg.check()
-    live = _Live(cfg, AutoModelForCausalLM.from_pretrained(model_dir))
+    live = LiveSide(cfg, AutoModelForCausalLM.from_pretrained(model_dir))
     try:
         live.start()
         assert isinstance(live.workers.task, CuratedTask) and live.workers.task is live.curated
         deadline = time.monotonic() + 60
-        while sum(e.attempts for e in live.curated.curator.estimates()) < 4:
+        while live.workers.failures.totals.get("replay", 0) < 2:
             assert time.monotonic() < deadline, live.workers.stats()
             time.sleep(0.05)
         st = live.curated.stats()
         assert st["pool"] == 4 and st["draws"] >= 2
+        assert not live.curated.curator.estimates()  # the groups were dropped before the buffer: nothing observed
         seen = {k for t, b in proxy.requests for k in range(4) if b["prompt"] == live.curated.task.item(k).prompt}
         assert seen  # the prompts came from the curated pool
     finally:

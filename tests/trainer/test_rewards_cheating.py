@@ -117,3 +117,21 @@ def test_malformed_records_do_not_break_the_check():
                      {"index": 1, "request": {"messages": "nope"}}], "metadata": {"tool_calls": "x"}}
     assert not CheatingCheck().check(rec).flagged
     assert ToolCall(0, None, "view", {"path": 3}).paths == []
+
+
+@pytest.mark.parametrize("record", [
+    {"turns": [{"index": 0, "request": {"messages": [{"role": "tool", "tool_call_id": "c", "content": [
+        {"type": "text", "text": 5}, {"text": ["rm", "-rf"]}, {"text": None}, 7]}]}}]},
+    {"turns": "abc"}, {"turns": ["x", {"request": "y"}, {"index": "1", "request": {"messages": []}}]},
+    {"turns": [], "metadata": "m"}, {"turns": [], "metadata": {"sandbox": ["restricted"]}}, ["not", "a", "dict"]])
+def test_hostile_records_are_read_as_text_not_raised_on(record):
+    report = CheatingCheck([GitHistory(), GradingWrite(), HiddenFiles(), NetworkAccess(restricted=True)]).check(record)
+    assert not report.flagged
+
+
+def test_non_str_content_parts_are_kept_as_their_json_text():
+    msgs = [{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "bash",
+                                                                          "arguments": {"command": "ls"}}}]},
+            {"role": "tool", "tool_call_id": "c", "content": [{"text": "a"}, {"text": 5}, {"text": {"k": 1}}, 2]}]
+    (call,) = tool_calls({"turns": [{"index": 1, "request": {"messages": msgs}}]})
+    assert call.output == 'a5{"k": 1}2'

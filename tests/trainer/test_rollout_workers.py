@@ -79,3 +79,66 @@ def test_requests_of_one_item_use_distinct_reproducible_seeds(tmp_path):
             complete(proxy.url, {"prompt": "x"}, "t-1")
     finally:
         proxy.close()
+
+
+def _curated_workers(tmp_path, proxy, task, reward):
+    buf = RolloutBuffer(1)
+    w = RolloutWorkers(proxies=[proxy.url], model_name="tiny", task=task, reward=task.observing(reward), group_size=2,
+                       sampling=Sampling(1.0, 0.9, 20), store=(tmp_path / "store").as_uri(), run_id="rl", buffer=buf,
+                       version=lambda: 3, step=lambda: 7, workers=1, seed=5, record_timeout_s=0.2)
+    return w, buf
+
+
+def test_an_exhausted_curation_pool_stops_the_workers_with_the_cause(tmp_path):
+    from trainer.buffer import BufferClosed
+    from trainer.curation import CuratedTask, CurationConfig
+
+    task = CuratedTask(get_task("repeat"), CurationConfig(pool=2, recheck_after=0))
+    for k in range(2):
+        task.curator.observe(k, [1.0] * 10)  # both too easy, and never rechecked
+    proxy = FakeProxy()
+    w, buf = _curated_workers(tmp_path, proxy, task, lambda s: 1.0)
+    try:
+        w.start()
+        w.allow(1)
+        with pytest.raises(BufferClosed):  # the trainer's wait ends (before: retried every 5 s, forever)
+            buf.take(1, 3, timeout_s=20)
+        for t in w._threads:
+            t.join(10)
+        assert not any(t.is_alive() for t in w._threads)
+        assert "curation.band" in w.stats()["last_error"] and w.failures.totals == {"task": 1}
+        assert proxy.requests == []
+    finally:
+        w.stop()
+        proxy.close()
+
+
+def test_curation_sees_only_the_rewards_of_groups_that_reached_the_buffer(tmp_path):
+    from trainer.buffer import Group
+    from trainer.curation import CuratedTask, CurationConfig
+
+    task = CuratedTask(get_task("repeat"), CurationConfig(pool=4))
+    proxy = FakeProxy()  # its records never reach the store: every group is dropped after its rewards
+    w, buf = _curated_workers(tmp_path, proxy, task, lambda s: 1.0)
+    try:
+        w.start()
+        w.allow(1)
+        _until(lambda: w.failures.totals.get("replay", 0) >= 2)
+        assert task.stats()["draws"] >= 2 and not task.curator.estimates()  # dropped groups moved no estimate
+    finally:
+        w.stop()
+        proxy.close()
+    # the hook itself: a group that is put in the buffer is observed once, with its rewards
+    task = CuratedTask(get_task("repeat"), CurationConfig(pool=4))
+    w, buf = _curated_workers(tmp_path, FakeProxy(), task, lambda s: 1.0)
+    w._group = lambda index: Group(index, task.item(index), [("s", f"t{index}")] * 2, [1.0, 0.0])
+    try:
+        w.start()
+        w.allow(3)
+        _until(lambda: len(buf) == 3)
+        _until(lambda: sum(e.attempts for e in task.curator.estimates()) == 6)
+        assert sorted((e.task_id, e.attempts, e.solved) for e in task.curator.estimates()) == \
+            [(0, 2, 1), (1, 2, 1), (2, 2, 1)]
+    finally:
+        w.stop()
+

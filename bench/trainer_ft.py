@@ -1,0 +1,455 @@
+"""The trainer's fault tolerance in numbers (issue 18): checkpoint stall, rebuild of a dead rank, goodput under
+failures. Each figure next to its baseline, measured in the same process, medians of interleaved rounds.
+
+    python -m bench.trainer_ft [--stall-params 25e6] [--rebuild-params 100e6] [--goodput-steps 40 --fail-every 10]
+                               [--sections stall,rebuild,goodput] [--json ft.json] [--plot ft.png]
+
+* **stall**: a real AdamW training step of an MLP, three ways in interleaved rounds: no checkpoint, the per-step
+  asynchronous :class:`trainer.checkpoint.Checkpointer` (stall = the time the training thread spends in ``save``
+  and ``before_update``), and a synchronous ``torch.save`` of the same state (model, optimizer, RNG) plus fsync.
+  Figures: the stall as a share of the no-checkpoint step, and sync stall / async stall. The physical floor of a
+  non-overlapped snapshot is one memcpy of the state (measured).
+* **rebuild**: the checkpoint of a ~``--rebuild-params`` model with its AdamW state, rebuilt by a new process's
+  worth of work from a peer's replica (:func:`trainer.replicas.fetch_checkpoint` from a :class:`ReplicaServer`
+  in another process, over loopback, verified and parsed in memory as ``FaultTolerance.restore`` does; the copy to
+  local disk happens afterwards, in the background) against the same bundle from the object store (``--store``,
+  default a ``file://`` store in the work folder: a local disk, faster than any cloud object store), verified and
+  parsed the same way, each loaded into a fresh model and optimizer. Projected to a 1T-parameter run: the per-node
+  shard over the measured per-link rate, with the assumptions printed.
+* **goodput**: the thin trainer (``python -m trainer.run --nproc 2 --checkpoint-dir``, offline on recorded
+  rollouts, ``bench.ft_data``) killed with SIGKILL every ``--fail-every`` steps and resumed, against a
+  failure-free run of the same steps: steps lost per failure (trained before the kill, minus the resume step)
+  and goodput (steps per wall second, process starts included); ``--busy`` is the trainer's ``--checkpoint-busy``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench._timing import clock, median
+
+__all__ = ["main", "kill_process_tree"]
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _mlp(params: float, width: int):
+    import torch
+
+    layers = max(1, round(params / (width * width + width)))
+    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh())
+                                 for _ in range(layers)])
+
+
+def _state_bytes(model, opt) -> int:
+    n = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    return n + sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
+                   if hasattr(v, "numel"))
+
+
+# ---------------------------------------------------------------------------------------------- stall
+
+
+def bench_stall(args, work: Path) -> dict:
+    import torch
+
+    from trainer.checkpoint import Checkpointer, capture_rng
+
+    torch.manual_seed(0)
+    model = _mlp(args.stall_params, args.width)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+    x = torch.randn(args.batch, args.width)
+    ck = Checkpointer(work / "async", owner="bench", keep=2, on_busy="skip")
+    steps = {"none": [], "async": [], "sync": []}
+    stalls = {"async": [], "sync": []}
+    n = [0]
+
+    def step(mode: str) -> None:
+        t0 = clock()
+        model(x).pow(2).mean().backward()
+        s0 = clock()
+        if mode == "async":
+            ck.before_update()
+        s = clock() - s0
+        opt.step()
+        opt.zero_grad()
+        n[0] += 1
+        if mode == "async":
+            s0 = clock()
+            ck.save(n[0], model, opt)
+            s += clock() - s0
+        elif mode == "sync":
+            s0 = clock()
+            path = work / "sync.pt"
+            with open(path, "wb") as f:
+                torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "rng": capture_rng()}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            s = clock() - s0
+        steps[mode].append(clock() - t0)
+        if mode != "none":
+            stalls[mode].append(s)
+
+    for mode in ("none", "async", "sync"):  # warm-up: first-touch of buffers, the writer thread
+        step(mode)
+    for k in steps:
+        steps[k].clear()
+    for k in stalls:
+        stalls[k].clear()
+    saved0, skipped0 = ck.stats.saved, ck.stats.skipped
+    for _ in range(args.rounds):
+        for mode in ("none", "async", "sync"):
+            for _ in range(args.steps_per_round):
+                step(mode)
+        ck.flush()
+    ck.close()
+    state = _state_bytes(model, opt)
+    buf = torch.empty(state // 4, dtype=torch.float32)
+    src = torch.ones_like(buf)
+    t0 = clock()
+    buf.copy_(src)
+    memcpy_s = clock() - t0
+    step_s = median(steps["none"])
+    a, s = median(stalls["async"]), median(stalls["sync"])
+    return {"params": sum(p.numel() for p in model.parameters()), "state_bytes": state, "step_s": step_s,
+            "async_stall_s": a, "sync_stall_s": s, "async_stall_share": a / step_s, "sync_stall_share": s / step_s,
+            "sync_over_async_stall": s / a if a > 0 else float("inf"),
+            "async_step_over_plain": median(steps["async"]) / step_s,
+            "async_checkpointed": (ck.stats.saved - saved0) / max(1, len(stalls["async"])),
+            "async_skipped": ck.stats.skipped - skipped0, "memcpy_floor_s": memcpy_s,
+            "stalls_async": stalls["async"], "stalls_sync": stalls["sync"], "steps_plain": steps["none"]}
+
+
+# ---------------------------------------------------------------------------------------------- rebuild
+
+SERVER = r"""
+import sys, time
+from trainer.replicas import ReplicaServer
+s = ReplicaServer(sys.argv[1], keep=2)
+print(s.url, flush=True)
+sys.stdin.readline()
+s.close()
+"""
+
+
+def bench_rebuild(args, work: Path) -> dict:
+    import torch
+
+    from syncd.store import Store
+    from trainer.checkpoint import Checkpointer, parse_checkpoint, step_dir
+    from trainer.ckpt_format import MANIFEST, frame_prefix, read_frame
+    from trainer.replicas import fetch_checkpoint, push_replica
+
+    torch.manual_seed(0)
+    model = _mlp(args.rebuild_params, args.width)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+    model(torch.randn(2, args.width)).sum().backward()
+    opt.step()
+    own = work / "own"
+    ck = Checkpointer(own, owner="rank-1", keep=1, on_busy="wait")
+    ck.save(1, model, opt, wait=True)
+    ck.close()
+    src = step_dir(own, 1)
+    total = sum(p.stat().st_size for p in src.iterdir())
+    server = subprocess.Popen([sys.executable, "-c", SERVER, str(work / "held")], cwd=ROOT, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        url = server.stdout.readline().strip()
+        push_replica(url, src, owner="rank-1", step=1)
+        store = Store.open(args.store or f"file://{work / 'store'}")
+        for p in sorted(src.iterdir()):
+            store.put(f"ckpt/rank-1/step-1/{p.name}", p.read_bytes())
+        fresh = _mlp(args.rebuild_params, args.width)
+        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-4, foreach=False)
+
+        def from_peer() -> None:  # what FaultTolerance.restore does: fetched, verified, parsed in memory, loaded
+            _, c = fetch_checkpoint(url, "rank-1", 1)
+            c.apply(fresh, fresh_opt)
+
+        def from_store() -> None:  # the same bundle from the store, verified and parsed the same way
+            objs = {o.key.rsplit("/", 1)[1]: o.key for o in store.list("ckpt/rank-1/step-1/")}
+            raw = bytes(store.download(objs.pop(MANIFEST)))
+            frame = io.BytesIO(b"".join([frame_prefix(raw), raw, *(bytes(store.download(objs[n]))
+                                                                   for n in sorted(objs))]))
+            b = read_frame(frame.read, None, where="object store", owner="rank-1", step=1)
+            parse_checkpoint(b, "object store").apply(fresh, fresh_opt)
+
+        peer, obj, ratios = [], [], []
+        for _ in range(args.rounds):
+            t0 = clock()
+            from_store()
+            t1 = clock()
+            from_peer()
+            t2 = clock()
+            obj.append(t1 - t0)
+            peer.append(t2 - t1)
+            ratios.append((t1 - t0) / (t2 - t1))
+        same = all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+    finally:
+        server.stdin.close()
+        server.wait(30)
+    p, o = median(peer), median(obj)
+    rate = total / p
+    proj = _projection(rate, total / o)
+    return {"params": sum(t.numel() for t in model.parameters()), "bytes": total, "peer_s": p, "store_s": o,
+            "store_over_peer": median(ratios), "peer_bytes_per_s": rate, "store_bytes_per_s": total / o,
+            "bit_exact": same, "projection_1t": proj, "store": args.store or "file:// (local disk)"}
+
+
+def _projection(peer_rate: float, store_rate: float) -> dict:
+    a = {"params": 1e12, "bytes_per_param": 16, "gpus": 16384, "gpus_per_node": 8,
+         "why_bytes": "bf16 weights 2 + fp32 master 4 + AdamW m and v 8 + step/RNG/loop state ~2",
+         "nic_bytes_per_s": 50e9, "nic": "one 400 Gb/s link per node (replicas come from k peers: k links)",
+         "object_store_bytes_per_s": 2.5e9, "object_store": "per-node read rate from a cloud object store "
+         "(~20 Gb/s, what one node gets from S3/GCS with many parallel ranged GETs)"}
+    nodes = a["gpus"] // a["gpus_per_node"]
+    shard = a["params"] * a["bytes_per_param"] / nodes
+    return {"assumptions": a, "nodes": nodes, "shard_bytes_per_node": shard,
+            "peer_s_at_measured_rate": shard / peer_rate, "peer_s_at_nic": shard / a["nic_bytes_per_s"],
+            "store_s_at_measured_rate": shard / store_rate,
+            "store_s_at_object_store_rate": shard / a["object_store_bytes_per_s"]}
+
+
+# ---------------------------------------------------------------------------------------------- goodput
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def kill_process_tree(p: subprocess.Popen) -> None:
+    """SIGKILL ``p`` and the processes it started (``trainer.run --nproc`` starts its ranks in their own sessions,
+    so a process-group kill would miss them), then reap ``p``."""
+    victims = [p.pid, *_children(p.pid)]
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    p.wait()
+    for pid in victims[1:]:
+        for _ in range(200):
+            try:
+                state = Path(f"/proc/{pid}/status").read_text().split("State:")[1].split("\n")[0]
+            except (OSError, IndexError):
+                break
+            if "Z" in state:
+                break
+            time.sleep(0.05)
+
+
+def _trained(out: Path) -> list[int]:
+    try:
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return []
+    steps = []
+    for ln in lines:
+        try:
+            d = json.loads(ln)
+        except ValueError:
+            continue
+        if d.get("kind") == "step":
+            steps.append(d["step"])
+    return steps
+
+
+def bench_goodput(args, work: Path) -> dict:
+    from bench.ft_data import write_offline_plans
+    from engine.reference.make_tiny import write_model
+
+    model = write_model(work / "model")
+    store = f"file://{work / 'store'}"
+    plans = write_offline_plans(model, store, "gp", work / "plans.jsonl", steps=args.goodput_steps, groups=4,
+                                group_size=4, distinct=8)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SYNCD_NODE": "node-{rank}"}
+
+    def argv(name: str, *extra: str) -> list[str]:
+        return [sys.executable, "-m", "trainer.run", "--model", str(model), "--store", store, "--run-id", "gp",
+                "--plans", str(plans), "--steps", str(args.goodput_steps), "--groups-per-step", "4",
+                "--group-size", "4", "--out", str(work / name / "out"), "--no-plot", "--nproc", "2",
+                "--checkpoint-dir", str(work / name / "ckpt"), "--replicas", "1", "--checkpoint-busy", args.busy,
+                *extra]
+
+    t0 = clock()
+    subprocess.run(argv("plain"), cwd=ROOT, env=env, check=True, capture_output=True, timeout=1800)
+    plain_s = clock() - t0
+
+    t0 = clock()
+    lost, restarts, start = [], [], 0
+    life = 0
+    while True:
+        err = work / f"life{life}.err"
+        with open(err, "w") as fe:
+            p = subprocess.Popen(argv("failing", *(["--resume"] if life else [])), cwd=ROOT, env=env,
+                                 stdout=subprocess.DEVNULL, stderr=fe, start_new_session=True)
+        if life:
+            start = _resumed_at(err, p)
+            lost.append(last - start)
+            restarts.append(clock() - t_kill)
+        target = start + args.fail_every
+        if target >= args.goodput_steps:  # no failure due before the end
+            p.wait()
+        while p.poll() is None and max(_trained(work / "failing" / "out"), default=0) < target:
+            time.sleep(0.01)
+        if p.poll() is not None:
+            if p.returncode != 0:
+                raise RuntimeError(f"trainer.run failed: {err.read_text()[-2000:]}")
+            break
+        kill_process_tree(p)
+        t_kill = clock()
+        last = max(_trained(work / "failing" / "out"))
+        life += 1
+    failing_s = clock() - t0
+    s = args.goodput_steps
+    return {"steps": s, "fail_every": args.fail_every, "busy": args.busy, "failures": len(lost), "steps_lost": lost,
+            "steps_lost_per_failure": sum(lost) / len(lost) if lost else 0.0,
+            "restart_to_resumed_s": median(restarts), "plain_wall_s": plain_s, "failing_wall_s": failing_s,
+            "goodput_plain": s / plain_s, "goodput_failing": s / failing_s,
+            "goodput_ratio": plain_s / failing_s}
+
+
+def _resumed_at(err: Path, p: subprocess.Popen) -> int:
+    while True:
+        for ln in err.read_text().splitlines():
+            if "rank 0: resumed at step" in ln:
+                return int(ln.rsplit(" ", 1)[1])
+        if p.poll() is not None:
+            raise RuntimeError(f"trainer.run did not resume: {err.read_text()[-2000:]}")
+        time.sleep(0.01)
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.trainer_ft", description=__doc__.split("\n\n")[0])
+    a = p.add_argument
+    a("--sections", default="stall,rebuild,goodput", help="comma-separated: stall, rebuild, goodput")
+    a("--stall-params", type=float, default=25e6, help="parameters of the stall benchmark's model")
+    a("--rebuild-params", type=float, default=100e6, help="parameters of the rebuilt rank's model (AdamW state too)")
+    a("--width", type=int, default=2048, help="hidden width of the MLPs")
+    a("--batch", type=int, default=512, help="rows per training step (the stall benchmark)")
+    a("--rounds", type=int, default=3, help="interleaved rounds (medians are over their samples)")
+    a("--steps-per-round", type=int, default=4, help="training steps per mode per round (stall)")
+    a("--store", default=None, help="object store URL for the rebuild baseline (default: file:// in the work folder)")
+    a("--goodput-steps", type=int, default=40, help="steps of each goodput run")
+    a("--fail-every", type=int, default=10, help="kill -9 the trainer every N steps (goodput)")
+    a("--busy", choices=("skip", "wait"), default="skip",
+      help="the trainer's --checkpoint-busy in the goodput runs (skip: no stall, wait: every step checkpointed)")
+    a("--workdir", default=None, help="keep the files here (default: a temporary folder)")
+    a("--json", default=None, metavar="PATH")
+    a("--plot", default=None, metavar="PNG")
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    sections = [s for s in args.sections.split(",") if s]
+    bad = [s for s in sections if s not in ("stall", "rebuild", "goodput")]
+    if bad or not sections:
+        print(f"bench.trainer_ft: --sections: unknown {', '.join(bad) or '(none)'}; use stall, rebuild, goodput",
+              file=sys.stderr)
+        return 2
+    if args.fail_every < 1 or args.goodput_steps <= args.fail_every:
+        print("bench.trainer_ft: --fail-every must be >= 1 and below --goodput-steps", file=sys.stderr)
+        return 2
+    tmp = None if args.workdir else tempfile.TemporaryDirectory(prefix="trainer-ft-")
+    work = Path(args.workdir or tmp.name)
+    out = {"bench": "trainer_ft", "host": platform.node(), "cpus": os.cpu_count(),
+           "config": {k: v for k, v in vars(args).items() if k not in ("json", "plot", "workdir")}}
+    try:
+        for name, fn in (("stall", bench_stall), ("rebuild", bench_rebuild), ("goodput", bench_goodput)):
+            if name in sections:
+                (work / name).mkdir(parents=True, exist_ok=True)
+                out[name] = fn(args, work / name)
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    _report(out)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    if args.plot:
+        plot(out, Path(args.plot))
+    return 0
+
+
+def _report(out: dict) -> None:
+    if "stall" in out:
+        s = out["stall"]
+        print(f"checkpoint stall per step ({s['params'] / 1e6:.1f}M params, {s['state_bytes'] / 2**20:.0f} MiB "
+              f"of state, step {s['step_s'] * 1e3:.0f} ms): async {s['async_stall_s'] * 1e3:.2f} ms "
+              f"({s['async_stall_share']:.2%} of the step), synchronous torch.save {s['sync_stall_s'] * 1e3:.0f} ms "
+              f"({s['sync_stall_share']:.1%}); sync / async stall {s['sync_over_async_stall']:.0f}x; "
+              f"non-overlapped snapshot floor (one memcpy) {s['memcpy_floor_s'] * 1e3:.1f} ms")
+        print(f"  async: step wall {s['async_step_over_plain']:.2f}x the plain step (the writer shares the cores); "
+              f"{s['async_checkpointed']:.0%} of steps checkpointed, {s['async_skipped']} skipped (writer busy)")
+    if "rebuild" in out:
+        r = out["rebuild"]
+        print(f"rebuild of a dead rank ({r['params'] / 1e6:.0f}M params + AdamW, {r['bytes'] / 2**30:.2f} GiB, "
+              f"verified and loaded): from a peer's replica {r['peer_s']:.2f} s ({r['peer_bytes_per_s'] / 1e9:.2f} "
+              f"GB/s), from the object store [{r['store']}] {r['store_s']:.2f} s; store / peer "
+              f"{r['store_over_peer']:.2f}x; bit-exact {r['bit_exact']}")
+        p = r["projection_1t"]
+        a = p["assumptions"]
+        print(f"  1T projection: {a['params']:.0e} params x {a['bytes_per_param']} B ({a['why_bytes']}) over "
+              f"{p['nodes']} nodes ({a['gpus']} GPUs / {a['gpus_per_node']}) = {p['shard_bytes_per_node'] / 1e9:.1f} "
+              f"GB per node; from peers {p['peer_s_at_measured_rate']:.1f} s at the rate measured here, "
+              f"{p['peer_s_at_nic']:.2f} s at {a['nic']} ({a['nic_bytes_per_s'] / 1e9:.0f} GB/s); from the store "
+              f"{p['store_s_at_object_store_rate']:.1f} s at {a['object_store_bytes_per_s'] / 1e9:.1f} GB/s "
+              f"({a['object_store']})")
+    if "goodput" in out:
+        g = out["goodput"]
+        print(f"goodput ({g['steps']} steps, kill -9 of the whole trainer every {g['fail_every']} steps, "
+              f"--checkpoint-busy {g['busy']}, "
+              f"{g['failures']} failures): steps lost per failure {g['steps_lost_per_failure']:.2f} {g['steps_lost']}; "
+              f"{g['goodput_failing']:.3f} steps/s against {g['goodput_plain']:.3f} failure-free "
+              f"({g['goodput_ratio']:.2f}x); restart to resumed {g['restart_to_resumed_s']:.1f} s (process start)")
+
+
+def plot(out: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4.5))
+    if "stall" in out:
+        s = out["stall"]
+        ax[0].boxplot([[x * 1e3 for x in s["stalls_async"]], [x * 1e3 for x in s["stalls_sync"]],
+                       [x * 1e3 for x in s["steps_plain"]]], tick_labels=["async stall", "torch.save stall", "step"])
+        ax[0].set(yscale="log", ylabel="ms", title="checkpoint stall per step")
+    if "rebuild" in out:
+        r = out["rebuild"]
+        ax[1].bar(["peer replica", "object store"], [r["peer_s"], r["store_s"]], color=["tab:green", "tab:gray"])
+        ax[1].set(ylabel="s", title=f"rebuild {r['params'] / 1e6:.0f}M params + AdamW")
+    if "goodput" in out:
+        g = out["goodput"]
+        ax[2].bar(["failure-free", f"kill every {g['fail_every']}"], [g["goodput_plain"], g["goodput_failing"]],
+                  color=["tab:blue", "tab:red"])
+        ax[2].set(ylabel="steps / s", title=f"goodput, {g['steps_lost_per_failure']:.1f} steps lost per failure")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

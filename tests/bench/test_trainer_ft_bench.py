@@ -1,0 +1,37 @@
+"""bench.trainer_ft runs end to end with tiny arguments: the checkpoint stall next to a synchronous torch.save, the
+rebuild of a rank from a peer's replica next to the object store (bit-exact), the 1T projection's assumptions,
+and goodput with the whole trainer killed -9 and resumed; JSON and a PNG."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import trainer_ft
+
+pytestmark = pytest.mark.integration
+
+
+def test_trainer_ft_benchmark_tiny(tmp_path, capsys):
+    out, png = tmp_path / "ft.json", tmp_path / "ft.png"
+    assert trainer_ft.main(["--stall-params", "1e6", "--width", "256", "--batch", "64", "--rebuild-params", "2e6",
+                            "--rounds", "2", "--steps-per-round", "2", "--goodput-steps", "5", "--fail-every", "3",
+                            "--json", str(out), "--plot", str(png)]) == 0
+    printed = capsys.readouterr().out
+    assert "sync / async stall" in printed and "1T projection" in printed and "steps lost per failure" in printed
+    d = json.loads(out.read_text())
+    s, r, g = d["stall"], d["rebuild"], d["goodput"]
+    assert s["async_stall_s"] >= 0 and s["sync_stall_s"] > 0 and s["step_s"] > 0
+    assert len(s["stalls_async"]) == len(s["stalls_sync"]) == 4
+    assert r["bit_exact"] and r["peer_s"] > 0 and r["store_s"] > 0
+    assert r["bytes"] > r["params"] * 4 * 3  # weights + AdamW's two moments
+    p = r["projection_1t"]
+    assert p["shard_bytes_per_node"] == pytest.approx(1e12 * 16 / 2048) and p["assumptions"]["why_bytes"]
+    # a failure every 3 steps after each resume: one or two kills in 5 steps, depending on where the first resumed
+    assert g["failures"] in (1, 2) and len(g["steps_lost"]) == g["failures"]
+    assert all(0 <= n <= 3 for n in g["steps_lost"])
+    assert g["goodput_failing"] > 0 and g["goodput_plain"] > 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert trainer_ft.main(["--sections", "later"]) == 2
+    assert trainer_ft.main(["--fail-every", "50", "--goodput-steps", "40"]) == 2

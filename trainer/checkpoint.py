@@ -1,0 +1,390 @@
+"""Per-step asynchronous checkpoints: model, optimizer, RNG and loop state, to local disk in the background.
+
+    ckpt = Checkpointer("/local/ckpt/rank-0", owner="rank-0", keep=2)
+    for step in ...:
+        loss.backward(); ...
+        ckpt.before_update()           # waits only if the previous snapshot is still being copied
+        opt.step(); opt.zero_grad()
+        ckpt.save(step, model, opt, state={"cursor": ...})   # returns at once
+    ckpt.close()
+
+:meth:`Checkpointer.save` takes the references of the step's tensors and the loop state (JSON-able, copied at
+once) and hands them to a background thread, which first **snapshots** the tensors into host buffers (reused
+from one checkpoint to the next) while the next step's forward and backward run -- they do not change weights
+or optimizer state -- and then **writes** them. :meth:`before_update` is the only wait: the next optimizer step
+must not start before the snapshot holds the old values. If the previous checkpoint is still being written when
+the next is due, ``on_busy="skip"`` (default) skips this step's checkpoint (counted) and ``"wait"`` waits.
+
+A checkpoint is the folder ``step-<12 digits>`` of a :mod:`trainer.ckpt_format` bundle (``model.safetensors``,
+``optim.safetensors``, ``state.json``, ``MANIFEST.json`` with every file's SHA-256, signed with the run's key when
+one is set). It is written in a hidden temporary folder, every file fsynced, the manifest last, then renamed into
+place and the parent fsynced: a crash leaves either the whole checkpoint or a temporary folder that is never read
+(and removed at the next start). ``keep`` bounds retention (the newest ``keep`` complete checkpoints stay).
+:func:`newest_checkpoint` walks the folder from the newest step down, verifies each candidate completely (the
+manifest, every file's size and hash, the safetensors and JSON parse) and returns the first that passes; a torn or
+corrupt one is skipped with a warning that names the file and the reason. Nothing is loaded into a model until the
+whole checkpoint verified: no half states.
+
+Listeners (``on_durable(step, path)``, e.g. the replicator) run on the writer thread after the rename; an
+exception there is logged, never raised into training. A failure to write is logged and counted
+(:attr:`CheckpointStats.failures`); training goes on. Thread-safety: call ``save``/``before_update``/``close``
+from the training thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from trainer.ckpt_format import (MANIFEST, Bundle, StateError, check_owner, encode_manifest, flatten, load_bundle,
+                                 read_dir, unflatten, write_safetensors)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Checkpointer", "CheckpointStats", "Checkpoint", "newest_checkpoint", "list_steps", "step_dir",
+           "capture_rng", "restore_rng", "write_bundle_dir", "model_tensors"]
+
+_STEP = re.compile(r"^step-(\d{12})$")
+
+
+def step_dir(root, step: int) -> Path:
+    return Path(root) / f"step-{step:012d}"
+
+
+def list_steps(root) -> list[int]:
+    """Steps of the checkpoint folders under ``root`` that have a manifest (not yet verified), newest first."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    steps = [int(m.group(1)) for m in map(_STEP.match, names) if m]
+    return sorted((s for s in steps if (step_dir(root, s) / MANIFEST).is_file()), reverse=True)
+
+
+def capture_rng() -> dict:
+    """Every RNG the trainer may draw from: Python's, numpy's, torch's CPU and CUDA generators."""
+    out = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+
+        out["numpy"] = np.random.get_state()
+    except ImportError:  # pragma: no cover
+        pass
+    if torch.cuda.is_available():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    return out
+
+
+def restore_rng(state: dict) -> None:
+    random.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in state["python"]))
+    torch.set_rng_state(state["torch"].clone())
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([t.clone() for t in state["cuda"]])
+
+
+def model_tensors(model) -> dict[str, torch.Tensor]:
+    """The model's state dict (references, not copies) or, given a mapping, that mapping."""
+    return dict(model.state_dict()) if hasattr(model, "state_dict") else dict(model)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_bundle_dir(root, step: int, owner: str, parts: dict[str, object], *, signing_key=None,
+                     fsync: bool = True, extra: dict | None = None) -> Path:
+    """Write one checkpoint folder atomically (see the module docstring). ``parts``: file name -> a dict of
+    tensors (a ``.safetensors`` file) or bytes (written as is). Returns the final folder."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = step_dir(root, step)
+    tmp = root / f".tmp-{final.name}-{os.getpid()}-{threading.get_ident() % 10**6}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        files = {}
+        for name, body in sorted(parts.items()):
+            with open(tmp / name, "wb") as f:
+                if isinstance(body, dict):
+                    files[name] = write_safetensors(f, body, {"format": "pt", "syncd_step": str(step)})
+                else:
+                    import hashlib
+
+                    f.write(body)
+                    files[name] = {"bytes": len(body), "sha256": hashlib.sha256(body).hexdigest()}
+                if fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+        raw = encode_manifest(owner, step, files, signing_key=signing_key, extra=extra)
+        with open(tmp / MANIFEST, "wb") as f:
+            f.write(raw)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        if fsync:
+            _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+@dataclass
+class Checkpoint:
+    """A verified checkpoint: ``model`` (name -> tensor), ``optim`` (the optimizer state, as saved), ``rng``,
+    ``state`` (the loop's), ``step``, ``path``; ``source``: ``"local"``, or the peer whose replica it was."""
+
+    step: int
+    path: Path
+    model: dict
+    optim: object
+    rng: dict | None
+    state: object
+    source: str = "local"
+
+    def apply(self, model, optimizer=None, *, rng: bool = True) -> None:
+        """Load into ``model`` (strict: the same names and shapes) and ``optimizer``; restore the RNGs."""
+        missing = set(model.state_dict()) ^ set(self.model)
+        if missing:
+            raise StateError(f"{self.path}: the checkpoint's tensors and the model's differ: {sorted(missing)[:5]}")
+        model.load_state_dict(self.model, strict=True)
+        if optimizer is not None and self.optim is not None:
+            optimizer.load_state_dict(self.optim)
+        if rng and self.rng is not None:
+            restore_rng(self.rng)
+
+
+def parse_checkpoint(bundle: Bundle, where: str) -> Checkpoint:
+    tensors, doc = load_bundle(bundle, where=where)
+    if not isinstance(doc, dict) or not {"optim", "rng", "state"} <= set(doc):
+        raise StateError(f"{where}: state.json lacks optim/rng/state")
+    opt_t = tensors.get("optim.safetensors", {})
+    return Checkpoint(bundle.step, Path(where), tensors.get("model.safetensors", {}),
+                      unflatten(doc["optim"], opt_t, where=f"{where}: optim"),
+                      unflatten(doc["rng"], opt_t, where=f"{where}: rng"),
+                      unflatten(doc["state"], opt_t, where=f"{where}: state"))
+
+
+def newest_checkpoint(root, *, owner: str | None = None, signing_key=None, at_most: int | None = None,
+                      step: int | None = None) -> Checkpoint | None:
+    """The newest checkpoint under ``root`` that verifies completely (``at_most``: no later step; ``step``: that
+    step only), or None. Torn and corrupt ones are skipped with a warning naming the file and the reason."""
+    for s in list_steps(root):
+        if (at_most is not None and s > at_most) or (step is not None and s != step):
+            continue
+        path = step_dir(root, s)
+        try:
+            return parse_checkpoint(read_dir(path, signing_key=signing_key, owner=owner), str(path))
+        except StateError as exc:
+            log.warning("checkpoint skipped: %s", exc)
+    return None
+
+
+@dataclass
+class CheckpointStats:
+    """What checkpointing cost, in seconds: ``stall_s`` the training thread waited (total; ``last_stall_s``),
+    ``snapshot_s``/``write_s`` the background copy and write of the last checkpoint; ``saved``, ``skipped``
+    (due while the previous one was still being written), ``failures``; ``bytes`` of the last one."""
+
+    saved: int = 0
+    skipped: int = 0
+    failures: int = 0
+    stall_s: float = 0.0
+    last_stall_s: float = 0.0
+    snapshot_s: float = 0.0
+    write_s: float = 0.0
+    bytes: int = 0
+    stalls: list = field(default_factory=list)
+
+
+class Checkpointer:
+    """Asynchronous per-step checkpoints of one owner into ``root`` (see the module docstring)."""
+
+    def __init__(self, root, *, owner: str, keep: int = 2, on_busy: str = "skip", fsync: bool = True,
+                 signing_key=None, on_durable=()):
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        if on_busy not in ("skip", "wait"):
+            raise ValueError("on_busy must be 'skip' or 'wait'")
+        self.root, self.owner = Path(root), check_owner(owner)
+        self.keep, self.on_busy, self.fsync, self.signing_key = keep, on_busy, fsync, signing_key
+        self.on_durable = list(on_durable)
+        self.stats = CheckpointStats()
+        self.durable_step: int | None = max(list_steps(self.root), default=None)
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._job = None
+        self._copied = threading.Event()
+        self._copied.set()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._cond = threading.Condition()
+        self._closed = False
+        self.root.mkdir(parents=True, exist_ok=True)
+        for name in os.listdir(self.root):
+            if name.startswith(".tmp-"):
+                shutil.rmtree(self.root / name, ignore_errors=True)  # a crash's leftovers: never complete
+        self._thread = threading.Thread(target=self._work, name=f"ckpt-{owner}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------------------------ training thread
+
+    def save(self, step: int, model, optimizer=None, *, state=None, rng: bool = True, wait: bool = False) -> bool:
+        """Checkpoint ``step`` in the background; False if skipped (the previous one still being written, with
+        ``on_busy="skip"`` and not ``wait``: pass ``wait=True`` for a step that must be checkpointed, the last)."""
+        t0 = time.perf_counter()
+        if not self._idle.is_set():
+            if self.on_busy == "skip" and not wait:
+                self.stats.skipped += 1
+                log.info("%s: step %d not checkpointed: step %s still being written", self.owner, step,
+                         self._job and self._job[0])
+                return False
+            self._idle.wait()
+        tensors = {f"model/{k}": v for k, v in model_tensors(model).items()}
+        opt_t, opt_sk = flatten(optimizer.state_dict() if optimizer is not None else None, "optim")
+        rng_t, rng_sk = flatten(capture_rng() if rng else None, "rng")
+        st_t, st_sk = flatten(state, "state")
+        side = {**opt_t, **rng_t, **st_t}
+        doc = json.dumps({"optim": opt_sk, "rng": rng_sk, "state": st_sk}, allow_nan=False).encode()
+        with self._cond:
+            self._idle.clear()
+            self._copied.clear()
+            self._job = (step, tensors, side, doc)
+            self._cond.notify_all()
+        self._stall(time.perf_counter() - t0)
+        return True
+
+    def before_update(self) -> None:
+        """Wait until the snapshot in flight holds its tensors (call before the optimizer changes them)."""
+        t0 = time.perf_counter()
+        self._copied.wait()
+        self._stall(time.perf_counter() - t0)
+
+    def _stall(self, s: float) -> None:
+        self.stats.stall_s += s
+        self.stats.last_stall_s = s
+        self.stats.stalls.append(s)
+        if len(self.stats.stalls) > 4096:
+            del self.stats.stalls[:2048]
+
+    def mark_durable(self, step: int) -> None:
+        """A checkpoint of ``step`` written by someone else (a restore) is on disk: it counts as durable."""
+        with self._cond:
+            if self.durable_step is None or self.durable_step < step:
+                self.durable_step = step
+            self._cond.notify_all()
+
+    def rescan(self) -> None:
+        """The newest step on disk is the durable one again (after checkpoints were removed from ``root``)."""
+        with self._cond:
+            self.durable_step = max(list_steps(self.root), default=None)
+            self._cond.notify_all()
+
+    def wait_durable(self, step: int, timeout: float | None = None) -> bool:
+        """True once a checkpoint of ``step`` or later is on disk (False after ``timeout`` seconds)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self.durable_step is None or self.durable_step < step:
+                left = None if deadline is None else deadline - time.monotonic()
+                if (left is not None and left <= 0) or (self._closed and self._idle.is_set()):
+                    return False
+                self._cond.wait(0.5 if left is None else min(left, 0.5))
+            return True
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until nothing is being written; False after ``timeout``."""
+        return self._idle.wait(timeout)
+
+    def close(self, timeout: float | None = 600) -> None:
+        self.flush(timeout)
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+
+    # ------------------------------------------------------------------------------------ background
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while self._job is None and not self._closed:
+                    self._cond.wait()
+                if self._job is None:
+                    return
+                step, tensors, side, doc = self._job
+            try:
+                t0 = time.perf_counter()
+                snap = self._snapshot(tensors, side)
+                self._copied.set()
+                t1 = time.perf_counter()
+                path = self._write(step, snap, doc)
+                self.stats.snapshot_s, self.stats.write_s = t1 - t0, time.perf_counter() - t1
+                self.stats.saved += 1
+                with self._cond:
+                    self.durable_step = step if self.durable_step is None else max(step, self.durable_step)
+                    self._cond.notify_all()
+                self._retain()
+                for fn in self.on_durable:
+                    try:
+                        fn(step, path)
+                    except Exception:  # noqa: BLE001 -- a listener never stops checkpointing
+                        log.exception("%s: a listener of checkpoint %d failed", self.owner, step)
+            except Exception:  # noqa: BLE001 -- counted and logged; training goes on
+                self.stats.failures += 1
+                log.exception("%s: checkpoint of step %d failed", self.owner, step)
+            finally:
+                self._copied.set()
+                with self._cond:
+                    self._job = None
+                    self._idle.set()
+                    self._cond.notify_all()
+
+    def _snapshot(self, tensors: dict, side: dict) -> dict:
+        """Copy into the reused host buffers (new ones where a tensor's layout changed)."""
+        out = {}
+        with torch.no_grad():
+            for name, t in {**tensors, **side}.items():
+                buf = self._buffers.get(name)
+                if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                    buf = self._buffers[name] = torch.empty(t.shape, dtype=t.dtype, device="cpu",
+                                                            pin_memory=t.is_cuda)
+                buf.copy_(t, non_blocking=t.is_cuda)
+                out[name] = buf
+        if any(t.is_cuda for t in tensors.values()):
+            torch.cuda.synchronize()
+        for name in set(self._buffers) - set(out):
+            del self._buffers[name]
+        return out
+
+    def _write(self, step: int, snap: dict, doc: bytes) -> Path:
+        model = {k[len("model/"):]: v for k, v in snap.items() if k.startswith("model/")}
+        side = {k: v for k, v in snap.items() if not k.startswith("model/")}
+        path = write_bundle_dir(self.root, step, self.owner,
+                                {"model.safetensors": model, "optim.safetensors": side, "state.json": doc},
+                                signing_key=self.signing_key, fsync=self.fsync)
+        self.stats.bytes = sum(f.stat().st_size for f in path.iterdir())
+        return path
+
+    def _retain(self) -> None:
+        for s in list_steps(self.root)[self.keep:]:
+            shutil.rmtree(step_dir(self.root, s), ignore_errors=True)
