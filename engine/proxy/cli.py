@@ -25,7 +25,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--trajectory-id", default=None, help="trajectory of requests without an X-Syncd-Trajectory header")
     p.add_argument("--per-request", action="store_true", help="every request is a trajectory of its own")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=int(env("SYNCD_PROXY_PORT", "0")), help="0: a free port")
+    p.add_argument("--port", type=int, default=None, help="0: a free port (SYNCD_PROXY_PORT; default 0)")
     p.add_argument("--retry-attempts", type=int, default=5, help="tries of a request that fails before any token")
     p.add_argument("--retry-deadline", type=float, default=60.0, help="seconds those tries may take in all")
     p.add_argument("--spill-dir", default=env("SYNCD_PROXY_SPILL_DIR"),
@@ -40,17 +40,54 @@ def parser() -> argparse.ArgumentParser:
                    help="compact when prompt + max_tokens would pass this share of the window")
     p.add_argument("--compact-summary-tokens", type=int, default=64, help="max_tokens of the summary request")
     p.add_argument("--compact-summary-prompt", default=None, help="text appended to ask for the summary")
+    p.add_argument("--compact-resume-prompt", default=None, help="text put before the summary in a continuation")
+    p.add_argument("--compact-continue-prompt", default=None, help="text put after the summary in a continuation")
+    p.add_argument("--compact-max", type=int, default=64, help="compactions one request may take at most")
     p.add_argument("--compact-keep-prompt", type=int, default=64,
                    help="tokens of the original prompt kept at the head of a continuation")
     p.add_argument("--ready-file", default=None, help="write {url, pid} here once serving")
-    p.add_argument("--log-level", default=env("SYNCD_LOG_LEVEL", "WARNING"))
+    p.add_argument("--log-level", default=None, help="logging level (SYNCD_LOG_LEVEL; default WARNING)")
     return p
 
 
+def _from_env(given, flag: str, var: str, default: str, convert, what: str):
+    """``given`` (the flag's value) or the variable ``var`` (else ``default``), converted; a ValueError names
+    the flag or the variable the bad value came from."""
+    if given is not None:
+        source, text = flag, given
+    else:
+        source, text = (var, os.environ[var]) if var in os.environ else (flag, default)
+    try:
+        return convert(text)
+    except ValueError:
+        raise ValueError(f"{source}={text!r} is not {what}") from None
+
+
+def _port(text) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise ValueError(port)
+    return port
+
+
+def _level(text) -> int:
+    level = logging.getLevelName(str(text).upper())
+    if not isinstance(level, int):
+        raise ValueError(text)
+    return level
+
+
 def main(argv=None) -> int:
-    """0: clean stop; 2: bad arguments."""
+    """0: clean stop; 2: bad arguments or settings; 3: it could not serve (the port is taken, say)."""
     args = parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        level = _from_env(args.log_level, "--log-level", "SYNCD_LOG_LEVEL", "WARNING", _level,
+                          "a logging level (DEBUG, INFO, WARNING, ERROR)")
+        port = _from_env(args.port, "--port", "SYNCD_PROXY_PORT", "0", _port, "a port number (0-65535)")
+    except ValueError as exc:
+        print(f"engine.proxy: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from engine.proxy.record import RecordError
     from engine.proxy.server import Proxy, ProxyConfig
 
@@ -64,11 +101,13 @@ def main(argv=None) -> int:
         if args.compact_model:
             from engine.proxy.compaction import CompactionConfig
 
-            kw = {k: v for k, v in (("window", args.compact_window), ("summary_prompt", args.compact_summary_prompt))
-                  if v is not None}
+            kw = {k: v for k, v in (("window", args.compact_window), ("summary_prompt", args.compact_summary_prompt),
+                                    ("resume_prompt", args.compact_resume_prompt),
+                                    ("continue_prompt", args.compact_continue_prompt)) if v is not None}
             compaction = CompactionConfig.for_model(args.compact_model, trigger=args.compact_trigger,
                                                     summary_tokens=args.compact_summary_tokens,
-                                                    keep_prompt=args.compact_keep_prompt, **kw)
+                                                    keep_prompt=args.compact_keep_prompt,
+                                                    max_compactions=args.compact_max, **kw)
         config = ProxyConfig(upstream=args.upstream, run_id=args.run_id, sandbox_id=args.sandbox_id,
                              default_trajectory=args.trajectory_id, per_request=args.per_request,
                              retry_attempts=args.retry_attempts, retry_deadline_s=args.retry_deadline,
@@ -83,15 +122,20 @@ def main(argv=None) -> int:
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        url = await proxy.start(args.host, args.port)
+        try:
+            url = await proxy.start(args.host, port)
+        except OSError as exc:
+            print(f"engine.proxy: cannot serve on {args.host}:{port}: {exc}", file=sys.stderr)
+            await proxy.close(0)
+            return 3
         if args.ready_file:
             tmp = Path(args.ready_file + ".tmp")
             tmp.write_text(json.dumps({"url": url, "pid": os.getpid()}))
             os.replace(tmp, args.ready_file)
         await stop.wait()
         await proxy.close(args.close_timeout)
+        return 0
 
     import uvloop
 
-    uvloop.run(run())
-    return 0
+    return uvloop.run(run())

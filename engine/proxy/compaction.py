@@ -34,7 +34,6 @@ summarize, or ``max_compactions`` used up, fails the request (HTTP 400, a failed
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 from dataclasses import dataclass, field
@@ -44,7 +43,7 @@ from aiohttp import web
 
 from engine.proxy.record import Turn, now
 from engine.proxy import sse
-from engine.proxy.turn import (TRAJECTORY_HEADER, ClientStream, TurnState, check_complete, error_response,
+from engine.proxy.turn import (TRAJECTORY_HEADER, ClientStream, check_complete, client_wants, error_response,
                                upstream_body)
 from syncd.records.trajectory import COMPACTION_ROLES
 
@@ -85,9 +84,18 @@ class CompactionConfig:
     @classmethod
     def for_model(cls, model_dir, **kw) -> "CompactionConfig":
         """The window from ``config.json``'s ``max_position_embeddings`` and the model's tokenizer (``kw``
-        override)."""
-        cfg = json.loads(Path(model_dir, "config.json").read_text())
-        kw.setdefault("window", int(cfg["max_position_embeddings"]))
+        override; a ``window`` past the model's positions is refused). Raises ValueError naming the file."""
+        path = Path(model_dir, "config.json")
+        try:
+            positions = json.loads(path.read_text())["max_position_embeddings"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{path}: no max_position_embeddings to take the compaction window from "
+                             f"({type(exc).__name__}: {exc})") from None
+        if not isinstance(positions, int) or isinstance(positions, bool) or positions < 1:
+            raise ValueError(f"{path}: max_position_embeddings {positions!r} is not a positive integer")
+        window = kw.setdefault("window", positions)
+        if window > positions:
+            raise ValueError(f"compaction window {window} is past the model's {positions} positions ({path})")
         return cls(tokenizer=str(model_dir), **kw)
 
     @property
@@ -114,15 +122,26 @@ class _Request:
     segments: list[Turn] = field(default_factory=list)
 
 
-class Compactor:
-    """Runs compacted requests for a :class:`engine.proxy.server.Proxy` (see the module docstring)."""
+REFUSALS = ("max_compactions", "too_long")
 
-    def __init__(self, config: CompactionConfig):
+
+class Compactor:
+    """Runs compacted requests for a :class:`engine.proxy.server.Proxy` (see the module docstring). Counts
+    compactions done and requests refused by reason (``REFUSALS``) in :meth:`stats` and, given a Prometheus
+    ``registry``, as ``syncd_proxy_compactions_total`` and ``syncd_proxy_compactions_refused_total{reason}``. It
+    holds a live context per open compacted trajectory only: :meth:`forget` drops it when the proxy writes the
+    trajectory (or fails to)."""
+
+    def __init__(self, config: CompactionConfig, registry=None):
         from tokenizers import Tokenizer
 
         self.config = config
         path = Path(config.tokenizer)
-        self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json" if path.is_dir() else path))
+        path = path / "tokenizer.json" if path.is_dir() else path
+        try:
+            self.tokenizer = Tokenizer.from_file(str(path))
+        except Exception as exc:  # noqa: BLE001 -- tokenizers raises a bare Exception for a missing or bad file
+            raise ValueError(f"{path}: not a tokenizer the compactor can read: {exc}") from None
         self.summary_ids = self.encode(config.summary_prompt)
         self.resume_ids = self.encode(config.resume_prompt)
         self.continue_ids = self.encode(config.continue_prompt)
@@ -136,6 +155,21 @@ class Compactor:
                              f"summary) leaves no room to generate in {config.budget} tokens")
         self._live: dict[str, _Live] = {}
         self.compactions = 0
+        self.refused = dict.fromkeys(REFUSALS, 0)
+        self._metrics = None
+        if registry is not None:
+            from prometheus_client import Counter
+
+            refused = Counter("syncd_proxy_compactions_refused", "compacted requests refused, by reason",
+                              ["reason"], registry=registry)
+            for r in REFUSALS:
+                refused.labels(r)
+            self._metrics = (Counter("syncd_proxy_compactions", "compactions done (summaries taken)",
+                                     registry=registry), refused)
+
+    def stats(self) -> dict:
+        """``{"done", "refused": {reason: n}, "live"}`` (live: trajectories with a live context)."""
+        return {"done": self.compactions, "refused": dict(self.refused), "live": len(self._live)}
 
     def forget(self, tid: str) -> None:
         """Drop the live context of trajectory ``tid`` (it was finished)."""
@@ -195,10 +229,11 @@ class Compactor:
                     break
                 context = context + turn.output_token_ids
             if compactions == cfg.max_compactions:
-                return self._refuse(traj, number, f"{compactions} compactions and {left} tokens still to make")
+                return self._refuse(traj, number, "max_compactions",
+                                    f"{compactions} compactions and {left} tokens still to make")
             if len(context) + len(self.summary_ids) + cfg.summary_tokens > cfg.window:
-                return self._refuse(traj, number, f"a context of {len(context)} tokens is too long to summarize "
-                                                  f"within the {cfg.window}-token window")
+                return self._refuse(traj, number, "too_long", f"a context of {len(context)} tokens is too long to "
+                                                              f"summarize within the {cfg.window}-token window")
             summary, err = await self._segment(proxy, traj, tid, body, request, context + self.summary_ids,
                                                cfg.summary_tokens,
                                                {"request": number, "segment": segment, "role": "summary", **first})
@@ -207,6 +242,8 @@ class Compactor:
                 return err
             compactions += 1
             self.compactions += 1
+            if self._metrics is not None:
+                self._metrics[0].inc()
             context = req.head + self.resume_ids + summary.output_token_ids + self.continue_ids
         last = visible[-1]
         text = "".join(t.text for t in visible)
@@ -223,12 +260,8 @@ class Compactor:
         turn = Turn(index=len(traj.turns), endpoint="completions", request=seg_body, stream=False)
         turn.compaction = meta
         turn.prompt_token_ids = list(prompt_ids)  # the frontend annotates text prompts only
-        traj.turns.append(turn)
-        state = TurnState(turn)
-        running = proxy._running.setdefault(tid, [])
-        running.append(state)
-        try:
-            err = await proxy._attempts(state, upstream_body(seg_body), "completions", ClientStream(request, turn, tid))
+        async with proxy.running_turn(tid, traj, turn, " of this segment") as state:
+            err = await proxy.attempts(state, upstream_body(seg_body), "completions", ClientStream(request, turn, tid))
             if err is None:
                 check_complete(state)
                 if turn.status != "failed" and turn.prompt_token_ids != list(prompt_ids):
@@ -238,17 +271,11 @@ class Compactor:
                 else:
                     turn.status, turn.finished_at = "ok", now()
             return turn, err
-        except asyncio.CancelledError:
-            turn.fail("the proxy stopped while this request was running" if proxy._closing
-                      else f"the client went away after {state.tokens} tokens of this segment")
-            raise
-        finally:
-            if turn.status == "running":
-                turn.fail("the proxy stopped while this request was running")
-            state.done.set()
-            running.remove(state)
 
-    def _refuse(self, traj, number: int, reason: str) -> web.Response:
+    def _refuse(self, traj, number: int, kind: str, reason: str) -> web.Response:
+        self.refused[kind] += 1
+        if self._metrics is not None:
+            self._metrics[1].labels(kind).inc()
         turn = Turn(index=len(traj.turns), endpoint="completions", request={}, stream=False)
         turn.compaction = {"request": number, "segment": -1, "role": "generate"}
         traj.turns.append(turn)
@@ -261,8 +288,8 @@ class Compactor:
         n_out = sum(len(t.output_token_ids) for t in visible)
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n_out, "total_tokens": prompt_tokens + n_out}
         nvext = {"compactions": compactions}
-        wants = set(((body.get("nvext") or {}).get("extra_fields")) or [])
-        if "engine_data" in wants:
+        wants_fields, _, wants_usage = client_wants(body)
+        if "engine_data" in wants_fields:
             nvext["engine_data"] = {"syncd": 1, "request_id": last.request_id,
                                     "token_ids": [x for t in visible for x in t.output_token_ids],
                                     "versions": [x for t in visible for x in t.versions],
@@ -278,7 +305,7 @@ class Compactor:
                                                        "Cache-Control": "no-cache"})
         await resp.prepare(request)
         chunk = dict(out)
-        if not ((body.get("stream_options") or {}).get("include_usage")):
+        if not wants_usage:
             chunk.pop("usage")
         await resp.write(sse.format_event(chunk))
         await resp.write(b"data: [DONE]\n\n")

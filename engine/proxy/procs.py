@@ -19,12 +19,14 @@ def start_proxy(workdir: str | Path, upstream: str, store_url: str, run_id: str,
     """Start ``python -m engine.proxy`` for ``sandbox_id`` of run ``run_id`` in front of the frontend at
     ``upstream``, recording to ``store_url`` (``extra``: more of its flags; ``env``: its environment), its log in
     ``log_path`` (default ``<workdir>/proxy-<sandbox>.log``); returns ``(process, its URL)`` once it serves, in
-    its own session. Raises ``RuntimeError`` (with the log's tail) when it exits, ``TimeoutError`` when it does not
+    its own session (a ready file an earlier proxy left in ``workdir`` is removed first, and the file must name this
+process). Raises ``RuntimeError`` (with the log's tail) when it exits, ``TimeoutError`` when it does not
     serve within ``timeout_s``; it is stopped then."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     ready = workdir / f"proxy-{sandbox_id}.json"
     log = Path(log_path) if log_path is not None else workdir / f"proxy-{sandbox_id}.log"
+    ready.unlink(missing_ok=True)  # a reused workdir: an earlier proxy's file must not answer for this one
     with open(log, "ab") as logf:
         proc = subprocess.Popen([sys.executable, "-m", "engine.proxy", "--upstream", upstream, "--store", store_url,
                                  "--run-id", run_id, "--sandbox-id", sandbox_id, "--ready-file", str(ready),
@@ -32,9 +34,18 @@ def start_proxy(workdir: str | Path, upstream: str, store_url: str, run_id: str,
                                 env=env, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
     try:
-        wait_until(ready.exists, timeout_s, f"proxy {sandbox_id} to serve",
-                   alive=lambda: proc.poll() is not None and f"exited: {log.read_text()[-2000:]}")
+        url = wait_until(lambda: _ready(ready, proc.pid), timeout_s, f"proxy {sandbox_id} to serve",
+                         alive=lambda: proc.poll() is not None and f"exited: {log.read_text()[-2000:]}")
     except BaseException:
         stop_process(proc, 5)
         raise
-    return proc, json.loads(ready.read_text())["url"]
+    return proc, url
+
+
+def _ready(path: Path, pid: int) -> str | None:
+    """The URL in the ready file ``path`` once the proxy of ``pid`` wrote it (written by an atomic rename)."""
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    return doc["url"] if doc.get("pid") == pid else None

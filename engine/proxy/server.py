@@ -28,7 +28,9 @@ trajectory is written, each on its own. A trajectory stays open until its record
 for retry (and spilled to ``spill_dir``): ``engine.proxy.writer`` never overwrites, renames a record whose
 key an earlier proxy life took, and reports every record it could neither write nor spill. A turn that
 could not complete (upstream failure after tokens, client gone, proxy stopped) is kept with what it got and
-marked failed with the reason; its trajectory is then ``failed``.
+marked failed with the reason; its trajectory is then ``failed``. A finished trajectory id that comes back is
+refused (409 at finish, 400 for a request) while it is among the newest ``MAX_WRITTEN_IDS`` finished ones; an
+older one opens a new trajectory, whose record the writer renames rather than overwrite.
 
 Supervision: the retry task runs under a :class:`syncd.supervise.Supervisor`; it and any route that raises
 what it did not expect are logged and counted in ``syncd_failures_total{kind}`` (``GET /metrics``; kinds
@@ -42,11 +44,13 @@ Thread-safety: one asyncio loop (uvloop) runs everything; the store is called fr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import random
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,6 +69,7 @@ log = logging.getLogger(__name__)
 __all__ = ["ProxyConfig", "Proxy", "TRAJECTORY_HEADER"]
 
 MAX_REQUEST_BYTES = 64 << 20
+MAX_WRITTEN_IDS = 100_000  # finished trajectory ids remembered (and refused when they come back), newest kept
 FAILURE_KINDS = ("store", "record", "task", "request")
 
 
@@ -111,7 +116,9 @@ class Proxy:
         self.writer = RecordWriter(self.store, life=self.life, spill_dir=config.spill_dir,
                                    retry_s=config.write_retry_s, failures=self.failures)
         self.trajectories: dict[str, Trajectory] = {}
-        self.written: dict[str, str] = {}  # client's trajectory id -> key, once finished (written or pending)
+        # client's trajectory id -> key, once finished (written or pending): the newest MAX_WRITTEN_IDS only; an
+        # older id that comes back opens a new trajectory, which the writer renames rather than overwrite
+        self.written: OrderedDict[str, str] = OrderedDict()
         self._finishing: dict[str, asyncio.Future] = {}  # trajectory id -> its write, while in progress
         self._running: dict[str, list[TurnState]] = {}
         self._background: set[asyncio.Task] = set()  # per-request finishes
@@ -123,7 +130,7 @@ class Proxy:
         if config.compaction is not None:
             from engine.proxy.compaction import Compactor
 
-            self.compactor = Compactor(config.compaction)
+            self.compactor = Compactor(config.compaction, registry=self.failures.registry)
 
     # ------------------------------------------------------------------------------------ lifecycle
 
@@ -244,10 +251,13 @@ class Proxy:
             self._finishing.pop(tid, None)  # not encodable: it stays open (and close() reports it)
             traj.finished_at = None
             raise
+        finally:
+            if self.compactor is not None:
+                self.compactor.forget(tid)  # written, or it failed: a later request starts from its own prompt
         self.written[tid] = traj.key
+        while len(self.written) > MAX_WRITTEN_IDS:
+            self.written.popitem(last=False)
         self.trajectories.pop(tid, None)  # only now: written, or pending (and spilled)
-        if self.compactor is not None:
-            self.compactor.forget(tid)
         self._finishing.pop(tid, None)
         log.info("trajectory %s: %s, %d turns, %s", tid, traj.status, len(traj.turns),
                  f"written to {traj.key}" if written else "store write pending")
@@ -257,6 +267,29 @@ class Proxy:
     @property
     def pending_writes(self) -> int:
         return len(self.writer.pending)
+
+    @contextlib.asynccontextmanager
+    async def running_turn(self, tid: str, traj: Trajectory, turn: Turn, what: str = ""):
+        """Append ``turn`` to ``traj`` and track it as running (:meth:`finish` waits for it) while the body runs;
+        yields its :class:`TurnState`. A cancelled body marks the turn failed (the proxy stopped, or the client
+        went away after N tokens ``what``), so does one that left it running."""
+        traj.turns.append(turn)
+        state = TurnState(turn)
+        running = self._running.setdefault(tid, [])
+        running.append(state)
+        try:
+            yield state
+        except asyncio.CancelledError:
+            turn.fail("the proxy stopped while this request was running" if self._closing
+                      else f"the client went away after {state.tokens} tokens{what}")
+            raise
+        finally:
+            if turn.status == "running":
+                turn.fail("the proxy stopped while this request was running")
+            state.done.set()
+            running.remove(state)
+            if not running and self._running.get(tid) is running:
+                del self._running[tid]
 
     # ------------------------------------------------------------------------------------ routes
 
@@ -272,9 +305,12 @@ class Proxy:
             return error_response(500, f"proxy error: {type(exc).__name__}: {exc}", "internal_error")
 
     async def _health(self, request: web.Request) -> web.Response:
-        return web.json_response({"ok": True, "life": self.life, "open_trajectories": len(self.trajectories),
-                                  "pending_writes": len(self.writer.pending), "failures": self.failures.totals,
-                                  "tasks": self.supervisor.health()})
+        health = {"ok": True, "life": self.life, "open_trajectories": len(self.trajectories),
+                  "pending_writes": len(self.writer.pending), "failures": self.failures.totals,
+                  "tasks": self.supervisor.health()}
+        if self.compactor is not None:
+            health["compactions"] = self.compactor.stats()
+        return web.json_response(health)
 
     async def _metrics(self, request: web.Request) -> web.Response:
         from prometheus_client import CONTENT_TYPE_LATEST
@@ -329,21 +365,10 @@ class Proxy:
             finally:
                 self._request_ended(tid)
         turn = Turn(index=len(traj.turns), endpoint=endpoint, request=body, stream=bool(body.get("stream")))
-        traj.turns.append(turn)
-        state = TurnState(turn)
-        self._running.setdefault(tid, []).append(state)
-        out = ClientStream(request, turn, tid)
         try:
-            return await self._run_turn(state, body, endpoint, out)
-        except asyncio.CancelledError:
-            turn.fail("the proxy stopped while this request was running" if self._closing
-                      else f"the client went away after {state.tokens} tokens")
-            raise
+            async with self.running_turn(tid, traj, turn) as state:
+                return await self._run_turn(state, body, endpoint, ClientStream(request, turn, tid))
         finally:
-            if turn.status == "running":
-                turn.fail("the proxy stopped while this request was running")
-            state.done.set()
-            self._running[tid].remove(state)
             self._request_ended(tid)
 
     def _request_ended(self, tid: str) -> None:
@@ -361,7 +386,7 @@ class Proxy:
 
     async def _run_turn(self, state: TurnState, body: dict, endpoint: str, out: ClientStream):
         turn = state.turn
-        failed = await self._attempts(state, upstream_body(body), endpoint, out)
+        failed = await self.attempts(state, upstream_body(body), endpoint, out)
         if failed is not None:
             return failed
         check_complete(state)
@@ -372,7 +397,7 @@ class Proxy:
             return await out.end()
         return web.json_response(whole_response(state, endpoint), headers=out.headers)
 
-    async def _attempts(self, state: TurnState, up_body: dict, endpoint: str, out: ClientStream):
+    async def attempts(self, state: TurnState, up_body: dict, endpoint: str, out: ClientStream):
         """The turn's attempts at the frontend with their retries: None when one streamed the turn to its end,
         else the response that tells the client why not (the turn is marked failed)."""
         turn = state.turn

@@ -12,23 +12,25 @@ from engine.proxy import sse
 from engine.proxy.turn import (Broken, ClientStream, Rejected, Retryable, TurnState, annotation_ids, client_wants,
                                for_client, parse_event)
 
-__all__ = ["stream_once", "RETRYABLE_STATUS"]
+__all__ = ["stream_once", "RETRYABLE_STATUS", "MAX_ERROR_BODY_BYTES"]
 
 RETRYABLE_STATUS = frozenset({404, 408, 429, 500, 502, 503, 504})
+MAX_ERROR_BODY_BYTES = 4096  # of a non-200 reply: what goes into the retry log, the turn's error and the record
 
 
 async def stream_once(session, upstream: str, state: TurnState, up_body: dict, endpoint: str,
                       out: ClientStream) -> None:
     """One attempt at a turn: stream ``up_body`` from the frontend at ``upstream`` (``/v1/<endpoint>``) into
     ``state``, passing the client what it asked for through ``out``. Raises :class:`Retryable` while no token
-    came back, :class:`Broken` after, :class:`Rejected` for a status not worth a retry, ``ClientGone``."""
+    came back, :class:`Broken` after, :class:`Rejected` for a status not worth a retry, ``ClientGone``. Of a
+    non-200 reply at most :data:`MAX_ERROR_BODY_BYTES` are read (the rest is dropped with the connection)."""
     turn = state.turn
     wants_fields, wants_ids, wants_usage = client_wants(turn.request)
     chat = endpoint == "chat/completions"
     try:
         async with session.post(f"{upstream}/v1/{endpoint}", json=up_body) as resp:
             if resp.status != 200:
-                text = await resp.text()
+                text = (await _head(resp.content, MAX_ERROR_BODY_BYTES)).decode("utf-8", errors="replace")
                 if resp.status in RETRYABLE_STATUS:
                     raise Retryable(f"HTTP {resp.status}: {text[:300]}")
                 raise Rejected(resp.status, text)
@@ -64,6 +66,17 @@ async def stream_once(session, upstream: str, state: TurnState, up_body: dict, e
                 raise Retryable("the upstream stream ended before any token")
     except (aiohttp.ClientError, asyncio.TimeoutError, sse.SSEError, ConnectionError) as exc:
         raise _failure(state, f"{type(exc).__name__}: {exc}") from None
+
+
+async def _head(content, limit: int) -> bytes:
+    """The first ``limit`` bytes of a body (fewer when it ends first)."""
+    buf = bytearray()
+    while len(buf) < limit:
+        part = await content.read(limit - len(buf))
+        if not part:
+            break
+        buf += part
+    return bytes(buf)
 
 
 def _failure(state: TurnState, reason: str) -> Exception:

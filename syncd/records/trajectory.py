@@ -72,6 +72,14 @@ def record_key(run_id: str, sandbox_id: str, trajectory_id: str) -> str:
 # ---------------------------------------------------------------------------------------------- reading
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _count(v) -> bool:
+    return _is_int(v) and v >= 0
+
+
 def _ints(v, what: str) -> list:
     if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
         raise RecordError(f"{what} must be a list of integers")
@@ -111,14 +119,16 @@ def parse(raw: bytes, *, where: str = "trajectory record") -> dict:
             raise RecordError(f"{w}: versions must list one version (int or null) per output token")
         c = t.get("compaction")
         if c is not None and not (isinstance(c, dict) and c.get("role") in COMPACTION_ROLES
-                                  and isinstance(c.get("request"), int) and isinstance(c.get("segment"), int)):
+                                  and _is_int(c.get("request")) and _is_int(c.get("segment"))):
             raise RecordError(f"{w}: malformed compaction member {str(c)[:200]}")
         segs = t.get("segments")
-        if not isinstance(segs, list) or sum(s.get("count", 0) if isinstance(s, dict) else 0 for s in segs) != n:
+        if not isinstance(segs, list) or not all(isinstance(s, dict) and _count(s.get("count")) for s in segs):
+            raise RecordError(f"{w}: segments must be objects with a count (an int >= 0)")
+        if sum(s["count"] for s in segs) != n:
             raise RecordError(f"{w}: segments do not cover the {n} output tokens")
     marks = doc.get("compactions", [])
     if not isinstance(marks, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("summary_turn"), int) and 0 <= m["summary_turn"] < len(turns)
+            isinstance(m, dict) and _is_int(m.get("summary_turn")) and 0 <= m["summary_turn"] < len(turns)
             and (turns[m["summary_turn"]].get("compaction") or {}).get("role") == "summary" for m in marks):
         raise RecordError(f"{where}: compactions must name summary turns of the record")
     if (doc["status"] == "complete") != all(t["status"] == "ok" for t in turns):

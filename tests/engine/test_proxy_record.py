@@ -57,6 +57,11 @@ def _mutate(fn) -> bytes:
     (lambda d: d["turns"][0].update(output_token_ids=[5, "6", 7]), "integers"),
     (lambda d: d["turns"][0].update(index=4), "out of order"),
     (lambda d: d["turns"][0]["segments"].pop(), "segments"),
+    (lambda d: d["turns"][0]["segments"][0].update(count="2"), "segments must be objects with a count"),
+    (lambda d: d["turns"][0]["segments"][0].update(count=True), "segments must be objects with a count"),
+    (lambda d: d["turns"][0]["segments"][0].update(count=2.0), "segments must be objects with a count"),
+    (lambda d: d["turns"][0]["segments"].append(-1), "segments must be objects with a count"),
+    (lambda d: d["turns"][0]["segments"].append({"count": -1}), "segments must be objects with a count"),
     (lambda d: d.update(status="failed"), "contradicts"),
 ])
 def test_hostile_records_are_refused(fn, what):

@@ -10,7 +10,8 @@ import pytest
 
 from engine.proxy.record import Turn
 from engine.proxy.sse import format_event
-from engine.proxy.turn import BadRequest, Broken, TurnState, annotation_ids, parse_body, parse_event
+from engine.proxy.turn import (BadRequest, Broken, TurnState, annotation_ids, client_wants, parse_body, parse_event,
+                               upstream_body)
 
 
 def _state() -> TurnState:
@@ -115,3 +116,22 @@ def test_completions_logprobs_fold_and_empty_chunks_are_dropped():
     assert for_client({"choices": [{"index": 0, "text": "", "finish_reason": "length"}], **ed}, set()) is not None
     assert for_client({"choices": [{"index": 0, "text": "", "logprobs": {"tokens": []}}], **ed}, set()) is not None
     assert for_client({"choices": [{"index": 0, "text": ""}], **ed}, {"engine_data"})["nvext"] == ed["nvext"]
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"nvext": []}, "'nvext' must be a JSON object"),
+    ({"nvext": "x"}, "'nvext' must be a JSON object"),
+    ({"stream_options": "x"}, "'stream_options' must be a JSON object"),
+    ({"stream_options": [1]}, "'stream_options' must be a JSON object"),
+    ({"nvext": {"extra_fields": [[1]]}}, "'nvext.extra_fields' must be a list of strings"),
+    ({"nvext": {"extra_fields": "engine_data"}}, "'nvext.extra_fields' must be a list of strings"),
+    ({"nvext": {"annotations": [1, "a"]}}, "'nvext.annotations' must be a list of strings"),
+])
+def test_malformed_nvext_and_stream_options_are_refused_naming_the_field(body, field):
+    """Refused by ``parse_body``, before any turn is opened; what it lets through ``upstream_body`` and
+    ``client_wants`` (the one parse compaction uses too) take without raising."""
+    with pytest.raises(BadRequest, match=field):
+        parse_body(json.dumps(body).encode(), max_bytes=1000)
+    ok = parse_body(b'{"nvext": {"extra_fields": ["x"], "annotations": []}, "stream_options": {}}', max_bytes=1000)
+    assert upstream_body(ok)["nvext"]["extra_fields"] == ["engine_data", "x"]
+    assert client_wants(ok) == ({"x"}, False, False)

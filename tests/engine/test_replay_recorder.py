@@ -113,3 +113,23 @@ def test_recorder_refuses_bad_configuration(tmp_path):
     with pytest.raises(RuntimeError, match="vocab_size"):
         _add(rec, "x", 0, 1)
     rec.close()
+
+
+def test_one_request_reads_bounded_bytes_and_a_foreign_chunk_is_refused(tmp_path):
+    from syncd.records.replay import ReplayFormatError
+
+    store = Store(tmp_path)
+    rec = ReplayRecorder(store, "r", vocab_size=100, chunk_tokens=3)
+    _add(rec, "a", 0, 9)
+    _add(rec, "b", 0, 2)
+    rec.close()
+    keys = sorted(k for k in rec.written if "/replay/a/" in k)
+    sizes = [len(store.get(k)) for k in keys]
+    assert len(read_request(store, "r", "a", max_bytes=sum(sizes))) == 3
+    with pytest.raises(ReplayFormatError, match=f"past the {sum(sizes) - 1} bytes"):
+        read_request(store, "r", "a", max_bytes=sum(sizes) - 1)
+    # a chunk of request b put under a's key (a hostile or broken writer) names itself, never read as a's
+    foreign = next(k for k in rec.written if "/replay/b/" in k)
+    store.put(keys[0].rsplit("/", 1)[0] + "/ffffffffffffffff-000000000099.srpl", store.get(foreign))
+    with pytest.raises(ReplayFormatError, match="a chunk of request 'b' under the key of request 'a'"):
+        read_request(store, "r", "a")
