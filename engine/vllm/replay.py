@@ -86,11 +86,14 @@ def record_output(recorder, out, *, num_experts: int = 0) -> int:
             raise ValueError(f"request {out.request_id!r}: a MoE model's output has no routed_experts "
                              "(needs enable_return_routed_experts=True, Model Runner V2)")
         prompt_routes, token_routes = routes(c.routed_experts, len(prompt), n, num_experts)
-        if len(prompt_routes):
-            recorder.add_prompt_routing(out.request_id, 0, prompt_routes.transpose(1, 0, 2))
-    for i, tok in enumerate(toks):
+    for i, tok in enumerate(toks):  # everything is checked before anything is recorded
         if not np.any(kept[i] == tok):
             raise ValueError(f"request {out.request_id!r}: token {i} ({tok}) is not in its kept set")
+        if tok not in c.logprobs[i]:
+            raise ValueError(f"request {out.request_id!r}: token {i} ({tok}) has no logprob")
+    if prompt_routes is not None and len(prompt_routes):
+        recorder.add_prompt_routing(out.request_id, 0, prompt_routes.transpose(1, 0, 2))
+    for i, tok in enumerate(toks):
         recorder.add(out.request_id, position=len(prompt) + i, index=i, version=versions[i], token_id=tok,
                      logprob=float(c.logprobs[i][tok].logprob), kept=kept[i],
                      routing=None if token_routes is None else token_routes[i])
