@@ -228,7 +228,10 @@ class VLLMEngine:
         queue: asyncio.Queue = asyncio.Queue()
 
         def put(item):
-            caller.call_soon_threadsafe(queue.put_nowait, item)
+            try:
+                caller.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the caller's loop is gone: nobody reads this stream
+                self.abort(request.request_id)
 
         fut = asyncio.run_coroutine_threadsafe(self._pump(request, put), self._loop)
         finished = False

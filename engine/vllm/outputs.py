@@ -54,10 +54,10 @@ def _int(label):
 
 def token_versions(llm, request_id: str, completion, start: int, n: int, *, fallback):
     """Versions of the ``n`` tokens ``start..start+n`` of a streamed (delta) ``completion`` of ``request_id``."""
-    if completion.weight_versions is not None:  # the final output: vLLM's own spans over every token
-        every = [s for s in completion.weight_versions]
-        total = every[-1].end if every else 0
-        return spans_to_versions(every, total)[start:start + n] if total >= start + n else [fallback] * n
+    spans = completion.weight_versions
+    if spans is not None:  # the final output: vLLM's own spans over every token
+        total = spans[-1].end if spans else 0
+        return spans_to_versions(spans, total)[start:start + n] if total >= start + n else [fallback] * n
     try:
         op = llm.output_processor
         states = [op.request_states[i] for i in op.external_req_ids.get(request_id, ())]
