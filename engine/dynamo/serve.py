@@ -11,9 +11,10 @@ file to ``syncd --engine``); arguments after ``--`` go to every worker (e.g. ``-
 
 Supervision: a worker or frontend that exits while the node runs has what is left of its process group killed
 (each child runs in a session of its own: vLLM's engine-core and worker processes outlive a SIGKILLed worker)
-and is restarted after a backoff (1 s doubling to 30 s); one that fails ``--restart-limit`` times within ten minutes stops the node (exit status 1). On
-SIGTERM/SIGINT the workers get SIGTERM first (they leave discovery at once and drain), then the frontend,
-then local services; anything still running after the grace period is killed.
+and is restarted after a backoff (1 s doubling to 30 s); one that fails ``--restart-limit`` times within ten
+minutes stops the node (exit status 1). On SIGTERM/SIGINT the workers get SIGTERM first (they leave discovery
+at once and drain), then the frontend, then local services; anything still running after the grace period is
+killed.
 
 The ready file (JSON, written atomically once every worker is visible through discovery and the frontend
 lists the model, rewritten after each restart) holds ``frontend`` (URL or null), ``model``, ``workers``

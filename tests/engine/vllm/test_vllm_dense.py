@@ -25,8 +25,7 @@ from syncd.engines.params import expected_checksums
 from syncd.engines.protocol import GenerationRequest, SamplingParams
 from syncd.engines.update import Update
 from syncd.errors import DeltaError
-from syncd.store import Store
-from tests.engine.vllm.conftest import KEY, RUN, Trainer, write_tiny
+from tests.engine.vllm.conftest import KEY, RUN, engine_and_trainer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -43,14 +42,7 @@ def fresh_prompt(n=40) -> list[int]:
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from engine.vllm import VLLMEngine
-
-    model_dir = write_tiny(tmp_path_factory, "qwen2", seed=3)
-    trainer = Trainer(model_dir, Store(tmp_path_factory.mktemp("vllm-store")))
-    eng = VLLMEngine(model_dir, version=0, max_model_len=512, max_num_seqs=8)
-    yield eng, trainer
-    eng.close()
-    trainer.close()
+    yield from engine_and_trainer(tmp_path_factory, "qwen2", seed=3)
 
 
 def _bit_exact(eng, trainer, version):
@@ -190,8 +182,8 @@ def test_bad_input_leaves_the_served_weights(setup, tmp_path):
 
     # a forged manifest (signed with another key) as the newest version: the daemon never hands it to vLLM
     m = read_manifest(trainer.store, RUN, v, signing_key=KEY)
-    forged = replace(m, version=v + 1, shards=tuple(replace(sh, key=sh.key.replace(mf.version_dir(v), mf.version_dir(v + 1)))
-                                                   for sh in m.shards))
+    moved = tuple(replace(sh, key=sh.key.replace(mf.version_dir(v), mf.version_dir(v + 1))) for sh in m.shards)
+    forged = replace(m, version=v + 1, shards=moved)
     trainer.store.put(mf.manifest_key(RUN, v + 1), forged.encode(SigningKey(b"attacker-key-0123456789abcdef")))
     cfg = DaemonConfig(run_id=RUN, cache_dir=tmp_path / "cache", poll_interval_s=0.05, engine_check_s=0.1)
 

@@ -13,22 +13,14 @@ import torch
 
 from syncd.engines.params import expected_checksums
 from syncd.engines.protocol import GenerationRequest, SamplingParams
-from syncd.store import Store
-from tests.engine.vllm.conftest import Trainer, write_tiny
+from tests.engine.vllm.conftest import engine_and_trainer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from engine.vllm import VLLMEngine
-
-    model_dir = write_tiny(tmp_path_factory, "qwen3_moe", seed=4)
-    trainer = Trainer(model_dir, Store(tmp_path_factory.mktemp("vllm-moe-store")))
-    eng = VLLMEngine(model_dir, version=0, max_model_len=512, max_num_seqs=8)
-    yield eng, trainer
-    eng.close()
-    trainer.close()
+    yield from engine_and_trainer(tmp_path_factory, "qwen3_moe", seed=4)
 
 
 async def _collect(eng, rid, prompt, **sp):
