@@ -34,7 +34,7 @@ echo "== NVFP4: QAT + publisher on CUDA weights (tests/ops/test_nvfp4_gpu.py ran
 "$py" -m pytest -q -p no:cacheprovider tests/trainer/test_qat.py -m gpu 2>&1 | tee "$out/gpu_nvfp4_qat.log" | tail -5
 [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 "$py" -m bench.gpu_nvfp4 --gib 1 --out "$out/gpu_nvfp4.json" || rc=1
-echo "== replay: kept_logprobs (Triton) vs the naive masked log-softmax and the lm_head; routing replay on CUDA"
+echo "== replay: kept_logprobs (Triton) vs the naive masked log-softmax and the lm_head, rebuilding kept sets; routing replay on CUDA"
 "$py" -m bench.gpu_replay --rows 8192 --refcheck --out "$out/gpu_replay.json" || rc=1
 "$py" -m pytest -q -p no:cacheprovider tests/trainer/test_routing_replay.py -m gpu 2>&1 | tee "$out/gpu_routing_replay.log" | tail -5
 [ "${PIPESTATUS[0]}" = 0 ] || rc=1

@@ -17,9 +17,14 @@ costs, and what the records cost on the wire. Everything is measured in one run,
    single tokens): median time and peak memory above the inputs, with a dense gradient (cpu, reference) and a
    sparse one (``sparse_grad``), next to the lm_head matmul of the same T and the time of writing a [T, V]
    gradient; then the lm_head and the op together, forward and backward (where a sparse gradient pays most).
-3. **Bytes per token** of kept sets and routes: on the recorded rollouts, and on the public distribution at
-   V = 151,936 (with the information-theoretic bound for sets of uniformly random ids); routes at a Qwen3-30B-A3B
-   shape (E 128, top-8, 48 layers) at ceil(log2 E) bits against int32.
+3. **Bytes per token** of kept sets and routes: on the recorded rollouts (the workers record sets to rebuild with
+   tolerance ``--tolerance``; the mismatch table replays the sets the trainer rebuilt from its recomputed logits),
+   and on synthetic logits at V = 151,936 whose top-p sets follow the public distribution (``bench.replay_kept``),
+   format 2 at several tolerances next to format 1 (every id listed), int32 ids and the information bound of any
+   listed encoding of uniformly random ids, with the share of sets listed because their boundary is fragile,
+   whether every rebuild within the tolerance is exact and every one beyond it refused, and the rebuild's time next
+   to ``kept_logprobs``; routes at a Qwen3-30B-A3B shape (E 128, top-8, 48 layers) at ceil(log2 E) bits against
+   int32.
 
     python -m bench.replay                          # 3 models x 8 streams x 512 tokens; T=1024, V=151,936
     python -m bench.replay --rows 2048,8192         # the op at several T (the naive baseline where it fits)
@@ -40,13 +45,14 @@ from pathlib import Path
 import torch
 
 from bench._timing import Stopwatch, time_and_peak
-from bench.replay_bytes import kept_sizes_public, public_bytes, random_sets, recorded_bytes
+from bench.replay_bytes import kept_sizes_public, print_bytes, random_sets, recorded_bytes, route_bytes
+from bench.replay_kept import public_kept
 
 PRESETS = {
     "default": dict(requests=8, max_tokens=512, concurrency=8, updates=2, update_every=160, pretrain_steps=400,
-                    hidden=64, vocab=151936, rows="1024", lm_hidden=2048, repeats=3, synthetic=20000),
+                    hidden=64, vocab=151936, rows="1024", lm_hidden=2048, repeats=3, synthetic=4096, tolerance=1e-3),
     "tiny": dict(requests=2, max_tokens=24, concurrency=2, updates=1, update_every=8, pretrain_steps=10, hidden=32,
-                 vocab=4096, rows="64", lm_hidden=64, repeats=1, synthetic=500),
+                 vocab=4096, rows="64", lm_hidden=64, repeats=1, synthetic=96, tolerance=1e-3),
 }
 MODELS = {"dense": dict(arch="qwen2"), "moe": dict(arch="qwen3_moe"), "nvfp4": dict(arch="qwen2", nvfp4=True)}
 PUBLIC = {"trl_7269_no_replay": {"mean": 0.896, "outside_pct": 51.8}, "trl_7269_replay": {"mean": 1.001, "outside_pct": 4.3},
@@ -91,15 +97,21 @@ def _row(name, trainer_lp, engine_lp, disagreement) -> dict:
 def mismatch(name: str, cfg: dict, workdir: Path) -> dict:
     from bench.rollouts import RolloutConfig, generate
     from trainer.correction import mismatch_by_source
-    from trainer.logprobs import sampler_logprobs
+    from trainer.logprobs import resolve_kept, sampler_logprobs
     from trainer.rollouts import read_rollouts
 
     rc = RolloutConfig(**MODELS[name], **{k: cfg[k] for k in ("requests", "max_tokens", "concurrency", "updates",
-                                                              "update_every", "pretrain_steps", "hidden")})
+                                                              "update_every", "pretrain_steps", "hidden")},
+                       kept_tolerance=cfg["tolerance"])
     run = generate(workdir / name, (workdir / name / "store").resolve().as_uri(), rc)
     rs = read_rollouts(run.store_url, run.run_id)
     model = run.trainer_model()
     newest = max(run.weights)
+    t0 = Stopwatch()  # every set rebuilt once from the sampled versions, for the rows that need them listed
+    resolved = resolve_kept(model, rs.sequences, weights_of=run.weights_of)
+    resolve_s = t0.elapsed
+    rebuild = {"pending": sum(len(q.kept_pending) for q in rs.sequences if q.kept_pending is not None),
+               "rebuilt": 0, "mismatches": 0, "newest_own_verified": 0, "newest_own_refused": 0}
     variants = {"no replay": dict(kept=False, routing=False), "kept-set replay": dict(kept=True, routing=False),
                 "kept-set + routing replay": dict(kept=True, routing=True)}
     if name == "nvfp4":
@@ -115,13 +127,17 @@ def mismatch(name: str, cfg: dict, workdir: Path) -> dict:
     used = {k: [] for k in [*variants, *extra]}
     engine = []
     t0 = Stopwatch()
-    for seq in rs.sequences:
+    for recorded, seq in zip(rs.sequences, resolved):
         engine.append(seq.logprobs[seq.positions])
-        for k, kw in variants.items():
+        for k, kw in variants.items():  # on the sets as recorded: rebuilt from each recomputation's logits
             box = {}
-            used[k].append(_used_route_disagreement(model, seq, lambda: box.update(
-                r=sampler_logprobs(model, seq, weights_of=run.weights_of, **kw))))
+            used[k].append(_used_route_disagreement(model, recorded, lambda: box.update(
+                r=sampler_logprobs(model, recorded, weights_of=run.weights_of, **kw))))
             lps[k].append(box["r"].logprobs)
+            if box["r"].kept is not None and k == list(variants)[-1]:
+                rebuild["rebuilt"] += box["r"].kept.rebuilt
+                rebuild["mismatches"] += box["r"].kept.mismatches
+        # context rows: bf16 or newer logits cannot rebuild every set; they replay the resolved (rebuilt) ones
         extra["engine shapes (stepwise)"].append(sampler_logprobs(model, seq, weights_of=run.weights_of,
                                                                   stepwise=True).logprobs)
         for k, kw in bf16.items():
@@ -130,6 +146,9 @@ def mismatch(name: str, cfg: dict, workdir: Path) -> dict:
                 r=sampler_logprobs(model16, seq, weights_of=run.weights_of, **kw))))
             extra[k].append(box["r"].logprobs)
         model.load_state_dict(run.weights_of(newest))
+        own = sampler_logprobs(model, recorded, on_mismatch="drop").kept  # a trainer a version ahead rebuilding
+        rebuild["newest_own_verified"] += own.rebuilt
+        rebuild["newest_own_refused"] += own.mismatches
         for k, kw in (("newest weights, no replay", dict(kept=False, routing=False)), ("newest weights, full replay", {})):
             box = {}
             used[k].append(_used_route_disagreement(model, seq, lambda: box.update(
@@ -137,6 +156,8 @@ def mismatch(name: str, cfg: dict, workdir: Path) -> dict:
             extra[k].append(box["r"].logprobs)
     recompute_s = t0.elapsed
     engine = torch.cat(engine)
+    if rebuild["mismatches"] or rebuild["rebuilt"] != rebuild["pending"]:
+        raise RuntimeError(f"{name}: {rebuild} (every recorded set must rebuild from the sampled versions' logits)")
 
     def dis(k):
         vals = [u for u in used[k] if u is not None]
@@ -150,13 +171,14 @@ def mismatch(name: str, cfg: dict, workdir: Path) -> dict:
     split = mismatch_by_source(engine, cat[keys[-1]], own_routing=cat.get("kept-set replay"), full_vocab=cat[keys[0]],
                                current=torch.cat(extra["newest weights, no replay"]), versions=versions,
                                current_version=newest)
-    kept_sizes = torch.cat([s.kept_offsets[1:] - s.kept_offsets[:-1] for s in rs.sequences]).double()
+    kept_sizes = torch.cat([s.kept_offsets[1:] - s.kept_offsets[:-1] for s in resolved]).double()
     return {"model": name, "arch": rc.arch, "nvfp4": rc.nvfp4, "tokens": int(engine.numel()),
             "trajectories": len(rs.rollouts), "versions": sorted(run.weights), "applied_at": run.applied_at,
             "rows": rows, "sources": {"components": split.components, "total": split.total, "lag": split.lag},
             "kept_size": {"median": float(kept_sizes.median()), "mean": float(kept_sizes.mean()),
                           "p99": float(kept_sizes.quantile(0.99)), "single_pct": float(100 * (kept_sizes == 1).double().mean())},
-            "bytes": recorded_bytes(run.store_url, run.run_id), "generate_s": run.wall_s, "recompute_s": recompute_s}
+            "bytes": recorded_bytes(run.store_url, run.run_id, resolved), "rebuild": rebuild, "resolve_s": resolve_s,
+            "generate_s": run.wall_s, "recompute_s": recompute_s}
 
 
 # ---------------------------------------------------------------------------------------------- 2. op
@@ -280,6 +302,8 @@ def parser() -> argparse.ArgumentParser:
               "lm_hidden", "repeats", "synthetic"):
         p.add_argument("--" + k.replace("_", "-"), type=int, default=None)
     p.add_argument("--rows", default=None, help="comma-separated T values for the op (default: the preset's)")
+    p.add_argument("--tolerance", type=float, default=None,
+                   help="kept-set tolerance the workers record with (default: the preset's, 1e-3)")
     p.add_argument("--models", default="dense,moe,nvfp4", help=f"mismatch-table models of {', '.join(MODELS)} ('' none)")
     p.add_argument("--mem-budget-gib", type=float, default=None,
                    help="memory the op benchmark may use (default: 70%% of MemAvailable)")
@@ -316,18 +340,15 @@ def main(argv=None) -> int:
         o = op_bench(T, cfg["vocab"], cfg["lm_hidden"], cfg["repeats"], args.seed, budget)
         results["op"].append(o)
         _print_op(o)
-    pb = public_bytes(cfg["synthetic"], 151936, args.seed)
-    results["bytes"] = {"public": pb, "recorded": {m["model"]: m["bytes"] for m in results["mismatch"]}}
-    print(f"\nbytes per token, kept sets at V=151,936 (sizes median {pb['kept_size_median']:.0f}, p99 "
-          f"{pb['kept_size_p99']:.0f}, {pb['single_pct']:.0f}% single, mean {pb['kept_size_mean']:.1f}; ids uniform): "
-          f"format v1 {pb['kept_v1_per_token']:.1f} B (int32 ids {pb['int32_ids_per_token']:.1f} B; bound for "
-          f"uniform ids {pb['kept_bound_per_token']:.1f} B; prime-rl about {PUBLIC['prime_rl_bytes_per_token']} B)")
-    r = pb["routes"]
-    print(f"routes, E={r['experts']} top-{r['top_k']} x {r['layers']} layers: {r['per_token']:.0f} B/token at "
-          f"{r['bits_per_id']} bits per id, int32 {r['int32_per_token']} B ({r['int32_per_token'] / r['per_token']:.2f}x)")
-    for name, b in results["bytes"]["recorded"].items():
-        print(f"recorded ({name}, V=320): kept sets {b['kept_per_token']:.1f} B/token, routes {b['routes_per_token']:.1f} "
-              f"B/token, whole chunks {b['chunk_per_token']:.1f} B/token")
+    T0 = int(str(cfg["rows"]).split(",")[0])
+    pk = public_kept(cfg["synthetic"], 151936, args.seed, (cfg["tolerance"], 1e-2, 1e-1), op_rows=T0,
+                     repeats=cfg["repeats"])
+    lm = next((o["lm_head_s"] for o in results["op"] if o["rows"] == T0 and o["vocab"] == 151936 and "lm_head_s" in o),
+              None)
+    pk["op"]["rebuild_vs_lm_head"] = None if lm is None else pk["op"]["rebuild_s"] / lm
+    results["bytes"] = {"public": pk, "routes": route_bytes(),
+                        "recorded": {m["model"]: m["bytes"] for m in results["mismatch"]}}
+    print_bytes(results, cfg["tolerance"])
     results.update(python=sys.version.split()[0], torch=torch.__version__, machine=platform.machine(),
                    cpus=os.cpu_count())
     out = Path(args.out)
@@ -346,7 +367,7 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    fig, axes = plt.subplots(1, 3, figsize=(19, 4.5))
     ax = axes[0]
     labels, values = [], []
     for m in results["mismatch"]:
@@ -366,6 +387,18 @@ def plot(results: dict, path: Path) -> None:
     ax.set_yscale("log")
     ax.set_ylabel("forward + backward, ms")
     ax.set_title("kept_logprobs vs the naive masked log-softmax")
+    ax = axes[2]
+    pk = results["bytes"]["public"]
+    bars = {"int32 ids": pk["int32_ids_per_token"], "format 1 (listed)": pk["listed_v1_per_token"],
+            "bound of a listing": pk["listed_bound_per_token"]}
+    bars.update({f"format 2, tol {float(d):g}": r["per_token"] for d, r in pk["by_tolerance"].items()})
+    ax.bar(list(bars), list(bars.values()), color=["tab:gray"] * 3 + ["tab:green"] * len(pk["by_tolerance"]))
+    ax.axhline(8, color="tab:red", ls="--", label="goal 8 B")
+    ax.axhline(PUBLIC["prime_rl_bytes_per_token"], color="tab:orange", ls=":", label="prime-rl about 32 B")
+    ax.set_ylabel("kept-set bytes per token")
+    ax.set_title(f"kept sets at V={pk['vocab']:,} (synthetic, public size distribution)")
+    ax.tick_params(axis="x", labelsize=7, rotation=20)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -45,7 +45,8 @@ class RolloutConfig:
     """What :func:`generate` runs. Sizes of the tiny model (``hidden``, ``layers``, ``experts``/``experts_top_k``
     for MoE archs), the load (``requests`` streams of ``max_tokens`` tokens, EOS ignored, ``concurrency`` running
     at once in the engine), sampling, and the training (``pretrain_steps`` before version 0; ``updates`` further
-    steps published mid-trajectory, the k-th once a stream has made ``k * update_every`` tokens)."""
+    steps published mid-trajectory, the k-th once a stream has made ``k * update_every`` tokens). ``kept_tolerance``:
+    the workers record kept sets to rebuild within it (``--replay-kept-tolerance``; None lists every set)."""
 
     arch: str = "qwen2"
     nvfp4: bool = False
@@ -65,6 +66,7 @@ class RolloutConfig:
     update_lr: float = 1e-3
     update_every: int = 40
     seed: int = 0
+    kept_tolerance: float | None = None
 
 
 @dataclass
@@ -259,7 +261,9 @@ def generate(workdir: Path, store_url: str, cfg: RolloutConfig, *, run_id: str |
     node = Node(NodeConfig(model=model_dir, run_dir=workdir / "node", workers=1, frontend=True,
                            settings=DynamoSettings(file_kv=workdir / "kv", namespace=f"r{uuid.uuid4().hex[:8]}"),
                            worker_args=("--weights-version", "0", "--replay-store", store_url, "--run-id", run_id,
-                                        "--max-batch", str(cfg.concurrency)),
+                                        "--max-batch", str(cfg.concurrency),
+                                        *(() if cfg.kept_tolerance is None else
+                                          ("--replay-kept-tolerance", repr(cfg.kept_tolerance)))),
                            startup_timeout_s=240))
     proxy = None
     applied: dict[int, list[int]] = {}

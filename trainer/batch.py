@@ -5,7 +5,9 @@ Layout: ``[B, T]`` right-padded (``T`` the longest sequence); the logits row tha
 ``(b, t)`` is ``b * T + t - 1`` of the ``[B * T, V]`` logits (:attr:`RolloutBatch.rows`). Per generated token
 ``G``: ``rows``, ``targets``, the kept sets (CSR ``kept_ids``/``kept_offsets``), the engine's log-prob, the
 version it was sampled with, its sequence ``seq`` and the sampling temperature. Routes are ``[B, T, L, k]``
-with :data:`syncd.ops.replay.NO_ROUTE` at padding (never an expert id).
+with :data:`syncd.ops.replay.NO_ROUTE` at padding (never an expert id). Kept sets recorded to be rebuilt from
+logits are in ``kept_pending`` (rows of the batch's generated tokens; their CSR rows empty until
+:func:`trainer.kept.fill_kept` rebuilds them, which :func:`trainer.logprobs.trainer_logprobs` does).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from syncd.ops.replay import NO_ROUTE
-from trainer.rollouts import NO_VERSION, RolloutSequence
+from trainer.rollouts import NO_VERSION, PendingKept, RolloutSequence
 
 __all__ = ["RolloutBatch", "collate"]
 
@@ -35,6 +37,7 @@ class RolloutBatch:
     token_versions: torch.Tensor
     seq: torch.Tensor
     temperatures: torch.Tensor
+    kept_pending: PendingKept | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -60,7 +63,8 @@ def collate(sequences: list[RolloutSequence], *, pad_id: int = 0) -> RolloutBatc
     versions = torch.full((B, T), NO_VERSION, dtype=torch.int64)
     first = sequences[0].routes
     routes = None if first is None else torch.full((B, T, *first.shape[1:]), NO_ROUTE, dtype=first.dtype)
-    rows, targets, ids, sizes, lps, tver, seq, temps = [], [], [], [], [], [], [], []
+    rows, targets, ids, sizes, lps, tver, seq, temps, pending = [], [], [], [], [], [], [], [], []
+    generated = 0
     for b, s in enumerate(sequences):
         n = len(s)
         input_ids[b, :n] = s.tokens
@@ -77,7 +81,9 @@ def collate(sequences: list[RolloutSequence], *, pad_id: int = 0) -> RolloutBatc
         tver.append(s.versions[s.positions])
         seq.append(torch.full((s.positions.numel(),), b, dtype=torch.int64))
         temps.append(torch.full((s.positions.numel(),), s.temperature, dtype=torch.float32))
+        pending.append((s.kept_pending, generated))
+        generated += s.positions.numel()
     sizes = torch.cat(sizes)
     return RolloutBatch(input_ids, attention, loss_mask, versions, routes, torch.cat(rows), torch.cat(targets),
                         torch.cat(ids), torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)]),
-                        torch.cat(lps), torch.cat(tver), torch.cat(seq), torch.cat(temps))
+                        torch.cat(lps), torch.cat(tver), torch.cat(seq), torch.cat(temps), PendingKept.cat(pending))

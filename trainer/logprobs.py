@@ -11,6 +11,11 @@
   keep the keys and values of the old weights, as in the engine. With ``stepwise`` the prompt runs in one
   forward and then one position per forward, last-row logits only: the shapes the reference engine runs.
 
+Kept sets recorded to be rebuilt (``RolloutBatch.kept_pending``) are rebuilt from the logits each function computes
+(:func:`trainer.kept.fill_kept`): exact where those logits are of the version that sampled the token, which
+:func:`sampler_logprobs` always runs and :func:`trainer_logprobs` runs when the model holds that version (on-policy).
+:func:`resolve_kept` rebuilds a batch's sets once, from the sampled versions, for a trainer a version or more ahead.
+
 ``kept=False`` / ``routing=False`` give the baselines (softmax over the whole vocabulary; the model's own
 routes) that the mismatch diagnostics compare against. Greedy rows (temperature 0) were recorded with one kept
 token and log-prob 0.
@@ -18,6 +23,7 @@ token and log-prob 0.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -27,19 +33,23 @@ import torch
 
 from syncd.ops.replay import kept_logprobs
 from trainer.batch import RolloutBatch
+from trainer.kept import FilledKept, fill_kept
 from trainer.replay import observe_routing, routing_replay
 from trainer.rollouts import NO_VERSION, RolloutSequence
 
-__all__ = ["ReplayedLogprobs", "trainer_logprobs", "sampler_logprobs"]
+__all__ = ["ReplayedLogprobs", "trainer_logprobs", "sampler_logprobs", "resolve_kept"]
 
 
 @dataclass
 class ReplayedLogprobs:
     """``logprobs``: float32 ``[G]`` (the batch's generated tokens, in order); ``disagreement``: share of routed
-    (position, layer) pairs where the model's own routers chose other experts than the records (None: dense)."""
+    (position, layer) pairs where the model's own routers chose other experts than the records (None: dense).
+    ``kept``: the kept sets used, rebuilt ones included (None with ``kept=False``); where ``kept.valid`` is False a
+    set did not verify (``on_mismatch="drop"``): that token's log-prob is 0 without gradient and must be masked."""
 
     logprobs: torch.Tensor
     disagreement: float | None = None
+    kept: FilledKept | None = None
 
 
 def _token_logprobs(rows: torch.Tensor, ids, offsets, targets, temperatures: torch.Tensor, *, kept: bool,
@@ -72,11 +82,22 @@ def _head(model):
     return head
 
 
+def _sets(rows, ids, offsets, pending, targets, temperatures, versions, kept: bool, on_mismatch: str,
+          backend: str) -> FilledKept | None:
+    if not kept:
+        return None
+    return fill_kept(ids, offsets, pending, rows, targets, temperatures, on_mismatch=on_mismatch, versions=versions,
+                     backend="auto" if backend != "reference" else "reference")
+
+
 def trainer_logprobs(model: torch.nn.Module, batch: RolloutBatch, *, kept: bool = True, routing: bool = True,
-                     backend: str = "auto") -> ReplayedLogprobs:
+                     backend: str = "auto", on_mismatch: str = "raise") -> ReplayedLogprobs:
     """Log-probs of ``batch``'s generated tokens under ``model`` as it is (see the module docstring). When the
     model's logits are its lm_head of the last hidden state, only the generated tokens' rows go through the
-    lm_head, and with kept-set replay its backward gets a sparse gradient (the kept entries)."""
+    lm_head, and with kept-set replay its backward gets a sparse gradient (the kept entries). Kept sets to rebuild
+    are rebuilt from this forward's logits: :class:`trainer.kept.KeptRebuildError` where they do not verify (the
+    model is not the version that sampled them: :func:`resolve_kept` first), or with ``on_mismatch="drop"`` those
+    tokens are marked invalid in ``kept.valid``."""
     B, T = batch.shape
     head = _head(model)
     with _routing(model, batch.routes, routing) as rr:
@@ -86,9 +107,12 @@ def trainer_logprobs(model: torch.nn.Module, batch: RolloutBatch, *, kept: bool 
         else:
             logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
             rows = logits.reshape(B * T, -1)[batch.rows]
-        lp = _token_logprobs(rows, batch.kept_ids, batch.kept_offsets, batch.targets, batch.temperatures, kept=kept,
-                             backend=backend, sparse_grad=head is not None)
-    return ReplayedLogprobs(lp, None if rr is None else rr.disagreement)
+        sets = _sets(rows, batch.kept_ids, batch.kept_offsets, batch.kept_pending, batch.targets, batch.temperatures,
+                     batch.token_versions, kept, on_mismatch, backend)
+        lp = _token_logprobs(rows, None if sets is None else sets.ids, None if sets is None else sets.offsets,
+                             batch.targets, batch.temperatures, kept=kept, backend=backend,
+                             sparse_grad=head is not None)
+    return ReplayedLogprobs(lp, None if rr is None else rr.disagreement, sets)
 
 
 def _segments(row_versions: torch.Tensor, end: int) -> list[tuple[int, int, int]]:
@@ -105,7 +129,8 @@ def _segments(row_versions: torch.Tensor, end: int) -> list[tuple[int, int, int]
 @torch.no_grad()
 def sampler_logprobs(model: torch.nn.Module, seq: RolloutSequence, *,
                      weights_of: Callable[[int], Mapping[str, torch.Tensor]] | None = None, kept: bool = True,
-                     routing: bool = True, stepwise: bool = False, backend: str = "auto") -> ReplayedLogprobs:
+                     routing: bool = True, stepwise: bool = False, backend: str = "auto",
+                     on_mismatch: str = "raise") -> ReplayedLogprobs:
     """Log-probs of ``seq``'s generated tokens as the engine computed them (see the module docstring).
     ``weights_of(version)``: that version's state dict, loaded into ``model`` before the positions the engine
     ran with it (the model is left holding the last one); None runs every position on the model as it is.
@@ -137,9 +162,30 @@ def sampler_logprobs(model: torch.nn.Module, seq: RolloutSequence, *,
         logits = torch.cat(rows)
     pos = seq.positions
     temps = torch.full((pos.numel(),), seq.temperature)
-    lp = _token_logprobs(logits[pos - 1], seq.kept_ids.to(torch.int64), seq.kept_offsets, seq.tokens[pos], temps,
-                         kept=kept, backend=backend)
-    return ReplayedLogprobs(lp, None if rr is None else rr.disagreement)
+    rows, targets = logits[pos - 1], seq.tokens[pos]
+    sets = _sets(rows, seq.kept_ids, seq.kept_offsets, seq.kept_pending, targets, temps, seq.versions[pos], kept,
+                 on_mismatch, backend)
+    lp = _token_logprobs(rows, None if sets is None else sets.ids, None if sets is None else sets.offsets, targets,
+                         temps, kept=kept, backend=backend)
+    return ReplayedLogprobs(lp, None if rr is None else rr.disagreement, sets)
+
+
+def resolve_kept(model: torch.nn.Module, sequences: list[RolloutSequence], *,
+                 weights_of: Callable[[int], Mapping[str, torch.Tensor]] | None = None, routing: bool = True,
+                 backend: str = "auto") -> list[RolloutSequence]:
+    """``sequences`` with every kept set listed: those recorded to be rebuilt are rebuilt from a recomputation of
+    the engine's logits (:func:`sampler_logprobs`: each position on the version it ran with, through
+    ``weights_of``; the model as it is when None). For a trainer whose weights are ahead of the rollouts' versions.
+    Sequences without such sets are returned as they are. Raises :class:`trainer.kept.KeptRebuildError`."""
+    out = []
+    for seq in sequences:
+        if seq.kept_pending is None:
+            out.append(seq)
+            continue
+        sets = sampler_logprobs(model, seq, weights_of=weights_of, routing=routing, backend=backend).kept
+        out.append(dataclasses.replace(seq, kept_ids=sets.ids.to(torch.int32), kept_offsets=sets.offsets,
+                                       kept_pending=None))
+    return out
 
 
 def _steps(a: int, b: int, first: int):

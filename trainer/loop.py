@@ -41,6 +41,7 @@ import torch
 
 from syncd.store import Store
 from trainer.buffer import BufferClosed, RolloutBuffer, group_advantages
+from trainer.compaction import sequence_rewards
 from trainer.dist import DataParallel, make_deterministic, weights_digest
 from trainer.metrics import EngineWatcher, MetricsLog, read_metrics, summarize
 from trainer.objective import LossConfig, TokenRecord, policy_gradient_loss, step_diagnostics
@@ -99,6 +100,7 @@ class LoopConfig:
     record_timeout_s: float = 60.0
     request_timeout_s: float = 120.0
     engine_timeout_s: float = 120.0
+    curation: object | None = None  # a trainer.curation.CurationConfig: the difficulty filter on the task sampler
 
     def check(self) -> None:
         """Raise :class:`ConfigError` naming the flag of the first bad setting."""
@@ -228,7 +230,8 @@ def _sequences(cfg: LoopConfig, store, groups: list[dict], live, vocab_size: int
                 raise RuntimeError(f"group {g['gid']}: {len(rollouts)} of {len(ids)} trajectories in the store")
         for ro in rollouts:
             seqs.extend(ro.sequences)
-        adv.append(group_advantages(g["rewards"], scale=cfg.adv_scale))
+        # one advantage per sequence: a compacted trajectory's sequences (its summaries too) share its reward's
+        adv.append(sequence_rewards(rollouts, group_advantages(g["rewards"], scale=cfg.adv_scale)))
     return seqs, (torch.cat(adv) if adv else torch.zeros(0))
 
 
@@ -246,6 +249,7 @@ class _Live:
         self._plans = None
         self._live_groups: dict[int, list] = {}
         self._last = (time.time(), 0)
+        self.curated = None
 
     def start(self) -> None:
         cfg = self.cfg
@@ -269,6 +273,11 @@ class _Live:
                               "from version 0: use a new run id")
         task = get_task(cfg.task, length=cfg.task_length)
         reward = load_reward(cfg.reward) if cfg.reward else task.reward
+        if cfg.curation is not None:
+            from trainer.curation import CuratedTask
+
+            task = self.curated = CuratedTask(task, cfg.curation)
+            reward = task.observing(reward)
         self.pub = WeightPublisher(cfg.store, cfg.run_id, every_k=1, full_every=cfg.full_every)
         self._publish(0)
         self.buffer = RolloutBuffer(0 if cfg.sync else cfg.max_lag, on_drop=lambda n: self.workers.allow(n))
@@ -348,7 +357,8 @@ class _Live:
                 "buffer": len(self.buffer) if self.buffer is not None else 0,
                 "dropped_stale": self.buffer.dropped_stale if self.buffer is not None else 0,
                 "rollout_failures": self.workers.failures.totals if self.workers is not None else {},
-                "published_version": self.version}
+                "published_version": self.version,
+                "curation": self.curated.stats() if self.curated is not None else None}
         self._last = (now, made)
         if recs:
             line.update(step_diagnostics(TokenRecord.cat(recs), plan["version"], loss_cfg))

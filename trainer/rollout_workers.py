@@ -268,15 +268,17 @@ class RolloutWorkers:
         versions: dict[int, int] = {}
         tokens = 0
         for ro, out in zip(rollouts, outs):
-            if len(ro.sequences) != 1:
+            # a compacted request (engine.proxy.compaction) is one sequence per context window, its summaries too
+            if len(ro.sequences) != 1 and not (ro.compaction and ro.sequences):
                 raise _Failed("record", f"trajectory {ro.trajectory_id}: {len(ro.sequences)} sequences, want 1")
-            seq = ro.sequences[0]
-            n = int(seq.loss_mask.sum())
-            if n != int((out.get("usage") or {}).get("completion_tokens") or n):
+            n = sum(int(seq.loss_mask.sum()) for seq in ro.sequences)
+            counted = int((out.get("usage") or {}).get("completion_tokens") or n)
+            if n != counted if not ro.compaction else n < counted:
                 raise _Failed("record", f"trajectory {ro.trajectory_id}: {n} recorded tokens, the response "
                                         f"counted {out['usage']['completion_tokens']}")
-            for v, c in zip(*seq.versions[seq.loss_mask].unique(return_counts=True)):
-                versions[int(v)] = versions.get(int(v), 0) + int(c)
+            for seq in ro.sequences:
+                for v, c in zip(*seq.versions[seq.loss_mask].unique(return_counts=True)):
+                    versions[int(v)] = versions.get(int(v), 0) + int(c)
             tokens += n
         return Group(index, item, ids, rewards, rollouts, versions, tokens, version, requested_at, time.time())
 

@@ -11,7 +11,8 @@ A trajectory record lists its turns; each turn names the engine request id of ev
 several writers and segments: a segment's tokens are the records of the engine run that started at that
 segment (``position - index`` equals the segment's first position; a killed worker's extra tokens are ignored).
 Every generated token must have its record, agreeing with the trajectory on token id, weight version and
-log-probability; its kept set must contain it; MoE routes must fit the model (ids ``< E``, distinct per position);
+log-probability; its kept set must contain it (a set recorded to be rebuilt from the trainer's logits is checked when
+it is rebuilt, :mod:`trainer.kept`); MoE routes must fit the model (ids ``< E``, distinct per position);
 segments must follow each other without a gap. Otherwise a named :class:`RolloutError` is raised (or, with
 ``on_error="drop"``, the trajectory is dropped and counted by reason): never a silent zero.
 
@@ -38,15 +39,15 @@ import torch
 
 from syncd.errors import ObjectNotFound, SyncdError
 from syncd.ops.replay import NO_ROUTE, route_dtype
-from syncd.records.replay import ReplayFormatError
+from syncd.records.replay import KeptToRebuild, ReplayFormatError
 from syncd.records.replay_store import read_request
 from syncd.records.trajectory import RecordError, list_records, read_record
 from syncd.store import Store
 
 log = logging.getLogger(__name__)
 
-__all__ = ["read_rollouts", "RolloutSet", "Rollout", "RolloutSequence", "RolloutError", "SegmentGapError",
-           "MissingReplayError", "RecordMismatchError", "KeptSetError", "RouteError", "NO_VERSION"]
+__all__ = ["read_rollouts", "RolloutSet", "Rollout", "RolloutSequence", "PendingKept", "RolloutError",
+           "SegmentGapError", "MissingReplayError", "RecordMismatchError", "KeptSetError", "RouteError", "NO_VERSION"]
 
 #: the version of a position that is not a generated token (or was sampled with weights of no published version)
 NO_VERSION = -1
@@ -78,13 +79,60 @@ class RouteError(RolloutError):
 
 
 @dataclass
+class PendingKept:
+    """Kept sets recorded to be rebuilt from logits (``docs/replay-format.md``, format 2), for ``R`` generated
+    tokens: ``rows`` (int64 ``[R]``, indices into the generated tokens, i.e. rows of the kept-set CSR, where those
+    rows are still empty), each set the first ``top`` ranks of the sampling logits and the ``extra_ids`` (CSR
+    ``extra_offsets``), verified by ``fingerprints``; ``tolerances``: the engines' ``delta``. Rebuilt by
+    :func:`trainer.kept.fill_kept`."""
+
+    rows: torch.Tensor
+    top: torch.Tensor
+    extra_ids: torch.Tensor
+    extra_offsets: torch.Tensor
+    fingerprints: torch.Tensor
+    tolerances: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.rows.numel())
+
+    def to(self, device) -> "PendingKept":
+        return PendingKept(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+
+    @staticmethod
+    def of(rows: list[int], sets: list[KeptToRebuild]) -> "PendingKept | None":
+        if not rows:
+            return None
+        sizes = torch.tensor([k.extra.size for k in sets], dtype=torch.int64)
+        extra = np.concatenate([k.extra for k in sets]).astype(np.int64)
+        return PendingKept(torch.tensor(rows, dtype=torch.int64),
+                           torch.tensor([k.top for k in sets], dtype=torch.int64), torch.from_numpy(extra),
+                           torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)]),
+                           torch.tensor([k.fingerprint for k in sets], dtype=torch.int64),
+                           torch.tensor([k.tolerance for k in sets], dtype=torch.float32))
+
+    @staticmethod
+    def cat(parts: list[tuple["PendingKept | None", int]]) -> "PendingKept | None":
+        """One of several, ``(pending, row offset)`` each (the offset of its rows among all generated tokens)."""
+        parts = [(p, off) for p, off in parts if p is not None]
+        if not parts:
+            return None
+        extra_sizes = torch.cat([p.extra_offsets[1:] - p.extra_offsets[:-1] for p, _ in parts])
+        return PendingKept(torch.cat([p.rows + off for p, off in parts]), torch.cat([p.top for p, _ in parts]),
+                           torch.cat([p.extra_ids for p, _ in parts]),
+                           torch.cat([torch.zeros(1, dtype=torch.int64), extra_sizes.cumsum(0)]),
+                           torch.cat([p.fingerprints for p, _ in parts]), torch.cat([p.tolerances for p, _ in parts]))
+
+
+@dataclass
 class RolloutSequence:
     """One training sequence (``T`` positions). ``loss_mask``: generated tokens; ``versions``/``logprobs``: the
     weight version each generated token was sampled with and its log-prob under the sampling distribution
     (:data:`NO_VERSION` and 0 elsewhere); ``positions``: the generated tokens' positions, in order, which are the
     rows of the kept sets (CSR ``kept_ids``/``kept_offsets``, ascending ids); ``row_versions``: the version the
     engine ran each position with (:data:`NO_VERSION` where it never ran); ``routes``: ``[T, L, k]`` or None for a
-    dense model."""
+    dense model. ``kept_pending``: the kept sets recorded to be rebuilt from logits (their CSR rows are empty until
+    then; :mod:`trainer.kept`), None when every set was listed."""
 
     tokens: torch.Tensor
     loss_mask: torch.Tensor
@@ -101,6 +149,7 @@ class RolloutSequence:
     request_ids: list[str]
     temperature: float = 1.0
     route_conflicts: int = 0
+    kept_pending: PendingKept | None = None
 
     def __len__(self) -> int:
         return int(self.tokens.numel())
@@ -114,6 +163,8 @@ class Rollout:
     status: str
     metadata: dict
     sequences: list[RolloutSequence]
+    #: turn index -> the turn's ``compaction`` member, for the segments of compacted requests (trainer.compaction)
+    compaction: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -228,10 +279,11 @@ def _turn(b: _Builder, store, run_id: str, turn: dict, chunks_of, vocab_size, nu
             if lp is not None and abs(float(lp) - r.logprob) > LOGPROB_TOLERANCE * max(1.0, abs(r.logprob)):
                 _fail(RecordMismatchError, where, f"position {pos}: log-prob {r.logprob} in the replay record, "
                       f"{lp} in the trajectory")
-            k = int(np.searchsorted(r.kept, r.token_id))
-            if k >= r.kept.size or int(r.kept[k]) != r.token_id:
-                _fail(KeptSetError, where, f"position {pos}: the kept set ({r.kept.size} ids) does not contain the "
-                      f"sampled token {r.token_id}")
+            if not isinstance(r.kept, KeptToRebuild):  # (a set to rebuild is checked when it is rebuilt)
+                k = int(np.searchsorted(r.kept, r.token_id))
+                if k >= r.kept.size or int(r.kept[k]) != r.token_id:
+                    _fail(KeptSetError, where, f"position {pos}: the kept set ({r.kept.size} ids) does not contain "
+                          f"the sampled token {r.token_id}")
             version = NO_VERSION if r.version is None else r.version
             first_version = version if first_version is None else first_version
             b.gen[pos] = (version, r.logprob, r.kept)
@@ -264,9 +316,11 @@ def _finish(b: _Builder) -> RolloutSequence:
         versions[positions] = torch.tensor([b.gen[q][0] for q in gen])
         logprobs[positions] = torch.tensor([b.gen[q][1] for q in gen], dtype=torch.float32)
     kept = [b.gen[q][2] for q in gen]
-    sizes = torch.tensor([k.size for k in kept], dtype=torch.int64)
+    later = [j for j, k in enumerate(kept) if isinstance(k, KeptToRebuild)]
+    listed = [np.zeros(0, dtype=np.int64) if isinstance(k, KeptToRebuild) else k for k in kept]
+    sizes = torch.tensor([k.size for k in listed], dtype=torch.int64)
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)])
-    ids = torch.from_numpy(np.concatenate(kept).astype(np.int32)) if kept else torch.zeros(0, dtype=torch.int32)
+    ids = torch.from_numpy(np.concatenate(listed).astype(np.int32)) if kept else torch.zeros(0, dtype=torch.int32)
     row_versions = torch.full((T,), NO_VERSION, dtype=torch.int64)
     for q, v in b.row_version.items():
         if 0 <= q < T and v is not None:
@@ -294,7 +348,8 @@ def _finish(b: _Builder) -> RolloutSequence:
             _fail(MissingReplayError, b.where, f"{missing.numel()} position(s) have no routes (first: "
                   f"{int(missing[0])})")
     return RolloutSequence(tokens, mask, versions, logprobs, positions, ids, offsets, row_versions, routes, b.vocab,
-                           b.experts, b.turns, b.request_ids, b.temperature, b.conflicts)
+                           b.experts, b.turns, b.request_ids, b.temperature, b.conflicts,
+                           PendingKept.of(later, [kept[j] for j in later]))
 
 
 def _trajectory(store, run_id: str, doc: dict, *, merge_turns: bool, vocab_size, num_experts) -> list[RolloutSequence]:
@@ -349,5 +404,6 @@ def read_rollouts(store, run_id: str, *, sandbox_id: str | None = None, trajecto
             out.errors.append((sb, tid, str(exc)))
             log.warning("dropped trajectory %s/%s: %s", sb, tid, exc)
             continue
-        out.rollouts.append(Rollout(run_id, sb, tid, doc["status"], doc.get("metadata") or {}, seqs))
+        out.rollouts.append(Rollout(run_id, sb, tid, doc["status"], doc.get("metadata") or {}, seqs,
+                                    {t["index"]: t["compaction"] for t in doc["turns"] if t.get("compaction")}))
     return out

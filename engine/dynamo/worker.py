@@ -268,7 +268,7 @@ def _reference_engine(args):
 
         if not args.run_id:
             raise ValueError("--replay-store needs --run-id")
-        recorder = ReplayRecorder(args.replay_store, args.run_id)
+        recorder = ReplayRecorder(args.replay_store, args.run_id, kept_tolerance=args.replay_kept_tolerance)
     return ReferenceEngine.from_pretrained(args.model, version=args.weights_version, max_batch=args.max_batch,
                                            recorder=recorder)
 
@@ -326,6 +326,9 @@ def parser() -> argparse.ArgumentParser:
                    help="the run version the folder's weights are (default: none; the daemon loads one)")
     p.add_argument("--replay-store", default=None, help="store URL for replay records (needs --run-id)")
     p.add_argument("--run-id", default=os.environ.get("SYNCD_RUN_ID"), help="run id of the replay records")
+    p.add_argument("--replay-kept-tolerance", type=float, default=None,
+                   help="record kept sets the trainer can rebuild from its logits within this tolerance (scaled "
+                        "logits; docs/replay-format.md); default: list every set")
     p.add_argument("--wait-for-daemon", action="store_true",
                    help="start with weights of no version and register with the frontend only once the node "
                         "daemon has loaded one (a restarted worker never serves stale weights)")

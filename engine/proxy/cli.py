@@ -32,6 +32,16 @@ def parser() -> argparse.ArgumentParser:
                    help="where records go that the store refused until the proxy stopped")
     p.add_argument("--close-timeout", type=float, default=30.0,
                    help="seconds a stopping proxy retries records the store refused before it reports them")
+    p.add_argument("--compact-model", default=env("SYNCD_PROXY_COMPACT_MODEL"),
+                   help="self-compaction on: the model folder (its tokenizer, its max_position_embeddings as the "
+                        "window) (SYNCD_PROXY_COMPACT_MODEL)")
+    p.add_argument("--compact-window", type=int, default=None, help="context window in tokens (default: the model's)")
+    p.add_argument("--compact-trigger", type=float, default=0.75,
+                   help="compact when prompt + max_tokens would pass this share of the window")
+    p.add_argument("--compact-summary-tokens", type=int, default=64, help="max_tokens of the summary request")
+    p.add_argument("--compact-summary-prompt", default=None, help="text appended to ask for the summary")
+    p.add_argument("--compact-keep-prompt", type=int, default=64,
+                   help="tokens of the original prompt kept at the head of a continuation")
     p.add_argument("--ready-file", default=None, help="write {url, pid} here once serving")
     p.add_argument("--log-level", default=env("SYNCD_LOG_LEVEL", "WARNING"))
     return p
@@ -50,12 +60,21 @@ def main(argv=None) -> int:
         print(f"engine.proxy: {', '.join(missing)} required", file=sys.stderr)
         return 2
     try:
+        compaction = None
+        if args.compact_model:
+            from engine.proxy.compaction import CompactionConfig
+
+            kw = {k: v for k, v in (("window", args.compact_window), ("summary_prompt", args.compact_summary_prompt))
+                  if v is not None}
+            compaction = CompactionConfig.for_model(args.compact_model, trigger=args.compact_trigger,
+                                                    summary_tokens=args.compact_summary_tokens,
+                                                    keep_prompt=args.compact_keep_prompt, **kw)
         config = ProxyConfig(upstream=args.upstream, run_id=args.run_id, sandbox_id=args.sandbox_id,
                              default_trajectory=args.trajectory_id, per_request=args.per_request,
                              retry_attempts=args.retry_attempts, retry_deadline_s=args.retry_deadline,
-                             spill_dir=Path(args.spill_dir) if args.spill_dir else None)
+                             spill_dir=Path(args.spill_dir) if args.spill_dir else None, compaction=compaction)
         proxy = Proxy(config, args.store)
-    except (RecordError, ValueError) as exc:
+    except (RecordError, ValueError, OSError, KeyError) as exc:
         print(f"engine.proxy: {exc}", file=sys.stderr)
         return 2
 

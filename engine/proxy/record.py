@@ -50,6 +50,7 @@ class Turn:
     usage: dict | None = None
     segments: list = field(default_factory=list)
     finished_at: str | None = None
+    compaction: dict | None = None  # a segment of a compacted request (engine.proxy.compaction)
 
     def fail(self, reason: str) -> None:
         """Mark the turn failed (the first reason wins)."""
@@ -58,7 +59,10 @@ class Turn:
         self.finished_at = self.finished_at or now()
 
     def to_json(self) -> dict:
-        return dict(self.__dict__)
+        out = dict(self.__dict__)
+        if out["compaction"] is None:
+            del out["compaction"]
+        return out
 
 
 @dataclass
@@ -96,8 +100,23 @@ class Trajectory:
     def key(self) -> str:
         return record_key(self.run_id, self.sandbox_id, self.trajectory_id)
 
+    @property
+    def compactions(self) -> list[dict]:
+        """The compaction boundaries: per summary turn, the request it belongs to, the context it summarized
+        (tokens) and the turn that continued from it (None when the request ended there)."""
+        out = []
+        for t in self.turns:
+            c = t.compaction or {}
+            if c.get("role") == "summary":
+                nxt = next((u.index for u in self.turns[t.index + 1:] if (u.compaction or {}).get("request")
+                            == c["request"] and u.compaction.get("role") == "continuation"), None)
+                out.append({"request": c["request"], "summary_turn": t.index, "context_tokens":
+                            len(t.prompt_token_ids), "continuation_turn": nxt})
+        return out
+
     def to_json(self) -> dict:
-        return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "run_id": self.run_id,
+        extra = {"compactions": self.compactions} if any(t.compaction for t in self.turns) else {}
+        return {**extra, "schema": SCHEMA, "schema_version": SCHEMA_VERSION, "run_id": self.run_id,
                 "sandbox_id": self.sandbox_id, "trajectory_id": self.trajectory_id,
                 "requested_trajectory_id": self.requested_trajectory_id, "status": self.status,
                 "failure": self.failure, "created_at": self.created_at, "finished_at": self.finished_at,

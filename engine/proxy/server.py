@@ -85,6 +85,7 @@ class ProxyConfig:
     read_timeout_s: float = 600.0
     write_retry_s: float = 2.0
     spill_dir: Path | None = None
+    compaction: object | None = None  # an engine.proxy.compaction.CompactionConfig: self-compaction on
 
     def __post_init__(self):
         check_id(self.run_id, "run id")
@@ -118,6 +119,11 @@ class Proxy:
         self._runner: web.AppRunner | None = None
         self._closing = False
         self.url: str | None = None
+        self.compactor = None
+        if config.compaction is not None:
+            from engine.proxy.compaction import Compactor
+
+            self.compactor = Compactor(config.compaction)
 
     # ------------------------------------------------------------------------------------ lifecycle
 
@@ -240,6 +246,8 @@ class Proxy:
             raise
         self.written[tid] = traj.key
         self.trajectories.pop(tid, None)  # only now: written, or pending (and spilled)
+        if self.compactor is not None:
+            self.compactor.forget(tid)
         self._finishing.pop(tid, None)
         log.info("trajectory %s: %s, %d turns, %s", tid, traj.status, len(traj.turns),
                  f"written to {traj.key}" if written else "store write pending")
@@ -314,6 +322,12 @@ class Proxy:
             traj = self._open(tid)
         except RecordError as exc:
             return error_response(400, str(exc), "invalid_request_error")
+        plan = self.compactor.plan(tid, body, endpoint) if self.compactor is not None else None
+        if plan is not None:
+            try:
+                return await self.compactor.run(self, plan, traj, tid, body, request)
+            finally:
+                self._request_ended(tid)
         turn = Turn(index=len(traj.turns), endpoint=endpoint, request=body, stream=bool(body.get("stream")))
         traj.turns.append(turn)
         state = TurnState(turn)
@@ -330,10 +344,14 @@ class Proxy:
                 turn.fail("the proxy stopped while this request was running")
             state.done.set()
             self._running[tid].remove(state)
-            if self.config.per_request and tid in self.trajectories and not self._closing:
-                task = asyncio.ensure_future(self._finish_logged(tid))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+            self._request_ended(tid)
+
+    def _request_ended(self, tid: str) -> None:
+        """With ``per_request``, a request's trajectory is written once the request ends."""
+        if self.config.per_request and tid in self.trajectories and not self._closing:
+            task = asyncio.ensure_future(self._finish_logged(tid))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     async def _finish_logged(self, tid: str) -> None:
         try:
@@ -343,15 +361,29 @@ class Proxy:
 
     async def _run_turn(self, state: TurnState, body: dict, endpoint: str, out: ClientStream):
         turn = state.turn
+        failed = await self._attempts(state, upstream_body(body), endpoint, out)
+        if failed is not None:
+            return failed
+        check_complete(state)
+        if turn.status == "failed":
+            return await out.fail(turn.error)
+        turn.status, turn.finished_at = "ok", now()
+        if turn.stream:
+            return await out.end()
+        return web.json_response(whole_response(state, endpoint), headers=out.headers)
+
+    async def _attempts(self, state: TurnState, up_body: dict, endpoint: str, out: ClientStream):
+        """The turn's attempts at the frontend with their retries: None when one streamed the turn to its end,
+        else the response that tells the client why not (the turn is marked failed)."""
+        turn = state.turn
         cfg = self.config
         deadline = time.monotonic() + cfg.retry_deadline_s
-        up_body = upstream_body(body)
         for attempt in range(1, cfg.retry_attempts + 1):
             record = {"attempt": attempt, "started_at": now(), "error": None}
             turn.attempts.append(record)
             try:
                 await stream_once(self._session, self.upstream, state, up_body, endpoint, out)
-                break
+                return None
             except Retryable as exc:
                 record["error"] = str(exc)
                 left = deadline - time.monotonic()
@@ -373,10 +405,3 @@ class Proxy:
             except ClientGone:
                 turn.fail(f"the client went away after {state.tokens} tokens")
                 return out.response
-        check_complete(state)
-        if turn.status == "failed":
-            return await out.fail(turn.error)
-        turn.status, turn.finished_at = "ok", now()
-        if turn.stream:
-            return await out.end()
-        return web.json_response(whole_response(state, endpoint), headers=out.headers)

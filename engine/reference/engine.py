@@ -366,7 +366,7 @@ class ReferenceEngine:
             if routing is not None and len(feed) > 1:
                 self.recorder.add_prompt_routing(req.request_id, position - len(feed), routing[:, :-1])
             self.recorder.add(req.request_id, position=position, index=index, version=version,
-                              token_id=s.token_id, logprob=s.logprob, kept=s.kept,
+                              token_id=s.token_id, logprob=s.logprob, kept=s.ranked, kept_margins=s.margins,
                               routing=None if routing is None else routing[:, -1])
         return TokenEvent(req.request_id, index, s.token_id, s.logprob, version, finish)
 

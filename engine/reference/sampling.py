@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from syncd.engines.protocol import SamplingParams
+from syncd.ops.replay import kept_sets
 
 __all__ = ["Sample", "sample", "draw_uniform", "kept_set"]
 
@@ -39,45 +40,39 @@ def draw_uniform(seed: int, position: int) -> float:
 class Sample:
     """The chosen token, its log-probability under the sampling distribution (temperature, then top-k and
     top-p, renormalized over the kept set; 0.0 for greedy), and the kept set (ascending token ids: every
-    token sampling could have chosen at this step)."""
+    token sampling could have chosen at this step). ``ranked``/``margins``: the kept set in rank order and its
+    gaps (``syncd.ops.replay.kept_sets``), what the replay recorder needs to let a trainer rebuild the set."""
 
     token_id: int
     logprob: float
     kept: torch.Tensor
+    ranked: torch.Tensor | None = None
+    margins: torch.Tensor | None = None
+
+
+def _kept(logits: torch.Tensor, params: SamplingParams):
+    t = max(0.0, float(params.temperature))
+    return kept_sets(logits.reshape(1, -1), t, int(params.top_k), float(params.top_p))
 
 
 def kept_set(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ids, logp)``: the token ids sampling may choose from (in descending probability, ties by id) and
-    their log-probabilities renormalized over that set, for float32 ``logits`` of shape ``[vocab]``."""
-    logits = logits.float()
-    if params.temperature <= 0:
-        top = int(torch.argmax(logits))  # first maximum: the lowest id among ties
-        return torch.tensor([top]), torch.zeros(1)
-    scaled = logits / params.temperature
-    order = torch.sort(scaled, descending=True, stable=True)
-    vals, ids = order.values, order.indices
-    if 0 < params.top_k < vals.numel():
-        vals, ids = vals[:params.top_k], ids[:params.top_k]
-    logp = torch.log_softmax(vals, dim=0)
-    if params.top_p < 1.0:
-        cum = torch.cumsum(logp.exp(), dim=0)
-        # smallest prefix whose mass reaches top_p (at least one token)
-        n = int(torch.searchsorted(cum, torch.tensor([params.top_p], dtype=cum.dtype))[0]) + 1
-        n = max(1, min(n, vals.numel()))
-        vals, ids = vals[:n], ids[:n]
-        logp = torch.log_softmax(vals, dim=0)
-    return ids, logp
+    their log-probabilities renormalized over that set, for float32 ``logits`` of shape ``[vocab]``
+    (``syncd.ops.replay.kept_sets``, which the trainer rebuilds recorded sets with)."""
+    ks = _kept(logits, params)
+    return ks.ids, ks.logprobs
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, seed: int, position: int) -> Sample:
     """Sample one token from ``logits`` (``[vocab]``) for a request with ``seed`` at absolute ``position``."""
-    ids, logp = kept_set(logits, params)
+    ks = _kept(logits, params)
+    ids, logp = ks.ids, ks.logprobs
     if ids.numel() == 1:
-        return Sample(int(ids[0]), 0.0 if params.temperature <= 0 else float(logp[0]), ids.clone())
+        return Sample(int(ids[0]), 0.0 if params.temperature <= 0 else float(logp[0]), ids.clone(), ids, ks.gaps)
     u = draw_uniform(seed, position)
     cum = torch.cumsum(logp.double().exp(), dim=0)
     j = int(torch.searchsorted(cum, torch.tensor([u * float(cum[-1])], dtype=cum.dtype), right=True)[0])
     j = min(j, ids.numel() - 1)
     lp = float(logp[j])
     assert math.isfinite(lp)
-    return Sample(int(ids[j]), lp, torch.sort(ids).values)
+    return Sample(int(ids[j]), lp, torch.sort(ids).values, ids, ks.gaps)

@@ -12,6 +12,12 @@ letter or digit, else ``h-`` + the first 32 hex digits of its SHA-256 (the chunk
 one) never write the same key; ``<first position>`` is the absolute position of the chunk's first token.
 Objects are written with create-if-absent and never overwritten.
 
+Kept sets: with ``kept_tolerance`` (the recorder's ``delta``, stated in every chunk) a set whose ranking is robust
+(the sampler's margins, ``kept_margins``, exceed ``2 * delta``) is written for the trainer to rebuild from its own
+logits (its size and a 32-bit fingerprint, a few bytes); the others, and every set of a writer without margins,
+are listed. Without a tolerance (the default) every set is listed: a trainer can rebuild sets only from logits of
+the weights that sampled them (``docs/trainer-replay.md``).
+
 A request's records are buffered in memory and written as one chunk when it finishes, or every
 ``chunk_tokens`` tokens while it runs. Writes run on one background thread, so the engine never waits for
 the store. A write that fails is kept and tried again (on the next write and in :meth:`flush`); nothing is
@@ -35,6 +41,7 @@ import numpy as np
 from syncd import manifest as mf
 from syncd.errors import ObjectExists, SyncdError
 from syncd.records.replay import ReplayChunk, TokenRecord, encode_chunk
+from syncd.records.replay_kept import MAX_TOLERANCE
 from syncd.records.replay_store import chunk_key
 from syncd.records.replay_store import list_requests, read_request, replay_prefix, request_key  # noqa: F401 (moved)
 from syncd.store import Store
@@ -59,12 +66,17 @@ class _Pending:
 class ReplayRecorder:
     """Records of one run. ``store``: URL, path or :class:`~syncd.store.Store`. ``vocab_size`` and
     ``num_experts`` (0: dense) describe the model; an engine fills them in with :meth:`configure` when they
-    are not given. ``chunk_tokens``: a running request is written every that many tokens."""
+    are not given. ``chunk_tokens``: a running request is written every that many tokens. ``kept_tolerance``
+    (``delta`` > 0, in scaled-logit units, or None): see the module docstring."""
 
     def __init__(self, store, run_id: str, *, vocab_size: int | None = None, num_experts: int = 0,
-                 chunk_tokens: int = 1024, writer: str | None = None):
+                 chunk_tokens: int = 1024, writer: str | None = None, kept_tolerance: float | None = None):
         if chunk_tokens < 1:
             raise ValueError("chunk_tokens must be at least 1")
+        if kept_tolerance is not None and not (isinstance(kept_tolerance, (int, float)) and
+                                               0 < kept_tolerance <= MAX_TOLERANCE):
+            raise ValueError(f"kept_tolerance must be a number in (0, {MAX_TOLERANCE}] or None, got {kept_tolerance!r}")
+        self.kept_tolerance = float(kept_tolerance or 0.0)
         self.store = Store.open(store)
         self.run_id = mf.check_run_id(run_id)
         self.vocab_size, self.num_experts = vocab_size, num_experts
@@ -92,13 +104,15 @@ class ReplayRecorder:
     # ------------------------------------------------------------------------------------ recording
 
     def add(self, request_id: str, *, position: int, index: int, version: int | None, token_id: int,
-            logprob: float, kept, routing=None) -> None:
+            logprob: float, kept, routing=None, kept_margins=None) -> None:
         """One generated token (see :class:`~syncd.records.replay.TokenRecord`). ``kept``: ids (tensor or
-        array); ``routing``: ``[layers, top_k]`` expert ids or None."""
+        array; in rank order when ``kept_margins``, the sampler's gaps, are given); ``routing``: ``[layers,
+        top_k]`` expert ids or None."""
         if self.vocab_size is None:
             raise RuntimeError("ReplayRecorder needs vocab_size (constructor or configure())")
+        margins = None if kept_margins is None or not self.kept_tolerance else _np(kept_margins)
         rec = TokenRecord(position, index, version, int(token_id), float(logprob), _np(kept),
-                          None if routing is None else _np(routing))
+                          None if routing is None else _np(routing), margins)
         with self._lock:
             p = self._pending.setdefault(request_id, _Pending(request_id))
             if p.records and (position != p.records[-1].position + 1 or index != p.records[-1].index + 1):
@@ -127,7 +141,7 @@ class ReplayRecorder:
     def _cut(self, p: _Pending) -> None:
         """Queue ``p``'s records as one chunk (lock held)."""
         chunk = ReplayChunk(p.request_id, self.vocab_size, p.records, self.num_experts, p.prompt_start,
-                            p.prompt_routing)
+                            p.prompt_routing, self.kept_tolerance)
         key = chunk_key(self.run_id, p.request_id, self.writer, chunk.first_position)
         self._queue.append((key, encode_chunk(chunk)))
         p.records, p.prompt_routing = [], None

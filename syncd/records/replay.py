@@ -1,15 +1,17 @@
-"""Replay records, version 1 (``docs/replay-format.md`` is the specification): their binary encodings. Part of
-the syncd core, so that
-``engine.replay`` (the recorder) and ``trainer.rollouts`` (the reader) share it without importing each other.
+"""Replay records (``docs/replay-format.md`` is the specification): their binary encodings. Part of the syncd
+core, so that ``engine.replay`` (the recorder) and ``trainer.rollouts`` (the reader) share it without importing
+each other.
 
-* **kept set** (the token ids top-k/top-p sampling could have chosen at one step): a tag byte, then the
-  smaller of a sorted id list (gaps as LEB128 varints), a bitmap over the vocabulary, or nothing when the
-  whole vocabulary was kept.
+* **kept set** (the token ids top-k/top-p sampling could have chosen at one step; :mod:`syncd.records.replay_kept`):
+  explicit (a sorted id list, a bitmap, the whole vocabulary, the sampled token alone) or, in format 2, to be
+  rebuilt by the trainer from its own logits (the first ``n`` ranks, possibly with a few listed ids, and a 32-bit
+  fingerprint) where the engine's margins show the ranking robust within the chunk's tolerance.
 * **routing** (MoE top-k expert ids of ``n`` positions × ``L`` layers × ``k``): a small header, then every
   id in ``ceil(log2 E)`` bits, bit-packed LSB first (:func:`syncd.ops.replay.pack_routes`).
-* **chunk** (one object in the store: consecutive tokens of one request): magic ``SRPL``, version, the
-  request id, columns (versions run-length coded, token ids, float32 logprobs, kept sets, routing, the
-  routing of prompt positions) and a 64-bit ``syncd.ops.checksum`` trailer.
+* **chunk** (one object in the store: consecutive tokens of one request): magic ``SRPL``, format version (2; 1 is
+  still read), the request id, the kept-set tolerance (format 2), columns (versions run-length coded, token ids,
+  float32 logprobs, kept sets, routing, the routing of prompt positions) and a 64-bit ``syncd.ops.checksum``
+  trailer.
 
 Where chunks live in the store and reading them back: :mod:`syncd.records.replay_store`.
 
@@ -20,160 +22,30 @@ are bounded by the input's size, and anything malformed raises :class:`ReplayFor
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 
 import numpy as np
 
-from syncd.errors import SyncdError
+from syncd.records._binary import Reader as _Reader
+from syncd.records._binary import ReplayFormatError, put_varint as _put_varint
+from syncd.records.replay_kept import (MAX_TOLERANCE, MAX_VOCAB, KeptToRebuild, decode_kept, encode_kept,
+                                       encode_kept_record, plan_kept, read_kept)
 
-__all__ = ["ReplayFormatError", "encode_kept", "decode_kept", "pack_routing", "unpack_routing",
-           "TokenRecord", "ReplayChunk", "encode_chunk", "decode_chunk", "FORMAT_VERSION", "MAGIC"]
+__all__ = ["ReplayFormatError", "KeptToRebuild", "encode_kept", "decode_kept", "encode_kept_record", "pack_routing",
+           "unpack_routing", "TokenRecord", "ReplayChunk", "encode_chunk", "decode_chunk", "FORMAT_VERSION",
+           "FORMAT_VERSIONS", "MAGIC"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+FORMAT_VERSIONS = (1, 2)
 MAGIC = b"SRPL"
-KEPT_VERSION = 1
 ROUTING_VERSION = 1
-KEPT_LIST, KEPT_BITMAP, KEPT_ALL = 0, 1, 2
-MAX_VOCAB = 1 << 26
 MAX_EXPERTS = 1 << 16
 MAX_LAYERS = 1 << 12
 MAX_TOP_K = 1 << 10
 MAX_REQUEST_ID_BYTES = 4096
 _FLAG_ROUTING, _FLAG_PROMPT_ROUTING = 1, 2
-
-
-class ReplayFormatError(SyncdError, ValueError):
-    """A replay record, kept set or routing blob is malformed or corrupt; nothing of it was used."""
-
-
-# ------------------------------------------------------------------------------------------ primitives
-
-
-def _put_varint(out: bytearray, x: int) -> None:
-    if x < 0:
-        raise ValueError(f"varint of a negative number {x}")
-    while x >= 0x80:
-        out.append((x & 0x7F) | 0x80)
-        x >>= 7
-    out.append(x)
-
-
-class _Reader:
-    """Bounds-checked reading of a byte buffer; every failure is a ReplayFormatError naming ``what``."""
-
-    def __init__(self, buf, what: str, pos: int = 0, end: int | None = None):
-        self.buf = memoryview(buf).cast("B")
-        self.pos = pos
-        self.end = len(self.buf) if end is None else end
-        self.what = what
-
-    def fail(self, msg: str):
-        raise ReplayFormatError(f"{self.what}: {msg} (at byte {self.pos})")
-
-    def take(self, n: int) -> memoryview:
-        if n < 0 or self.end - self.pos < n:
-            self.fail(f"truncated: needs {n} more bytes, {self.end - self.pos} left")
-        b = self.buf[self.pos:self.pos + n]
-        self.pos += n
-        return b
-
-    def u8(self) -> int:
-        return self.take(1)[0]
-
-    def varint(self, limit: int, name: str) -> int:
-        x, shift = 0, 0
-        for _ in range(10):
-            if self.pos >= self.end:
-                self.fail(f"truncated varint ({name})")
-            b = self.buf[self.pos]
-            self.pos += 1
-            x |= (b & 0x7F) << shift
-            if not b & 0x80:
-                if x > limit:
-                    self.fail(f"{name} {x} exceeds its bound {limit}")
-                return x
-            shift += 7
-        self.fail(f"varint ({name}) longer than 10 bytes")
-
-    def varints(self, n: int, limit: int, name: str) -> np.ndarray:
-        """``n`` varints (each at least one byte, so ``n`` is bounded by the bytes left)."""
-        if n > self.end - self.pos:
-            self.fail(f"{n} {name} cannot fit in {self.end - self.pos} bytes")
-        return np.fromiter((self.varint(limit, name) for _ in range(n)), dtype=np.int64, count=n)
-
-
-# ------------------------------------------------------------------------------------------ kept sets
-
-
-def encode_kept(ids, vocab_size: int) -> bytes:
-    """The kept set ``ids`` (distinct token ids in ``[0, vocab_size)``, any order, at least one) in the
-    smallest of the three v1 forms. ValueError for ids out of range, duplicates or an empty set."""
-    if not 1 <= vocab_size <= MAX_VOCAB:
-        raise ValueError(f"vocab_size {vocab_size} outside 1..{MAX_VOCAB}")
-    a = np.sort(np.asarray(ids, dtype=np.int64).reshape(-1))
-    if a.size == 0:
-        raise ValueError("a kept set holds at least one token")
-    if a[0] < 0 or a[-1] >= vocab_size:
-        raise ValueError(f"kept ids outside 0..{vocab_size - 1}")
-    if a.size > 1 and not np.all(a[1:] > a[:-1]):
-        raise ValueError("kept ids repeat")
-    if a.size == vocab_size:
-        return bytes([KEPT_VERSION << 4 | KEPT_ALL])
-    lst = bytearray([KEPT_VERSION << 4 | KEPT_LIST])
-    _put_varint(lst, int(a.size))
-    _put_varint(lst, int(a[0]))
-    for g in (a[1:] - a[:-1] - 1).tolist():
-        _put_varint(lst, g)
-    bitmap_len = 1 + (vocab_size + 7) // 8
-    if len(lst) <= bitmap_len:
-        return bytes(lst)
-    bits = np.zeros(vocab_size, dtype=np.uint8)
-    bits[a] = 1
-    return bytes([KEPT_VERSION << 4 | KEPT_BITMAP]) + np.packbits(bits, bitorder="little").tobytes()
-
-
-def _read_kept(r: _Reader, vocab_size: int) -> np.ndarray:
-    tag = r.u8()
-    if tag >> 4 != KEPT_VERSION:
-        r.fail(f"kept set of encoding version {tag >> 4}, this reader knows {KEPT_VERSION}")
-    mode = tag & 0xF
-    if mode == KEPT_ALL:
-        return np.arange(vocab_size, dtype=np.int64)
-    if mode == KEPT_LIST:
-        n = r.varint(vocab_size, "kept count")
-        if n == 0:
-            r.fail("empty kept set")
-        first = r.varint(vocab_size - 1, "first kept id")
-        gaps = r.varints(n - 1, vocab_size, "kept gap")
-        ids = np.empty(n, dtype=np.int64)
-        ids[0] = first
-        if n > 1:
-            ids[1:] = first + np.cumsum(gaps + 1)
-            if ids[-1] >= vocab_size:
-                r.fail(f"kept id {int(ids[-1])} outside the vocabulary of {vocab_size}")
-        return ids
-    if mode == KEPT_BITMAP:
-        raw = np.frombuffer(r.take((vocab_size + 7) // 8), dtype=np.uint8)
-        bits = np.unpackbits(raw, bitorder="little")
-        if bits[vocab_size:].any():
-            r.fail("kept bitmap has bits set past the vocabulary")
-        ids = np.flatnonzero(bits[:vocab_size]).astype(np.int64)
-        if ids.size == 0:
-            r.fail("empty kept set")
-        return ids
-    r.fail(f"unknown kept-set form {mode}")
-
-
-def decode_kept(buf, vocab_size: int) -> np.ndarray:
-    """Ascending int64 ids of an :func:`encode_kept` blob (the whole buffer). Raises ReplayFormatError."""
-    if not 1 <= vocab_size <= MAX_VOCAB:
-        raise ValueError(f"vocab_size {vocab_size} outside 1..{MAX_VOCAB}")
-    r = _Reader(buf, "kept set")
-    ids = _read_kept(r, vocab_size)
-    if r.pos != r.end:
-        r.fail(f"{r.end - r.pos} trailing bytes")
-    return ids
 
 
 # ------------------------------------------------------------------------------------------ routing
@@ -241,23 +113,31 @@ class TokenRecord:
     """What the engine did for one generated token: the weight ``version`` it was sampled with (None:
     weights of no published version), its absolute ``position`` in the sequence, its ``index`` among the
     tokens this engine generated for the request, ``token_id``, ``logprob`` under the sampling distribution,
-    the ``kept`` set (ascending ids) and, for MoE, ``routing`` (``[layers, top_k]`` expert ids at the
-    position whose logits sampled this token, i.e. ``position - 1``)."""
+    the ``kept`` set and, for MoE, ``routing`` (``[layers, top_k]`` expert ids at the position whose logits
+    sampled this token, i.e. ``position - 1``).
+
+    ``kept`` as written: the ids, in rank order (descending scaled logit) when ``kept_margins`` is given, which
+    are the sampler's gaps (``syncd.ops.replay.kept_sets``): with them and a chunk tolerance the encoder may write
+    a form the trainer rebuilds. As read: ascending int64 ids, or a
+    :class:`~syncd.records.replay_kept.KeptToRebuild`."""
 
     position: int
     index: int
     version: int | None
     token_id: int
     logprob: float
-    kept: np.ndarray
+    kept: np.ndarray | KeptToRebuild
     routing: np.ndarray | None = None
+    kept_margins: np.ndarray | None = None
 
 
 @dataclass
 class ReplayChunk:
     """Consecutive tokens of one request (positions ``first_position ...``), as stored in one object.
     ``prompt_routing`` (``[m, layers, top_k]``) covers positions ``prompt_routing_start ...`` that were
-    processed without sampling a token (the prompt, except its last position)."""
+    processed without sampling a token (the prompt, except its last position). ``kept_tolerance``: the recorder's
+    ``delta`` (format 2; 0 when it states none, and then every kept set is explicit): its sets to rebuild are exact
+    for a trainer whose scaled logits differ from the engine's by at most that much each."""
 
     request_id: str
     vocab_size: int
@@ -265,16 +145,55 @@ class ReplayChunk:
     num_experts: int = 0
     prompt_routing_start: int = 0
     prompt_routing: np.ndarray | None = None
+    kept_tolerance: float = 0.0
 
     @property
     def first_position(self) -> int:
         return self.records[0].position
 
 
-def encode_chunk(chunk: ReplayChunk) -> bytes:
-    """The v1 bytes of ``chunk`` (records consecutive in position and index; all or none with routing)."""
+def _kept_blobs(chunk: ReplayChunk, version: int) -> list[bytes]:
+    """The records' kept-set encodings (format ``version``); the fingerprints of sets that may be written to be
+    rebuilt are computed in one op call."""
+    recs, V = chunk.records, chunk.vocab_size
+    if version == 1:
+        if any(isinstance(r.kept, KeptToRebuild) for r in recs):
+            raise ValueError("format 1 holds explicit kept sets only")
+        return [encode_kept(r.kept, V) for r in recs]
+    delta = float(np.float32(chunk.kept_tolerance))  # as the header states it
+    blobs: list[bytes | None] = [None] * len(recs)
+    todo = []
+    for i, r in enumerate(recs):
+        if isinstance(r.kept, KeptToRebuild):
+            blobs[i] = encode_kept_record(r.kept, r.token_id, V, tolerance=delta)
+            continue
+        ids, m = plan_kept(r.kept, r.token_id, V, r.kept_margins, delta)
+        if m:
+            todo.append((i, ids, m))
+        else:
+            blobs[i] = encode_kept_record(ids, r.token_id, V)
+    if todo:
+        import torch
+
+        from syncd.ops.replay import kept_fingerprint
+
+        sizes = torch.tensor([ids.size for _, ids, _ in todo])
+        fps = kept_fingerprint(torch.from_numpy(np.concatenate([ids for _, ids, _ in todo])),
+                               torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)])).tolist()
+        for (i, _, _), fp in zip(todo, fps):
+            r = recs[i]
+            blobs[i] = encode_kept_record(r.kept, r.token_id, V, margins=r.kept_margins, tolerance=delta,
+                                          fingerprint=fp)
+    return blobs
+
+
+def encode_chunk(chunk: ReplayChunk, *, version: int = FORMAT_VERSION) -> bytes:
+    """The bytes of ``chunk`` in format ``version`` (2; 1 for explicit kept sets only, as older writers wrote);
+    records consecutive in position and index; all or none with routing."""
     from syncd.ops import checksum_bytes
 
+    if version not in FORMAT_VERSIONS:
+        raise ValueError(f"format version {version} (this writer knows {FORMAT_VERSIONS})")
     recs = chunk.records
     if not recs:
         raise ValueError("a chunk holds at least one token")
@@ -284,15 +203,21 @@ def encode_chunk(chunk: ReplayChunk) -> bytes:
     has_routing = recs[0].routing is not None
     if any((r.routing is not None) != has_routing for r in recs):
         raise ValueError("either every record of a chunk has routing or none")
+    delta = float(chunk.kept_tolerance)
+    if not (math.isfinite(delta) and 0 <= delta <= MAX_TOLERANCE):
+        raise ValueError(f"kept_tolerance {chunk.kept_tolerance!r} outside 0..{MAX_TOLERANCE}")
     has_prompt = chunk.prompt_routing is not None and len(chunk.prompt_routing) > 0
     rid = chunk.request_id.encode("utf-8")
     if len(rid) > MAX_REQUEST_ID_BYTES:
         raise ValueError(f"request id longer than {MAX_REQUEST_ID_BYTES} bytes")
     out = bytearray(MAGIC)
-    out += bytes([FORMAT_VERSION, (_FLAG_ROUTING if has_routing else 0) | (_FLAG_PROMPT_ROUTING if has_prompt else 0)])
+    out += bytes([version, (_FLAG_ROUTING if has_routing else 0) | (_FLAG_PROMPT_ROUTING if has_prompt else 0)])
     _put_varint(out, len(rid))
     out += rid
-    for x in (chunk.vocab_size, recs[0].position, recs[0].index, len(recs)):
+    _put_varint(out, chunk.vocab_size)
+    if version >= 2:
+        out += struct.pack("<f", delta)
+    for x in (recs[0].position, recs[0].index, len(recs)):
         _put_varint(out, x)
     runs: list[list[int]] = []  # versions, run-length coded: (version + 1, or 0 for None; run length)
     for r in recs:
@@ -310,8 +235,8 @@ def encode_chunk(chunk: ReplayChunk) -> bytes:
             raise ValueError(f"token id {r.token_id} outside the vocabulary of {chunk.vocab_size}")
         _put_varint(out, r.token_id)
     out += np.asarray([r.logprob for r in recs], dtype="<f4").tobytes()
-    for r in recs:
-        out += encode_kept(r.kept, chunk.vocab_size)
+    for blob in _kept_blobs(chunk, version):
+        out += blob
     if has_routing:
         out += pack_routing(np.stack([np.asarray(r.routing) for r in recs]), chunk.num_experts)
     if has_prompt:
@@ -338,8 +263,8 @@ def decode_chunk(buf) -> ReplayChunk:
     r.end = len(data) - 8
     r.pos = 4
     version = r.u8()
-    if version != FORMAT_VERSION:
-        r.fail(f"format version {version}, this reader knows {FORMAT_VERSION}")
+    if version not in FORMAT_VERSIONS:
+        r.fail(f"format version {version}, this reader knows {', '.join(map(str, FORMAT_VERSIONS))}")
     flags = r.u8()
     if flags & ~(_FLAG_ROUTING | _FLAG_PROMPT_ROUTING):
         r.fail(f"unknown flags {flags:#x}")
@@ -350,6 +275,11 @@ def decode_chunk(buf) -> ReplayChunk:
     vocab = r.varint(MAX_VOCAB, "vocab_size")
     if vocab == 0:
         r.fail("vocab_size is 0")
+    delta = 0.0
+    if version >= 2:
+        (delta,) = struct.unpack("<f", r.take(4))
+        if not (math.isfinite(delta) and 0 <= delta <= MAX_TOLERANCE):
+            r.fail(f"kept tolerance {delta!r} outside 0..{MAX_TOLERANCE}")
     first_pos = r.varint(1 << 40, "first position")
     first_index = r.varint(1 << 40, "first index")
     n = r.varint(r.end - r.pos, "token count")
@@ -366,7 +296,7 @@ def decode_chunk(buf) -> ReplayChunk:
         r.fail(f"version runs cover {len(versions)} of {n} tokens")
     tokens = r.varints(n, vocab - 1, "token id")
     logprobs = np.frombuffer(r.take(4 * n), dtype="<f4")
-    kept = [_read_kept(r, vocab) for _ in range(n)]
+    kept = [read_kept(r, vocab, version, int(tokens[i]), delta) for i in range(n)]
     routing, experts = None, 0
     if flags & _FLAG_ROUTING:
         routing, experts = _read_routing(r)
@@ -385,4 +315,4 @@ def decode_chunk(buf) -> ReplayChunk:
         r.fail(f"{r.end - r.pos} trailing bytes")
     records = [TokenRecord(first_pos + i, first_index + i, versions[i], int(tokens[i]), float(logprobs[i]),
                            kept[i], None if routing is None else routing[i]) for i in range(n)]
-    return ReplayChunk(rid, vocab, records, experts, prompt_start, prompt_routing)
+    return ReplayChunk(rid, vocab, records, experts, prompt_start, prompt_routing, delta)

@@ -16,6 +16,13 @@ A record is one JSON object (``schema: "syncd.trajectory"``, ``schema_version: 1
                 "logprobs", "finish_reason", "text", "usage", "segments": [{"request_id", "start", "count"}],
                 "started_at", "finished_at"}]}
 
+Self-compaction (``engine.proxy.compaction``) adds optional members, so records without it are unchanged and
+schema version 1 still holds: a turn that is a segment of a compacted client request carries ``"compaction":
+{"request": <index of the request's first segment>, "segment", "role": "generate" | "summary" | "continuation",
+"client_request"?: <the client's body, on the first segment>}`` (its ``request`` is then the body sent upstream,
+with the prompt as token ids), and the record lists the boundaries, ``"compactions": [{"request", "summary_turn",
+"context_tokens", "continuation_turn": int | null}]``.
+
 ``request_id`` is the id the engines recorded their replay records under (:func:`syncd.records.read_request`);
 ``versions[i]`` is the weight version output token ``i`` was sampled with; ``segments`` are the runs of the
 turn on one worker each (more than one when Dynamo migrated the request). A trajectory is ``complete`` only
@@ -40,6 +47,7 @@ __all__ = ["SCHEMA", "SCHEMA_VERSION", "MAX_RECORD_BYTES", "RecordError", "check
 
 SCHEMA = "syncd.trajectory"
 SCHEMA_VERSION = 1
+COMPACTION_ROLES = ("generate", "summary", "continuation")
 MAX_RECORD_BYTES = 1 << 30
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -101,9 +109,18 @@ def parse(raw: bytes, *, where: str = "trajectory record") -> dict:
         if not isinstance(versions, list) or len(versions) != n or not all(
                 v is None or (isinstance(v, int) and not isinstance(v, bool)) for v in versions):
             raise RecordError(f"{w}: versions must list one version (int or null) per output token")
+        c = t.get("compaction")
+        if c is not None and not (isinstance(c, dict) and c.get("role") in COMPACTION_ROLES
+                                  and isinstance(c.get("request"), int) and isinstance(c.get("segment"), int)):
+            raise RecordError(f"{w}: malformed compaction member {str(c)[:200]}")
         segs = t.get("segments")
         if not isinstance(segs, list) or sum(s.get("count", 0) if isinstance(s, dict) else 0 for s in segs) != n:
             raise RecordError(f"{w}: segments do not cover the {n} output tokens")
+    marks = doc.get("compactions", [])
+    if not isinstance(marks, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("summary_turn"), int) and 0 <= m["summary_turn"] < len(turns)
+            and (turns[m["summary_turn"]].get("compaction") or {}).get("role") == "summary" for m in marks):
+        raise RecordError(f"{where}: compactions must name summary turns of the record")
     if (doc["status"] == "complete") != all(t["status"] == "ok" for t in turns):
         raise RecordError(f"{where}: status {doc['status']} contradicts its turns")
     return doc

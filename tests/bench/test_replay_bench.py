@@ -1,5 +1,6 @@
 """bench.replay runs end to end with tiny arguments (real rollouts through Dynamo and the proxy with an update
-mid-trajectory, MoE and NVFP4 QAT) and writes complete, self-consistent JSON and a PNG."""
+mid-trajectory, MoE and NVFP4 QAT, kept sets recorded to be rebuilt) and writes complete, self-consistent JSON and a
+PNG."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ def test_replay_benchmark_tiny(tmp_path, capsys):
     out, png = tmp_path / "replay.json", tmp_path / "replay.png"
     assert replay.main(["--preset", "tiny", "--models", "moe,nvfp4", "--out", str(out), "--plot", str(png)]) == 0
     printed = capsys.readouterr().out
-    assert "kept-set + routing replay" in printed and "the lm_head forward matmul alone" in printed and "bytes per token" in printed
+    assert "kept-set + routing replay" in printed and "the lm_head forward matmul alone" in printed and "bytes per token of kept sets" in printed
     data = json.loads(out.read_text())
     assert [m["model"] for m in data["mismatch"]] == ["moe", "nvfp4"]
     for m in data["mismatch"]:
@@ -33,15 +34,24 @@ def test_replay_benchmark_tiny(tmp_path, capsys):
         comps = m["sources"]["components"]
         assert comps["kept_set"]["mean"] < 0
         assert abs(sum(c["mean"] for c in comps.values()) - m["sources"]["total"]["mean"]) < 1e-9
-        assert m["bytes"]["tokens"] == 48 and m["bytes"]["kept_per_token"] > 0
+        assert m["bytes"]["tokens"] == 48 and 0 < m["bytes"]["kept_per_token"] < m["bytes"]["kept_listed_v1_per_token"]
+        rb = m["rebuild"]  # the table replayed sets rebuilt from the recomputed logits, every one verified
+        assert rb["rebuilt"] == rb["pending"] > 0 and rb["mismatches"] == 0
     (op,) = data["op"]
     assert op["rows"] == 64 and op["vocab"] == 4096 and op["kept_ids"] >= 64
     for part in ("op", "with_lm_head"):
         assert set(op[part]) == {"cpu", "cpu, sparse grad", "naive"} | ({"reference"} if part == "op" else set())
         assert all(r["s"] > 0 and r["speedup"] > 0 for r in op[part].values() if "speedup" in r)
     assert op["lm_head_s"] > 0 and op["lm_head_fraction"]["cpu"] > 0
-    pb = data["bytes"]["public"]
-    assert pb["kept_size_median"] == 2 and 30 < pb["single_pct"] < 60
-    assert pb["kept_v1_per_token"] >= pb["kept_bound_per_token"] > 0
-    assert pb["routes"]["per_token"] == 48 * 8 * 7 / 8 and pb["routes"]["int32_per_token"] == 48 * 8 * 4
+    pk = data["bytes"]["public"]
+    assert 1 <= pk["kept_size"]["median"] <= 3 and 30 < pk["kept_size"]["single_pct"] < 60 and pk["tokens"] == 96
+    assert pk["int32_ids_per_token"] > pk["listed_v1_per_token"] >= pk["listed_bound_per_token"] > 8
+    for d, r in pk["by_tolerance"].items():
+        assert r["rebuilt_within"] > 0 and r["rebuilt_within_exact"] == r["rebuilt_within"] and r["beyond_wrong"] == 0
+        assert 0 < r["per_token"] < pk["listed_v1_per_token"] and abs(sum(r["forms_pct"].values()) - 100) < 1e-6
+    assert pk["by_tolerance"]["0.001"]["per_token"] <= 8  # the goal, at the default tolerance
+    assert pk["op"]["rows"] == 64 and pk["op"]["rebuilt_verified"] == pk["op"]["rebuilt_rows"] > 0
+    assert pk["op"]["rebuild_s"] > 0 and pk["op"]["kept_logprobs_cpu_s"] > 0
+    routes = data["bytes"]["routes"]
+    assert routes["per_token"] == 48 * 8 * 7 / 8 and routes["int32_per_token"] == 48 * 8 * 4
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,5 +1,6 @@
-"""engine.ReplayRecorder: MoE routing and kept sets recorded by the engine land in the store and read back;
-a failing store loses nothing; a migrated request's records from two engines read back as one sequence."""
+"""engine.ReplayRecorder: MoE routing and kept sets recorded by the engine land in the store and read back (listed,
+or, with a tolerance, to be rebuilt from the same logits); a failing store loses nothing; a migrated request's
+records from two engines read back as one sequence."""
 
 from __future__ import annotations
 
@@ -12,14 +13,17 @@ from engine.reference import ReferenceEngine
 from engine.reference.sampling import kept_set
 from engine.replay import ReplayRecorder, ReplayUploadError, list_requests, read_request, request_key
 from syncd.errors import StoreError
+from syncd.ops.replay import rebuild_kept
+from syncd.records.replay import KeptToRebuild
 from syncd.store import Store
 
 PROMPT = (257, 84, 82, 68, 81, 198, 71)
 
 
-def test_moe_engine_records_routing_kept_sets_and_logprobs(moe_dir, tmp_path):
+@pytest.mark.parametrize("tolerance", [None, 1e-3], ids=["listed", "to-rebuild"])
+def test_moe_engine_records_routing_kept_sets_and_logprobs(moe_dir, tmp_path, tolerance):
     store = Store(tmp_path)
-    rec = ReplayRecorder(store, "moe-run", chunk_tokens=4)
+    rec = ReplayRecorder(store, "moe-run", chunk_tokens=4, kept_tolerance=tolerance)
     sp = SamplingParams(max_tokens=9, temperature=0.8, top_p=0.7, seed=5)
     with ReferenceEngine.from_pretrained(moe_dir, version=3, recorder=rec) as eng:
         events = eng.generate_sync(GenerationRequest("req/α 1", PROMPT, sp), timeout=60)
@@ -37,11 +41,18 @@ def test_moe_engine_records_routing_kept_sets_and_logprobs(moe_dir, tmp_path):
     assert [r.token_id for r in recs] == [e.token_id for e in events]
     assert all(r.version == 3 for r in recs)
     assert [r.position for r in recs] == list(range(len(PROMPT), len(PROMPT) + 9))
+    rebuilt = 0
     for r, e, (lg, rt) in zip(recs, events, steps):
         ids, _ = kept_set(lg, sp)
+        if isinstance(r.kept, KeptToRebuild):  # rebuilt from the logits the engine sampled from
+            rb = rebuild_kept(lg[None], [r.kept.top], torch.from_numpy(r.kept.extra), [0, r.kept.extra.size],
+                              [r.kept.fingerprint], sp.temperature)
+            assert r.kept.tolerance == np.float32(tolerance) and rb.status.tolist() == [0]
+            r.kept, rebuilt = rb.ids.numpy(), rebuilt + 1
         assert np.array_equal(r.kept, np.sort(ids.numpy())) and r.token_id in r.kept
         assert np.array_equal(r.routing, rt[:, -1].numpy())  # experts at the position that sampled it
         assert r.logprob == pytest.approx(e.logprob, abs=1e-6) and r.logprob <= 0
+    assert (rebuilt > 4) if tolerance else rebuilt == 0
     assert chunks[0].num_experts == 8
     assert chunks[0].prompt_routing_start == 0
     assert np.array_equal(chunks[0].prompt_routing, steps[0][1][:, :-1].transpose(0, 1).numpy())
@@ -95,6 +106,9 @@ def test_a_migrated_request_reads_back_in_order_across_writers(tmp_path):
 def test_recorder_refuses_bad_configuration(tmp_path):
     with pytest.raises(ValueError, match="run id"):
         ReplayRecorder(tmp_path, "../escape")
+    for bad in (0, -1e-3, float("nan"), 1e4, "1e-3"):
+        with pytest.raises(ValueError, match="kept_tolerance"):
+            ReplayRecorder(tmp_path, "r", kept_tolerance=bad)
     rec = ReplayRecorder(tmp_path, "r")
     with pytest.raises(RuntimeError, match="vocab_size"):
         _add(rec, "x", 0, 1)

@@ -3,7 +3,8 @@ a file store, Qwen3-MoE on the moto S3 server on loopback) generate at temperatu
 through the sandbox proxy, while ``WeightPublisher`` publishes a version from a real AdamW step that the workers
 apply mid-trajectory (``bench.rollouts``). The trainer reads the rollouts back from the store and recomputes
 every token's log-prob on the same weight versions: with kept-set and routing replay it reproduces the engine;
-without, the gap shows."""
+without, the gap shows. The workers record kept sets to rebuild (tolerance 1e-3): the trainer rebuilds them from the
+logits it recomputes, and from the newest weights only the sets those still rank alike verify."""
 
 from __future__ import annotations
 
@@ -18,13 +19,17 @@ from syncd.ops.reference.replay import kept_rows
 from tests.store.conftest import s3_endpoint  # noqa: F401 -- the loopback S3 server
 from trainer import correction as C
 from trainer.batch import collate
-from trainer.logprobs import sampler_logprobs, trainer_logprobs
+from trainer.logprobs import resolve_kept, sampler_logprobs, trainer_logprobs
 from trainer.replay import routing_replay
 from trainer.rollouts import read_rollouts
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-CFG = dict(requests=3, max_tokens=48, concurrency=3, updates=1, update_every=16, pretrain_steps=30, hidden=32)
+# The update is applied once every stream has made 16 tokens; the other 80 are the margin for the controller to
+# notice and pause the engines on a busy machine (48 tokens in all were not enough at load ~10).
+CFG = dict(requests=3, max_tokens=96, concurrency=3, updates=1, update_every=16, pretrain_steps=30, hidden=32,
+           kept_tolerance=1e-3)
+N = CFG["max_tokens"]
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +56,8 @@ def moe(tmp_path_factory, s3_endpoint):  # noqa: F811
 @pytest.fixture(scope="module")
 def runs(dense, moe):
     dense.rollouts = read_rollouts(dense.store_url, dense.run_id, vocab_size=320)
+    for run in (dense, moe):  # every kept set, rebuilt from the logits of the versions that sampled it
+        run.resolved = resolve_kept(run.trainer_model(), run.rollouts.sequences, weights_of=run.weights_of)
     return {"dense": dense, "moe": moe}
 
 
@@ -60,14 +67,16 @@ def test_rollouts_join_both_records_and_carry_the_update_mid_trajectory(runs, ki
     rs = run.rollouts
     assert not rs.dropped and rs.skipped_failed == 0 and len(rs.rollouts) == 3
     assert sorted((r.sandbox_id, r.trajectory_id) for r in rs.rollouts) == sorted(run.trajectories)
-    for seq in rs.sequences:
+    pending = sum(len(s.kept_pending) for s in rs.sequences if s.kept_pending is not None)
+    assert pending > 0.3 * 3 * N  # the workers recorded most sets to be rebuilt
+    for seq in run.resolved:
         gen = seq.versions[seq.loss_mask].tolist()
-        assert len(gen) == 48 and gen[0] == 0 and gen[-1] == 1 and gen == sorted(gen), gen  # one switch, 0 -> 1
-        assert seq.positions.numel() == 48 and seq.temperature == 1.0
+        assert len(gen) == N and gen[0] == 0 and gen[-1] == 1 and gen == sorted(gen), (run.applied_at, gen)  # 0 -> 1
+        assert seq.positions.numel() == N and seq.temperature == 1.0
         sizes = seq.kept_offsets[1:] - seq.kept_offsets[:-1]
         assert int(sizes.max()) <= 20  # top-k 20
         rows = kept_rows(seq.kept_offsets)
-        assert bool((seq.kept_ids.long() == seq.tokens[seq.positions][rows]).long().sum() == 48)
+        assert bool((seq.kept_ids.long() == seq.tokens[seq.positions][rows]).long().sum() == N)
         if kind == "moe":
             assert seq.routes.shape == (len(seq), 2, 2) and seq.routes.dtype == torch.int8
             assert int(seq.routes.max()) < 8 and (seq.routes[:-1] >= 0).all() and (seq.routes[-1] == -1).all()
@@ -85,6 +94,7 @@ def test_full_replay_on_the_same_versions_reproduces_the_engine(runs, kind):
         full.append(sampler_logprobs(model, seq, weights_of=run.weights_of, kept=False, routing=False).logprobs)
         kept_only.append(sampler_logprobs(model, seq, weights_of=run.weights_of, routing=False).logprobs)
         r = sampler_logprobs(model, seq, weights_of=run.weights_of)
+        assert r.kept.rebuilt == len(seq.kept_pending) and r.kept.mismatches == 0  # rebuilt, every one verified
         replayed.append(r.logprobs)
         if kind == "moe":
             assert r.disagreement == 0.0
@@ -101,7 +111,7 @@ def test_full_replay_on_the_same_versions_reproduces_the_engine(runs, kind):
 def test_each_token_uses_its_own_versions_log_prob(runs):
     run = runs["dense"]
     model = run.trainer_model()
-    seq = run.rollouts.sequences[0]
+    seq = run.resolved[0]
     pos, engine = seq.positions, seq.logprobs[seq.positions]
     tv = seq.versions[pos]
     by_version = {}
@@ -125,14 +135,16 @@ def test_each_token_uses_its_own_versions_log_prob(runs):
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_training_gradient_with_replay_matches_the_naive_masked_softmax(runs, kind):
     run = runs[kind]
-    batch = collate(run.rollouts.sequences)
+    batch = collate(run.resolved)  # the trainer is a version ahead of the first tokens: sets resolved first
     w = torch.linspace(-1, 1, batch.targets.numel())
     model = run.trainer_model()
     out = trainer_logprobs(model, batch)
     (out.logprobs * w).sum().backward()
     got = {n: p.grad.clone() for n, p in model.named_parameters()}
     if kind == "moe":
-        assert out.disagreement is not None and out.disagreement < 0.02
+        # the newest weights' own routers against the recorded routes: they differ where older versions ran, a share
+        # that depends on how many tokens each stream made before the update landed (the machine's speed)
+        assert out.disagreement is not None and out.disagreement < 0.2
         assert got["model.layers.0.mlp.gate.weight"].abs().sum() > 0  # the router is trained under replay
     model.zero_grad()
     B, T = batch.shape
@@ -146,3 +158,22 @@ def test_training_gradient_with_replay_matches_the_naive_masked_softmax(runs, ki
     torch.testing.assert_close(out.logprobs.detach(), naive.detach(), atol=2e-6, rtol=0)
     for n, p in model.named_parameters():
         torch.testing.assert_close(got[n], p.grad, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_a_trainer_a_version_ahead_rebuilds_only_what_it_still_ranks_alike(runs, kind):
+    """The newest weights' own logits: the sets they rank alike verify (and are the engine's), the others are
+    refused by name or, with on_mismatch="drop", counted, never replaced by other sets."""
+    from trainer.kept import KeptRebuildError
+
+    run = runs[kind]
+    pending, resolved = collate(run.rollouts.sequences), collate(run.resolved)
+    model = run.trainer_model()  # the newest version: the first 16 tokens of each stream were sampled before it
+    r = trainer_logprobs(model, pending, on_mismatch="drop")
+    assert r.kept.rebuilt + r.kept.mismatches == len(pending.kept_pending) and r.kept.rebuilt > 0
+    for g in r.kept.valid.nonzero()[:, 0].tolist():
+        assert torch.equal(r.kept.ids[r.kept.offsets[g]:r.kept.offsets[g + 1]],
+                           resolved.kept_ids[resolved.kept_offsets[g]:resolved.kept_offsets[g + 1]])
+    if r.kept.mismatches:
+        with pytest.raises(KeptRebuildError, match="do not match these logits"):
+            trainer_logprobs(model, pending)

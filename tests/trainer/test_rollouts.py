@@ -1,7 +1,9 @@
 """``trainer.rollouts.read_rollouts`` on records written by real reference engines (in process) to a real file
 store: a request migrated between two engines (two writers, two segments, the first engine's undelivered
 tokens ignored), multi-turn merging, and every kind of corrupt, missing or mismatched record refused with a
-named error (or dropped and counted)."""
+named error (or dropped and counted); kept sets recorded to be rebuilt read back pending and rebuild, from the
+trainer's logits, to exactly the sets an explicit recorder of the same engine listed; logits of other weights are
+refused with a named error (or the tokens dropped and counted), never given another set."""
 
 from __future__ import annotations
 
@@ -27,11 +29,28 @@ PROMPT = [257, 84, 82, 68, 81, 198, 71]
 SP = SamplingParams(max_tokens=14, temperature=1.0, top_p=0.8, top_k=20, seed=9)
 
 
-def _generate(model_dir, store, rid, prompt, sp, *, version=0):
+DELTA = 1e-3
+
+
+class _Tee:
+    """Two recorders fed by one engine: every token recorded by both (here: listed, and to be rebuilt)."""
+
+    def __init__(self, *recorders):
+        self.recorders = recorders
+
+    def __getattr__(self, name):
+        return lambda *a, **k: [getattr(r, name)(*a, **k) for r in self.recorders][0]
+
+
+def _generate(model_dir, store, rid, prompt, sp, *, version=0, rebuild_store=None):
+    """Generate with a recorder listing every kept set into ``store`` (and, given ``rebuild_store``, another one
+    recording sets to rebuild, with tolerance DELTA, there)."""
     rec = ReplayRecorder(store, "r", chunk_tokens=5)
-    with ReferenceEngine.from_pretrained(model_dir, version=version, recorder=rec) as eng:
+    both = rec if rebuild_store is None else _Tee(rec, ReplayRecorder(rebuild_store, "r", chunk_tokens=5,
+                                                                       kept_tolerance=DELTA))
+    with ReferenceEngine.from_pretrained(model_dir, version=version, recorder=both) as eng:
         events = eng.generate_sync(GenerationRequest(rid, tuple(prompt), sp), timeout=120)
-    rec.close()
+    both.close()
     return [e.token_id for e in events], [e.logprob for e in events]
 
 
@@ -42,28 +61,32 @@ def _turn(index, prompt, out, lps, segments, versions, temperature=1.0):
 
 
 def _write(store, turns, tid="t1"):
-    t = Trajectory("r", "sb", tid)
-    t.turns.extend(turns)
-    store.put(t.key, t.encode(), create=True)
+    for st in store if isinstance(store, tuple) else (store,):
+        t = Trajectory("r", "sb", tid)
+        t.turns.extend(turns)
+        st.put(t.key, t.encode(), create=True)
 
 
 @pytest.fixture(params=["dense", "moe"])
 def migrated(request, dense_dir, moe_dir, tmp_path):
     """A request whose first engine died after delivering 8 of its 12 tokens; a second engine continued it
-    from the prompt plus those 8 (as Dynamo migrates it), under the same request id."""
+    from the prompt plus those 8 (as Dynamo migrates it), under the same request id. Recorded twice: every kept
+    set listed (``store``), and sets to rebuild (``rebuild``)."""
     model_dir = dense_dir if request.param == "dense" else moe_dir
-    store = Store(tmp_path / "store")
-    first, lp1 = _generate(model_dir, store, "req-m", PROMPT, SamplingParams(**{**SP.__dict__, "max_tokens": 12}))
+    store, rebuild = Store(tmp_path / "store"), Store(tmp_path / "rebuild")
+    first, lp1 = _generate(model_dir, store, "req-m", PROMPT, SamplingParams(**{**SP.__dict__, "max_tokens": 12}),
+                           rebuild_store=rebuild)
     second, lp2 = _generate(model_dir, store, "req-m", PROMPT + first[:8], SamplingParams(**{**SP.__dict__,
-                                                                                            "max_tokens": 6}))
+                                                                                            "max_tokens": 6}),
+                            rebuild_store=rebuild)
     out, lps = first[:8] + second, lp1[:8] + lp2
     segs = [{"request_id": "req-m", "start": 0, "count": 8}, {"request_id": "req-m", "start": 8, "count": 6}]
-    _write(store, [_turn(0, PROMPT, out, lps, segs, [0] * 14)])
-    return store, out, request.param, model_dir
+    _write((store, rebuild), [_turn(0, PROMPT, out, lps, segs, [0] * 14)])
+    return store, out, request.param, model_dir, rebuild
 
 
 def test_a_migrated_request_reads_back_from_both_engines(migrated):
-    store, out, kind, _ = migrated
+    store, out, kind, _, _ = migrated
     rs = read_rollouts(store, "r")
     assert not rs.dropped and len(rs.rollouts) == 1
     (seq,) = rs.rollouts[0].sequences
@@ -233,7 +256,7 @@ def test_trainer_logprobs_with_sparse_lm_head_gradients_equal_the_full_logits_pa
 
     from trainer.logprobs import trainer_logprobs
 
-    store, out, kind, folder = migrated
+    store, out, kind, folder, _ = migrated
     seqs = read_rollouts(store, "r").sequences
     batch = collate(seqs + seqs)
     grads, lps = [], []
@@ -249,3 +272,84 @@ def test_trainer_logprobs_with_sparse_lm_head_gradients_equal_the_full_logits_pa
     torch.testing.assert_close(lps[0], batch.engine_logprobs, atol=1e-4, rtol=0)  # same weights as the engine
     for n in grads[1]:
         torch.testing.assert_close(grads[0][n], grads[1][n], atol=1e-6, rtol=1e-4)
+
+
+def _model(folder):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+
+
+def test_sets_to_rebuild_rebuild_to_exactly_the_listed_sets(migrated):
+    from trainer.logprobs import resolve_kept, sampler_logprobs, trainer_logprobs
+
+    store, out, kind, folder, rebuild = migrated
+    listed, pending = read_rollouts(store, "r").sequences, read_rollouts(rebuild, "r").sequences
+    (a,), (b,) = listed, pending
+    assert a.kept_pending is None and b.kept_pending is not None and len(b.kept_pending) >= 3
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs)
+    sizes = b.kept_offsets[1:] - b.kept_offsets[:-1]
+    later = b.kept_pending.rows
+    assert (sizes[later] == 0).all() and (sizes[~torch.isin(torch.arange(14), later)] > 0).all()
+    model = _model(folder)
+    got = sampler_logprobs(model, b)  # the engine's weights: rebuilt from the recomputed logits
+    assert got.kept.rebuilt == len(b.kept_pending) and got.kept.mismatches == 0 and bool(got.kept.valid.all())
+    assert torch.equal(got.kept.ids, a.kept_ids.long()) and torch.equal(got.kept.offsets, a.kept_offsets)
+    torch.testing.assert_close(got.logprobs, sampler_logprobs(model, a).logprobs, atol=0, rtol=0)
+    (resolved,) = resolve_kept(model, pending)
+    assert resolved.kept_pending is None and torch.equal(resolved.kept_ids, a.kept_ids)
+    # the training path, on a batch of two: rebuilt from the training forward's own rows
+    batch_a, batch_b = collate(listed + listed), collate(pending + pending)
+    assert torch.equal(batch_b.kept_pending.rows[len(b.kept_pending):], b.kept_pending.rows + 14)
+    grads = []
+    for batch in (batch_a, batch_b):
+        m = _model(folder)
+        r = trainer_logprobs(m, batch)
+        (r.logprobs * torch.linspace(-1, 1, 28)).sum().backward()
+        grads.append((r, {n: p.grad for n, p in m.named_parameters()}))
+    (ra, ga), (rb, gb) = grads
+    assert rb.kept.rebuilt == 2 * len(b.kept_pending) and torch.equal(rb.kept.ids, ra.kept.ids)
+    torch.testing.assert_close(rb.logprobs, ra.logprobs, atol=0, rtol=0)
+    torch.testing.assert_close(rb.logprobs.detach(), batch_b.engine_logprobs, atol=1e-4, rtol=0)
+    for n in ga:
+        torch.testing.assert_close(gb[n], ga[n], atol=0, rtol=0)
+
+
+def test_logits_of_other_weights_get_a_named_error_never_another_set(migrated):
+    from trainer.kept import KeptRebuildError
+    from trainer.logprobs import trainer_logprobs
+
+    store, out, kind, folder, rebuild = migrated
+    (a,), pending = read_rollouts(store, "r").sequences, read_rollouts(rebuild, "r").sequences
+    other = _model(folder)
+    with torch.no_grad():  # other weights: logits moved far beyond the engine's tolerance
+        head = other.get_output_embeddings().weight
+        head.add_(torch.randn(head.shape, generator=torch.Generator().manual_seed(0)) * 0.05)
+    batch = collate(pending)
+    with pytest.raises(KeptRebuildError, match=r"kept sets to rebuild do not match these logits; the first, generated "
+                                               r"token \d+ \(sampled with version 0\).*tolerance 0.001"):
+        trainer_logprobs(other, batch)
+    r = trainer_logprobs(other, batch, on_mismatch="drop")
+    bad = ~r.kept.valid
+    b = batch.kept_pending
+    assert r.kept.mismatches == int(bad.sum()) > 0 and r.kept.rebuilt + r.kept.mismatches == len(b)
+    assert bool(torch.isin(b.rows, bad.nonzero()[:, 0]).sum() == bad.sum())  # only rows to rebuild can fail
+    assert (r.logprobs[bad] == 0).all()  # the target alone: no gradient, masked by the caller
+    truth = a.kept_ids.long()
+    for g in (~bad).nonzero()[:, 0].tolist():  # every set that verified is the listed one
+        assert torch.equal(r.kept.ids[r.kept.offsets[g]:r.kept.offsets[g + 1]],
+                           truth[a.kept_offsets[g]:a.kept_offsets[g + 1]])
+
+
+def test_format_1_chunks_of_the_previous_release_read_back_alike(dense_run):
+    store, out, lps = dense_run
+    before = read_rollouts(store, "r").sequences[0]
+    for key in _chunk_keys(store):
+        old = encode_chunk(decode_chunk(store.get(key)), version=1)
+        assert old[4] == 1
+        store.delete([key])
+        store.put(key, old, create=True)
+    after = read_rollouts(store, "r").sequences[0]
+    for f in ("tokens", "loss_mask", "versions", "logprobs", "positions", "kept_ids", "kept_offsets", "row_versions"):
+        assert torch.equal(getattr(before, f), getattr(after, f)), f
+    assert after.kept_pending is None

@@ -12,6 +12,9 @@ Pure Python and numpy; every function is exact (no sampling) and validates its i
 * :mod:`~trainer.rewards.latency`: latency estimate and :func:`latency_penalty` from users' switch-away
   times; :mod:`~trainer.rewards.phases`: the capability → product two-phase reward.
 * :mod:`~trainer.rewards.length`: the alternating length penalty and :func:`zero_if_cheating`.
+* :mod:`~trainer.rewards.cheating`: :class:`CheatingCheck`, pluggable detectors of cheating attempts over a
+  trajectory record's tool calls (hidden tests and grader files, git history, network access from a restricted
+  sandbox, writes to the grading path); a hit zeroes the reward (:func:`zero_if_cheating`).
 * :mod:`~trainer.rewards.swe`: :class:`SWECheckReward`, all of the above behind the thin trainer's reward
   interface (``trainer.tasks.RewardFn``: a ``Sample`` in, a float out).
 """
@@ -19,6 +22,7 @@ Pure Python and numpy; every function is exact (no sampling) and validates its i
 from __future__ import annotations
 
 from ._validate import RewardInputError
+from .cheating import CheatingCheck, CheatReport, GitHistory, GradingWrite, HiddenFiles, NetworkAccess
 from .fbeta import fbeta, fbeta_from_counts, fbeta_grad, pr_from_counts
 from .latency import LatencyModel, SwitchAwayCDF, latency_penalty
 from .length import AlternatingLengthPenalty, CostWeights, LengthPhase, zero_if_cheating
@@ -30,10 +34,16 @@ from .swe import SWECheckReward
 
 __all__ = [
     "AlternatingLengthPenalty",
+    "CheatReport",
+    "CheatingCheck",
     "CostWeights",
+    "GitHistory",
+    "GradingWrite",
+    "HiddenFiles",
     "LatencyModel",
     "LengthPhase",
     "LinearizedReward",
+    "NetworkAccess",
     "Phase",
     "PopulationMetrics",
     "RewardInputError",

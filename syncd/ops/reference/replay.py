@@ -9,6 +9,14 @@
   order; padding bits are 0 (the bit layout of ``docs/replay-format.md``'s routing payload).
 * **routed gather**: ``out[n, j] = probs[n, routes[n, j]]``, and 0 where ``routes[n, j] < 0`` (no route: a padding
   position). Exact, so every backend gives the same bits.
+* **kept sets** (what top-k/top-p sampling may draw from; one row at a time, the sampler's own algorithm): rank the
+  scaled logits ``z = logits / temperature`` (float32; the raw logits when greedy) in descending order, ties by
+  the lower id; keep the first ``top_k`` (when ``0 < top_k < V``), then the smallest prefix whose renormalised mass
+  reaches ``top_p`` (at least one id); greedy (``temperature == 0``) keeps the first; a given ``size`` keeps the
+  first ``size``. ``gaps[j] = z[rank j] - z[rank j + 1]`` (``inf`` past the vocabulary): the margin that decides
+  whether the first ``j + 1`` ids stay the first ``j + 1`` under a perturbation of the logits.
+* **kept-set fingerprint**: ``sum(mix32(id ^ 0x9E3779B9) for id in set) mod 2**32``, ``mix32`` the bijective
+  "lowbias32" integer hash (C. Wellons): independent of order; two sets that differ by one id never collide.
 """
 
 from __future__ import annotations
@@ -16,7 +24,9 @@ from __future__ import annotations
 import torch
 
 __all__ = ["kept_rows", "kept_logprobs", "kept_logprobs_backward", "bits_per_id", "pack_routes", "unpack_routes",
-           "gather_routed", "gather_routed_backward"]
+           "gather_routed", "gather_routed_backward", "kept_set_row", "kept_fingerprint", "FINGERPRINT_SALT"]
+
+FINGERPRINT_SALT = 0x9E3779B9
 
 
 def kept_rows(offsets: torch.Tensor) -> torch.Tensor:
@@ -98,3 +108,41 @@ def gather_routed_backward(grad: torch.Tensor, routes: torch.Tensor, num_experts
     idx = torch.where(valid, routes, torch.zeros_like(routes)).to(torch.int64)
     out = torch.zeros((routes.shape[0], num_experts), dtype=grad.dtype, device=grad.device)
     return out.scatter_add_(1, idx, torch.where(valid, grad, torch.zeros_like(grad)))
+
+
+def kept_set_row(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                 size: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(ids, values, gaps, logprobs)`` of one row ``logits`` ``[V]``: the kept ids in rank order (int64), their
+    scaled logits and gaps (float32), and their log-probabilities renormalised over the kept set (float32;
+    0 for greedy)."""
+    x = logits.float()
+    z = x if temperature == 0 else x / temperature
+    order = torch.sort(z, descending=True, stable=True)
+    vals, ids = order.values, order.indices
+    V = z.numel()
+    if size is not None:
+        n = int(size)
+    elif temperature == 0:
+        n = 1
+    else:
+        n = top_k if 0 < top_k < V else V
+        if top_p < 1.0:
+            cum = torch.cumsum(torch.log_softmax(vals[:n], dim=0).exp(), dim=0)
+            # smallest prefix whose mass reaches top_p (at least one token)
+            at = int(torch.searchsorted(cum, torch.tensor([top_p], dtype=cum.dtype, device=cum.device))[0])
+            n = max(1, min(at + 1, n))
+    after = torch.cat([vals[1:n + 1], vals.new_full((max(0, n + 1 - V),), float("-inf"))])
+    return ids[:n], vals[:n], vals[:n] - after, torch.log_softmax(vals[:n], dim=0)
+
+
+def _mix32(x: int) -> int:
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def kept_fingerprint(ids) -> int:
+    """The 32-bit fingerprint of one kept set (any order; ids below ``2**32``)."""
+    return sum(_mix32(int(i) ^ FINGERPRINT_SALT) for i in ids) & 0xFFFFFFFF

@@ -5,6 +5,9 @@ reference (``syncd/ops/reference/replay.py``) is the specification.
 - :func:`kept_logprobs`: log-probabilities renormalised over each row's kept set (CSR ``ids``/``offsets``),
   differentiable, gathering only the kept entries (backends ``reference``, ``cpu`` native, ``triton``);
   :func:`kept_logprobs_vocab_parallel` for logits sharded over tensor-parallel ranks
+- :func:`kept_sets`: the kept sets of top-k/top-p sampling (the engine's sampler and the trainer share it);
+  :func:`kept_fingerprint` (32 bits per set) and :func:`rebuild_kept` (a recorded set from the trainer's logits,
+  verified)
 - :func:`pack_routes` / :func:`unpack_routes`: MoE expert ids at ``ceil(log2 E)`` bits each
 - :func:`gather_routed`: combine weights of recorded experts (``NO_ROUTE`` gives 0), differentiable;
   :func:`route_dtype`: the compact dtype routes are held in
@@ -13,6 +16,9 @@ reference (``syncd/ops/reference/replay.py``) is the specification.
 from syncd.ops.replay._kept import kept_logprobs
 from syncd.ops.replay._parallel import kept_logprobs_vocab_parallel
 from syncd.ops.replay._routes import NO_ROUTE, bits_per_id, gather_routed, pack_routes, route_dtype, unpack_routes
+from syncd.ops.replay._sets import (REBUILD_FINGERPRINT, REBUILD_OK, REBUILD_OVERLAP, KeptSets, RebuiltKept,
+                                    kept_fingerprint, kept_sets, rebuild_kept)
 
-__all__ = ["NO_ROUTE", "bits_per_id", "gather_routed", "kept_logprobs", "kept_logprobs_vocab_parallel",
-           "pack_routes", "route_dtype", "unpack_routes"]
+__all__ = ["NO_ROUTE", "REBUILD_FINGERPRINT", "REBUILD_OK", "REBUILD_OVERLAP", "KeptSets", "RebuiltKept",
+           "bits_per_id", "gather_routed", "kept_fingerprint", "kept_logprobs", "kept_logprobs_vocab_parallel",
+           "kept_sets", "pack_routes", "rebuild_kept", "route_dtype", "unpack_routes"]

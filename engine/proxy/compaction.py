@@ -1,0 +1,286 @@
+"""Self-compaction in the sandbox proxy: when an agent nears the context limit, ask it to summarize its working
+state and resume it from its own summary (the seed's long-horizon recipe), recorded so that it trains cleanly.
+
+Policy (:class:`CompactionConfig`): a ``/v1/completions`` request is compacted when its prompt plus its
+``max_tokens`` would pass ``trigger`` of the context window (``window`` tokens, the engine's positions). Then
+the proxy runs it as segments, each one upstream request recorded as a turn of the trajectory:
+
+1. **generate** -- the context ``C`` (the prompt's token ids) generates up to the budget
+   ``floor(trigger * window) - len(C)`` tokens ``O``;
+2. **summary** -- ``C + O + summary_prompt`` (just ``C + summary_prompt`` when ``C`` itself leaves no room)
+   generates ``summary_tokens`` tokens ``S`` (the model's own
+   summary; never shown to the client);
+3. **continuation** -- the new context ``C' = C[:keep_prompt] + resume_prompt + S + continue_prompt`` (the task's
+   head and the summary's *sampled* ids, never detokenised and tokenised again) generates the next tokens; steps
+   2-3 repeat until the request's ``max_tokens`` are made or the model stops (at most ``max_compactions``).
+
+Every segment is sent to the frontend as token ids (``prompt: [ids]``), so the engine sees exactly the ids the
+record holds; each turn carries the usual record (prompt ids, sampled ids, versions, log-probs, the engine
+request ids that join it to the replay records with its kept sets and routes) and a ``compaction`` member
+``{"request", "segment", "role": "generate" | "summary" | "continuation", "client_request"?}``; the
+trajectory's ``compactions`` member lists the boundaries (``syncd.records.trajectory``). The client gets one
+answer: the generate and continuation outputs concatenated (streamed clients get it as one chunk when the
+request ends), ``usage`` counting those tokens, and ``nvext.compactions``, the number of compactions.
+
+A later request of a compacted trajectory whose prompt text extends what the client saw (its prompt and the
+answer) continues from the live context: the new text alone is tokenised and appended to ``C'`` and what it
+generated. Chat requests, ``n > 1``, prompts of several texts and prompts too long even to summarize pass
+through uncompacted.
+
+Errors: a configuration that leaves no room (``trigger * window`` plus the summary prompt and tokens past the
+window, a continuation's fixed part filling the budget) raises ValueError at start-up; a live context too long to
+summarize, or ``max_compactions`` used up, fails the request (HTTP 400, a failed turn saying why). Thread-safety: one asyncio loop, like the proxy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aiohttp import web
+
+from engine.proxy.record import Turn, now
+from engine.proxy import sse
+from engine.proxy.turn import (TRAJECTORY_HEADER, ClientStream, TurnState, check_complete, error_response,
+                               upstream_body)
+from syncd.records.trajectory import COMPACTION_ROLES
+
+__all__ = ["CompactionConfig", "Compactor", "ROLES"]
+
+ROLES = COMPACTION_ROLES
+SUMMARY_PROMPT = "\n\nYou are near the end of your context. Summarize your work so far: the task, what is done, " \
+                 "what is left.\nSummary:"
+RESUME_PROMPT = "\n\nYour summary of your earlier work:\n"
+CONTINUE_PROMPT = "\n\nContinue where you stopped:\n"
+
+
+@dataclass(frozen=True)
+class CompactionConfig:
+    """``window``: the context window in tokens; ``tokenizer``: the model's ``tokenizer.json`` (or its folder);
+    ``trigger``: the share of the window a segment may fill, in (0, 1]; ``summary_tokens``: the summary's
+    ``max_tokens``; ``keep_prompt``: tokens of the original prompt kept at the head of a continuation (the task
+    statement); the three prompts are texts (tokenised once, at start-up)."""
+
+    window: int
+    tokenizer: str
+    trigger: float = 0.75
+    summary_prompt: str = SUMMARY_PROMPT
+    resume_prompt: str = RESUME_PROMPT
+    continue_prompt: str = CONTINUE_PROMPT
+    summary_tokens: int = 64
+    keep_prompt: int = 64
+    max_compactions: int = 64
+
+    def __post_init__(self):
+        if self.window < 8:
+            raise ValueError(f"compaction window must be at least 8 tokens, got {self.window}")
+        if not 0 < self.trigger <= 1:
+            raise ValueError(f"compaction trigger must be in (0, 1], got {self.trigger}")
+        if self.summary_tokens < 1 or self.keep_prompt < 0 or self.max_compactions < 1:
+            raise ValueError("compaction summary_tokens and max_compactions must be >= 1, keep_prompt >= 0")
+
+    @classmethod
+    def for_model(cls, model_dir, **kw) -> "CompactionConfig":
+        """The window from ``config.json``'s ``max_position_embeddings`` and the model's tokenizer (``kw``
+        override)."""
+        cfg = json.loads(Path(model_dir, "config.json").read_text())
+        kw.setdefault("window", int(cfg["max_position_embeddings"]))
+        return cls(tokenizer=str(model_dir), **kw)
+
+    @property
+    def budget(self) -> int:
+        """Positions a segment's context and output may fill."""
+        return math.floor(self.trigger * self.window)
+
+
+@dataclass
+class _Live:
+    """A compacted trajectory's state: the text the client saw, and the context the engine holds for it."""
+
+    client_text: str
+    context: list[int]
+    head: list[int]
+
+
+@dataclass
+class _Request:
+    context: list[int]
+    head: list[int]
+    prompt_text: str | None
+    max_tokens: int
+    segments: list[Turn] = field(default_factory=list)
+
+
+class Compactor:
+    """Runs compacted requests for a :class:`engine.proxy.server.Proxy` (see the module docstring)."""
+
+    def __init__(self, config: CompactionConfig):
+        from tokenizers import Tokenizer
+
+        self.config = config
+        path = Path(config.tokenizer)
+        self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json" if path.is_dir() else path))
+        self.summary_ids = self.encode(config.summary_prompt)
+        self.resume_ids = self.encode(config.resume_prompt)
+        self.continue_ids = self.encode(config.continue_prompt)
+        if config.budget + len(self.summary_ids) + config.summary_tokens > config.window:
+            raise ValueError(f"compaction leaves no room for the summary: trigger * window = {config.budget}, "
+                             f"summary prompt {len(self.summary_ids)} + summary tokens {config.summary_tokens}, "
+                             f"window {config.window}")
+        fixed = config.keep_prompt + len(self.resume_ids) + config.summary_tokens + len(self.continue_ids)
+        if fixed >= config.budget:
+            raise ValueError(f"a continuation context ({fixed} tokens: kept prompt, resume and continue prompts, "
+                             f"summary) leaves no room to generate in {config.budget} tokens")
+        self._live: dict[str, _Live] = {}
+        self.compactions = 0
+
+    def forget(self, tid: str) -> None:
+        """Drop the live context of trajectory ``tid`` (it was finished)."""
+        self._live.pop(tid, None)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    # ------------------------------------------------------------------------------------ policy
+
+    def plan(self, tid: str, body: dict, endpoint: str) -> _Request | None:
+        """The compacted run of ``body``, or None when it goes the proxy's usual way."""
+        if endpoint != "completions" or (body.get("n") or 1) != 1 or body.get("echo"):
+            return None
+        prompt, max_tokens = body.get("prompt"), body.get("max_tokens")
+        max_tokens = 16 if max_tokens is None else max_tokens  # the OpenAI default
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            return None  # the frontend answers what is wrong
+        live = self._live.get(tid)
+        if isinstance(prompt, str):
+            if live is not None and prompt.startswith(live.client_text):
+                return _Request(live.context + self.encode(prompt[len(live.client_text):]), live.head, prompt,
+                                max_tokens)
+            ids, text = self.encode(prompt), prompt
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                           for t in prompt):
+            ids, text = list(prompt), None
+        else:
+            return None
+        if len(ids) + max_tokens <= self.config.budget:
+            return None
+        if len(ids) + len(self.summary_ids) + self.config.summary_tokens > self.config.window:
+            return None  # too long even to summarize: the usual path, where the engine decides
+        return _Request(ids, ids[:self.config.keep_prompt], text, max_tokens)
+
+    # ------------------------------------------------------------------------------------ running
+
+    async def run(self, proxy, req: _Request, traj, tid: str, body: dict, request: web.Request):
+        """Run ``req`` (segments, summaries, continuations), record each segment in ``traj``, answer the client.
+        A context that leaves no room to generate (a long prompt, a long live context) is summarized first."""
+        cfg = self.config
+        number = len(traj.turns)  # the client request is named by the index of its first segment
+        context, left, compactions, visible = list(req.context), req.max_tokens, 0, []
+        segment, first = 0, {"client_request": body}
+        while True:
+            room = cfg.budget - len(context)
+            if room >= 1:
+                meta = {"request": number, "segment": segment, "role": "continuation" if compactions else "generate"}
+                turn, err = await self._segment(proxy, traj, tid, body, request, context, min(left, room),
+                                                {**meta, **first})
+                segment, first = segment + 1, {}
+                if err is not None:
+                    return err
+                visible.append(turn)
+                left -= len(turn.output_token_ids)
+                if turn.finish_reason != "length" or left <= 0:
+                    break
+                context = context + turn.output_token_ids
+            if compactions == cfg.max_compactions:
+                return self._refuse(traj, number, f"{compactions} compactions and {left} tokens still to make")
+            if len(context) + len(self.summary_ids) + cfg.summary_tokens > cfg.window:
+                return self._refuse(traj, number, f"a context of {len(context)} tokens is too long to summarize "
+                                                  f"within the {cfg.window}-token window")
+            summary, err = await self._segment(proxy, traj, tid, body, request, context + self.summary_ids,
+                                               cfg.summary_tokens,
+                                               {"request": number, "segment": segment, "role": "summary", **first})
+            segment, first = segment + 1, {}
+            if err is not None:
+                return err
+            compactions += 1
+            self.compactions += 1
+            context = req.head + self.resume_ids + summary.output_token_ids + self.continue_ids
+        last = visible[-1]
+        text = "".join(t.text for t in visible)
+        if req.prompt_text is not None:
+            self._live[tid] = _Live(req.prompt_text + text, last.prompt_token_ids + last.output_token_ids,
+                                    req.head)
+        return await self._answer(body, request, tid, visible, text, compactions, len(req.context))
+
+    async def _segment(self, proxy, traj, tid, body, request, prompt_ids, max_tokens, meta):
+        """One upstream request of the compacted run, recorded as a turn; ``(turn, None)`` or ``(turn, the
+        error response)``."""
+        seg_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+        seg_body.update(prompt=list(prompt_ids), max_tokens=max_tokens)
+        turn = Turn(index=len(traj.turns), endpoint="completions", request=seg_body, stream=False)
+        turn.compaction = meta
+        turn.prompt_token_ids = list(prompt_ids)  # the frontend annotates text prompts only
+        traj.turns.append(turn)
+        state = TurnState(turn)
+        running = proxy._running.setdefault(tid, [])
+        running.append(state)
+        try:
+            err = await proxy._attempts(state, upstream_body(seg_body), "completions", ClientStream(request, turn, tid))
+            if err is None:
+                check_complete(state)
+                if turn.status != "failed" and turn.prompt_token_ids != list(prompt_ids):
+                    turn.fail("the frontend annotated other prompt token ids than the proxy sent")
+                if turn.status == "failed":
+                    err = error_response(502, turn.error, "upstream_error")
+                else:
+                    turn.status, turn.finished_at = "ok", now()
+            return turn, err
+        except asyncio.CancelledError:
+            turn.fail("the proxy stopped while this request was running" if proxy._closing
+                      else f"the client went away after {state.tokens} tokens of this segment")
+            raise
+        finally:
+            if turn.status == "running":
+                turn.fail("the proxy stopped while this request was running")
+            state.done.set()
+            running.remove(state)
+
+    def _refuse(self, traj, number: int, reason: str) -> web.Response:
+        turn = Turn(index=len(traj.turns), endpoint="completions", request={}, stream=False)
+        turn.compaction = {"request": number, "segment": -1, "role": "generate"}
+        traj.turns.append(turn)
+        turn.fail(f"compaction: {reason}")
+        return error_response(400, turn.error, "invalid_request_error")
+
+    async def _answer(self, body: dict, request: web.Request, tid: str, visible: list[Turn], text: str,
+                      compactions: int, prompt_tokens: int):
+        last = visible[-1]
+        n_out = sum(len(t.output_token_ids) for t in visible)
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n_out, "total_tokens": prompt_tokens + n_out}
+        nvext = {"compactions": compactions}
+        wants = set(((body.get("nvext") or {}).get("extra_fields")) or [])
+        if "engine_data" in wants:
+            nvext["engine_data"] = {"syncd": 1, "request_id": last.request_id,
+                                    "token_ids": [x for t in visible for x in t.output_token_ids],
+                                    "versions": [x for t in visible for x in t.versions],
+                                    "logprobs": [x for t in visible for x in t.logprobs]}
+        out = {"id": visible[0].response_id, "object": "text_completion", "model": body.get("model"),
+               "choices": [{"index": 0, "text": text, "finish_reason": last.finish_reason, "logprobs": None}],
+               "usage": usage, "nvext": nvext}
+        headers = {TRAJECTORY_HEADER: tid, "X-Syncd-Turn": str(visible[0].index),
+                   "X-Syncd-Compactions": str(compactions)}
+        if not body.get("stream"):
+            return web.json_response(out, headers=headers)
+        resp = web.StreamResponse(status=200, headers={**headers, "Content-Type": "text/event-stream",
+                                                       "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        chunk = dict(out)
+        if not ((body.get("stream_options") or {}).get("include_usage")):
+            chunk.pop("usage")
+        await resp.write(sse.format_event(chunk))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
