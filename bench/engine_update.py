@@ -295,6 +295,8 @@ def parse_args(argv):
     p.add_argument("--preset", choices=sorted(PRESETS), default="default")
     p.add_argument("--engine", choices=("reference", "vllm"), default="reference",
                    help="the engine updated: syncd's reference engine or a real vLLM (bench.engine_update_vllm; CPU)")
+    p.add_argument("--vllm-cpu-gemm", choices=("onednn", "torch"), default="onednn",
+                   help="--engine vllm: vLLM's packed oneDNN linear layers (rebuilt after each write) or F.linear")
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--updates", type=int, help="delta versions to apply (preset default)")
     p.add_argument("--clients", type=int, help="concurrent requests kept running (preset default)")
@@ -398,7 +400,7 @@ def _main_vllm(args) -> int:
             cfg[k] = getattr(args, k)
     print(f"syncd engine update benchmark on vLLM: preset {args.preset}, {platform.processor() or platform.machine()}")
     with tempfile.TemporaryDirectory(prefix="syncd-vllm-bench-") as tmp:
-        r = ev.run(cfg, args.lr, args.seed, Path(tmp))
+        r = ev.run(cfg, args.lr, args.seed, Path(tmp), cpu_gemm=args.vllm_cpu_gemm)
     ev.report(r)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

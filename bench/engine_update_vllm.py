@@ -115,7 +115,7 @@ def _touched_lines(prev: dict, new: dict) -> int:
     return lines
 
 
-def run(cfg: dict, lr: float, seed: int, workdir: Path) -> dict:
+def run(cfg: dict, lr: float, seed: int, workdir: Path, cpu_gemm: str = "onednn") -> dict:
     """The measurements of the module docstring; returns the ``result`` dict of the JSON. Raises RuntimeError
     if vLLM's checksums differ from the trainer's after an apply."""
     from bench.codec import snapshots
@@ -145,7 +145,7 @@ def run(cfg: dict, lr: float, seed: int, workdir: Path) -> dict:
     sw.lap()
     eng = VLLMEngine(model_dir, version=0, max_num_seqs=max(8, cfg["clients"]),
                      max_model_len=max(256, cfg["prompt"] + cfg["max_tokens"] + 8),
-                     engine_kwargs={"skip_tokenizer_init": True})
+                     engine_kwargs={"skip_tokenizer_init": True}, cpu_gemm=cpu_gemm)
     print(f"vLLM started in {sw.lap():.1f}s")
     load = Load(eng, cfg, seed)
     updates = []
@@ -182,13 +182,15 @@ def run(cfg: dict, lr: float, seed: int, workdir: Path) -> dict:
         load.finish()
 
     # vLLM's own full reload of the newest weights (the engine already holds them: nothing changes), paused alike
-    reload_pause = []
+    reload_pause, reload_stall = [], []
     for _ in range(cfg["reload_repeats"]):
         s = Stopwatch()
         eng.pause()
+        waited = s.lap()
         eng.run(lambda llm: llm.collective_rpc("syncd_full_reload", kwargs={"path": str(reload_file), "repeat": 1}))
         eng.resume()
-        reload_pause.append(s.elapsed)
+        reload_stall.append(s.lap())
+        reload_pause.append(waited + reload_stall[-1])
     res = eng.run(lambda llm: llm.collective_rpc("syncd_full_reload",
                                                   kwargs={"path": str(reload_file), "repeat": cfg["reload_repeats"]}))
     reload_worker = res[0]["reload_s"]
@@ -213,27 +215,32 @@ def run(cfg: dict, lr: float, seed: int, workdir: Path) -> dict:
         worker_derive_median_s=median([u["worker_derive_s"] for u in updates]),
         verify_median_s=median([u["verify_s"] for u in updates]),
         vllm_reload_pause_median_s=median(reload_pause), vllm_reload_worker_median_s=median(reload_worker),
+        vllm_reload_stall_median_s=median(reload_stall),
         ratio_reload_to_pause=median(reload_pause) / median(pause),
+        ratio_reload_stall_to_stall=median(reload_stall) / median(stall),
         ratio_worker_reload_to_worker_apply=median(reload_worker) / median(
             [u["worker_write_s"] + u["worker_derive_s"] for u in updates]),
         physical_limit_ratio=limit,
         tokens_per_s_baseline=rate_base, tokens_per_s_with_updates=rate_upd,
         requests_submitted=load.submitted, requests_completed=load.completed,
         requests_lost=len(load.failures), failures=load.failures[:10], device="cpu", gpu_name=None,
+        cpu_gemm=cpu_gemm,
     )
 
 
 def report(r: dict) -> None:
     """Print the figures of ``run``'s result."""
     ms = lambda s: f"{1e3 * s:8.2f} ms"  # noqa: E731
-    print(f"\ndensity {100 * r['density']:.3f}% of {r['params'] / 1e6:.1f}M words per update; "
+    print(f"\nvLLM CPU linear layers: {r['cpu_gemm']}")
+    print(f"density {100 * r['density']:.3f}% of {r['params'] / 1e6:.1f}M words per update; "
           f"{100 * r['lines_touched_fraction']:.1f}% of the fp32 cache lines hold a changed word")
     print(f"pause per update (pause called -> resume returned): median {ms(r['pause_median_s'])}, max "
           f"{ms(r['pause_max_s'])}; inside it the stall (pause returned -> resume returned) {ms(r['stall_median_s'])}")
     print(f"  in the worker: in-place write {ms(r['worker_write_median_s'])}, rebuilding vLLM's packed CPU copies "
           f"of the touched layers {ms(r['worker_derive_median_s'])}")
     print(f"vLLM's own full reload (reload_weights of a full state dict), paused alike: median "
-          f"{ms(r['vllm_reload_pause_median_s'])}   -> reload / pause = {r['ratio_reload_to_pause']:.1f}x")
+          f"{ms(r['vllm_reload_pause_median_s'])}   -> reload / pause = {r['ratio_reload_to_pause']:.1f}x; stall "
+          f"{ms(r['vllm_reload_stall_median_s'])}   -> reload / stall = {r['ratio_reload_stall_to_stall']:.1f}x")
     print(f"  in the worker: reload {ms(r['vllm_reload_worker_median_s'])} vs write + rebuild  -> "
           f"{r['ratio_worker_reload_to_worker_apply']:.1f}x (physical limit at this density, memory traffic: "
           f"{r['physical_limit_ratio']:.1f}x)")

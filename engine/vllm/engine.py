@@ -65,12 +65,14 @@ class VLLMEngine:
     ``version``. ``max_model_len`` (None: the model's), ``max_num_seqs``, ``block_size`` (CPU: a multiple of 32),
     ``kv_cache_gib`` (CPU KV cache, ``VLLM_CPU_KVCACHE_SPACE``) and ``engine_kwargs`` (any other
     ``AsyncEngineArgs``) configure vLLM; it always runs in float32 (the parameters hold the trainer's bf16
-    words exactly) with eager execution. Starting takes 20-60 s on a small CPU machine. Raises what vLLM
+    words exactly) with eager execution. ``cpu_gemm``: how CPU linear layers compute, ``"onednn"`` (vLLM's packed
+    copies, rebuilt for the touched layers after each write; the default) or ``"torch"`` (``F.linear`` over the
+    written weights; ``SYNCD_VLLM_CPU_GEMM``). Starting takes 20-60 s on a small CPU machine. Raises what vLLM
     raises when it cannot start, and ``ValueError`` for a model whose layout syncd cannot map."""
 
     def __init__(self, model_dir, *, version: int | None = 0, max_model_len: int | None = 512, max_num_seqs: int = 8,
                  block_size: int | None = 32, kv_cache_gib: float = 1, engine_kwargs: dict | None = None,
-                 name: str = "vllm", start_timeout: float = 900.0):
+                 cpu_gemm: str | None = None, name: str = "vllm", start_timeout: float = 900.0):
         self.name = name
         self.model_dir = os.fspath(model_dir)
         self._version = version
@@ -80,6 +82,8 @@ class VLLMEngine:
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"{name}-loop", daemon=True)
         self._thread.start()
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+        if cpu_gemm is not None:  # read by engine.vllm.worker_ext in the worker, which inherits this environment
+            os.environ["SYNCD_VLLM_CPU_GEMM"] = cpu_gemm
         args = dict(model=self.model_dir, dtype="float32", enforce_eager=True, max_num_seqs=max_num_seqs,
                     max_logprobs=-1, worker_extension_cls=WORKER_EXTENSION, weight_transfer_config={"backend": "syncd"})
         if max_model_len:

@@ -8,7 +8,8 @@ it builds the worker), so importing it
 * registers the ``syncd`` backend with ``WeightTransferEngineFactory`` (the registry is per process), and
 * on CPU keeps the linear layers' weights: vLLM's CPU backend otherwise replaces every linear weight with an
   empty parameter and computes with a private oneDNN-packed copy (``dispatch_cpu_unquantized_gemm(...,
-  remove_weight=True)``), so there would be nothing to write in place.
+  remove_weight=True)``), so there would be nothing to write in place. ``SYNCD_VLLM_CPU_GEMM=torch`` computes
+  with ``F.linear`` over the kept weight instead (no packed copy to rebuild; slower decode).
 
 The weights syncd writes are vLLM's own parameters in their logical (loader) layout, through one
 :class:`engine.updater.WeightUpdater` per worker over their bf16 words (the fp32 parameters hold bf16-exact
@@ -37,15 +38,27 @@ log = logging.getLogger(__name__)
 __all__ = ["SyncdWorkerExtension", "SyncdWeightTransfer", "install_cpu_gemm_keep"]
 
 
-def install_cpu_gemm_keep() -> None:
-    """Make vLLM's CPU GEMM dispatch keep every linear layer's weight (idempotent; a no-op without vLLM)."""
+#: how vLLM's CPU linear layers compute (``SYNCD_VLLM_CPU_GEMM``, read in the worker): ``onednn`` (vLLM's packed
+#: copy, rebuilt for the touched layers after each write) or ``torch`` (``F.linear`` over the live weight: nothing
+#: to rebuild, slower decode)
+CPU_GEMM_MODES = ("onednn", "torch")
+
+
+def install_cpu_gemm_keep(mode: str = "onednn") -> None:
+    """Make vLLM's CPU GEMM dispatch keep every linear layer's weight, and with ``mode="torch"`` compute with
+    ``F.linear`` over it (idempotent). ValueError for another mode."""
     import vllm.model_executor.layers.utils as lu
 
+    if mode not in CPU_GEMM_MODES:
+        raise ValueError(f"SYNCD_VLLM_CPU_GEMM={mode!r}: expected one of {', '.join(CPU_GEMM_MODES)}")
     if getattr(lu.dispatch_cpu_unquantized_gemm, "_syncd_keep", False):
         return
     orig = lu.dispatch_cpu_unquantized_gemm
 
     def dispatch(layer, remove_weight):  # noqa: ARG001 -- syncd writes the weight in place: keep it
+        if mode == "torch" and layer.weight.ndim == 2 and not layer.weight.is_meta:
+            layer.cpu_linear = torch.nn.functional.linear
+            return None
         return orig(layer, remove_weight=False)
 
     dispatch._syncd_keep = True
@@ -117,7 +130,7 @@ class _Derived:
                     raise RuntimeError(f"{name}: vLLM's CPU expert packing ({isa}) is not the [E, N/16, K, 16] "
                                        "tiling syncd unpacks; refusing to write it")
                 self.moe[name] = _Moe(mod, attr, logical, isa)
-            elif attr == "weight" and hasattr(mod, "cpu_linear"):
+            elif attr == "weight" and getattr(mod, "cpu_linear", None) not in (None, torch.nn.functional.linear):
                 self.linear[name] = mod
 
     def tensor(self, name: str, param: torch.Tensor) -> torch.Tensor:
@@ -309,8 +322,7 @@ class SyncdWeightTransfer(WeightTransferEngine[SyncdInitInfo, SyncdUpdateInfo]):
 
 if "syncd" not in WeightTransferEngineFactory._registry:
     WeightTransferEngineFactory.register_engine("syncd", SyncdWeightTransfer)
-if os.environ.get("SYNCD_VLLM_KEEP_CPU_WEIGHTS", "1") != "0":
-    install_cpu_gemm_keep()
+install_cpu_gemm_keep(os.environ.get("SYNCD_VLLM_CPU_GEMM", "onednn"))
 
 
 class SyncdWorkerExtension:

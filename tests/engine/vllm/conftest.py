@@ -26,15 +26,15 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
-def engine_and_trainer(tmp_path_factory, arch: str, seed: int):
-    """A tiny model of ``arch``, its trainer (version 0 published) and a VLLMEngine serving version 0 (a
-    generator for module-scoped fixtures: the engine is closed after the module)."""
+def engine_and_trainer(tmp_path_factory, arch: str, seed: int, cpu_gemm: str = "onednn"):
+    """A tiny model of ``arch``, its trainer (version 0 published) and a VLLMEngine serving version 0 with CPU
+    linear layers ``cpu_gemm`` (a generator for module-scoped fixtures: the engine is closed after the module)."""
     from engine.vllm import VLLMEngine
     from syncd.store import Store
 
     model_dir = write_tiny(tmp_path_factory, arch, seed)
     trainer = Trainer(model_dir, Store(tmp_path_factory.mktemp(f"vllm-{arch}-store")))
-    eng = VLLMEngine(model_dir, version=0, max_model_len=512, max_num_seqs=8)
+    eng = VLLMEngine(model_dir, version=0, max_model_len=512, max_num_seqs=8, cpu_gemm=cpu_gemm)
     try:
         yield eng, trainer
     finally:

@@ -2,7 +2,8 @@
 place while it serves: the trainer's fused expert tensors (``mlp.experts.gate_up_proj``/``down_proj``) land in
 vLLM's stacked ``w13``/``w2`` expert weights, whose CPU-packed copies are rebuilt for the touched experts. After
 every apply the worker's checksums equal the trainer's bit for bit, the packed copies equal vLLM's own packing,
-and vLLM's logprobs equal transformers' on the trainer's weights. One engine for the module."""
+and vLLM's logprobs equal transformers' on the trainer's weights. One engine for the module, its attention and
+router computing with ``F.linear`` over the written weights (``cpu_gemm="torch"``)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    yield from engine_and_trainer(tmp_path_factory, "qwen3_moe", seed=4)
+    # F.linear over the written weights for attention and the router (the dense module runs vLLM's oneDNN
+    # copies); the experts are vLLM's packed copies either way
+    yield from engine_and_trainer(tmp_path_factory, "qwen3_moe", seed=4, cpu_gemm="torch")
 
 
 async def _collect(eng, rid, prompt, **sp):
