@@ -73,6 +73,9 @@ class VLLMEngine:
     def __init__(self, model_dir, *, version: int | None = 0, max_model_len: int | None = 512, max_num_seqs: int = 8,
                  block_size: int | None = 32, kv_cache_gib: float = 1, engine_kwargs: dict | None = None,
                  cpu_gemm: str | None = None, name: str = "vllm", start_timeout: float = 900.0):
+        if int((engine_kwargs or {}).get("tensor_parallel_size", 1)) != 1:
+            raise ValueError("engine.vllm runs tensor_parallel_size=1 only (the layout maps TP ranks, but the "
+                             "engine's names and checksums of several ranks are not built yet)")
         self.name = name
         self.model_dir = os.fspath(model_dir)
         self._version = version
@@ -91,9 +94,6 @@ class VLLMEngine:
         if block_size:
             args["block_size"] = block_size
         args.update(engine_kwargs or {})
-        if int(args.get("tensor_parallel_size", 1)) != 1:
-            raise ValueError("engine.vllm runs tensor_parallel_size=1 only (the layout maps TP ranks, but the "
-                             "engine's names and checksums of several ranks are not built yet)")
         try:
             self.llm = self._run(self._start(args), start_timeout)
             self._run(self._init(version), start_timeout)
