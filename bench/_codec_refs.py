@@ -8,7 +8,10 @@ import math
 
 import numpy as np
 import torch
-import zstandard
+try:
+    import zstandard
+except ImportError as exc:  # pragma: no cover
+    raise ImportError("the codec benchmark's baselines need zstandard (pip install 'syncd[bench]')") from exc
 
 from bench._timing import Stopwatch
 from syncd.ops import delta

@@ -56,6 +56,9 @@ def make_states(size_mib: float, n: int, seed: int = 0) -> list[dict]:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from syncd.lazy import quiet_optional_imports
+
+    quiet_optional_imports()
     hidden, layers = 128, 2
     per_layer = 4 * hidden * hidden + 3 * hidden * 352 + 4 * hidden
     vocab = max(256, int((size_mib * (1 << 20) / 2 - layers * per_layer) / (2 * hidden)))
@@ -329,6 +332,7 @@ def main(argv=None) -> int:
     p.add_argument("--mode", choices=["shaped", "unshaped", "both"], default="both")
     p.add_argument("--out", default=None)
     p.add_argument("--workdir", default=None, help="keep the cluster's files (event logs) here")
+    p.add_argument("--plot", metavar="PNG", help="also draw completion against N with the baselines (matplotlib)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     res = run(args)
@@ -336,7 +340,31 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
     print(f"wrote {out}")
+    if args.plot:
+        print(f"plot written to {plot(res, args.plot)}")
     return 0
+
+
+def plot(res: dict, path):
+    """Per mode: the time to get a version onto every node against N, next to one point-to-point transfer of the
+    version, one node reading it from the store alone, and (shaped) the physical limit S / B."""
+    from bench._plot import pyplot, save
+
+    plt = pyplot()
+    modes = res["modes"]
+    fig, axes = plt.subplots(1, len(modes), figsize=(5.5 * len(modes), 4.2), squeeze=False)
+    for ax, (mode, r) in zip(axes[0], sorted(modes.items())):
+        ns = [row["nodes"] for row in r["rows"]]
+        ax.plot(ns, [row["completion_s"] for row in r["rows"]], "o-", lw=2, label="every node has the version")
+        ax.axhline(r["single_tcp_s"], color="C1", ls="--", label="one TCP transfer of S (baseline)")
+        ax.axhline(r["store_direct_s"], color="C2", ls=":", label="one node reading S from the store")
+        if r.get("S_over_B_s"):
+            ax.axhline(r["S_over_B_s"], color="black", lw=0.8, label="S / B (physical limit)")
+        ax.set(xlabel="nodes N", ylabel="seconds", ylim=(0, None), xticks=ns,
+               title=f"{mode}: S = {r['S_bytes'] / 2**20:.1f} MiB")
+        ax.legend(fontsize=7, loc="lower right")
+    fig.suptitle("tree broadcast: completion against cluster size", fontsize=10)
+    return save(fig, path)
 
 
 if __name__ == "__main__":

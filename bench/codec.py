@@ -48,6 +48,9 @@ PRESETS = {
 def build_model(cfg: dict, seed: int) -> torch.nn.Module:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from syncd.lazy import quiet_optional_imports
+
+    quiet_optional_imports()
     torch.manual_seed(seed)
     conf = Qwen2Config(hidden_size=cfg["hidden"], num_hidden_layers=cfg["layers"],
                        num_attention_heads=cfg["heads"], num_key_value_heads=cfg["kv_heads"],
@@ -209,31 +212,34 @@ def row_text(r: dict) -> str:
 
 
 def plot(results: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rs = sorted(results, key=lambda r: r["density"])
-    x = [100 * r["density"] for r in rs]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for v, style in (("1", "o--"), ("2", "s-")):
-        a.plot(x, [r["formats"][v]["ratio_to_bound"] for r in rs], style, label=f"format {v}")
-        b.plot(x, [r["formats"][v]["encode_vs_read"] for r in rs], style, label=f"encode, format {v}")
-        b.plot(x, [r["formats"][v]["apply_vs_read"] for r in rs], style, label=f"apply, format {v}", alpha=0.6)
+    """Size against density on log scales (both formats, the order-0 entropy bound, the zstd baselines) and speed
+    against density (encode and apply over a NumPy read pass)."""
     from matplotlib.ticker import NullFormatter, ScalarFormatter
 
-    a.axhline(1.0, color="grey", lw=0.8)
-    a.set(xscale="log", xlabel="changed words (%)", ylabel="size / order-0 entropy bound", title="size")
-    b.set(xscale="log", xlabel="changed words (%)", ylabel="throughput / NumPy read pass", title="speed (2 cores)")
+    from bench._plot import pyplot, save
+
+    plt = pyplot()
+    rs = sorted(results, key=lambda r: r["density"])
+    x = [100 * r["density"] for r in rs]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    a.plot(x, [r["bound_pct"] for r in rs], "k-", lw=2, label="order-0 entropy bound")
+    for v, style in (("1", "o--"), ("2", "s-")):
+        a.plot(x, [r["formats"][v]["encoded_pct"] for r in rs], style, label=f"syncd format {v}")
+        b.plot(x, [r["formats"][v]["encode_vs_read"] for r in rs], style, label=f"encode, format {v}")
+        b.plot(x, [r["formats"][v]["apply_vs_read"] for r in rs], style, label=f"apply, format {v}", alpha=0.6)
+    for key, label in (("zstd_xor", "zstd(old xor new)"), ("idx32_bf16_zstd", "int32 index + bf16 + zstd"),
+                       ("gapvarint_zigzag_zstd", "gap varint + zigzag + zstd")):
+        a.plot(x, [r["baselines"][key]["pct"] for r in rs], ":", marker=".", label=label)
+    a.plot(x, x, color="grey", lw=0.8, label="y = density")
+    a.set(xscale="log", yscale="log", xlabel="changed words (%)", ylabel="delta size (% of the bf16 weights)",
+          title="size: ours, the bound and the baselines")
+    b.set(xscale="log", xlabel="changed words (%)", ylabel="throughput / NumPy read pass", title="speed")
     for ax in (a, b):
         ax.xaxis.set_major_formatter(ScalarFormatter())
         ax.xaxis.set_minor_formatter(NullFormatter())
-    a.legend()
-    b.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    a.legend(fontsize=7)
+    b.legend(fontsize=7)
+    save(fig, path)
 
 
 def main(argv=None) -> int:

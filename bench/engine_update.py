@@ -151,9 +151,12 @@ def run(cfg: dict, lr: float, seed: int, workdir: Path, verify_apply: bool = Tru
     from bench.codec import snapshots
     from engine.reference import ReferenceEngine
     from syncd.engines.update import Update
+    from syncd.lazy import quiet_optional_imports
     from syncd.store import Store
     from syncd.versions import fetch_shards, read_manifest
     from trainer import WeightPublisher
+
+    quiet_optional_imports()
 
     sw = Stopwatch()
     snaps = snapshots(cfg, lr, cfg["updates"], seed)
@@ -283,6 +286,7 @@ def run(cfg: dict, lr: float, seed: int, workdir: Path, verify_apply: bool = Tru
         reload_load_state_dict_median_s=median(reload), engine_load_full_median_s=median(load_full),
         ratio_reload_to_stall=median(reload) / median(stall), physical_limit_ratio=limit_ratio,
         quiet_apply_median_s=median(quiet_apply), quiet_rollback_median_s=median(quiet_rollback),
+        reload_s=list(reload), load_full_s=list(load_full), quiet_apply_s=list(quiet_apply),
         ratio_reload_to_quiet_apply=median(reload) / median(quiet_apply),
         tokens_per_s_baseline=tokens_base / secs_base, tokens_per_s_with_updates=tokens_upd / secs_upd,
         requests_submitted=load.submitted, requests_completed=load.completed, requests_lost=lost,
@@ -309,6 +313,7 @@ def parse_args(argv):
     p.add_argument("--no-verify-apply", action="store_true",
                    help="apply without comparing the staged old words (the checksum after resume still verifies)")
     p.add_argument("--out", default=os.environ.get("SYNCD_BENCH_OUT", "bench/results/engine_update.json"))
+    p.add_argument("--plot", metavar="PNG", help="also draw each pause against the full reloads (matplotlib)")
     args = p.parse_args(argv)
     try:
         args.device = gpu.resolve_device(args.device)
@@ -385,7 +390,41 @@ def main(argv=None) -> int:
                                "device": args.device, "gpu": r["gpu_name"], "result": r},
                               indent=1))
     print(f"results written to {out}")
+    if args.plot:
+        print(f"plot written to {plot(r, args.plot, args.preset)}")
     return 0 if r["requests_lost"] == 0 else 1
+
+
+def plot(r: dict, path, preset: str):
+    """Every pause of an engine serving while it is updated, next to the full reloads of the same model (each
+    sample a dot, the median a bar; log scale): what the in-place update saves."""
+    from bench._plot import pyplot, save
+
+    plt = pyplot()
+    groups = [("pause per update\n(while serving)", [u["stall_s"] for u in r["updates"]]),
+              ("apply alone\n(no load)", r["quiet_apply_s"]),
+              ("full reload\nload_state_dict", r["reload_s"]), ("full reload\nengine.load_full", r["load_full_s"])]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for i, (label, vals) in enumerate(groups):
+        ms = [v * 1e3 for v in vals]
+        ax.scatter([i] * len(ms), ms, color=f"C{i}", alpha=0.7, zorder=3)
+        if ms:
+            med = median(ms)
+            ax.hlines(med, i - 0.3, i + 0.3, color=f"C{i}", lw=2.5)
+            ax.annotate(f"{med:.1f} ms", (i + 0.32, med), va="center", fontsize=8)
+    ax.set_xticks(range(len(groups)), [g[0] for g in groups], fontsize=8)
+    ax.set_xlim(-0.5, len(groups) - 0.2)
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
+    ax.set(yscale="log", ylabel="milliseconds (log scale)", title=(
+        f"engine update: {r['params'] / 1e6:.1f}M parameters, {100 * r['density']:.2f}% of the words changed "
+        f"(lr {r['lr']:g}, preset {preset})\nfull reload / pause {r['ratio_reload_to_stall']:.1f}x; the memory "
+        f"traffic allows {r['physical_limit_ratio']:.1f}x at this density"))
+    ax.yaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.title.set_fontsize(9)
+    return save(fig, path)
 
 
 def _main_vllm(args) -> int:
@@ -406,6 +445,8 @@ def _main_vllm(args) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(ev.dumps(args.preset, cfg, r))
     print(f"results written to {out}")
+    if args.plot:
+        print(f"plot written to {ev.plot(r, args.plot, args.preset)}")
     return 0 if r["requests_lost"] == 0 else 1
 
 

@@ -215,7 +215,8 @@ def run(cfg: dict, lr: float, seed: int, workdir: Path, cpu_gemm: str = "onednn"
         worker_derive_median_s=median([u["worker_derive_s"] for u in updates]),
         verify_median_s=median([u["verify_s"] for u in updates]),
         vllm_reload_pause_median_s=median(reload_pause), vllm_reload_worker_median_s=median(reload_worker),
-        vllm_reload_stall_median_s=median(reload_stall),
+        vllm_reload_stall_median_s=median(reload_stall), vllm_reload_pause_s=reload_pause,
+        vllm_reload_stall_s=reload_stall,
         ratio_reload_to_pause=median(reload_pause) / median(pause),
         ratio_reload_stall_to_stall=median(reload_stall) / median(stall),
         ratio_worker_reload_to_worker_apply=median(reload_worker) / median(
@@ -250,6 +251,32 @@ def report(r: dict) -> None:
           f"updating (ratio {r['tokens_per_s_with_updates'] / r['tokens_per_s_baseline']:.2f})")
     print(f"requests: {r['requests_submitted']} submitted, {r['requests_completed']} completed, "
           f"{r['requests_lost']} lost")
+
+
+def plot(r: dict, path, preset: str):
+    """Every pause and stall of vLLM while it is updated in place, next to vLLM's own full reloads (each sample a
+    dot, the median a bar; log scale)."""
+    from bench._plot import pyplot, save
+
+    plt = pyplot()
+    groups = [("pause per update\n(while serving)", [u["pause_s"] for u in r["updates"]]),
+              ("stall per update", [u["stall_s"] for u in r["updates"]]),
+              ("vLLM reload_weights\npause", r["vllm_reload_pause_s"]),
+              ("vLLM reload_weights\nstall", r["vllm_reload_stall_s"])]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for i, (label, vals) in enumerate(groups):
+        ms = [v * 1e3 for v in vals]
+        ax.scatter([i] * len(ms), ms, color=f"C{i}", alpha=0.7, zorder=3)
+        if ms:
+            ax.hlines(median(ms), i - 0.3, i + 0.3, color=f"C{i}", lw=2.5)
+            ax.annotate(f"{median(ms):.1f} ms", (i + 0.32, median(ms)), va="center", fontsize=8)
+    ax.set_xticks(range(len(groups)), [g[0] for g in groups], fontsize=8)
+    ax.set(yscale="log", ylabel="milliseconds (log scale)", title=(
+        f"vLLM (CPU, linear layers: {r['cpu_gemm']}) updated in place: {r['params'] / 1e6:.1f}M parameters, "
+        f"{100 * r['density']:.2f}% of the words changed (preset {preset})\nreload stall / stall "
+        f"{r['ratio_reload_stall_to_stall']:.1f}x; the memory traffic allows {r['physical_limit_ratio']:.1f}x"))
+    ax.title.set_fontsize(9)
+    return save(fig, path)
 
 
 def dumps(preset: str, cfg: dict, r: dict) -> str:

@@ -57,6 +57,9 @@ MODELS = {
 def build_model(name: str, seed: int, device: str) -> torch.nn.Module:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from syncd.lazy import quiet_optional_imports
+
+    quiet_optional_imports()
     c = MODELS[name]
     torch.manual_seed(seed)
     conf = Qwen2Config(hidden_size=c["hidden"], num_hidden_layers=c["layers"], num_attention_heads=c["heads"],

@@ -21,14 +21,17 @@ import os
 import signal
 import sys
 import threading
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from engine.control import EngineControl
 from syncd import jsonsafe
 from syncd.engines.errors import BadRequest
-from syncd.engines.protocol import GenerationRequest, SamplingParams
 from syncd.engines.wire import MAX_BODY_BYTES, ROUTE_PREFIX, error_reply
+
+if TYPE_CHECKING:  # imported where used: the engine contract imports torch, and `--help` must not wait for it
+    from syncd.engines.protocol import GenerationRequest
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +41,8 @@ MAX_GENERATE_BODY_BYTES = 4 << 20
 
 
 def _request_from_json(d: dict) -> GenerationRequest:
+    from syncd.engines.protocol import GenerationRequest, SamplingParams
+
     try:
         sp = SamplingParams(max_tokens=int(d.get("max_tokens", 16)), temperature=float(d.get("temperature", 1.0)),
                             top_p=float(d.get("top_p", 1.0)), top_k=int(d.get("top_k", 0)),
@@ -212,7 +217,15 @@ def _build_engine(args):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m engine.control", description="Serve one engine process.")
+    p = argparse.ArgumentParser(
+        prog="python -m engine.control", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Serve one engine process: the weight-control routes the syncd daemon drives "
+                    "(POST /engine/weights/<op>, docs/engine.md) and, unless --headless, generation.",
+        epilog="POST /generate takes a JSON object: request_id (string, required), prompt_token_ids (list of "
+               "ints, required), max_tokens (16), temperature (1.0), top_p (1.0), top_k (0: off), seed (none), "
+               "stop_token_ids ([]); it answers one JSON line per token: request_id, index, token_id, logprob, "
+               "version (the weights that produced it), finish_reason (null, 'stop' or 'length'). GET /health: "
+               "ok, version, pid.")
     p.add_argument("--model", required=True, help="model directory (config.json + safetensors)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     p.add_argument("--port", type=int, default=0, help="port (0: a free one, written to --ready-file)")
@@ -225,18 +238,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "default ~/.config/syncd/engine-token]")
     p.add_argument("--read-timeout", type=float, default=10.0,
                    help="seconds a connection may idle or take to send a request")
-    p.add_argument("--log-level", default=os.environ.get("SYNCD_LOG_LEVEL", "WARNING"))
+    p.add_argument("--log-level", default=os.environ.get("SYNCD_LOG_LEVEL", "WARNING"),
+                   help="logging level [SYNCD_LOG_LEVEL]")
     return p
 
 
 def main(argv=None) -> int:
     """Serve one engine process until SIGTERM/SIGINT. Exit status 0, or 2 on a configuration error."""
+    args = build_parser().parse_args(argv)  # first: --help and usage errors answer at once, before torch loads
     import torch
 
     from syncd.engine_token import load_or_create
     from syncd.signing import key_from_env
 
-    args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         token, key = load_or_create(args.token_file), key_from_env()

@@ -44,6 +44,9 @@ class RetentionPlan:
     """Outcome of :func:`plan_retention`: versions to keep / delete, object keys to delete, problems seen."""
 
     keep: list[int] = field(default_factory=list)
+    #: why each kept version is kept: "newest" (one of the newest keep_last), "base" (in a kept version's base
+    #: chain), "grace" (superseded less than grace_s ago: a reader may still use it)
+    keep_reasons: dict[int, str] = field(default_factory=dict)
     delete_versions: list[int] = field(default_factory=list)
     delete_keys: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
@@ -90,9 +93,11 @@ def plan_retention(store, run_id: str, policy: RetentionPolicy, *, signing_key=N
             released[b] = max(released.get(b, t), t)
     prefix = mf.run_prefix(run_id)
     shards_to_delete = []
+    newest = set(order[-policy.keep_last:])
     for v in order:
         if v in needed or (now - released[v]).total_seconds() < policy.grace_s:
             plan.keep.append(v)
+            plan.keep_reasons[v] = "newest" if v in newest else "base" if v in needed else "grace"
             continue
         plan.delete_versions.append(v)
         shards_to_delete += [o.key for o in valid[v].objects if o.key != mf.manifest_key(run_id, v)]

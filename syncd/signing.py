@@ -90,7 +90,10 @@ def key_from_env(environ=None) -> SigningKey | None:
     env = os.environ if environ is None else environ
     value = env.get(ENV_KEY)
     if value:
-        return parse_key(value)
+        try:
+            return parse_key(value)
+        except ValueError as exc:
+            raise ValueError(f"{ENV_KEY}: {exc}") from None
     path = env.get(ENV_KEY_FILE)
     if path:
         try:
@@ -98,7 +101,10 @@ def key_from_env(environ=None) -> SigningKey | None:
                 raw = fh.read()
         except OSError as exc:
             raise ValueError(f"{ENV_KEY_FILE}={path!r} cannot be read: {exc}") from None
-        return parse_key(raw.rstrip(b"\r\n").decode("utf-8", errors="strict"))
+        try:
+            return parse_key(raw.rstrip(b"\r\n").decode("utf-8", errors="strict"))
+        except ValueError as exc:  # UnicodeDecodeError too
+            raise ValueError(f"{ENV_KEY_FILE}={path!r}: {exc}") from None
     return None
 
 

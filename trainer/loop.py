@@ -279,6 +279,7 @@ class _Live:
             task = self.curated = CuratedTask(task, cfg.curation)
             reward = task.observing(reward)
         self.pub = WeightPublisher(cfg.store, cfg.run_id, every_k=1, full_every=cfg.full_every)
+        self.pub.publish_model_files(cfg.model)  # config + tokenizer: `syncd materialize` needs no --config-from
         self._publish(0)
         self.buffer = RolloutBuffer(0 if cfg.sync else cfg.max_lag, on_drop=lambda n: self.workers.allow(n))
         self.workers = RolloutWorkers(

@@ -182,6 +182,15 @@ class WeightPublisher:
             raise TimeoutError(f"run {self.run_id}: upload still in progress after {timeout}s")
         self._raise_pending()
 
+    def publish_model_files(self, model_dir) -> None:
+        """Store the model folder's config and tokenizer files with the run (``syncd.model_folder``), signed like
+        the manifests, so that ``syncd materialize`` writes a complete Hugging Face folder without
+        ``--config-from``. Synchronous; call it once, before or after the first version. Raises ``ValueError``
+        (no ``config.json`` in ``model_dir``) and :class:`~syncd.errors.StoreError`."""
+        from syncd.model_folder import collect_model_files, put_model_files
+
+        put_model_files(self.store, self.run_id, collect_model_files(model_dir), signing_key=self.key or False)
+
     def close(self, timeout: float | None = None) -> None:
         """Flush, then stop the background thread. Idempotent; raises like :meth:`flush`."""
         if self._closed:

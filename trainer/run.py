@@ -75,6 +75,11 @@ def parser() -> argparse.ArgumentParser:
     a("--is-cap", type=float, default=2.0, help="token-level truncated IS cap C (0: untruncated)")
     a("--is-band", type=_band, default=None, metavar="LOW,HIGH", help="mask tokens whose IS ratio is outside")
     a("--is-seq-band", type=_band, default=None, metavar="LOW,HIGH", help="reject sequences by geometric-mean ratio")
+    a("--curate", type=_band, default=None, metavar="LOW,HIGH",
+      help="difficulty filter: keep task items whose solve rate is inside LOW,HIGH (trainer.curation)")
+    a("--curate-pool", type=int, default=64, help="task items the filter estimates (with --curate)")
+    a("--curate-confidence", type=float, default=0.9,
+      help="posterior mass outside the band that drops an item (with --curate)")
     a("--micro-batch", type=int, default=64, help="sequences per forward/backward")
     a("--no-adv-scale", action="store_true", help="advantages r - mean, not divided by the group's std")
     a("--seed", type=int, default=0)
@@ -91,7 +96,20 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _curation(args):
+    if args.curate is None:
+        return None
+    from trainer.curation import CurationConfig
+    from trainer.loop import ConfigError
+
+    try:
+        return CurationConfig(band=args.curate, pool=args.curate_pool, confidence=args.curate_confidence)
+    except ValueError as exc:
+        raise ConfigError(f"--curate/--curate-pool/--curate-confidence: {exc}") from None
+
+
 def config_from_args(args):
+    """The :class:`~trainer.loop.LoopConfig` of parsed flags. Raises ConfigError naming a bad flag."""
     from trainer.loop import LoopConfig
 
     return LoopConfig(
@@ -103,7 +121,7 @@ def config_from_args(args):
         is_cap=args.is_cap or None, is_band=args.is_band, is_seq_band=args.is_seq_band, micro_batch=args.micro_batch,
         adv_scale=not args.no_adv_scale, seed=args.seed, threads=args.threads, full_every=args.full_every,
         daemon_status=args.daemon_status, sync=args.sync, plans=args.plans, save_weights=args.save_weights,
-        plot=not args.no_plot, rollout_timeout_s=args.rollout_timeout)
+        plot=not args.no_plot, rollout_timeout_s=args.rollout_timeout, curation=_curation(args))
 
 
 def _preflight(cfg) -> None:

@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
-from syncd.engines.protocol import GenerationRequest, SamplingParams, TokenEvent
+if TYPE_CHECKING:  # imported where used: the engine contract imports torch, and `--help` must not wait for it
+    from syncd.engines.protocol import GenerationRequest, TokenEvent
 
 __all__ = ["UnsupportedRequest", "BadRequest", "to_generation_request", "to_chunk", "seed_for",
            "ENGINE_DATA_SCHEMA", "DEFAULT_MAX_TOKENS"]
@@ -98,6 +99,8 @@ def to_generation_request(request: Mapping[str, Any], request_id: str, *,
     ``request_id``: the engine-side id (the Dynamo request id). Stop tokens are ``stop_token_ids`` plus the
     hidden ones (the model's EOS), minus ``eos_token_ids`` when ``ignore_eos`` is set. ``max_tokens``
     missing: ``default_max_tokens``. Raises :class:`BadRequest` / :class:`UnsupportedRequest`."""
+    from syncd.engines.protocol import GenerationRequest, SamplingParams
+
     if not isinstance(request, Mapping):
         raise BadRequest(f"request must be a JSON object, got {type(request).__name__}")
     prompt = _token_list(request.get("token_ids"), "token_ids")

@@ -163,7 +163,9 @@ class TurnState:
             raise Broken(f"malformed choices {str(choices)[:200]}")
         for ch in choices:
             i = ch.get("index", 0)
-            acc = self.choices.setdefault(i, {"text": "", "finish_reason": None, "tool_calls": {}, "role": None})
+            acc = self.choices.setdefault(i, {"text": "", "finish_reason": None, "tool_calls": {}, "role": None,
+                                              "logprobs": None})
+            _add_logprobs(acc, ch.get("logprobs"), chat)
             if chat:
                 delta = ch.get("delta") or {}
                 acc["text"] += delta.get("content") or ""
@@ -181,6 +183,29 @@ class TurnState:
                 acc["finish_reason"] = ch["finish_reason"]
         self.turn.text = self.choices.get(0, {}).get("text", "")
         self.turn.finish_reason = self.choices.get(0, {}).get("finish_reason")
+
+
+#: the list members of a choice's ``logprobs`` that a whole response concatenates over the stream's chunks
+_LOGPROB_LISTS = {True: ("content", "refusal"), False: ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+
+
+def _add_logprobs(acc: dict, lp, chat: bool) -> None:
+    """Fold one chunk's ``logprobs`` of a choice into ``acc["logprobs"]`` the way the frontend aggregates a
+    non-streamed response: every list member concatenated in order (chat: ``content``, ``refusal``;
+    completions: ``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``), other members as the
+    first chunk had them. None (not asked for) stays None."""
+    if lp is None:
+        return
+    if not isinstance(lp, dict):
+        raise Broken(f"malformed logprobs {str(lp)[:200]}")
+    if acc["logprobs"] is None:
+        acc["logprobs"] = {k: (list(v) if isinstance(v, list) else v) for k, v in lp.items()}
+        return
+    have = acc["logprobs"]
+    for k in _LOGPROB_LISTS[chat]:
+        v = lp.get(k)
+        if isinstance(v, list):
+            have[k] = (have.get(k) if isinstance(have.get(k), list) else []) + v
 
 
 def _is_int(v) -> bool:
@@ -207,14 +232,28 @@ def _choice_ok(ch, chat: bool) -> bool:
         and all(_str_or_none((tc.get("function") or {}).get(k)) for k in ("name", "arguments")) for tc in calls)
 
 
-def for_client(obj: dict, wants_fields: set) -> dict:
+def for_client(obj: dict, wants_fields: set) -> dict | None:
+    """The chunk as the client would have had it from the frontend: the ``nvext`` members it did not ask for
+    removed, and None for a chunk that carried nothing else (the frontend sends a token whose text is still
+    incomplete -- part of a UTF-8 character -- only because the proxy asked for its ``engine_data``; without
+    that ask it folds the token into the next chunk, so the proxy drops the empty one)."""
     if "nvext" not in obj:
         return obj
     obj = dict(obj)
     nvext = {k: v for k, v in (obj.pop("nvext") or {}).items() if k in wants_fields}
     if nvext:
         obj["nvext"] = nvext
+    elif obj.get("choices") and not obj.get("usage") and all(_carries_nothing(ch) for ch in obj["choices"]):
+        return None
     return obj
+
+
+def _carries_nothing(ch) -> bool:
+    if not isinstance(ch, dict) or ch.get("finish_reason") is not None or ch.get("logprobs") is not None:
+        return False
+    if "delta" in ch:
+        return not any(v not in (None, "", []) for v in (ch.get("delta") or {}).values())
+    return not ch.get("text")
 
 
 def annotation_ids(data: str) -> list[int]:
@@ -294,16 +333,19 @@ def whole_response(state: TurnState, endpoint: str) -> dict:
     choices = []
     for i, acc in sorted(state.choices.items()):
         if endpoint == "chat/completions":
-            msg = {"role": acc["role"] or "assistant", "content": acc["text"]}
+            msg = {"role": acc["role"] or "assistant", "content": acc["text"], "refusal": None}  # as the frontend
             if acc["tool_calls"]:
                 msg["tool_calls"] = [acc["tool_calls"][k] for k in sorted(acc["tool_calls"])]
-            choices.append({"index": i, "message": msg, "finish_reason": acc["finish_reason"], "logprobs": None})
+            choices.append({"index": i, "message": msg, "finish_reason": acc["finish_reason"],
+                            "logprobs": acc["logprobs"]})
         else:
             choices.append({"index": i, "text": acc["text"], "finish_reason": acc["finish_reason"],
-                            "logprobs": None})
+                            "logprobs": acc["logprobs"]})
     out = {"id": state.turn.response_id, "object": "chat.completion" if endpoint == "chat/completions"
            else "text_completion", "created": last.get("created"), "model": last.get("model"),
            "choices": choices, "usage": state.turn.usage}
+    if "system_fingerprint" in last:  # the frontend's completions carry it (null), its chats do not
+        out["system_fingerprint"] = last["system_fingerprint"]
     if wants_fields:
         nvext = {k: v for k, v in (last.get("nvext") or {}).items() if k in wants_fields}
         if "engine_data" in wants_fields:

@@ -58,7 +58,7 @@ async def stream_once(session, upstream: str, state: TurnState, up_body: dict, e
                 state.last = obj
                 if turn.stream:
                     client_obj = for_client(obj, wants_fields)
-                    if obj.get("choices") or wants_usage:
+                    if client_obj is not None and (obj.get("choices") or wants_usage):
                         await out.send(sse.format_event(client_obj))
             if state.tokens == 0:
                 raise Retryable("the upstream stream ended before any token")

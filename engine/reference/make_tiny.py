@@ -85,6 +85,9 @@ def random_model(config, seed: int = 0):
     import torch
     from transformers import AutoModelForCausalLM
 
+    from syncd.lazy import quiet_optional_imports
+
+    quiet_optional_imports()
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 

@@ -80,6 +80,10 @@ class HFRunner:
     def __init__(self, config, weights: Mapping[str, torch.Tensor], *, device="cpu", compute_dtype=None):
         from transformers import AutoModelForCausalLM
 
+        from syncd.lazy import quiet_optional_imports
+
+        quiet_optional_imports()
+
         from engine.reference.nvfp4_weights import NVFP4Weights, has_nvfp4
 
         packed: dict = {}

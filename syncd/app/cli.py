@@ -10,6 +10,8 @@ Commands (README.md has the full table of flags and their environment variables)
     syncd ls [--run-id RUN]              runs in the store, or the versions of one run
     syncd verify --run-id RUN [--quick]  check every version of a run (exit 1 if any is unusable)
     syncd gc --run-id RUN [--dry-run]    apply the retention policy
+    syncd materialize --run-id RUN --out DIR [--version V] [--config-from MODEL_DIR]
+                                         a version as a Hugging Face folder (from_pretrained, SGLang, evals)
 
 Every flag has a ``SYNCD_*`` environment variable; a flag given on the command line wins. The signing key
 is read only from ``SYNCD_SIGNING_KEY`` or a file (``--signing-key-file``), never from a flag, so that it
@@ -27,7 +29,7 @@ import os
 import sys
 from pathlib import Path
 
-from syncd.app.commands import gc, ls, need_run, open_store, status, value, verify
+from syncd.app.commands import gc, ls, materialize, need_run, open_store, size, status, value, verify
 from syncd.errors import SyncdError
 
 log = logging.getLogger("syncd.app.cli")
@@ -39,7 +41,7 @@ ENV = {
     "endpoint": ("SYNCD_STORE_ENDPOINT", None),
     "store_option": ("SYNCD_STORE_OPTIONS", ""),
     "signing_key_file": ("SYNCD_SIGNING_KEY_FILE", None),
-    "log_level": ("SYNCD_LOG_LEVEL", "WARNING"),
+    "log_level": ("SYNCD_LOG_LEVEL", None),  # None: INFO for the daemon, WARNING for the other commands
     "keep_last": ("SYNCD_KEEP_LAST", "8"),
     "grace": ("SYNCD_GC_GRACE_S", "300"),
     "orphan_grace": ("SYNCD_GC_ORPHAN_GRACE_S", "3600"),
@@ -120,14 +122,38 @@ def _daemon_flags(p: argparse.ArgumentParser) -> None:
     add_cluster_flags(p)
 
 
+_USAGE = "%(prog)s [COMMAND] [--run-id RUN] [--store URL] [options]   (syncd COMMAND --help: that command's)"
+_DEFAULTS = {"log_level": "INFO for the daemon, WARNING for the other commands", "cache_dir": None,
+             "status_file": None, "store": "file://$XDG_DATA_HOME/syncd/store", "metrics_port": "off",
+             "store_option": None, "engine": None, "allow_unsigned": None}
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Write each flag's default into its help, ``[SYNCD_X]`` -> ``[SYNCD_X; default D]`` (the defaults live in
+    :data:`ENV`, applied after parsing, so argparse cannot show them itself)."""
+    for action in parser._actions:  # noqa: SLF001 -- argparse has no public way to reach its actions
+        if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
+            for sub in action.choices.values():
+                _show_defaults(sub)
+            continue
+        var, default = ENV.get(action.dest, (None, None))
+        shown = _DEFAULTS.get(action.dest, default)
+        if var and shown not in (None, "") and action.help and f"[{var}]" in action.help:
+            action.help = action.help.replace(f"[{var}]", f"[{var}; default {shown}]")
+    return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="syncd", description="Weight versions in object storage, and the node daemon that keeps engines "
-                                  "on the newest one (run without a command: the daemon).")
+        prog="syncd", usage=_USAGE,
+        description="Weight versions in object storage, and the node daemon that keeps engines on the newest one "
+                    "(run without a command: the daemon). Every flag also reads a SYNCD_* variable (named in "
+                    "brackets); a flag given wins.")
     _common(parser)
     _daemon_flags(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    p = sub.add_parser("daemon", help="the node daemon (the same as giving no command)")
+    p = sub.add_parser("daemon", help="the node daemon (the same as giving no command)",
+                       usage="syncd daemon --run-id RUN --engine [NAME=]URL ... [options]")
     _common(p)
     _daemon_flags(p)
     p = sub.add_parser("status", help="the node daemon's state")
@@ -159,7 +185,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--orphan-grace", default=argparse.SUPPRESS, type=float,
                    help="seconds before unreferenced objects are removed [SYNCD_GC_ORPHAN_GRACE_S]")
     p.add_argument("--dry-run", action="store_true", help="show what would be deleted")
-    return parser
+    p = sub.add_parser("materialize", help="write a version as a Hugging Face model folder (from_pretrained reads it)")
+    _common(p)
+    p.add_argument("--version", type=int, default=None, help="the version (default: the newest)")
+    p.add_argument("--out", required=True, metavar="DIR", help="the folder to write (must not exist or be empty)")
+    p.add_argument("--config-from", default=None, metavar="MODEL_DIR",
+                   help="take config.json and the tokenizer from this model folder (default: the files the "
+                        "publisher stored with the run)")
+    p.add_argument("--max-shard-size", default="5G", metavar="N",
+                   help="largest safetensors file; more weights than that are split into model-0000N-of-0000M "
+                        "files with an index (default: %(default)s)")
+    return _show_defaults(parser)
 
 
 def _resolve(args: argparse.Namespace) -> argparse.Namespace:
@@ -179,32 +215,28 @@ def _resolve(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-def _size(text: str) -> int:
-    t = str(text).strip().upper().removesuffix("B")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
-    return int(float(t[:-1] if mult > 1 else t) * mult)
-
-
 def _daemon_config(args):
     from syncd.daemon import DaemonConfig, EngineSpec
 
     engines = args.engine if isinstance(args.engine, list) else [e for e in args.engine.split(",") if e.strip()]
     if not engines:
         raise ValueError("--engine (or SYNCD_ENGINES) is required: the engines this daemon keeps current")
+    specs = tuple(value(args, "engine", lambda _, e=e, i=i: EngineSpec.parse(e, i),
+                        f"[NAME=]http://HOST:PORT (in {e!r})") for i, e in enumerate(engines))
     port = str(args.metrics_port).strip()
-    size = "a size (e.g. 16G, 500M, 1073741824)"
+    what = "a size (e.g. 16G, 500M, 1073741824)"
     return DaemonConfig(
         run_id=need_run(args), store_url=args.store,
-        engines=tuple(EngineSpec.parse(e, i) for i, e in enumerate(engines)),
+        engines=specs,
         cache_dir=Path(args.cache_dir) if args.cache_dir else None,
-        cache_max_bytes=value(args, "cache_max_bytes", _size, size),
+        cache_max_bytes=value(args, "cache_max_bytes", size, what),
         poll_interval_s=value(args, "poll_interval", float), poll_jitter=value(args, "poll_jitter", float),
         backoff_max_s=value(args, "backoff_max", float), engine_check_s=value(args, "engine_check", float),
         download_concurrency=value(args, "download_concurrency", int, "an integer"),
         metrics_port=value(args, "metrics_port", int, "a port number") if port else None,
         metrics_addr=args.metrics_addr, status_file=Path(args.status_file) if args.status_file else None,
         engine_lease_s=value(args, "engine_lease", float),
-        engine_scrub_bytes=value(args, "engine_scrub_bytes", _size, size),
+        engine_scrub_bytes=value(args, "engine_scrub_bytes", size, what),
         engine_token_file=Path(args.engine_token_file) if args.engine_token_file else None)
 
 
@@ -222,11 +254,11 @@ def _run_daemon(args, out) -> int:
     if cluster is not None:  # the cluster's controller polls; versions arrive through the cluster node
         daemon.attach(ClusterLink(daemon, cluster, store=store))
         c = cluster.config
-        log.warning("syncd daemon: cluster node rank %d, members %s", c.rank,
+        log.info("syncd daemon: cluster node rank %d, members %s", c.rank,
                     ",".join(f"{r}={m.host}:{m.port}" for r, m in sorted(c.peers.items())) if c.peers
                     else f"from the store directory {c.cluster_id!r}")
-    log.warning("syncd daemon: run %s, store %s, engines %s, cache %s, status %s", config.run_id, store.url,
-                ", ".join(f"{e.name}={e.url}" for e in config.engines), daemon.cache.root, daemon.status.path)
+    log.info("syncd daemon: run %s, store %s, engines %s, cache %s, status %s", config.run_id, store.url,
+             ", ".join(f"{e.name}={e.url}" for e in config.engines), daemon.cache.root, daemon.status.path)
     run(daemon)
     return 0
 
@@ -266,18 +298,28 @@ def main(argv=None) -> int:
         return train_main(argv[1:])
     parser = build_parser()
     args = _resolve(parser.parse_args(argv))
-    level = logging.getLevelName(str(args.log_level).upper())
-    if not isinstance(level, int):
-        parser.error(f"unknown log level {args.log_level!r}")
-    _setup_logging(level, args.log_format)
-    commands = {"ls": ls, "verify": verify, "gc": gc, "status": status, "daemon": _run_daemon}
+    commands = {"ls": ls, "verify": verify, "gc": gc, "status": status, "daemon": _run_daemon,
+                "materialize": materialize}
     if args.command is None and args.run_id:
         args.command = "daemon"
     if args.command not in commands:
         parser.print_help(sys.stderr)
         return 2
+    level = logging.getLevelName(str(args.log_level or ("INFO" if args.command == "daemon" else "WARNING")).upper())
+    bad = (f"{args.source_of['log_level']}={args.log_level!r} is not a logging level (DEBUG, INFO, WARNING, "
+           "ERROR)" if not isinstance(level, int) else
+           f"{args.source_of['log_format']}={args.log_format!r} is not text or json"
+           if args.log_format not in ("text", "json") else None)
+    if bad:
+        print(f"syncd {args.command}: {bad}", file=sys.stderr)
+        return 2
+    _setup_logging(level, args.log_format)
     try:
         return commands[args.command](args, sys.stdout)
+    except BrokenPipeError:  # `syncd ls | head`: the reader left; what it did not read is not an error
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # Python's flush at exit must not raise again
+        return 0
     except SyncdError as exc:
         print(f"syncd {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 3

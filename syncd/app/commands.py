@@ -14,8 +14,8 @@ from pathlib import Path
 from syncd import manifest as mf
 from syncd.errors import SyncdError
 
-__all__ = ["value", "signing", "open_store", "need_run", "status", "cluster_lines", "ls", "verify", "gc",
-           "unknown_run"]
+__all__ = ["value", "size", "signing", "open_store", "need_run", "status", "cluster_lines", "ls", "verify", "gc",
+           "materialize", "unknown_run"]
 
 
 def value(args, dest: str, conv, what: str = "a number"):
@@ -24,7 +24,15 @@ def value(args, dest: str, conv, what: str = "a number"):
     try:
         return conv(raw)
     except (TypeError, ValueError):
-        raise ValueError(f"{args.source_of.get(dest, dest)}={raw!r} is not {what}") from None
+        where = getattr(args, "source_of", {}).get(dest, "--" + dest.replace("_", "-"))
+        raise ValueError(f"{where}={raw!r} is not {what}") from None
+
+
+def size(text) -> int:
+    """``16G``, ``500M``, ``64k``, ``1073741824`` -> bytes (binary multiples); ``ValueError`` otherwise."""
+    t = str(text).strip().upper().removesuffix("B")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
+    return int(float(t[:-1] if mult > 1 else t) * mult)
 
 
 def signing(args):
@@ -92,19 +100,35 @@ def status(args, out) -> int:
         out.write(f"{'ENGINE':12} {'VERSION':>8} {'LAG':>4} {'LAST PAUSE':>10}  {'STATE':14} URL\n")
         for name, e in sorted(doc.get("engines", {}).items()):
             pause = "-" if e.get("last_pause_s") is None else f"{e['last_pause_s'] * 1e3:.1f}ms"
-            out.write(f"{name:12} {str(e.get('version')):>8} {str(e.get('lag')):>4} {pause:>10}  "
-                      f"{str(e.get('state')):14} {e.get('url')}\n")
+            out.write(f"{name:12} {_or_dash(e.get('version')):>8} {_or_dash(e.get('lag')):>4} {pause:>10}  "
+                      f"{_or_dash(e.get('state')):14} {e.get('url')}\n")
             if e.get("error"):
                 out.write(f"{'':12} error: {e['error']}\n")
         if doc.get("cluster"):
             out.write(cluster_lines(doc["cluster"]))
         totals = doc.get("totals") or {}
         if totals:
-            out.write("totals: " + ", ".join(f"{k}={v:g}" for k, v in sorted(totals.items())) + "\n")
+            out.write("totals:\n" + "".join(f"  {k.replace('_', ' '):32} {_amount(k, v)}\n"
+                                             for k, v in sorted(totals.items())))
     engines = doc.get("engines", {}).values()
     healthy = alive and not doc.get("run_error") and all(e.get("state") == "serving" and e.get("lag") == 0
                                                          for e in engines)
     return 0 if healthy else 1
+
+
+def _or_dash(v) -> str:
+    return "-" if v is None else str(v)
+
+
+def _amount(name: str, v) -> str:
+    """A status total for people: bytes in binary units, counts as integers."""
+    if "bytes" in name.split(":")[0]:
+        n = float(v)
+        for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+            if abs(n) < 1024 or unit == "TiB":
+                return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+            n /= 1024
+    return f"{v:,.0f}" if float(v).is_integer() else f"{v:,.3f}"
 
 
 def cluster_lines(c: dict) -> str:
@@ -128,7 +152,8 @@ def cluster_lines(c: dict) -> str:
 def need_run(args) -> str:
     if not args.run_id:
         raise ValueError("--run-id (or SYNCD_RUN_ID) is required")
-    return mf.check_run_id(args.run_id)
+    return value(args, "run_id", mf.check_run_id, "a run id (1-128 of [A-Za-z0-9._-], starting with a letter or "
+                                                  "digit)")
 
 
 def ls(args, out) -> int:
@@ -208,8 +233,45 @@ def gc(args, out) -> int:
         return unknown_run(store, run)
     plan = apply_retention(store, run, policy, signing_key=key, dry_run=args.dry_run)
     verb = "would delete" if args.dry_run else "deleted"
-    out.write(f"keep versions {plan.keep}\n{verb} versions {plan.delete_versions} "
-              f"({len(plan.delete_keys)} objects)\n")
+    why = {"newest": f"the newest {policy.keep_last} (--keep-last)",
+           "base": "the full version and deltas a kept version is built from",
+           "grace": f"superseded less than {policy.grace_s:g} s ago, a reader may still use them (--grace)"}
+    out.write(f"keep versions {_ranges(plan.keep) or 'none'}\n")
+    for reason, text in why.items():
+        kept = [v for v in plan.keep if plan.keep_reasons.get(v) == reason]
+        if kept:
+            out.write(f"  {_ranges(kept)}: {text}\n")
+    out.write(f"{verb} versions {_ranges(plan.delete_versions) or 'none'} ({len(plan.delete_keys)} objects)\n")
     for p in plan.problems:
         out.write(f"problem: {p}\n")
     return 0
+
+
+def materialize(args, out) -> int:
+    """``syncd materialize``: one version of a run as a Hugging Face folder (:mod:`syncd.model_folder`)."""
+    from syncd.model_folder import materialize_folder
+
+    store, key = open_store(args)
+    run = need_run(args)
+    if not store.list_dirs(mf.versions_prefix(run)):
+        return unknown_run(store, run)
+    shard = value(args, "max_shard_size", size, "a size (e.g. 5G, 500M)")
+    done = materialize_folder(store, run, args.version, args.out, config_from=args.config_from, signing_key=key,
+                              max_shard_bytes=shard)
+    out.write(f"run {run} version {done['version']}: {done['tensors']} tensors, {done['bytes'] / 1e6:.1f} MB in "
+              f"{', '.join(done['weight_files'])}; model files {', '.join(done['model_files'])}\n"
+              f"wrote {done['out']} (transformers: AutoModelForCausalLM.from_pretrained({str(done['out'])!r}))\n")
+    return 0
+
+
+def _ranges(versions) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2, 5, 7-8"``."""
+    out, run = [], []
+    for v in sorted(versions):
+        if run and v != run[-1] + 1:
+            out.append(run)
+            run = []
+        run.append(v)
+    if run:
+        out.append(run)
+    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in out)

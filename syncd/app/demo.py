@@ -30,7 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from syncd.app.demo_io import Client, Display, write_summary
+from syncd.app.demo_io import (Client, Display, HelpFormatter, delta_sizes, plot_timeline, published_versions, say,
+                               write_summary)
 
 log = logging.getLogger(__name__)
 RUN = "demo"
@@ -45,8 +46,10 @@ def _trainer(argv) -> int:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from engine.reference.model import load_folder_weights
+    from syncd.lazy import quiet_optional_imports
     from trainer.publisher import WeightPublisher
 
+    quiet_optional_imports()
     p = argparse.ArgumentParser(prog="syncd.app.demo _trainer")
     for name, kind in (("--model", str), ("--store", str), ("--progress", str), ("--versions", int),
                        ("--every-k", int), ("--full-every", int), ("--lr", float), ("--interval", float)):
@@ -123,14 +126,16 @@ def _wait(cond, what: str, timeout: float, children: dict):
 
 
 def run(args) -> dict:
-    for noisy in ("torchao", "torch", "torch.utils._pytree"):  # import-time warnings of optional modules
-        logging.getLogger(noisy).setLevel(logging.ERROR)
     from syncd.engines.client import RemoteAdapter
     from engine.reference.make_tiny import write_model
     from syncd.versions import read_manifest
 
     work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="syncd-demo-"))
     work.mkdir(parents=True, exist_ok=True)
+    say(f"weight sync on this machine: a trainer publishing {args.versions} versions (a full one every "
+        f"{args.full_every}, deltas between), {args.engines} engine processes, the syncd daemon and {args.clients} "
+        f"client threads streaming requests; work dir {work}"
+        f"{'' if args.dir or args.keep else ' (removed at the end; --keep keeps it)'}")
     store, cache, logs = work / "store", work / "cache", work / "logs"
     logs.mkdir(exist_ok=True)
     store.mkdir(exist_ok=True)  # the daemon is a reader: it never creates a missing store
@@ -141,6 +146,7 @@ def run(args) -> dict:
     for var in ("SYNCD_TEST_PAUSE_AT", "SYNCD_STORE", "SYNCD_RUN_ID", "SYNCD_ENGINES", "SYNCD_STATUS_FILE"):
         env.pop(var, None)
     t_start = time.time()
+    say("writing a tiny random-init model and starting the engines and the trainer (each loads torch: the slow part)")
     model = write_model(work / "model", seed=args.seed)
     children: dict[str, subprocess.Popen] = {}
     client = None
@@ -161,6 +167,7 @@ def run(args) -> dict:
                        "--poll-interval", "0.2", "--engine-check", "0.5", "--metrics-port", "0"]
         for n, u in zip(names, urls):
             daemon_args += ["--engine", f"{n}={u}"]
+        say(f"engines up after {time.time() - t_start:.0f} s; starting the syncd daemon")
         children["daemon"] = _spawn(daemon_args, env, logs / "daemon.log")
         status_file = cache / f"status-{RUN}.json"
         remotes = [RemoteAdapter(u) for u in urls]
@@ -196,7 +203,17 @@ def run(args) -> dict:
         children["daemon"].send_signal(signal.SIGTERM)
         children["daemon"].wait(timeout=60)
         status = json.loads(status_file.read_text())
-        return summarize(args, status, history, client, exact, time.time() - t_start, work)
+        versions = published_versions(store, RUN, key)
+        pictures = {}
+        if args.plot:
+            try:
+                drawn = plot_timeline(versions, status.get("updates", []), Path(args.plot).resolve(),
+                                      title="syncd demo --weights-only: versions over time")
+                pictures["timeline_png"] = str(drawn)
+            except ImportError as exc:
+                pictures["plot_error"] = str(exc)
+        return {**summarize(args, status, history, client, exact, time.time() - t_start, work),
+                **delta_sizes(versions), **pictures}
     finally:
         if client is not None:
             client._stop.set()
@@ -258,18 +275,25 @@ def print_summary(s: dict) -> None:
     def f(x, unit=""):
         if x is None:
             return "-"
-        return f"{x * 1e3:.1f} ms" if unit == "ms" else (f"{x:.2%}" if unit == "%" else f"{x:,}")
+        return f"{x * 1e3:.1f} ms" if unit == "ms" else (f"{x:.2%}" if unit == "%" else f"{x:,.0f}")
 
-    rows = [("versions published / applied", f"{s['versions_published']} / {s['versions_applied']}"),
+    skipped = s["versions_published"] - s["versions_applied"]
+    rows = [("versions published / applied", f"{s['versions_published']} / {s['versions_applied']}"
+             + (f" ({skipped} never applied: an engine that is behind, or starts, goes straight to the newest "
+                "version)" if skipped > 0 else "")),
             ("engines bit-exact with the trainer", str(s["engines_bit_exact"])),
-            ("requests served / lost", f"{s['requests_served']} / {s['requests_lost']}"),
+            ("requests served / lost", f"{s['requests_served']:,} / {s['requests_lost']:,}"),
             ("tokens served", f(s["tokens_served"])),
             ("pause median / max", f"{f(s['pause_s_median'], 'ms')} / {f(s['pause_s_max'], 'ms')}"),
             ("publish -> serving lag (median)", f(s["update_lag_s_median"], "ms")),
-            ("bytes per version (median)", f"{f(s['bytes_per_version_median'])} B"),
-            ("full weights (bf16)", f"{f(s['full_bytes'])} B"),
-            ("compression", f(s["compression"], "%")),
+            ("delta per version (median)", "-" if s.get("delta_bytes_median") is None else
+             f"{s['delta_bytes_median'] / 1e3:,.1f} kB = {s['delta_fraction_median']:.1%} of the "
+             f"{s['full_bytes'] / 1e3:,.1f} kB bf16 weights"),
             ("wall time", f"{s['wall_s']:.1f} s")]
+    if s.get("timeline_png") or s.get("plot_error"):
+        rows.append(("timeline", s.get("timeline_png") or f"not drawn: {s['plot_error']}"))
+    if s.get("workdir"):
+        rows.append(("work dir (kept)", f"{s['workdir']} (logs/, store/, cache/)"))
     try:
         from rich.console import Console
         from rich.table import Table
@@ -287,22 +311,30 @@ def print_summary(s: dict) -> None:
         print("syncd demo summary")
         for k, v in rows:
             print(f"  {k:<{width}}  {v}")
+    if (s.get("delta_fraction_median") or 0) > 0.05:
+        print(f"  (About the delta size: a tiny random-init model at lr {s['lr']:g}, {s['every_k']} AdamW steps "
+              "per version, changes most of its weights each version; the README's ~1% is what real RL settings "
+              "give, a 100M model at lr 1e-6: `python -m bench.codec`. Try --lr 1e-7.)")
 
 
 def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
     """The demo's flags (also mounted as ``syncd demo`` by the CLI)."""
-    p = argparse.ArgumentParser(prog="syncd demo", description=__doc__.split("\n\n")[0], add_help=add_help)
-    p.add_argument("--json", default=None, metavar="PATH", help="write the summary here (default: print only)")
+    p = argparse.ArgumentParser(prog="syncd demo --weights-only", description=__doc__.split("\n\n")[0].replace(
+        "``", ""), add_help=add_help, formatter_class=HelpFormatter)
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the summary here")
+    p.add_argument("--plot", default="syncd-demo-weights.png", metavar="PNG",
+                   help="the timeline (trainer's and engines' versions over time, pauses); '' for none")
     p.add_argument("--versions", type=int, default=16, help="versions the trainer publishes")
     p.add_argument("--every-k", type=int, default=2, help="optimizer steps per version")
-    p.add_argument("--full-every", type=int, default=8, help="a full version every that many")
-    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--full-every", type=int, default=8, help="a full version every that many, deltas between")
+    p.add_argument("--lr", type=float, default=1e-5, help="the trainer's AdamW learning rate (the delta's size "
+                                                          "follows it)")
     p.add_argument("--seed", type=int, default=0, help="seed of the tiny model's random init")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between versions (a real RL step's pace)")
-    p.add_argument("--engines", type=int, default=2)
+    p.add_argument("--engines", type=int, default=2, help="engine processes (python -m engine.control)")
     p.add_argument("--clients", type=int, default=4, help="client threads streaming requests")
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--dir", default=None, help="work directory (kept); default a temp dir, removed after")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens per request")
+    p.add_argument("--dir", default=None, help="work directory, kept (by default a temp dir, removed after)")
     p.add_argument("--keep", action="store_true", help="keep the temp work directory (logs, store, cache)")
     p.add_argument("--plain", action="store_true", help="plain progress lines even on a terminal")
     p.add_argument("--timeout", type=float, default=300, help="give up after this many seconds")

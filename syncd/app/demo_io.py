@@ -1,15 +1,33 @@
-"""What ``syncd demo --weights-only`` sends and shows: :class:`Client` keeps requests streaming to every engine the
-whole time (and counts what was served and lost), :class:`Display` shows the progress."""
+"""What the demos send and show: :class:`Client` keeps requests streaming to every engine the whole time (and counts
+what was served and lost, ``syncd demo --weights-only``), :class:`Display` shows its progress; for both demos
+:func:`published_versions` reads what the trainer published (kind, size, time) back from the store,
+:func:`delta_sizes` sums it up and :func:`plot_timeline` draws the timeline PNG (matplotlib)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import threading
 import time
 import urllib.request
 from pathlib import Path
 
-__all__ = ["Client", "Display", "write_summary"]
+__all__ = ["Client", "Display", "write_summary", "published_versions", "delta_sizes", "plot_timeline", "say",
+           "HelpFormatter"]
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` with each flag's default, except the empty ones (None, False: a switch that is off)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or action.default is argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def say(text: str) -> None:
+    """One progress line of a demo, flushed at once (a person is watching)."""
+    print(f"[demo] {text}", flush=True)
 
 
 # ---------------------------------------------------------------------------------------------- client
@@ -81,15 +99,17 @@ class Display:
                 from rich.progress import BarColumn, Progress, TextColumn
 
                 self.rich = Progress(TextColumn("{task.description:<14}"), BarColumn(),
-                                     TextColumn("{task.completed:>4.0f}/{task.total:<4.0f}"),
+                                     TextColumn("{task.completed:>4.0f}{task.fields[of]:<5}"),
                                      TextColumn("{task.fields[info]}"))
             except ImportError:
                 pass
         if self.rich is not None:
             self.rich.start()
-            self.t_step = self.rich.add_task("trainer step", total=steps, info="")
-            self.t_eng = {e: self.rich.add_task(f"engine {e}", total=versions - 1, info="") for e in engines}
-            self.t_upd = self.rich.add_task("updates", total=versions * len(engines), info="")
+            self.t_step = self.rich.add_task("trainer step", total=steps, info="", of=f"/{steps}")
+            self.t_eng = {e: self.rich.add_task(f"engine {e}", total=versions - 1, info="", of=f"/{versions - 1}")
+                          for e in engines}
+            # a count, not a bar to fill: an engine that is behind skips to the newest version
+            self.t_upd = self.rich.add_task("updates applied", total=None, info="", of="")
 
     def show(self, step, loss, status: dict, client: Client, updates: list) -> None:
         engines = status.get("engines", {})
@@ -102,7 +122,7 @@ class Display:
             for name, task in self.t_eng.items():
                 e = engines.get(name, {})
                 v = e.get("version")
-                self.rich.update(task, completed=v or 0, info=f"v{v} lag {e.get('lag')} {e.get('state', '')}")
+                self.rich.update(task, completed=v or 0, info=_engine_text(e))
             self.rich.update(self.t_upd, completed=sum(len(u["pause_s"]) for u in updates),
                              info=f"{upd} | requests {client.served} served, {client.lost} lost")
             return
@@ -110,8 +130,9 @@ class Display:
         if now - self._last_line < 2.0:
             return
         self._last_line = now
-        engs = " ".join(f"{n} v{e.get('version')} lag {e.get('lag')}" for n, e in sorted(engines.items()))
-        print(f"[demo] step {step}{'' if loss is None else f' loss {loss:.3f}'} | newest v{newest} | {engs} | "
+        engs = " ".join(f"{n} {_engine_text(e)}" for n, e in sorted(engines.items()))
+        print(f"[demo] step {step}{'' if loss is None else f' loss {loss:.3f}'} | newest "
+              f"{'-' if newest is None else f'v{newest}'} | {engs} | "
               f"last update {upd} | requests {client.served} served, {client.lost} lost", flush=True)
 
     def close(self) -> None:
@@ -119,8 +140,82 @@ class Display:
             self.rich.stop()
 
 
+def _engine_text(e: dict) -> str:
+    """``v5 lag 0 serving``, or ``starting`` before the daemon knows the engine's version."""
+    if e.get("version") is None:
+        return str(e.get("state") or "starting")
+    return f"v{e['version']} lag {'-' if e.get('lag') is None else e['lag']} {e.get('state', '')}".rstrip()
+
+
 def write_summary(summary: dict, path) -> None:
     """Write a demo's summary as JSON to ``path`` (its folder made) and say where."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(summary, indent=1))
     print(f"summary: {path}")
+
+
+# ---------------------------------------------------------------------------------------------- the run's record
+
+
+def published_versions(store, run_id: str, signing_key) -> list[dict]:
+    """Every version of the run as the store holds it, oldest first: ``version``, ``kind``, ``bytes`` (shards),
+    ``full_bytes`` (the same weights as safetensors), ``t`` (unix seconds, the manifest's creation time)."""
+    from syncd.versions import list_versions
+
+    out = []
+    for info in list_versions(store, run_id, signing_key=signing_key):
+        m = info.manifest
+        if m is not None:
+            out.append({"version": m.version, "kind": m.kind, "bytes": m.total_bytes,
+                        "full_bytes": sum(t.nbytes for t in m.tensors), "t": m.created_datetime.timestamp()})
+    return out
+
+
+def delta_sizes(versions: list[dict]) -> dict:
+    """``delta_bytes_median``, ``full_bytes`` and ``delta_fraction_median`` (a delta's size over the bf16 weights')
+    of :func:`published_versions`; None where the run has no delta."""
+    import statistics
+
+    deltas = [v["bytes"] for v in versions if v["kind"] == "delta"]
+    full = versions[0]["full_bytes"] if versions else None
+    med = statistics.median(deltas) if deltas else None
+    return {"delta_bytes_median": med, "full_bytes": full, "deltas": len(deltas),
+            "delta_fraction_median": med / full if med is not None and full else None}
+
+
+def plot_timeline(versions: list[dict], updates: list[dict], path, *, title: str) -> Path:
+    """The timeline PNG: the trainer's versions (publish times) and each engine's version over wall time, with a
+    tick per pause (its length in ms, below). ``updates``: the daemon's status records (``done_at``,
+    ``version``, ``pause_s`` per engine, ``rebuild_from``). Raises ImportError naming the extra without
+    matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ImportError("the timeline needs matplotlib (pip install 'syncd[bench]')") from exc
+    t0 = min([v["t"] for v in versions] + [u["done_at"] for u in updates if u.get("done_at")] or [0.0])
+    fig, (top, low) = plt.subplots(2, 1, figsize=(9, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
+    if versions:
+        top.step([v["t"] - t0 for v in versions], [v["version"] for v in versions], where="post", linewidth=2.5,
+                 color="black", label="trainer (published)")
+    engines = sorted({e for u in updates for e in u.get("pause_s", {})})
+    for i, name in enumerate(engines):
+        mine = [u for u in updates if name in u.get("pause_s", {}) and u.get("done_at")]
+        color = f"C{i}"
+        top.step([u["done_at"] - t0 for u in mine], [u["version"] for u in mine], where="post", color=color,
+                 linestyle="--", label=f"engine {name} (serving)")
+        live = [u for u in mine if u.get("rebuild_from") is None]
+        low.vlines([u["done_at"] - t0 for u in live], 0, [u["pause_s"][name] * 1e3 for u in live], color=color,
+                   label=f"{name}")
+    top.set(ylabel="weight version", title=title)
+    top.legend(loc="upper left", fontsize=8)
+    low.set(xlabel="wall time (s)", ylabel="pause (ms)")
+    low.legend(loc="upper right", fontsize=7, ncols=max(1, len(engines)))
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path

@@ -10,7 +10,7 @@ gives the reward before and after, versions published and applied, pauses, stale
 mismatch, and is written as JSON with ``--json``. Exit status 0 only when no rollout was lost (every request
 answered, every record complete) and every engine ended bit-exact on the trainer's last version.
 
-    syncd demo [--steps 60] [--json PATH] [--plot PNG] [--dir DIR] [--keep] [--plain]
+    syncd demo [--steps 60] [--json PATH] [--plot syncd-demo.png] [--dir DIR] [--keep] [--plain]
     syncd demo --weights-only [...]     the weight-sync demo (syncd.app.demo: a supervised trainer, a client)
 """
 
@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from syncd.app.demo_io import write_summary
+from syncd.app.demo_io import HelpFormatter, delta_sizes, plot_timeline, published_versions, say, write_summary
 
 __all__ = ["main", "build_parser", "run"]
 
@@ -35,21 +35,27 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="syncd demo", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="syncd demo", description=__doc__.split("\n\n")[0].replace("``", ""),
+                                formatter_class=HelpFormatter,
                                 epilog="syncd demo --weights-only --help: the weight-sync demo's flags")
     p.add_argument("--weights-only", action="store_true", help="run the weight-sync demo (syncd.app.demo) instead")
     p.add_argument("--steps", type=int, default=60, help="optimizer steps (a version each)")
     p.add_argument("--nproc", type=int, default=2, help="data-parallel trainer ranks")
-    p.add_argument("--engines", type=int, default=2, help="Dynamo engine workers")
-    p.add_argument("--task", default="repeat", help="trainer.tasks task")
+    p.add_argument("--engines", type=int, default=2, help="reference-engine workers under the Dynamo frontend")
+    p.add_argument("--task", default="repeat", help="trainer.tasks task the policy learns")
     p.add_argument("--every-k", type=int, default=1, help="publish a version every K steps")
-    p.add_argument("--max-lag", type=int, default=2, help="staleness bound eta")
+    p.add_argument("--max-lag", type=int, default=2, help="staleness bound eta: versions a trained token may lag")
     p.add_argument("--top-p", type=float, default=0.95, help="the engines sample from the top-p kept set")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, metavar="PATH", help="write the summary here")
-    p.add_argument("--plot", default=None, metavar="PNG", help="copy the run's picture here")
-    p.add_argument("--dir", default=None, help="work directory (kept); default a temp dir, removed after")
-    p.add_argument("--keep", action="store_true", help="keep the temp work directory")
+    p.add_argument("--lr", type=float, default=1e-2,
+                   help="learning rate: high, so that a tiny model learns in a minute (real RL runs use ~1e-6; the "
+                        "delta's size follows it)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model's random init and of the trainer")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the summary here")
+    p.add_argument("--plot", default="syncd-demo.png", metavar="PNG",
+                   help="the timeline (trainer's and engines' versions over time, pauses); the trainer's own "
+                        "picture (reward, mismatch) goes next to it as <name>-trainer.png; '' for none")
+    p.add_argument("--dir", default=None, help="work directory, kept (by default a temp dir, removed after)")
+    p.add_argument("--keep", action="store_true", help="keep the temp work directory (logs, store, metrics)")
     p.add_argument("--plain", action="store_true", help="plain progress lines even on a terminal")
     p.add_argument("--timeout", type=float, default=600, help="give up after this many seconds")
     return p
@@ -67,8 +73,9 @@ def _progress_line(step_line: dict | None, steps: int, engines: dict) -> str:
 def _watch(proc: subprocess.Popen, metrics: Path, stack, args, display) -> None:
     from trainer.metrics import read_metrics
 
-    deadline = time.monotonic() + args.timeout
-    last_print = 0.0
+    t0 = time.monotonic()
+    deadline = t0 + args.timeout
+    last_line, last_print = None, 0.0
     while proc.poll() is None:
         if time.monotonic() > deadline:
             proc.kill()
@@ -80,31 +87,40 @@ def _watch(proc: subprocess.Popen, metrics: Path, stack, args, display) -> None:
         lines = read_metrics(metrics) if metrics.exists() else []
         step = next((ln for ln in reversed(lines) if ln["kind"] == "step"), None)
         engines = stack.daemon_status().get("engines", {})
+        line = _progress_line(step, args.steps, engines)
         if display is not None:
-            display.update(display.task_ids[0], completed=step["step"] if step else 0,
-                           info=_progress_line(step, args.steps, engines)[7:])
-        elif time.monotonic() - last_print > 2.0:
-            print(_progress_line(step, args.steps, engines), flush=True)
-            last_print = time.monotonic()
+            display.update(display.task_ids[0], completed=step["step"] if step else 0, info=line[7:])
+        elif step is None:
+            if last_line is None or time.monotonic() - last_print > 15:
+                waited = time.monotonic() - t0
+                print(line + (" (the trainer loads the model and collects the first rollouts)" if last_line is None
+                              else f" ({waited:.0f} s)"), flush=True)
+                last_line, last_print = line, time.monotonic()
+        elif line != last_line and time.monotonic() - last_print > 2.0:
+            print(line, flush=True)
+            last_line, last_print = line, time.monotonic()
         time.sleep(0.25)
 
 
 def run(args) -> dict:
     """Run the demo (see the module docstring); returns the summary. RuntimeError when a part fails."""
+    work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="syncd-rl-demo-"))
+    every = "a version per step" if args.every_k == 1 else f"a version every {args.every_k} steps"
+    say(f"an RL run on this machine: the thin trainer ({args.nproc} ranks, {args.steps} steps, {every}), "
+        f"{args.engines} engines under Dynamo, the sandbox proxy and the syncd daemon; work dir "
+        f"{work}{'' if args.dir or args.keep else ' (removed at the end; --keep keeps it)'}")
     from syncd.app.rl_stack import RLStack, StackConfig
 
-    for noisy in ("torchao", "torch", "torch.utils._pytree"):
-        logging.getLogger(noisy).setLevel(logging.ERROR)
-    work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="syncd-rl-demo-"))
     t0 = time.time()
     stack = RLStack(StackConfig(work, engines=args.engines, seed=args.seed))
     display = None
     try:
-        stack.start()
+        stack.start(say=say)
         out = work / "trainer"
         argv = stack.trainer_argv("--out", str(out), "--nproc", str(args.nproc), "--steps", str(args.steps),
                                   "--every-k", str(args.every_k), "--max-lag", str(args.max_lag), "--task", args.task,
-                                  "--top-p", str(args.top_p), "--seed", str(args.seed))
+                                  "--top-p", str(args.top_p), "--seed", str(args.seed), "--lr", str(args.lr))
+        say(f"engines serving version 0 after {time.time() - t0:.0f} s; starting the trainer")
         with open(stack.logs / "trainer.log", "wb") as err:
             proc = subprocess.Popen(argv, env=stack.env, cwd=ROOT, stdout=subprocess.PIPE, stderr=err)
         if not args.plain and sys.stdout.isatty():
@@ -126,14 +142,17 @@ def run(args) -> dict:
                                f"{stack.log_tail('trainer', 3000)}")
         trained = json.loads(reply[-1])
         final = trained["final_version"]
+        say(f"the trainer is done; waiting for every engine to serve version {final}, then checking their weights "
+            "against its manifest")
         stack.wait_engines_at(final, timeout_s=120)
         exact = stack.engines_bit_exact(final)
         proxy = stack.proxy_health()
         stack.stop_daemon()
         status = stack.daemon_status()
-        if args.plot and (out / "run.png").exists():
-            shutil.copyfile(out / "run.png", args.plot)
-        return summarize(args, trained, status, exact, proxy, time.time() - t0, work)
+        versions = published_versions(stack.store_url, stack.run_id, stack.env["SYNCD_SIGNING_KEY"])
+        pictures = _pictures(args, versions, status.get("updates", []), out / "run.png")
+        say("stopping the engines and the proxy (they write their last records)")
+        return summarize(args, trained, status, exact, proxy, time.time() - t0, work, versions, pictures)
     finally:
         if display is not None:
             display.stop()
@@ -142,7 +161,24 @@ def run(args) -> dict:
             shutil.rmtree(work, ignore_errors=True)
 
 
-def summarize(args, trained: dict, status: dict, exact: dict, proxy: dict, wall_s: float, work: Path) -> dict:
+def _pictures(args, versions: list, updates: list, trainer_png: Path) -> dict:
+    """The timeline at ``--plot`` and the trainer's picture next to it; their paths (None: not drawn, and why)."""
+    if not args.plot:
+        return {}
+    try:
+        timeline = plot_timeline(versions, updates, Path(args.plot).resolve(), title="syncd demo: versions over time")
+    except ImportError as exc:
+        return {"plot_error": str(exc)}
+    out = {"timeline_png": str(timeline)}
+    if trainer_png.exists():
+        dest = timeline.with_name(timeline.stem + "-trainer.png")
+        shutil.copyfile(trainer_png, dest)
+        out["trainer_png"] = str(dest)
+    return out
+
+
+def summarize(args, trained: dict, status: dict, exact: dict, proxy: dict, wall_s: float, work: Path,
+              versions: list | None = None, pictures: dict | None = None) -> dict:
     """The demo's summary. Lost: rollout failures the trainer counted (requests, records, replay records, rewards)
     plus the proxy's failure counts (``/health``) and records it still has pending."""
     updates = [u for u in status.get("updates", []) if u.get("rebuild_from") is None]
@@ -166,7 +202,8 @@ def summarize(args, trained: dict, status: dict, exact: dict, proxy: dict, wall_
         "rollout_requests": rollouts.get("requests"), "groups_dropped_stale": trained.get("dropped_stale"),
         "rollouts_lost": sum(failures.values()), "rollout_failures": failures,
         "ranks_agree": trained.get("ranks_agree"),
-        "wall_s": wall_s, "workdir": str(work) if (args.dir or args.keep) else None,
+        **delta_sizes(versions or []), "lr": args.lr, "every_k": args.every_k,
+        "wall_s": wall_s, "workdir": str(work) if (args.dir or args.keep) else None, **(pictures or {}),
     }
 
 
@@ -174,27 +211,52 @@ def print_summary(s: dict) -> None:
     def f(x, spec):
         return "-" if x is None else format(x, spec)
 
+    applied = s["versions_applied"]
     rows = [("reward before -> after", f"{f(s['reward_before'], '.3f')} -> {f(s['reward_after'], '.3f')} "
                                         f"(mean of {s['reward_window']} steps)"),
             ("steps / versions published / applied",
-             f"{s['steps']} / {s['versions_published']} / {s['versions_applied']}"),
+             f"{s['steps']} / {s['versions_published']} (v0 full, then one per {args_k(s)}) / {applied} (the "
+             "engines started on v0)"),
             ("engines bit-exact on the last version", f"{s['engines_bit_exact']} (version {s['final_version']})"),
             ("rollout requests / lost", f"{s['rollout_requests']} / {s['rollouts_lost']}"),
             ("pause median / max", f"{f(s['pause_s_median'] and s['pause_s_median'] * 1e3, '.1f')} / "
                                    f"{f(s['pause_s_max'] and s['pause_s_max'] * 1e3, '.1f')} ms"),
             ("publish -> every engine (median)", f"{f(s['publish_to_serving_s_median'], '.3f')} s"),
+            ("delta per version (median)", _delta_text(s)),
             ("staleness of trained tokens", f"mean {f(s['staleness_mean'], '.2f')}, max {s['staleness_max']}, "
-                                            f"{s['staleness_counts']}"),
+             + ", ".join(f"{n} at {k}" for k, n in (s['staleness_counts'] or {}).items())),
             ("groups dropped as stale", str(s["groups_dropped_stale"])),
             ("IS ratio mean / share outside [0.9, 1.1]", f"{f(s['is_mean_median'], '.4f')} / "
                                                          f"{f(s['is_outside_median'], '.1%')} (median over steps)"),
             ("mismatch KL k3 (median over steps)", f(s["kl_k3_median"], ".2e")),
-            ("trained tokens / per second", f"{s['tokens_trained']} / {f(s['trained_tokens_per_s'], '.0f')}"),
+            ("trained tokens / per second", f"{s['tokens_trained']:,} / {f(s['trained_tokens_per_s'], ',.0f')}"),
             ("wall time", f"{s['wall_s']:.1f} s")]
+    if s.get("timeline_png"):
+        rows.append(("timeline", s["timeline_png"] + (f" (trainer: {s['trainer_png']})" if s.get("trainer_png")
+                                                      else "")))
+    elif s.get("plot_error"):
+        rows.append(("timeline", f"not drawn: {s['plot_error']}"))
+    if s.get("workdir"):
+        rows.append(("work dir (kept)", f"{s['workdir']} (logs/, store/, trainer/metrics.jsonl)"))
     width = max(len(k) for k, _ in rows)
     print("syncd demo summary (RL)")
     for k, v in rows:
         print(f"  {k:<{width}}  {v}")
+    if s.get("delta_fraction_median") is not None and s["delta_fraction_median"] > 0.05:
+        print(f"  (About the delta size: this demo trains a tiny random-init model at lr {f(s.get('lr'), 'g')} so "
+              "that it learns within a minute, and at that rate nearly every weight changes every step. The "
+              "README's ~1% is what real RL settings give: a 100M model at lr 1e-6, `python -m bench.codec`.)")
+
+
+def args_k(s: dict) -> str:
+    return "step" if s.get("every_k", 1) == 1 else f"{s['every_k']} steps"
+
+
+def _delta_text(s: dict) -> str:
+    if s.get("delta_bytes_median") is None:
+        return "-"
+    return (f"{s['delta_bytes_median'] / 1e3:,.1f} kB = {s['delta_fraction_median']:.1%} of the "
+            f"{s['full_bytes'] / 1e3:,.1f} kB bf16 weights ({s['deltas']} deltas)")
 
 
 def main(argv=None) -> int:

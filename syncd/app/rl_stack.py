@@ -79,7 +79,11 @@ class RLStack:
 
     # ------------------------------------------------------------------------------------ start
 
-    def start(self) -> "RLStack":
+    def start(self, say=None) -> "RLStack":
+        """Start everything; ``say(text)`` (if given) hears each stage as it begins."""
+        say = say or (lambda text: log.info("%s", text))
+        say(f"writing a tiny random-init {self.config.arch} model (hidden {self.config.hidden}, "
+            f"{self.config.layers} layers) and starting the Dynamo frontend and {self.config.engines} engine workers")
         from engine.dynamo.serve import Node, NodeConfig
         from engine.dynamo.settings import DynamoSettings
         from engine.reference.make_tiny import write_model
@@ -100,6 +104,7 @@ class RLStack:
             self.node.start()
             self.node.supervise(background=True)
             self.engines = {w["name"]: w["admin_url"] for w in self.node.workers()}
+            say(f"engines {', '.join(self.engines)} up; starting the sandbox proxy and the syncd daemon")
             self.proxy, self.proxy_url = self._start_proxy()
             self.daemon = self._start_daemon()
         except BaseException:

@@ -6,7 +6,7 @@ shard read from the store by one node of the cluster, then broadcast between the
 version, in order, to :meth:`NodeDaemon.on_version_ready <syncd.daemon.NodeDaemon.on_version_ready>`. The
 daemon then stages and applies it as usual; its :class:`~syncd.daemon.fetcher.StoreShardSource` finds the
 shards already in the cache and reads from the store only a shard that is missing (a documented fallback,
-counted in ``syncd_bytes_fetched_total``). See ``docs/cluster.md``.
+counted in ``syncd_fetched_bytes_total``). See ``docs/cluster.md``.
 
 * :func:`add_cluster_flags` adds ``--cluster-<flag>`` to the ``syncd`` command line for every flag of
   ``python -m syncd.cluster.node`` (:func:`syncd.cluster.cli.build_parser`) except the store, run, cache and

@@ -137,7 +137,7 @@ class NodeDaemon(UpdatePath):
             self.noticed_at.setdefault(version, time.time())
             self.metrics.newest_version.set(version)
             self.status.set(newest_version=version)
-            log.info("run %s: version %d noticed", self.run_id, version)
+            log.debug("run %s: version %d noticed", self.run_id, version)
             if self._wake is not None:
                 self._wake.set()
 
@@ -160,8 +160,8 @@ class NodeDaemon(UpdatePath):
         """Stop soon: abandon a download or staging in progress, finish an engine's critical section."""
         if self._stop is None or self._stop.is_set():
             return
-        log.warning("run %s: stopping (%s)", self.run_id,
-                    "after the engine update in progress" if self._critical else "now")
+        log.info("run %s: stopping (%s)", self.run_id,
+                 "after the engine update in progress" if self._critical else "now")
         self.supervisor.stopping = True  # a task that ends now is stopping, not failing
         self._stop.set()
         if self._task is not None and not self._critical:
@@ -278,9 +278,7 @@ class NodeDaemon(UpdatePath):
             lag = None if self.newest is None or d.version is None else self.newest - d.version
             self.status.engine(name, version=d.version, lag=lag, state=d.state, error=d.error,
                                applied=len(d.applied))
-            self.metrics.engine_version.labels(name).set(-1 if d.version is None else d.version)
-            if lag is not None:
-                self.metrics.engine_lag.labels(name).set(lag)
+            self.metrics.engine(name, d.version, lag)
         for companion in self._companions:
             fields = companion.status()
             if fields:

@@ -98,5 +98,5 @@ class StoreShardSource:
         self._trusted.add(s.sha256)
         self.fetched_bytes += len(data)
         if self.metrics is not None:
-            self.metrics.count("bytes_fetched", len(data))
-            self.metrics.count("shards_fetched")
+            self.metrics.count("fetched_bytes", len(data))
+            self.metrics.count("fetched_shards")

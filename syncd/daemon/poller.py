@@ -50,7 +50,7 @@ class Poller:
         """One poll (blocking): the newest valid version found, or None if nothing is known to have
         changed. Sets :attr:`missing_run`. Raises :class:`StoreError` if the store cannot be read."""
         v = self.finder.poll()
-        if not self.finder.listed_empty:
+        if not self.finder.listed_empty or self.finder.newest is not None:  # the hint found versions: no listing
             self.missing_run = None
         elif self.missing_run is None or time.monotonic() - self._runs_listed_at >= self.list_every_s:
             self._runs_listed_at = time.monotonic()

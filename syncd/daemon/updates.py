@@ -30,6 +30,12 @@ from syncd.errors import IntegrityError, SyncdError, VersionNotFound
 log = logging.getLogger(__name__)
 
 
+def _created(rfc3339: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(rfc3339.replace("Z", "+00:00")).timestamp()
+
+
 class UpdatePath:
     """See the module docstring."""
 
@@ -40,7 +46,7 @@ class UpdatePath:
             for d in group:
                 d.state = "blocked" if cur is not None else "needs rebuild"
             return
-        log.info("run %s: engines %s at %s -> %d via %s (%d bytes)", self.run_id, [d.name for d in group], cur,
+        log.debug("run %s: engines %s at %s -> %d via %s (%d bytes)", self.run_id, [d.name for d in group], cur,
                  plan.target, plan.versions, plan.bytes)
         if not await self._fetch(plan):
             return
@@ -179,9 +185,10 @@ class UpdatePath:
             self._backoff(d)
             return
         self.metrics.count("rebuilds", engine=d.name)
+        self.metrics.rebuild_s.observe(t["pause_s"])
         d.state, d.error, d.failures = "serving", None, 0
         record["pause_s"][d.name] = t["pause_s"]
-        self._applied(d, plan.steps[-1], t["pause_s"], None)
+        self._applied(d, plan.steps[-1], None, None)
         self._finish(record)
 
     # ------------------------------------------------------------------------------------- bookkeeping
@@ -197,18 +204,29 @@ class UpdatePath:
                 "noticed_at": noticed, "download_s": self._fetch_s, "stage_s": stage_s,
                 "pause_s": {}, "apply_s": {}, "done_at": None, **extra}
 
-    def _applied(self, d: EngineDriver, m: mf.Manifest, pause_s: float, apply_s: float | None) -> None:
+    def _applied(self, d: EngineDriver, m: mf.Manifest, pause_s: float | None, apply_s: float | None) -> None:
+        """Count engine ``d`` serving ``m``; ``pause_s``/``apply_s`` None for a rebuild (its own histogram: a
+        restart's pause and lag are not an update's)."""
         self.metrics.count("versions_applied", engine=d.name)
-        self.metrics.pause_s.observe(pause_s)
+        if pause_s is not None:
+            self.metrics.pause_s.observe(pause_s)
+            lag = time.time() - m.created_datetime.timestamp()
+            if lag >= 0:
+                self.metrics.update_lag_s.observe(lag)
+            self.status.engine(d.name, last_pause_s=pause_s)
         if apply_s is not None:
             self.metrics.apply_s.observe(apply_s)
-        lag = time.time() - m.created_datetime.timestamp()
-        if lag >= 0:
-            self.metrics.update_lag_s.observe(lag)
-        self.status.engine(d.name, last_pause_s=pause_s)
-        log.info("engine %s serves version %d (paused %.3fs)", d.name, m.version, pause_s)
+        log.debug("engine %s serves version %d (paused %ss)", d.name, m.version, pause_s)
 
     def _finish(self, record: dict) -> None:
+        pauses = record["pause_s"]
+        if pauses:  # the one INFO line of an update
+            how = (f"rebuilt from full version {record['rebuild_from']}" if record.get("rebuild_from") is not None
+                   else f"{record['kind']} of {record['bytes'] / 1e3:.1f} kB")
+            lag = time.time() - _created(record["created_at"])
+            log.info("run %s: version %d (%s) serving on %s; pause %s ms; %.2f s after it was published",
+                     self.run_id, record["version"], how, ", ".join(pauses),
+                     "/".join(f"{p * 1e3:.1f}" for p in pauses.values()), lag)
         record["done_at"] = time.time()
         self.status.add_update(record)
         self._write_status(force=True)

@@ -17,6 +17,7 @@ Decoders treat their input as hostile (bounds-checked, allocations bounded by th
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -148,6 +149,15 @@ def encode_kept_record(kept, token_id: int, vocab_size: int, *, margins=None, to
     return best
 
 
+@functools.lru_cache(maxsize=4)
+def _whole_vocabulary(vocab_size: int) -> np.ndarray:
+    """The ids of the 'all' form, one read-only array per vocabulary size shared by every record that has it: a
+    one-byte form must not cost ``8 * V`` bytes per record (a 1 KB chunk would ask for gigabytes)."""
+    ids = np.arange(vocab_size, dtype=np.int64)
+    ids.flags.writeable = False
+    return ids
+
+
 def read_kept(r: Reader, vocab_size: int, version: int, token_id: int | None, tolerance: float):
     """One kept set of a chunk of format ``version`` (1 or 2): ascending int64 ids, or a :class:`KeptToRebuild`."""
     tag = r.u8()
@@ -155,7 +165,7 @@ def read_kept(r: Reader, vocab_size: int, version: int, token_id: int | None, to
         r.fail(f"kept set of encoding version {tag >> 4} in a format-{version} chunk (this reader knows 1 and 2)")
     mode = tag & 0xF
     if mode == ALL:
-        return np.arange(vocab_size, dtype=np.int64)
+        return _whole_vocabulary(vocab_size)
     if mode == LIST:
         return r.id_list(vocab_size, "kept set")
     if mode == BITMAP:

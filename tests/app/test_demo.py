@@ -21,7 +21,7 @@ def test_demo_runs_and_loses_no_request(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     p = subprocess.run([sys.executable, "-m", "syncd.app.cli", "demo", "--weights-only", "--versions", "6",
                         "--every-k", "1", "--full-every", "4", "--interval", "0.5", "--clients", "2",
-                        "--json", str(out), "--dir", str(tmp_path / "work")],
+                        "--json", str(out), "--dir", str(tmp_path / "work"), "--plot", str(tmp_path / "t.png")],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     s = json.loads(out.read_text())
@@ -32,3 +32,8 @@ def test_demo_runs_and_loses_no_request(tmp_path):
     assert s["final_version"] == 5 and s["versions_published"] == 6 and s["versions_applied"] >= 1
     assert 0 < s["bytes_per_version_median"] < s["full_bytes"]
     assert "syncd demo summary" in p.stdout and "[demo]" in p.stdout  # plain progress lines off a terminal
+    assert p.stdout.splitlines()[0].startswith("[demo] weight sync on this machine")
+    assert 0 < s["delta_fraction_median"] < 1 and f"{s['delta_fraction_median']:.1%} of the" in p.stdout
+    assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and s["timeline_png"] in p.stdout
+    assert "None" not in p.stdout and "e+0" not in p.stdout, p.stdout  # numbers people read
+    assert str(tmp_path / "work") in p.stdout  # the kept work dir is named

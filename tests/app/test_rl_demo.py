@@ -35,4 +35,10 @@ def test_syncd_demo_runs_the_rl_loop(tmp_path):
     assert s["staleness_max"] <= 2 and sum(s["staleness_counts"].values()) == s["tokens_trained"] == STEPS * 4 * 8 * 8
     assert 0 < s["is_mean_median"] < 10 and s["kl_k3_median"] >= 0 and s["is_outside_median"] is not None
     assert "syncd demo summary (RL)" in p.stdout and "[demo] step" in p.stdout  # plain lines off a terminal
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and s["timeline_png"] == str(png.resolve())
+    assert Path(s["trainer_png"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the trainer's picture, next to it
+    # the first line comes before anything slow starts, and says where the work goes; the delta's size is printed
+    assert p.stdout.splitlines()[0].startswith("[demo] an RL run on this machine") and str(tmp_path / "work") in \
+        p.stdout.splitlines()[0]
+    assert s["deltas"] >= 1 and 0 < s["delta_fraction_median"] < 1 and s["delta_bytes_median"] < s["full_bytes"]
+    assert f"{s['delta_fraction_median']:.1%} of the" in p.stdout and s["workdir"] in p.stdout

@@ -13,12 +13,16 @@ from bench import engine_update
 @pytest.mark.slow
 def test_engine_update_benchmark_tiny(tmp_path, capsys):
     out = tmp_path / "engine_update.json"
-    assert engine_update.main(["--preset", "tiny", "--updates", "2", "--window", "0.5", "--out", str(out)]) == 0
+    png = tmp_path / "engine_update.png"
+    assert engine_update.main(["--preset", "tiny", "--updates", "2", "--window", "0.5", "--out", str(out),
+                               "--plot", str(png)]) == 0
     printed = capsys.readouterr().out
     assert "reload / stall" in printed and "physical limit" in printed and "0 lost" in printed
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"plot written to {png}" in printed
     data = json.loads(out.read_text())
     r = data["result"]
     assert data["bench"] == "engine_update" and [u["version"] for u in r["updates"]] == [1, 2]
+    assert len(r["reload_s"]) == 2 and r["load_full_s"] and len(r["quiet_apply_s"]) == 2  # the plot's samples
     assert r["requests_lost"] == 0 and r["requests_completed"] == r["requests_submitted"] > 0
     assert all(u["changed"] > 0 and u["lines"] > 0 and 0 < u["stall_s"] < 60 for u in r["updates"])
     assert r["stall_max_s"] >= r["stall_median_s"] > 0 and r["reload_load_state_dict_median_s"] > 0

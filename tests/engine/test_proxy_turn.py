@@ -62,3 +62,56 @@ def test_bodies_and_a_lone_surrogate():
         parse_body(b'{"nvext": {"annotations": "token_ids"}}', max_bytes=100)
     # a lone surrogate is valid in a JSON escape but not in UTF-8: the event carries the escape
     assert format_event({"text": "\ud800"}) == b'data: {"text":"\\ud800"}\n\n'
+
+
+def test_a_whole_chat_response_folds_tool_calls_logprobs_and_finish_reason():
+    """What a non-streamed client gets is the frontend's aggregate of the stream: tool-call fragments joined per
+    index, log-prob entries concatenated, the finish reason, ``refusal`` null. (The tiny random model never
+    calls a tool, so the end-to-end test cannot show tool calls; this folds OpenAI-shaped chunks.)"""
+    from engine.proxy.turn import whole_response
+
+    st = TurnState(Turn(0, "chat/completions", {}, False))
+    def lp(tok, x):
+        return {"content": [{"token": tok, "logprob": x, "top_logprobs": [{"token": tok, "logprob": x}]}],
+                "refusal": None}
+    chunks = [
+        {"index": 0, "delta": {"role": "assistant", "content": None}, "logprobs": lp("a", -0.5)},
+        {"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                                               "function": {"name": "get_", "arguments": '{"ci'}}]},
+         "logprobs": lp("b", -0.25)},
+        {"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"name": "weather", "arguments": 'ty": 1}'}}]},
+         "logprobs": lp("c", -1.0), "finish_reason": "tool_calls"},
+    ]
+    for ch in chunks:
+        st.add_choices({"choices": [ch]}, chat=True)
+    st.last = {"model": "m", "created": 1}
+    out = whole_response(st, "chat/completions")
+    (choice,) = out["choices"]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"] == {"role": "assistant", "content": "", "refusal": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": 1}'}}]}
+    assert [e["token"] for e in choice["logprobs"]["content"]] == ["a", "b", "c"]
+    assert choice["logprobs"]["refusal"] is None and "system_fingerprint" not in out
+
+
+def test_completions_logprobs_fold_and_empty_chunks_are_dropped():
+    from engine.proxy.turn import for_client, whole_response
+
+    st = TurnState(Turn(0, "completions", {}, False))
+    for i, (tok, x) in enumerate([("x", -1.0), ("y", -2.0)]):
+        st.add_choices({"choices": [{"index": 0, "text": tok, "logprobs": {
+            "tokens": [tok], "token_logprobs": [x], "top_logprobs": [{tok: x}], "text_offset": [i]}}]}, chat=False)
+    st.last = {"system_fingerprint": None}
+    out = whole_response(st, "completions")
+    assert out["choices"][0]["logprobs"] == {"tokens": ["x", "y"], "token_logprobs": [-1.0, -2.0],
+                                             "top_logprobs": [{"x": -1.0}, {"y": -2.0}], "text_offset": [0, 1]}
+    assert out["choices"][0]["text"] == "xy" and out["system_fingerprint"] is None
+    ed = {"nvext": {"engine_data": {"syncd": 1}}}
+    # a chunk the frontend sent only because the proxy asked for engine_data: nothing for the client
+    assert for_client({"choices": [{"index": 0, "delta": {"content": None, "role": None}}], **ed}, set()) is None
+    assert for_client({"choices": [{"index": 0, "text": ""}], **ed}, set()) is None
+    # a role, a finish reason, log-probs or a client that asked for engine_data: sent
+    assert for_client({"choices": [{"index": 0, "delta": {"role": "assistant"}}], **ed}, set()) is not None
+    assert for_client({"choices": [{"index": 0, "text": "", "finish_reason": "length"}], **ed}, set()) is not None
+    assert for_client({"choices": [{"index": 0, "text": "", "logprobs": {"tokens": []}}], **ed}, set()) is not None
+    assert for_client({"choices": [{"index": 0, "text": ""}], **ed}, {"engine_data"})["nvext"] == ed["nvext"]

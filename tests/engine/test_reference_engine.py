@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -241,3 +242,18 @@ def test_make_tiny_writes_a_folder_transformers_and_dynamo_can_load(tmp_path, ca
             assert len(eng.generate_sync(GenerationRequest("x", tuple(ids), SamplingParams(max_tokens=3)), 60)) == 3
         finally:
             eng.close()
+
+
+def test_no_torchao_warnings_where_we_build_models(tmp_path):
+    """torchao (a benchmark baseline and test reference, installed with the extras) logs 'Failed to load' for its
+    CUDA libraries on a CPU-only torch, and triggers torch pytree deprecations, when transformers first loads it;
+    make_tiny and the reference engine import it quietly first (syncd.lazy.quiet_optional_imports)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from engine.reference.make_tiny import main; main(['--out', sys.argv[1]]); "
+            "from engine.reference.engine import ReferenceEngine; ReferenceEngine.from_pretrained(sys.argv[1])")
+    p = subprocess.run([sys.executable, "-c", code, str(tmp_path / "m")], capture_output=True, text=True, timeout=300,
+                       cwd=Path(__file__).resolve().parents[2])
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "Failed to load" not in p.stderr and "_pytree" not in p.stderr, p.stderr[-2000:]

@@ -245,3 +245,21 @@ def test_chunk_decoder_checks_structure_behind_a_valid_checksum():
         body[at:at + 4] = np.float32(bad).tobytes()
         with pytest.raises(ReplayFormatError, match="kept tolerance"):
             decode_chunk(_with_checksum(bytes(body)))
+
+
+def test_a_chunk_of_whole_vocabulary_sets_at_the_largest_vocabulary_stays_small():
+    """The 'all' form is one byte per record: decoding many of them at V = 2**26 (the reader's bound) shares one
+    read-only id array instead of allocating 512 MiB per record (a hostile 1 KB chunk asked for ~85 GB)."""
+    import tracemalloc
+
+    from syncd.records.replay_kept import MAX_VOCAB
+
+    vocab, n = MAX_VOCAB, 400
+    tracemalloc.start()
+    one = decode_kept(b"\x12", vocab)
+    for _ in range(n):
+        assert decode_kept(b"\x12", vocab) is one
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert one.size == vocab and not one.flags.writeable
+    assert peak < 2 * 8 * vocab  # one array, not one per record

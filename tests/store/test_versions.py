@@ -235,7 +235,13 @@ def test_cli_ls_verify_gc(published, capsys, monkeypatch):
     assert cli(["verify"]) == 0
     assert capsys.readouterr().out.strip().endswith("6 versions checked, 0 failed")
     assert cli(["gc", "--keep-last", "1", "--grace", "0", "--dry-run"]) == 0
-    assert "would delete versions [0, 1, 2]" in capsys.readouterr().out
+    assert "would delete versions 0-2 (" in capsys.readouterr().out
+    assert cli(["gc", "--keep-last", "1", "--dry-run"]) == 0  # the default grace keeps everything, and says so
+    out = capsys.readouterr().out.splitlines()
+    assert out[:4] == ["keep versions 0-5", "  5: the newest 1 (--keep-last)",
+                       "  3-4: the full version and deltas a kept version is built from",
+                       "  0-2: superseded less than 300 s ago, a reader may still use them (--grace)"], out
+    assert out[4].startswith("would delete versions none (0 objects)")
     assert latest_version(store, RUN, signing_key=KEY) == 5 and len(list_versions(store, RUN)) == 6
     shard_path(root, 4).write_bytes(b"garbage")
     assert cli(["verify", "--quick"]) == 1
@@ -249,7 +255,7 @@ def test_cli_ls_verify_gc(published, capsys, monkeypatch):
         assert cli(command + ["--run-id", "nope"]) == 1
         assert f"runs there: {RUN}" in capsys.readouterr().err
     assert cli(["ls", "--run-id", "../etc"]) == 2
-    assert "invalid run id" in capsys.readouterr().err
+    assert "--run-id='../etc' is not a run id" in capsys.readouterr().err
     assert cli([]) == 2
     assert cli(["ls", "--store", str(root / "typo")]) == 2
     assert "does not exist" in capsys.readouterr().err and not (root / "typo").exists()

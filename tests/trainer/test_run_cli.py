@@ -39,6 +39,8 @@ def _run(capsys, model_dir, tmp_path, *flags, proxy=None, store=None):
     (["--sync"], "--daemon-status: the synchronous baseline (--sync) waits"),
     (["--lookahead", "1"], "--lookahead: must be >= --groups-per-step (4)"),
     (["--top-p", "0"], "--temperature/--top-p/--top-k: top_p must be in (0, 1]"),
+    (["--curate", "0.5,0.2"], "--curate/--curate-pool/--curate-confidence: curation band must be 0 <= low < high"),
+    (["--curate", "0.05,0.5", "--curate-confidence", "0.3"], "curation confidence must be in (0.5, 1), got 0.3"),
     (["--is-band", "1.5,2"], "--is-cap/--is-band/--is-seq-band/--micro-batch: is_band must be (low, high)"),
 ])
 def test_bad_settings_exit_2_naming_the_flag(capsys, model_dir, tmp_path, frontend, flags, message):
@@ -79,3 +81,12 @@ def test_a_run_that_already_has_versions_is_refused(capsys, model_dir, tmp_path,
         pub.publish({"w": __import__("torch").zeros(4)}, 0)
     rc, err = _run(capsys, model_dir, tmp_path, proxy=frontend.url, store=store)
     assert rc == 2 and "--run-id: run rl already has versions" in err, err
+
+
+def test_curate_flags_put_the_difficulty_filter_on_the_loop():
+    from trainer.run import config_from_args, parser
+
+    base = ["--model", "m", "--out", "o"]
+    assert config_from_args(parser().parse_args(base)).curation is None
+    cfg = config_from_args(parser().parse_args([*base, "--curate", "0.1,0.6", "--curate-pool", "16"]))
+    assert cfg.curation.band == (0.1, 0.6) and cfg.curation.pool == 16 and cfg.curation.confidence == 0.9
