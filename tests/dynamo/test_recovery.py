@@ -125,7 +125,7 @@ def test_sigkilled_worker_is_restarted_rebuilt_and_routed_to_only_once_current(e
             assert a.version == 2 and a.checksum() == want
         rebuilt = [r for r in daemon.records if r.get("rebuild_from") == 0]
         assert rebuilt and all(r["version"] == 2 for r in rebuilt)
-        fetched = daemon.daemon.metrics.bytes_fetched._value.get()
+        fetched = daemon.daemon.metrics.fetched_bytes._value.get()
 
         n = 900  # long enough that the worker is still generating when the client has read a few tokens
         body = {"model": cfg.model_name, "prompt": "a long story:", "max_tokens": n, "seed": 7,
@@ -157,7 +157,7 @@ def test_sigkilled_worker_is_restarted_rebuilt_and_routed_to_only_once_current(e
         assert a.version == 2 and a.checksum() == want
         rebuilds = [r for r in daemon.records if r.get("rebuild_from") == 0]
         assert len(rebuilds) > len(rebuilt)  # rebuilt again after the restart ...
-        assert daemon.daemon.metrics.bytes_fetched._value.get() == fetched  # ... from the node cache
+        assert daemon.daemon.metrics.fetched_bytes._value.get() == fetched  # ... from the node cache
 
         seen = set()  # and the frontend routes to both workers again
         for k in range(8):
