@@ -30,6 +30,7 @@ Writes JSON (``--out``).
     python -m bench.engine_update                  # ~110M parameters, lr 1e-6, 5 updates
     python -m bench.engine_update --preset tiny    # seconds; what the test runs
     python -m bench.engine_update --device cuda --updates 5 --window 10   # on a GPU machine
+    python -m bench.engine_update --engine vllm [--preset tiny]           # a real vLLM (bench.engine_update_vllm)
 """
 
 from __future__ import annotations
@@ -296,6 +297,10 @@ def run(cfg: dict, lr: float, seed: int, workdir: Path, verify_apply: bool = Tru
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m bench.engine_update", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="default")
+    p.add_argument("--engine", choices=("reference", "vllm"), default="reference",
+                   help="the engine updated: syncd's reference engine or a real vLLM (bench.engine_update_vllm; CPU)")
+    p.add_argument("--vllm-cpu-gemm", choices=("onednn", "torch"), default="onednn",
+                   help="--engine vllm: vLLM's packed oneDNN linear layers (rebuilt after each write) or F.linear")
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--updates", type=int, help="delta versions to apply (preset default)")
     p.add_argument("--clients", type=int, help="concurrent requests kept running (preset default)")
@@ -343,6 +348,8 @@ def print_gpu_reloads(r: dict, ms) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    if args.engine == "vllm":
+        return _main_vllm(args)
     cfg = dict(PRESETS[args.preset])
     for k in ("updates", "clients", "window", "interval"):
         if getattr(args, k) is not None:
@@ -418,6 +425,29 @@ def plot(r: dict, path, preset: str):
     ax.yaxis.set_minor_formatter(NullFormatter())
     ax.title.set_fontsize(9)
     return save(fig, path)
+
+
+def _main_vllm(args) -> int:
+    from bench import engine_update_vllm as ev
+
+    if args.device != "cpu":
+        print("engine_update: --engine vllm runs vllm-cpu here (a GPU run is bench/gpu_check.sh's)", file=sys.stderr)
+        return 2
+    cfg = dict(ev.PRESETS[args.preset])
+    for k in ("updates", "clients", "window", "interval"):
+        if getattr(args, k) is not None:
+            cfg[k] = getattr(args, k)
+    print(f"syncd engine update benchmark on vLLM: preset {args.preset}, {platform.processor() or platform.machine()}")
+    with tempfile.TemporaryDirectory(prefix="syncd-vllm-bench-") as tmp:
+        r = ev.run(cfg, args.lr, args.seed, Path(tmp), cpu_gemm=args.vllm_cpu_gemm)
+    ev.report(r)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(ev.dumps(args.preset, cfg, r))
+    print(f"results written to {out}")
+    if args.plot:
+        print(f"plot written to {ev.plot(r, args.plot, args.preset)}")
+    return 0 if r["requests_lost"] == 0 else 1
 
 
 if __name__ == "__main__":

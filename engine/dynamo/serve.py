@@ -9,10 +9,12 @@ file to ``syncd --engine``); arguments after ``--`` go to every worker (e.g. ``-
 ``--replay-store URL --run-id RUN``). Discovery: ``file`` (default, no servers) or ``etcd`` + NATS given by
 ``--etcd-endpoints``/``--nats-server``, or started locally with ``--start-services``.
 
-Supervision: a worker or frontend that exits while the node runs is restarted after a backoff (1 s doubling
-to 30 s); one that fails ``--restart-limit`` times within ten minutes stops the node (exit status 1). On
-SIGTERM/SIGINT the workers get SIGTERM first (they leave discovery at once and drain), then the frontend,
-then local services; anything still running after the grace period is killed.
+Supervision: a worker or frontend that exits while the node runs has what is left of its process group killed
+(each child runs in a session of its own: vLLM's engine-core and worker processes outlive a SIGKILLed worker)
+and is restarted after a backoff (1 s doubling to 30 s); one that fails ``--restart-limit`` times within ten
+minutes stops the node (exit status 1). On SIGTERM/SIGINT the workers get SIGTERM first (they leave discovery
+at once and drain), then the frontend, then local services; anything still running after the grace period is
+killed.
 
 The ready file (JSON, written atomically once every worker is visible through discovery and the frontend
 lists the model, rewritten after each restart) holds ``frontend`` (URL or null), ``model``, ``workers``
@@ -260,6 +262,7 @@ class Node:
                     changed = True
                 continue
             child.info = {}  # its instance is gone; a restart announces a new one
+            _kill_group(child.proc.pid)
             changed = True
             while child.failures and now - child.failures[0] > RESTART_WINDOW_S:
                 child.failures.popleft()
@@ -290,8 +293,10 @@ class Node:
                         pass
             for c in workers:
                 stop_process(c.proc, self.config.stop_grace_s)
+                _kill_group(c.proc.pid)
             for c in others:
                 stop_process(c.proc, self.config.stop_grace_s)
+                _kill_group(c.proc.pid)
             if self.services is not None:
                 self.services.close()
                 self.services = None
@@ -305,11 +310,21 @@ class Node:
         self.close()
 
 
+def _kill_group(pgid: int) -> None:
+    """SIGKILL what is left of a child's process group (the child led it: ``start_new_session``)."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m engine.dynamo.serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="model folder (config.json, tokenizer, weights)")
     p.add_argument("--served-model-name", default=None, help="OpenAI model name (default: the folder's name)")
     p.add_argument("--workers", type=int, default=int(os.environ.get("SYNCD_DYNAMO_WORKERS", "1")))
+    p.add_argument("--engine", default=None,
+                   help="the workers' engine: reference, vllm or MODULE:FACTORY (passed to every worker)")
     p.add_argument("--frontend", action="store_true", help="also run the OpenAI HTTP frontend")
     p.add_argument("--http-host", default="127.0.0.1")
     p.add_argument("--http-port", type=int, default=8000, help="frontend port (0: a free one)")
@@ -345,7 +360,8 @@ def main(argv=None) -> int:
                             http_host=args.http_host, http_port=args.http_port,
                             migration_limit=args.migration_limit, settings=settings,
                             served_model_name=args.served_model_name, system_port_base=args.system_port_base,
-                            worker_args=tuple(worker_args), start_services=args.start_services,
+                            worker_args=tuple((["--engine", args.engine] if args.engine else []) + worker_args),
+                            start_services=args.start_services,
                             restart_limit=args.restart_limit, startup_timeout_s=args.startup_timeout,
                             ready_file=Path(args.ready_file) if args.ready_file else None)
         node = Node(config)

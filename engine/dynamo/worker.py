@@ -29,7 +29,17 @@ the exit, and a frontend with ``--migration-limit`` moves them to another worker
 once. Killed without a chance to deregister (SIGKILL), the worker stays listed until its discovery lease
 expires (about 10 s with file discovery, 30 s with etcd); the frontend migrates its streams meanwhile.
 
-CLI: ``python -m engine.dynamo.worker --model DIR [--engine reference|MODULE:FACTORY] ...`` (``--help``).
+Registration: with ``wait_for_weights`` (``--wait-for-daemon``) the worker serves its admin routes at once but
+registers with the frontend only after the node daemon has loaded a version into the engine (it starts with
+weights of no version, so the daemon rebuilds it from the newest full version plus the deltas after it, paused
+throughout) and resumed it: a worker restarted after a crash never serves stale weights. The ready file then
+names the ``version`` it registered with.
+
+Engines: ``--engine reference`` (:class:`engine.reference.ReferenceEngine`), ``--engine vllm``
+(:class:`engine.vllm.VLLMEngine`, the ``vllm`` extra; run the worker in its own session and stop it by its
+process group: vLLM's engine-core and worker processes outlive a SIGKILLed parent) or ``MODULE:FACTORY``.
+
+CLI: ``python -m engine.dynamo.worker --model DIR [--engine reference|vllm|MODULE:FACTORY] ...`` (``--help``).
 """
 
 from __future__ import annotations
@@ -72,7 +82,8 @@ class DynamoWorker:
                  component: str = "backend", endpoint: str = "generate",
                  default_max_tokens: int = protocol.DEFAULT_MAX_TOKENS, drain_timeout_s: float = 30.0,
                  ready_file: str | os.PathLike | None = None, context_length: int | None = None,
-                 token: str | None = None, run_id: str | None = None, signing_key=None):
+                 token: str | None = None, run_id: str | None = None, signing_key=None,
+                 wait_for_weights: bool = False):
         from engine.control import EngineControl
         from syncd.engine_token import load_or_create
 
@@ -86,8 +97,10 @@ class DynamoWorker:
         self.drain_timeout_s = drain_timeout_s
         self.ready_file = None if ready_file is None else Path(ready_file)
         self.context_length = context_length
+        self.wait_for_weights = wait_for_weights
         self.runtime = None
         self.endpoint = None
+        self.registered_version = None
         self._live: set[str] = set()
         self._stopping = False
         self.requests_served = 0
@@ -171,6 +184,9 @@ class DynamoWorker:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal)
         self.register_admin_routes(runtime)
+        if self.wait_for_weights:
+            await self._wait_for_weights()
+        self.registered_version = self.engine.version
         self.endpoint = runtime.endpoint(self.endpoint_path)
         config = ModelRuntimeConfig()
         if self.context_length:
@@ -186,6 +202,15 @@ class DynamoWorker:
             announce.cancel()
         log.info("worker %s stopped after %d requests", self.endpoint_path, self.requests_served)
 
+    async def _wait_for_weights(self, interval_s: float = 0.05) -> None:
+        """Until the engine holds a version and is not paused (the daemon's rebuild resumes it at its end)."""
+        log.info("holding registration until the node daemon has loaded weights")
+        while self.engine.version is None or getattr(self.engine, "paused", False):
+            if self._stopping:
+                return
+            await asyncio.sleep(interval_s)
+        log.info("engine holds version %s; registering with the frontend", self.engine.version)
+
     async def _announce(self) -> None:
         """Write the ready file once this instance is visible through discovery."""
         if self.ready_file is None:
@@ -196,7 +221,7 @@ class DynamoWorker:
             await asyncio.sleep(0.05)
         info = {"pid": os.getpid(), "instance_id": me, "endpoint": self.endpoint_path,
                 "system_port": int(os.environ.get("DYN_SYSTEM_PORT") or 0) or None,
-                "model": self.served_name}
+                "model": self.served_name, "version": self.registered_version}
         tmp = self.ready_file.with_name(self.ready_file.name + ".tmp")
         tmp.write_text(json.dumps(info))
         os.replace(tmp, self.ready_file)
@@ -248,16 +273,27 @@ def _reference_engine(args):
                                            recorder=recorder)
 
 
+def _vllm_engine(args):
+    """vLLM (:class:`engine.vllm.VLLMEngine`) on ``args.model``; its weights are version ``args.weights_version``."""
+    if args.replay_store:
+        raise ValueError("--replay-store with --engine vllm: vLLM returns kept sets and routes only with Model "
+                         "Runner V2 (a GPU); engine.vllm.replay maps them, the worker does not record them yet")
+    from engine.vllm import VLLMEngine
+
+    return VLLMEngine(args.model, version=args.weights_version, max_num_seqs=args.max_batch,
+                      max_model_len=args.max_model_len)
+
+
 def build_engine(args):
-    """The engine ``--engine`` names: ``reference``, or ``MODULE:FACTORY`` where ``FACTORY(args)`` returns an
-    object implementing ``engine.Adapter`` and ``engine.Generator``. Raises ValueError/TypeError."""
+    """The engine ``--engine`` names: ``reference``, ``vllm``, or ``MODULE:FACTORY`` where ``FACTORY(args)``
+    returns an object implementing ``engine.Adapter`` and ``engine.Generator``. Raises ValueError/TypeError."""
     spec = args.engine
-    if spec == "reference":
-        factory = _reference_engine
+    if spec in ("reference", "vllm"):
+        factory = _reference_engine if spec == "reference" else _vllm_engine
     else:
         mod, sep, name = spec.partition(":")
         if not sep or not mod or not name:
-            raise ValueError(f"--engine must be 'reference' or MODULE:FACTORY, got {spec!r}")
+            raise ValueError(f"--engine must be 'reference', 'vllm' or MODULE:FACTORY, got {spec!r}")
         factory = getattr(importlib.import_module(mod), name)
     engine = factory(args)
     from syncd.engines.protocol import Adapter, Generator
@@ -281,7 +317,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="model folder (config.json, tokenizer, weights)")
     p.add_argument("--served-model-name", default=None, help="OpenAI model name (default: the folder's name)")
     p.add_argument("--engine", default=os.environ.get("SYNCD_DYNAMO_ENGINE", "reference"),
-                   help="reference, or MODULE:FACTORY called with the parsed arguments")
+                   help="reference, vllm, or MODULE:FACTORY called with the parsed arguments [SYNCD_DYNAMO_ENGINE]")
     p.add_argument("--component", default="backend", help="Dynamo component name")
     p.add_argument("--endpoint", default="generate", help="Dynamo endpoint name")
     p.add_argument("--system-port", type=int, default=None,
@@ -293,7 +329,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--replay-kept-tolerance", type=float, default=None,
                    help="record kept sets the trainer can rebuild from its logits within this tolerance (scaled "
                         "logits; docs/replay-format.md); default: list every set")
-    p.add_argument("--max-batch", type=int, default=8, help="requests running at once (reference engine)")
+    p.add_argument("--wait-for-daemon", action="store_true",
+                   help="start with weights of no version and register with the frontend only once the node "
+                        "daemon has loaded one (a restarted worker never serves stale weights)")
+    p.add_argument("--max-batch", type=int, default=8, help="requests running at once")
+    p.add_argument("--max-model-len", type=int, default=None, help="vLLM's max_model_len (default: the model's)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--default-max-tokens", type=int, default=protocol.DEFAULT_MAX_TOKENS)
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on stop")
@@ -314,6 +354,10 @@ def main(argv=None) -> int:
         settings: DynamoSettings = from_args(args)
     except ValueError as exc:
         print(f"engine.dynamo.worker: {exc}", file=sys.stderr)
+        return 2
+    if args.wait_for_daemon and args.weights_version is not None:
+        print("engine.dynamo.worker: --wait-for-daemon starts with weights of no version; drop --weights-version",
+              file=sys.stderr)
         return 2
     if args.system_port is not None and not 0 <= args.system_port <= MAX_SYSTEM_PORT:
         print(f"engine.dynamo.worker: --system-port must be 0..{MAX_SYSTEM_PORT} (Dynamo 1.6 reads it as a "
@@ -344,7 +388,8 @@ def main(argv=None) -> int:
                           default_max_tokens=args.default_max_tokens, drain_timeout_s=args.drain_timeout,
                           ready_file=args.ready_file, context_length=_context_length(args.model),
                           token=token, signing_key=key if key else False,
-                          run_id=args.run_id if args.weights_version is not None else None)
+                          run_id=args.run_id if args.weights_version is not None else None,
+                          wait_for_weights=args.wait_for_daemon)
 
     async def run():
         from dynamo.runtime import DistributedRuntime

@@ -39,4 +39,8 @@ def test_bad_arguments_exit_2(model_dir, capsys):
     assert worker.main(["--model", str(model_dir), "--discovery", "etcd"]) == 2
     assert worker.main(["--model", str(model_dir), "--engine", "no.such.module:make"]) == 2
     assert "cannot build the engine" in capsys.readouterr().err
+    assert worker.main(["--model", str(model_dir), "--wait-for-daemon", "--weights-version", "0"]) == 2
+    assert "drop --weights-version" in capsys.readouterr().err
+    assert worker.main(["--model", str(model_dir), "--engine", "vllm", "--replay-store", "/tmp/x", "--run-id", "r"]) == 2
+    assert "Model Runner V2" in capsys.readouterr().err
     assert frontend.main(["--migration-limit", "-1"]) == 2

@@ -149,7 +149,9 @@ def test_activation_checkpointing_recomputes_with_the_same_routes(arch, where):
         loss_of(model, ids).backward()
     want = grads(model)
     model.zero_grad()
-    model.activation_checkpointing_enable({"use_reentrant": where == "reentrant-inside"})
+    # transformers >= 5.20 names it activation_checkpointing_enable; 5.19 (vLLM's pin) gradient_checkpointing_enable
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable({"use_reentrant": where == "reentrant-inside"})
     recomputes = []
     hooks = [r.register_forward_hook(lambda m, a, o: recomputes.append(torch._C._current_graph_task_id() != -1))
              for r in moe_routers(model)]
@@ -250,13 +252,17 @@ def test_bind_swaps_routes_between_cached_forwards():
     routes = own_routes(model, ids)
     from transformers import DynamicCache
 
+    import inspect
+
+    # transformers >= 5.20 calls it cache=, 5.19 (vLLM's pin) past_key_values= (as engine.reference.model does)
+    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.no_grad():
         full = model(ids).logits
         cache = DynamicCache(config=model.config)
         with routing_replay(model, routes[:, :6]) as rr:
-            a = model(ids[:, :6], cache=cache, use_cache=True).logits
+            a = model(ids[:, :6], use_cache=True, **{kw: cache}).logits
             rr.bind(routes[:, 6:])
-            b = model(ids[:, 6:], cache=cache, use_cache=True).logits
+            b = model(ids[:, 6:], use_cache=True, **{kw: cache}).logits
     torch.testing.assert_close(torch.cat([a, b], 1), full, atol=1e-5, rtol=1e-5)
     assert rr.disagreement == 0.0
 

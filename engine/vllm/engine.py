@@ -1,0 +1,320 @@
+"""``VLLMEngine``: a real vLLM (``vllm.v1.engine.async_llm.AsyncLLM``) behind syncd's engine contract -- the
+``Adapter`` (weight updates in place while serving) and the ``Generator`` (token streams with each token's
+weight version).
+
+How the Adapter maps onto vLLM (``docs/engine.md``, "vLLM"):
+
+=============  =================================================================================================
+``stage``      the worker decodes the update into CPU memory on a thread of its own while vLLM keeps serving
+               (``collective_rpc("syncd_stage")``; the node-cache shards are read in the worker itself)
+``pause``      ``pause_generation(mode="keep", clear_cache=False)``: requests stay queued, KV and prefix
+               caches are kept; returns once no step runs
+``apply``      vLLM's weight-transfer interface with the ``syncd`` backend (``engine.vllm.worker_ext``):
+               ``start_weight_update`` -> ``update_weights({"op": "apply"})`` (the changed words written in
+               place into vLLM's own parameters, the packed CPU copies of the touched layers rebuilt) ->
+               ``finish_weight_update(weight_version=str(version))``, which labels every later token
+``checksum``   ``syncd.ops.checksum`` on the worker over vLLM's parameters (the logical copy for packed experts)
+``resume``     ``resume_generation()``
+=============  =================================================================================================
+
+``rollback`` and ``load_full`` go through the same backend. Bad input (a corrupt blob, a wrong base version, a
+checksum that does not match) raises the error the reference engine raises and leaves the served weights as
+they were. Versions are syncd's ints; vLLM's are their ``str``.
+
+Threads: AsyncLLM lives on an event loop thread of its own; the Adapter's calls (one controller thread, as the
+contract says) and ``generate``/``abort`` (any thread or loop) are handed to it. One AsyncLLM starts three
+processes (this one, ``VLLM::EngineCore``, ``VLLM::Worker``); :meth:`close` shuts them down. A process killed
+with SIGKILL leaves the other two running: run a serving process in its own session and kill its group
+(``engine.dynamo.procs`` does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from typing import AsyncIterator, Sequence
+
+from syncd.engines.params import ParamSpec
+from syncd.engines.protocol import GenerationRequest, TokenEvent
+from syncd.engines.update import Update
+
+log = logging.getLogger(__name__)
+
+__all__ = ["VLLMEngine", "WORKER_EXTENSION"]
+
+WORKER_EXTENSION = "engine.vllm.worker_ext.SyncdWorkerExtension"
+
+
+def _raise(res):
+    """``res``, unless the worker sent an error: then raise it as the type it had there."""
+    if isinstance(res, dict) and "error" in res:
+        from syncd import errors
+
+        kind, msg = res["error"]
+        cls = getattr(errors, kind, None) or {"ValueError": ValueError, "KeyError": KeyError,
+                                              "FileNotFoundError": FileNotFoundError}.get(kind, RuntimeError)
+        raise cls(msg if cls is not RuntimeError or kind == "RuntimeError" else f"{kind}: {msg}")
+    return res
+
+
+class VLLMEngine:
+    """vLLM serving ``model_dir`` (a local folder: config, safetensors, tokenizer) with the weights of
+    ``version``. ``max_model_len`` (None: the model's), ``max_num_seqs``, ``block_size`` (CPU: a multiple of 32),
+    ``kv_cache_gib`` (CPU KV cache, ``VLLM_CPU_KVCACHE_SPACE``) and ``engine_kwargs`` (any other
+    ``AsyncEngineArgs``) configure vLLM; it always runs in float32 (the parameters hold the trainer's bf16
+    words exactly) with eager execution. ``cpu_gemm``: how CPU linear layers compute, ``"onednn"`` (vLLM's packed
+    copies, rebuilt for the touched layers after each write; the default) or ``"torch"`` (``F.linear`` over the
+    written weights; ``SYNCD_VLLM_CPU_GEMM``). Starting takes 20-60 s on a small CPU machine. Raises what vLLM
+    raises when it cannot start, and ``ValueError`` for a model whose layout syncd cannot map."""
+
+    def __init__(self, model_dir, *, version: int | None = 0, max_model_len: int | None = 512, max_num_seqs: int = 8,
+                 block_size: int | None = 32, kv_cache_gib: float = 1, engine_kwargs: dict | None = None,
+                 cpu_gemm: str | None = None, name: str = "vllm", start_timeout: float = 900.0):
+        if int((engine_kwargs or {}).get("tensor_parallel_size", 1)) != 1:
+            raise ValueError("engine.vllm runs tensor_parallel_size=1 only (the layout maps TP ranks, but the "
+                             "engine's names and checksums of several ranks are not built yet)")
+        self.name = name
+        self.model_dir = os.fspath(model_dir)
+        self._version = version
+        self._paused = False
+        self.last_write: dict = {}  # what the worker reported for the last apply/rollback/load_full
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"{name}-loop", daemon=True)
+        self._thread.start()
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+        if cpu_gemm is not None:  # read by engine.vllm.worker_ext in the worker, which inherits this environment
+            os.environ["SYNCD_VLLM_CPU_GEMM"] = cpu_gemm
+        args = dict(model=self.model_dir, dtype="float32", enforce_eager=True, max_num_seqs=max_num_seqs,
+                    max_logprobs=-1, worker_extension_cls=WORKER_EXTENSION, weight_transfer_config={"backend": "syncd"})
+        if max_model_len:
+            args["max_model_len"] = max_model_len
+        if block_size:
+            args["block_size"] = block_size
+        args.update(engine_kwargs or {})
+        try:
+            self.llm = self._run(self._start(args), start_timeout)
+            self._run(self._init(version), start_timeout)
+            self._specs = [self._spec(d) for d in self._rpc_sync("syncd_specs")]
+        except BaseException:
+            self.close()
+            raise
+
+    async def _start(self, args):
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+
+    async def _init(self, version):
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        await self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info={"version": version}))
+        await self.llm.update_weight_version(str(version))
+
+    @staticmethod
+    def _spec(d) -> ParamSpec:
+        from syncd.engines.wire import spec_from_json
+
+        return spec_from_json(d)
+
+    # ------------------------------------------------------------------------------------ plumbing
+
+    def _run(self, coro, timeout: float | None = None):
+        """Run ``coro`` on the engine's loop and wait for its result (from any other thread)."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def run(self, fn, timeout: float | None = None):
+        """``await fn(llm)`` on the engine's loop (the AsyncLLM must be used from there), from another thread:
+        for what the contract does not cover (benchmarks, diagnostics)."""
+        async def call():
+            return await fn(self.llm)
+        return self._run(call(), timeout)
+
+    async def _rpc(self, method: str, **kwargs):
+        return _raise((await self.llm.collective_rpc(method, kwargs=kwargs))[0])
+
+    def _rpc_sync(self, method: str, **kwargs):
+        return self._run(self._rpc(method, **kwargs))
+
+    # ------------------------------------------------------------------------------------ Adapter
+
+    @property
+    def version(self) -> int | None:
+        return self._version
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def parameters(self) -> Sequence[ParamSpec]:
+        return list(self._specs)
+
+    def stage(self, update: Update) -> dict:
+        """Stage ``update`` in the worker while vLLM serves (see the module docstring); returns what the worker
+        staged (``version``, ``words``, ``bytes``, ``seconds``)."""
+        from engine.vllm.transfer import update_ref
+
+        ref, path = update_ref(update)
+        try:
+            self._rpc_sync("syncd_stage", ref=ref)
+            while True:
+                st = self._rpc_sync("syncd_stage_poll")
+                if st["done"]:
+                    return _raise(st["result"])
+                time.sleep(0.005)
+        finally:
+            if path is not None:
+                os.unlink(path)
+
+    def pause(self) -> None:
+        self._run(self.llm.pause_generation(mode="keep", clear_cache=False))
+        self._paused = True
+
+    def apply(self) -> None:
+        self._need_pause("apply")
+        self._write({"op": "apply"})
+
+    def rollback(self) -> None:
+        self._need_pause("rollback")
+        self._write({"op": "rollback"})
+
+    def load_full(self, update: Update) -> None:
+        from engine.vllm.transfer import update_ref
+
+        self._need_pause("load_full")
+        ref, path = update_ref(update)
+        try:
+            self._write({"op": "load_full", "ref": ref})
+        finally:
+            if path is not None:
+                os.unlink(path)
+
+    def _write(self, info: dict) -> None:
+        """One weight write through vLLM's weight-transfer interface (see the module docstring)."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        async def write():
+            await self.llm.start_weight_update()
+            try:
+                await self.llm.update_weights(WeightTransferUpdateRequest(update_info=info))
+            except Exception:  # vLLM ended the session; the worker kept the typed error
+                _raise(await self._rpc("syncd_last"))
+                raise
+            last = await self._rpc("syncd_last")
+            await self.llm.finish_weight_update(weight_version=str(last["version"]))
+            return last
+
+        self.last_write = self._run(write())
+        self._version = self.last_write["version"]
+
+    def resume(self) -> None:
+        self._run(self.llm.resume_generation())
+        self._paused = False
+
+    def checksum(self, names: Sequence[str] | None = None) -> dict[str, int]:
+        res = self._rpc_sync("syncd_checksum", names=None if names is None else list(names))
+        return {k: int(v) for k, v in res["checksums"].items()}
+
+    def _need_pause(self, op: str) -> None:
+        if not self._paused:
+            raise RuntimeError(f"{op} needs the engine paused (call pause() first)")
+
+    # ------------------------------------------------------------------------------------ Generator
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        """The request's tokens as vLLM streams them (usable from any event loop); each carries the weight
+        version vLLM sampled it with. Closing the iterator early aborts the request. Raises ValueError for a
+        request vLLM refuses."""
+        caller = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def put(item):
+            try:
+                caller.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the caller's loop is gone: nobody reads this stream
+                self.abort(request.request_id)
+
+        fut = asyncio.run_coroutine_threadsafe(self._pump(request, put), self._loop)
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item is None:
+                    break
+                finished = item.finish_reason is not None
+                yield item
+                if finished:
+                    break
+        finally:
+            if not finished:
+                self.abort(request.request_id)
+            fut.cancel()
+
+    async def _pump(self, request: GenerationRequest, put) -> None:
+        """On the engine's loop: stream the request from vLLM, hand TokenEvents to ``put`` (then None)."""
+        from engine.vllm.outputs import sampling_params, token_versions
+
+        rid = request.request_id
+        n = 0
+        try:
+            sp = sampling_params(request.sampling)
+            prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
+            async for out in self.llm.generate(prompt, sp, request_id=rid):
+                c = out.outputs[0]
+                ids = list(c.token_ids)
+                versions = token_versions(self.llm, rid, c, n, len(ids), fallback=self._version)
+                lps = c.logprobs or [None] * len(ids)
+                for i, (tok, lp) in enumerate(zip(ids, lps)):
+                    last = out.finished and i == len(ids) - 1
+                    logprob = float(lp[tok].logprob) if lp and tok in lp else 0.0
+                    put(TokenEvent(rid, n, int(tok), logprob, versions[i], _finish(c.finish_reason) if last else None))
+                    n += 1
+                if out.finished:
+                    if not ids:  # finished (aborted) without a new token
+                        put(TokenEvent(rid, n, -1, 0.0, self._version, _finish(c.finish_reason) or "abort"))
+                    return
+            put(TokenEvent(rid, n, -1, 0.0, self._version, "abort"))
+        except asyncio.CancelledError:
+            put(TokenEvent(rid, n, -1, 0.0, self._version, "abort"))
+            raise
+        except Exception as exc:  # noqa: BLE001 -- handed to the caller's iterator
+            put(ValueError(f"request {rid!r}: {exc}") if n == 0 else exc)
+        finally:
+            put(None)
+
+    def abort(self, request_id: str) -> None:
+        """End the request (its stream ends with ``finish_reason="abort"``); unknown ids are ignored. Does not
+        wait."""
+        if self._loop.is_running():
+            asyncio.run_coroutine_threadsafe(self.llm.abort(request_id), self._loop)
+
+    def close(self) -> None:
+        """Shut vLLM down (its processes end; about 5 s) and stop the loop thread."""
+        llm = getattr(self, "llm", None)
+        if llm is not None and self._loop.is_running():
+            try:
+                self._loop.call_soon_threadsafe(llm.shutdown)
+                self._run(asyncio.sleep(0), 60)
+            except Exception:  # noqa: BLE001
+                log.exception("vLLM shutdown failed")
+            self.llm = None
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(30)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _finish(reason) -> str | None:
+    if reason is None:
+        return None
+    return {"stop": "stop", "length": "length", "abort": "abort"}.get(str(reason), str(reason))

@@ -1,0 +1,389 @@
+"""The syncd side inside vLLM's worker process: a backend of vLLM's weight-transfer interface (``"syncd"``) and a
+worker extension (``worker_extension_cls="engine.vllm.worker_ext.SyncdWorkerExtension"``) driven through
+``collective_rpc`` by :class:`engine.vllm.engine.VLLMEngine`.
+
+vLLM imports this module in every worker before it loads the model (it resolves ``worker_extension_cls`` when
+it builds the worker), so importing it
+
+* registers the ``syncd`` backend with ``WeightTransferEngineFactory`` (the registry is per process), and
+* on CPU keeps the linear layers' weights: vLLM's CPU backend otherwise replaces every linear weight with an
+  empty parameter and computes with a private oneDNN-packed copy (``dispatch_cpu_unquantized_gemm(...,
+  remove_weight=True)``), so there would be nothing to write in place. ``SYNCD_VLLM_CPU_GEMM=torch`` computes
+  with ``F.linear`` over the kept weight instead (no packed copy to rebuild; slower decode).
+
+The weights syncd writes are vLLM's own parameters in their logical (loader) layout, through one
+:class:`engine.updater.WeightUpdater` per worker over their bf16 words (the fp32 parameters hold bf16-exact
+values, as the reference engine's). What vLLM's CPU kernels compute with is derived from them and rebuilt for
+the touched layers after every write (:class:`_Derived`): the oneDNN handle of a linear layer, and the packed
+copy of MoE experts (``[E, N/16, K, 16]`` tiles; the logical copy is kept next to it, checked against vLLM's
+own packing at start). On a GPU vLLM computes with the parameters themselves and nothing is derived.
+
+Everything here runs on the worker's thread between scheduler steps, except staging, which runs on a thread
+of its own while vLLM keeps serving (:meth:`SyncdWorkerExtension.syncd_stage`); results cross the RPC as plain
+data (errors as ``{"error": [type name, message]}``, which the front end raises again).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+__all__ = ["SyncdWorkerExtension", "SyncdWeightTransfer", "install_cpu_gemm_keep"]
+
+
+#: how vLLM's CPU linear layers compute (``SYNCD_VLLM_CPU_GEMM``, read in the worker): ``onednn`` (vLLM's packed
+#: copy, rebuilt for the touched layers after each write) or ``torch`` (``F.linear`` over the live weight: nothing
+#: to rebuild, slower decode)
+CPU_GEMM_MODES = ("onednn", "torch")
+
+
+def install_cpu_gemm_keep(mode: str = "onednn") -> None:
+    """Make vLLM's CPU GEMM dispatch keep every linear layer's weight, and with ``mode="torch"`` compute with
+    ``F.linear`` over it (idempotent). ValueError for another mode."""
+    import vllm.model_executor.layers.utils as lu
+
+    if mode not in CPU_GEMM_MODES:
+        raise ValueError(f"SYNCD_VLLM_CPU_GEMM={mode!r}: expected one of {', '.join(CPU_GEMM_MODES)}")
+    if getattr(lu.dispatch_cpu_unquantized_gemm, "_syncd_keep", False):
+        return
+    orig = lu.dispatch_cpu_unquantized_gemm
+
+    def dispatch(layer, remove_weight):  # noqa: ARG001 -- syncd writes the weight in place: keep it
+        if mode == "torch" and layer.weight.ndim == 2 and not layer.weight.is_meta:
+            layer.cpu_linear = torch.nn.functional.linear
+            return None
+        return orig(layer, remove_weight=False)
+
+    dispatch._syncd_keep = True
+    dispatch._syncd_orig = orig
+    lu.dispatch_cpu_unquantized_gemm = dispatch
+
+
+def _repack_linear(module) -> None:
+    import vllm.model_executor.layers.utils as lu
+
+    getattr(lu.dispatch_cpu_unquantized_gemm, "_syncd_orig", lu.dispatch_cpu_unquantized_gemm)(
+        module, remove_weight=False)
+
+
+def _experts_isa(module) -> str:
+    """The ISA vLLM's CPU experts implementation of ``module`` packs for ('vec', 'amx', ...)."""
+    qm = getattr(module, "quant_method", None)
+    for holder in (qm, getattr(qm, "moe_kernel", None), getattr(qm, "kernel", None)):
+        fe = getattr(holder, "fused_experts", None) or getattr(holder, "experts", None)
+        if fe is not None and hasattr(fe, "isa"):
+            return fe.isa
+    raise RuntimeError(f"no CPU experts implementation with an ISA on {type(module).__name__}")
+
+
+def _unpack_moe(packed: torch.Tensor) -> torch.Tensor:
+    """The logical ``[E, N, K]`` tensor of vLLM's CPU-packed expert weights (``[E, N/16, K, 16]`` tiles)."""
+    E, N, K = packed.shape
+    return packed.view(E, N // 16, K, 16).permute(0, 1, 3, 2).reshape(E, N, K).contiguous()
+
+
+def _pack_moe_(logical: torch.Tensor, packed: torch.Tensor, isa: str, experts=None) -> None:
+    """Repack experts ``experts`` (all when None) of ``logical`` into ``packed`` with vLLM's own op."""
+    op = torch.ops._C.prepack_moe_weight
+    if experts is None:
+        op(logical, packed, isa)
+        return
+    for e in experts:
+        op(logical[e:e + 1], packed[e:e + 1], isa)
+
+
+@dataclass
+class _Moe:
+    module: torch.nn.Module
+    attr: str
+    logical: torch.Tensor
+    isa: str
+
+
+class _Derived:
+    """What vLLM's CPU kernels compute with, rebuilt from the written parameters (see the module docstring)."""
+
+    def __init__(self, model, names):
+        self.linear: dict[str, torch.nn.Module] = {}
+        self.moe: dict[str, _Moe] = {}
+        if not _cpu_backend():
+            return
+        for name in names:
+            mod_name, _, attr = name.rpartition(".")
+            mod = model.get_submodule(mod_name)
+            if attr in ("w13_weight", "w2_weight"):
+                packed = getattr(mod, attr)
+                if packed.shape[1] % 16:
+                    raise ValueError(f"{name}: {packed.shape[1]} rows is not a multiple of the 16-row CPU tiles")
+                isa = _experts_isa(mod)
+                logical = _unpack_moe(packed.data)
+                check = torch.empty_like(packed.data)
+                _pack_moe_(logical, check, isa)
+                if not torch.equal(check.view(torch.int32), packed.data.view(torch.int32)):
+                    raise RuntimeError(f"{name}: vLLM's CPU expert packing ({isa}) is not the [E, N/16, K, 16] "
+                                       "tiling syncd unpacks; refusing to write it")
+                self.moe[name] = _Moe(mod, attr, logical, isa)
+            elif attr == "weight" and getattr(mod, "cpu_linear", None) not in (None, torch.nn.functional.linear):
+                self.linear[name] = mod
+
+    def tensor(self, name: str, param: torch.Tensor) -> torch.Tensor:
+        """The tensor syncd writes for parameter ``name`` (the logical copy for packed experts)."""
+        m = self.moe.get(name)
+        return m.logical if m is not None else param
+
+    def refresh(self, written) -> float:
+        """Rebuild what is computed from ``written`` (local name -> staged positions, or None: everything).
+        Returns the seconds it took."""
+        t = time.perf_counter()
+        names = set(self.linear) | set(self.moe) if written is None else set(written)
+        for name in names:
+            if name in self.linear:
+                _repack_linear(self.linear[name])
+            elif name in self.moe:
+                m = self.moe[name]
+                per = m.logical[0].numel()
+                experts = None if written is None else torch.unique(written[name].long() // per).tolist()
+                _pack_moe_(m.logical, getattr(m.module, m.attr).data, m.isa, experts)
+        return time.perf_counter() - t
+
+
+def _cpu_backend() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def _error(exc: BaseException) -> dict:
+    return {"error": [type(exc).__name__, str(exc)]}
+
+
+class _WorkerState:
+    """The syncd state of one worker: its updater over the model's parameters and the derived copies."""
+
+    def __init__(self, model, model_config, *, version, rank: int, world_size: int):
+        from engine.local_params import bf16_view_of_fp32
+        from engine.updater import WeightUpdater
+        from engine.vllm.layout import ModelShape, vllm_specs
+
+        params = dict(model.named_parameters())
+        empty = [n for n, p in params.items() if p.numel() == 0]
+        if empty:
+            raise RuntimeError(f"vLLM replaced {len(empty)} weights with empty parameters (e.g. {empty[0]!r}); "
+                               "engine.vllm.worker_ext was not imported before the model was loaded")
+        bad = [n for n, p in params.items() if p.dtype != torch.float32]
+        if bad:
+            raise ValueError(f"syncd serves vLLM in float32 (bf16-exact values); {bad[0]!r} is "
+                             f"{params[bad[0]].dtype}")
+        shape = ModelShape.from_config(model_config.hf_text_config)
+        self.specs = vllm_specs([(n, p.shape) for n, p in params.items()], shape, rank=rank, world_size=world_size)
+        self.derived = _Derived(model, params)
+        tensors = {s.name: bf16_view_of_fp32(self.derived.tensor(s.name, params[s.name].data)) for s in self.specs}
+        self.updater = WeightUpdater(self.specs, tensors, version=version)
+        self._stage: dict = {"done": True, "result": None}
+        self._thread: threading.Thread | None = None
+        self.last: dict = {}
+
+    def stage(self, ref: dict) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            raise RuntimeError("a stage is already running")
+        self._stage = {"done": False, "result": None}
+
+        def run():
+            t = time.perf_counter()
+            try:
+                s = self.updater.stage(_update_of(ref))
+                res = {"version": s.version, "words": s.changed, "bytes": s.nbytes,
+                       "seconds": time.perf_counter() - t}
+            except BaseException as exc:  # handed to the front end, which raises it
+                res = _error(exc)
+            self._stage = {"done": True, "result": res}
+
+        self._thread = threading.Thread(target=run, name="syncd-stage", daemon=True)
+        self._thread.start()
+
+    def apply(self) -> dict:
+        t = time.perf_counter()
+        applied = self.updater.apply(verify=True)
+        t_write = time.perf_counter() - t
+        written = {p.name: p.index for p in applied.params}
+        try:
+            t_derive = self.derived.refresh(written)
+        except BaseException:  # all or nothing: the weights and what is computed from them
+            self.updater.rollback()
+            self.derived.refresh(written)
+            raise
+        return {"version": self.updater.version, "words": applied.changed, "write_s": t_write,
+                "derive_s": t_derive}
+
+    def rollback(self) -> dict:
+        undone = self.updater.last_applied
+        version = self.updater.rollback()
+        self.derived.refresh({p.name: p.index for p in undone.params})
+        return {"version": version}
+
+    def load_full(self, ref: dict) -> dict:
+        t = time.perf_counter()
+        self.updater.load_full(_update_of(ref))
+        t_write = time.perf_counter() - t
+        return {"version": self.updater.version, "write_s": t_write, "derive_s": self.derived.refresh(None)}
+
+
+def _update_of(ref: dict):
+    """The :class:`~syncd.engines.update.Update` a front end sent (engine.vllm.engine.update_ref)."""
+    from engine.vllm.transfer import update_from_ref
+
+    return update_from_ref(ref)
+
+
+# -- the weight-transfer backend ---------------------------------------------------------------------------------
+
+from vllm.distributed.weight_transfer.base import (  # noqa: E402
+    WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo)
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory  # noqa: E402
+
+
+@dataclass
+class SyncdInitInfo(WeightTransferInitInfo):
+    """``version``: the weight version the loaded checkpoint is (None: unknown)."""
+
+    version: int | None = None
+
+
+@dataclass
+class SyncdUpdateInfo(WeightTransferUpdateInfo):
+    """``op``: ``"apply"`` (the staged update), ``"rollback"`` or ``"load_full"`` (with ``ref``, a full version
+    as :func:`engine.vllm.transfer.update_ref` describes it)."""
+
+    op: str = "apply"
+    ref: dict | None = None
+
+
+class SyncdWeightTransfer(WeightTransferEngine[SyncdInitInfo, SyncdUpdateInfo]):
+    """vLLM's weight-transfer interface over syncd's in-place apply. The bytes are not pushed by a trainer:
+    the worker staged them itself from the node cache (``syncd_stage``), so ``receive_weights`` writes the
+    staged words in place and rebuilds the derived copies; ``start``/``finish`` have nothing to do (the
+    interface's own advice for in-place engines). ``finish_weight_update(weight_version=...)`` on the
+    front end labels the following tokens. A failed write raises (vLLM then ends the update session) and
+    leaves the weights as they were; its typed error waits in ``state.last``."""
+
+    init_info_cls = SyncdInitInfo
+    update_info_cls = SyncdUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device, model):
+        super().__init__(config, vllm_config, device, model)
+        self.vllm_config, self.model = vllm_config, model
+        self.state: _WorkerState | None = None
+
+    def init_transfer_engine(self, init_info: SyncdInitInfo) -> None:
+        pc = self.vllm_config.parallel_config
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        self.state = _WorkerState(self.model, self.vllm_config.model_config, version=init_info.version,
+                                  rank=get_tensor_model_parallel_rank(), world_size=pc.tensor_parallel_size)
+
+    def start_weight_update(self) -> None:
+        self._need_state()
+
+    def finish_weight_update(self) -> None:
+        pass
+
+    def receive_weights(self, update_info: SyncdUpdateInfo) -> None:
+        st = self._need_state()
+        st.last = {}
+        try:
+            if update_info.op == "apply":
+                st.last = st.apply()
+            elif update_info.op == "rollback":
+                st.last = st.rollback()
+            elif update_info.op == "load_full":
+                st.last = st.load_full(update_info.ref or {})
+            else:
+                raise ValueError(f"unknown syncd weight op {update_info.op!r}")
+        except BaseException as exc:
+            st.last = _error(exc)
+            raise
+
+    def shutdown(self) -> None:
+        self.state = None
+
+    def _need_state(self) -> _WorkerState:
+        if self.state is None:
+            raise RuntimeError("the syncd weight transfer was not initialised (init_weight_transfer_engine)")
+        return self.state
+
+
+if "syncd" not in WeightTransferEngineFactory._registry:
+    WeightTransferEngineFactory.register_engine("syncd", SyncdWeightTransfer)
+install_cpu_gemm_keep(os.environ.get("SYNCD_VLLM_CPU_GEMM", "onednn"))
+
+
+class SyncdWorkerExtension:
+    """Methods vLLM mixes into its worker class; the front end calls them by name with ``collective_rpc``.
+    They return plain data (errors as ``{"error": [type, message]}``)."""
+
+    def _syncd(self) -> _WorkerState:
+        wte = getattr(self, "weight_transfer_engine", None)
+        if not isinstance(wte, SyncdWeightTransfer) or wte.state is None:
+            raise RuntimeError("start vLLM with weight_transfer_config={'backend': 'syncd'} and call "
+                               "init_weight_transfer_engine first")
+        return wte.state
+
+    def syncd_specs(self) -> list:
+        from syncd.engines.wire import spec_to_json
+
+        return [spec_to_json(s) for s in self._syncd().specs]
+
+    def syncd_stage(self, ref: dict) -> dict:
+        try:
+            self._syncd().stage(ref)
+            return {"started": True}
+        except BaseException as exc:
+            return _error(exc)
+
+    def syncd_stage_poll(self) -> dict:
+        return self._syncd()._stage
+
+    def syncd_last(self) -> dict:
+        return self._syncd().last
+
+    def syncd_checksum(self, names=None) -> dict:
+        try:
+            return {"checksums": {k: str(v) for k, v in self._syncd().updater.checksum(names).items()}}
+        except BaseException as exc:
+            return _error(exc)
+
+    def syncd_version(self):
+        return self._syncd().updater.version
+
+    def syncd_moe_consistent(self) -> bool:
+        """Whether every packed expert copy equals vLLM's own packing of its logical tensor (diagnostics)."""
+        for m in self._syncd().derived.moe.values():
+            check = torch.empty_like(m.logical)
+            _pack_moe_(m.logical, check, m.isa)
+            if not torch.equal(check.view(torch.int32), getattr(m.module, m.attr).data.view(torch.int32)):
+                return False
+        return True
+
+    def syncd_full_reload(self, path: str, repeat: int = 3) -> dict:
+        """vLLM's own full reload of the weights in safetensors file ``path`` (``reload_weights``), timed
+        ``repeat`` times: the baseline ``bench.engine_update --engine vllm`` compares the in-place apply with.
+        The kept weights and derived copies are rebuilt by vLLM's reload itself."""
+        from safetensors.torch import load_file
+
+        sd = load_file(path)
+        times = []
+        for _ in range(repeat):
+            t = time.perf_counter()
+            self.model_runner.reload_weights(weights_iterator=iter(list(sd.items())), is_checkpoint_format=True)
+            times.append(time.perf_counter() - t)
+        for m in self._syncd().derived.moe.values():  # vLLM reloaded the packed copies: follow them
+            m.logical.copy_(_unpack_moe(getattr(m.module, m.attr).data))
+        return {"reload_s": times, "bytes": sum(v.numel() * v.element_size() for v in sd.values())}

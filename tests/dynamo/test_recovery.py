@@ -1,0 +1,172 @@
+"""The recovery path end to end under ``syncd serve``'s node (``engine.dynamo.serve.Node``): a real frontend, two
+workers (``--wait-for-daemon``) and a real node daemon driving them through their admin routes, following a run a
+real trainer publishes (AdamW steps, ``WeightPublisher``).
+
+1. The workers come up with weights of no version; the daemon rebuilds each from the newest full version plus
+   the deltas after it, and only then do they register with the frontend (their ready files name the version).
+2. A worker is killed with SIGKILL in the middle of a stream: the frontend migrates the stream to the other
+   worker (it ends complete, at full length), the supervisor restarts the killed one and kills what was left
+   of its process group, the daemon rebuilds it (from its node cache: nothing is downloaded again) and the
+   frontend routes to it only once it holds the current version, bit for bit.
+
+Parametrized over the reference engine and vLLM (``--engine vllm``; a vLLM worker is three processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import socket
+import threading
+import uuid
+
+import pytest
+
+from engine.dynamo.procs import MAX_SYSTEM_PORT, wait_until
+from engine.dynamo.serve import Node, NodeConfig
+from engine.dynamo.settings import DynamoSettings
+from syncd.engines.client import RemoteAdapter
+from syncd.engines.params import expected_checksums
+from syncd.store import Store
+from tests.dynamo._client import finish_reason, post_stream
+from tests.engine._trainer import KEY, RUN, Trainer
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+SIZES = dict(hidden=128, heads=2, kv_heads=1, intermediate=256)  # head_dim 64: vLLM's CPU attention needs it
+
+
+def _two_free_ports() -> int:
+    """A port p with p and p + 1 free a moment ago (the node gives worker i the admin port base + i)."""
+    rng = random.Random()
+    for _ in range(200):
+        p = rng.randint(10000, MAX_SYSTEM_PORT - 1)
+        socks = []
+        try:
+            for q in (p, p + 1):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", q))
+            return p
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no two consecutive free ports")
+
+
+class DaemonThread:
+    """A NodeDaemon on its own event loop thread; ``records``: its update records (rebuilds included)."""
+
+    def __init__(self, cfg, store):
+        from syncd.daemon import NodeDaemon
+
+        self.records: list[dict] = []
+        self.daemon = NodeDaemon(cfg, store=store, signing_key=KEY, on_update=self.records.append)
+        self._loop = None
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), name="test-daemon", daemon=True)
+        self._thread.start()
+
+    async def _main(self):
+        self._loop = asyncio.get_running_loop()
+        await self.daemon.run()
+
+    def stop(self):
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self.daemon.request_stop)
+        self._thread.join(60)
+
+
+def _pgid_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+@pytest.mark.parametrize("engine", ["reference", "vllm"])
+def test_sigkilled_worker_is_restarted_rebuilt_and_routed_to_only_once_current(engine, tmp_path):
+    from engine.reference.make_tiny import write_model
+    from syncd.daemon import DaemonConfig
+    from syncd.daemon.config import EngineSpec
+
+    if engine == "vllm" and os.environ.get("SYNCD_VLLM") == "off":
+        pytest.skip("SYNCD_VLLM=off: the vllm extra is not installed on this machine")
+    model_dir = write_model(tmp_path / "model", arch="qwen2", seed=5, **SIZES)
+    trainer = Trainer(model_dir, Store(tmp_path / "store"))
+    for _ in range(2):
+        trainer.step()  # versions 0 (full), 1, 2
+    token_file = tmp_path / "engine-token"
+    base = _two_free_ports()
+    extra = ("--engine", engine, "--wait-for-daemon", "--token-file", str(token_file), "--drain-timeout", "5")
+    if engine == "vllm":
+        extra += ("--max-model-len", "1024")
+    cfg = NodeConfig(model=model_dir, run_dir=tmp_path / "node", workers=2, frontend=True, migration_limit=3,
+                     settings=DynamoSettings(file_kv=tmp_path / "kv", namespace=f"t{uuid.uuid4().hex[:8]}"),
+                     system_port_base=base, worker_args=extra, startup_timeout_s=420, stop_grace_s=20)
+    urls = [f"http://127.0.0.1:{base + i}" for i in range(2)]
+    dcfg = DaemonConfig(run_id=RUN, cache_dir=tmp_path / "cache", poll_interval_s=0.1, engine_check_s=0.2,
+                        engines=tuple(EngineSpec(f"worker{i}", u) for i, u in enumerate(urls)),
+                        engine_token_file=token_file)
+    daemon = DaemonThread(dcfg, trainer.store)  # it finds the workers once their admin routes answer
+    node = Node(cfg)
+    try:
+        node.start()  # returns once both workers registered: after the daemon rebuilt them
+        node.supervise(background=True)
+        want = expected_checksums(RemoteAdapter(urls[0], token_file=token_file).parameters(), trainer.snaps[2])
+        for w in node.workers():
+            ready = next(c for c in node.children if c.name == w["name"]).info
+            assert ready["version"] == 2, ready  # registered with the current version, never before
+        for u in urls:
+            a = RemoteAdapter(u, token_file=token_file)
+            assert a.version == 2 and a.checksum() == want
+        rebuilt = [r for r in daemon.records if r.get("rebuild_from") == 0]
+        assert rebuilt and all(r["version"] == 2 for r in rebuilt)
+        fetched = daemon.daemon.metrics.fetched_bytes._value.get()
+
+        n = 900  # long enough that the worker is still generating when the client has read a few tokens
+        body = {"model": cfg.model_name, "prompt": "a long story:", "max_tokens": n, "seed": 7,
+                "ignore_eos": True, "temperature": 1.0, "nvext": {"extra_fields": ["worker_id", "engine_data"]}}
+        killed = {}
+
+        def kill_at(i, ev):
+            if i == 10:
+                wid = ev["nvext"]["worker_id"]["decode_worker_id"]
+                killed.update(next(w for w in node.workers() if w["instance_id"] == wid))
+                os.kill(killed["pid"], signal.SIGKILL)
+
+        status, _, events = post_stream(f"{node.frontend_url}/v1/completions", body, on_event=kill_at, timeout=300)
+        assert killed, "the stream ended before a worker could be killed"
+        assert status == 200 and finish_reason(events) == "length"
+        data = [ev["nvext"]["engine_data"] for ev in events if "engine_data" in ev.get("nvext", {})]
+        ids = [t for d in data for t in d["token_ids"]]
+        versions = [v for d in data for v in d["versions"]]
+        assert len(ids) == n and set(versions) == {2}  # migrated, complete, on the current weights
+        runs = [d["index"] for d in data]
+        assert runs[-1] < n - 1 and runs.count(0) == 2  # a second engine request continued the stream (migrated)
+
+        wait_until(lambda: not _pgid_alive(killed["pid"]), 30, "the killed worker's process group to be gone")
+        child = next(c for c in node.children if c.name == killed["name"])
+        wait_until(lambda: child.restarts >= 1 and child.info.get("instance_id"), 420,
+                   "the restarted worker to register again", interval_s=0.2)
+        assert child.info["version"] == 2 and child.info["instance_id"] != killed["instance_id"]
+        a = RemoteAdapter(urls[int(killed["name"][-1])], token_file=token_file)
+        assert a.version == 2 and a.checksum() == want
+        rebuilds = [r for r in daemon.records if r.get("rebuild_from") == 0]
+        assert len(rebuilds) > len(rebuilt)  # rebuilt again after the restart ...
+        assert daemon.daemon.metrics.fetched_bytes._value.get() == fetched  # ... from the node cache
+
+        seen = set()  # and the frontend routes to both workers again
+        for k in range(8):
+            status, _, evs = post_stream(f"{node.frontend_url}/v1/completions",
+                                         {**body, "max_tokens": 2, "seed": k}, timeout=120)
+            assert status == 200
+            seen |= {ev["nvext"]["worker_id"]["decode_worker_id"] for ev in evs if "worker_id" in ev.get("nvext", {})}
+        assert len(seen) == 2
+    finally:
+        node.close()
+        daemon.stop()
+        trainer.close()

