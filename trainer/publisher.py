@@ -51,11 +51,12 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from syncd import manifest as mf
-from syncd.errors import ObjectExists, ObjectNotFound, PublishError, StoreError, SyncdError, VersionConflict
+from syncd.errors import ObjectExists, ObjectNotFound, PublishError, StoreError, VersionConflict
 from syncd.retention import RetentionPolicy, apply_retention
 from syncd.signing import resolve_key
 from syncd.store import Store
 from trainer.shard_writer import ShardWriter
+from trainer.version_numbers import Squatted, free_number, newest_valid, usable
 
 log = logging.getLogger(__name__)
 
@@ -291,16 +292,16 @@ class WeightPublisher:
         for _ in range(MAX_SQUAT_SKIPS):
             try:
                 return self._publish_once(job)
-            except _Squatted as exc:
+            except Squatted as exc:
                 log.warning("run %s: version number %d was squatted by an unusable manifest during the upload; "
                             "publishing again under the next number", self.run_id, exc.args[0])
         raise PublishError(f"run {self.run_id}: {MAX_SQUAT_SKIPS} version numbers squatted in a row")
 
     def _publish_once(self, job: _Job) -> None:
         if self._next_version is None:
-            latest = _newest_valid(self.store, self.run_id, self.key)
+            latest = newest_valid(self.store, self.run_id, self.key)
             self._next_version = 0 if latest is None else latest + 1
-        self._next_version = self._free_number(self._next_version)
+        self._next_version = free_number(self.store, self.run_id, self._next_version, self.key, MAX_SQUAT_SKIPS)
         version, prev = self._next_version, self._prev
         same_layout = prev is not None and [(n, t.shape, t.dtype) for n, t in prev.items()] == \
             [(n, t.shape, t.dtype) for n, t in job.snap.items()]
@@ -359,12 +360,12 @@ class WeightPublisher:
             return
         except ObjectExists:
             writer.discard()
-            if self._usable(version):
+            if usable(self.store, self.run_id, version, self.key):
                 raise VersionConflict(
                     f"run {self.run_id} version {version} was already published by another publisher; "
                     "two trainers are publishing to one run id") from None
             self._next_version = version + 1  # squatted since it was numbered: published again under the next
-            raise _Squatted(version) from None
+            raise Squatted(version) from None
         except StoreError as exc:
             failure = exc
         try:
@@ -381,34 +382,6 @@ class WeightPublisher:
         writer.discard()
         raise failure
 
-    def _usable(self, version: int) -> bool:
-        """True if ``version`` has a manifest that verifies (under this publisher's key)."""
-        from syncd.versions import read_manifest
-
-        try:
-            read_manifest(self.store, self.run_id, version, signing_key=self.key or False)
-            return True
-        except StoreError:
-            raise
-        except SyncdError:
-            return False
-
-    def _free_number(self, version: int) -> int:
-        """``version``, or the first number after it that no manifest occupies: one occupied by an unusable
-        manifest (squatted) is skipped with a warning, one occupied by a valid manifest is another publisher's
-        (:class:`VersionConflict`); :class:`PublishError` after :data:`MAX_SQUAT_SKIPS` squatted numbers."""
-        for v in range(version, version + MAX_SQUAT_SKIPS + 1):
-            if v > mf.MAX_VERSION:
-                break
-            if not self.store.exists(mf.manifest_key(self.run_id, v)):
-                return v
-            if self._usable(v):
-                raise VersionConflict(f"run {self.run_id} version {v} was published by another publisher; "
-                                      "two trainers are publishing to one run id")
-            log.warning("run %s: version number %d is squatted by an unusable manifest; skipping it", self.run_id, v)
-        raise PublishError(f"run {self.run_id}: version numbers {version}..{v} are all squatted by unusable "
-                           "manifests; remove them (syncd verify) before publishing")
-
     def _commit(self, job: _Job, m: mf.Manifest, raw: bytes) -> None:
         self._prev_manifest = replace(m, digest=mf.digest(raw))
         self._spare, self._prev = self._prev, job.snap
@@ -423,10 +396,6 @@ class WeightPublisher:
             log.warning("run %s: could not update the latest-version hint: %s", self.run_id, exc)
 
 
-class _Squatted(Exception):
-    """The manifest number was taken by an unusable manifest between numbering and writing."""
-
-
 def _batches(tensors: dict, elems: int):
     """Names of ``tensors`` in order, in runs of about ``elems`` elements (one big tensor alone)."""
     batch, n = [], 0
@@ -438,14 +407,6 @@ def _batches(tensors: dict, elems: int):
             batch, n = [], 0
     if batch:
         yield batch
-
-
-def _newest_valid(store: Store, run_id: str, key) -> int | None:
-    """The run's newest valid version under ``key`` (None: no key, signed manifests refused), via the one
-    verified-newest reader (:func:`syncd.versions.latest_version`, i.e. :class:`syncd.newest.VersionPoller`)."""
-    from syncd.versions import latest_version
-
-    return latest_version(store, run_id, signing_key=key or False)
 
 
 def _device(spec) -> torch.device:
