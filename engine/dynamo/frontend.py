@@ -19,7 +19,7 @@ import os
 import signal
 import sys
 
-from engine.dynamo.settings import add_arguments, from_args
+from engine.dynamo.settings import add_arguments, add_frontend_arguments, from_args
 
 log = logging.getLogger(__name__)
 
@@ -30,10 +30,7 @@ ROUTER_MODES = ("round-robin", "random", "least-loaded")
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m engine.dynamo.frontend", description=__doc__.split("\n\n")[0])
-    p.add_argument("--http-host", default=os.environ.get("SYNCD_DYNAMO_HTTP_HOST", "127.0.0.1"))
-    p.add_argument("--http-port", type=int, default=int(os.environ.get("SYNCD_DYNAMO_HTTP_PORT", "8000")))
-    p.add_argument("--migration-limit", type=int, default=int(os.environ.get("DYN_MIGRATION_LIMIT", "3")),
-                   help="times a request may move to another worker when its worker dies (0: never)")
+    add_frontend_arguments(p)
     p.add_argument("--router-mode", choices=ROUTER_MODES, default="round-robin")
     p.add_argument("--log-level", default=os.environ.get("SYNCD_LOG_LEVEL", "WARNING"))
     add_arguments(p)

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from engine.dynamo.procs import MAX_SYSTEM_PORT, free_port, http_json, stop_process, wait_until
-from engine.dynamo.settings import DynamoSettings, add_arguments, from_args
+from engine.dynamo.settings import DynamoSettings, add_arguments, add_frontend_arguments, env_int, from_args
 
 log = logging.getLogger(__name__)
 
@@ -322,13 +322,12 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m engine.dynamo.serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="model folder (config.json, tokenizer, weights)")
     p.add_argument("--served-model-name", default=None, help="OpenAI model name (default: the folder's name)")
-    p.add_argument("--workers", type=int, default=int(os.environ.get("SYNCD_DYNAMO_WORKERS", "1")))
+    p.add_argument("--workers", type=env_int("SYNCD_DYNAMO_WORKERS"),
+                   default=os.environ.get("SYNCD_DYNAMO_WORKERS", "1"), help="engine workers [SYNCD_DYNAMO_WORKERS]")
     p.add_argument("--engine", default=None,
                    help="the workers' engine: reference, vllm or MODULE:FACTORY (passed to every worker)")
     p.add_argument("--frontend", action="store_true", help="also run the OpenAI HTTP frontend")
-    p.add_argument("--http-host", default="127.0.0.1")
-    p.add_argument("--http-port", type=int, default=8000, help="frontend port (0: a free one)")
-    p.add_argument("--migration-limit", type=int, default=3, help="frontend request migrations (0: off)")
+    add_frontend_arguments(p)
     p.add_argument("--system-port-base", type=int, default=0,
                    help="worker i's admin port is BASE + i (0: free ports, see the ready file)")
     p.add_argument("--start-services", action="store_true", help="start etcd + NATS locally (etcd discovery)")

@@ -21,7 +21,8 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-__all__ = ["DynamoSettings", "add_arguments", "from_args", "ENV", "default_file_kv"]
+__all__ = ["DynamoSettings", "add_arguments", "add_frontend_arguments", "env_int", "from_args", "ENV",
+           "default_file_kv"]
 
 DISCOVERY_BACKENDS = ("file", "etcd")
 
@@ -137,6 +138,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="address Dynamo's TCP planes and system server bind to")
     g.add_argument("--namespace", default=os.environ.get(ENV["namespace"], "syncd"),
                    help="Dynamo namespace of the workers and the frontend")
+
+
+def env_int(var: str):
+    """An argparse ``type`` for an integer flag whose default comes from ``var``: a bad value (on the command line
+    or in ``var``) is refused naming both, e.g. ``argument --http-port: 'abc' is not an integer (the flag, or
+    SYNCD_DYNAMO_HTTP_PORT)``. Give the default as the variable's string: argparse converts it only when the flag
+    is absent, so ``--help`` works whatever the variable holds."""
+
+    def parse(text: str) -> int:
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer (the flag, or {var})") from None
+
+    parse.__name__ = "int"
+    return parse
+
+
+def add_frontend_arguments(p, *, migration_default: str = "3") -> None:
+    """The OpenAI frontend's address flags (``SYNCD_DYNAMO_HTTP_HOST``/``_PORT``) and its migration limit
+    (``DYN_MIGRATION_LIMIT``), one definition for ``engine.dynamo.frontend`` and ``syncd serve``."""
+    env = os.environ.get
+    p.add_argument("--http-host", default=env("SYNCD_DYNAMO_HTTP_HOST", "127.0.0.1"),
+                   help="frontend address [SYNCD_DYNAMO_HTTP_HOST]")
+    p.add_argument("--http-port", type=env_int("SYNCD_DYNAMO_HTTP_PORT"), default=env("SYNCD_DYNAMO_HTTP_PORT", "8000"),
+                   help="frontend port, 0: a free one [SYNCD_DYNAMO_HTTP_PORT]")
+    p.add_argument("--migration-limit", type=env_int("DYN_MIGRATION_LIMIT"),
+                   default=env("DYN_MIGRATION_LIMIT", migration_default),
+                   help="times a request may move to another worker when its worker dies, 0: never "
+                        "[DYN_MIGRATION_LIMIT]")
 
 
 def from_args(args: argparse.Namespace) -> DynamoSettings:
