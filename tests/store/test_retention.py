@@ -151,4 +151,5 @@ def test_retention_keeps_its_old_import_path_for_one_release():
     import syncd.versions
 
     for name in ("RetentionPolicy", "RetentionPlan", "plan_retention", "apply_retention"):
-        assert getattr(syncd.versions, name) is getattr(syncd.retention, name)
+        with pytest.warns(DeprecationWarning, match=f"syncd.versions.{name} moved to syncd.retention.{name}"):
+            assert getattr(syncd.versions, name) is getattr(syncd.retention, name)

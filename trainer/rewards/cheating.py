@@ -123,20 +123,33 @@ def _arguments(raw) -> dict | str:
     return v if isinstance(v, dict) else raw
 
 
+def _index(turn: dict) -> int:
+    i = turn.get("index", 0)
+    return i if isinstance(i, int) and not isinstance(i, bool) else 0
+
+
+def _text(v) -> str:
+    return v if isinstance(v, str) else json.dumps(v, default=str)
+
+
 def _content(v) -> str | None:
+    """A message's content as text: a string, content parts joined (a part's non-str ``text`` as its JSON), or
+    anything else as its JSON. Never raises on hostile values."""
     if v is None or isinstance(v, str):
         return v
     if isinstance(v, list):  # content parts
-        return "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in v)
-    return json.dumps(v)
+        return "".join(_text(p.get("text", "")) if isinstance(p, dict) else _text(p) for p in v)
+    return _text(v)
 
 
 def tool_calls(record: dict) -> list[ToolCall]:
     """Every tool call of ``record`` once (by id, else by position in the conversation), with its output."""
     calls: dict[object, dict] = {}
     outputs: dict[str, str] = {}
-    for turn in record.get("turns") or []:
-        messages = (turn.get("request") or {}).get("messages")
+    turns = record.get("turns") if isinstance(record, dict) else None
+    for turn in turns if isinstance(turns, list) else []:
+        request = turn.get("request") if isinstance(turn, dict) else None
+        messages = request.get("messages") if isinstance(request, dict) else None
         if not isinstance(messages, list):
             continue
         for pos, m in enumerate(messages):
@@ -149,10 +162,11 @@ def tool_calls(record: dict) -> list[ToolCall]:
                     continue
                 fn = tc.get("function") if isinstance(tc.get("function"), dict) else {}
                 cid = tc.get("id") if isinstance(tc.get("id"), str) else None
-                calls.setdefault(cid or (pos, j), {"turn": turn.get("index", 0), "id": cid,
+                calls.setdefault(cid or (pos, j), {"turn": _index(turn), "id": cid,
                                                    "name": str(fn.get("name") or ""),
                                                    "arguments": _arguments(fn.get("arguments"))})
-    extra = (record.get("metadata") or {}).get("tool_calls") or []
+    meta = record.get("metadata") if isinstance(record, dict) else None
+    extra = meta.get("tool_calls") if isinstance(meta, dict) else None
     for j, tc in enumerate(extra if isinstance(extra, list) else []):
         if isinstance(tc, dict):
             cid = tc.get("id") if isinstance(tc.get("id"), str) else None
@@ -301,7 +315,8 @@ class NetworkAccess:
     name: str = "network_access"
 
     def __call__(self, calls, record) -> list[Hit]:
-        sandbox = (record.get("metadata") or {}).get("sandbox") or {}
+        meta = record.get("metadata") if isinstance(record, dict) else None
+        sandbox = meta.get("sandbox") if isinstance(meta, dict) else None
         if not (self.restricted or (isinstance(sandbox, dict) and sandbox.get("network") == "restricted")):
             return []
         return _hits(self.name, calls, self._evidence)
