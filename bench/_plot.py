@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["pyplot", "save"]
+__all__ = ["pyplot", "save", "write_results"]
 
 
 def pyplot():
@@ -30,3 +30,15 @@ def save(fig, path) -> Path:
 
     plt.close(fig)
     return path
+
+
+def write_results(out: dict, json_path, plot_path, plot) -> None:
+    """A benchmark's epilogue: ``out`` as JSON at ``json_path`` (folder made) and ``plot(out, Path)`` at
+    ``plot_path``; either is skipped when its path is falsy."""
+    import json
+
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(out, indent=1))
+    if plot_path:
+        plot(out, Path(plot_path))

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import platform
 import sys
@@ -35,6 +34,8 @@ import uuid
 from pathlib import Path
 
 import torch
+
+from bench._plot import write_results
 
 log = logging.getLogger("bench.compaction")
 
@@ -264,13 +265,10 @@ def main(argv=None) -> int:
     print(f"reward ratio with/without: {ratio:.2f}x" if ratio else "reward ratio: without compaction scored 0")
     print(f"prefix-consistent samples: {s['consistent']} of {s['samples']} ({100 * (s['fraction'] or 0):.1f}%; goal "
           f"100%), summaries {100 * (s['summary_token_share'] or 0):.1f}% of trained tokens")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=1))
-    if args.plot:
-        plot(out, Path(args.plot))
+    write_results(out, args.json, args.plot, plot)
     return 0
 
 
 if __name__ == "__main__":
     sys.exit(main())
+

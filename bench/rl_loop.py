@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import json
 import platform
 import statistics
 import subprocess
@@ -36,6 +35,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench._plot import write_results
 from bench._timing import Stopwatch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -204,11 +204,7 @@ def main(argv=None) -> int:
         if "over_sync_trained_tokens_per_s" in r:
             print(f"{m} / sync trained tokens per second: {r['over_sync_trained_tokens_per_s']:.2f}x; "
                   f"final reward {m} - sync: {r['minus_sync_final_reward']:+.3f}")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=1))
-    if args.plot:
-        plot(out, Path(args.plot))
+    write_results(out, args.json, args.plot, plot)
     return 0
 
 

@@ -36,6 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench._plot import write_results
 from bench._timing import clock, median
 
 __all__ = ["main", "kill_process_tree"]
@@ -383,11 +384,7 @@ def main(argv=None) -> int:
         if tmp is not None:
             tmp.cleanup()
     _report(out)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=1))
-    if args.plot:
-        plot(out, Path(args.plot))
+    write_results(out, args.json, args.plot, plot)
     return 0
 
 
