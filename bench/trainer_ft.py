@@ -70,7 +70,7 @@ def bench_stall(args, work: Path) -> dict:
     model = _mlp(args.stall_params, args.width)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
     x = torch.randn(args.batch, args.width)
-    ck = Checkpointer(work / "async", owner="bench", keep=2, on_busy="skip")
+    ck = Checkpointer(work / "async", owner="bench", keep=2)  # the default: a write in flight is waited for
     steps = {"none": [], "async": [], "sync": []}
     stalls = {"async": [], "sync": []}
     n = [0]
@@ -319,7 +319,10 @@ def bench_goodput(args, work: Path) -> dict:
         life += 1
     failing_s = clock() - t0
     s = args.goodput_steps
+    ck = json.loads((work / "plain" / "out" / "summary.json").read_text()).get("checkpoints") or {}
     return {"steps": s, "fail_every": args.fail_every, "busy": args.busy, "failures": len(lost), "steps_lost": lost,
+            "plain_checkpoint_stall_s": ck.get("stall_s"), "plain_checkpoints_saved": ck.get("saved"),
+            "plain_checkpoints_skipped": ck.get("skipped"),
             "steps_lost_per_failure": sum(lost) / len(lost) if lost else 0.0,
             "restart_to_resumed_s": median(restarts), "plain_wall_s": plain_s, "failing_wall_s": failing_s,
             "goodput_plain": s / plain_s, "goodput_failing": s / failing_s,
@@ -352,8 +355,9 @@ def parser() -> argparse.ArgumentParser:
     a("--store", default=None, help="object store URL for the rebuild baseline (default: file:// in the work folder)")
     a("--goodput-steps", type=int, default=40, help="steps of each goodput run")
     a("--fail-every", type=int, default=10, help="kill -9 the trainer every N steps (goodput)")
-    a("--busy", choices=("skip", "wait"), default="skip",
-      help="the trainer's --checkpoint-busy in the goodput runs (skip: no stall, wait: every step checkpointed)")
+    a("--busy", choices=("wait", "skip"), default="wait",
+      help="the trainer's --checkpoint-busy in the goodput runs (wait, its default: every step checkpointed; "
+           "skip: no stall)")
     a("--workdir", default=None, help="keep the files here (default: a temporary folder)")
     a("--json", default=None, metavar="PATH")
     a("--plot", default=None, metavar="PNG")
@@ -419,6 +423,10 @@ def _report(out: dict) -> None:
               f"{g['failures']} failures): steps lost per failure {g['steps_lost_per_failure']:.2f} {g['steps_lost']}; "
               f"{g['goodput_failing']:.3f} steps/s against {g['goodput_plain']:.3f} failure-free "
               f"({g['goodput_ratio']:.2f}x); restart to resumed {g['restart_to_resumed_s']:.1f} s (process start)")
+        if g.get("plain_checkpoint_stall_s") is not None:
+            print(f"  failure-free run: {g['plain_checkpoints_saved']} checkpoints per rank, "
+                  f"{g['plain_checkpoints_skipped']} skipped; checkpoint stall {g['plain_checkpoint_stall_s']:.2f} s = "
+                  f"{g['plain_checkpoint_stall_s'] / g['plain_wall_s']:.1%} of its wall time (process start included)")
 
 
 def plot(out: dict, path: Path) -> None:

@@ -13,7 +13,11 @@ once) and hands them to a background thread, which first **snapshots** the tenso
 from one checkpoint to the next) while the next step's forward and backward run -- they do not change weights
 or optimizer state -- and then **writes** them. :meth:`before_update` is the only wait: the next optimizer step
 must not start before the snapshot holds the old values. If the previous checkpoint is still being written when
-the next is due, ``on_busy="skip"`` (default) skips this step's checkpoint (counted) and ``"wait"`` waits.
+the next is due, ``on_busy="wait"`` (default) waits for it -- every step is checkpointed, and a crash costs at most
+the step in flight; the wait is a stall only while a write takes longer than a step -- and ``"skip"`` skips this
+step's checkpoint (counted): no stall, but a crash may then cost more than one step. Ranks that must hold the same
+steps (a data-parallel job restores the newest step *every* rank has) decide together: :attr:`Checkpointer.busy`
+on every rank, then ``save(..., skip=<any rank busy>)``.
 
 A checkpoint is the folder ``step-<12 digits>`` of a :mod:`trainer.ckpt_format` bundle (``model.safetensors``,
 ``optim.safetensors``, ``state.json``, ``MANIFEST.json`` with every file's SHA-256, signed with the run's key when
@@ -221,7 +225,7 @@ class CheckpointStats:
 class Checkpointer:
     """Asynchronous per-step checkpoints of one owner into ``root`` (see the module docstring)."""
 
-    def __init__(self, root, *, owner: str, keep: int = 2, on_busy: str = "skip", fsync: bool = True,
+    def __init__(self, root, *, owner: str, keep: int = 2, on_busy: str = "wait", fsync: bool = True,
                  signing_key=None, on_durable=()):
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
@@ -249,16 +253,26 @@ class Checkpointer:
 
     # ------------------------------------------------------------------------------------ training thread
 
-    def save(self, step: int, model, optimizer=None, *, state=None, rng: bool = True, wait: bool = False) -> bool:
-        """Checkpoint ``step`` in the background; False if skipped (the previous one still being written, with
-        ``on_busy="skip"`` and not ``wait``: pass ``wait=True`` for a step that must be checkpointed, the last)."""
+    @property
+    def busy(self) -> bool:
+        """True while a checkpoint is still being snapshotted or written."""
+        return not self._idle.is_set()
+
+    def save(self, step: int, model, optimizer=None, *, state=None, rng: bool = True, wait: bool = False,
+             skip: bool | None = None) -> bool:
+        """Checkpoint ``step`` in the background; False if skipped. ``wait=True``: never skipped (a step that
+        must be checkpointed: one a publish waits on, the last). ``skip``: the decision taken by the caller for
+        every rank alike (True: skip, False: wait for a write in flight); None: this checkpointer's ``on_busy``,
+        applied if the previous one is still being written."""
         t0 = time.perf_counter()
-        if not self._idle.is_set():
-            if self.on_busy == "skip" and not wait:
-                self.stats.skipped += 1
-                log.info("%s: step %d not checkpointed: step %s still being written", self.owner, step,
-                         self._job and self._job[0])
-                return False
+        if skip is None:
+            skip = self.on_busy == "skip" and self.busy
+        if skip and not wait:
+            self.stats.skipped += 1
+            log.info("%s: step %d not checkpointed: step %s still being written", self.owner, step,
+                     self._job and self._job[0])
+            return False
+        if self.busy:
             self._idle.wait()
         tensors = {f"model/{k}": v for k, v in model_tensors(model).items()}
         opt_t, opt_sk = flatten(optimizer.state_dict() if optimizer is not None else None, "optim")
@@ -273,6 +287,15 @@ class Checkpointer:
             self._cond.notify_all()
         self._stall(time.perf_counter() - t0)
         return True
+
+    def wait_previous(self) -> None:
+        """Wait (counted as stall) until the checkpoint in flight is written and its listeners ran: with
+        ``on_busy="wait"``, a loop that calls this before it reports a step finished never reports a step more
+        than one ahead of what a restart can restore. The wait ``save`` would do anyway, done earlier."""
+        if self.busy:
+            t0 = time.perf_counter()
+            self._idle.wait()
+            self._stall(time.perf_counter() - t0)
 
     def before_update(self) -> None:
         """Wait until the snapshot in flight holds its tensors (call before the optimizer changes them)."""

@@ -176,6 +176,8 @@ def run_elastic(cfg) -> dict:
             if not ok:
                 log.warning("%s: step %d not committed (a peer failed); retrying it", owner, step)
                 continue
+            if ft is not None and cfg.checkpoint_busy == "wait":
+                ft.checkpointer.wait_previous()  # a step reported finished is at most one ahead of a restorable one
             if live is not None:
                 live.finish_step(step, plan, [rec] if rec is not None else [], loss, grad_norm, step_s, loss_cfg,
                                  participants=n)

@@ -65,7 +65,7 @@ class FTConfig:
     keep: int = 2
     host: str = "127.0.0.1"
     signing_key: object = None
-    on_busy: str = "skip"
+    on_busy: str = "wait"
     fsync: bool = True
     gate_timeout_s: float = 120.0
     extra: dict = field(default_factory=dict)

@@ -109,7 +109,7 @@ class LoopConfig:
     resume: bool = False
     replicas: int = 1
     keep_checkpoints: int = 2
-    checkpoint_busy: str = "skip"
+    checkpoint_busy: str = "wait"
     node: str | None = None
     ft_host: str = "127.0.0.1"
     lighthouse: str | None = None
@@ -221,6 +221,8 @@ def run_loop(cfg: LoopConfig) -> dict:
                 ft.checkpointer.before_update()
             opt.step()
             opt.zero_grad()
+            if ft is not None and cfg.checkpoint_busy == "wait":
+                ft.checkpointer.wait_previous()  # past the all-reduce, every rank's checkpoint of step - 1 is written
             loss = dp.all_reduce_sum([loss])[0]
             recs = dp.gather(rec)
             train_s = time.perf_counter() - t0
@@ -228,8 +230,12 @@ def run_loop(cfg: LoopConfig) -> dict:
                 live.finish_step(step, plan, [r for r in recs if r is not None], loss, grad_norm, train_s, loss_cfg)
             if ft is not None:
                 gated = live is not None and live.published_step == step  # its version waits for this checkpoint
+                skip = None
+                if cfg.checkpoint_busy == "skip":  # every rank skips the same steps, or none could restore them all
+                    busy, gated_ranks = dp.all_reduce_sum([float(ft.checkpointer.busy), float(gated)])
+                    skip, gated = busy > 0, gated_ranks > 0
                 ft.checkpointer.save(step, model, opt, state=live.snapshot() if live is not None else None,
-                                     wait=gated or step == cfg.steps)
+                                     wait=gated or step == cfg.steps, skip=skip)
         digests = dp.gather(weights_digest(model))
         summary = {"digest": digests[0] if digests else None,
                    "ranks_agree": None if digests is None else len(set(digests)) == 1}

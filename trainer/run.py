@@ -100,9 +100,10 @@ def parser() -> argparse.ArgumentParser:
       "(its checkpoints in --checkpoint-dir, else the replicas its peers hold)")
     b("--replicas", type=int, default=1, help="k: peers on other nodes that hold a copy of each rank's checkpoint")
     b("--keep-checkpoints", type=int, default=2, help="checkpoints kept per rank (and replicas per peer)")
-    b("--checkpoint-busy", choices=("skip", "wait"), default="skip",
-      help="a step due while the previous checkpoint is still being written: skip its checkpoint (no stall; a "
-           "crash may then cost more than one step) or wait for the write (every step checkpointed)")
+    b("--checkpoint-busy", choices=("wait", "skip"), default="wait",
+      help="a step due while the previous checkpoint is still being written: wait for the write (every step "
+           "checkpointed; a stall only while a write takes longer than a step) or skip its checkpoint (no stall; a "
+           "crash may then cost more than one step; the ranks skip the same steps)")
     b("--node", default=None, help="this process's node id for replica placement [SYNCD_NODE, else the host name;"
       " '{rank}' in it is replaced by the rank]")
     b("--ft-host", default="127.0.0.1", help="address the replica server (and torchft's manager) binds and advertises")

@@ -174,6 +174,27 @@ def test_retention_leftovers_and_skipping(tmp_path):
     assert list_steps(root) == [6, 5] and ck.durable_step == 6
 
 
+def test_the_callers_decision_overrides_on_busy_and_wait_is_the_default(tmp_path):
+    """Ranks decide together (``skip=<any rank busy>``): an idle rank skips when told to, a busy one in skip mode
+    waits when told not to skip; the default waits for a write in flight and so checkpoints every step."""
+    torch.manual_seed(0)
+    m = Net()
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1, foreach=False)
+    ck = Checkpointer(tmp_path / "ck", owner="rank-0", keep=3)
+    assert ck.on_busy == "wait"
+    _train(m, opt, 3, torch.randn(4, 8), ck)  # a save per step, each waiting for the previous write if need be
+    ck.flush()
+    assert list_steps(tmp_path / "ck") == [3, 2, 1] and ck.stats.skipped == 0 and not ck.busy
+    assert ck.save(4, m, opt, skip=True) is False and ck.stats.skipped == 1  # idle, but another rank is busy
+    ck.on_busy = "skip"
+    assert ck.save(4, m, opt) is True  # idle: its own on_busy does not skip
+    assert ck.save(5, m, opt, skip=False) is True  # busy or not, every rank was idle when they decided: it waits
+    ck.wait_previous()  # what the loop calls before it reports a step: the previous checkpoint is then on disk
+    assert not ck.busy and ck.durable_step == 5 and list_steps(tmp_path / "ck")[0] == 5
+    ck.close()
+    assert list_steps(tmp_path / "ck") == [5, 4, 3] and ck.stats.skipped == 1
+
+
 WRITER = r"""
 import sys, torch
 from trainer.checkpoint import Checkpointer
