@@ -25,7 +25,7 @@ failures. Each figure next to its baseline, measured in the same process, median
 from __future__ import annotations
 
 import argparse
-import io
+import hashlib
 import json
 import os
 import platform
@@ -148,7 +148,7 @@ def bench_rebuild(args, work: Path) -> dict:
 
     from syncd.store import Store
     from trainer.checkpoint import Checkpointer, parse_checkpoint, step_dir
-    from trainer.ckpt_format import MANIFEST, frame_prefix, read_frame
+    from trainer.ckpt_format import MANIFEST, Bundle, parse_manifest
     from trainer.replicas import fetch_checkpoint, push_replica
 
     torch.manual_seed(0)
@@ -177,13 +177,17 @@ def bench_rebuild(args, work: Path) -> dict:
             _, c = fetch_checkpoint(url, "rank-1", 1)
             c.apply(fresh, fresh_opt)
 
-        def from_store() -> None:  # the same bundle from the store, verified and parsed the same way
+        def from_store() -> None:  # the same bundle from the store (parallel ranged reads), verified and parsed
             objs = {o.key.rsplit("/", 1)[1]: o.key for o in store.list("ckpt/rank-1/step-1/")}
             raw = bytes(store.download(objs.pop(MANIFEST)))
-            frame = io.BytesIO(b"".join([frame_prefix(raw), raw, *(bytes(store.download(objs[n]))
-                                                                   for n in sorted(objs))]))
-            b = read_frame(frame.read, None, where="object store", owner="rank-1", step=1)
-            parse_checkpoint(b, "object store").apply(fresh, fresh_opt)
+            m = parse_manifest(raw, where="object store", owner="rank-1", step=1)
+            files = {}
+            for name, ent in m["files"].items():
+                buf = store.download(objs[name], expect_size=ent["bytes"])
+                if hashlib.sha256(buf).hexdigest() != ent["sha256"]:
+                    raise RuntimeError(f"object store: {name} does not match its manifest")
+                files[name] = memoryview(buf)
+            parse_checkpoint(Bundle(m, files, raw), "object store").apply(fresh, fresh_opt)
 
         peer, obj, ratios = [], [], []
         for _ in range(args.rounds):

@@ -172,11 +172,23 @@ class Checkpoint:
         missing = set(model.state_dict()) ^ set(self.model)
         if missing:
             raise StateError(f"{self.path}: the checkpoint's tensors and the model's differ: {sorted(missing)[:5]}")
-        model.load_state_dict(self.model, strict=True)
+        model.load_state_dict(self.model, strict=True)  # copied into the parameters
         if optimizer is not None and self.optim is not None:
-            optimizer.load_state_dict(self.optim)
+            # the optimizer would keep the tensors it is given (a view of the bundle's memory, which may still be
+            # being written to disk) and update them in place: it gets its own
+            optimizer.load_state_dict(_owned(self.optim))
         if rng and self.rng is not None:
             restore_rng(self.rng)
+
+
+def _owned(tree):
+    if isinstance(tree, torch.Tensor):
+        return tree.clone()
+    if isinstance(tree, dict):
+        return {k: _owned(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_owned(v) for v in tree)
+    return tree
 
 
 def parse_checkpoint(bundle: Bundle, where: str) -> Checkpoint:

@@ -43,6 +43,7 @@ from syncd import jsonsafe
 from syncd.errors import SyncdError
 from syncd.manifest import now_rfc3339
 from syncd.signing import check_signature, resolve_key, signature_for
+from trainer.safetensors_view import SAFETENSORS_DTYPES, view_safetensors
 
 __all__ = ["StateError", "FORMAT", "MANIFEST", "flatten", "unflatten", "safetensors_header", "write_safetensors",
            "Bundle", "encode_manifest", "parse_manifest", "read_frame", "frame_prefix", "load_bundle",
@@ -58,10 +59,7 @@ _FILE = re.compile(r"^[a-z][a-z0-9_]{0,31}\.(safetensors|json)$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _CHUNK = 16 << 20
 
-_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-           torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-           torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64"}
+_DTYPES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
 
 class StateError(SyncdError, ValueError):
@@ -160,11 +158,17 @@ def unflatten(skeleton, tensors: dict[str, torch.Tensor], *, where: str = "state
 # ---------------------------------------------------------------------------------------------- safetensors
 
 
+def _file_order(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Wider elements first, then by name: every tensor starts aligned to its element size, so a reader can view
+    it in place (:mod:`trainer.safetensors_view`)."""
+    return sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+
+
 def safetensors_header(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
-    """The 8-byte length and JSON header of a safetensors file holding ``tensors`` in name order, padded so that
-    the data starts 8-byte aligned (as the safetensors library writes it)."""
+    """The 8-byte length and JSON header of a safetensors file holding ``tensors`` in :func:`_file_order`, padded
+    so that the data starts 8-byte aligned (as the safetensors library writes it)."""
     header, at = {}, 0
-    for name in sorted(tensors):
+    for name in _file_order(tensors):
         t = tensors[name]
         if t.dtype not in _DTYPES:
             raise TypeError(f"tensor {name!r}: dtype {t.dtype} has no safetensors name")
@@ -196,7 +200,7 @@ def write_safetensors(out, tensors: dict[str, torch.Tensor], metadata: dict[str,
     out.write(head)
     h.update(head)
     n = len(head)
-    for name in sorted(tensors):
+    for name in _file_order(tensors):
         mv = _bytes_of(tensors[name])
         for i in range(0, len(mv), _CHUNK):
             part = mv[i:i + _CHUNK]
@@ -268,10 +272,12 @@ def parse_manifest(raw: bytes, *, where: str, signing_key=None, owner: str | Non
 
 @dataclass(frozen=True)
 class Bundle:
-    """A verified bundle: its manifest (checked) and file contents (hash-checked, not yet parsed)."""
+    """A verified bundle: its manifest (checked) and file contents (hash-checked, not yet parsed; writable
+    memoryviews that own their memory as read, or bytes where a caller built the bundle itself). The tensors
+    :func:`load_bundle` returns share that memory: do not change it afterwards."""
 
     manifest: dict
-    files: dict[str, bytes]
+    files: dict[str, memoryview | bytes]
     raw_manifest: bytes = b""
 
     @property
@@ -300,11 +306,12 @@ def _read_exact(read, n: int, what: str) -> bytes:
 
 
 def read_frame(read, total: int | None, *, where: str, signing_key=None, owner: str | None = None,
-               step: int | None = None, max_bytes: int = 1 << 40, sink=None) -> Bundle:
+               step: int | None = None, max_bytes: int = 1 << 40, sink=None, readinto=None) -> Bundle:
     """Read one framed bundle with ``read(n) -> bytes`` (``total``: the frame's length when known, e.g. an HTTP
     Content-Length, which must match the manifest exactly). With ``sink(name, chunk)`` the files are handed over
-    chunk by chunk (and :attr:`Bundle.files` is empty); otherwise they are kept in memory. Every file is
-    hash-checked; StateError for anything wrong."""
+    chunk by chunk (and :attr:`Bundle.files` is empty); otherwise they are kept in memory, each in one
+    ``bytearray`` (filled by ``readinto(memoryview) -> int`` when given: no chunk is allocated or joined, and the
+    hash runs on a second thread behind the reads). Every file is hash-checked; StateError for anything wrong."""
     head = _read_exact(read, 8, f"{where}: frame")
     (mlen,) = struct.unpack("<Q", head)
     if mlen > MAX_MANIFEST_BYTES:
@@ -317,6 +324,10 @@ def read_frame(read, total: int | None, *, where: str, signing_key=None, owner: 
     if total is not None and total != size:
         raise StateError(f"{where}: {total} bytes sent, the manifest describes {size}")
     files = {}
+    if sink is None and readinto is not None:
+        for name in sorted(m["files"]):
+            files[name] = _read_verified(readinto, m["files"][name], f"{where}: {name}")
+        return Bundle(m, files, raw)
     for name in sorted(m["files"]):
         ent, h, left, parts = m["files"][name], hashlib.sha256(), m["files"][name]["bytes"], []
         while left:
@@ -329,22 +340,47 @@ def read_frame(read, total: int | None, *, where: str, signing_key=None, owner: 
         if h.hexdigest() != ent["sha256"]:
             raise StateError(f"{where}: {name} does not match its SHA-256 in the manifest (corrupt)")
         if sink is None:
-            files[name] = b"".join(parts)
+            files[name] = memoryview(bytearray(b"".join(parts)))
     return Bundle(m, files, raw)
+
+
+def _read_verified(readinto, ent: dict, what: str) -> memoryview:
+    """One file of ``ent["bytes"]`` read into new memory (not zero-filled first: each page is touched once, by the
+    read), its SHA-256 computed on a second thread while the next chunk is read (hashlib and socket or file reads
+    release the GIL), checked against ``ent["sha256"]``. A writable memoryview that owns its memory."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    try:
+        mv = memoryview(np.empty(ent["bytes"], dtype=np.uint8)).cast("B")
+    except (MemoryError, ValueError):
+        raise StateError(f"{what}: {ent['bytes']} bytes do not fit in memory") from None
+    h, at = hashlib.sha256(), 0
+    with ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash") as pool:
+        pending = None
+        while at < len(mv):
+            n = readinto(mv[at:at + _CHUNK])
+            if not n:
+                raise StateError(f"{what} ended {len(mv) - at} bytes early (torn)")
+            if pending is not None:
+                pending.result()
+            pending = pool.submit(h.update, mv[at:at + n])
+            at += n
+        if pending is not None:
+            pending.result()
+    if h.hexdigest() != ent["sha256"]:
+        raise StateError(f"{what} does not match its SHA-256 in the manifest (corrupt)")
+    return mv
 
 
 def load_bundle(bundle: Bundle, *, where: str) -> tuple[dict[str, dict[str, torch.Tensor]], object]:
     """Parse a verified bundle: ``({file: {name: tensor}} for the safetensors files, state.json's document)``.
     The safetensors parser is the library's (bounds-checked); state.json goes through :mod:`syncd.jsonsafe`."""
-    from safetensors.torch import load
-
     tensors = {}
     for name, raw in bundle.files.items():
         if name.endswith(".safetensors"):
-            try:
-                tensors[name] = load(raw)
-            except Exception as exc:  # noqa: BLE001 -- the parser's errors are of several types
-                raise StateError(f"{where}: {name} is not a safetensors file: {exc}") from None
+            writable = isinstance(raw, (bytearray, memoryview)) and not memoryview(raw).readonly
+            tensors[name] = view_safetensors(raw if writable else bytearray(raw),
+                                             where=f"{where}: {name}", error=StateError)
     state = None
     if "state.json" in bundle.files:
         state = jsonsafe.loads(bundle.files["state.json"], what=f"{where}: state.json",
@@ -366,12 +402,10 @@ def read_dir(path, *, signing_key=None, owner: str | None = None) -> Bundle:
     for name, ent in sorted(m["files"].items()):
         try:
             with open(os.path.join(path, name), "rb") as f:
-                data = f.read(ent["bytes"] + 1)
+                held = os.fstat(f.fileno()).st_size
+                if held != ent["bytes"]:
+                    raise StateError(f"{where}: {name} holds {held} bytes, the manifest says {ent['bytes']} (torn)")
+                files[name] = _read_verified(f.readinto, ent, f"{where}: {name}")
         except OSError as exc:
             raise StateError(f"{where}: {name} unreadable: {exc}") from None
-        if len(data) != ent["bytes"]:
-            raise StateError(f"{where}: {name} holds {len(data)} bytes, the manifest says {ent['bytes']} (torn)")
-        if hashlib.sha256(data).hexdigest() != ent["sha256"]:
-            raise StateError(f"{where}: {name} does not match its SHA-256 in the manifest (corrupt)")
-        files[name] = data
     return Bundle(m, files, raw)

@@ -322,7 +322,7 @@ def _land(read, length, root: Path, *, owner: str, step: int, signing_key, max_b
 
 
 def _pull(url: str, owner: str, step: int, timeout_s: float, receive):
-    """``receive(read, length, where)`` on the body of ``GET /v1/replicas/<owner>/<step>``; its result."""
+    """``receive(response, length, where)`` on the body of ``GET /v1/replicas/<owner>/<step>``; its result."""
     where = f"replica of {owner} step {step} from {url}"
     conn = _conn(url, timeout_s)
     try:
@@ -332,7 +332,7 @@ def _pull(url: str, owner: str, step: int, timeout_s: float, receive):
             raise ReplicaError(f"{url}: HTTP {resp.status} for the replica of {owner} step {step}: "
                                f"{resp.read(2000).decode('utf-8', 'replace')}")
         length = resp.headers.get("Content-Length")
-        return receive(resp.read, int(length) if length and length.isdigit() else None, where)
+        return receive(resp, int(length) if length and length.isdigit() else None, where)
     except OSError as exc:
         raise ReplicaError(f"{url}: replica of {owner} step {step}: {type(exc).__name__}: {exc}") from None
     finally:
@@ -343,8 +343,8 @@ def fetch_replica(url: str, owner: str, step: int, dest_root, *, signing_key=Non
                   max_bytes: int = 1 << 40) -> Path:
     """Fetch ``owner``'s replica of ``step`` from ``url`` into ``dest_root/step-<step>`` (atomic), every file
     verified against the manifest on the way; StateError if it does not verify, ReplicaError if unreachable."""
-    return _pull(url, owner, step, timeout_s, lambda read, length, where: _land(
-        read, length, Path(dest_root), owner=owner, step=step, signing_key=signing_key, max_bytes=max_bytes,
+    return _pull(url, owner, step, timeout_s, lambda resp, length, where: _land(
+        resp.read, length, Path(dest_root), owner=owner, step=step, signing_key=signing_key, max_bytes=max_bytes,
         where=where))
 
 
@@ -352,9 +352,9 @@ def fetch_checkpoint(url: str, owner: str, step: int, *, signing_key=None, timeo
                      max_bytes: int = 1 << 40):
     """``owner``'s replica of ``step`` from ``url``, verified (every hash) and parsed in memory, never touching the
     disk: ``(bundle, checkpoint)``; :func:`write_bundle` persists the bundle. StateError / ReplicaError."""
-    def receive(read, length, where):
-        bundle = read_frame(read, length, where=where, signing_key=signing_key, owner=owner, step=step,
-                            max_bytes=max_bytes)
+    def receive(resp, length, where):
+        bundle = read_frame(resp.read, length, where=where, signing_key=signing_key, owner=owner, step=step,
+                            max_bytes=max_bytes, readinto=resp.readinto)
         return bundle, parse_checkpoint(bundle, where)
 
     return _pull(url, owner, step, timeout_s, receive)
