@@ -26,7 +26,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from bench.trainer_ft import kill_process_tree
+from bench.ft_goodput import kill_process_tree
 
 pytestmark = pytest.mark.integration
 
