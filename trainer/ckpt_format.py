@@ -309,9 +309,9 @@ def read_frame(read, total: int | None, *, where: str, signing_key=None, owner: 
                step: int | None = None, max_bytes: int = 1 << 40, sink=None, readinto=None) -> Bundle:
     """Read one framed bundle with ``read(n) -> bytes`` (``total``: the frame's length when known, e.g. an HTTP
     Content-Length, which must match the manifest exactly). With ``sink(name, chunk)`` the files are handed over
-    chunk by chunk (and :attr:`Bundle.files` is empty); otherwise they are kept in memory, each in one
-    ``bytearray`` (filled by ``readinto(memoryview) -> int`` when given: no chunk is allocated or joined, and the
-    hash runs on a second thread behind the reads). Every file is hash-checked; StateError for anything wrong."""
+    chunk by chunk (and :attr:`Bundle.files` is empty); otherwise each is kept in memory of its own, a
+    writable memoryview (filled by ``readinto(memoryview) -> int`` when given: no chunk is allocated or joined,
+    and the hash runs on a second thread behind the reads). Every file is hash-checked; StateError for anything wrong."""
     head = _read_exact(read, 8, f"{where}: frame")
     (mlen,) = struct.unpack("<Q", head)
     if mlen > MAX_MANIFEST_BYTES:
@@ -374,7 +374,8 @@ def _read_verified(readinto, ent: dict, what: str) -> memoryview:
 
 def load_bundle(bundle: Bundle, *, where: str) -> tuple[dict[str, dict[str, torch.Tensor]], object]:
     """Parse a verified bundle: ``({file: {name: tensor}} for the safetensors files, state.json's document)``.
-    The safetensors parser is the library's (bounds-checked); state.json goes through :mod:`syncd.jsonsafe`."""
+    The safetensors files go through :func:`trainer.safetensors_view.view_safetensors` (checked; the tensors view
+    the bundle's memory, a read-only file body is copied once first); state.json through :mod:`syncd.jsonsafe`."""
     tensors = {}
     for name, raw in bundle.files.items():
         if name.endswith(".safetensors"):
