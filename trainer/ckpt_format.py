@@ -340,7 +340,7 @@ def read_frame(read, total: int | None, *, where: str, signing_key=None, owner: 
         if h.hexdigest() != ent["sha256"]:
             raise StateError(f"{where}: {name} does not match its SHA-256 in the manifest (corrupt)")
         if sink is None:
-            files[name] = memoryview(bytearray(b"".join(parts)))
+            files[name] = memoryview(bytearray().join(parts))  # one copy, writable
     return Bundle(m, files, raw)
 
 
