@@ -30,7 +30,6 @@ import platform
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import torch
@@ -185,7 +184,6 @@ class _Node:
 
 def run(args) -> dict:
     from engine.dynamo.serve import Node, NodeConfig
-    from engine.dynamo.settings import DynamoSettings
     from engine.proxy.compaction import CompactionConfig
     from trainer.tasks import get_task
 
@@ -198,10 +196,7 @@ def run(args) -> dict:
         model_dir, loss = _model_folder(root, args)
         store = root / "store"
         store.mkdir()
-        cfg = NodeConfig(model=model_dir, run_dir=root / "node", workers=1, frontend=True,
-                         settings=DynamoSettings(file_kv=root / "kv", namespace=f"b{uuid.uuid4().hex[:8]}"),
-                         worker_args=("--weights-version", "0", "--replay-store", store.as_uri(), "--run-id", RUN),
-                         startup_timeout_s=240)
+        cfg = NodeConfig.recording(model_dir, root, store_url=store.as_uri(), run_id=RUN, prefix="b")
         node = Node(cfg).start()
         try:
             n = _Node(node, store.as_uri())

@@ -25,7 +25,6 @@ import json
 import logging
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -227,7 +226,6 @@ def generate(workdir: Path, store_url: str, cfg: RolloutConfig, *, run_id: str |
     records go (file or S3 URL). Raises RuntimeError when a stream, an update or a process fails."""
     from engine.dynamo.procs import stop_process
     from engine.dynamo.serve import Node, NodeConfig
-    from engine.dynamo.settings import DynamoSettings
     from engine.reference.make_tiny import model_config, random_model
     from syncd.engines.update import Update
     from trainer import WeightPublisher
@@ -258,13 +256,10 @@ def generate(workdir: Path, store_url: str, cfg: RolloutConfig, *, run_id: str |
     pub.publish(state0, 0)
     pub.flush()
 
-    node = Node(NodeConfig(model=model_dir, run_dir=workdir / "node", workers=1, frontend=True,
-                           settings=DynamoSettings(file_kv=workdir / "kv", namespace=f"r{uuid.uuid4().hex[:8]}"),
-                           worker_args=("--weights-version", "0", "--replay-store", store_url, "--run-id", run_id,
-                                        "--max-batch", str(cfg.concurrency),
-                                        *(() if cfg.kept_tolerance is None else
-                                          ("--replay-kept-tolerance", repr(cfg.kept_tolerance)))),
-                           startup_timeout_s=240))
+    node = Node(NodeConfig.recording(
+        model_dir, workdir, store_url=store_url, run_id=run_id, prefix="r",
+        worker_args=("--max-batch", str(cfg.concurrency),
+                     *(() if cfg.kept_tolerance is None else ("--replay-kept-tolerance", repr(cfg.kept_tolerance))))))
     proxy = None
     applied: dict[int, list[int]] = {}
     tids = [f"traj-{k:03d}" for k in range(cfg.requests)]

@@ -78,6 +78,23 @@ class NodeConfig:
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model).resolve().name
 
+    @classmethod
+    def recording(cls, model, root, *, store_url: str, run_id: str, prefix: str = "n", worker_args=(),
+                  **kw) -> "NodeConfig":
+        """A frontend and ``workers`` (default 1) workers serving weights version 0 and recording their replay
+        chunks into ``store_url`` under ``run_id``: discovery through files under ``root/kv`` in a namespace of
+        its own (``prefix`` + 8 random hex digits), logs and ready files in ``root/node``. ``worker_args`` are
+        appended; any other field is taken from ``kw`` (``startup_timeout_s`` defaults to 240 s: a cold start on
+        two busy cores)."""
+        import uuid
+
+        root = Path(root)
+        kw.setdefault("startup_timeout_s", 240)
+        return cls(model=Path(model), run_dir=root / "node", frontend=True,
+                   settings=DynamoSettings(file_kv=root / "kv", namespace=f"{prefix}{uuid.uuid4().hex[:8]}"),
+                   worker_args=("--weights-version", "0", "--replay-store", store_url, "--run-id", run_id,
+                                *worker_args), **kw)
+
 
 @dataclass
 class _Child:

@@ -24,7 +24,6 @@ import secrets
 import signal
 import subprocess
 import sys
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,7 +84,6 @@ class RLStack:
         say(f"writing a tiny random-init {self.config.arch} model (hidden {self.config.hidden}, "
             f"{self.config.layers} layers) and starting the Dynamo frontend and {self.config.engines} engine workers")
         from engine.dynamo.serve import Node, NodeConfig
-        from engine.dynamo.settings import DynamoSettings
         from engine.reference.make_tiny import write_model
 
         cfg = self.config
@@ -95,11 +93,9 @@ class RLStack:
         write_model(self.model_dir, arch=cfg.arch, seed=cfg.seed, hidden=cfg.hidden, layers=cfg.layers,
                     intermediate=2 * cfg.hidden)
         try:
-            self.node = Node(NodeConfig(
-                model=self.model_dir, run_dir=self.workdir / "node", workers=cfg.engines, frontend=True,
-                settings=DynamoSettings(file_kv=self.workdir / "kv", namespace=f"rl{uuid.uuid4().hex[:8]}"),
-                worker_args=("--weights-version", "0", "--replay-store", self.store_url, "--run-id", self.run_id,
-                             "--max-batch", str(cfg.max_batch), "--threads", "1"),
+            self.node = Node(NodeConfig.recording(
+                self.model_dir, self.workdir, store_url=self.store_url, run_id=self.run_id, prefix="rl",
+                workers=cfg.engines, worker_args=("--max-batch", str(cfg.max_batch), "--threads", "1"),
                 startup_timeout_s=cfg.startup_timeout_s))
             self.node.start()
             self.node.supervise(background=True)

@@ -12,7 +12,6 @@ import openai  # the official client (the test extra): missing, the test fails r
 import pytest
 
 from engine.dynamo.serve import Node, NodeConfig
-from engine.dynamo.settings import DynamoSettings
 from tests.dynamo.conftest import RUN_ID, start_proxy
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -26,10 +25,7 @@ def paths(model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("transparent")
     store_url = (root / "store").resolve().as_uri()
     (root / "store").mkdir()
-    cfg = NodeConfig(model=model_dir, run_dir=root / "node", workers=1, frontend=True,
-                     settings=DynamoSettings(file_kv=root / "kv", namespace=f"t{uuid.uuid4().hex[:8]}"),
-                     worker_args=("--weights-version", "0", "--replay-store", store_url, "--run-id", RUN_ID),
-                     startup_timeout_s=240)
+    cfg = NodeConfig.recording(model_dir, root, store_url=store_url, run_id=RUN_ID, prefix="t")
     node = Node(cfg).start()
     proxy = None
     try:

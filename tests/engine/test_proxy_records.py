@@ -13,7 +13,6 @@ from __future__ import annotations
 import http.client
 import json
 import signal
-import uuid
 from urllib.parse import urlsplit
 
 import pytest
@@ -30,17 +29,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 def frontend(tmp_path_factory):
     """``(frontend URL, model name, store URL, workdir)`` of one node: a frontend and one worker."""
     from engine.dynamo.serve import Node, NodeConfig
-    from engine.dynamo.settings import DynamoSettings
     from engine.reference.make_tiny import write_model
 
     root = tmp_path_factory.mktemp("proxy-records")
     model = write_model(root / "tiny", arch="qwen2", seed=3)
     store = root / "store"
     store.mkdir()
-    cfg = NodeConfig(model=model, run_dir=root / "node", workers=1, frontend=True,
-                     settings=DynamoSettings(file_kv=root / "kv", namespace=f"t{uuid.uuid4().hex[:8]}"),
-                     worker_args=("--weights-version", "0", "--replay-store", store.as_uri(), "--run-id", RUN_ID),
-                     startup_timeout_s=240)
+    cfg = NodeConfig.recording(model, root, store_url=store.as_uri(), run_id=RUN_ID, prefix="t")
     node = Node(cfg).start()
     try:
         yield node.frontend_url, cfg.model_name, store.as_uri(), root

@@ -33,17 +33,13 @@ WINDOW = 128
 def node(tmp_path_factory):
     """``(frontend URL, model name, model folder, store URL)``: one worker whose model has 128 positions."""
     from engine.dynamo.serve import Node, NodeConfig
-    from engine.dynamo.settings import DynamoSettings
     from engine.reference.make_tiny import write_model
 
     root = tmp_path_factory.mktemp("compaction")
     model = write_model(root / "tiny", arch="qwen2", seed=3, max_positions=WINDOW)
     store = root / "store"
     store.mkdir()
-    cfg = NodeConfig(model=model, run_dir=root / "node", workers=1, frontend=True,
-                     settings=DynamoSettings(file_kv=root / "kv", namespace=f"c{uuid.uuid4().hex[:8]}"),
-                     worker_args=("--weights-version", "0", "--replay-store", store.as_uri(), "--run-id", RUN),
-                     startup_timeout_s=240)
+    cfg = NodeConfig.recording(model, root, store_url=store.as_uri(), run_id=RUN, prefix="c")
     n = Node(cfg).start()
     try:
         yield n.frontend_url, cfg.model_name, model, store.as_uri()
