@@ -6,30 +6,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from syncd.plotting import pyplot as _pyplot
+from syncd.plotting import save_figure
+
 __all__ = ["pyplot", "save", "write_results"]
 
 
 def pyplot():
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:  # pragma: no cover
-        raise ImportError("--plot needs matplotlib (pip install 'syncd[bench]')") from exc
-    return plt
+    return _pyplot("--plot")
 
 
-def save(fig, path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    fig.clf()
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
-    return path
+def save(fig, path, *, dpi: int = 110) -> Path:
+    return save_figure(fig, path, dpi=dpi)
 
 
 def write_results(out: dict, json_path, plot_path, plot) -> None:

@@ -75,6 +75,16 @@ def qwen2_config(cfg: dict):
                        tie_word_embeddings=False)
 
 
+def client_request(cfg: dict, g: np.random.Generator, client: int, n: int):
+    """Client ``client``'s ``n``-th request of the load: a random prompt of ``cfg["prompt"]`` tokens below
+    ``cfg["vocab"]``, ``cfg["max_tokens"]`` sampled at temperature 1, top-p 0.95, seeded by ``n``."""
+    from syncd.engines.protocol import GenerationRequest, SamplingParams
+
+    prompt = tuple(int(x) for x in g.integers(0, cfg["vocab"], cfg["prompt"]))
+    return GenerationRequest(f"c{client}-{n}", prompt, SamplingParams(max_tokens=cfg["max_tokens"], temperature=1.0,
+                                                                      top_p=0.95, seed=n))
+
+
 class Load:
     """``clients`` threads, each keeping one request running on the engine until stopped."""
 
@@ -92,14 +102,10 @@ class Load:
             t.start()
 
     def _client(self, i: int, seed: int):
-        from syncd.engines.protocol import GenerationRequest, SamplingParams
-
         g = np.random.default_rng(seed + i)
         n = 0
         while not self.stop.is_set():
-            prompt = tuple(int(x) for x in g.integers(0, self.cfg["vocab"], self.cfg["prompt"]))
-            req = GenerationRequest(f"c{i}-{n}", prompt, SamplingParams(max_tokens=self.cfg["max_tokens"],
-                                                                         temperature=1.0, top_p=0.95, seed=n))
+            req = client_request(self.cfg, g, i, n)
             n += 1
             with self._lock:
                 self.submitted += 1

@@ -56,14 +56,12 @@ class Load:
         self._thread.start()
 
     async def _client(self, i: int):
-        from syncd.engines.protocol import GenerationRequest, SamplingParams
+        from bench.engine_update import client_request
 
         g = np.random.default_rng(self.seed + i)
         n = 0
         while not self.stop.is_set():
-            prompt = tuple(int(x) for x in g.integers(0, self.cfg["vocab"], self.cfg["prompt"]))
-            req = GenerationRequest(f"c{i}-{n}", prompt, SamplingParams(max_tokens=self.cfg["max_tokens"],
-                                                                         temperature=1.0, top_p=0.95, seed=n))
+            req = client_request(self.cfg, g, i, n)
             n += 1
             self.submitted += 1
             last = None

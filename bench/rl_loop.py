@@ -35,7 +35,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench._plot import write_results
+from bench._plot import pyplot, save, write_results
 from bench._timing import Stopwatch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -209,10 +209,7 @@ def main(argv=None) -> int:
 
 
 def plot(out: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     runs = out["runs"]
     fig, ax = plt.subplots(2, 2, figsize=(11, 8))
@@ -238,10 +235,7 @@ def plot(out: dict, path: Path) -> None:
     ax[1, 1].set(xlabel="wall time (s)", ylabel="version", title=f"versions over time ({r['mode']})")
     for a in ax.flat:
         a.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    save(fig, path, dpi=90)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench._plot import write_results
+from bench._plot import pyplot, save, write_results
 from bench.ft_goodput import bench_goodput
 from bench._timing import clock, median
 
@@ -314,10 +314,7 @@ def _report(out: dict) -> None:
 
 
 def plot(out: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(1, 3, figsize=(15, 4.5))
     if "stall" in out:
@@ -334,10 +331,7 @@ def plot(out: dict, path: Path) -> None:
         ax[2].bar(["failure-free", f"kill every {g['fail_every']}"], [g["goodput_plain"], g["goodput_failing"]],
                   color=["tab:blue", "tab:red"])
         ax[2].set(ylabel="steps / s", title=f"goodput, {g['steps_lost_per_failure']:.1f} steps lost per failure")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    save(fig, path, dpi=90)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from syncd.plotting import pyplot, save_figure
+
 __all__ = ["plot_run"]
 
 
@@ -17,13 +19,7 @@ def _steps(lines, key):
 def plot_run(lines: list[dict], path, *, title: str = "syncd thin trainer", runs: dict | None = None) -> Path:
     """Write the PNG of one run's metrics ``lines`` to ``path``; ``runs`` (label -> lines) overlays the reward
     of other runs (a baseline) in the first panel. Returns the path."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:  # pragma: no cover
-        raise ImportError("plotting needs matplotlib (pip install 'syncd[bench]')") from exc
+    plt = pyplot("plotting")
     t0 = min((ln["t"] for ln in lines), default=0.0)
     fig, axes = plt.subplots(3, 1, figsize=(8, 10))
     ax = axes[0]
@@ -52,9 +48,4 @@ def plot_run(lines: list[dict], path, *, title: str = "syncd thin trainer", runs
                 linestyle="--")
     ax.set(xlabel="wall time (s)", ylabel="weight version", title="versions over time")
     ax.legend(loc="upper left", fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=90)

@@ -188,13 +188,9 @@ def plot_timeline(versions: list[dict], updates: list[dict], path, *, title: str
     tick per pause (its length in ms, below). ``updates``: the daemon's status records (``done_at``,
     ``version``, ``pause_s`` per engine, ``rebuild_from``). Raises ImportError naming the extra without
     matplotlib."""
-    try:
-        import matplotlib
+    from syncd.plotting import pyplot, save_figure
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise ImportError("the timeline needs matplotlib (pip install 'syncd[bench]')") from exc
+    plt = pyplot("the timeline")
     t0 = min([v["t"] for v in versions] + [u["done_at"] for u in updates if u.get("done_at")] or [0.0])
     fig, (top, low) = plt.subplots(2, 1, figsize=(9, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
     if versions:
@@ -213,9 +209,4 @@ def plot_timeline(versions: list[dict], updates: list[dict], path, *, title: str
     top.legend(loc="upper left", fontsize=8)
     low.set(xlabel="wall time (s)", ylabel="pause (ms)")
     low.legend(loc="upper right", fontsize=7, ncols=max(1, len(engines)))
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=90)

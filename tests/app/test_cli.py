@@ -21,6 +21,13 @@ def config(argv, monkeypatch, env=None):
     return cli._daemon_config(args)
 
 
+def _daemon(tmp_path, published):
+    """A reference engine with no version yet, and a fast-polling daemon for it over the published run."""
+    eng = engine.StateDictEngine(published.zeros(), None)
+    cfg = DaemonConfig(run_id=RUN, cache_dir=tmp_path / "cache", poll_interval_s=0.05, engine_check_s=0.1)
+    return eng, NodeDaemon(cfg, adapters={"e0": eng}, store=published.store, signing_key=KEY)
+
+
 def test_flags_override_environment(monkeypatch):
     env = {"SYNCD_RUN_ID": "from-env", "SYNCD_ENGINES": "a=http://127.0.0.1:1,http://127.0.0.1:2",
            "SYNCD_POLL_INTERVAL_S": "2.5", "SYNCD_CACHE_MAX_BYTES": "2G", "SYNCD_METRICS_PORT": "9464"}
@@ -49,9 +56,7 @@ def test_configuration_errors_exit_2(argv, message, monkeypatch, capsys, tmp_pat
 
 def test_status_reports_the_node(tmp_path, published, capsys, monkeypatch):
     published.publish(2)
-    eng = engine.StateDictEngine(published.zeros(), None)
-    cfg = DaemonConfig(run_id=RUN, cache_dir=tmp_path / "cache", poll_interval_s=0.05, engine_check_s=0.1)
-    d = NodeDaemon(cfg, adapters={"e0": eng}, store=published.store, signing_key=KEY)
+    eng, d = _daemon(tmp_path, published)
     seen = {}
 
     async def main():
@@ -115,9 +120,7 @@ def test_one_info_line_per_applied_update_and_formatted_status(tmp_path, publish
     import logging
 
     published.publish(4)
-    eng = engine.StateDictEngine(published.zeros(), None)
-    cfg = DaemonConfig(run_id=RUN, cache_dir=tmp_path / "cache", poll_interval_s=0.05, engine_check_s=0.1)
-    d = NodeDaemon(cfg, adapters={"e0": eng}, store=published.store, signing_key=KEY)
+    eng, d = _daemon(tmp_path, published)
 
     async def main():
         task = asyncio.ensure_future(d.run())
@@ -173,9 +176,7 @@ def test_help_shows_defaults_and_keeps_cluster_flags_apart():
 def test_the_run_error_clears_once_versions_appear(tmp_path, published):
     """A daemon started before the trainer's first version says the run has none; once versions appear (found
     through the latest.json hint, without another listing) `syncd status` no longer says so."""
-    eng = engine.StateDictEngine(published.zeros(), None)
-    cfg = DaemonConfig(run_id=RUN, cache_dir=tmp_path / "cache", poll_interval_s=0.05, engine_check_s=0.1)
-    d = NodeDaemon(cfg, adapters={"e0": eng}, store=published.store, signing_key=KEY)
+    eng, d = _daemon(tmp_path, published)
     seen = {}
 
     async def main():
