@@ -8,8 +8,8 @@ resumed, and the worker's checksums are compared with the trainer's after resumi
 
 * the pause per update: ``pause()`` called -> ``resume()`` returned (vLLM's ``pause_generation(mode="keep")``
   includes a fixed 20 ms sleep of its own), and the stall inside it, ``pause()`` returned -> ``resume()``
-  returned; the worker's share of the apply split into the in-place write and the rebuild of vLLM's packed CPU
-  copies of the touched layers (oneDNN handles, packed experts);
+  returned; the worker's share of the apply split into the in-place write and the swap (or rebuild) of vLLM's
+  packed CPU copies of the touched layers (oneDNN handles packed while staging, packed experts repacked);
 * vLLM's own full reload of the same weights, ``reload_weights`` from a full state dict in the worker (what an
   RL framework without in-place deltas does), paused the same way;
 * the memory-traffic limit of the ratio (``bench.engine_update``'s: touched cache lines against a full reload);
@@ -174,7 +174,7 @@ def run(cfg: dict, lr: float, seed: int, workdir: Path, cpu_gemm: str = "onednn"
             updates.append(dict(version=v, stage_s=stage_s, pause_wait_s=pause_wait_s, apply_s=apply_s,
                                 stall_s=stall_s, pause_s=pause_wait_s + stall_s, verify_s=verify_s,
                                 worker_write_s=w["write_s"], worker_derive_s=w["derive_s"], changed=staged["words"],
-                                staged_bytes=staged["bytes"], lines=_touched_lines(snaps[v - 1], snaps[v])))
+                                prepare_s=staged.get("prepare_s", 0.0), staged_bytes=staged["bytes"], lines=_touched_lines(snaps[v - 1], snaps[v])))
         rate_upd = (load.tokens - n_phase) / t_phase.elapsed
     finally:
         load.finish()
@@ -209,6 +209,7 @@ def run(cfg: dict, lr: float, seed: int, workdir: Path, cpu_gemm: str = "onednn"
         pause_median_s=median(pause), pause_max_s=max(pause), stall_median_s=median(stall),
         pause_wait_median_s=median([u["pause_wait_s"] for u in updates]),
         stage_median_s=median([u["stage_s"] for u in updates]),
+        prepare_median_s=median([u["prepare_s"] for u in updates]),
         worker_write_median_s=median([u["worker_write_s"] for u in updates]),
         worker_derive_median_s=median([u["worker_derive_s"] for u in updates]),
         verify_median_s=median([u["verify_s"] for u in updates]),
@@ -235,16 +236,18 @@ def report(r: dict) -> None:
           f"{100 * r['lines_touched_fraction']:.1f}% of the fp32 cache lines hold a changed word")
     print(f"pause per update (pause called -> resume returned): median {ms(r['pause_median_s'])}, max "
           f"{ms(r['pause_max_s'])}; inside it the stall (pause returned -> resume returned) {ms(r['stall_median_s'])}")
-    print(f"  in the worker: in-place write {ms(r['worker_write_median_s'])}, rebuilding vLLM's packed CPU copies "
-          f"of the touched layers {ms(r['worker_derive_median_s'])}")
+    print(f"  in the worker: in-place write {ms(r['worker_write_median_s'])}, swapping in (or rebuilding) vLLM's "
+          f"packed CPU copies of the touched layers {ms(r['worker_derive_median_s'])}")
     print(f"vLLM's own full reload (reload_weights of a full state dict), paused alike: median "
           f"{ms(r['vllm_reload_pause_median_s'])}   -> reload / pause = {r['ratio_reload_to_pause']:.1f}x; stall "
           f"{ms(r['vllm_reload_stall_median_s'])}   -> reload / stall = {r['ratio_reload_stall_to_stall']:.1f}x")
     print(f"  in the worker: reload {ms(r['vllm_reload_worker_median_s'])} vs write + rebuild  -> "
           f"{r['ratio_worker_reload_to_worker_apply']:.1f}x (physical limit at this density, memory traffic: "
-          f"{r['physical_limit_ratio']:.1f}x)")
-    print(f"off the pause: stage in the worker while serving {ms(r['stage_median_s'])}, checksums on the worker "
-          f"after resume {ms(r['verify_median_s'])}")
+          f"{r['physical_limit_ratio']:.1f}x; of the words alone: vLLM's reload also packs its CPU copies, which "
+          "syncd packs while staging)")
+    print(f"off the pause: stage in the worker while serving {ms(r['stage_median_s'])} (of it packing the "
+          f"touched linear layers' new copies {ms(r['prepare_median_s'])}), checksums on the worker after resume "
+          f"{ms(r['verify_median_s'])}")
     print(f"tokens/s: {r['tokens_per_s_baseline']:.1f} without updates, {r['tokens_per_s_with_updates']:.1f} while "
           f"updating (ratio {r['tokens_per_s_with_updates'] / r['tokens_per_s_baseline']:.2f})")
     print(f"requests: {r['requests_submitted']} submitted, {r['requests_completed']} completed, "

@@ -9,14 +9,13 @@ it builds the worker), so importing it
 * on CPU keeps the linear layers' weights: vLLM's CPU backend otherwise replaces every linear weight with an
   empty parameter and computes with a private oneDNN-packed copy (``dispatch_cpu_unquantized_gemm(...,
   remove_weight=True)``), so there would be nothing to write in place. ``SYNCD_VLLM_CPU_GEMM=torch`` computes
-  with ``F.linear`` over the kept weight instead (no packed copy to rebuild; slower decode).
+  with ``F.linear`` over the kept weight instead (no packed copy; slower decode).
 
 The weights syncd writes are vLLM's own parameters in their logical (loader) layout, through one
 :class:`engine.updater.WeightUpdater` per worker over their bf16 words (the fp32 parameters hold bf16-exact
-values, as the reference engine's). What vLLM's CPU kernels compute with is derived from them and rebuilt for
-the touched layers after every write (:class:`_Derived`): the oneDNN handle of a linear layer, and the packed
-copy of MoE experts (``[E, N/16, K, 16]`` tiles; the logical copy is kept next to it, checked against vLLM's
-own packing at start). On a GPU vLLM computes with the parameters themselves and nothing is derived.
+values, as the reference engine's). What vLLM's CPU kernels compute with is derived from them and kept in step
+by :mod:`engine.vllm.cpu_copies` (packed while staging, swapped in after the write). On a GPU vLLM computes with
+the parameters themselves and nothing is derived.
 
 Everything here runs on the worker's thread between scheduler steps, except staging, which runs on a thread
 of its own while vLLM keeps serving (:meth:`SyncdWorkerExtension.syncd_stage`); results cross the RPC as plain
@@ -33,131 +32,11 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.vllm.cpu_copies import _Derived, _pack_moe_, _unpack_moe, install_cpu_gemm_keep
+
 log = logging.getLogger(__name__)
 
 __all__ = ["SyncdWorkerExtension", "SyncdWeightTransfer", "install_cpu_gemm_keep"]
-
-
-#: how vLLM's CPU linear layers compute (``SYNCD_VLLM_CPU_GEMM``, read in the worker): ``onednn`` (vLLM's packed
-#: copy, rebuilt for the touched layers after each write) or ``torch`` (``F.linear`` over the live weight: nothing
-#: to rebuild, slower decode)
-CPU_GEMM_MODES = ("onednn", "torch")
-
-
-def install_cpu_gemm_keep(mode: str = "onednn") -> None:
-    """Make vLLM's CPU GEMM dispatch keep every linear layer's weight, and with ``mode="torch"`` compute with
-    ``F.linear`` over it (idempotent). ValueError for another mode."""
-    import vllm.model_executor.layers.utils as lu
-
-    if mode not in CPU_GEMM_MODES:
-        raise ValueError(f"SYNCD_VLLM_CPU_GEMM={mode!r}: expected one of {', '.join(CPU_GEMM_MODES)}")
-    if getattr(lu.dispatch_cpu_unquantized_gemm, "_syncd_keep", False):
-        return
-    orig = lu.dispatch_cpu_unquantized_gemm
-
-    def dispatch(layer, remove_weight):  # noqa: ARG001 -- syncd writes the weight in place: keep it
-        if mode == "torch" and layer.weight.ndim == 2 and not layer.weight.is_meta:
-            layer.cpu_linear = torch.nn.functional.linear
-            return None
-        return orig(layer, remove_weight=False)
-
-    dispatch._syncd_keep = True
-    dispatch._syncd_orig = orig
-    lu.dispatch_cpu_unquantized_gemm = dispatch
-
-
-def _repack_linear(module) -> None:
-    import vllm.model_executor.layers.utils as lu
-
-    getattr(lu.dispatch_cpu_unquantized_gemm, "_syncd_orig", lu.dispatch_cpu_unquantized_gemm)(
-        module, remove_weight=False)
-
-
-def _experts_isa(module) -> str:
-    """The ISA vLLM's CPU experts implementation of ``module`` packs for ('vec', 'amx', ...)."""
-    qm = getattr(module, "quant_method", None)
-    for holder in (qm, getattr(qm, "moe_kernel", None), getattr(qm, "kernel", None)):
-        fe = getattr(holder, "fused_experts", None) or getattr(holder, "experts", None)
-        if fe is not None and hasattr(fe, "isa"):
-            return fe.isa
-    raise RuntimeError(f"no CPU experts implementation with an ISA on {type(module).__name__}")
-
-
-def _unpack_moe(packed: torch.Tensor) -> torch.Tensor:
-    """The logical ``[E, N, K]`` tensor of vLLM's CPU-packed expert weights (``[E, N/16, K, 16]`` tiles)."""
-    E, N, K = packed.shape
-    return packed.view(E, N // 16, K, 16).permute(0, 1, 3, 2).reshape(E, N, K).contiguous()
-
-
-def _pack_moe_(logical: torch.Tensor, packed: torch.Tensor, isa: str, experts=None) -> None:
-    """Repack experts ``experts`` (all when None) of ``logical`` into ``packed`` with vLLM's own op."""
-    op = torch.ops._C.prepack_moe_weight
-    if experts is None:
-        op(logical, packed, isa)
-        return
-    for e in experts:
-        op(logical[e:e + 1], packed[e:e + 1], isa)
-
-
-@dataclass
-class _Moe:
-    module: torch.nn.Module
-    attr: str
-    logical: torch.Tensor
-    isa: str
-
-
-class _Derived:
-    """What vLLM's CPU kernels compute with, rebuilt from the written parameters (see the module docstring)."""
-
-    def __init__(self, model, names):
-        self.linear: dict[str, torch.nn.Module] = {}
-        self.moe: dict[str, _Moe] = {}
-        if not _cpu_backend():
-            return
-        for name in names:
-            mod_name, _, attr = name.rpartition(".")
-            mod = model.get_submodule(mod_name)
-            if attr in ("w13_weight", "w2_weight"):
-                packed = getattr(mod, attr)
-                if packed.shape[1] % 16:
-                    raise ValueError(f"{name}: {packed.shape[1]} rows is not a multiple of the 16-row CPU tiles")
-                isa = _experts_isa(mod)
-                logical = _unpack_moe(packed.data)
-                check = torch.empty_like(packed.data)
-                _pack_moe_(logical, check, isa)
-                if not torch.equal(check.view(torch.int32), packed.data.view(torch.int32)):
-                    raise RuntimeError(f"{name}: vLLM's CPU expert packing ({isa}) is not the [E, N/16, K, 16] "
-                                       "tiling syncd unpacks; refusing to write it")
-                self.moe[name] = _Moe(mod, attr, logical, isa)
-            elif attr == "weight" and getattr(mod, "cpu_linear", None) not in (None, torch.nn.functional.linear):
-                self.linear[name] = mod
-
-    def tensor(self, name: str, param: torch.Tensor) -> torch.Tensor:
-        """The tensor syncd writes for parameter ``name`` (the logical copy for packed experts)."""
-        m = self.moe.get(name)
-        return m.logical if m is not None else param
-
-    def refresh(self, written) -> float:
-        """Rebuild what is computed from ``written`` (local name -> staged positions, or None: everything).
-        Returns the seconds it took."""
-        t = time.perf_counter()
-        names = set(self.linear) | set(self.moe) if written is None else set(written)
-        for name in names:
-            if name in self.linear:
-                _repack_linear(self.linear[name])
-            elif name in self.moe:
-                m = self.moe[name]
-                per = m.logical[0].numel()
-                experts = None if written is None else torch.unique(written[name].long() // per).tolist()
-                _pack_moe_(m.logical, getattr(m.module, m.attr).data, m.isa, experts)
-        return time.perf_counter() - t
-
-
-def _cpu_backend() -> bool:
-    from vllm.platforms import current_platform
-
-    return current_platform.is_cpu()
 
 
 def _error(exc: BaseException) -> dict:
@@ -194,13 +73,15 @@ class _WorkerState:
         if self._thread is not None and self._thread.is_alive():
             raise RuntimeError("a stage is already running")
         self._stage = {"done": False, "result": None}
+        self.derived.discard()
 
         def run():
             t = time.perf_counter()
             try:
                 s = self.updater.stage(_update_of(ref))
+                prepare_s = self.derived.prepare(s)
                 res = {"version": s.version, "words": s.changed, "bytes": s.nbytes,
-                       "seconds": time.perf_counter() - t}
+                       "seconds": time.perf_counter() - t, "prepare_s": prepare_s}
             except BaseException as exc:  # handed to the front end, which raises it
                 res = _error(exc)
             self._stage = {"done": True, "result": res}
@@ -210,17 +91,21 @@ class _WorkerState:
 
     def apply(self) -> dict:
         t = time.perf_counter()
-        applied = self.updater.apply(verify=True)
+        try:
+            applied = self.updater.apply(verify=True)
+        except BaseException:
+            self.derived.discard()
+            raise
         t_write = time.perf_counter() - t
         written = {p.name: p.index for p in applied.params}
         try:
-            t_derive = self.derived.refresh(written)
+            t_derive = self.derived.refresh(written, applied)
         except BaseException:  # all or nothing: the weights and what is computed from them
             self.updater.rollback()
             self.derived.refresh(written)
             raise
         return {"version": self.updater.version, "words": applied.changed, "write_s": t_write,
-                "derive_s": t_derive}
+                "derive_s": t_derive, "swapped": self.derived.swapped, "rebuilt": self.derived.rebuilt}
 
     def rollback(self) -> dict:
         undone = self.updater.last_applied

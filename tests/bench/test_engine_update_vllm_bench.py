@@ -27,5 +27,6 @@ def test_engine_update_benchmark_on_vllm_tiny(tmp_path, capsys):
     assert r["requests_lost"] == 0 and r["requests_completed"] > 0
     assert all(u["changed"] > 0 and u["lines"] > 0 and 0 < u["stall_s"] <= u["pause_s"] < 60 for u in r["updates"])
     assert r["vllm_reload_pause_median_s"] > 0 and r["vllm_reload_worker_median_s"] > 0
+    assert all(u["prepare_s"] > 0 for u in r["updates"])  # the linear layers are packed while staging
     assert (tmp_path / "vllm.png").stat().st_size > 0
     assert r["tokens_per_s_baseline"] > 0 and r["tokens_per_s_with_updates"] > 0 and r["physical_limit_ratio"] > 1

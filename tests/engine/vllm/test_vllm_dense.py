@@ -136,6 +136,9 @@ def test_kv_cache_kept_across_an_update(setup):
 
     evs = asyncio.run(main())
     _bit_exact(eng, trainer, new)
+    # every touched linear layer's packed copy was built while staging and swapped in, none packed in the pause
+    linear = [s for s in eng.parameters() if len(s.shape) == 2]  # the projections and the (tied) lm_head
+    assert eng.last_write["swapped"] == len(linear) > 0 and eng.last_write["rebuilt"] == 0
     toks = [e.token_id for e in evs]
     k = next(i for i, e in enumerate(evs) if e.version == new)
     assert switch_at <= k < n - 8 and all(e.version == old for e in evs[:k]) and all(e.version == new for e in evs[k:])
