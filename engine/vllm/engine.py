@@ -22,8 +22,13 @@ checksum that does not match) raises the error the reference engine raises and l
 they were. Versions are syncd's ints; vLLM's are their ``str``.
 
 Threads: AsyncLLM lives on an event loop thread of its own; the Adapter's calls (one controller thread, as the
-contract says) and ``generate``/``abort`` (any thread or loop) are handed to it. One AsyncLLM starts three
-processes (this one, ``VLLM::EngineCore``, ``VLLM::Worker``); :meth:`close` shuts them down. A process killed
+contract says) and ``generate``/``abort`` (any thread or loop) are handed to it. One AsyncLLM starts a
+``VLLM::EngineCore`` process and a ``VLLM::Worker`` per tensor-parallel rank; :meth:`close` shuts them down.
+
+Tensor parallelism (``engine_kwargs={"tensor_parallel_size": W}``): every rank stages, writes and checksums its
+own slices; with ``W > 1`` the engine's parameters are named ``tp<rank>.<vLLM name>`` and the ranks' answers are
+merged (:mod:`engine.vllm.ranks`). An apply that fails on some ranks is undone on the others. On CPU each rank
+gets an equal share of the allowed cores (``VLLM_CPU_OMP_THREADS_BIND``, unless set). A process killed
 with SIGKILL leaves the other two running: run a serving process in its own session and kill its group
 (``engine.dynamo.procs`` does).
 """
@@ -37,6 +42,7 @@ import threading
 import time
 from typing import AsyncIterator, Sequence
 
+from engine.vllm import ranks
 from syncd.engines.params import ParamSpec
 from syncd.engines.protocol import GenerationRequest, TokenEvent
 from syncd.engines.update import Update
@@ -66,25 +72,28 @@ class VLLMEngine:
     ``kv_cache_gib`` (CPU KV cache, ``VLLM_CPU_KVCACHE_SPACE``) and ``engine_kwargs`` (any other
     ``AsyncEngineArgs``) configure vLLM; it always runs in float32 (the parameters hold the trainer's bf16
     words exactly) with eager execution. ``cpu_gemm``: how CPU linear layers compute, ``"onednn"`` (vLLM's packed
-    copies, rebuilt for the touched layers after each write; the default) or ``"torch"`` (``F.linear`` over the
+    copies, packed for the touched layers while staging; the default) or ``"torch"`` (``F.linear`` over the
     written weights; ``SYNCD_VLLM_CPU_GEMM``). Starting takes 20-60 s on a small CPU machine. Raises what vLLM
     raises when it cannot start, and ``ValueError`` for a model whose layout syncd cannot map."""
 
     def __init__(self, model_dir, *, version: int | None = 0, max_model_len: int | None = 512, max_num_seqs: int = 8,
                  block_size: int | None = 32, kv_cache_gib: float = 1, engine_kwargs: dict | None = None,
                  cpu_gemm: str | None = None, name: str = "vllm", start_timeout: float = 900.0):
-        if int((engine_kwargs or {}).get("tensor_parallel_size", 1)) != 1:
-            raise ValueError("engine.vllm runs tensor_parallel_size=1 only (the layout maps TP ranks, but the "
-                             "engine's names and checksums of several ranks are not built yet)")
+        self.world_size = int((engine_kwargs or {}).get("tensor_parallel_size", 1))
+        if self.world_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.world_size}")
         self.name = name
         self.model_dir = os.fspath(model_dir)
         self._version = version
         self._paused = False
-        self.last_write: dict = {}  # what the worker reported for the last apply/rollback/load_full
+        self.last_write: dict = {}  # what the workers reported for the last apply/rollback/load_full (merged)
+        self._staged_version: int | None = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"{name}-loop", daemon=True)
         self._thread.start()
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+        if self.world_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ and _on_cpu():
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ranks.cpu_thread_binding(self.world_size)
         if cpu_gemm is not None:  # read by engine.vllm.worker_ext in the worker, which inherits this environment
             os.environ["SYNCD_VLLM_CPU_GEMM"] = cpu_gemm
         args = dict(model=self.model_dir, dtype="float32", enforce_eager=True, max_num_seqs=max_num_seqs,
@@ -97,7 +106,7 @@ class VLLMEngine:
         try:
             self.llm = self._run(self._start(args), start_timeout)
             self._run(self._init(version), start_timeout)
-            self._specs = [self._spec(d) for d in self._rpc_sync("syncd_specs")]
+            self._specs = ranks.merge_specs([[self._spec(d) for d in r] for r in self._rpc_sync("syncd_specs")])
         except BaseException:
             self.close()
             raise
@@ -133,8 +142,9 @@ class VLLMEngine:
             return await fn(self.llm)
         return self._run(call(), timeout)
 
-    async def _rpc(self, method: str, **kwargs):
-        return _raise((await self.llm.collective_rpc(method, kwargs=kwargs))[0])
+    async def _rpc(self, method: str, **kwargs) -> list:
+        """Every rank's answer to ``method`` (rank order); the first rank's error is raised."""
+        return [_raise(r) for r in await self.llm.collective_rpc(method, kwargs=kwargs)]
 
     def _rpc_sync(self, method: str, **kwargs):
         return self._run(self._rpc(method, **kwargs))
@@ -161,9 +171,11 @@ class VLLMEngine:
         try:
             self._rpc_sync("syncd_stage", ref=ref)
             while True:
-                st = self._rpc_sync("syncd_stage_poll")
-                if st["done"]:
-                    return _raise(st["result"])
+                polls = self._rpc_sync("syncd_stage_poll")
+                if all(st["done"] for st in polls):
+                    staged = ranks.merge_stage([_raise(st["result"]) for st in polls])
+                    self._staged_version = staged["version"]
+                    return staged
                 time.sleep(0.005)
         finally:
             if path is not None:
@@ -176,6 +188,7 @@ class VLLMEngine:
     def apply(self) -> None:
         self._need_pause("apply")
         self._write({"op": "apply"})
+        self._staged_version = None
 
     def rollback(self) -> None:
         self._need_pause("rollback")
@@ -200,23 +213,40 @@ class VLLMEngine:
             await self.llm.start_weight_update()
             try:
                 await self.llm.update_weights(WeightTransferUpdateRequest(update_info=info))
-            except Exception:  # vLLM ended the session; the worker kept the typed error
-                _raise(await self._rpc("syncd_last"))
+            except Exception:  # vLLM ended the session; the failing rank restored its words and kept the error
+                await self._after_failed_write(info)
                 raise
-            last = await self._rpc("syncd_last")
+            last = ranks.merge_write(await self._rpc("syncd_last"))
             await self.llm.finish_weight_update(weight_version=str(last["version"]))
             return last
 
         self.last_write = self._run(write())
         self._version = self.last_write["version"]
 
+    async def _after_failed_write(self, info: dict) -> None:
+        """All or nothing across ranks: the ranks whose part of a failed apply succeeded undo it and close their
+        update session (vLLM closes it only where the write raised); a failed rollback or load_full that left the
+        ranks on different versions leaves the engine's version unknown (None: the daemon rebuilds it). Then the
+        first rank's typed error is raised."""
+        lasts = await self.llm.collective_rpc("syncd_last")
+        await self.llm.collective_rpc("syncd_end_update")
+        if info["op"] == "apply" and self._staged_version is not None:
+            await self._rpc("syncd_rollback_if", version=self._staged_version)
+        versions = set(await self._rpc("syncd_version"))
+        if len(versions) > 1:
+            log.error("%s: the tensor-parallel ranks hold versions %s after a failed %s", self.name,
+                      sorted(versions, key=str), info["op"])
+            self._version = None
+        for last in lasts:
+            _raise(last)
+
     def resume(self) -> None:
         self._run(self.llm.resume_generation())
         self._paused = False
 
     def checksum(self, names: Sequence[str] | None = None) -> dict[str, int]:
-        res = self._rpc_sync("syncd_checksum", names=None if names is None else list(names))
-        return {k: int(v) for k, v in res["checksums"].items()}
+        split = None if names is None else ranks.names_by_rank(list(names), self.world_size)
+        return ranks.merge_checksums([r["checksums"] for r in self._rpc_sync("syncd_checksum", names=split)])
 
     def _need_pause(self, op: str) -> None:
         if not self._paused:
@@ -312,6 +342,12 @@ class VLLMEngine:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 def _finish(reason) -> str | None:

@@ -61,6 +61,7 @@ class _WorkerState:
             raise ValueError(f"syncd serves vLLM in float32 (bf16-exact values); {bad[0]!r} is "
                              f"{params[bad[0]].dtype}")
         shape = ModelShape.from_config(model_config.hf_text_config)
+        self.rank = rank
         self.specs = vllm_specs([(n, p.shape) for n, p in params.items()], shape, rank=rank, world_size=world_size)
         self.derived = _Derived(model, params)
         tensors = {s.name: bf16_view_of_fp32(self.derived.tensor(s.name, params[s.name].data)) for s in self.specs}
@@ -240,8 +241,32 @@ class SyncdWorkerExtension:
         return self._syncd().last
 
     def syncd_checksum(self, names=None) -> dict:
+        """Checksums of this rank's parameters: all, or ``names[rank]`` (one list of local names per rank)."""
         try:
-            return {"checksums": {k: str(v) for k, v in self._syncd().updater.checksum(names).items()}}
+            st = self._syncd()
+            mine = None if names is None else names[st.rank]
+            return {"checksums": {k: str(v) for k, v in st.updater.checksum(mine).items()}}
+        except BaseException as exc:
+            return _error(exc)
+
+    def syncd_end_update(self) -> bool:
+        """End this rank's weight-update session if it is still open: vLLM ends it only on a rank whose
+        ``update_weights`` raised, so after a tensor-parallel write that failed on another rank this one's stays
+        open and the next ``start_weight_update`` would be refused. Returns whether one was open."""
+        if getattr(self, "_weight_update_active", False):
+            self.finish_weight_update()
+            return True
+        return False
+
+    def syncd_rollback_if(self, version) -> dict:
+        """Undo this rank's last apply if it is the one of ``version`` (a tensor-parallel apply another rank
+        failed); nothing otherwise. Returns this rank's version after."""
+        try:
+            st = self._syncd()
+            last = st.updater.last_applied
+            if st.updater.version == version and last is not None and last.version == version:
+                st.rollback()
+            return {"version": st.updater.version}
         except BaseException as exc:
             return _error(exc)
 

@@ -26,15 +26,17 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
-def engine_and_trainer(tmp_path_factory, arch: str, seed: int, cpu_gemm: str = "onednn"):
+def engine_and_trainer(tmp_path_factory, arch: str, seed: int, cpu_gemm: str = "onednn", tensor_parallel: int = 1):
     """A tiny model of ``arch``, its trainer (version 0 published) and a VLLMEngine serving version 0 with CPU
-    linear layers ``cpu_gemm`` (a generator for module-scoped fixtures: the engine is closed after the module)."""
+    linear layers ``cpu_gemm`` on ``tensor_parallel`` ranks (a generator for module-scoped fixtures: the engine is
+    closed after the module)."""
     from engine.vllm import VLLMEngine
     from syncd.store import Store
 
     model_dir = write_tiny(tmp_path_factory, arch, seed)
     trainer = Trainer(model_dir, Store(tmp_path_factory.mktemp(f"vllm-{arch}-store")))
-    eng = VLLMEngine(model_dir, version=0, max_model_len=512, max_num_seqs=8, cpu_gemm=cpu_gemm)
+    eng = VLLMEngine(model_dir, version=0, max_model_len=512, max_num_seqs=8, cpu_gemm=cpu_gemm,
+                     engine_kwargs={"tensor_parallel_size": tensor_parallel} if tensor_parallel > 1 else None)
     try:
         yield eng, trainer
     finally:
@@ -46,3 +48,27 @@ def write_tiny(tmp_path_factory, arch: str, seed: int):
     from engine.reference.make_tiny import write_model
 
     return write_model(tmp_path_factory.mktemp(f"vllm-{arch}"), arch=arch, seed=seed, **SIZES)
+
+
+async def collect(eng, rid, prompt, **sp) -> list:
+    """Every TokenEvent of one request to ``eng`` with SamplingParams ``sp``."""
+    from syncd.engines.protocol import GenerationRequest, SamplingParams
+
+    return [ev async for ev in eng.generate(GenerationRequest(rid, tuple(prompt), SamplingParams(**sp)))]
+
+
+def matches_transformers(eng, trainer, version, prompt, n=10) -> float:
+    """The largest difference between vLLM's logprobs of ``n`` greedy tokens after ``prompt`` (which must all
+    carry ``version``) and transformers' on the trainer's weights of ``version``, teacher-forced on vLLM's tokens."""
+    import asyncio
+
+    import torch
+
+    evs = asyncio.run(collect(eng, f"check{version}-{len(prompt)}-{prompt[0]}", prompt, max_tokens=n,
+                              temperature=0.0))
+    assert {e.version for e in evs} == {version}
+    seq = torch.tensor([prompt + [e.token_id for e in evs]])
+    with torch.no_grad():
+        lp = torch.log_softmax(trainer.hf_model(version)(seq[:, :-1]).logits[0, len(prompt) - 1:].double(), -1)
+    want = lp[torch.arange(n), seq[0, len(prompt):]]
+    return float((torch.tensor([e.logprob for e in evs], dtype=torch.float64) - want).abs().max())

@@ -10,11 +10,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
 
 from syncd.engines.params import expected_checksums
-from syncd.engines.protocol import GenerationRequest, SamplingParams
+from tests.engine.vllm.conftest import collect as _collect
 from tests.engine.vllm.conftest import engine_and_trainer
+from tests.engine.vllm.conftest import matches_transformers as _matches_transformers
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -24,20 +24,6 @@ def setup(tmp_path_factory):
     # F.linear over the written weights for attention and the router (the dense module runs vLLM's oneDNN
     # copies); the experts are vLLM's packed copies either way
     yield from engine_and_trainer(tmp_path_factory, "qwen3_moe", seed=4, cpu_gemm="torch")
-
-
-async def _collect(eng, rid, prompt, **sp):
-    return [ev async for ev in eng.generate(GenerationRequest(rid, tuple(prompt), SamplingParams(**sp)))]
-
-
-def _matches_transformers(eng, trainer, version, prompt, n=10):
-    evs = asyncio.run(_collect(eng, f"check{version}", prompt, max_tokens=n, temperature=0.0))
-    assert {e.version for e in evs} == {version}
-    seq = torch.tensor([prompt + [e.token_id for e in evs]])
-    with torch.no_grad():
-        lp = torch.log_softmax(trainer.hf_model(version)(seq[:, :-1]).logits[0, len(prompt) - 1:].double(), -1)
-    want = lp[torch.arange(n), seq[0, len(prompt):]]
-    return float((torch.tensor([e.logprob for e in evs], dtype=torch.float64) - want).abs().max())
 
 
 def test_moe_deltas_in_place_while_serving(setup):

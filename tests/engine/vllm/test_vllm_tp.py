@@ -1,0 +1,122 @@
+"""A real vLLM (CPU) on two tensor-parallel ranks (two worker processes, gloo) serving a tiny Qwen2 whose one KV
+head both ranks replicate takes real published deltas in place while it serves. Each rank writes its own slices
+(column-parallel q/k/v and gate/up rows, row-parallel o/down columns, vocabulary rows); the engine names them
+``tp<rank>.<name>`` and its checksums cover both ranks bit for bit; vLLM's logprobs equal transformers' on the
+trainer's weights after every apply (so every slice is where vLLM computes with it). An apply that fails on one
+rank only is undone on the other: all or nothing across ranks. One engine for the module."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+import torch
+
+from syncd.engines.params import expected_checksums
+from syncd.errors import DeltaError
+from tests.engine.vllm.conftest import collect, engine_and_trainer, matches_transformers
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    # the failure test runs a function of its own in each worker (collective_rpc of a callable: pickled)
+    prev = os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION")
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    try:
+        yield from engine_and_trainer(tmp_path_factory, "qwen2", seed=5, tensor_parallel=2)
+    finally:
+        if prev is None:
+            os.environ.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
+        else:
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = prev
+
+
+def _bit_exact(eng, trainer, version) -> bool:
+    return eng.version == version and eng.checksum() == expected_checksums(eng.parameters(), trainer.snaps[version])
+
+
+def test_both_ranks_named_and_bit_exact_at_start(setup):
+    eng, trainer = setup
+    names = [s.name for s in eng.parameters()]
+    assert {n.split(".", 1)[0] for n in names} == {"tp0", "tp1"}
+    qkv = {s.name: s for s in eng.parameters()}["tp1.model.layers.0.self_attn.qkv_proj.weight"]
+    q = next(p for p in qkv.pieces if p.source.endswith("q_proj.weight"))
+    assert (q.start, q.stop) == (64, 128)  # rank 1's head of two (head_dim 64)
+    assert _bit_exact(eng, trainer, 0)
+    assert matches_transformers(eng, trainer, 0, [3 * j % 250 + 1 for j in range(40)]) < 1e-4
+    one = eng.checksum(["tp1.model.norm.weight"])
+    assert list(one) == ["tp1.model.norm.weight"]
+    with pytest.raises(KeyError, match="tp<rank>"):
+        eng.checksum(["model.norm.weight"])
+
+
+def test_deltas_in_place_on_both_ranks_while_serving(setup):
+    eng, trainer = setup
+
+    async def main():
+        streams = [asyncio.ensure_future(collect(eng, f"s{i}", (257, 30 + i, 31), max_tokens=200, temperature=1.0,
+                                                 seed=i)) for i in range(2)]
+        for _ in range(2):
+            v = await asyncio.to_thread(trainer.step)
+            staged = await asyncio.to_thread(eng.stage, trainer.update(v))  # while the streams run
+            assert staged["version"] == v and [r["version"] for r in staged["ranks"]] == [v, v]
+            assert staged["words"] == sum(r["words"] for r in staged["ranks"]) > 0
+            await asyncio.to_thread(eng.pause)
+            await asyncio.to_thread(eng.apply)
+            await asyncio.to_thread(eng.resume)
+            assert await asyncio.to_thread(_bit_exact, eng, trainer, v)
+            assert len(eng.last_write["ranks"]) == 2 and eng.last_write["rebuilt"] == 0
+        return await asyncio.gather(*streams)
+
+    for evs in asyncio.run(main()):
+        assert [e.index for e in evs] == list(range(200)) and evs[-1].finish_reason == "length"
+        assert [e.version for e in evs] == sorted(e.version for e in evs)
+    assert eng.version == 2
+    assert matches_transformers(eng, trainer, 2, [5 * j % 250 + 2 for j in range(40)]) < 1e-4
+
+
+def _flip_rank1_word(worker):
+    """Run in each worker (collective_rpc): on rank 1, flip a bit of the first staged position's word, so that
+    rank's apply finds a word it did not stage. Returns what to pass to :func:`_restore`."""
+    st = worker.weight_transfer_engine.state
+    if st.rank != 1:
+        return None
+    p = st.updater.staged.params[0]
+    pos = int(p.index[0])
+    flat = st.updater.tensors()[p.name].reshape(-1).view(torch.int16)
+    old = int(flat[pos])
+    flat[pos] = old ^ 1
+    return p.name, pos, old
+
+
+def _restore(worker, undo):
+    st = worker.weight_transfer_engine.state
+    if st.rank == 1 and undo is not None:
+        name, pos, old = undo
+        st.updater.tensors()[name].reshape(-1).view(torch.int16)[pos] = old
+    return st.updater.version
+
+
+def test_an_apply_one_rank_refuses_is_undone_on_the_other(setup):
+    eng, trainer = setup
+    before = eng.version
+    v = trainer.step()
+    eng.stage(trainer.update(v))
+    undo = eng.run(lambda llm: llm.collective_rpc(_flip_rank1_word))
+    assert undo[0] is None and undo[1] is not None
+    eng.pause()
+    with pytest.raises(DeltaError):
+        eng.apply()
+    versions = eng.run(lambda llm: llm.collective_rpc(_restore, args=(undo[1],)))
+    eng.resume()
+    assert versions == [before, before] and eng.version == before  # rank 0 wrote its part and undid it
+    assert _bit_exact(eng, trainer, before)
+    eng.stage(trainer.update(v))  # the same update, staged again, now applies on both
+    eng.pause()
+    eng.apply()
+    eng.resume()
+    assert _bit_exact(eng, trainer, v)
+    assert matches_transformers(eng, trainer, v, [7 * j % 250 + 3 for j in range(40)]) < 1e-4
