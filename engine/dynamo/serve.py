@@ -107,6 +107,7 @@ class _Child:
     failures: deque = field(default_factory=deque)
     restart_at: float | None = None
     info: dict = field(default_factory=dict)
+    env: dict = field(default_factory=dict)  # set over the node's environment for this child
 
 
 class Node:
@@ -148,7 +149,7 @@ class Node:
                 argv = [cfg.python, "-m", "engine.dynamo.worker", "--model", str(cfg.model),
                         "--served-model-name", cfg.model_name, "--system-port", str(port),
                         "--ready-file", str(ready), *self.settings.argv(), *cfg.worker_args]
-                self.children.append(_Child(f"worker{i}", argv, ready, port))
+                self.children.append(_Child(f"worker{i}", argv, ready, port, env=self._worker_env(i)))
             if cfg.frontend:
                 port = cfg.http_port or free_port(cfg.http_host)
                 self.frontend_url = f"http://{cfg.http_host}:{port}"
@@ -165,13 +166,28 @@ class Node:
         self._write_ready_file()
         return self
 
+    def _worker_env(self, i: int) -> dict:
+        """vLLM workers on CPU: each its own equal share of the cores (vLLM's automatic binding would put every
+        worker's threads on the same cores), unless ``VLLM_CPU_OMP_THREADS_BIND`` is set."""
+        args = list(self.config.worker_args)
+        engine = args[args.index("--engine") + 1] if "--engine" in args[:-1] else os.environ.get("SYNCD_DYNAMO_ENGINE")
+        if engine != "vllm" or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+            return {}
+        from engine.vllm.ranks import cpu_shares
+
+        try:
+            return {"VLLM_CPU_OMP_THREADS_BIND": cpu_shares(self.config.workers)[i]}
+        except ValueError as exc:  # more workers than cores: they share, as vLLM binds them
+            log.warning("vLLM workers: %s", exc)
+            return {}
+
     def _spawn(self, child: _Child) -> None:
         if child.ready_file is not None:
             child.ready_file.unlink(missing_ok=True)
         logf = open(self.config.run_dir / f"{child.name}.log", "ab")
         try:
             child.proc = subprocess.Popen(child.argv, stdout=logf, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, env=self.settings.environ(),
+                                          stdin=subprocess.DEVNULL, env={**self.settings.environ(), **child.env},
                                           start_new_session=True)
         finally:
             logf.close()

@@ -16,7 +16,7 @@ from typing import Sequence
 from syncd.engines.params import ParamSpec
 
 __all__ = ["local_name", "names_by_rank", "merge_specs", "merge_checksums", "merge_stage", "merge_write",
-           "cpu_thread_binding"]
+           "cpu_shares", "cpu_thread_binding"]
 
 
 def local_name(rank: int, name: str, world: int) -> str:
@@ -88,13 +88,18 @@ def _one_version(per_rank: Sequence[dict], what: str) -> None:
         raise RuntimeError(f"the tensor-parallel ranks {what} different versions: {versions} (rank order)")
 
 
+def cpu_shares(n: int, cpus: Sequence[int] | None = None) -> list[str]:
+    """``n`` equal contiguous shares of ``cpus`` (default: the cores this process may use) as vLLM's CPU id
+    lists (``"0,1,2,3"``), one per rank or engine. ValueError with fewer cores than shares."""
+    cpus = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
+    if len(cpus) < n:
+        raise ValueError(f"{n} vLLM CPU ranks or engines need at least {n} cores; {len(cpus)} are allowed")
+    per = len(cpus) // n
+    return [",".join(str(c) for c in cpus[r * per:(r + 1) * per]) for r in range(n)]
+
+
 def cpu_thread_binding(world: int, cpus: Sequence[int] | None = None) -> str:
     """A ``VLLM_CPU_OMP_THREADS_BIND`` value giving each of ``world`` CPU worker ranks an equal contiguous share
-    of ``cpus`` (the cores this process may use), e.g. ``"0,1,2,3|4,5,6,7"``. vLLM's automatic binding wants a NUMA
-    node per rank and refuses to start otherwise. ValueError with fewer cores than ranks."""
-    cpus = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
-    if len(cpus) < world:
-        raise ValueError(f"{world} tensor-parallel CPU ranks need at least {world} cores; {len(cpus)} are allowed")
-    per = len(cpus) // world
-    groups = [cpus[r * per:(r + 1) * per] for r in range(world)]
-    return "|".join(",".join(str(c) for c in g) for g in groups)
+    of ``cpus`` (:func:`cpu_shares`), e.g. ``"0,1,2,3|4,5,6,7"``. vLLM's automatic binding wants a NUMA node per
+    rank and refuses to start otherwise. ValueError with fewer cores than ranks."""
+    return "|".join(cpu_shares(world, cpus))

@@ -61,3 +61,26 @@ def test_file_discovery_drops_a_leftover_nats_event_plane():
         {"DYN_EVENT_PLANE": "nats", "NATS_SERVER": "nats://127.0.0.1:4222", "ETCD_ENDPOINTS": "http://x"})
     assert not {"DYN_EVENT_PLANE", "NATS_SERVER", "ETCD_ENDPOINTS"} & set(env)
     assert env["DYN_DISCOVERY_BACKEND"] == "file" and env["DYN_FILE_KV"] == "/tmp/kv"
+
+
+def test_vllm_workers_get_cores_of_their_own(tmp_path, monkeypatch):
+    """vLLM's automatic CPU binding would put every worker's threads on the same cores: the node gives each vLLM
+    worker an equal share, unless the user bound them; other engines and more workers than cores are left alone."""
+    import os
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.delenv("SYNCD_DYNAMO_ENGINE", raising=False)
+    cores = sorted(os.sched_getaffinity(0))
+
+    def envs(workers, args):
+        node = serve.Node(serve.NodeConfig(model=tmp_path, run_dir=tmp_path / "n", workers=workers, worker_args=args))
+        return [node._worker_env(i) for i in range(workers)]
+
+    two = envs(2, ("--engine", "vllm"))
+    if len(cores) >= 2:
+        shares = [set(map(int, e["VLLM_CPU_OMP_THREADS_BIND"].split(","))) for e in two]
+        assert not shares[0] & shares[1] and shares[0] | shares[1] <= set(cores) and all(shares)
+    assert envs(2, ("--engine", "reference")) == [{}, {}]
+    assert envs(len(cores) + 1, ("--engine", "vllm")) == [{}] * (len(cores) + 1)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
+    assert envs(2, ("--engine", "vllm")) == [{}, {}]

@@ -40,5 +40,6 @@ def test_results_merge_and_disagreeing_versions_raise():
 def test_cpu_binding_gives_each_rank_an_equal_share():
     assert ranks.cpu_thread_binding(2, [0, 1]) == "0|1"
     assert ranks.cpu_thread_binding(2, [7, 4, 5, 6, 8]) == "4,5|6,7"
+    assert ranks.cpu_shares(3, range(7)) == ["0,1", "2,3", "4,5"]
     with pytest.raises(ValueError, match="at least 4 cores"):
         ranks.cpu_thread_binding(4, [0, 1])
