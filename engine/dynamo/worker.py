@@ -280,8 +280,10 @@ def _vllm_engine(args):
                          "Runner V2 (a GPU); engine.vllm.replay maps them, the worker does not record them yet")
     from engine.vllm import VLLMEngine
 
+    tp = args.tensor_parallel_size
     return VLLMEngine(args.model, version=args.weights_version, max_num_seqs=args.max_batch,
-                      max_model_len=args.max_model_len)
+                      max_model_len=args.max_model_len,
+                      engine_kwargs={"tensor_parallel_size": tp} if tp > 1 else None)
 
 
 def build_engine(args):
@@ -334,6 +336,7 @@ def parser() -> argparse.ArgumentParser:
                         "daemon has loaded one (a restarted worker never serves stale weights)")
     p.add_argument("--max-batch", type=int, default=8, help="requests running at once")
     p.add_argument("--max-model-len", type=int, default=None, help="vLLM's max_model_len (default: the model's)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM's tensor-parallel ranks (--engine vllm)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--default-max-tokens", type=int, default=protocol.DEFAULT_MAX_TOKENS)
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on stop")
@@ -362,6 +365,9 @@ def main(argv=None) -> int:
     if args.system_port is not None and not 0 <= args.system_port <= MAX_SYSTEM_PORT:
         print(f"engine.dynamo.worker: --system-port must be 0..{MAX_SYSTEM_PORT} (Dynamo 1.6 reads it as a "
               "signed 16-bit number)", file=sys.stderr)
+        return 2
+    if args.tensor_parallel_size < 1 or (args.tensor_parallel_size > 1 and args.engine != "vllm"):
+        print("engine.dynamo.worker: --tensor-parallel-size must be 1, or more with --engine vllm", file=sys.stderr)
         return 2
     import torch
 

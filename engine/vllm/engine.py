@@ -28,7 +28,7 @@ contract says) and ``generate``/``abort`` (any thread or loop) are handed to it.
 Tensor parallelism (``engine_kwargs={"tensor_parallel_size": W}``): every rank stages, writes and checksums its
 own slices; with ``W > 1`` the engine's parameters are named ``tp<rank>.<vLLM name>`` and the ranks' answers are
 merged (:mod:`engine.vllm.ranks`). An apply that fails on some ranks is undone on the others. On CPU each rank
-gets an equal share of the allowed cores (``VLLM_CPU_OMP_THREADS_BIND``, unless set). A process killed
+gets an equal share of the allowed cores, or of the one core list ``VLLM_CPU_OMP_THREADS_BIND`` names. A process killed
 with SIGKILL leaves the other two running: run a serving process in its own session and kill its group
 (``engine.dynamo.procs`` does).
 """
@@ -92,8 +92,11 @@ class VLLMEngine:
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"{name}-loop", daemon=True)
         self._thread.start()
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
-        if self.world_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ and _on_cpu():
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ranks.cpu_thread_binding(self.world_size)
+        bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+        if self.world_size > 1 and "|" not in bind and bind != "nobind" and _on_cpu():
+            # one group (e.g. this engine's share of a node, engine.dynamo.serve) or none: one share per rank
+            cpus = None if bind == "auto" else ranks.parse_cpu_list(bind)
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ranks.cpu_thread_binding(self.world_size, cpus)
         if cpu_gemm is not None:  # read by engine.vllm.worker_ext in the worker, which inherits this environment
             os.environ["SYNCD_VLLM_CPU_GEMM"] = cpu_gemm
         args = dict(model=self.model_dir, dtype="float32", enforce_eager=True, max_num_seqs=max_num_seqs,

@@ -16,7 +16,7 @@ from typing import Sequence
 from syncd.engines.params import ParamSpec
 
 __all__ = ["local_name", "names_by_rank", "merge_specs", "merge_checksums", "merge_stage", "merge_write",
-           "cpu_shares", "cpu_thread_binding"]
+           "cpu_shares", "cpu_thread_binding", "parse_cpu_list"]
 
 
 def local_name(rank: int, name: str, world: int) -> str:
@@ -96,6 +96,19 @@ def cpu_shares(n: int, cpus: Sequence[int] | None = None) -> list[str]:
         raise ValueError(f"{n} vLLM CPU ranks or engines need at least {n} cores; {len(cpus)} are allowed")
     per = len(cpus) // n
     return [",".join(str(c) for c in cpus[r * per:(r + 1) * per]) for r in range(n)]
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """CPU ids of a list such as ``"0,2-4"`` (vLLM's and Linux's syntax). ValueError naming the text if it is not
+    one."""
+    out = []
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.strip().partition("-")
+            out.extend(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise ValueError(f"not a CPU id list: {text!r} (expected e.g. 0,2-4)") from None
+    return out
 
 
 def cpu_thread_binding(world: int, cpus: Sequence[int] | None = None) -> str:

@@ -43,4 +43,7 @@ def test_bad_arguments_exit_2(model_dir, capsys):
     assert "drop --weights-version" in capsys.readouterr().err
     assert worker.main(["--model", str(model_dir), "--engine", "vllm", "--replay-store", "/tmp/x", "--run-id", "r"]) == 2
     assert "Model Runner V2" in capsys.readouterr().err
+    assert worker.main(["--model", str(model_dir), "--tensor-parallel-size", "2"]) == 2  # the reference engine
+    assert worker.main(["--model", str(model_dir), "--engine", "vllm", "--tensor-parallel-size", "0"]) == 2
+    assert capsys.readouterr().err.count("--tensor-parallel-size must be") == 2
     assert frontend.main(["--migration-limit", "-1"]) == 2

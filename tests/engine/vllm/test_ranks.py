@@ -43,3 +43,10 @@ def test_cpu_binding_gives_each_rank_an_equal_share():
     assert ranks.cpu_shares(3, range(7)) == ["0,1", "2,3", "4,5"]
     with pytest.raises(ValueError, match="at least 4 cores"):
         ranks.cpu_thread_binding(4, [0, 1])
+
+
+def test_cpu_lists_parse_or_say_what_is_wrong():
+    assert ranks.parse_cpu_list("0,2-4, 7") == [0, 2, 3, 4, 7]
+    assert ranks.cpu_thread_binding(2, ranks.parse_cpu_list("4-7")) == "4,5|6,7"
+    with pytest.raises(ValueError, match="not a CPU id list: 'a-b'"):
+        ranks.parse_cpu_list("a-b")
