@@ -20,8 +20,10 @@ steps (a data-parallel job restores the newest step *every* rank has) decide tog
 on every rank, then ``save(..., skip=<any rank busy>)``.
 
 A checkpoint is the folder ``step-<12 digits>`` of a bundle, written atomically and read back verified by
-:mod:`trainer.ckpt_dir` (whose names this module re-exports). ``keep`` bounds retention (the newest ``keep``
-complete checkpoints stay).
+:mod:`trainer.ckpt_dir` (whose names this module re-exports). ``keep`` bounds retention: the newest ``keep``
+complete checkpoints stay, and so does :attr:`Checkpointer.common_step`, the newest step the ranks agreed every
+one of them holds (:meth:`Checkpointer.agree`, :func:`agreement`), so a rank whose writes keep failing cannot
+leave the others without a step it also has.
 
 Listeners (``on_durable(step, path)``, e.g. the replicator) run on the writer thread after the rename; an
 exception there is logged, never raised into training. A failure to write is logged and counted
@@ -48,7 +50,7 @@ from trainer.ckpt_format import check_owner, flatten
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Checkpointer", "CheckpointStats", "Checkpoint", "newest_checkpoint", "parse_checkpoint", "list_steps",
+__all__ = ["Checkpointer", "CheckpointStats", "agreement", "agreed_step", "Checkpoint", "newest_checkpoint", "parse_checkpoint", "list_steps",
            "step_dir", "capture_rng", "restore_rng", "write_bundle_dir", "model_tensors"]
 
 @dataclass
@@ -82,6 +84,8 @@ class Checkpointer:
         self.on_durable = list(on_durable)
         self.stats = CheckpointStats()
         self.durable_step: int | None = max(list_steps(self.root), default=None)
+        self.last_attempt: tuple[int, bool] | None = None  # (step, written) of the newest write that ended
+        self.common_step: int | None = None  # the newest step every rank holds, as agreed (None: not known)
         self._buffers: dict[str, torch.Tensor] = {}
         self._job = None
         self._copied = threading.Event()
@@ -142,6 +146,12 @@ class Checkpointer:
             t0 = time.perf_counter()
             self._idle.wait()
             self._stall(time.perf_counter() - t0)
+
+    def agree(self, step: int) -> None:
+        """Every rank holds checkpoint ``step`` (the ranks agreed, :func:`agreement`): retention keeps it until a
+        newer one is agreed."""
+        with self._cond:
+            self.common_step = step if self.common_step is None else max(step, self.common_step)
 
     def before_update(self) -> None:
         """Wait until the snapshot in flight holds its tensors (call before the optimizer changes them)."""
@@ -211,6 +221,7 @@ class Checkpointer:
                 self.stats.saved += 1
                 with self._cond:
                     self.durable_step = step if self.durable_step is None else max(step, self.durable_step)
+                    self.last_attempt = (step, True)
                     self._cond.notify_all()
                 self._retain()
                 for fn in self.on_durable:
@@ -219,6 +230,9 @@ class Checkpointer:
                     except Exception:  # noqa: BLE001 -- a listener never stops checkpointing
                         log.exception("%s: a listener of checkpoint %d failed", self.owner, step)
             except Exception:  # noqa: BLE001 -- counted and logged; training goes on
+                with self._cond:
+                    if self.last_attempt is None or self.last_attempt[0] != step:
+                        self.last_attempt = (step, False)
                 self.stats.failures += 1
                 log.exception("%s: checkpoint of step %d failed", self.owner, step)
             finally:
@@ -255,5 +269,28 @@ class Checkpointer:
         return path
 
     def _retain(self) -> None:
-        for s in list_steps(self.root)[self.keep:]:
-            shutil.rmtree(step_dir(self.root, s), ignore_errors=True)
+        steps = list_steps(self.root)
+        kept = set(steps[:self.keep]) | {self.common_step}
+        for s in steps:
+            if s not in kept:
+                shutil.rmtree(step_dir(self.root, s), ignore_errors=True)
+
+
+def agreement(ckpt: Checkpointer | None) -> list[float]:
+    """This rank's part of the ranks' agreement on a step all of them hold: three numbers to sum over the ranks
+    with the step's other all-reduce, then hand to :func:`agreed_step`. ``ckpt``: None where this rank does not
+    checkpoint (its part then never agrees)."""
+    last = None if ckpt is None else ckpt.last_attempt
+    s, ok = (float(last[0]), 1.0) if last is not None and last[1] else (-1.0, 0.0)
+    return [ok, s, s * s]
+
+
+def agreed_step(sums: list[float], world: int) -> int | None:
+    """The step every rank holds, from the sums over ``world`` ranks of :func:`agreement`; None unless every
+    rank's newest finished write succeeded and is the same step (equal steps: the sum of their squares is
+    ``world`` times the square of their mean, and nothing else is)."""
+    ok, s, s2 = sums
+    if ok != world or s < 0:
+        return None
+    step = s / world
+    return int(step) if step == int(step) and s2 == world * step * step else None

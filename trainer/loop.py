@@ -47,6 +47,7 @@ import torch
 
 from syncd.store import Store
 from trainer.buffer import group_advantages
+from trainer.checkpoint import agreed_step, agreement
 from trainer.compaction import sequence_rewards
 from trainer.dist import DataParallel, make_deterministic, weights_digest
 from trainer.objective import LossConfig, policy_gradient_loss
@@ -223,7 +224,10 @@ def run_loop(cfg: LoopConfig) -> dict:
             opt.zero_grad()
             if ft is not None and cfg.checkpoint_busy == "wait":
                 ft.checkpointer.wait_previous()  # past the all-reduce, every rank's checkpoint of step - 1 is written
-            loss = dp.all_reduce_sum([loss])[0]
+            sums = dp.all_reduce_sum([loss, *agreement(ft.checkpointer if ft is not None else None)])
+            loss = sums[0]
+            if ft is not None and (common := agreed_step(sums[1:], dp.world)) is not None:
+                ft.checkpointer.agree(common)  # retention keeps a step every rank holds
             recs = dp.gather(rec)
             train_s = time.perf_counter() - t0
             if live is not None:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.checkpoint import Checkpointer, list_steps, newest_checkpoint, step_dir
+from trainer.checkpoint import Checkpointer, agreed_step, agreement, list_steps, newest_checkpoint, step_dir
 from trainer.optim import build_optimizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -193,6 +193,71 @@ def test_the_callers_decision_overrides_on_busy_and_wait_is_the_default(tmp_path
     assert not ck.busy and ck.durable_step == 5 and list_steps(tmp_path / "ck")[0] == 5
     ck.close()
     assert list_steps(tmp_path / "ck") == [5, 4, 3] and ck.stats.skipped == 1
+
+
+def test_agreed_step_only_when_every_rank_wrote_the_same_step():
+    def sums(*parts):
+        return [sum(col) for col in zip(*parts)]
+
+    class Ck:  # a checkpointer's newest finished write, as the agreement reads it
+        def __init__(self, last):
+            self.last_attempt = last
+
+    ok9, ok11, failed9 = (agreement(Ck(x)) for x in ((9, True), (11, True), (9, False)))
+    assert agreed_step(sums(ok9, ok9), 2) == 9 and agreed_step(ok9, 1) == 9
+    assert agreed_step(sums(ok9, ok11), 2) is None  # different steps (their mean, 10, is no one's)
+    assert agreed_step(sums(ok9, failed9), 2) is None and agreed_step(sums(ok9, agreement(None)), 2) is None
+    assert agreed_step(sums(agreement(Ck(None)), ok9), 2) is None
+
+
+def test_a_rank_whose_writes_fail_keeps_a_step_in_common_with_the_others(tmp_path):
+    """Two ranks checkpoint every step (``keep=2``) and agree, with each step's all-reduce, on the newest step
+    both hold. Rank 1's writes fail for real for three steps (its folder is replaced by a file): rank 0 keeps the
+    agreed step next to its newest two, so a restart still finds a step both ranks hold;
+    once rank 1 writes again, a newer step is agreed and the old ones go."""
+    torch.manual_seed(0)
+    m = Net()
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1, foreach=False)
+    x = torch.randn(4, 8)
+    roots = [tmp_path / "rank-0", tmp_path / "rank-1"]
+    cks = [Checkpointer(r, owner=f"rank-{i}", keep=2, on_busy="wait") for i, r in enumerate(roots)]
+    aside = tmp_path / "rank-1.aside"
+
+    def step(s):
+        m(x).pow(2).mean().backward()
+        for ck in cks:
+            ck.before_update()
+        opt.step()
+        opt.zero_grad()
+        for ck in cks:
+            ck.wait_previous()
+        sums = [sum(col) for col in zip(*(agreement(ck) for ck in cks))]  # what the loss all-reduce carries
+        common = agreed_step(sums, 2)
+        if common is not None:
+            for ck in cks:
+                ck.agree(common)
+        for ck in cks:
+            ck.save(s, m, opt, state={"step": s})
+
+    for s in range(1, 5):
+        step(s)
+    cks[1].flush()
+    roots[1].rename(aside)
+    roots[1].write_text("not a folder")  # rank 1's next writes fail (NotADirectoryError), as a broken disk's would
+    for s in range(5, 8):
+        step(s)
+    for ck in cks:
+        ck.flush()
+    roots[1].unlink()
+    aside.rename(roots[1])
+    assert cks[1].stats.failures == 3 and cks[1].last_attempt == (7, False) and cks[0].common_step == 4
+    assert list_steps(roots[1]) == [4, 3] and list_steps(roots[0]) == [7, 6, 4]
+    assert max(set(list_steps(roots[0])) & set(list_steps(roots[1]))) == 4
+    for s in range(8, 11):
+        step(s)
+    for ck in cks:
+        ck.close()
+    assert cks[0].common_step == 9 and list_steps(roots[0]) == list_steps(roots[1]) == [10, 9]
 
 
 WRITER = r"""
