@@ -72,3 +72,30 @@ def matches_transformers(eng, trainer, version, prompt, n=10) -> float:
         lp = torch.log_softmax(trainer.hf_model(version)(seq[:, :-1]).logits[0, len(prompt) - 1:].double(), -1)
     want = lp[torch.arange(n), seq[0, len(prompt):]]
     return float((torch.tensor([e.logprob for e in evs], dtype=torch.float64) - want).abs().max())
+
+
+def update_while_streaming(eng, trainer, *, streams: int, max_tokens: int, updates: int = 2, check=None) -> list:
+    """Publish ``updates`` versions (real optimizer steps) while ``streams`` sampled requests of ``max_tokens``
+    run; each version is staged while they stream, then paused, applied and resumed, and ``check(version,
+    staged)`` runs (in a thread) after each resume. Asserts every stream ran to full length with ascending
+    versions; returns every stream's events."""
+    import asyncio
+
+    async def main():
+        running = [asyncio.ensure_future(collect(eng, f"s{i}", (257, 30 + i, 31), max_tokens=max_tokens,
+                                                 temperature=1.0, seed=i)) for i in range(streams)]
+        for _ in range(updates):
+            v = await asyncio.to_thread(trainer.step)
+            staged = await asyncio.to_thread(eng.stage, trainer.update(v))  # while the streams run
+            assert staged["version"] == v and staged["words"] > 0
+            for op in (eng.pause, eng.apply, eng.resume):
+                await asyncio.to_thread(op)
+            if check is not None:
+                await asyncio.to_thread(check, v, staged)
+        return await asyncio.gather(*running)
+
+    out = asyncio.run(main())
+    for evs in out:
+        assert [e.index for e in evs] == list(range(max_tokens)) and evs[-1].finish_reason == "length"
+        assert [e.version for e in evs] == sorted(e.version for e in evs)
+    return out

@@ -7,14 +7,13 @@ router computing with ``F.linear`` over the written weights (``cpu_gemm="torch"`
 
 from __future__ import annotations
 
-import asyncio
 
 import pytest
 
 from syncd.engines.params import expected_checksums
-from tests.engine.vllm.conftest import collect as _collect
 from tests.engine.vllm.conftest import engine_and_trainer
 from tests.engine.vllm.conftest import matches_transformers as _matches_transformers
+from tests.engine.vllm.conftest import update_while_streaming
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -34,24 +33,11 @@ def test_moe_deltas_in_place_while_serving(setup):
     assert eng.checksum() == expected_checksums(eng.parameters(), trainer.snaps[0])
     assert _matches_transformers(eng, trainer, 0, [3 * j % 250 + 1 for j in range(40)]) < 1e-4
 
-    async def main():
-        streams = [asyncio.ensure_future(_collect(eng, f"s{i}", (257, 30 + i, 31), max_tokens=300, temperature=1.0,
-                                                  seed=i)) for i in range(3)]
-        for _ in range(2):
-            v = await asyncio.to_thread(trainer.step)
-            staged = await asyncio.to_thread(eng.stage, trainer.update(v))  # while the streams run
-            assert staged["version"] == v and staged["words"] > 0
-            await asyncio.to_thread(eng.pause)
-            await asyncio.to_thread(eng.apply)
-            await asyncio.to_thread(eng.resume)
-            got = await asyncio.to_thread(eng.checksum)
-            assert got == expected_checksums(eng.parameters(), trainer.snaps[v]), v
-            assert (await asyncio.to_thread(eng.run, lambda llm: llm.collective_rpc("syncd_moe_consistent"))) == [True]
-        return await asyncio.gather(*streams)
+    def check(v, staged):
+        assert eng.checksum() == expected_checksums(eng.parameters(), trainer.snaps[v]), v
+        assert eng.run(lambda llm: llm.collective_rpc("syncd_moe_consistent")) == [True]
 
-    for evs in asyncio.run(main()):
-        assert [e.index for e in evs] == list(range(300)) and evs[-1].finish_reason == "length"
-        assert [e.version for e in evs] == sorted(e.version for e in evs)
+    update_while_streaming(eng, trainer, streams=3, max_tokens=300, check=check)
     v = eng.version
     assert v == 2
     assert _matches_transformers(eng, trainer, v, [5 * j % 250 + 2 for j in range(40)]) < 1e-4

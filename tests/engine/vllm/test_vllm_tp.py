@@ -7,7 +7,6 @@ rank only is undone on the other: all or nothing across ranks. One engine for th
 
 from __future__ import annotations
 
-import asyncio
 import os
 
 import pytest
@@ -15,7 +14,7 @@ import torch
 
 from syncd.engines.params import expected_checksums
 from syncd.errors import DeltaError
-from tests.engine.vllm.conftest import collect, engine_and_trainer, matches_transformers
+from tests.engine.vllm.conftest import engine_and_trainer, matches_transformers, update_while_streaming
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -56,24 +55,13 @@ def test_both_ranks_named_and_bit_exact_at_start(setup):
 def test_deltas_in_place_on_both_ranks_while_serving(setup):
     eng, trainer = setup
 
-    async def main():
-        streams = [asyncio.ensure_future(collect(eng, f"s{i}", (257, 30 + i, 31), max_tokens=200, temperature=1.0,
-                                                 seed=i)) for i in range(2)]
-        for _ in range(2):
-            v = await asyncio.to_thread(trainer.step)
-            staged = await asyncio.to_thread(eng.stage, trainer.update(v))  # while the streams run
-            assert staged["version"] == v and [r["version"] for r in staged["ranks"]] == [v, v]
-            assert staged["words"] == sum(r["words"] for r in staged["ranks"]) > 0
-            await asyncio.to_thread(eng.pause)
-            await asyncio.to_thread(eng.apply)
-            await asyncio.to_thread(eng.resume)
-            assert await asyncio.to_thread(_bit_exact, eng, trainer, v)
-            assert len(eng.last_write["ranks"]) == 2 and eng.last_write["rebuilt"] == 0
-        return await asyncio.gather(*streams)
+    def check(v, staged):
+        assert [r["version"] for r in staged["ranks"]] == [v, v]
+        assert staged["words"] == sum(r["words"] for r in staged["ranks"])
+        assert _bit_exact(eng, trainer, v)
+        assert len(eng.last_write["ranks"]) == 2 and eng.last_write["rebuilt"] == 0
 
-    for evs in asyncio.run(main()):
-        assert [e.index for e in evs] == list(range(200)) and evs[-1].finish_reason == "length"
-        assert [e.version for e in evs] == sorted(e.version for e in evs)
+    update_while_streaming(eng, trainer, streams=2, max_tokens=200, check=check)
     assert eng.version == 2
     assert matches_transformers(eng, trainer, 2, [5 * j % 250 + 2 for j in range(40)]) < 1e-4
 
