@@ -177,7 +177,8 @@ def run(cfg: dict, lr: float, seed: int, workdir: Path, cpu_gemm: str = "onednn"
             updates.append(dict(version=v, stage_s=stage_s, pause_wait_s=pause_wait_s, apply_s=apply_s,
                                 stall_s=stall_s, pause_s=pause_wait_s + stall_s, verify_s=verify_s,
                                 worker_write_s=w["write_s"], worker_derive_s=w["derive_s"], changed=staged["words"],
-                                prepare_s=staged.get("prepare_s", 0.0), staged_bytes=staged["bytes"], lines=_touched_lines(snaps[v - 1], snaps[v])))
+                                prepare_s=staged.get("prepare_s", 0.0), staged_bytes=staged["bytes"],
+                                lines=_touched_lines(snaps[v - 1], snaps[v])))
         rate_upd = (load.tokens - n_phase) / t_phase.elapsed
     finally:
         load.finish()

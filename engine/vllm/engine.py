@@ -28,9 +28,10 @@ contract says) and ``generate``/``abort`` (any thread or loop) are handed to it.
 Tensor parallelism (``engine_kwargs={"tensor_parallel_size": W}``): every rank stages, writes and checksums its
 own slices; with ``W > 1`` the engine's parameters are named ``tp<rank>.<vLLM name>`` and the ranks' answers are
 merged (:mod:`engine.vllm.ranks`). An apply that fails on some ranks is undone on the others. On CPU each rank
-gets an equal share of the allowed cores, or of the one core list ``VLLM_CPU_OMP_THREADS_BIND`` names. A process killed
-with SIGKILL leaves the other two running: run a serving process in its own session and kill its group
-(``engine.dynamo.procs`` does).
+gets an equal share of the allowed cores, or of the one core list ``VLLM_CPU_OMP_THREADS_BIND`` names.
+
+A process killed with SIGKILL leaves the others running: run a serving process in its own session and kill its
+group (``engine.dynamo.procs`` does).
 """
 
 from __future__ import annotations
