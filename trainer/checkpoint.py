@@ -51,8 +51,8 @@ from trainer.ckpt_format import check_owner, flatten
 log = logging.getLogger(__name__)
 
 __all__ = ["Checkpointer", "CheckpointStats", "agreement", "agreed_step", "Checkpoint", "newest_checkpoint",
-           "parse_checkpoint", "list_steps",
-           "step_dir", "capture_rng", "restore_rng", "write_bundle_dir", "model_tensors"]
+           "parse_checkpoint", "list_steps", "step_dir", "capture_rng", "restore_rng", "write_bundle_dir",
+           "model_tensors"]
 
 @dataclass
 class CheckpointStats:
