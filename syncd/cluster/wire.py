@@ -142,7 +142,19 @@ async def read_plain(reader: asyncio.StreamReader, want: T) -> bytes:
 
 
 def write_plain(writer: asyncio.StreamWriter, t: T, payload: bytes) -> None:
-    writer.write(HDR.pack(t, 0, 0, len(payload)) + payload)
+    """Write a handshake frame (no MAC); ``ConnectionResetError`` if the connection closed under us."""
+    try:
+        writer.write(HDR.pack(t, 0, 0, len(payload)) + payload)
+    except RuntimeError as exc:
+        raise _closed(writer, exc, "the peer") from None
+
+
+def _closed(writer: asyncio.StreamWriter, exc: RuntimeError, peer: str) -> BaseException:
+    """uvloop raises RuntimeError for a write on a transport that closed under us (the peer went away): that is
+    a ConnectionResetError; any other RuntimeError is returned as it is, to be raised."""
+    if not writer.is_closing():
+        return exc
+    return ConnectionResetError(f"connection to {peer} is closed ({exc})")
 
 
 class Channel:
@@ -181,10 +193,8 @@ class Channel:
             for part in parts:
                 self.writer.write(part)
             await self.writer.drain()
-        except RuntimeError as exc:  # uvloop: a write on a transport that closed under us (the peer went away)
-            if not self.writer.is_closing():
-                raise
-            raise ConnectionResetError(f"connection to rank {self.peer} is closed ({exc})") from None
+        except RuntimeError as exc:
+            raise _closed(self.writer, exc, f"rank {self.peer}") from None
 
     async def send(self, t: T, payload: bytes = b"") -> None:
         hdr, mac = self._frame(t, payload, payload)

@@ -262,3 +262,23 @@ def test_a_damaged_cached_shard_is_removed_never_served(tmp_path):
         assert not st.complete and not os.path.exists(src.final_path(short)) and "bytes, not" in corrupt[-1]
 
     run(main())
+
+
+def test_a_write_on_a_connection_closed_under_us_is_a_connection_error():
+    """uvloop raises RuntimeError for a write on a closed transport (a killed relay, mid-handshake): the wire
+    turns it into ConnectionResetError, which callers take as "the peer went away" and switch source."""
+    import uvloop
+
+    async def main():
+        srv = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+        reader, writer = await asyncio.open_connection("127.0.0.1", srv.sockets[0].getsockname()[1])
+        writer.close()
+        await asyncio.sleep(0.1)  # the transport is closed now, not only closing
+        with pytest.raises(ConnectionResetError, match="connection to the peer is closed"):
+            wire.write_plain(writer, T.HELLO, b"hello")
+        chan = wire.Channel(reader, writer, b"k" * 32, b"k" * 32, peer=3, role="data")
+        with pytest.raises(ConnectionResetError, match="connection to rank 3 is closed"):
+            await chan.send(T.HEARTBEAT)
+        srv.close()
+
+    uvloop.run(main())

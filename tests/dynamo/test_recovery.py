@@ -95,6 +95,10 @@ def test_sigkilled_worker_is_restarted_rebuilt_and_routed_to_only_once_current(e
 
     if engine == "vllm" and os.environ.get("SYNCD_VLLM") == "off":
         pytest.skip("SYNCD_VLLM=off: the vllm extra is not installed on this machine")
+    if engine == "vllm" and os.environ.get("SYNCD_VLLM_RECOVERY") != "1":
+        pytest.skip("SYNCD_VLLM_RECOVERY=1 runs the vLLM variant (about 2 min on a quiet 2-core machine; with a busy "
+                    "loop beside it the restarted vLLM worker took over 420 s, too slow for the suite on shared "
+                    "cores); tests/engine/vllm test vLLM under the daemon")
     model_dir = write_model(tmp_path / "model", arch="qwen2", seed=5, **SIZES)
     trainer = Trainer(model_dir, Store(tmp_path / "store"))
     for _ in range(2):
