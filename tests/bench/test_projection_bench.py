@@ -45,9 +45,12 @@ def test_projection_tiny(tmp_path, capsys):
         assert q["tree_depth"] == 6  # 64 nodes, fanout 2
     goal = data["goal"]["case"]
     assert goal["kind"] == "bf16" and goal["format"] == 2 and goal["density"] == 0.01
-    # denser updates take longer on the same assumptions
+    # denser updates move more bytes over the same links (the byte-bound stages; the measured rates of the
+    # other stages are timings, which a busy machine can invert between two tiny runs)
     by = {(q["kind"], q["format"], q["density"]): q for q in data["projections"]}
-    assert by[("bf16", 2, 0.1)]["pipelined_s"] > by[("bf16", 2, 0.01)]["pipelined_s"]
+    dense, sparse = by[("bf16", 2, 0.1)], by[("bf16", 2, 0.01)]
+    assert dense["delta_bytes"] > sparse["delta_bytes"]
+    assert dense["stages_s"]["long link"] > sparse["stages_s"]["long link"]
 
 
 def test_tree_depth():
