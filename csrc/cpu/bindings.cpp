@@ -7,6 +7,7 @@
 #include <tuple>
 
 #include "v2_kernels.h"
+#include "changes_pool.h"
 #include "checksum.h"
 #include "delta_codec.h"
 #include "scatter.h"
@@ -172,6 +173,9 @@ PYBIND11_MODULE(_native, m) {
     py::gil_scoped_release nogil;
     return delta_apply_many(jobs, verify, threads);
   }, py::arg("items"), py::arg("verify") = true, py::arg("threads") = 1);
+  m.def("changes_pool_bytes", &changes_pool_bytes,
+        "Bytes of decoded-change buffers kept for reuse by format-2 applies (at most changes_pool_keep_bytes).");
+  m.attr("changes_pool_keep_bytes") = py::int_(kChangesPoolKeepBytes);
   // Engine weight writes: runs of (target_ptr, target_words, stride_bytes, idx_ptr, before_ptr, after_ptr, n,
   // width) ->
   // (failed_run, mismatches); failed_run -1 means every word was written (see scatter.h).

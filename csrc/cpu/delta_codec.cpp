@@ -11,6 +11,7 @@
 
 #include "block_coder.h"
 #include "block_v2.h"
+#include "changes_pool.h"
 #include "checksum.h"
 #include "parallel.h"
 #include "simd_scan.h"
@@ -250,7 +251,7 @@ struct EncodeTask {
 struct ApplyTask {
   Header h;
   std::vector<uint32_t> written;  // changes written per block: what undo() reverses
-  std::vector<BlockChanges> decoded;  // format 2: each block's changes, kept for undo
+  std::vector<PooledChanges> decoded;  // format 2: each context block's changes, kept for undo
   std::vector<uint64_t> sums, adjs;
   std::atomic<bool> failed{false};
   std::string error;
@@ -292,7 +293,7 @@ void undo_block(const ApplyTask& t, const ApplyJob& j, size_t b) {
   size_t len;
   const uint8_t* payload = order0_payload(h, j.blob, b, &len);
   if (!payload) {  // the positions depend on the old values: undo from the decoded changes
-    apply_changes(j.target + start * sizeof(T), t.decoded[b], h.dtype, start * sizeof(T) / 8, false);
+    apply_changes(j.target + start * sizeof(T), *t.decoded[b], h.dtype, start * sizeof(T) / 8, false);
     return;
   }
   BlockDecoder dec(payload, len, e.n_changed, h.block_span(b), int(sizeof(T) * 8), b);
@@ -323,7 +324,8 @@ void apply_item(ApplyTask& t, const ApplyJob& j, size_t b, bool verify) {
     ClassSource cs;
     cs.old = j.target + lo;
     cs.first_word = lo / 8;
-    BlockChanges& d = t.decoded[b];
+    t.decoded[b] = take_changes();
+    BlockChanges& d = *t.decoded[b];
     dec.decode(cs, d);
     if (verify) t.sums[b] = d.has_old_sum ? d.old_sum : checksum_raw_range(j.target, lo, hi);
     const bool dense = verify && uint64_t(e.n_changed) * 16 > h.block_span(b);  // most words change

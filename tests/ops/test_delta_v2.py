@@ -316,3 +316,35 @@ def test_a_wrong_base_is_named_although_its_classes_break_the_decode(backend):
         assert same_bits(t, base)
     with pytest.raises(DeltaError, match="binary stream|positions"):  # changes() has no checksum to go by
         delta.changes(blob, base=old * 1.5)
+
+
+def test_decoded_change_buffers_are_reused_and_start_clean():
+    """Format-2 applies keep their decoded-change buffers for later calls (fresh pages cost a fault per 4 KiB):
+    a later apply, sparser or denser, sees none of an earlier one's changes, undo after reuse still restores
+    the target, and repeating a call does not grow the pool past what one call needs."""
+    from syncd.ops import _backend
+    from tests.ops._util import reseal
+
+    native = _backend.native()
+    pairs = [weight_pair(1 << 18, step, seed=i) for i, step in enumerate((3e-4, 1e-6, 3e-5))]
+    blobs = [delta.encode(o, n, block_log2=14, version=2) for o, n in pairs]
+    assert all(delta.inspect(b)["context_blocks"] > 0 for b in blobs)
+    held, before = [], native.changes_pool_bytes()  # the pool is the process's: earlier tests filled it
+    for _ in range(2):
+        for (old, new), blob in zip(pairs, blobs):
+            t = old.clone()
+            delta.apply_many([t], [blob])
+            assert same_bits(t, new)
+            held.append(native.changes_pool_bytes())
+    # it grows by at most one buffer per block of a call, each at most 1.5x (its growth step) the largest
+    # block's need: a bitmap of 2 bytes per 16 words and 3 bytes per change (+64)
+    most = max(n for b in blobs for _, n, _ in fmt.parse_header(b, ref_ck.checksum_bytes).blocks)
+    blocks = (1 << 18) >> 14
+    assert max(held) - before <= 1.5 * blocks * (2 * (1024 + 2) + 3 * (most + 64))
+    assert 0 < max(held) <= native.changes_pool_keep_bytes
+    (old, new), bad = pairs[0], bytearray(blobs[0])
+    bad[-20] ^= 0x55
+    t = old.clone()
+    with pytest.raises(DeltaError):
+        delta.apply_many([t], [reseal(bytes(bad))])
+    assert same_bits(t, old)
