@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <string>
 
 #include <vector>
@@ -93,6 +94,39 @@ void encode_values(const uint8_t* cls, const V* v, size_t n, const ValueTrees& l
 template <class V>
 void decode_values(const uint8_t* cls, size_t n, const uint8_t* signs, const ValueTrees& lv, BinGroupDecoder* vdec,
                    int gv, const uint8_t* mant, size_t mant_len, uint64_t vmax, V* v, const std::string& what, Simd s);
+
+// LSB-first bit writer into a buffer the caller sized for every bit plus 8 bytes (one 8-byte store per put).
+struct RawBits {
+  uint8_t* p;
+  uint64_t acc = 0;
+  uint32_t fill = 0;  // < 8 between puts
+  void put(uint64_t bits, uint32_t len) {  // len <= 56, bits < 2^len
+    acc |= bits << fill;
+    fill += len;
+    std::memcpy(p, &acc, 8);
+    p += fill >> 3;
+    acc >>= fill & ~7u;
+    fill &= 7;
+  }
+  uint8_t* end() const { return p + (fill ? 1 : 0); }  // the partial byte was stored by the last put
+};
+
+// How many mantissa bits a value m < 2^16 has: those below its leading one (none for m < 2).
+inline uint32_t mantissa_len16(uint32_t m) { return 31 - uint32_t(__builtin_clz(m | 1)); }
+
+// Appends the mantissa bits of n values m_at(t) < 2^16, LSB first, to `out`, without a branch per value
+// (whether a change has mantissa bits is not predictable).
+template <class M>
+inline void append_mantissa16(size_t n, M&& m_at, std::vector<uint8_t>& out) {
+  const size_t at0 = out.size();
+  out.resize(at0 + 2 * n + 8);
+  RawBits w{out.data() + at0};
+  for (size_t t = 0; t < n; ++t) {
+    const uint32_t m = m_at(t), len = mantissa_len16(m);
+    w.put(m & ((1u << len) - 1), len);
+  }
+  out.resize(size_t(w.end() - out.data()));
+}
 
 // Throws unless there are value groups exactly when some change has a value tree.
 void check_value_groups(int gv, size_t nj, const std::string& what);

@@ -373,71 +373,114 @@ SYNCD_256 uint64_t apply(uint16_t* target, uint64_t span, uint64_t first_word, c
   return ad + scalar16::apply(target, span, first_word, bitmap, v16, is_float, forward, vecs * 16, k);
 }
 
-// ---- values: the rows of 16 J entries as two 8-lane halves; node probabilities looked up lane by lane
+// ---- values: the rows of 16 J entries as two 8-lane halves. A half's classes, depths and leaves are vectors;
+// a row's node probabilities are one masked gather from lv.node.
 
 namespace {
 
 thread_local std::vector<uint32_t> t_jidx;
-thread_local std::vector<uint16_t> t_m;
+thread_local std::vector<uint8_t> t_cls_j;
+thread_local std::vector<uint16_t> t_m_j;
 
-// The J entries (changes of classes with a value tree), branch-free.
-size_t select_j(const uint8_t* cls, size_t n, const ValueTrees& lv, uint32_t* jidx) {
+// The J entries (changes of classes with a value tree), branch-free: their indices, classes and (with v)
+// m = v >> 1, each array padded with 16 zero entries after the last.
+size_t select_j(const uint8_t* cls, const uint16_t* v, size_t n, const ValueTrees& lv, uint32_t* jidx,
+                uint8_t* cls_j, uint16_t* m_j) {
   size_t nj = 0;
   for (size_t i = 0; i < n; ++i) {
     jidx[nj] = uint32_t(i);
+    cls_j[nj] = cls[i];
+    if (v) m_j[nj] = uint16_t(v[i] >> 1);
     nj += lv.depth[cls[i]] != 0;
   }
+  std::memset(cls_j + nj, 0, kLanes);
+  if (v) std::memset(m_j + nj, 0, kLanes * sizeof(uint16_t));
   return nj;
 }
+
+template <class T>
+T* sized(std::vector<T>& b, size_t n) {
+  if (b.size() < n) b.resize(n);
+  return b.data();
+}
+
+// Classes and tree depths of 8 J entries; lanes at or past `width` get depth 0 (never coded).
+struct Half {
+  __m256i cl, d;
+};
+
+SYNCD_256 SYNCD_INLINE Half half_at(const uint8_t* cls_j, size_t at, int width, __m256i dlo, __m256i dhi) {
+  const __m256i cl = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(cls_j + at)));
+  const __m256i a = _mm256_permutevar8x32_epi32(dlo, cl), b = _mm256_permutevar8x32_epi32(dhi, cl);
+  const __m256 hi = _mm256_castsi256_ps(_mm256_slli_epi32(cl, 28));  // bit 3 of the class picks dhi
+  const __m256i d = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(b), hi));
+  const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(width), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  return {cl, _mm256_and_si256(d, live)};
+}
+
+// The probabilities of node u (per lane) of each lane's class where `on`, else 0.
+SYNCD_256 SYNCD_INLINE __m256i node_p(const ValueTrees& lv, __m256i cl, __m256i u, __m256i on) {
+  const __m256i idx = _mm256_add_epi32(_mm256_slli_epi32(cl, 7), _mm256_and_si256(u, _mm256_set1_epi32(127)));
+  return _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), reinterpret_cast<const int*>(&lv.node[0][0]), idx, on, 4);
+}
+
+// 2^depth + nb per lane of 8 J entries, nb the bit length of m (< 2^15; from its float exponent, 0 for m = 0).
+SYNCD_256 SYNCD_INLINE __m256i leaf_of(const uint16_t* m8, __m256i d) {
+  const __m256i m = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m8)));
+  const __m256i e = _mm256_srli_epi32(_mm256_castps_si256(_mm256_cvtepi32_ps(m)), 23);
+  const __m256i nb = _mm256_max_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(126)), _mm256_setzero_si256());
+  return _mm256_or_si256(_mm256_sllv_epi32(_mm256_set1_epi32(1), d), nb);
+}
+
+struct DepthTables {
+  __m256i lo, hi;
+  SYNCD_256 explicit DepthTables(const ValueTrees& lv)
+      : lo(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lv.depth))),
+        hi(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lv.depth + 8))) {}
+};
 
 }  // namespace
 
 SYNCD_256 void decode_values(const uint8_t* cls, size_t n, const uint8_t* signs, const ValueTrees& lv,
                              BinGroupDecoder* vdec, int gv, const uint8_t* mant_p, size_t mant_len, uint16_t* v,
                              const std::string& what) {
-  t_jidx.resize(n + 1);
-  uint32_t* jidx = t_jidx.data();
-  const size_t nj = select_j(cls, n, lv, jidx);
+  uint32_t* jidx = sized(t_jidx, n + 1);
+  uint8_t* cls_j = sized(t_cls_j, n + kLanes);
+  const size_t nj = select_j(cls, nullptr, n, lv, jidx, cls_j, nullptr);
   check_value_groups(gv, nj, what);
   for (size_t i = 0; i < n; ++i) v[i] = uint16_t(signs[i >> 3] >> (i & 7) & 1);
   ByteReader owner(mant_p, mant_len, what);
   BitReader mant(mant_p, mant_len, owner);
+  const DepthTables dt(lv);
+  const __m256i one = _mm256_set1_epi32(1);
   const size_t step = size_t(kLanes) * std::max(gv, 1);
   for (size_t s0 = 0; s0 < nj && gv; s0 += step)
     for (int g = 0; g < gv; ++g) {
       const size_t lo = s0 + size_t(g) * kLanes;
       if (lo >= nj) break;
       const int width = int(std::min<size_t>(kLanes, nj - lo));
-      alignas(32) uint32_t cl[kLanes] = {}, d[kLanes] = {}, u[kLanes], pl[kLanes];
-      int top = 0;
-      for (int l = 0; l < width; ++l) {
-        cl[l] = cls[jidx[lo + l]];
-        d[l] = uint32_t(lv.depth[cl[l]]);
-        top = std::max(top, int(d[l]));
-      }
-      for (int l = 0; l < kLanes; ++l) u[l] = 1;
+      const Half h0 = half_at(cls_j, lo, width, dt.lo, dt.hi), h1 = half_at(cls_j, lo + 8, width - 8, dt.lo, dt.hi);
+      __m256i u0 = one, u1 = one;
       State x{_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vdec[g].x)),
               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vdec[g].x + 8))};
-      for (int r = 0; r < top; ++r) {
-        uint32_t coded = 0;
-        for (int l = 0; l < width; ++l) {
-          coded |= uint32_t(d[l] > uint32_t(r)) << l;
-          pl[l] = lv.node[cl[l]][u[l] & 127];
-        }
-        for (int l = width; l < kLanes; ++l) pl[l] = 0;
-        const __m256i plo = _mm256_load_si256(reinterpret_cast<const __m256i*>(pl));
-        const __m256i phi = _mm256_load_si256(reinterpret_cast<const __m256i*>(pl + 8));
-        const uint32_t b = dec8(x.lo, coded & 0xFF, plo, vdec[g].p, vdec[g].end, vdec[g].what) |
-                           dec8(x.hi, coded >> 8, phi, vdec[g].p, vdec[g].end, vdec[g].what) << 8;
-        for (int l = 0; l < width; ++l)
-          if (coded >> l & 1) u[l] = 2 * u[l] + (b >> l & 1);
+      for (int r = 0;; ++r) {  // until no lane's tree has more levels
+        const __m256i rr = _mm256_set1_epi32(r);
+        const __m256i on0 = _mm256_cmpgt_epi32(h0.d, rr), on1 = _mm256_cmpgt_epi32(h1.d, rr);
+        const uint32_t c0 = mask8(on0), c1 = mask8(on1);
+        if (!(c0 | c1)) break;
+        const uint32_t b0 = dec8(x.lo, c0, node_p(lv, h0.cl, u0, on0), vdec[g].p, vdec[g].end, vdec[g].what);
+        const uint32_t b1 = dec8(x.hi, c1, node_p(lv, h1.cl, u1, on1), vdec[g].p, vdec[g].end, vdec[g].what);
+        u0 = _mm256_blendv_epi8(u0, _mm256_sub_epi32(_mm256_add_epi32(u0, u0), lane_mask(b0)), on0);  // 2u + bit
+        u1 = _mm256_blendv_epi8(u1, _mm256_sub_epi32(_mm256_add_epi32(u1, u1), lane_mask(b1)), on1);
       }
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(vdec[g].x), x.lo);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(vdec[g].x + 8), x.hi);
-      for (int l = 0; l < width; ++l) {  // mantissa bits in J order
-        const uint32_t k = u[l] - (1u << d[l]);
-        if (!k) continue;
-        const uint32_t m = (1u << (k - 1)) | (k >= 2 ? uint32_t(mant.read(k - 1)) : 0);
+      alignas(32) uint32_t nb[kLanes];  // u = 2^depth + nb
+      _mm256_store_si256(reinterpret_cast<__m256i*>(nb), _mm256_sub_epi32(u0, _mm256_sllv_epi32(one, h0.d)));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(nb + 8), _mm256_sub_epi32(u1, _mm256_sllv_epi32(one, h1.d)));
+      for (int l = 0; l < width; ++l) {  // mantissa bits in J order, branch-free: nb = 0 reads none
+        const uint32_t k = nb[l], len = k ? k - 1 : 0;
+        const uint32_t m = (k ? 1u << len : 0) | uint32_t(mant.read(len));
         const uint32_t xv = (m << 1) | v[jidx[lo + l]];
         if (xv > 0xFFFE) fail(what, ": value change 65535 too wide for the dtype");
         v[jidx[lo + l]] = uint16_t(xv);
@@ -448,9 +491,12 @@ SYNCD_256 void decode_values(const uint8_t* cls, size_t n, const uint8_t* signs,
 
 SYNCD_256 void encode_values(const uint8_t* cls, const uint16_t* v, size_t n, const ValueTrees& lv,
                              BinGroupEncoder* venc, int gv, std::vector<uint8_t>& mant, uint8_t* signs) {
-  t_jidx.resize(n + 1);
-  uint32_t* jidx = t_jidx.data();
-  const size_t nj = select_j(cls, n, lv, jidx);
+  uint32_t* jidx = sized(t_jidx, n + 1);
+  uint8_t* cls_j = sized(t_cls_j, n + kLanes);
+  uint16_t* m_j = sized(t_m_j, n + kLanes);
+  const size_t nj = select_j(cls, v, n, lv, jidx, cls_j, m_j);
+  const DepthTables dt(lv);
+  const __m256i one = _mm256_set1_epi32(1);
   const size_t step = size_t(kLanes) * std::max(gv, 1);
   for (size_t s0 = gv ? (nj + step - 1) / step * step : 0; s0 > 0;) {  // steps back to front, rows bottom up
     s0 -= step;
@@ -458,44 +504,30 @@ SYNCD_256 void encode_values(const uint8_t* cls, const uint16_t* v, size_t n, co
       const size_t lo = s0 + size_t(g) * kLanes;
       if (lo >= nj) continue;
       const int width = int(std::min<size_t>(kLanes, nj - lo));
-      alignas(32) uint32_t cl[kLanes] = {}, d[kLanes] = {}, leaf[kLanes] = {}, pl[kLanes];
+      const Half h0 = half_at(cls_j, lo, width, dt.lo, dt.hi), h1 = half_at(cls_j, lo + 8, width - 8, dt.lo, dt.hi);
+      const __m256i leaf0 = leaf_of(m_j + lo, h0.d), leaf1 = leaf_of(m_j + lo + 8, h1.d);
+      alignas(32) uint32_t dd[kLanes];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(dd), _mm256_max_epu32(h0.d, h1.d));
       int top = 0;
-      for (int l = 0; l < width; ++l) {
-        const uint32_t i = jidx[lo + l], m = v[i] >> 1;
-        cl[l] = cls[i];
-        d[l] = uint32_t(lv.depth[cl[l]]);
-        leaf[l] = (1u << d[l]) | (m ? 32 - uint32_t(__builtin_clz(m)) : 0);
-        top = std::max(top, int(d[l]));
-      }
+      for (int l = 0; l < 8; ++l) top = std::max(top, int(dd[l]));
       State x{_mm256_loadu_si256(reinterpret_cast<const __m256i*>(venc[g].x)),
               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(venc[g].x + 8))};
       for (int r = top - 1; r >= 0; --r) {
-        uint32_t coded = 0, bits = 0;
-        for (int l = 0; l < kLanes; ++l) {
-          const bool on = l < width && d[l] > uint32_t(r);
-          coded |= uint32_t(on) << l;
-          bits |= (on ? (leaf[l] >> (d[l] - 1 - r) & 1) : 0) << l;
-          pl[l] = on ? lv.node[cl[l]][leaf[l] >> (d[l] - r)] : 0;
-        }
-        const __m256i plo = _mm256_load_si256(reinterpret_cast<const __m256i*>(pl));
-        const __m256i phi = _mm256_load_si256(reinterpret_cast<const __m256i*>(pl + 8));
-        enc8(x.hi, coded >> 8, bits >> 8, phi, venc[g].w);
-        enc8(x.lo, coded & 0xFF, bits & 0xFF, plo, venc[g].w);
+        const __m256i rr = _mm256_set1_epi32(r);
+        const __m256i on0 = _mm256_cmpgt_epi32(h0.d, rr), on1 = _mm256_cmpgt_epi32(h1.d, rr);
+        const __m256i sh0 = _mm256_sub_epi32(h0.d, rr), sh1 = _mm256_sub_epi32(h1.d, rr);  // the node: leaf >> sh
+        const __m256i p0 = node_p(lv, h0.cl, _mm256_srlv_epi32(leaf0, sh0), on0);
+        const __m256i p1 = node_p(lv, h1.cl, _mm256_srlv_epi32(leaf1, sh1), on1);
+        const uint32_t b0 = mask8(_mm256_slli_epi32(_mm256_srlv_epi32(leaf0, _mm256_sub_epi32(sh0, one)), 31));
+        const uint32_t b1 = mask8(_mm256_slli_epi32(_mm256_srlv_epi32(leaf1, _mm256_sub_epi32(sh1, one)), 31));
+        enc8(x.hi, mask8(on1), b1, p1, venc[g].w);
+        enc8(x.lo, mask8(on0), b0, p0, venc[g].w);
       }
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(venc[g].x), x.lo);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(venc[g].x + 8), x.hi);
     }
   }
-  uint64_t acc = 0;  // mantissa bits, LSB first, in position order (that of J)
-  uint32_t fill = 0;
-  for (size_t t = 0; t < nj; ++t) {
-    const uint32_t m = v[jidx[t]] >> 1, k = m ? 32 - uint32_t(__builtin_clz(m)) : 0;
-    if (k < 2) continue;
-    acc |= uint64_t(m - (1u << (k - 1))) << fill;
-    fill += k - 1;
-    for (; fill >= 8; fill -= 8, acc >>= 8) mant.push_back(uint8_t(acc));
-  }
-  if (fill) mant.push_back(uint8_t(acc));
+  append_mantissa16(nj, [m_j](size_t t) { return uint32_t(m_j[t]); }, mant);  // in J order
   std::memset(signs, 0, (n + 7) / 8);
   for (size_t i = 0; i < n; ++i) signs[i >> 3] |= uint8_t((v[i] & 1) << (i & 7));
 }
