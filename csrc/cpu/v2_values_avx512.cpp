@@ -117,11 +117,41 @@ struct RowTables {
   }
 };
 
+// Appends the mantissa bits of m_j[0..nj) (J order) to `mant`, 16 values at a time: neighbours' bits are
+// joined in the vector (16 values of <= 14 bits, 8 of <= 28, 4 of <= 56), then 4 puts.
+SYNCD_512 void append_mantissa(const uint16_t* m_j, size_t nj, std::vector<uint8_t>& mant) {
+  const size_t at0 = mant.size();
+  mant.resize(at0 + 2 * nj + 8);
+  RawBits w{mant.data() + at0};
+  const __m512i one = _mm512_set1_epi32(1), low32 = _mm512_set1_epi64(0xFFFFFFFF);
+  const __m512i odd = _mm512_set_epi64(0, 7, 0, 5, 0, 3, 0, 1);  // lane 2k takes lane 2k + 1
+  size_t t = 0;
+  for (; t + kLanes <= nj; t += kLanes) {
+    const __m512i m = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m_j + t)));
+    const __m512i len = _mm512_sub_epi32(_mm512_set1_epi32(31), _mm512_lzcnt_epi32(_mm512_or_si512(m, one)));
+    const __m512i bits = _mm512_and_si512(m, _mm512_sub_epi32(_mm512_sllv_epi32(one, len), one));
+    const __m512i len_lo = _mm512_and_si512(len, low32);
+    const __m512i b1 = _mm512_or_si512(_mm512_and_si512(bits, low32), _mm512_sllv_epi64(_mm512_srli_epi64(bits, 32), len_lo));
+    const __m512i l1 = _mm512_add_epi64(len_lo, _mm512_srli_epi64(len, 32));
+    const __m512i b2 = _mm512_or_si512(b1, _mm512_sllv_epi64(_mm512_permutexvar_epi64(odd, b1), l1));
+    const __m512i l2 = _mm512_add_epi64(l1, _mm512_permutexvar_epi64(odd, l1));
+    alignas(64) uint64_t bb[8], ll[8];
+    _mm512_store_si512(bb, b2);
+    _mm512_store_si512(ll, l2);
+    for (int k = 0; k < 8; k += 2) w.put(bb[k], uint32_t(ll[k]));
+  }
+  for (; t < nj; ++t) {
+    const uint32_t mt = m_j[t], len = mantissa_len16(mt);
+    w.put(mt & ((1u << len) - 1), len);
+  }
+  mant.resize(size_t(w.end() - mant.data()));
+}
+
 // One step of the value streams, backwards (rows bottom up), its GV groups interleaved.
 template <int GV>
 SYNCD_512 inline void encode_step(size_t s0, size_t nj, const uint8_t* cls_j, const uint8_t* nb_j,
                                   const RowTables& rt, __m512i dtab, BinGroupEncoder* venc) {
-  const __m512 fone = _mm512_set1_ps(1.0f);
+  const __m512 two = _mm512_set1_ps(2.0f);
   const __m512i one16 = _mm512_set1_epi32(1 << 16), onev = _mm512_set1_epi32(1);
   __m512i c16[GV], nb[GV], depth[GV], path[GV], x[GV];
   __mmask16 live[GV];
@@ -137,7 +167,7 @@ SYNCD_512 inline void encode_step(size_t s0, size_t nj, const uint8_t* cls_j, co
     top = std::max(top, _mm512_reduce_max_epi32(depth[g]));
     x[g] = _mm512_loadu_si512(venc[g].x);
   }
-  for (int r = top - 1; r >= 0; --r) {
+  for (int r = top - 1; r >= 0; --r) {  // rows bottom up
     const __m512i rr = _mm512_set1_epi32(r);
     for (int g = 0; g < GV; ++g) {
       const __mmask16 active = _mm512_cmpgt_epi32_mask(depth[g], rr);
@@ -147,7 +177,10 @@ SYNCD_512 inline void encode_step(size_t s0, size_t nj, const uint8_t* cls_j, co
       const __mmask16 bit = _mm512_mask_test_epi32_mask(active, _mm512_srlv_epi32(path[g], _mm512_sub_epi32(sh, onev)), onev);
       const __m512i p1 = rt.at(r, c16[g], u);
       const __m512i f = _mm512_mask_blend_epi32(bit, _mm512_sub_epi32(one16, p1), p1);
-      const __m512 inv = _mm512_div_ps(fone, _mm512_cvtepu32_ps(_mm512_mask_mov_epi32(onev, active, f)));
+      // 1 / f: rcp14 and one Newton step (relative error ~2^-23, within what enc_step's correction allows)
+      const __m512 ff = _mm512_cvtepu32_ps(_mm512_mask_mov_epi32(onev, active, f));
+      const __m512 r14 = _mm512_rcp14_ps(ff);
+      const __m512 inv = _mm512_mul_ps(r14, _mm512_fnmadd_ps(ff, r14, two));
       enc_step(x[g], active, bit, p1, inv, venc[g].w);
     }
   }
@@ -175,16 +208,7 @@ SYNCD_512 void encode_values(const uint8_t* cls, const uint16_t* v, size_t n, co
         for (int g = gv - 1; g >= 0; --g) encode_step<1>(s0 + size_t(g) * kLanes, nj, cls_j, nb_j, rt, dtab, venc + g);
     }
   }
-  uint64_t acc = 0;  // mantissa bits, LSB first, in position order (that of J)
-  uint32_t fill = 0;
-  for (size_t t = 0; t < nj; ++t) {
-    const uint32_t k = nb_j[t];
-    if (k < 2) continue;
-    acc |= uint64_t(m_j[t] - (1u << (k - 1))) << fill;
-    fill += k - 1;
-    for (; fill >= 8; fill -= 8, acc >>= 8) mant.push_back(uint8_t(acc));
-  }
-  if (fill) mant.push_back(uint8_t(acc));
+  append_mantissa(m_j, nj, mant);
   const __m512i one = _mm512_set1_epi16(1);
   for (size_t i = 0; i < n; i += 32) {
     const __mmask32 live = n - i >= 32 ? ~__mmask32(0) : (__mmask32(1) << (n - i)) - 1;
