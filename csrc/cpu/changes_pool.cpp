@@ -42,14 +42,20 @@ void GiveBackChanges::operator()(BlockChanges* c) const {
   delete c;
 }
 
-PooledChanges take_changes() {
+PooledChanges take_changes(size_t want_bytes) {
   Pool& p = pool();
   {
     std::lock_guard<std::mutex> lock(p.m);
-    if (!p.free.empty()) {
-      BlockChanges* c = p.free.back();
+    if (!p.free.empty()) {  // the smallest that holds want_bytes, else the largest (it grows on reset)
+      size_t best = 0, best_bytes = capacity_bytes(*p.free[0]);
+      for (size_t i = 1; i < p.free.size(); ++i) {
+        const size_t b = capacity_bytes(*p.free[i]);
+        if (best_bytes >= want_bytes ? (b >= want_bytes && b < best_bytes) : b > best_bytes) best = i, best_bytes = b;
+      }
+      BlockChanges* c = p.free[best];
+      p.free[best] = p.free.back();
       p.free.pop_back();
-      p.bytes -= capacity_bytes(*c);
+      p.bytes -= best_bytes;
       return PooledChanges(c);
     }
   }

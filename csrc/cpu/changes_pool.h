@@ -19,9 +19,10 @@ struct GiveBackChanges {
 };
 using PooledChanges = std::unique_ptr<BlockChanges, GiveBackChanges>;
 
-// A buffer from the pool (its capacity kept from its last use; reset() it before use), or a new one.
-// Thread-safe. Throws std::bad_alloc.
-PooledChanges take_changes();
+// A buffer from the pool (its capacity kept from its last use; reset() it before use), or a new one: the
+// smallest holding want_bytes (a hint: the caller's block needs about that many), else the largest (which
+// grows when reset). Thread-safe; O(buffers in the pool). Throws std::bad_alloc.
+PooledChanges take_changes(size_t want_bytes);
 
 // Bytes the pool keeps between calls at most (buffers beyond it are freed when given back).
 constexpr size_t kChangesPoolKeepBytes = size_t(1) << 30;

@@ -324,7 +324,8 @@ void apply_item(ApplyTask& t, const ApplyJob& j, size_t b, bool verify) {
     ClassSource cs;
     cs.old = j.target + lo;
     cs.first_word = lo / 8;
-    t.decoded[b] = take_changes();
+    const uint64_t words = h.block_span(b) / 16 + 2, wide = h.dtype.bits == 16 ? 2 : 8;  // BlockChanges::reset
+    t.decoded[b] = take_changes(size_t(2 * words + (1 + wide) * (uint64_t(e.n_changed) + 64)));
     BlockChanges& d = *t.decoded[b];
     dec.decode(cs, d);
     if (verify) t.sums[b] = d.has_old_sum ? d.old_sum : checksum_raw_range(j.target, lo, hi);
