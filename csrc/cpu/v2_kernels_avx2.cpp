@@ -1,7 +1,7 @@
 // AVX2 versions of the 16-bit format-2 kernels (v2_kernels.h): each 16-lane row is two 8-lane halves, lanes
 // 0..7 first (the order their renormalisation words are read in); expand and compress are permutes from
-// lookup tables. Bit for bit the scalar kernels' results; the value rows and the sample statistics use the
-// scalar code. Called only when simd_level() says the CPU has AVX2.
+// lookup tables; the value rows' node probabilities are gathers. Bit for bit the scalar kernels' results; the
+// sample statistics use the scalar code. Called only when simd_level() says the CPU has AVX2.
 #include "v2_kernels.h"
 
 #include <algorithm>
@@ -27,6 +27,7 @@ namespace {
 struct Tables {
   alignas(32) int32_t expand[256][8];
   alignas(32) int32_t top[256][8];
+  alignas(32) int32_t pack[256][8];  // the m-lanes in order, then lane 0: left-packing permute
   Tables() {
     for (int m = 0; m < 256; ++m) {
       int k = 0;
@@ -36,6 +37,10 @@ struct Tables {
       k = 8 - cnt;
       for (int l = 0; l < 8; ++l)
         if (m >> l & 1) top[m][k++] = l;
+      k = 0;
+      for (int l = 0; l < 8; ++l) pack[m][l] = 0;
+      for (int l = 0; l < 8; ++l)
+        if (m >> l & 1) pack[m][k++] = l;
     }
   }
 };
@@ -382,26 +387,60 @@ thread_local std::vector<uint32_t> t_jidx;
 thread_local std::vector<uint8_t> t_cls_j;
 thread_local std::vector<uint16_t> t_m_j;
 
-// The J entries (changes of classes with a value tree), branch-free: their indices, classes and (with v)
-// m = v >> 1, each array padded with 16 zero entries after the last.
-size_t select_j(const uint8_t* cls, const uint16_t* v, size_t n, const ValueTrees& lv, uint32_t* jidx,
-                uint8_t* cls_j, uint16_t* m_j) {
-  size_t nj = 0;
-  for (size_t i = 0; i < n; ++i) {
-    jidx[nj] = uint32_t(i);
-    cls_j[nj] = cls[i];
-    if (v) m_j[nj] = uint16_t(v[i] >> 1);
-    nj += lv.depth[cls[i]] != 0;
-  }
-  std::memset(cls_j + nj, 0, kLanes);
-  if (v) std::memset(m_j + nj, 0, kLanes * sizeof(uint16_t));
-  return nj;
-}
-
 template <class T>
 T* sized(std::vector<T>& b, size_t n) {
   if (b.size() < n) b.resize(n);
   return b.data();
+}
+
+struct DepthTables {
+  __m256i lo, hi;
+  SYNCD_256 explicit DepthTables(const ValueTrees& lv)
+      : lo(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lv.depth))),
+        hi(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lv.depth + 8))) {}
+  SYNCD_256 SYNCD_INLINE __m256i of(__m256i cl) const {  // classes (32-bit lanes, < 16) -> their trees' depths
+    const __m256i a = _mm256_permutevar8x32_epi32(lo, cl), b = _mm256_permutevar8x32_epi32(hi, cl);
+    const __m256 high = _mm256_castsi256_ps(_mm256_slli_epi32(cl, 28));  // bit 3 of the class picks hi
+    return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(b), high));
+  }
+};
+
+// The J entries (changes of classes with a value tree), 8 at a time by a left-packing permute: their indices
+// (jidx, room for n + 8), classes and (with v) m = v >> 1 (cls_j, m_j: room for n + 16), the last two padded
+// with 16 zero entries.
+SYNCD_256 size_t select_j(const uint8_t* cls, const uint16_t* v, size_t n, const DepthTables& dt, uint32_t* jidx,
+                          uint8_t* cls_j, uint16_t* m_j) {
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), zero = _mm256_setzero_si256();
+  size_t nj = 0, i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i cl = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(cls + i)));
+    const uint32_t jm = mask8(_mm256_cmpgt_epi32(dt.of(cl), zero));
+    const __m256i perm = _mm256_load_si256(reinterpret_cast<const __m256i*>(kTab.pack[jm]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(jidx + nj),
+                        _mm256_permutevar8x32_epi32(_mm256_add_epi32(_mm256_set1_epi32(int(i)), iota), perm));
+    const __m256i pc = _mm256_permutevar8x32_epi32(cl, perm);
+    const __m128i c16 = _mm_packus_epi32(_mm256_castsi256_si128(pc), _mm256_extracti128_si256(pc, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(cls_j + nj), _mm_packus_epi16(c16, c16));
+    if (v) {
+      const __m256i m = _mm256_srli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + i))), 1);
+      const __m256i pm = _mm256_permutevar8x32_epi32(m, perm);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(m_j + nj),
+                       _mm_packus_epi32(_mm256_castsi256_si128(pm), _mm256_extracti128_si256(pm, 1)));
+    }
+    nj += size_t(__builtin_popcount(jm));
+  }
+  alignas(32) int32_t dtab[16];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(dtab), dt.lo);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(dtab + 8), dt.hi);
+  for (; i < n; ++i) {
+    jidx[nj] = uint32_t(i);
+    cls_j[nj] = cls[i];
+    if (v) m_j[nj] = uint16_t(v[i] >> 1);
+    nj += dtab[cls[i]] != 0;
+  }
+  std::memset(cls_j + nj, 0, kLanes);
+  if (v) std::memset(m_j + nj, 0, kLanes * sizeof(uint16_t));
+  return nj;
 }
 
 // Classes and tree depths of 8 J entries; lanes at or past `width` get depth 0 (never coded).
@@ -409,13 +448,10 @@ struct Half {
   __m256i cl, d;
 };
 
-SYNCD_256 SYNCD_INLINE Half half_at(const uint8_t* cls_j, size_t at, int width, __m256i dlo, __m256i dhi) {
+SYNCD_256 SYNCD_INLINE Half half_at(const uint8_t* cls_j, size_t at, int width, const DepthTables& dt) {
   const __m256i cl = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(cls_j + at)));
-  const __m256i a = _mm256_permutevar8x32_epi32(dlo, cl), b = _mm256_permutevar8x32_epi32(dhi, cl);
-  const __m256 hi = _mm256_castsi256_ps(_mm256_slli_epi32(cl, 28));  // bit 3 of the class picks dhi
-  const __m256i d = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(b), hi));
   const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(width), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  return {cl, _mm256_and_si256(d, live)};
+  return {cl, _mm256_and_si256(dt.of(cl), live)};
 }
 
 // The probabilities of node u (per lane) of each lane's class where `on`, else 0.
@@ -432,26 +468,19 @@ SYNCD_256 SYNCD_INLINE __m256i leaf_of(const uint16_t* m8, __m256i d) {
   return _mm256_or_si256(_mm256_sllv_epi32(_mm256_set1_epi32(1), d), nb);
 }
 
-struct DepthTables {
-  __m256i lo, hi;
-  SYNCD_256 explicit DepthTables(const ValueTrees& lv)
-      : lo(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lv.depth))),
-        hi(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lv.depth + 8))) {}
-};
-
 }  // namespace
 
 SYNCD_256 void decode_values(const uint8_t* cls, size_t n, const uint8_t* signs, const ValueTrees& lv,
                              BinGroupDecoder* vdec, int gv, const uint8_t* mant_p, size_t mant_len, uint16_t* v,
                              const std::string& what) {
-  uint32_t* jidx = sized(t_jidx, n + 1);
+  uint32_t* jidx = sized(t_jidx, n + 8);
   uint8_t* cls_j = sized(t_cls_j, n + kLanes);
-  const size_t nj = select_j(cls, nullptr, n, lv, jidx, cls_j, nullptr);
+  const DepthTables dt(lv);
+  const size_t nj = select_j(cls, nullptr, n, dt, jidx, cls_j, nullptr);
   check_value_groups(gv, nj, what);
   for (size_t i = 0; i < n; ++i) v[i] = uint16_t(signs[i >> 3] >> (i & 7) & 1);
   ByteReader owner(mant_p, mant_len, what);
   BitReader mant(mant_p, mant_len, owner);
-  const DepthTables dt(lv);
   const __m256i one = _mm256_set1_epi32(1);
   const size_t step = size_t(kLanes) * std::max(gv, 1);
   for (size_t s0 = 0; s0 < nj && gv; s0 += step)
@@ -459,7 +488,7 @@ SYNCD_256 void decode_values(const uint8_t* cls, size_t n, const uint8_t* signs,
       const size_t lo = s0 + size_t(g) * kLanes;
       if (lo >= nj) break;
       const int width = int(std::min<size_t>(kLanes, nj - lo));
-      const Half h0 = half_at(cls_j, lo, width, dt.lo, dt.hi), h1 = half_at(cls_j, lo + 8, width - 8, dt.lo, dt.hi);
+      const Half h0 = half_at(cls_j, lo, width, dt), h1 = half_at(cls_j, lo + 8, width - 8, dt);
       __m256i u0 = one, u1 = one;
       State x{_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vdec[g].x)),
               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vdec[g].x + 8))};
@@ -478,12 +507,17 @@ SYNCD_256 void decode_values(const uint8_t* cls, size_t n, const uint8_t* signs,
       alignas(32) uint32_t nb[kLanes];  // u = 2^depth + nb
       _mm256_store_si256(reinterpret_cast<__m256i*>(nb), _mm256_sub_epi32(u0, _mm256_sllv_epi32(one, h0.d)));
       _mm256_store_si256(reinterpret_cast<__m256i*>(nb + 8), _mm256_sub_epi32(u1, _mm256_sllv_epi32(one, h1.d)));
-      for (int l = 0; l < width; ++l) {  // mantissa bits in J order, branch-free: nb = 0 reads none
-        const uint32_t k = nb[l], len = k ? k - 1 : 0;
-        const uint32_t m = (k ? 1u << len : 0) | uint32_t(mant.read(len));
-        const uint32_t xv = (m << 1) | v[jidx[lo + l]];
-        if (xv > 0xFFFE) fail(what, ": value change 65535 too wide for the dtype");
-        v[jidx[lo + l]] = uint16_t(xv);
+      for (int l = 0; l < width; l += 4) {  // mantissa bits in J order: one read per 4 lanes (<= 4 * 14 bits)
+        uint32_t len[4], total = 0;
+        for (int q = 0; q < 4; ++q) total += len[q] = nb[l + q] ? nb[l + q] - 1 : 0;  // lanes past width: nb 0
+        uint64_t bits = mant.read(total);
+        for (int q = 0; q < 4 && l + q < width; ++q) {
+          const uint32_t m = (nb[l + q] ? 1u << len[q] : 0) | uint32_t(bits & ((uint64_t(1) << len[q]) - 1));
+          bits >>= len[q];
+          const uint32_t xv = (m << 1) | v[jidx[lo + l + q]];
+          if (xv > 0xFFFE) fail(what, ": value change 65535 too wide for the dtype");
+          v[jidx[lo + l + q]] = uint16_t(xv);
+        }
       }
     }
   mant.finish();
@@ -491,11 +525,11 @@ SYNCD_256 void decode_values(const uint8_t* cls, size_t n, const uint8_t* signs,
 
 SYNCD_256 void encode_values(const uint8_t* cls, const uint16_t* v, size_t n, const ValueTrees& lv,
                              BinGroupEncoder* venc, int gv, std::vector<uint8_t>& mant, uint8_t* signs) {
-  uint32_t* jidx = sized(t_jidx, n + 1);
+  uint32_t* jidx = sized(t_jidx, n + 8);
   uint8_t* cls_j = sized(t_cls_j, n + kLanes);
   uint16_t* m_j = sized(t_m_j, n + kLanes);
-  const size_t nj = select_j(cls, v, n, lv, jidx, cls_j, m_j);
   const DepthTables dt(lv);
+  const size_t nj = select_j(cls, v, n, dt, jidx, cls_j, m_j);
   const __m256i one = _mm256_set1_epi32(1);
   const size_t step = size_t(kLanes) * std::max(gv, 1);
   for (size_t s0 = gv ? (nj + step - 1) / step * step : 0; s0 > 0;) {  // steps back to front, rows bottom up
@@ -504,7 +538,7 @@ SYNCD_256 void encode_values(const uint8_t* cls, const uint16_t* v, size_t n, co
       const size_t lo = s0 + size_t(g) * kLanes;
       if (lo >= nj) continue;
       const int width = int(std::min<size_t>(kLanes, nj - lo));
-      const Half h0 = half_at(cls_j, lo, width, dt.lo, dt.hi), h1 = half_at(cls_j, lo + 8, width - 8, dt.lo, dt.hi);
+      const Half h0 = half_at(cls_j, lo, width, dt), h1 = half_at(cls_j, lo + 8, width - 8, dt);
       const __m256i leaf0 = leaf_of(m_j + lo, h0.d), leaf1 = leaf_of(m_j + lo + 8, h1.d);
       alignas(32) uint32_t dd[kLanes];
       _mm256_store_si256(reinterpret_cast<__m256i*>(dd), _mm256_max_epu32(h0.d, h1.d));
