@@ -302,6 +302,7 @@ size_t decode_positions(const Classes16&, BinGroupDecoder*, int, uint16_t*, uint
 void encode_positions(const Classes16&, const uint16_t*, BinGroupEncoder*, int);
 uint64_t scan(const Classes16&, const uint16_t*, uint64_t, bool, uint16_t*, uint16_t*, uint8_t*, uint64_t*, uint64_t*);
 uint64_t apply(uint16_t*, uint64_t, uint64_t, const uint16_t*, const uint16_t*, bool, bool, const uint64_t*);
+void value_stats(const uint8_t*, const uint16_t*, size_t, uint64_t[16], uint64_t[16][65]);
 void encode_values(const uint8_t*, const uint16_t*, size_t, const ValueTrees&, BinGroupEncoder*, int,
                    std::vector<uint8_t>&, uint8_t*);
 void decode_values(const uint8_t*, size_t, const uint8_t*, const ValueTrees&, BinGroupDecoder*, int, const uint8_t*,
@@ -371,7 +372,10 @@ uint64_t apply16(uint16_t* target, uint64_t span, uint64_t first_word, const uin
 template <class V>
 void value_stats(const uint8_t* cls, const V* v, size_t n, uint64_t changed[16], uint64_t hist[16][65], Simd s) {
   if constexpr (sizeof(V) == 2)
-    if constexpr (kX86) if (s == Simd::kAvx512) return avx512_16::value_stats(cls, v, n, changed, hist);
+    if constexpr (kX86) {
+      if (s == Simd::kAvx512) return avx512_16::value_stats(cls, v, n, changed, hist);
+      if (s == Simd::kAvx2) return avx2_16::value_stats(cls, v, n, changed, hist);
+    }
   scalar_value_stats(cls, v, n, changed, hist);
 }
 

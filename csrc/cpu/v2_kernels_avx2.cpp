@@ -1,7 +1,7 @@
 // AVX2 versions of the 16-bit format-2 kernels (v2_kernels.h): each 16-lane row is two 8-lane halves, lanes
 // 0..7 first (the order their renormalisation words are read in); expand and compress are permutes from
 // lookup tables; the value rows' node probabilities are gathers. Bit for bit the scalar kernels' results; the
-// sample statistics use the scalar code. Called only when simd_level() says the CPU has AVX2.
+// block samples (e_top, class counts) use the scalar code. Called only when simd_level() says the CPU has AVX2.
 #include "v2_kernels.h"
 
 #include <algorithm>
@@ -469,6 +469,46 @@ SYNCD_256 SYNCD_INLINE __m256i leaf_of(const uint16_t* m8, __m256i d) {
 }
 
 }  // namespace
+
+SYNCD_256 void value_stats(const uint8_t* cls, const uint16_t* v, size_t n, uint64_t changed[16], uint64_t hist[16][65]) {
+  // one bin per (class, bit length of m < 2^15): key 16c + nb, counted in 4 interleaved tables so that runs of
+  // one key do not wait on their own increments; 32-bit counts, flushed before they could overflow
+  alignas(32) uint32_t t[4][256] = {};
+  alignas(32) uint32_t key[8];
+  const __m256i zero = _mm256_setzero_si256(), bias = _mm256_set1_epi32(126);
+  size_t i = 0, since_flush = 0;
+  auto flush = [&] {
+    for (int c = 0; c < 16; ++c)
+      for (int b = 0; b < 16; ++b) {
+        const uint64_t x = uint64_t(t[0][16 * c + b]) + t[1][16 * c + b] + t[2][16 * c + b] + t[3][16 * c + b];
+        changed[c] += x;
+        hist[c][b] += x;
+      }
+    std::memset(t, 0, sizeof t);
+    since_flush = 0;
+  };
+  for (; i + 8 <= n; i += 8) {
+    const __m256i cl = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(cls + i)));
+    const __m256i m = _mm256_srli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + i))), 1);
+    const __m256i e = _mm256_srli_epi32(_mm256_castps_si256(_mm256_cvtepi32_ps(m)), 23);
+    const __m256i nb = _mm256_max_epi32(_mm256_sub_epi32(e, bias), zero);  // 0 for m = 0
+    _mm256_store_si256(reinterpret_cast<__m256i*>(key),
+                       _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(cl, _mm256_set1_epi32(15)), 4), nb));
+    for (int l = 0; l < 8; l += 4) {
+      t[0][key[l]]++;
+      t[1][key[l + 1]]++;
+      t[2][key[l + 2]]++;
+      t[3][key[l + 3]]++;
+    }
+    if ((since_flush += 8) >= (size_t(1) << 31)) flush();
+  }
+  flush();
+  for (; i < n; ++i) {
+    const uint32_t m = v[i] >> 1u;
+    changed[cls[i]]++;
+    hist[cls[i]][m ? 32 - __builtin_clz(m) : 0]++;
+  }
+}
 
 SYNCD_256 void decode_values(const uint8_t* cls, size_t n, const uint8_t* signs, const ValueTrees& lv,
                              BinGroupDecoder* vdec, int gv, const uint8_t* mant_p, size_t mant_len, uint16_t* v,
