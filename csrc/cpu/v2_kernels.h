@@ -61,7 +61,7 @@ uint64_t scan16(const Classes16& c, const uint16_t* nw, uint64_t first_word, boo
                 uint16_t* v16, uint8_t* cls_ch, uint64_t* sum_old, uint64_t* adj, Simd s);
 
 // Applies (forward) or undoes the changes of a 16-bit block in place: target[16t + l] for each bitmap bit,
-// values v16 in order. Returns the checksum change of the words it wrote (new minus old terms). With
+// values v16 in order (readable 16 entries past the last change). Returns the checksum change of the words it wrote (new minus old terms). With
 // old_sum (the terms of every old word, as decode_positions16 gives them) it sums the terms of every new word
 // instead of two terms per changed word: cheaper when most words change.
 uint64_t apply16(uint16_t* target, uint64_t span, uint64_t first_word, const uint16_t* bitmap, const uint16_t* v16,

@@ -28,6 +28,9 @@ struct Tables {
   alignas(32) int32_t expand[256][8];
   alignas(32) int32_t top[256][8];
   alignas(32) int32_t pack[256][8];  // the m-lanes in order, then lane 0: left-packing permute
+  // byte shuffles of 8 16-bit lanes for mask m (-1: a zero byte): pack16 left-packs the m-lanes, expand16
+  // puts the k-th of 8 packed values in the k-th m-lane, pack8 left-packs the m-lanes' low bytes
+  alignas(16) int8_t pack16[256][16], expand16[256][16], pack8[256][16];
   Tables() {
     for (int m = 0; m < 256; ++m) {
       int k = 0;
@@ -41,6 +44,14 @@ struct Tables {
       for (int l = 0; l < 8; ++l) pack[m][l] = 0;
       for (int l = 0; l < 8; ++l)
         if (m >> l & 1) pack[m][k++] = l;
+      for (int b = 0; b < 16; ++b) pack16[m][b] = expand16[m][b] = pack8[m][b] = -1;
+      k = 0;
+      for (int l = 0; l < 8; ++l)
+        if (m >> l & 1) {
+          pack16[m][2 * k] = int8_t(2 * l), pack16[m][2 * k + 1] = int8_t(2 * l + 1);
+          expand16[m][2 * l] = int8_t(2 * k), expand16[m][2 * l + 1] = int8_t(2 * k + 1);
+          pack8[m][k++] = int8_t(2 * l);
+        }
     }
   }
 };
@@ -96,6 +107,19 @@ SYNCD_256 SYNCD_INLINE __m256i lane_mask(uint32_t m8) {
 }
 
 SYNCD_256 SYNCD_INLINE uint32_t mask8(__m256i v) { return uint32_t(_mm256_movemask_ps(_mm256_castsi256_ps(v))); }
+
+SYNCD_256 SYNCD_INLINE __m128i shuffle_by(__m128i x, const int8_t (&table)[256][16], uint32_t m8) {
+  return _mm_shuffle_epi8(x, _mm_load_si128(reinterpret_cast<const __m128i*>(table[m8])));
+}
+
+// Appends the low bytes of the m-lanes (bit l of m: 16-bit lane l of x) at out; writes 16 bytes past them at
+// most. Returns popcount(m).
+SYNCD_256 SYNCD_INLINE uint32_t pack_low_bytes(__m256i x, uint32_t m, uint8_t* out) {
+  const uint32_t c0 = uint32_t(__builtin_popcount(m & 0xFF));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(out), shuffle_by(_mm256_castsi256_si128(x), kTab.pack8, m & 0xFF));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(out + c0), shuffle_by(_mm256_extracti128_si256(x, 1), kTab.pack8, m >> 8));
+  return c0 + uint32_t(__builtin_popcount(m >> 8));
+}
 
 // One decoder step of 8 lanes (coded8: the lanes coded); returns their bits.
 SYNCD_256 SYNCD_INLINE uint32_t dec8(__m256i& x, uint32_t coded8, __m256i p1, const uint8_t*& p, const uint8_t* end,
@@ -193,9 +217,7 @@ struct DecRow {
     bitmap[t] = uint16_t(b);
     if (!b) return;
     if (size_t(__builtin_popcount(b)) > n_max - found) fail(what, ": more changes than the block table says");
-    alignas(32) uint16_t cl[16];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(cl), r.cls);
-    for (uint32_t m = b; m; m &= m - 1) cls_ch[found++] = uint8_t(cl[__builtin_ctz(m)]);
+    found += pack_low_bytes(r.cls, b, cls_ch + found);  // cls_ch has n_max + 64 bytes
   }
 };
 
@@ -333,14 +355,11 @@ SYNCD_256 uint64_t scan(const Classes16& c, const uint16_t* nw, uint64_t first_w
     const __m256i ka = is_float ? kk.key(a) : a, kb = is_float ? kk.key(b) : b;
     const __m256i d = _mm256_sub_epi16(kb, ka);
     const __m256i v = _mm256_sub_epi16(_mm256_xor_si256(_mm256_slli_epi16(d, 1), _mm256_srai_epi16(d, 15)), kk.one);
-    alignas(32) uint16_t vv[16], cl[16];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(vv), v);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(cl), k.classes(a));
-    for (uint32_t m = ne; m; m &= m - 1) {
-      const int l = __builtin_ctz(m);
-      v16[kch] = vv[l];
-      cls_ch[kch++] = uint8_t(cl[l]);
-    }
+    const uint32_t c0 = uint32_t(__builtin_popcount(ne & 0xFF));  // left-packed: 16 entries past kch written
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(v16 + kch), shuffle_by(_mm256_castsi256_si128(v), kTab.pack16, ne & 0xFF));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(v16 + kch + c0),
+                     shuffle_by(_mm256_extracti128_si256(v, 1), kTab.pack16, ne >> 8));
+    kch += pack_low_bytes(k.classes(a), ne, cls_ch + kch);
   }
   *sum_old = so;
   *adj = ad;
@@ -356,10 +375,12 @@ SYNCD_256 uint64_t apply(uint16_t* target, uint64_t span, uint64_t first_word, c
     const uint32_t bits = bitmap[j];
     if (!bits) continue;
     uint8_t* tp = reinterpret_cast<uint8_t*>(target + 16 * j);
-    alignas(32) uint16_t vv[16] = {};
-    for (uint32_t m = bits; m; m &= m - 1) vv[__builtin_ctz(m)] = v16[k++];
+    const __m128i v_lo = shuffle_by(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v16 + k)), kTab.expand16, bits & 0xFF);
+    k += uint64_t(__builtin_popcount(bits & 0xFF));
+    const __m128i v_hi = shuffle_by(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v16 + k)), kTab.expand16, bits >> 8);
+    k += uint64_t(__builtin_popcount(bits >> 8));
     const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tp));
-    const __m256i u = _mm256_add_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(vv)), kk.one);
+    const __m256i u = _mm256_add_epi16(_mm256_set_m128i(v_hi, v_lo), kk.one);
     const __m256i d = _mm256_xor_si256(_mm256_srli_epi16(u, 1), _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_and_si256(u, kk.one)));
     const __m256i ka = is_float ? kk.key(a) : a;
     const __m256i kb = forward ? _mm256_add_epi16(ka, d) : _mm256_sub_epi16(ka, d);
