@@ -531,6 +531,128 @@ SYNCD_256 void value_stats(const uint8_t* cls, const uint16_t* v, size_t n, uint
   }
 }
 
+namespace {
+
+// The mantissa bits of one group's lanes (J entries lo .. lo + width), in J order: one read per 4 lanes
+// (<= 4 * 14 bits); nb[l] is lane l's bit length (0 past width).
+SYNCD_256 SYNCD_INLINE void read_mantissa(const uint32_t* nb, int width, const uint32_t* jidx, BitReader& mant,
+                                          uint16_t* v, const std::string& what) {
+  for (int l = 0; l < width; l += 4) {
+    uint32_t len[4], total = 0;
+    for (int q = 0; q < 4; ++q) total += len[q] = nb[l + q] ? nb[l + q] - 1 : 0;
+    uint64_t bits = mant.read(total);
+    for (int q = 0; q < 4 && l + q < width; ++q) {
+      const uint32_t m = (nb[l + q] ? 1u << len[q] : 0) | uint32_t(bits & ((uint64_t(1) << len[q]) - 1));
+      bits >>= len[q];
+      const uint32_t xv = (m << 1) | v[jidx[l + q]];
+      if (xv > 0xFFFE) fail(what, ": value change 65535 too wide for the dtype");
+      v[jidx[l + q]] = uint16_t(xv);
+    }
+  }
+}
+
+// The J entries of group g of the step at s0: their first index and number (0: none, loads from 0).
+struct GroupSpan {
+  size_t lo;
+  int width;
+};
+inline GroupSpan group_span(size_t s0, int g, size_t nj) {
+  const size_t lo = s0 + size_t(g) * kLanes;
+  return lo < nj ? GroupSpan{lo, int(std::min<size_t>(kLanes, nj - lo))} : GroupSpan{0, 0};
+}
+
+// One step of the value streams, its GV groups' rows interleaved (each group's own stream stays in order).
+template <int GV>
+SYNCD_256 SYNCD_INLINE void decode_step(size_t s0, size_t nj, const uint8_t* cls_j, const uint32_t* jidx,
+                                        const DepthTables& dt, const ValueTrees& lv, BinGroupDecoder* vdec,
+                                        BitReader& mant, uint16_t* v, const std::string& what) {
+  const __m256i one = _mm256_set1_epi32(1);
+  GroupSpan gs[GV];
+  Half h0[GV], h1[GV];
+  __m256i u0[GV], u1[GV];
+  State x[GV];
+  for (int g = 0; g < GV; ++g) {
+    gs[g] = group_span(s0, g, nj);
+    h0[g] = half_at(cls_j, gs[g].lo, gs[g].width, dt);
+    h1[g] = half_at(cls_j, gs[g].lo + 8, gs[g].width - 8, dt);
+    u0[g] = u1[g] = one;
+    x[g] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vdec[g].x)),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vdec[g].x + 8))};
+  }
+  for (int r = 0;; ++r) {  // until no lane's tree has more levels
+    const __m256i rr = _mm256_set1_epi32(r);
+    __m256i on0[GV], on1[GV];
+    uint32_t any = 0;
+    for (int g = 0; g < GV; ++g) {
+      on0[g] = _mm256_cmpgt_epi32(h0[g].d, rr);
+      on1[g] = _mm256_cmpgt_epi32(h1[g].d, rr);
+      any |= mask8(_mm256_or_si256(on0[g], on1[g]));
+    }
+    if (!any) break;
+    for (int g = 0; g < GV; ++g) {
+      BinGroupDecoder& d = vdec[g];
+      const uint32_t b0 = dec8(x[g].lo, mask8(on0[g]), node_p(lv, h0[g].cl, u0[g], on0[g]), d.p, d.end, d.what);
+      const uint32_t b1 = dec8(x[g].hi, mask8(on1[g]), node_p(lv, h1[g].cl, u1[g], on1[g]), d.p, d.end, d.what);
+      u0[g] = _mm256_blendv_epi8(u0[g], _mm256_sub_epi32(_mm256_add_epi32(u0[g], u0[g]), lane_mask(b0)), on0[g]);
+      u1[g] = _mm256_blendv_epi8(u1[g], _mm256_sub_epi32(_mm256_add_epi32(u1[g], u1[g]), lane_mask(b1)), on1[g]);
+    }
+  }
+  for (int g = 0; g < GV; ++g) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(vdec[g].x), x[g].lo);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(vdec[g].x + 8), x[g].hi);
+  }
+  for (int g = 0; g < GV; ++g) {  // u = 2^depth + nb
+    if (!gs[g].width) continue;
+    alignas(32) uint32_t nb[kLanes];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(nb), _mm256_sub_epi32(u0[g], _mm256_sllv_epi32(one, h0[g].d)));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(nb + 8), _mm256_sub_epi32(u1[g], _mm256_sllv_epi32(one, h1[g].d)));
+    read_mantissa(nb, gs[g].width, jidx + gs[g].lo, mant, v, what);
+  }
+}
+
+// One step of the value streams backwards (rows bottom up), its GV groups' rows interleaved.
+template <int GV>
+SYNCD_256 SYNCD_INLINE void encode_step(size_t s0, size_t nj, const uint8_t* cls_j, const uint16_t* m_j,
+                                        const DepthTables& dt, const ValueTrees& lv, BinGroupEncoder* venc) {
+  const __m256i one = _mm256_set1_epi32(1);
+  Half h0[GV], h1[GV];
+  __m256i leaf0[GV], leaf1[GV], dmax = _mm256_setzero_si256();
+  State x[GV];
+  for (int g = 0; g < GV; ++g) {
+    const GroupSpan gs = group_span(s0, g, nj);
+    h0[g] = half_at(cls_j, gs.lo, gs.width, dt);
+    h1[g] = half_at(cls_j, gs.lo + 8, gs.width - 8, dt);
+    leaf0[g] = leaf_of(m_j + gs.lo, h0[g].d);
+    leaf1[g] = leaf_of(m_j + gs.lo + 8, h1[g].d);
+    dmax = _mm256_max_epu32(dmax, _mm256_max_epu32(h0[g].d, h1[g].d));
+    x[g] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(venc[g].x)),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(venc[g].x + 8))};
+  }
+  alignas(32) uint32_t dd[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(dd), dmax);
+  int top = 0;
+  for (int l = 0; l < 8; ++l) top = std::max(top, int(dd[l]));
+  for (int r = top - 1; r >= 0; --r) {
+    const __m256i rr = _mm256_set1_epi32(r);
+    for (int g = GV - 1; g >= 0; --g) {
+      const __m256i on0 = _mm256_cmpgt_epi32(h0[g].d, rr), on1 = _mm256_cmpgt_epi32(h1[g].d, rr);
+      const __m256i sh0 = _mm256_sub_epi32(h0[g].d, rr), sh1 = _mm256_sub_epi32(h1[g].d, rr);  // node: leaf >> sh
+      const __m256i p0 = node_p(lv, h0[g].cl, _mm256_srlv_epi32(leaf0[g], sh0), on0);
+      const __m256i p1 = node_p(lv, h1[g].cl, _mm256_srlv_epi32(leaf1[g], sh1), on1);
+      const uint32_t b0 = mask8(_mm256_slli_epi32(_mm256_srlv_epi32(leaf0[g], _mm256_sub_epi32(sh0, one)), 31));
+      const uint32_t b1 = mask8(_mm256_slli_epi32(_mm256_srlv_epi32(leaf1[g], _mm256_sub_epi32(sh1, one)), 31));
+      enc8(x[g].hi, mask8(on1), b1, p1, venc[g].w);
+      enc8(x[g].lo, mask8(on0), b0, p0, venc[g].w);
+    }
+  }
+  for (int g = 0; g < GV; ++g) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(venc[g].x), x[g].lo);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(venc[g].x + 8), x[g].hi);
+  }
+}
+
+}  // namespace
+
 SYNCD_256 void decode_values(const uint8_t* cls, size_t n, const uint8_t* signs, const ValueTrees& lv,
                              BinGroupDecoder* vdec, int gv, const uint8_t* mant_p, size_t mant_len, uint16_t* v,
                              const std::string& what) {
@@ -539,48 +661,28 @@ SYNCD_256 void decode_values(const uint8_t* cls, size_t n, const uint8_t* signs,
   const DepthTables dt(lv);
   const size_t nj = select_j(cls, nullptr, n, dt, jidx, cls_j, nullptr);
   check_value_groups(gv, nj, what);
-  for (size_t i = 0; i < n; ++i) v[i] = uint16_t(signs[i >> 3] >> (i & 7) & 1);
+  const __m256i bit = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+                                        int16_t(0x8000));
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16) {  // the sign bits as the values' low bits, 16 at a time
+    const __m256i b = _mm256_set1_epi16(int16_t(signs[i >> 3] | signs[(i >> 3) + 1] << 8));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(v + i),
+                        _mm256_srli_epi16(_mm256_cmpeq_epi16(_mm256_and_si256(b, bit), bit), 15));
+  }
+  for (; i < n; ++i) v[i] = uint16_t(signs[i >> 3] >> (i & 7) & 1);
   ByteReader owner(mant_p, mant_len, what);
   BitReader mant(mant_p, mant_len, owner);
-  const __m256i one = _mm256_set1_epi32(1);
   const size_t step = size_t(kLanes) * std::max(gv, 1);
-  for (size_t s0 = 0; s0 < nj && gv; s0 += step)
-    for (int g = 0; g < gv; ++g) {
-      const size_t lo = s0 + size_t(g) * kLanes;
-      if (lo >= nj) break;
-      const int width = int(std::min<size_t>(kLanes, nj - lo));
-      const Half h0 = half_at(cls_j, lo, width, dt), h1 = half_at(cls_j, lo + 8, width - 8, dt);
-      __m256i u0 = one, u1 = one;
-      State x{_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vdec[g].x)),
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vdec[g].x + 8))};
-      for (int r = 0;; ++r) {  // until no lane's tree has more levels
-        const __m256i rr = _mm256_set1_epi32(r);
-        const __m256i on0 = _mm256_cmpgt_epi32(h0.d, rr), on1 = _mm256_cmpgt_epi32(h1.d, rr);
-        const uint32_t c0 = mask8(on0), c1 = mask8(on1);
-        if (!(c0 | c1)) break;
-        const uint32_t b0 = dec8(x.lo, c0, node_p(lv, h0.cl, u0, on0), vdec[g].p, vdec[g].end, vdec[g].what);
-        const uint32_t b1 = dec8(x.hi, c1, node_p(lv, h1.cl, u1, on1), vdec[g].p, vdec[g].end, vdec[g].what);
-        u0 = _mm256_blendv_epi8(u0, _mm256_sub_epi32(_mm256_add_epi32(u0, u0), lane_mask(b0)), on0);  // 2u + bit
-        u1 = _mm256_blendv_epi8(u1, _mm256_sub_epi32(_mm256_add_epi32(u1, u1), lane_mask(b1)), on1);
-      }
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(vdec[g].x), x.lo);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(vdec[g].x + 8), x.hi);
-      alignas(32) uint32_t nb[kLanes];  // u = 2^depth + nb
-      _mm256_store_si256(reinterpret_cast<__m256i*>(nb), _mm256_sub_epi32(u0, _mm256_sllv_epi32(one, h0.d)));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(nb + 8), _mm256_sub_epi32(u1, _mm256_sllv_epi32(one, h1.d)));
-      for (int l = 0; l < width; l += 4) {  // mantissa bits in J order: one read per 4 lanes (<= 4 * 14 bits)
-        uint32_t len[4], total = 0;
-        for (int q = 0; q < 4; ++q) total += len[q] = nb[l + q] ? nb[l + q] - 1 : 0;  // lanes past width: nb 0
-        uint64_t bits = mant.read(total);
-        for (int q = 0; q < 4 && l + q < width; ++q) {
-          const uint32_t m = (nb[l + q] ? 1u << len[q] : 0) | uint32_t(bits & ((uint64_t(1) << len[q]) - 1));
-          bits >>= len[q];
-          const uint32_t xv = (m << 1) | v[jidx[lo + l + q]];
-          if (xv > 0xFFFE) fail(what, ": value change 65535 too wide for the dtype");
-          v[jidx[lo + l + q]] = uint16_t(xv);
-        }
-      }
+  for (size_t s0 = 0; s0 < nj && gv; s0 += step) {
+    switch (gv) {
+      case 1: decode_step<1>(s0, nj, cls_j, jidx, dt, lv, vdec, mant, v, what); break;
+      case 2: decode_step<2>(s0, nj, cls_j, jidx, dt, lv, vdec, mant, v, what); break;
+      case 3: decode_step<3>(s0, nj, cls_j, jidx, dt, lv, vdec, mant, v, what); break;
+      case 4: decode_step<4>(s0, nj, cls_j, jidx, dt, lv, vdec, mant, v, what); break;
+      default:  // more groups than our encoders write: one at a time (same order within each stream)
+        for (int g = 0; g < gv; ++g) decode_step<1>(s0 + size_t(g) * kLanes, nj, cls_j, jidx, dt, lv, vdec + g, mant, v, what);
     }
+  }
   mant.finish();
 }
 
@@ -591,40 +693,28 @@ SYNCD_256 void encode_values(const uint8_t* cls, const uint16_t* v, size_t n, co
   uint16_t* m_j = sized(t_m_j, n + kLanes);
   const DepthTables dt(lv);
   const size_t nj = select_j(cls, v, n, dt, jidx, cls_j, m_j);
-  const __m256i one = _mm256_set1_epi32(1);
   const size_t step = size_t(kLanes) * std::max(gv, 1);
-  for (size_t s0 = gv ? (nj + step - 1) / step * step : 0; s0 > 0;) {  // steps back to front, rows bottom up
+  for (size_t s0 = gv ? (nj + step - 1) / step * step : 0; s0 > 0;) {  // steps back to front
     s0 -= step;
-    for (int g = gv - 1; g >= 0; --g) {
-      const size_t lo = s0 + size_t(g) * kLanes;
-      if (lo >= nj) continue;
-      const int width = int(std::min<size_t>(kLanes, nj - lo));
-      const Half h0 = half_at(cls_j, lo, width, dt), h1 = half_at(cls_j, lo + 8, width - 8, dt);
-      const __m256i leaf0 = leaf_of(m_j + lo, h0.d), leaf1 = leaf_of(m_j + lo + 8, h1.d);
-      alignas(32) uint32_t dd[kLanes];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(dd), _mm256_max_epu32(h0.d, h1.d));
-      int top = 0;
-      for (int l = 0; l < 8; ++l) top = std::max(top, int(dd[l]));
-      State x{_mm256_loadu_si256(reinterpret_cast<const __m256i*>(venc[g].x)),
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(venc[g].x + 8))};
-      for (int r = top - 1; r >= 0; --r) {
-        const __m256i rr = _mm256_set1_epi32(r);
-        const __m256i on0 = _mm256_cmpgt_epi32(h0.d, rr), on1 = _mm256_cmpgt_epi32(h1.d, rr);
-        const __m256i sh0 = _mm256_sub_epi32(h0.d, rr), sh1 = _mm256_sub_epi32(h1.d, rr);  // the node: leaf >> sh
-        const __m256i p0 = node_p(lv, h0.cl, _mm256_srlv_epi32(leaf0, sh0), on0);
-        const __m256i p1 = node_p(lv, h1.cl, _mm256_srlv_epi32(leaf1, sh1), on1);
-        const uint32_t b0 = mask8(_mm256_slli_epi32(_mm256_srlv_epi32(leaf0, _mm256_sub_epi32(sh0, one)), 31));
-        const uint32_t b1 = mask8(_mm256_slli_epi32(_mm256_srlv_epi32(leaf1, _mm256_sub_epi32(sh1, one)), 31));
-        enc8(x.hi, mask8(on1), b1, p1, venc[g].w);
-        enc8(x.lo, mask8(on0), b0, p0, venc[g].w);
-      }
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(venc[g].x), x.lo);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(venc[g].x + 8), x.hi);
+    switch (gv) {
+      case 1: encode_step<1>(s0, nj, cls_j, m_j, dt, lv, venc); break;
+      case 2: encode_step<2>(s0, nj, cls_j, m_j, dt, lv, venc); break;
+      case 3: encode_step<3>(s0, nj, cls_j, m_j, dt, lv, venc); break;
+      case 4: encode_step<4>(s0, nj, cls_j, m_j, dt, lv, venc); break;
+      default:
+        for (int g = gv - 1; g >= 0; --g) encode_step<1>(s0 + size_t(g) * kLanes, nj, cls_j, m_j, dt, lv, venc + g);
     }
   }
   append_mantissa16(nj, [m_j](size_t t) { return uint32_t(m_j[t]); }, mant);  // in J order
   std::memset(signs, 0, (n + 7) / 8);
-  for (size_t i = 0; i < n; ++i) signs[i >> 3] |= uint8_t((v[i] & 1) << (i & 7));
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16) {  // the values' low bits, 16 at a time: bit 15 of each lane, then its high byte's top
+    const __m256i lowbit = _mm256_slli_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + i)), 15);
+    const uint32_t bits = _pext_u32(uint32_t(_mm256_movemask_epi8(lowbit)), 0xAAAAAAAAu);
+    signs[i >> 3] = uint8_t(bits);
+    signs[(i >> 3) + 1] = uint8_t(bits >> 8);
+  }
+  for (; i < n; ++i) signs[i >> 3] |= uint8_t((v[i] & 1) << (i & 7));
 }
 
 }  // namespace avx2_16
