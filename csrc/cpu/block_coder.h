@@ -32,6 +32,15 @@ class PodBuffer {
     p_ = std::move(q);
     cap_ = c;
   }
+  // Room for `n` elements, none of them kept: a scratch buffer that only grows.
+  T* scratch(size_t n) {
+    if (n > cap_) {
+      p_.reset();  // the old contents are not kept, so they need not coexist with the new ones
+      cap_ = 0;
+      reserve(n);
+    }
+    return data();
+  }
 
  private:
   std::unique_ptr<T[]> p_;

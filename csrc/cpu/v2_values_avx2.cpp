@@ -8,6 +8,7 @@
 #include <cstring>
 #include <vector>
 
+#include "block_coder.h"
 #include "checksum.h"
 #include "codec_core.h"
 #include "entropy.h"
@@ -22,15 +23,9 @@ using namespace detail;
 
 namespace {
 
-thread_local std::vector<uint32_t> t_jidx;
-thread_local std::vector<uint8_t> t_cls_j;
-thread_local std::vector<uint16_t> t_m_j;
-
-template <class T>
-T* sized(std::vector<T>& b, size_t n) {
-  if (b.size() < n) b.resize(n);
-  return b.data();
-}
+thread_local PodBuffer<uint32_t> t_jidx;
+thread_local PodBuffer<uint8_t> t_cls_j;
+thread_local PodBuffer<uint16_t> t_m_j;
 
 struct DepthTables {
   __m256i lo, hi;
@@ -274,8 +269,8 @@ SYNCD_256 SYNCD_INLINE void encode_step(size_t s0, size_t nj, const uint8_t* cls
 SYNCD_256 void decode_values(const uint8_t* cls, size_t n, const uint8_t* signs, const ValueTrees& lv,
                              BinGroupDecoder* vdec, int gv, const uint8_t* mant_p, size_t mant_len, uint16_t* v,
                              const std::string& what) {
-  uint32_t* jidx = sized(t_jidx, n + 8);
-  uint8_t* cls_j = sized(t_cls_j, n + kLanes);
+  uint32_t* jidx = t_jidx.scratch(n + 8);
+  uint8_t* cls_j = t_cls_j.scratch(n + kLanes);
   const DepthTables dt(lv);
   const size_t nj = select_j(cls, nullptr, n, dt, jidx, cls_j, nullptr);
   check_value_groups(gv, nj, what);
@@ -306,9 +301,9 @@ SYNCD_256 void decode_values(const uint8_t* cls, size_t n, const uint8_t* signs,
 
 SYNCD_256 void encode_values(const uint8_t* cls, const uint16_t* v, size_t n, const ValueTrees& lv,
                              BinGroupEncoder* venc, int gv, std::vector<uint8_t>& mant, uint8_t* signs) {
-  uint32_t* jidx = sized(t_jidx, n + 8);
-  uint8_t* cls_j = sized(t_cls_j, n + kLanes);
-  uint16_t* m_j = sized(t_m_j, n + kLanes);
+  uint32_t* jidx = t_jidx.scratch(n + 8);
+  uint8_t* cls_j = t_cls_j.scratch(n + kLanes);
+  uint16_t* m_j = t_m_j.scratch(n + kLanes);
   const DepthTables dt(lv);
   const size_t nj = select_j(cls, v, n, dt, jidx, cls_j, m_j);
   const size_t step = size_t(kLanes) * std::max(gv, 1);

@@ -19,12 +19,6 @@ thread_local PodBuffer<uint8_t> t_cls_j, t_nb_j;
 thread_local PodBuffer<uint16_t> t_m_j;
 thread_local PodBuffer<uint64_t> t_jbits;
 
-template <class T>
-T* grown(PodBuffer<T>& b, size_t n) {
-  b.reserve(n);
-  return b.data();
-}
-
 // Compresses the classes (and, when v is given, the bit lengths and m) of the changes of classes with value
 // levels; sets one bit per change in jbits. Returns their number.
 SYNCD_512 size_t select_j(const uint8_t* cls, const uint16_t* v, size_t n, const ValueTrees& lv, uint8_t* cls_j,
@@ -189,10 +183,10 @@ SYNCD_512 inline void encode_step(size_t s0, size_t nj, const uint8_t* cls_j, co
 
 SYNCD_512 void encode_values(const uint8_t* cls, const uint16_t* v, size_t n, const ValueTrees& lv,
                              BinGroupEncoder* venc, int gv, std::vector<uint8_t>& mant, uint8_t* signs) {
-  uint8_t* cls_j = grown(t_cls_j, n + 64);
-  uint8_t* nb_j = grown(t_nb_j, n + 64);
-  uint16_t* m_j = grown(t_m_j, n + 64);
-  uint64_t* jbits = grown(t_jbits, n / 64 + 2);
+  uint8_t* cls_j = t_cls_j.scratch(n + 64);
+  uint8_t* nb_j = t_nb_j.scratch(n + 64);
+  uint16_t* m_j = t_m_j.scratch(n + 64);
+  uint64_t* jbits = t_jbits.scratch(n / 64 + 2);
   const size_t nj = select_j(cls, v, n, lv, cls_j, nb_j, m_j, jbits);
   const __m512i dtab = _mm512_loadu_si512(lv.depth);
   const RowTables rt(lv);
@@ -317,9 +311,9 @@ SYNCD_512 inline void decode_step(size_t s0, size_t nj, const uint8_t* cls_j, co
 SYNCD_512 void decode_values(const uint8_t* cls, size_t n, const uint8_t* signs, const ValueTrees& lv,
                              BinGroupDecoder* vdec, int gv, const uint8_t* mant_p, size_t mant_len, uint16_t* v,
                              const std::string& what) {
-  uint8_t* cls_j = grown(t_cls_j, n + 64);
-  uint16_t* m_j = grown(t_m_j, n + 64);
-  uint64_t* jbits = grown(t_jbits, n / 64 + 2);
+  uint8_t* cls_j = t_cls_j.scratch(n + 64);
+  uint16_t* m_j = t_m_j.scratch(n + 64);
+  uint64_t* jbits = t_jbits.scratch(n / 64 + 2);
   const size_t nj = select_j(cls, nullptr, n, lv, cls_j, nullptr, nullptr, jbits);
   check_value_groups(gv, nj, what);
   Mantissa mant{mant_p, mant_len, what};
