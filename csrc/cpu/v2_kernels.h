@@ -67,6 +67,19 @@ uint64_t scan16(const Classes16& c, const uint16_t* nw, uint64_t first_word, boo
 uint64_t apply16(uint16_t* target, uint64_t span, uint64_t first_word, const uint16_t* bitmap, const uint16_t* v16,
                  bool is_float, bool forward, const uint64_t* old_sum, Simd s);
 
+// Prefetches the cache lines of the `bytes` that start kPrefetchBytes past p (or, behind, before p): the row
+// loops do enough work per cache line that with the hardware prefetcher alone their loads of the old words
+// wait on memory. A hint only; addresses outside the buffers are harmless.
+constexpr size_t kPrefetchBytes = 4096;
+inline void prefetch_ahead(const void* p, size_t bytes) {
+  const char* q = static_cast<const char*>(p) + kPrefetchBytes;
+  for (size_t b = 0; b < bytes; b += 64) __builtin_prefetch(q + b, 0, 3);
+}
+inline void prefetch_behind(const void* p, size_t bytes) {
+  const char* q = static_cast<const char*>(p) - kPrefetchBytes;
+  for (size_t b = 0; b < bytes; b += 64) __builtin_prefetch(q + b, 0, 3);
+}
+
 // ---- values: every change's v = 2m + low; the changes J of classes with a value tree code the bit length nb
 // of m by its binary digits, most significant first (row r of 16 consecutive J entries: digit r of each lane
 // whose tree has more than r levels; group g of each step of 16 * gv), each with its tree node's probability,

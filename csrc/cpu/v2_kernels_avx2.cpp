@@ -109,8 +109,10 @@ SYNCD_256 size_t decode_gp(const Classes16& c, BinGroupDecoder* dec, uint16_t* b
   }
   const uint64_t vectors = (c.span + kLanes - 1) / kLanes, full = c.span / kLanes / GP * GP;
   uint64_t t = 0;
-  for (; t < full; t += GP)
+  for (; t < full; t += GP) {
+    prefetch_ahead(c.old + t * kLanes, GP * kLanes * 2);
     for (int g = 0; g < GP; ++g) row.row(t + g, 0xFFFF, x[g], p[g], e[g]);
+  }
   for (int g = 0; g < GP; ++g) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dec[g].x), x[g].lo);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dec[g].x + 8), x[g].hi);
@@ -159,8 +161,10 @@ SYNCD_256 void encode_gp(const Classes16& c, const uint16_t* bitmap, BinGroupEnc
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(enc[g].x + 8))};
     w[g] = enc[g].w;
   }
-  for (uint64_t t = full; t > 0; t -= GP)
+  for (uint64_t t = full; t > 0; t -= GP) {
+    prefetch_behind(c.old + (t - GP) * kLanes, GP * kLanes * 2);
     for (int g = GP - 1; g >= 0; --g) row.row(t - GP + g, 0xFFFF, x[g], w[g]);
+  }
   for (int g = 0; g < GP; ++g) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(enc[g].x), x[g].lo);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(enc[g].x + 8), x[g].hi);
@@ -212,6 +216,10 @@ SYNCD_256 uint64_t scan(const Classes16& c, const uint16_t* nw, uint64_t first_w
   for (uint64_t j = 0; j < vecs; ++j) {
     const uint8_t* op = reinterpret_cast<const uint8_t*>(c.old + 16 * j);
     const uint8_t* np = reinterpret_cast<const uint8_t*>(nw + 16 * j);
+    if (j % 2 == 0) {
+      prefetch_ahead(op, 64);
+      prefetch_ahead(np, 64);
+    }
     const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(op));
     const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(np));
     for (int q = 0; q < 4; ++q) so += checksum_term(load_le64(op + 8 * q), first_word + 4 * j + q);
@@ -245,6 +253,7 @@ SYNCD_256 uint64_t apply(uint16_t* target, uint64_t span, uint64_t first_word, c
   uint64_t ad = 0, k = 0;
   for (uint64_t j = 0; j < vecs; ++j) {
     const uint32_t bits = bitmap[j];
+    if (j % 2 == 0) prefetch_ahead(target + 16 * j, 64);  // every line: cheaper than asking the bitmap which ones
     if (!bits) continue;
     uint8_t* tp = reinterpret_cast<uint8_t*>(target + 16 * j);
     const __m128i v_lo = shuffle_by(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v16 + k)), kTab.expand16, bits & 0xFF);

@@ -106,6 +106,7 @@ SYNCD_512 size_t decode_gp(const Classes16& c, BinGroupDecoder* dec, uint16_t* b
   __m512i key = word_keys512(first_word), acc = _mm512_setzero_si512();  // the old words' checksum terms
   uint64_t t = 0;
   for (; t < full; t += kUnit) {
+    if (!kNibbles) prefetch_ahead(c.old + t * kLanes, kUnit * kLanes * 2);
 #pragma GCC unroll 16
     for (int u = 0; u < kUnit; u += 2) {
       const Pair q = kNibbles ? k16.pair_nibbles(c.nibbles + (t + u) * 8) : k16.pair(c.old + (t + u) * kLanes);
@@ -178,6 +179,7 @@ SYNCD_512 void encode_gp(const Classes16& c, const uint16_t* bitmap, BinGroupEnc
     w[g] = enc[g].w;
   }
   for (uint64_t t = full; t > 0; t -= kUnit) {
+    if (!kNibbles) prefetch_behind(c.old + (t - kUnit) * kLanes, kUnit * kLanes * 2);
 #pragma GCC unroll 16
     for (int u = kUnit - 2; u >= 0; u -= 2) {
       const uint64_t v = t - kUnit + u;
@@ -288,6 +290,8 @@ SYNCD_512 uint64_t scan(const Classes16& c, const uint16_t* nw, uint64_t first_w
   const uint64_t vecs = c.span / 32;
   uint64_t k = 0;
   for (uint64_t j = 0; j < vecs; ++j, key = _mm512_add_epi64(key, step8)) {
+    prefetch_ahead(c.old + 32 * j, 64);
+    prefetch_ahead(nw + 32 * j, 64);
     const __m512i a = _mm512_loadu_si512(c.old + 32 * j), b = _mm512_loadu_si512(nw + 32 * j);
     const __m512i ma = mix512(_mm512_xor_si512(a, key));
     acc_old = _mm512_add_epi64(acc_old, ma);
@@ -320,6 +324,7 @@ SYNCD_512 uint64_t apply(uint16_t* target, uint64_t span, uint64_t first_word, c
     for (uint64_t j = 0; j < vecs; ++j, key = _mm512_add_epi64(key, step8)) {
       uint32_t bits;
       std::memcpy(&bits, bitmap + 2 * j, 4);
+      prefetch_ahead(target + 32 * j, 64);
       __m512i a = _mm512_loadu_si512(target + 32 * j);
       if (bits) {
         const __m512i v = expand_load32x16(bits, v16 + k);
@@ -339,6 +344,7 @@ SYNCD_512 uint64_t apply(uint16_t* target, uint64_t span, uint64_t first_word, c
   for (uint64_t j = 0; j < vecs; ++j, key = _mm512_add_epi64(key, step8)) {
     uint32_t bits;
     std::memcpy(&bits, bitmap + 2 * j, 4);
+    prefetch_ahead(target + 32 * j, 64);  // every line: cheaper than asking the bitmap which ones
     if (!bits) continue;
     const __m512i a = _mm512_loadu_si512(target + 32 * j);
     const __m512i v = expand_load32x16(bits, v16 + k);
