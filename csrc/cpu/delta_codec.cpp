@@ -253,6 +253,7 @@ struct ApplyTask {
   std::vector<uint32_t> written;  // changes written per block: what undo() reverses
   std::vector<PooledChanges> decoded;  // format 2: each context block's changes, kept for undo
   std::vector<uint64_t> sums, adjs;
+  bool target_checked = false;  // h was parsed and matches the target's dtype and shape
   std::atomic<bool> failed{false};
   std::string error;
   std::mutex m;
@@ -449,6 +450,7 @@ std::vector<std::string> delta_apply_many(const std::vector<ApplyJob>& jobs, boo
     try {
       k.h = parse_header(jobs[t].blob, jobs[t].blob_len);
       check_target(k.h, jobs[t].dtype_code, jobs[t].shape);
+      k.target_checked = true;
     } catch (const DeltaError& e) {
       k.fail(e.what());
       continue;
@@ -495,7 +497,8 @@ std::vector<std::string> delta_apply_many(const std::vector<ApplyJob>& jobs, boo
   if (verify)
     for (size_t t = 0; t < tasks.size(); ++t) {
       ApplyTask& k = *tasks[t];
-      if (!k.failed.load() || k.h.version != 2 || k.h.blocks.empty()) continue;
+      // only a header that matches the target says how many bytes the target has
+      if (!k.failed.load() || !k.target_checked || k.h.version != 2 || k.h.blocks.empty()) continue;
       if (k.error.rfind("wrong base", 0) == 0) continue;
       const uint64_t nbytes = k.h.numel * (k.h.dtype.bits / 8);
       const uint64_t have = checksum_finalize(checksum_raw_range(jobs[t].target, 0, nbytes), nbytes);

@@ -96,6 +96,16 @@ def test_wrong_dtype_shape_and_base(backend):
 
 
 @pytest.mark.parametrize("backend", DECODERS)
+def test_wrong_dtype_and_shape_format_2_name_the_mismatch(backend):
+    """A format-2 blob's failure on a target of another dtype or shape names the mismatch: the check for a
+    wrong base (run after a format-2 failure) must not read the target by the blob's idea of its size."""
+    _apply_expect_error(BLOBV2, backend, match="shape", old=OLDV2[:-1].clone())
+    _apply_expect_error(BLOBV2, backend, match="shape", old=OLDV2[:4096].clone())
+    _apply_expect_error(BLOBV2, backend, match="dtype", old=OLDV2.view(torch.float16))
+    _apply_expect_error(BLOBV2, backend, match="wrong base", old=NEWV2)
+
+
+@pytest.mark.parametrize("backend", DECODERS)
 def test_oversized_claims(backend):
     """Header fields that claim more than the blob or target holds, with valid checksums."""
     b = bytearray(BLOB)
