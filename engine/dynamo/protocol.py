@@ -141,6 +141,28 @@ def to_generation_request(request: Mapping[str, Any], request_id: str, *,
     return GenerationRequest(request_id, prompt, params)
 
 
+def nothing_left(request: Mapping[str, Any]) -> bool:
+    """Whether ``request`` asks for no more tokens (``max_tokens`` 0). The frontend refuses ``max_tokens`` 0
+    from clients ("Max tokens must be greater than 0"), so it reaches a worker only as a migration whose
+    subtraction left nothing: the dead worker had streamed every token but not the end of its stream. The
+    worker then ends the request at once (:func:`final_chunk`) instead of refusing it."""
+    if not isinstance(request, Mapping):
+        return False
+    stop = request.get("stop_conditions")
+    return isinstance(stop, Mapping) and _is_zero(stop.get("max_tokens")) and bool(request.get("token_ids"))
+
+
+def _is_zero(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v == 0
+
+
+def final_chunk(request_id: str) -> dict:
+    """The chunk that ends a request without a token (``finish_reason`` ``"length"``: its budget is spent)."""
+    return {"token_ids": [], "finish_reason": "length",
+            "engine_data": {"syncd": ENGINE_DATA_SCHEMA, "request_id": request_id, "index": 0, "token_ids": [],
+                            "versions": [], "logprobs": []}}
+
+
 def wants_logprobs(request: Mapping[str, Any]) -> bool:
     """Whether the client asked for per-token log-probabilities."""
     out = request.get("output_options") or {}

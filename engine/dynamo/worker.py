@@ -120,6 +120,10 @@ class DynamoWorker:
     async def generate(self, request, context=None):
         """The endpoint handler: an async generator of output chunks for one frontend request."""
         rid = self._engine_request_id(context)
+        if protocol.nothing_left(request):
+            log.info("request %s migrated with no tokens left to make; ending it", rid)
+            yield protocol.final_chunk(rid)
+            return
         try:
             greq = protocol.to_generation_request(request, rid, default_max_tokens=self.default_max_tokens)
         except ValueError as exc:

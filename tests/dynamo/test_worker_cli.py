@@ -47,3 +47,36 @@ def test_bad_arguments_exit_2(model_dir, capsys):
     assert worker.main(["--model", str(model_dir), "--engine", "vllm", "--tensor-parallel-size", "0"]) == 2
     assert capsys.readouterr().err.count("--tensor-parallel-size must be") == 2
     assert frontend.main(["--migration-limit", "-1"]) == 2
+
+
+def test_a_migration_with_no_tokens_left_ends_at_once(model_dir):
+    """The frontend re-sends a request whose worker died after its last token but before its stream's end with
+    max_tokens 0 (it refuses 0 from clients): the worker ends it with one token-less "length" chunk, which
+    the proxy's bookkeeping accepts, where it used to refuse it (the client then saw an error after every
+    token had arrived). Other requests are served as before."""
+    import asyncio
+
+    from engine.dynamo import protocol
+    from engine.proxy.record import Turn
+    from engine.proxy.turn import TurnState
+
+    ref = worker.build_engine(worker.parser().parse_args(["--model", str(model_dir)]))
+    w = worker.DynamoWorker(ref, model_dir=model_dir, served_name="tiny", token="t" * 32)
+
+    async def run(body):
+        return [c async for c in w.generate(body)]
+
+    try:
+        migrated = {"token_ids": [5, 6, 7, 8], "stop_conditions": {"max_tokens": 0}}
+        chunks = asyncio.run(run(migrated))
+        assert [(c["token_ids"], c["finish_reason"]) for c in chunks] == [([], "length")]
+        state = TurnState(Turn(index=0, endpoint="completions", request={}, stream=True))
+        state.add_engine_data(chunks[0]["engine_data"])
+        assert state.tokens == 0
+        fresh = asyncio.run(run({"token_ids": [5, 6, 7, 8], "stop_conditions": {"max_tokens": 3}}))
+        assert [len(c["token_ids"]) for c in fresh] == [1, 1, 1] and fresh[-1]["finish_reason"] == "length"
+        with pytest.raises(protocol.BadRequest, match="non-empty"):  # not a migration: no prompt to continue
+            asyncio.run(run({"token_ids": [], "stop_conditions": {"max_tokens": 0}}))
+        assert not protocol.nothing_left({"token_ids": [1], "stop_conditions": {"max_tokens": False}})
+    finally:
+        ref.close()
