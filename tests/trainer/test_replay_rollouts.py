@@ -157,7 +157,10 @@ def test_training_gradient_with_replay_matches_the_naive_masked_softmax(runs, ki
         (naive * w).sum().backward()
     torch.testing.assert_close(out.logprobs.detach(), naive.detach(), atol=2e-6, rtol=0)
     for n, p in model.named_parameters():
-        torch.testing.assert_close(got[n], p.grad, atol=1e-6, rtol=1e-4)
+        # two float32 orders of the same sums over the batch: their difference scales with the tensor's largest
+        # entry (the batch, and so that scale, depends on how fast the engines ran)
+        scale = float(p.grad.abs().max())
+        torch.testing.assert_close(got[n], p.grad, atol=1e-6 + 1e-5 * scale, rtol=1e-4)
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
