@@ -148,8 +148,9 @@ def nothing_left(request: Mapping[str, Any]) -> bool:
     worker then ends the request at once (:func:`final_chunk`) instead of refusing it."""
     if not isinstance(request, Mapping):
         return False
-    stop = request.get("stop_conditions")
-    return isinstance(stop, Mapping) and _is_zero(stop.get("max_tokens")) and bool(request.get("token_ids"))
+    stop, prompt = request.get("stop_conditions"), request.get("token_ids")
+    return (isinstance(stop, Mapping) and _is_zero(stop.get("max_tokens")) and isinstance(prompt, list)
+            and len(prompt) > 0)
 
 
 def _is_zero(v) -> bool:

@@ -78,5 +78,6 @@ def test_a_migration_with_no_tokens_left_ends_at_once(model_dir):
         with pytest.raises(protocol.BadRequest, match="non-empty"):  # not a migration: no prompt to continue
             asyncio.run(run({"token_ids": [], "stop_conditions": {"max_tokens": 0}}))
         assert not protocol.nothing_left({"token_ids": [1], "stop_conditions": {"max_tokens": False}})
+        assert not protocol.nothing_left({"token_ids": "1", "stop_conditions": {"max_tokens": 0}})
     finally:
         ref.close()
