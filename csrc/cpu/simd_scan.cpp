@@ -2,6 +2,7 @@
 
 #include "checksum.h"
 #include "codec_core.h"
+#include "prefetch.h"
 #include "simd_mix.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(SYNCD_NO_MULTIVERSION)
@@ -66,10 +67,8 @@ __attribute__((target("avx512f,avx512dq"))) uint64_t avx512_checksum_and_diff(co
   for (size_t g = 0; g < groups; ++g) {
     uint64_t m = 0;
     const uint8_t* po = o + g * 512;
-    for (int b = 0; b < 512; b += 64) {  // 4 KiB ahead (as integers: past the buffers near their ends)
-      __builtin_prefetch(reinterpret_cast<const void*>(uintptr_t(po) + 4096 + b), 0, 3);
-      if (n) __builtin_prefetch(reinterpret_cast<const void*>(uintptr_t(n + g * 512) + 4096 + b), 0, 3);
-    }
+    prefetch_ahead(po, 512);
+    if (n) prefetch_ahead(n + g * 512, 512);
     for (int k = 0; k < 8; k += 2) {
       __m512i a0 = _mm512_loadu_si512(po + 64 * k), a1 = _mm512_loadu_si512(po + 64 * (k + 1));
       __m512i key1 = _mm512_add_epi64(key, step8);

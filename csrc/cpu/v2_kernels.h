@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "binary_rans.h"
+#include "prefetch.h"
 
 namespace syncd {
 
@@ -66,17 +67,6 @@ uint64_t scan16(const Classes16& c, const uint16_t* nw, uint64_t first_word, boo
 // instead of two terms per changed word: cheaper when most words change.
 uint64_t apply16(uint16_t* target, uint64_t span, uint64_t first_word, const uint16_t* bitmap, const uint16_t* v16,
                  bool is_float, bool forward, const uint64_t* old_sum, Simd s);
-
-// Prefetches the cache lines of the `bytes` that start kPrefetchBytes past p (or, behind, before p): the row
-// loops do enough work per cache line that with the hardware prefetcher alone their loads of the old words
-// wait on memory. A hint only; addresses outside the buffers are harmless.
-// (Addresses are computed as integers: a pointer past its buffer would be undefined behaviour.)
-constexpr size_t kPrefetchBytes = 4096;
-inline void prefetch_at(uintptr_t a, size_t bytes) {
-  for (size_t b = 0; b < bytes; b += 64) __builtin_prefetch(reinterpret_cast<const void*>(a + b), 0, 3);
-}
-inline void prefetch_ahead(const void* p, size_t bytes) { prefetch_at(uintptr_t(p) + kPrefetchBytes, bytes); }
-inline void prefetch_behind(const void* p, size_t bytes) { prefetch_at(uintptr_t(p) - kPrefetchBytes, bytes); }
 
 // ---- values: every change's v = 2m + low; the changes J of classes with a value tree code the bit length nb
 // of m by its binary digits, most significant first (row r of 16 consecutive J entries: digit r of each lane
