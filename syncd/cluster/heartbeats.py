@@ -166,7 +166,10 @@ class Heartbeats:
         before = set(self.membership.live())
         if self.membership.heard(rank, hb):
             node.events("peer_restarted", peer=rank)
-        self.election.seen_term(hb["term"])
+        if hb["ctrl"] == rank:
+            self.election.rival_claim(rank, hb["term"])
+        else:
+            self.election.seen_term(hb["term"])
         if hb["ctrl"] == rank and isinstance(hb.get("starts"), dict):
             mine = hb["starts"].get(str(node.rank))
             if isinstance(mine, int) and mine >= 0 and node.adopt_start(mine):

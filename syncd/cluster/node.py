@@ -64,6 +64,12 @@ class _PlanState:
     plan: Plan
     manifest: mf.Manifest
     raw: bytes
+    sender: int  # the controller it came from
+
+    def order(self) -> tuple[int, int, int]:
+        """Which plan of a version wins: the highest term; in one term (two nodes that claimed at once) the lower
+        rank, the one the election keeps; then the highest seq."""
+        return self.plan.term, -self.sender, self.plan.seq
 
 
 class ClusterNode:
@@ -321,16 +327,19 @@ class ClusterNode:
             log.error("node %d: refusing plan from rank %d: %s", self.rank, sender, exc)
             return
         plan = Plan.from_json(msg["plan"], m, max_chunk_bytes=wire.MAX_CHUNK_BYTES)
-        self.accept_plan(plan, m, raw_b)
+        self.heartbeats.election.rival_claim(sender, plan.term)  # a plan from another node: it controls that term
+        self.accept_plan(plan, m, raw_b, sender)
 
-    def accept_plan(self, plan: Plan, m: mf.Manifest, raw: bytes) -> None:
-        """Take ``plan`` (of verified manifest ``m``) unless a newer one of its version is known; start the
-        workers it names this node for."""
+    def accept_plan(self, plan: Plan, m: mf.Manifest, raw: bytes, sender: int | None = None) -> None:
+        """Take ``plan`` (of verified manifest ``m``, from controller ``sender``, None: this node) unless one of
+        its version that wins over it (:meth:`_PlanState.order`) is known; start the workers it names this node
+        for."""
+        new = _PlanState(plan, m, raw, self.rank if sender is None else sender)
         old = self.plans.get(plan.version)
-        if old is not None and (old.plan.term, old.plan.seq) >= (plan.term, plan.seq):
+        if old is not None and old.order() >= new.order():
             return
         self.heartbeats.election.seen_term(plan.term)
-        self.plans[plan.version] = _PlanState(plan, m, raw)
+        self.plans[plan.version] = new
         self.events("plan", v=plan.version, term=plan.term, seq=plan.seq, roots=plan.roots(), slow=list(plan.slow),
                     shard_roots=[s.root for s in plan.shards],
                     relays=sorted({r for s in plan.shards for r in s.order[1:] if s.children(r, plan.fanout)}))
