@@ -88,47 +88,53 @@ SYNCD_512 inline void compress_bytes64(void* p, __mmask64 m, __m512i v) {
 
 // One binary rANS decoder step of the lanes in `coded`, probabilities p1; returns their bits. With `checked`
 // false the caller guarantees 32 readable bytes at p (16 words are loaded before the renormalisation mask is
-// known, so that the load is off the state's dependency chain).
-template <bool checked>
+// known, so that the load is off the state's dependency chain). With `every_lane` the mask is not applied: a lane
+// with p1 = 0 (a class that is not coded) steps to itself, as x stays at least 2^16, so every lane may run.
+//   bit 1: x = p1 * (x >> 16) + slot;  bit 0: x = (2^16 - p1) * (x >> 16) + slot - p1 = x - p1 * (x >> 16) - p1
+template <bool checked, bool every_lane = false>
 SYNCD_512 __attribute__((always_inline)) inline __mmask16 dec_step(__m512i& x, __mmask16 coded, __m512i p1,
                                                                  const uint8_t*& p, const uint8_t* end,
                                                                  const std::string& what) {
   const __m512i lo16 = _mm512_set1_epi32(0xFFFF), one16 = _mm512_set1_epi32(1 << 16);
+  if (every_lane) coded = 0xFFFF;
   const __m512i slot = _mm512_and_si512(x, lo16);
-  const __mmask16 bit = _mm512_mask_cmplt_epu32_mask(coded, slot, p1);
-  const __m512i f = _mm512_mask_blend_epi32(bit, _mm512_sub_epi32(one16, p1), p1);
-  const __m512i sc = _mm512_mask_sub_epi32(slot, _knot_mask16(bit), slot, p1);  // slot - cum
-  x = _mm512_mask_add_epi32(x, coded, _mm512_mullo_epi32(f, _mm512_srli_epi32(x, 16)), sc);
-  const __mmask16 ren = _mm512_mask_cmplt_epu32_mask(coded, x, one16);
-  __m512i w;
+  const __m512i m = _mm512_mullo_epi32(p1, _mm512_srli_epi32(x, 16));
+  const __mmask16 bit = every_lane ? _mm512_cmplt_epu32_mask(slot, p1) : _mm512_mask_cmplt_epu32_mask(coded, slot, p1);
+  const __m512i mp = _mm512_add_epi32(m, p1);
+  const __m512i x0 = every_lane ? _mm512_sub_epi32(x, mp) : _mm512_mask_sub_epi32(x, coded, x, mp);
+  x = _mm512_mask_add_epi32(x0, bit, m, slot);
+  const __mmask16 ren = every_lane ? _mm512_cmplt_epu32_mask(x, one16) : _mm512_mask_cmplt_epu32_mask(coded, x, one16);
+  const unsigned cnt = unsigned(__builtin_popcount(ren));
+  __m256i words;
   if (!checked || __builtin_expect(end - p >= 32, 1)) {
-    w = _mm512_maskz_expand_epi32(ren, _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+    words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   } else {  // the stream's last words: read only those this row takes
-    if (size_t(end - p) < 2 * size_t(__builtin_popcount(ren))) fail(what, ": binary stream truncated");
-    w = _mm512_cvtepu16_epi32(expand_load16(ren, p));
+    if (size_t(end - p) < 2 * size_t(cnt)) fail(what, ": binary stream truncated");
+    words = _mm256_maskz_loadu_epi16(__mmask16((1u << cnt) - 1), p);
   }
-  x = _mm512_mask_or_epi32(x, ren, _mm512_slli_epi32(x, 16), w);
-  p += 2 * __builtin_popcount(ren);
+  // the renormalising lanes' words into the high halves of their lanes, then x = (x << 16) | word
+  const __mmask32 odd = __mmask32(_pdep_u32(uint32_t(ren), 0xAAAAAAAAu));
+  const __m512i w = _mm512_maskz_expand_epi16(odd, _mm512_castsi256_si512(words));
+  x = _mm512_mask_shldi_epi32(x, ren, x, w, 16);
+  p += 2 * cnt;
   return bit;
 }
 
 // One encoder step (rows go backwards): lanes in `coded` encode `bit`; inv holds 1 / f per lane, f the
 // probability of the lane's bit. Words go backwards at w.
 SYNCD_512 __attribute__((always_inline)) inline void enc_step(__m512i& x, __mmask16 coded, __mmask16 bit, __m512i p1, __m512 inv, uint8_t*& w) {
-  const __m512i one16 = _mm512_set1_epi32(1 << 16), one = _mm512_set1_epi32(1), zero = _mm512_setzero_si512();
+  const __m512i one16 = _mm512_set1_epi32(1 << 16), one = _mm512_set1_epi32(1);
   const __m512i f = _mm512_mask_blend_epi32(bit, _mm512_sub_epi32(one16, p1), p1);
   const __m512i cc = _mm512_maskz_mov_epi32(_knot_mask16(bit), p1);
   const __mmask16 emit = _mm512_mask_cmpge_epu32_mask(coded, x, _mm512_slli_epi32(f, 16));
   w -= 2 * __builtin_popcount(emit);
   compress_store16(w, emit, _mm512_cvtepi32_epi16(x));
   const __m512i xs = _mm512_mask_srli_epi32(x, emit, x, 16);
-  // q = xs / f from a float estimate, exact after one correction either way (|error| < 0.02)
-  __m512i q = _mm512_cvttps_epu32(_mm512_mul_ps(_mm512_cvtepu32_ps(xs), inv));
+  // q = xs / f < 2^16 from a float estimate: |xs * inv - xs / f| < 0.02 (inv within 2^-22 of 1 / f), so
+  // xs * inv - 1/16, truncated toward zero (a negative estimate means q = 0), is q or q - 1: one correction
+  __m512i q = _mm512_cvttps_epi32(_mm512_fmsub_ps(_mm512_cvtepu32_ps(xs), inv, _mm512_set1_ps(0.0625f)));
   __m512i r = _mm512_sub_epi32(xs, _mm512_mullo_epi32(q, f));
-  const __mmask16 neg = _mm512_cmplt_epi32_mask(r, zero);
-  q = _mm512_mask_sub_epi32(q, neg, q, one);
-  r = _mm512_mask_add_epi32(r, neg, r, f);
-  const __mmask16 big = _mm512_cmpge_epi32_mask(r, f);
+  const __mmask16 big = _mm512_cmpge_epu32_mask(r, f);
   q = _mm512_mask_add_epi32(q, big, q, one);
   r = _mm512_mask_sub_epi32(r, big, r, f);
   x = _mm512_mask_mov_epi32(x, coded, _mm512_add_epi32(_mm512_slli_epi32(q, 16), _mm512_add_epi32(r, cc)));

@@ -43,7 +43,7 @@ struct Consts16 {
   SYNCD_512 __attribute__((always_inline)) inline Pair pair(const uint16_t* old) const {
     const __m512i w = _mm512_loadu_si512(old);
     const __m512i e = _mm512_and_si512(_mm512_srl_epi16(w, shift), emask);
-    return from_classes(w, _mm512_min_epi16(_mm512_max_epi16(_mm512_sub_epi16(etop, e), zero), fifteen));
+    return from_classes(w, _mm512_min_epu16(_mm512_subs_epu16(etop, e), fifteen));  // e_top, e < 2^15
   }
   // the same from 16 bytes of nibbles (32 classes; no old words)
   SYNCD_512 __attribute__((always_inline)) inline Pair pair_nibbles(const uint8_t* nib) const {
@@ -59,7 +59,9 @@ struct Consts16 {
   }
 };
 
-// One decoder row: state x, word cursor p (bounds-checked), vector t.
+// The decoder's rows: state x, word cursor p, vector t. The main loop takes rows in pairs (vectors t, t + 1,
+// one Pair of classes), stores their 32 bitmap bits and compresses the classes of their changes at once, and
+// checks the stream ends once per unit of rows.
 struct DecRow {
   const Classes16& c;
   const Consts& k;
@@ -68,22 +70,51 @@ struct DecRow {
   size_t n_max, found;
   const std::string& what;
 
-  template <bool checked>
-  SYNCD_512 __attribute__((always_inline)) inline void row(uint64_t t, __m512i p1, __m128i cls8, __mmask16 live,
-                                                            __m512i& x, const uint8_t*& p, const uint8_t* end) {
-    const __mmask16 coded = _mm512_mask_test_epi32_mask(live, p1, p1);
-    const __mmask16 bit = dec_step<checked>(x, coded, p1, p, end, what);
-    bitmap[t] = uint16_t(bit);
-    compress_bytes16(cls_ch + found, bit, cls8);  // cls_ch has 64 bytes of slack
-    found += unsigned(__builtin_popcount(bit));
+  // cls_ch has n_max + 64 bytes: every store starts at found <= n_max and writes at most 32
+  SYNCD_512 __attribute__((always_inline)) inline void count(uint32_t bits) {
+    found += unsigned(__builtin_popcount(bits));
     if (__builtin_expect(found > n_max, 0)) fail(what, ": more changes than the block table says");
   }
+  template <bool checked>
+  SYNCD_512 __attribute__((always_inline)) inline void pair(uint64_t t, const Pair& q, __m512i& x0, const uint8_t*& p0,
+                                                             const uint8_t* e0, __m512i& x1, const uint8_t*& p1,
+                                                             const uint8_t* e1) {
+    const __mmask16 b0 = dec_step<checked, true>(x0, 0xFFFF, q.p1_lo, p0, e0, what);
+    const __mmask16 b1 = dec_step<checked, true>(x1, 0xFFFF, q.p1_hi, p1, e1, what);
+    const uint32_t bits = uint32_t(b0) | uint32_t(b1) << 16;
+    std::memcpy(bitmap + t, &bits, 4);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(cls_ch + found), _mm256_maskz_compress_epi8(bits, q.cls));
+    count(bits);
+  }
+  // one row of a partial unit, on a state in memory: bounds-checked, any live lanes
   SYNCD_512 __attribute__((always_inline)) inline void step(uint64_t t, __mmask16 live, __m512i& x,
                                                              const uint8_t*& p, const uint8_t* end) {
     const __m512i cls = classes_at(c, k, t, live);
-    row<true>(t, _mm512_permutexvar_epi32(cls, k.p1), _mm512_cvtepi32_epi8(cls), live, x, p, end);
+    const __m512i p1 = _mm512_permutexvar_epi32(cls, k.p1);
+    const __mmask16 bit = dec_step<true>(x, _mm512_mask_test_epi32_mask(live, p1, p1), p1, p, end, what);
+    bitmap[t] = uint16_t(bit);
+    compress_bytes16(cls_ch + found, bit, _mm512_cvtepi32_epi8(cls));
+    count(bit);
   }
 };
+
+// One unit of the main loop: 2 * GP rows, two per group. Unchecked, every group's stream must have 64 bytes left
+// (each row reads 32 at most).
+template <int GP, bool kNibbles, bool checked>
+SYNCD_512 __attribute__((always_inline)) inline void decode_unit(DecRow& row, const Consts16& k16, const Classes16& c,
+                                                                  uint64_t t, __m512i (&x)[GP],
+                                                                  const uint8_t* (&p)[GP], const uint8_t* const (&e)[GP],
+                                                                  __m512i& key, __m512i& acc, __m512i step8) {
+#pragma GCC unroll 16
+  for (int u = 0; u < 2 * GP; u += 2) {
+    const Pair q = kNibbles ? k16.pair_nibbles(c.nibbles + (t + u) * 8) : k16.pair(c.old + (t + u) * kLanes);
+    if (!kNibbles) {
+      acc = _mm512_add_epi64(acc, mix512(_mm512_xor_si512(q.words, key)));
+      key = _mm512_add_epi64(key, step8);
+    }
+    row.pair<checked>(t + u, q, x[u % GP], p[u % GP], e[u % GP], x[(u + 1) % GP], p[(u + 1) % GP], e[(u + 1) % GP]);
+  }
+}
 
 template <int GP, bool kNibbles>
 SYNCD_512 size_t decode_gp(const Classes16& c, BinGroupDecoder* dec, uint16_t* bitmap, uint8_t* cls_ch, size_t n_max,
@@ -107,17 +138,10 @@ SYNCD_512 size_t decode_gp(const Classes16& c, BinGroupDecoder* dec, uint16_t* b
   uint64_t t = 0;
   for (; t < full; t += kUnit) {
     if (!kNibbles) prefetch_ahead(c.old + t * kLanes, kUnit * kLanes * 2);
-#pragma GCC unroll 16
-    for (int u = 0; u < kUnit; u += 2) {
-      const Pair q = kNibbles ? k16.pair_nibbles(c.nibbles + (t + u) * 8) : k16.pair(c.old + (t + u) * kLanes);
-      if (!kNibbles) {
-        acc = _mm512_add_epi64(acc, mix512(_mm512_xor_si512(q.words, key)));
-        key = _mm512_add_epi64(key, step8);
-      }
-      row.row<true>(t + u, q.p1_lo, _mm256_castsi256_si128(q.cls), 0xFFFF, x[u % GP], p[u % GP], e[u % GP]);
-      row.row<true>(t + u + 1, q.p1_hi, _mm256_extracti128_si256(q.cls, 1), 0xFFFF, x[(u + 1) % GP],
-                    p[(u + 1) % GP], e[(u + 1) % GP]);
-    }
+    bool roomy = true;
+    for (int g = 0; g < GP; ++g) roomy &= e[g] - p[g] >= 64;
+    if (__builtin_expect(roomy, 1)) decode_unit<GP, kNibbles, false>(row, k16, c, t, x, p, e, key, acc, step8);
+    else decode_unit<GP, kNibbles, true>(row, k16, c, t, x, p, e, key, acc, step8);
   }
   for (int g = 0; g < GP; ++g) {
     _mm512_storeu_si512(dec[g].x, x[g]);
@@ -143,7 +167,8 @@ struct EncRow {
                                                             __m512i& x, uint8_t*& w) {
     const __mmask16 coded = _mm512_mask_test_epi32_mask(live, p1, p1);
     const __mmask16 bit = __mmask16(bitmap[t]) & coded;
-    const __m512 inv = _mm512_mask_blend_ps(bit, _mm512_permutexvar_ps(cls, inv0), _mm512_permutexvar_ps(cls, inv1));
+    // classes 0..15 index inv0, 16..31 (a lane whose bit is 1) inv1
+    const __m512 inv = _mm512_permutex2var_ps(inv0, _mm512_mask_or_epi32(cls, bit, cls, _mm512_set1_epi32(16)), inv1);
     enc_step(x, coded, bit, p1, inv, w);
   }
   SYNCD_512 __attribute__((always_inline)) inline void step(uint64_t t, __mmask16 live, __m512i& x, uint8_t*& w) {
@@ -304,7 +329,7 @@ SYNCD_512 uint64_t scan(const Classes16& c, const uint16_t* nw, uint64_t first_w
     const __m512i v = _mm512_sub_epi16(_mm512_xor_si512(_mm512_slli_epi16(d, 1), _mm512_srai_epi16(d, 15)), kk.one);
     compress_store32x16(v16 + k, ne, v);
     const __m512i e = _mm512_and_si512(_mm512_srl_epi16(a, shift), emask);
-    const __m512i cls = _mm512_min_epi16(_mm512_max_epi16(_mm512_sub_epi16(etop, e), zero), fifteen);
+    const __m512i cls = _mm512_min_epu16(_mm512_subs_epu16(etop, e), fifteen);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(cls_ch + k), _mm512_cvtepi16_epi8(_mm512_maskz_compress_epi16(ne, cls)));
     k += unsigned(__builtin_popcount(ne));
   }
