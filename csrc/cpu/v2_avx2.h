@@ -77,18 +77,25 @@ SYNCD_256 SYNCD_INLINE uint32_t pack_low_bytes(__m256i x, uint32_t m, uint8_t* o
   return c0 + uint32_t(__builtin_popcount(m >> 8));
 }
 
-// One decoder step of 8 lanes (coded8: the lanes coded); returns their bits.
+// One decoder step of 8 lanes (coded8: the lanes coded); returns their bits. With `every_lane` coded8 is not
+// applied: a lane with p1 = 0 (a class that is not coded) steps to itself, as x stays at least 2^16.
+//   bit 1: x = p1 * (x >> 16) + slot;  bit 0: x = (2^16 - p1) * (x >> 16) + slot - p1 = x - p1 * (x >> 16) - p1
+template <bool every_lane = false>
 SYNCD_256 SYNCD_INLINE uint32_t dec8(__m256i& x, uint32_t coded8, __m256i p1, const uint8_t*& p, const uint8_t* end,
                                      const std::string& what) {
-  if (!coded8) return 0;
-  const __m256i lo16 = _mm256_set1_epi32(0xFFFF), one16 = _mm256_set1_epi32(1 << 16), zero = _mm256_setzero_si256();
-  const __m256i cm = lane_mask(coded8);
+  if (!every_lane && !coded8) return 0;
+  const __m256i lo16 = _mm256_set1_epi32(0xFFFF), zero = _mm256_setzero_si256();
   const __m256i slot = _mm256_and_si256(x, lo16);
-  const __m256i bitv = _mm256_and_si256(_mm256_cmpgt_epi32(p1, slot), cm);
-  const __m256i f = _mm256_blendv_epi8(_mm256_sub_epi32(one16, p1), p1, bitv);
-  const __m256i sc = _mm256_sub_epi32(slot, _mm256_andnot_si256(bitv, p1));
-  x = _mm256_blendv_epi8(x, _mm256_add_epi32(_mm256_mullo_epi32(f, _mm256_srli_epi32(x, 16)), sc), cm);
-  const __m256i renv = _mm256_and_si256(_mm256_cmpeq_epi32(_mm256_srli_epi32(x, 16), zero), cm);
+  const __m256i m = _mm256_mullo_epi32(p1, _mm256_srli_epi32(x, 16));
+  __m256i bitv = _mm256_cmpgt_epi32(p1, slot);
+  __m256i nx = _mm256_blendv_epi8(_mm256_sub_epi32(x, _mm256_add_epi32(m, p1)), _mm256_add_epi32(m, slot), bitv);
+  if (!every_lane) {
+    const __m256i cm = lane_mask(coded8);
+    bitv = _mm256_and_si256(bitv, cm);
+    nx = _mm256_blendv_epi8(x, nx, cm);
+  }
+  x = nx;
+  const __m256i renv = _mm256_cmpeq_epi32(_mm256_srli_epi32(x, 16), zero);  // never a lane that is not coded
   const uint32_t ren = mask8(renv);
   const unsigned cnt = unsigned(__builtin_popcount(ren));
   __m128i w8;

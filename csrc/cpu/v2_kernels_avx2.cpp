@@ -91,6 +91,15 @@ struct DecRow {
     if (size_t(__builtin_popcount(b)) > n_max - found) fail(what, ": more changes than the block table says");
     found += pack_low_bytes(r.cls, b, cls_ch + found);  // cls_ch has n_max + 64 bytes
   }
+  // a whole row of the main loop: every lane stepped, the classes packed without a branch on the bits
+  SYNCD_256 SYNCD_INLINE void full_row(uint64_t t, State& s, const uint8_t*& p, const uint8_t* e) {
+    const Row16 r = k.row(c.old + t * kLanes);
+    const uint32_t lo = dec8<true>(s.lo, 0xFF, r.p_lo, p, e, what);
+    const uint32_t b = lo | dec8<true>(s.hi, 0xFF, r.p_hi, p, e, what) << 8;
+    bitmap[t] = uint16_t(b);
+    found += pack_low_bytes(r.cls, b, cls_ch + found);  // writes 16 bytes past found <= n_max at most
+    if (__builtin_expect(found > n_max, 0)) fail(what, ": more changes than the block table says");
+  }
 };
 
 template <int GP>
@@ -111,7 +120,7 @@ SYNCD_256 size_t decode_gp(const Classes16& c, BinGroupDecoder* dec, uint16_t* b
   uint64_t t = 0;
   for (; t < full; t += GP) {
     prefetch_ahead(c.old + t * kLanes, GP * kLanes * 2);
-    for (int g = 0; g < GP; ++g) row.row(t + g, 0xFFFF, x[g], p[g], e[g]);
+    for (int g = 0; g < GP; ++g) row.full_row(t + g, x[g], p[g], e[g]);
   }
   for (int g = 0; g < GP; ++g) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dec[g].x), x[g].lo);
