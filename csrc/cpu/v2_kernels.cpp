@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "checksum.h"
+#include "simd_scan.h"
 #include "codec_core.h"
 
 namespace syncd {
@@ -72,8 +73,13 @@ void sample_class_counts(const Classes16& c, uint64_t counts[16], uint64_t from)
 }
 
 uint64_t checksum(const uint16_t* p, uint64_t span, uint64_t first_word, uint64_t from) {
+  const uint64_t w0 = from / 4, whole = span / 4;  // whole words by the vectorised checksum, then a partial one
   uint64_t sum = 0;
-  for (uint64_t i = from / 4; 4 * i < span; ++i) sum += checksum_term(word16(p, span, i), first_word + i);
+  if (whole > w0) {
+    const uint8_t* b = reinterpret_cast<const uint8_t*>(p + 4 * w0);
+    sum = whole - w0 >= 64 ? checksum_words_fast(b, whole - w0, first_word + w0) : checksum_words(b, whole - w0, first_word + w0);
+  }
+  for (uint64_t i = std::max(w0, whole); 4 * i < span; ++i) sum += checksum_term(word16(p, span, i), first_word + i);
   return sum;
 }
 
