@@ -114,16 +114,18 @@ SYNCD_256 SYNCD_INLINE uint32_t dec8(__m256i& x, uint32_t coded8, __m256i p1, co
   return mask8(bitv);
 }
 
-// One encoder step of 8 lanes, rows going backwards: words are written below w.
+// One encoder step of 8 lanes, rows going backwards: words are written below w. With `every_lane` coded8 is not
+// applied: a lane with p1 = 0 has f = 2^16, emits nothing (x >> 16 < f) and keeps its state (x / f, x % f).
+template <bool every_lane = false>
 SYNCD_256 SYNCD_INLINE void enc8(__m256i& x, uint32_t coded8, uint32_t bits8, __m256i p1, uint8_t*& w) {
-  if (!coded8) return;
+  if (!every_lane && !coded8) return;
   const __m256i one16 = _mm256_set1_epi32(1 << 16), zero = _mm256_setzero_si256(), one = _mm256_set1_epi32(1);
-  const __m256i sign = _mm256_set1_epi32(int32_t(0x80000000u));
-  const __m256i cm = lane_mask(coded8), bitv = lane_mask(bits8 & coded8);
+  const __m256i cm = every_lane ? _mm256_set1_epi32(-1) : lane_mask(coded8);
+  const __m256i bitv = lane_mask(every_lane ? bits8 : bits8 & coded8);  // a change's class is always coded
   const __m256i f = _mm256_blendv_epi8(_mm256_sub_epi32(one16, p1), p1, bitv);
   const __m256i cc = _mm256_andnot_si256(bitv, p1);
-  // x >= f << 16, unsigned
-  const __m256i lt = _mm256_cmpgt_epi32(_mm256_xor_si256(_mm256_slli_epi32(f, 16), sign), _mm256_xor_si256(x, sign));
+  const __m256i hi = _mm256_srli_epi32(x, 16);
+  const __m256i lt = _mm256_cmpgt_epi32(f, hi);  // x < f << 16 (both sides below 2^17: no overflow)
   const __m256i emitv = _mm256_andnot_si256(lt, cm);
   const uint32_t emit = mask8(emitv);
   {  // the emitting lanes' low halves, packed into the top slots, stored to end at w
@@ -134,10 +136,10 @@ SYNCD_256 SYNCD_INLINE void enc8(__m256i& x, uint32_t coded8, uint32_t bits8, __
     _mm_storeu_si128(reinterpret_cast<__m128i*>(w - 16), words);  // below w is free space (and the states' room)
     w -= 2 * __builtin_popcount(emit);
   }
-  const __m256i xs = _mm256_blendv_epi8(x, _mm256_srli_epi32(x, 16), emitv);
+  const __m256i xs = _mm256_blendv_epi8(x, hi, emitv);
   // q = xs / f from a float estimate (xs may pass 2^31: converted halved), exact after one correction each way
   const __m256 xf = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(xs, 1)), _mm256_set1_ps(2.0f));
-  const __m256i fm = _mm256_blendv_epi8(one, f, cm);
+  const __m256i fm = every_lane ? f : _mm256_blendv_epi8(one, f, cm);
   __m256i q = _mm256_cvttps_epi32(_mm256_div_ps(xf, _mm256_cvtepi32_ps(fm)));
   __m256i r = _mm256_sub_epi32(xs, _mm256_mullo_epi32(q, fm));
   const __m256i neg = _mm256_cmpgt_epi32(zero, r);
@@ -146,7 +148,8 @@ SYNCD_256 SYNCD_INLINE void enc8(__m256i& x, uint32_t coded8, uint32_t bits8, __
   const __m256i big = _mm256_cmpgt_epi32(r, _mm256_sub_epi32(fm, one));
   q = _mm256_sub_epi32(q, big);
   r = _mm256_sub_epi32(r, _mm256_and_si256(big, fm));
-  x = _mm256_blendv_epi8(x, _mm256_add_epi32(_mm256_slli_epi32(q, 16), _mm256_add_epi32(r, cc)), cm);
+  const __m256i nx = _mm256_add_epi32(_mm256_slli_epi32(q, 16), _mm256_add_epi32(r, cc));
+  x = every_lane ? nx : _mm256_blendv_epi8(x, nx, cm);
 }
 
 struct State {

@@ -148,6 +148,13 @@ struct EncRow {
     enc8(s.hi, coded >> 8, bits >> 8, r.p_hi, w);  // backwards: the upper half's words first
     enc8(s.lo, coded & 0xFF, bits & 0xFF, r.p_lo, w);
   }
+  // a whole row of the main loop: every lane stepped (a changed element's class is always coded)
+  SYNCD_256 SYNCD_INLINE void full_row(uint64_t t, State& s, uint8_t*& w) {
+    const Row16 r = k.row(c.old + t * kLanes);
+    const uint32_t bits = bitmap[t];
+    enc8<true>(s.hi, 0xFF, bits >> 8, r.p_hi, w);
+    enc8<true>(s.lo, 0xFF, bits & 0xFF, r.p_lo, w);
+  }
 };
 
 template <int GP>
@@ -172,7 +179,7 @@ SYNCD_256 void encode_gp(const Classes16& c, const uint16_t* bitmap, BinGroupEnc
   }
   for (uint64_t t = full; t > 0; t -= GP) {
     prefetch_behind(c.old + (t - GP) * kLanes, GP * kLanes * 2);
-    for (int g = GP - 1; g >= 0; --g) row.row(t - GP + g, 0xFFFF, x[g], w[g]);
+    for (int g = GP - 1; g >= 0; --g) row.full_row(t - GP + g, x[g], w[g]);
   }
   for (int g = 0; g < GP; ++g) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(enc[g].x), x[g].lo);
