@@ -112,10 +112,10 @@ SYNCD_512 __attribute__((always_inline)) inline __mmask16 dec_step(__m512i& x, _
     if (size_t(end - p) < 2 * size_t(cnt)) fail(what, ": binary stream truncated");
     words = _mm256_maskz_loadu_epi16(__mmask16((1u << cnt) - 1), p);
   }
-  // the renormalising lanes' words into the high halves of their lanes, then x = (x << 16) | word
-  const __mmask32 odd = __mmask32(_pdep_u32(uint32_t(ren), 0xAAAAAAAAu));
-  const __m512i w = _mm512_maskz_expand_epi16(odd, _mm512_castsi256_si512(words));
-  x = _mm512_mask_shldi_epi32(x, ren, x, w, 16);
+  // (a 16-bit expand into the lanes' high halves and a funnel shift, vpshldd, was 6% faster at 1% density, but
+  // blocks failed to decode in the sanitizer build, GCC -O1 -fsanitize=address,undefined; not understood)
+  const __m512i w = _mm512_maskz_expand_epi32(ren, _mm512_cvtepu16_epi32(words));
+  x = _mm512_mask_or_epi32(x, ren, _mm512_slli_epi32(x, 16), w);
   p += 2 * cnt;
   return bit;
 }
