@@ -58,10 +58,6 @@ SYNCD_512 __attribute__((always_inline)) inline __m512i classes_at(const Classes
 
 // Expand/compress with memory operands are microcoded and slow on AMD cores: these do the same with a masked
 // plain load or store of the `cnt` consecutive elements and the register form.
-SYNCD_512 inline __m256i expand_load16(__mmask16 m, const void* p) {
-  const __mmask16 first = __mmask16((1u << __builtin_popcount(m)) - 1);
-  return _mm256_maskz_expand_epi16(m, _mm256_maskz_loadu_epi16(first, p));
-}
 SYNCD_512 inline __m512i expand_load32x16(__mmask32 m, const void* p) {
   const unsigned cnt = unsigned(__builtin_popcount(m));
   const __mmask32 first = cnt >= 32 ? ~__mmask32(0) : __mmask32((1u << cnt) - 1);
