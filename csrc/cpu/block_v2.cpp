@@ -268,6 +268,7 @@ void V2BlockEncoder::finish_context(std::vector<uint8_t>& out, const DTypeInfo& 
                                   (unsigned __int128)std::max<uint64_t>(sampled[c], 1) * span);
   // each class's value tree: the binary digits of its largest bit length, node probabilities from the counts
   ValueTrees lv{};
+  lv.by_depth = true;  // mode 2
   uint64_t nj = 0, decisions = 0;  // the changes with a value tree, and their decisions
   for (int c = 0; c < kClasses; ++c) {
     int top = 0;
@@ -324,7 +325,7 @@ void V2BlockEncoder::finish_context(std::vector<uint8_t>& out, const DTypeInfo& 
   for (int g = 0; g < gv; ++g) vstart[g] = venc[g].finish();
 
   // parameters, stream lengths, streams, mantissa bits, sign bits
-  out.push_back(kModeContext);
+  out.push_back(kModeContextByDepth);
   put_u16(out, uint32_t(e_top_));
   out.push_back(uint8_t(gp));
   out.push_back(uint8_t(gv));
@@ -365,7 +366,7 @@ void V2BlockDecoder::parse(const uint8_t* payload, size_t len, uint32_t n, uint6
   ByteReader r(payload, len, what_);
   mode_ = r.u8();
   if (mode_ == kModeOrder0) return;
-  if (mode_ != kModeContext) r.fail("unknown block mode " + std::to_string(mode_));
+  if (mode_ != kModeContext && mode_ != kModeContextByDepth) r.fail("unknown block mode " + std::to_string(mode_));
   const uint8_t* f = r.take(4);
   e_top_ = load_le16(f);
   gp_ = f[2];
@@ -383,6 +384,7 @@ void V2BlockDecoder::parse(const uint8_t* payload, size_t len, uint32_t n, uint6
   const uint32_t mask_v = load_le16(r.take(2));
   if (mask_v & ~mask_p) r.fail("a value tree for a class that never changes");
   trees_ = ValueTrees{};
+  trees_.by_depth = mode_ == kModeContextByDepth;
   const int max_depth = 32 - __builtin_clz(uint32_t(dt.bits - 1));  // nb <= bits - 1
   for (int c = 0; c < kClasses; ++c) {
     if (!(mask_v >> c & 1)) continue;

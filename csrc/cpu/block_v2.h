@@ -19,7 +19,8 @@
 namespace syncd {
 
 constexpr int kClasses = 16;
-constexpr uint8_t kModeOrder0 = 0, kModeContext = 1;
+// payload modes: 0 the format-1 payload; 1 and 2 context blocks (2: J by tree depth; encoders write 2)
+constexpr uint8_t kModeOrder0 = 0, kModeContext = 1, kModeContextByDepth = 2;
 constexpr uint64_t kSamplePeriod = 1 << 14, kSampleRun = 1 << 10;
 constexpr uint64_t kContextMinChanges = 256, kContextMinSpan = 4096, kContextMinChangesPerGroup = 128;
 constexpr uint64_t kElementsPerGroup = 1 << 16, kChangesPerGroup = 2048;
@@ -95,12 +96,12 @@ class V2BlockEncoder {
 
 V2BlockEncoder& thread_v2_encoder();
 
-// Decodes one format-2 payload (mode 0 or 1), validating everything (DeltaError names the block).
+// Decodes one format-2 payload (mode 0, 1 or 2), validating everything (DeltaError names the block).
 class V2BlockDecoder {
  public:
   // Parses the payload's parameters; decode() then needs the classes of the old elements.
   void parse(const uint8_t* payload, size_t len, uint32_t n, uint64_t span, const DTypeInfo& dt, size_t block);
-  bool context() const { return mode_ == kModeContext; }
+  bool context() const { return mode_ != kModeOrder0; }
   // Decodes into `out` (for mode 0, cs is not used). Reads the old elements only.
   void decode(const ClassSource& cs, BlockChanges& out);
 

@@ -622,7 +622,7 @@ std::vector<int> delta_block_e_tops(const Header& h, const uint8_t* blob) {
   for (size_t b = 0; b < h.blocks.size(); ++b) {
     const BlockEntry& e = h.blocks[b];
     const uint8_t* p = blob + h.payload_offset[b];
-    if (e.payload_bytes >= 3 && p[0] == kModeContext) out[b] = int(p[1] | p[2] << 8);
+    if (e.payload_bytes >= 3 && (p[0] == kModeContext || p[0] == kModeContextByDepth)) out[b] = int(p[1] | p[2] << 8);
   }
   return out;
 }

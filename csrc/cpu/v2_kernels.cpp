@@ -201,12 +201,20 @@ void scalar_value_stats(const uint8_t* cls, const V* v, size_t n, uint64_t chang
   }
 }
 
+// The changes of J (indices into the block's changes) in J's order.
+std::vector<uint32_t> j_order(const uint8_t* cls, size_t n, const ValueTrees& lv) {
+  const JBuckets jb(lv);
+  std::vector<uint32_t> jidx;
+  for (int k = 1; k <= jb.count; ++k)
+    for (size_t i = 0; i < n; ++i)
+      if (jb.of_class[cls[i]] == k) jidx.push_back(uint32_t(i));
+  return jidx;
+}
+
 template <class V>
 void scalar_encode_values(const uint8_t* cls, const V* v, size_t n, const ValueTrees& lv, BinGroupEncoder* venc,
                           int gv, std::vector<uint8_t>& mant, uint8_t* signs) {
-  std::vector<uint32_t> jidx;
-  for (size_t i = 0; i < n; ++i)
-    if (lv.depth[cls[i]]) jidx.push_back(uint32_t(i));
+  const std::vector<uint32_t> jidx = j_order(cls, n, lv);
   const size_t nj = jidx.size();
   if (gv) {
     const size_t step = size_t(kLanes) * gv;
@@ -249,11 +257,8 @@ template <class V>
 void scalar_decode_values(const uint8_t* cls, size_t n, const uint8_t* signs, const ValueTrees& lv,
                           BinGroupDecoder* vdec, int gv, const uint8_t* mant_p, size_t mant_len, uint64_t vmax, V* v,
                           const std::string& what) {
-  std::vector<uint32_t> jidx;
-  for (size_t i = 0; i < n; ++i) {
-    v[i] = V(signs[i >> 3] >> (i & 7) & 1);  // the low bits; J entries get 2m on top
-    if (lv.depth[cls[i]]) jidx.push_back(uint32_t(i));
-  }
+  for (size_t i = 0; i < n; ++i) v[i] = V(signs[i >> 3] >> (i & 7) & 1);  // the low bits; J entries get 2m on top
+  const std::vector<uint32_t> jidx = j_order(cls, n, lv);
   check_value_groups(gv, jidx.size(), what);
   ByteReader owner(mant_p, mant_len, what);
   BitReader mant(mant_p, mant_len, owner);
@@ -279,7 +284,7 @@ void scalar_decode_values(const uint8_t* cls, size_t n, const uint8_t* signs, co
         for (int l = 0; l < kLanes; ++l)
           if (coded >> l & 1) u[l] = 2 * u[l] + (bits >> l & 1);
       }
-      for (size_t t = lo; t < hi; ++t) {  // mantissa bits come in position order, as J does
+      for (size_t t = lo; t < hi; ++t) {  // mantissa bits come in J order
         const uint32_t k = u[t - lo] - (1u << lv.depth[cls[jidx[t]]]);
         if (!k) continue;
         const uint64_t m = (uint64_t(1) << (k - 1)) | (k >= 2 ? mant.read(k - 1) : 0);

@@ -8,6 +8,7 @@
 // room for one more u16 of slack; per-change arrays are in position order.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -68,15 +69,30 @@ uint64_t scan16(const Classes16& c, const uint16_t* nw, uint64_t first_word, boo
 uint64_t apply16(uint16_t* target, uint64_t span, uint64_t first_word, const uint16_t* bitmap, const uint16_t* v16,
                  bool is_float, bool forward, const uint64_t* old_sum, Simd s);
 
-// ---- values: every change's v = 2m + low; the changes J of classes with a value tree code the bit length nb
-// of m by its binary digits, most significant first (row r of 16 consecutive J entries: digit r of each lane
-// whose tree has more than r levels; group g of each step of 16 * gv), each with its tree node's probability,
-// and the bits below m's leading one raw (`mant`, in position order); the low bits are the sign bytes.
+// ---- values: every change's v = 2m + low; the changes J of classes with a value tree (in J's order, JBuckets)
+// code the bit length nb of m by its binary digits, most significant first (row r of 16 consecutive J entries:
+// digit r of each lane whose tree has more than r levels; group g of each step of 16 * gv), each with its tree
+// node's probability, and the bits below m's leading one raw (`mant`, in J order); the low bits are the sign
+// bytes.
 
 // The value trees of a context block as the kernels read them.
 struct ValueTrees {
   int depth[16];           // levels of each class's tree (0: its changes all have nb = 0)
   uint32_t node[16][128];  // node probabilities, heap order from node 1; the leaves' entries are unused
+  bool by_depth;           // J's order: mode 2 (by tree depth, then position) or mode 1 (position)
+};
+
+// J's order as buckets: J takes bucket 1's changes in position order, then bucket 2's, ... up to `count`.
+// Mode 1 has one bucket (every class with a tree); mode 2 one per tree depth, fewest levels first.
+struct JBuckets {
+  int count = 0;
+  uint8_t of_class[16] = {};  // each class's bucket, 0 for a class without a tree (not in J)
+  explicit JBuckets(const ValueTrees& lv) {
+    for (int c = 0; c < 16; ++c) {
+      of_class[c] = uint8_t(lv.depth[c] ? (lv.by_depth ? lv.depth[c] : 1) : 0);
+      count = std::max(count, int(of_class[c]));
+    }
+  }
 };
 
 // Per class its number of changes, and how many of them have each bit length of m (hist[c][nb]).

@@ -27,28 +27,28 @@ thread_local PodBuffer<uint32_t> t_jidx;
 thread_local PodBuffer<uint8_t> t_cls_j;
 thread_local PodBuffer<uint16_t> t_m_j;
 
+// A 16-entry table of 32-bit values per class (the trees' depths, or J's buckets) as two vectors.
 struct DepthTables {
   __m256i lo, hi;
-  SYNCD_256 explicit DepthTables(const ValueTrees& lv)
-      : lo(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lv.depth))),
-        hi(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lv.depth + 8))) {}
-  SYNCD_256 SYNCD_INLINE __m256i of(__m256i cl) const {  // classes (32-bit lanes, < 16) -> their trees' depths
+  SYNCD_256 explicit DepthTables(const int* per_class)
+      : lo(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(per_class))),
+        hi(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(per_class + 8))) {}
+  SYNCD_256 explicit DepthTables(const ValueTrees& lv) : DepthTables(lv.depth) {}
+  SYNCD_256 SYNCD_INLINE __m256i of(__m256i cl) const {  // classes (32-bit lanes, < 16) -> their entries
     const __m256i a = _mm256_permutevar8x32_epi32(lo, cl), b = _mm256_permutevar8x32_epi32(hi, cl);
     const __m256 high = _mm256_castsi256_ps(_mm256_slli_epi32(cl, 28));  // bit 3 of the class picks hi
     return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(b), high));
   }
 };
 
-// The J entries (changes of classes with a value tree), 8 at a time by a left-packing permute: their indices
-// (jidx, room for n + 8), classes and (with v) m = v >> 1 (cls_j, m_j: room for n + 16), the last two padded
-// with 16 zero entries.
-SYNCD_256 size_t select_j(const uint8_t* cls, const uint16_t* v, size_t n, const DepthTables& dt, uint32_t* jidx,
-                          uint8_t* cls_j, uint16_t* m_j) {
-  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), zero = _mm256_setzero_si256();
-  size_t nj = 0, i = 0;
+// Appends bucket k's entries (position order) to J, which holds nj of them; returns the new count.
+SYNCD_256 size_t select_bucket(const uint8_t* cls, const uint16_t* v, size_t n, const DepthTables& bt, int k,
+                               const int* bucket, uint32_t* jidx, uint8_t* cls_j, uint16_t* m_j, size_t nj) {
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), kk = _mm256_set1_epi32(k);
+  size_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m256i cl = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(cls + i)));
-    const uint32_t jm = mask8(_mm256_cmpgt_epi32(dt.of(cl), zero));
+    const uint32_t jm = mask8(_mm256_cmpeq_epi32(bt.of(cl), kk));
     const __m256i perm = _mm256_load_si256(reinterpret_cast<const __m256i*>(kTab.pack[jm]));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(jidx + nj),
                         _mm256_permutevar8x32_epi32(_mm256_add_epi32(_mm256_set1_epi32(int(i)), iota), perm));
@@ -63,15 +63,26 @@ SYNCD_256 size_t select_j(const uint8_t* cls, const uint16_t* v, size_t n, const
     }
     nj += size_t(__builtin_popcount(jm));
   }
-  alignas(32) int32_t dtab[16];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(dtab), dt.lo);
-  _mm256_store_si256(reinterpret_cast<__m256i*>(dtab + 8), dt.hi);
   for (; i < n; ++i) {
     jidx[nj] = uint32_t(i);
     cls_j[nj] = cls[i];
     if (v) m_j[nj] = uint16_t(v[i] >> 1);
-    nj += dtab[cls[i]] != 0;
+    nj += bucket[cls[i]] == k;
   }
+  return nj;
+}
+
+// The J entries (changes of classes with a value tree) in J's order, bucket by bucket, 8 at a time by a
+// left-packing permute: their indices (jidx, room for n + 8), classes and (with v) m = v >> 1 (cls_j, m_j:
+// room for n + 16), the last two padded with 16 zero entries.
+SYNCD_256 size_t select_j(const uint8_t* cls, const uint16_t* v, size_t n, const ValueTrees& lv, uint32_t* jidx,
+                          uint8_t* cls_j, uint16_t* m_j) {
+  const JBuckets jb(lv);
+  int bucket[16];
+  for (int c = 0; c < 16; ++c) bucket[c] = jb.of_class[c];
+  const DepthTables bt(bucket);
+  size_t nj = 0;
+  for (int k = 1; k <= jb.count; ++k) nj = select_bucket(cls, v, n, bt, k, bucket, jidx, cls_j, m_j, nj);
   std::memset(cls_j + nj, 0, kLanes);
   if (v) std::memset(m_j + nj, 0, kLanes * sizeof(uint16_t));
   return nj;
@@ -272,7 +283,7 @@ SYNCD_256 void decode_values(const uint8_t* cls, size_t n, const uint8_t* signs,
   uint32_t* jidx = t_jidx.scratch(n + 8);
   uint8_t* cls_j = t_cls_j.scratch(n + kLanes);
   const DepthTables dt(lv);
-  const size_t nj = select_j(cls, nullptr, n, dt, jidx, cls_j, nullptr);
+  const size_t nj = select_j(cls, nullptr, n, lv, jidx, cls_j, nullptr);
   check_value_groups(gv, nj, what);
   const __m256i bit = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
                                         int16_t(0x8000));
@@ -305,7 +316,7 @@ SYNCD_256 void encode_values(const uint8_t* cls, const uint16_t* v, size_t n, co
   uint8_t* cls_j = t_cls_j.scratch(n + kLanes);
   uint16_t* m_j = t_m_j.scratch(n + kLanes);
   const DepthTables dt(lv);
-  const size_t nj = select_j(cls, v, n, dt, jidx, cls_j, m_j);
+  const size_t nj = select_j(cls, v, n, lv, jidx, cls_j, m_j);
   const size_t step = size_t(kLanes) * std::max(gv, 1);
   for (size_t s0 = gv ? (nj + step - 1) / step * step : 0; s0 > 0;) {  // steps back to front
     s0 -= step;

@@ -17,38 +17,37 @@ namespace {
 
 thread_local PodBuffer<uint8_t> t_cls_j, t_nb_j;
 thread_local PodBuffer<uint16_t> t_m_j;
-thread_local PodBuffer<uint64_t> t_jbits;
 
-// Compresses the classes (and, when v is given, the bit lengths and m) of the changes of classes with value
-// levels; sets one bit per change in jbits. Returns their number.
-SYNCD_512 size_t select_j(const uint8_t* cls, const uint16_t* v, size_t n, const ValueTrees& lv, uint8_t* cls_j,
-                          uint8_t* nb_j, uint16_t* m_j, uint64_t* jbits) {
-  alignas(16) uint8_t dt[16];
-  for (int c = 0; c < 16; ++c) dt[c] = uint8_t(lv.depth[c] ? 1 : 0);
-  const __m512i dtab = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(dt)));
+// Compresses the classes (and, when v is given, the bit lengths and m) of the changes of J in J's order, bucket
+// by bucket; start[k] (k = 1..count) is where bucket k begins in J. Returns J's size.
+SYNCD_512 size_t select_j(const uint8_t* cls, const uint16_t* v, size_t n, const JBuckets& jb, uint8_t* cls_j,
+                          uint8_t* nb_j, uint16_t* m_j, size_t* start) {
+  const __m512i btab = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(jb.of_class)));
   size_t nj = 0;
-  for (size_t i = 0; i < n; i += 64) {
-    const __mmask64 live = n - i >= 64 ? ~__mmask64(0) : (__mmask64(1) << (n - i)) - 1;
-    const __m512i cl = _mm512_maskz_loadu_epi8(live, cls + i);
-    const __mmask64 jm = _mm512_mask_test_epi8_mask(live, _mm512_shuffle_epi8(dtab, cl), _mm512_shuffle_epi8(dtab, cl));
-    jbits[i / 64] = jm;
-    compress_bytes64(cls_j + nj, jm, cl);
-    if (v) {
-      for (int h = 0; h < 2; ++h) {
-        const __mmask32 lh = __mmask32(live >> (32 * h)), jh = __mmask32(jm >> (32 * h));
-        const __m512i m = _mm512_srli_epi16(_mm512_maskz_loadu_epi16(lh, v + i + 32 * h), 1);
-        const size_t at = nj + size_t(__builtin_popcountll(jm & ((uint64_t(1) << (32 * h)) - 1)));
-        compress_store32x16(m_j + at, jh, m);
-        __m512i nb2[2];
-        for (int q = 0; q < 2; ++q) {
-          const __m512i w = _mm512_cvtepu16_epi32(q ? _mm512_extracti64x4_epi64(m, 1) : _mm512_castsi512_si256(m));
-          nb2[q] = _mm512_sub_epi32(_mm512_set1_epi32(32), _mm512_lzcnt_epi32(w));
+  for (int k = 1; k <= jb.count; ++k) {
+    start[k] = nj;
+    for (size_t i = 0; i < n; i += 64) {
+      const __mmask64 live = n - i >= 64 ? ~__mmask64(0) : (__mmask64(1) << (n - i)) - 1;
+      const __m512i cl = _mm512_maskz_loadu_epi8(live, cls + i);
+      const __mmask64 jm = _mm512_mask_cmpeq_epi8_mask(live, _mm512_shuffle_epi8(btab, cl), _mm512_set1_epi8(char(k)));
+      compress_bytes64(cls_j + nj, jm, cl);
+      if (v) {
+        for (int h = 0; h < 2; ++h) {
+          const __mmask32 lh = __mmask32(live >> (32 * h)), jh = __mmask32(jm >> (32 * h));
+          const __m512i m = _mm512_srli_epi16(_mm512_maskz_loadu_epi16(lh, v + i + 32 * h), 1);
+          const size_t at = nj + size_t(__builtin_popcountll(jm & ((uint64_t(1) << (32 * h)) - 1)));
+          compress_store32x16(m_j + at, jh, m);
+          __m512i nb2[2];
+          for (int q = 0; q < 2; ++q) {
+            const __m512i w = _mm512_cvtepu16_epi32(q ? _mm512_extracti64x4_epi64(m, 1) : _mm512_castsi512_si256(m));
+            nb2[q] = _mm512_sub_epi32(_mm512_set1_epi32(32), _mm512_lzcnt_epi32(w));
+          }
+          const __m256i nb = _mm256_set_m128i(_mm512_cvtepi32_epi8(nb2[1]), _mm512_cvtepi32_epi8(nb2[0]));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(nb_j + at), _mm256_maskz_compress_epi8(jh, nb));
         }
-        const __m256i nb = _mm256_set_m128i(_mm512_cvtepi32_epi8(nb2[1]), _mm512_cvtepi32_epi8(nb2[0]));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(nb_j + at), _mm256_maskz_compress_epi8(jh, nb));
       }
+      nj += size_t(__builtin_popcountll(jm));
     }
-    nj += size_t(__builtin_popcountll(jm));
   }
   return nj;
 }
@@ -186,8 +185,8 @@ SYNCD_512 void encode_values(const uint8_t* cls, const uint16_t* v, size_t n, co
   uint8_t* cls_j = t_cls_j.scratch(n + 64);
   uint8_t* nb_j = t_nb_j.scratch(n + 64);
   uint16_t* m_j = t_m_j.scratch(n + 64);
-  uint64_t* jbits = t_jbits.scratch(n / 64 + 2);
-  const size_t nj = select_j(cls, v, n, lv, cls_j, nb_j, m_j, jbits);
+  size_t start[17];
+  const size_t nj = select_j(cls, v, n, JBuckets(lv), cls_j, nb_j, m_j, start);
   const __m512i dtab = _mm512_loadu_si512(lv.depth);
   const RowTables rt(lv);
   const size_t step = size_t(kLanes) * std::max(gv, 1);
@@ -313,8 +312,9 @@ SYNCD_512 void decode_values(const uint8_t* cls, size_t n, const uint8_t* signs,
                              const std::string& what) {
   uint8_t* cls_j = t_cls_j.scratch(n + 64);
   uint16_t* m_j = t_m_j.scratch(n + 64);
-  uint64_t* jbits = t_jbits.scratch(n / 64 + 2);
-  const size_t nj = select_j(cls, nullptr, n, lv, cls_j, nullptr, nullptr, jbits);
+  const JBuckets jb(lv);
+  size_t start[17];
+  const size_t nj = select_j(cls, nullptr, n, jb, cls_j, nullptr, nullptr, start);
   check_value_groups(gv, nj, what);
   Mantissa mant{mant_p, mant_len, what};
   const __m512i dtab = _mm512_loadu_si512(lv.depth);
@@ -330,20 +330,24 @@ SYNCD_512 void decode_values(const uint8_t* cls, size_t n, const uint8_t* signs,
         for (int g = 0; g < gv; ++g) decode_step<1>(s0 + size_t(g) * kLanes, nj, cls_j, rt, dtab, vdec + g, mant, m_j);
     }
   }
-  // every value: its low bit, plus 2m for the changes in J (expanded into place)
+  // every value: its low bit, plus 2m for the changes in J (expanded into place from each bucket's run of m_j)
   const __m512i one = _mm512_set1_epi16(1), bad = _mm512_set1_epi16(-1);
-  size_t jat = 0;
+  const __m256i btab = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(jb.of_class)));
   for (size_t i = 0; i < n; i += 32) {
     const __mmask32 live = n - i >= 32 ? ~__mmask32(0) : (__mmask32(1) << (n - i)) - 1;
     uint32_t low = 0;
     std::memcpy(&low, signs + i / 8, std::min<size_t>(4, (n - i + 7) / 8));
-    const __mmask32 jm = __mmask32(jbits[i / 64] >> (i % 64));
-    const __m512i mx = expand_load32x16(jm & live, m_j + jat);
+    const __m256i bucket = _mm256_shuffle_epi8(btab, _mm256_maskz_loadu_epi8(live, cls + i));
+    __m512i mx = _mm512_setzero_si512();
+    for (int k = 1; k <= jb.count; ++k) {
+      const __mmask32 mk = _mm256_mask_cmpeq_epi8_mask(live, bucket, _mm256_set1_epi8(char(k)));
+      mx = _mm512_or_si512(mx, expand_load32x16(mk, m_j + start[k]));
+      start[k] += unsigned(__builtin_popcount(mk));
+    }
     const __m512i x = _mm512_or_si512(_mm512_slli_epi16(mx, 1), _mm512_maskz_mov_epi16(__mmask32(low) & live, one));
     if (_mm512_mask_cmpeq_epi16_mask(live, x, bad))
       throw DeltaError(what + ": value change 65535 too wide for the dtype");
     _mm512_mask_storeu_epi16(v + i, live, x);
-    jat += unsigned(__builtin_popcount(jm & live));
   }
   mant.finish();
 }

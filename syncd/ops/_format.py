@@ -36,8 +36,10 @@ ALPHABET = 256
 DIRECT_SYMBOLS = 16
 
 # ---- format 2, context blocks (``syncd/ops/reference/context.py``, ``binary_rans.py``, ``delta_v2.py``)
-#: block payload modes: 0 = the v1 payload (order-0, decodable without the base); 1 = context-modelled.
-MODE_ORDER0, MODE_CONTEXT = 0, 1
+#: block payload modes: 0 = the v1 payload (order-0, decodable without the base); 1 and 2 = context-modelled
+#: (2: the value decisions ordered by tree depth; encoders write 2, 1 stays readable).
+MODE_ORDER0, MODE_CONTEXT, MODE_CONTEXT_BY_DEPTH = 0, 1, 2
+CONTEXT_MODES = (MODE_CONTEXT, MODE_CONTEXT_BY_DEPTH)
 #: context classes of an element (from its old value's exponent, relative to the block's ``e_top``).
 CLASSES = 16
 #: binary rANS: states in [BIN_L, 2**32), 16-bit renormalisation words, probabilities in 1/2**16.

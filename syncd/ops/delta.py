@@ -335,7 +335,7 @@ def inspect(blob) -> dict:
             part = bytes(data[off : off + plen])
             what = f"block {b}"
             got = ref_v1.sections(part, what) if h.version == 1 else ref_v2.sections(part, nchg, what)
-            context_blocks += h.version == 2 and part[0] == fmt.MODE_CONTEXT
+            context_blocks += h.version == 2 and part[0] in fmt.CONTEXT_MODES
             for k, n in got.items():
                 sections[k] += n
         off += plen

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from syncd.errors import DeltaError
 from syncd.ops import _format as fmt
 from syncd.ops import delta
+from syncd.ops.reference import checksum as ref_ck
 from tests.ops._util import perturb, random_bits, reseal, same_bits
 
 FUZZ_EXAMPLES = int(os.environ.get("SYNCD_FUZZ_EXAMPLES", "300"))
@@ -49,6 +50,34 @@ def _apply_expect_error(blob, backend, match=None, old=OLD, verify=True):
     with pytest.raises(DeltaError, match=match):
         delta.apply_(t, blob, backend=backend, verify=verify)
     assert same_bits(t, old), "target changed although apply_ raised"
+
+
+def _context_payloads(blob):
+    """Offsets of the blob's context block payloads."""
+    h = fmt.parse_header(blob, ref_ck.checksum_bytes)
+    out, off = [], h.header_bytes
+    for plen, _, _ in h.blocks:
+        if plen and blob[off] in fmt.CONTEXT_MODES:
+            out.append(off)
+        off += plen
+    return out
+
+
+def _with_block_mode(blob, mode):
+    """The blob with every context block's mode byte set to ``mode``, resealed."""
+    b = bytearray(blob)
+    for off in _context_payloads(blob):
+        b[off] = mode
+    return reseal(bytes(b))
+
+
+@pytest.mark.parametrize("backend", DECODERS)
+def test_unknown_or_wrong_context_mode(backend):
+    """An unknown mode is named; a mode-2 block relabelled mode 1 (its value decisions then read in another
+    order) fails cleanly, the target kept."""
+    assert {BLOBV2[off] for off in _context_payloads(BLOBV2)} == {fmt.MODE_CONTEXT_BY_DEPTH}
+    _apply_expect_error(_with_block_mode(BLOBV2, 3), backend, match="unknown block mode 3", old=OLDV2)
+    _apply_expect_error(_with_block_mode(BLOBV2, fmt.MODE_CONTEXT), backend, old=OLDV2)
 
 
 @pytest.mark.parametrize("backend", DECODERS)
@@ -253,7 +282,8 @@ def test_fuzz_random_payloads_behind_a_valid_header(payload, nchg, version, cont
     from syncd.ops.reference import checksum as ck
 
     if version == 2 and context:
-        payload = bytes([fmt.MODE_CONTEXT, 0x7F, 0, 1 + payload[:1].hex().count("a") % 4, 1]) + payload
+        mode = fmt.CONTEXT_MODES[len(payload) % 2]
+        payload = bytes([mode, 0x7F, 0, 1 + payload[:1].hex().count("a") % 4, 1]) + payload
     nchg = nchg if payload else 0
     old = torch.zeros(256, dtype=torch.bfloat16)
     header = fmt.pack_header(fmt.DTYPES["bfloat16"], (256,), 8, [(len(payload), nchg, ck.checksum_bytes(payload))],

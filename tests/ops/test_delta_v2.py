@@ -26,6 +26,31 @@ def weight_pair(n: int, step: float, seed: int = 0, dtype=torch.bfloat16):
     return w.to(dtype), moved.to(dtype)
 
 
+def mode_1_blob(old, new, block_log2=16):
+    """The blob an encoder wrote before mode 2 existed (context blocks in mode 1: J in position order), from
+    the reference told so."""
+    import functools
+
+    from syncd.ops.reference import delta_v2
+
+    orig = delta_v2.encode_block
+    delta_v2.encode_block = functools.partial(orig, mode=fmt.MODE_CONTEXT)
+    try:
+        return delta.encode(old, new, version=2, block_log2=block_log2, backend="reference")
+    finally:
+        delta_v2.encode_block = orig
+
+
+def block_modes(blob) -> list[int]:
+    """The mode byte of each block payload of a format-2 blob (-1 for a block without changes)."""
+    h = fmt.parse_header(blob, ref_ck.checksum_bytes)
+    out, off = [], h.header_bytes
+    for plen, _, _ in h.blocks:
+        out.append(blob[off] if plen else -1)
+        off += plen
+    return out
+
+
 def _pair(shape, dtype, density, seed):
     g = torch.Generator().manual_seed(seed)
     old = random_bits(shape, dtype, g)
@@ -91,6 +116,34 @@ def test_every_bit_pattern_round_trips(dtype, monkeypatch):
     back = delta.encode(new, old, version=2, backend=encoder)
     assert same_bits(delta.decode(new, back, backend="reference"), old)
     assert same_bits(delta.decode(new, back, backend="cpu"), old)
+
+
+def test_value_order_of_mode_2_is_by_tree_depth_then_position():
+    from syncd.ops.reference import delta_v2
+
+    depth = np.zeros(fmt.CLASSES, np.int64)
+    depth[[3, 5, 9]] = [2, 1, 4]
+    cls_j = np.array([3, 5, 9, 5, 3, 9, 5])
+    assert delta_v2.value_order(cls_j, depth, fmt.MODE_CONTEXT).tolist() == list(range(7))
+    assert delta_v2.value_order(cls_j, depth, fmt.MODE_CONTEXT_BY_DEPTH).tolist() == [1, 3, 6, 0, 4, 2, 5]
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_encoders_write_mode_2_and_blobs_in_mode_1_still_decode(backend):
+    """Mode 2 codes the same decisions as mode 1 in another order: same changes, about the same bytes; a
+    blob written in mode 1 (before mode 2 existed) decodes on every backend."""
+    old, new = weight_pair(1 << 17, 3e-5, seed=4)  # dense: classes with value trees of 1 to 4 levels
+    blob2 = delta.encode(old, new, version=2, block_log2=16, backend=backend)
+    blob1 = mode_1_blob(old, new)
+    assert set(block_modes(blob2)) == {fmt.MODE_CONTEXT_BY_DEPTH}
+    assert set(block_modes(blob1)) == {fmt.MODE_CONTEXT}
+    assert blob1 != blob2 and abs(len(blob1) - len(blob2)) < 0.01 * len(blob1)
+    assert delta.inspect(blob1)["context_blocks"] == delta.inspect(blob2)["context_blocks"] == 2
+    for blob in (blob1, blob2):
+        assert same_bits(delta.decode(old, blob, backend=backend), new)
+        t = old.clone()
+        delta.apply_(t, blob, backend=backend)
+        assert same_bits(t, new)
 
 
 def test_small_or_sparse_blocks_are_mode_0_and_need_no_base():
@@ -230,13 +283,17 @@ import hashlib, sys, torch
 from syncd.ops import _backend, delta
 from tests.ops._util import perturb, random_bits
 sys.path.insert(0, ".")
-from tests.ops.test_delta_v2 import weight_pair
+from tests.ops.test_delta_v2 import mode_1_blob, weight_pair
 out = [_backend.native().CODEC_SIMD]
 cases = [weight_pair(n, s, seed=n) for n, s in ((70_001, 1e-7), (300_000, 1e-6), (1 << 18, 3e-5), (99_999, 1e-3))]
 g = torch.Generator().manual_seed(5)
 for dt in (torch.bfloat16, torch.float16, torch.int16, torch.float32, torch.uint8):
     old = random_bits((50_000,), dt, g)
     cases.append((old, perturb(old, 0.2, g, max_step=300)))
+for old, new in cases[2:4]:  # blobs written before mode 2 (J in position order) still decode
+    t = old.clone()
+    delta.apply_(t, mode_1_blob(old, new))
+    out.append(f"mode 1 {torch.equal(t.view(torch.uint8), new.view(torch.uint8))}")
 for old, new in cases:
     blob = delta.encode(old, new, version=2, block_log2=16)
     t = old.clone()
@@ -272,7 +329,8 @@ def test_every_simd_level_writes_and_reads_the_same_bytes():
         runs[got] = [ln for ln in lines if ln]
     assert "scalar" in runs
     first = runs["scalar"]
-    assert all(line.endswith("True True") for line in first), first
+    assert all(line.endswith("True True") or line == "mode 1 True" for line in first), first
+    assert sum(line.startswith("mode 1") for line in first) == 2, first
     for level, lines in runs.items():
         assert lines == first, level
 

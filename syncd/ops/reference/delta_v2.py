@@ -6,7 +6,8 @@ value ``v`` (as in format 1: zigzag of the key delta, minus one) as ``v = 2 m + 
 ``m`` by its bit length ``nb`` plus the ``nb - 1`` bits below its leading one, raw. ``nb`` is coded by its
 ``T`` binary digits, most significant first, each with the probability of its node in the class's binary
 tree (a class whose changes all have ``nb = 0`` codes nothing). Decisions travel in binary rANS group
-streams (``binary_rans.py``).
+streams (``binary_rans.py``). Mode 2, which encoders write, is mode 1 with the changes' value decisions
+ordered by their tree's depth (``value_order``), so that SIMD decoders step rows whose lanes all have work.
 """
 
 from __future__ import annotations
@@ -137,9 +138,20 @@ def _lanes(values: np.ndarray, lo: int, hi: int) -> np.ndarray:
 # ------------------------------------------------------------------------------------------- encode
 
 
-def encode_block(pos: np.ndarray, v: np.ndarray, classes: np.ndarray, e_top: int, dtype: fmt.DType) -> bytes:
+def value_order(cls_j: np.ndarray, depth: np.ndarray, mode: int) -> np.ndarray:
+    """The order ``J`` codes its changes in, as indices into ``cls_j`` (the classes of the changes with a
+    value tree, in position order): position order in mode 1; in mode 2 by their class's tree depth, fewest
+    levels first, then position (so that the 16 lanes of a row have about the same number of levels)."""
+    if mode == fmt.MODE_CONTEXT:
+        return np.arange(cls_j.size)
+    return np.argsort(depth[cls_j], kind="stable")
+
+
+def encode_block(pos: np.ndarray, v: np.ndarray, classes: np.ndarray, e_top: int, dtype: fmt.DType,
+                 mode: int = fmt.MODE_CONTEXT_BY_DEPTH) -> bytes:
     """Payload of one block: changes at block-relative ``pos`` (ascending) with values ``v``; ``classes`` of
-    every element of the block (from the old values and ``e_top``)."""
+    every element of the block (from the old values and ``e_top``). ``mode``: the context mode a context
+    block is written in (encoders write 2; 1 remains for reading blobs written before it)."""
     span, n = classes.size, pos.size
     if not use_context(n, span, dtype):
         return bytes([fmt.MODE_ORDER0]) + v1.encode_block(pos, v)
@@ -159,7 +171,8 @@ def encode_block(pos: np.ndarray, v: np.ndarray, classes: np.ndarray, e_top: int
     pos_streams = [br.encode_group(r) for r in position_rows(classes, p1, gp, changed)]
     depth, prob = tree_tables(trees)
     jsel = depth[cls_ch] > 0
-    cls_j, nb_j = cls_ch[jsel], nb[jsel]
+    order = value_order(cls_ch[jsel], depth, mode)
+    cls_j, nb_j, m_j = cls_ch[jsel][order], nb[jsel][order], m[jsel][order]
     gv = groups_for(cls_j.size) if cls_j.size else 0
     vrows = [[] for _ in range(gv)]
     for g, lo, hi in value_steps(cls_j.size, gv):
@@ -173,11 +186,11 @@ def encode_block(pos: np.ndarray, v: np.ndarray, classes: np.ndarray, e_top: int
             u = np.where(active, 2 * u + bit, u)
     val_streams = [br.encode_group(r) for r in vrows]
     mant = ent.BitWriter()
-    for mi, ni in zip(m.tolist(), nb.tolist()):
+    for mi, ni in zip(m_j.tolist(), nb_j.tolist()):  # J order (changes outside J have nb = 0)
         if ni >= 2:
             mant.write(mi - (1 << (ni - 1)), ni - 1)
     mant_bytes = mant.getvalue()
-    out = bytearray(_MODE1_FIXED.pack(fmt.MODE_CONTEXT, e_top, gp, gv))
+    out = bytearray(_MODE1_FIXED.pack(mode, e_top, gp, gv))
     out += struct.pack("<H", sum(1 << c for c in range(fmt.CLASSES) if p1[c]))
     out += b"".join(struct.pack("<H", int(p1[c])) for c in range(fmt.CLASSES) if p1[c])
     out += struct.pack("<H", sum(1 << c for c in range(fmt.CLASSES) if trees[c]))
@@ -196,23 +209,23 @@ def encode_block(pos: np.ndarray, v: np.ndarray, classes: np.ndarray, e_top: int
 
 
 def read_e_top(payload: bytes) -> int | None:
-    """The ``e_top`` of a mode-1 payload, None for mode 0 (does not validate the rest)."""
-    if payload and payload[0] == fmt.MODE_CONTEXT and len(payload) >= _MODE1_FIXED.size:
+    """The ``e_top`` of a context payload (mode 1 or 2), None for mode 0 (does not validate the rest)."""
+    if payload and payload[0] in fmt.CONTEXT_MODES and len(payload) >= _MODE1_FIXED.size:
         return _MODE1_FIXED.unpack_from(payload)[1]
     return None
 
 
 def decode_block(payload: bytes, n_changed: int, classes_for, span: int, dtype: fmt.DType, what: str):
     """Inverse of ``encode_block``: block-relative positions (int64) and values (uint64), fully validated.
-    ``classes_for(e_top)`` returns the classes of the block's old elements (only called for mode 1)."""
+    ``classes_for(e_top)`` returns the classes of the block's old elements (only called for modes 1 and 2)."""
     if not payload:
         raise DeltaError(f"{what}: empty payload")
     if payload[0] == fmt.MODE_ORDER0:
         return v1.decode_block(payload[1:], n_changed, span, dtype, what)
-    if payload[0] != fmt.MODE_CONTEXT:
+    if payload[0] not in fmt.CONTEXT_MODES:
         raise DeltaError(f"{what}: unknown block mode {payload[0]}")
     r = ent.Reader(payload, what)
-    _, e_top, gp, gv = _MODE1_FIXED.unpack(r.take(_MODE1_FIXED.size))
+    mode, e_top, gp, gv = _MODE1_FIXED.unpack(r.take(_MODE1_FIXED.size))
     if dtype.exp_bits and e_top >= 1 << dtype.exp_bits or not dtype.exp_bits and e_top:
         raise DeltaError(f"{what}: class origin {e_top} outside the exponent range of {dtype.name}")
     if not 1 <= gp <= fmt.MAX_GROUPS or gv > fmt.MAX_GROUPS:
@@ -261,7 +274,8 @@ def decode_block(payload: bytes, n_changed: int, classes_for, span: int, dtype: 
     cls_ch = classes[pos].astype(np.int64)
     depth, prob = tree_tables(trees)
     jsel = depth[cls_ch] > 0
-    cls_j = cls_ch[jsel]
+    j_pos = np.flatnonzero(jsel)[value_order(cls_ch[jsel], depth, mode)]  # J's changes, in J order
+    cls_j = cls_ch[j_pos]
     if (gv == 0) != (cls_j.size == 0):
         raise DeltaError(f"{what}: {gv} value groups for {cls_j.size} changes with a value tree")
     nb_j = np.zeros(cls_j.size, np.int64)
@@ -275,12 +289,10 @@ def decode_block(payload: bytes, n_changed: int, classes_for, span: int, dtype: 
         nb_j[lo:hi] = (u - (1 << t))[: hi - lo]
     for d in val_dec:
         d.finish()
-    nb = np.zeros(n_changed, np.int64)
-    nb[jsel] = nb_j
     m = np.zeros(n_changed, np.uint64)
-    for i in np.flatnonzero(nb >= 1).tolist():
-        k = int(nb[i])
-        m[i] = (1 << (k - 1)) | (mant.read(k - 1) if k >= 2 else 0)
+    for i, k in zip(j_pos.tolist(), nb_j.tolist()):  # the mantissa bits come in J order
+        if k >= 1:
+            m[i] = (1 << (k - 1)) | (mant.read(k - 1) if k >= 2 else 0)
     mant.finish()
     low = np.unpackbits(np.frombuffer(signs, np.uint8), bitorder="little")
     if low[n_changed:].any():
@@ -296,7 +308,7 @@ SECTIONS = ("modes", "tables", "lengths", "raw_bits", "rans", "params", "positio
 
 
 def sections(payload: bytes, n_changed: int, what: str) -> dict:
-    """Bytes of each section of a payload: its mode byte, then mode 0's format-1 sections, or mode 1's
+    """Bytes of each section of a payload: its mode byte, then mode 0's format-1 sections, or a context mode's
     parameters (with the stream lengths), position and value streams, mantissa bits and sign bits."""
     if not payload:
         raise DeltaError(f"{what}: empty payload")
