@@ -157,21 +157,32 @@ SYNCD_256 void value_stats(const uint8_t* cls, const uint16_t* v, size_t n, uint
 
 namespace {
 
-// The mantissa bits of one group's lanes (J entries lo .. lo + width), in J order: one read per 4 lanes
-// (<= 4 * 14 bits); nb[l] is lane l's bit length (0 past width).
-SYNCD_256 SYNCD_INLINE void read_mantissa(const uint32_t* nb, int width, const uint32_t* jidx, BitReader& mant,
-                                          uint16_t* v, const std::string& what) {
-  for (int l = 0; l < width; l += 4) {
-    uint32_t len[4], total = 0;
-    for (int q = 0; q < 4; ++q) total += len[q] = nb[l + q] ? nb[l + q] - 1 : 0;
-    uint64_t bits = mant.read(total);
-    for (int q = 0; q < 4 && l + q < width; ++q) {
-      const uint32_t m = (nb[l + q] ? 1u << len[q] : 0) | uint32_t(bits & ((uint64_t(1) << len[q]) - 1));
-      bits >>= len[q];
-      const uint32_t xv = (m << 1) | v[jidx[l + q]];
-      if (xv > 0xFFFE) fail(what, ": value change 65535 too wide for the dtype");
-      v[jidx[l + q]] = uint16_t(xv);
-    }
+// The mantissa bits of 8 lanes of a group (J entries jidx[0 .. width), bit lengths nb, 0 past width), in J
+// order: one read per 4 lanes (<= 4 * 14 bits), split among them by their lengths' prefix sums in the vector.
+SYNCD_256 SYNCD_INLINE void read_mantissa8(__m256i nb, int width, const uint32_t* jidx, BitReader& mant, uint16_t* v,
+                                           const std::string& what) {
+  const __m256i one = _mm256_set1_epi32(1), zero = _mm256_setzero_si256();
+  const __m256i len = _mm256_max_epi32(_mm256_sub_epi32(nb, one), zero);
+  __m256i incl = _mm256_add_epi32(len, _mm256_slli_si256(len, 4));  // prefix sums within each 4 lanes
+  incl = _mm256_add_epi32(incl, _mm256_slli_si256(incl, 8));
+  const __m256i excl = _mm256_sub_epi32(incl, len);
+  const uint32_t total0 = uint32_t(_mm256_extract_epi32(incl, 3)), total1 = uint32_t(_mm256_extract_epi32(incl, 7));
+  const uint64_t b0 = mant.read(total0);
+  const uint64_t b1 = mant.read(total1);
+  const __m256i s0 = _mm256_srlv_epi64(_mm256_set1_epi64x(int64_t(b0)), _mm256_cvtepu32_epi64(_mm256_castsi256_si128(excl)));
+  const __m256i s1 = _mm256_srlv_epi64(_mm256_set1_epi64x(int64_t(b1)), _mm256_cvtepu32_epi64(_mm256_extracti128_si256(excl, 1)));
+  const __m256i even = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);  // the low halves of the 64-bit lanes
+  const __m256i bits = _mm256_permute2x128_si256(_mm256_permutevar8x32_epi32(s0, even),
+                                                 _mm256_permutevar8x32_epi32(s1, even), 0x20);
+  const __m256i lead = _mm256_sllv_epi32(one, len);
+  const __m256i m = _mm256_or_si256(_mm256_and_si256(bits, _mm256_sub_epi32(lead, one)),
+                                    _mm256_and_si256(lead, _mm256_cmpgt_epi32(nb, zero)));
+  alignas(32) uint32_t mm[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(mm), m);
+  for (int l = 0; l < width; ++l) {
+    const uint32_t xv = (mm[l] << 1) | v[jidx[l]];
+    if (xv > 0xFFFE) fail(what, ": value change 65535 too wide for the dtype");
+    v[jidx[l]] = uint16_t(xv);
   }
 }
 
@@ -227,10 +238,11 @@ SYNCD_256 SYNCD_INLINE void decode_step(size_t s0, size_t nj, const uint8_t* cls
   }
   for (int g = 0; g < GV; ++g) {  // u = 2^depth + nb
     if (!gs[g].width) continue;
-    alignas(32) uint32_t nb[kLanes];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(nb), _mm256_sub_epi32(u0[g], _mm256_sllv_epi32(one, h0[g].d)));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(nb + 8), _mm256_sub_epi32(u1[g], _mm256_sllv_epi32(one, h1[g].d)));
-    read_mantissa(nb, gs[g].width, jidx + gs[g].lo, mant, v, what);
+    read_mantissa8(_mm256_sub_epi32(u0[g], _mm256_sllv_epi32(one, h0[g].d)), std::min(gs[g].width, 8),
+                   jidx + gs[g].lo, mant, v, what);
+    if (gs[g].width > 8)
+      read_mantissa8(_mm256_sub_epi32(u1[g], _mm256_sllv_epi32(one, h1[g].d)), gs[g].width - 8,
+                     jidx + gs[g].lo + 8, mant, v, what);
   }
 }
 
