@@ -263,15 +263,22 @@ SYNCD_256 uint64_t scan(const Classes16& c, const uint16_t* nw, uint64_t first_w
 }
 
 SYNCD_256 uint64_t apply(uint16_t* target, uint64_t span, uint64_t first_word, const uint16_t* bitmap,
-                         const uint16_t* v16, bool is_float, bool forward, const uint64_t*) {
+                         const uint16_t* v16, bool is_float, bool forward, const uint64_t* old_sum) {
   const Keys16 kk;
   const uint64_t vecs = span / 16;
   uint64_t ad = 0, k = 0;
+  // with old_sum (most words change), every new word's term instead of two terms per changed word: no branch
+  // on which words of a vector changed
+  const bool every_word = old_sum != nullptr;
   for (uint64_t j = 0; j < vecs; ++j) {
     const uint32_t bits = bitmap[j];
-    if (j % 2 == 0) prefetch_ahead(target + 16 * j, 64);  // every line: cheaper than asking the bitmap which ones
-    if (!bits) continue;
     uint8_t* tp = reinterpret_cast<uint8_t*>(target + 16 * j);
+    if (j % 2 == 0) prefetch_ahead(target + 16 * j, 64);  // every line: cheaper than asking the bitmap which ones
+    if (!bits) {
+      if (every_word)
+        for (int q = 0; q < 4; ++q) ad += checksum_term(load_le64(tp + 8 * q), first_word + 4 * j + q);
+      continue;
+    }
     const __m128i v_lo = shuffle_by(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v16 + k)), kTab.expand16, bits & 0xFF);
     k += uint64_t(__builtin_popcount(bits & 0xFF));
     const __m128i v_hi = shuffle_by(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v16 + k)), kTab.expand16, bits >> 8);
@@ -285,15 +292,22 @@ SYNCD_256 uint64_t apply(uint16_t* target, uint64_t span, uint64_t first_word, c
                                             int16_t(0x8000));
     const __m256i sel = _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16(int16_t(bits)), lanes), lanes);
     const __m256i b = _mm256_blendv_epi8(a, is_float ? kk.unkey(kb) : kb, sel);
-    uint64_t before[4];
-    std::memcpy(before, tp, 32);
+    alignas(32) uint64_t before[4], after[4];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(before), a);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(after), b);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(tp), b);
+    if (every_word) {
+      for (int q = 0; q < 4; ++q) ad += checksum_term(after[q], first_word + 4 * j + q);
+      continue;
+    }
     for (int q = 0; q < 4; ++q) {
       if (!((bits >> (4 * q)) & 0xF)) continue;
-      ad += checksum_term(load_le64(tp + 8 * q), first_word + 4 * j + q) - checksum_term(before[q], first_word + 4 * j + q);
+      ad += checksum_term(after[q], first_word + 4 * j + q) - checksum_term(before[q], first_word + 4 * j + q);
     }
   }
-  return ad + scalar16::apply(target, span, first_word, bitmap, v16, is_float, forward, vecs * 16, k);
+  const uint64_t tail = scalar16::apply(target, span, first_word, bitmap, v16, is_float, forward, vecs * 16, k);
+  if (every_word) return ad + scalar16::checksum(target, span, first_word, vecs * 16) - *old_sum;
+  return ad + tail;
 }
 
 }  // namespace avx2_16
