@@ -55,21 +55,44 @@ SYNCD_512 size_t select_j(const uint8_t* cls, const uint16_t* v, size_t n, const
 }  // namespace
 
 SYNCD_512 void value_stats(const uint8_t* cls, const uint16_t* v, size_t n, uint64_t changed[16], uint64_t hist[16][65]) {
-  uint64_t nz[16] = {};
-  size_t i = 0;
+  // class counts by compare and popcount; the changes with m > 0 as one key byte each, 16 * class + bit length
+  // (m < 2^15), counted afterwards in 4 interleaved tables so that runs of one key do not wait on themselves
+  uint8_t* keys = t_nb_j.scratch(n + 64);
+  size_t nk = 0, i = 0;
   for (; i + 64 <= n; i += 64) {
     const __m512i cl = _mm512_loadu_si512(cls + i);
     for (int c = 0; c < 16; ++c) changed[c] += uint64_t(__builtin_popcountll(_mm512_cmpeq_epi8_mask(cl, _mm512_set1_epi8(char(c)))));
-    const __m512i m0 = _mm512_srli_epi16(_mm512_loadu_si512(v + i), 1);
-    const __m512i m1 = _mm512_srli_epi16(_mm512_loadu_si512(v + i + 32), 1);
-    uint64_t bits = uint64_t(_mm512_test_epi16_mask(m0, m0)) | uint64_t(_mm512_test_epi16_mask(m1, m1)) << 32;
-    for (; bits; bits &= bits - 1) {
-      const size_t j = i + size_t(__builtin_ctzll(bits));
-      const uint32_t m = v[j] >> 1;
-      hist[cls[j]][32 - __builtin_clz(m)]++;
-      nz[cls[j]]++;
+    __m128i nb4[4];
+    uint64_t some = 0;
+    for (int h = 0; h < 2; ++h) {
+      const __m512i m = _mm512_srli_epi16(_mm512_loadu_si512(v + i + 32 * h), 1);
+      some |= uint64_t(_mm512_test_epi16_mask(m, m)) << (32 * h);
+      for (int q = 0; q < 2; ++q) {
+        const __m512i w = _mm512_cvtepu16_epi32(q ? _mm512_extracti64x4_epi64(m, 1) : _mm512_castsi512_si256(m));
+        nb4[2 * h + q] = _mm512_cvtepi32_epi8(_mm512_sub_epi32(_mm512_set1_epi32(32), _mm512_lzcnt_epi32(w)));
+      }
     }
+    const __m512i nb = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(nb4[1], nb4[0])),
+                                          _mm256_set_m128i(nb4[3], nb4[2]), 1);
+    compress_bytes64(keys + nk, some, _mm512_or_si512(_mm512_slli_epi16(_mm512_and_si512(cl, _mm512_set1_epi8(15)), 4), nb));
+    nk += size_t(__builtin_popcountll(some));
   }
+  uint32_t t[4][256] = {};
+  size_t k = 0;
+  for (; k + 4 <= nk; k += 4) {
+    t[0][keys[k]]++;
+    t[1][keys[k + 1]]++;
+    t[2][keys[k + 2]]++;
+    t[3][keys[k + 3]]++;
+  }
+  for (; k < nk; ++k) t[0][keys[k]]++;
+  uint64_t nz[16] = {};
+  for (int c = 0; c < 16; ++c)
+    for (int b = 1; b < 16; ++b) {
+      const uint64_t x = uint64_t(t[0][16 * c + b]) + t[1][16 * c + b] + t[2][16 * c + b] + t[3][16 * c + b];
+      hist[c][b] += x;
+      nz[c] += x;
+    }
   for (int c = 0; c < 16; ++c) hist[c][0] += changed[c] - nz[c];
   for (; i < n; ++i) {
     changed[cls[i]]++;
