@@ -282,7 +282,18 @@ def test_daemons_with_engines_relay_and_controller_killed_nodes_restarted(tmp_pa
                      for k, t in killed.items() for v in sizes)
     assert all(served.get(v, 0) >= sizes[v] for v in sizes), (served, sizes)
     assert sum(served.values()) <= 1.05 * sum(sizes.values()) + lost_roots, (served, sizes, lost_roots)
-    assert served[4] <= 1.05 * sizes[4], "no failure during version 4: each of its shards read once"
+    # nothing is killed during version 4: a shard is read again only when a plan moved its root (a node that
+    # looked dead or stalled; on a starved machine a pause of every process looks like that), once per move
+    m4 = read_manifest(Store(store), RUN, 4, signing_key=KEY)
+    roots4: dict[int, set[int]] = {}
+    for r in range(n):
+        for e in events(log[r], "plan"):
+            if e["v"] == 4:
+                for i, root in enumerate(e["shard_roots"]):
+                    roots4.setdefault(i, set()).add(root)
+    moved = sum(m4.shards[i].size * (len(rs) - 1) for i, rs in roots4.items())
+    assert served[4] <= 1.05 * sizes[4] + moved, ("version 4's shards read more than once per root", served[4],
+                                                  sizes[4], roots4)
 
     # the cluster's counters: Prometheus and syncd status; a stranger is refused and counted
     async def stranger():
