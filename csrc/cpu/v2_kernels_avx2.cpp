@@ -262,47 +262,90 @@ SYNCD_256 uint64_t scan(const Classes16& c, const uint16_t* nw, uint64_t first_w
   return scalar16::scan(c, nw, first_word, is_float, bitmap, v16, cls_ch, sum_old, adj, vecs * 16, kch);
 }
 
+namespace {
+
+// Applies the changes of vector j (16 elements, bits: which changed; their values from v16 + *k, *k advanced) and
+// returns the checksum terms of its 4 new words, minus those of the 4 old ones with kMinusOld.
+template <bool kFloat, bool kForward, bool kMinusOld>
+SYNCD_256 SYNCD_INLINE uint64_t apply_vector(uint16_t* target, uint64_t j, uint32_t bits, const uint16_t* v16,
+                                             uint64_t* k, uint64_t first_word) {
+  const Keys16 kk;
+  uint8_t* tp = reinterpret_cast<uint8_t*>(target + 16 * j);
+  const __m128i v_lo = shuffle_by(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v16 + *k)), kTab.expand16, bits & 0xFF);
+  *k += uint64_t(__builtin_popcount(bits & 0xFF));
+  const __m128i v_hi = shuffle_by(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v16 + *k)), kTab.expand16, bits >> 8);
+  *k += uint64_t(__builtin_popcount(bits >> 8));
+  const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tp));
+  const __m256i u = _mm256_add_epi16(_mm256_set_m128i(v_hi, v_lo), kk.one);
+  const __m256i d = _mm256_xor_si256(_mm256_srli_epi16(u, 1), _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_and_si256(u, kk.one)));
+  const __m256i ka = kFloat ? kk.key(a) : a;
+  const __m256i kb = kForward ? _mm256_add_epi16(ka, d) : _mm256_sub_epi16(ka, d);
+  const __m256i lanes = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+                                          int16_t(0x8000));
+  const __m256i sel = _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16(int16_t(bits)), lanes), lanes);
+  const __m256i b = _mm256_blendv_epi8(a, kFloat ? kk.unkey(kb) : kb, sel);
+  alignas(32) uint64_t before[4], after[4];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(before), a);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(after), b);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(tp), b);
+  uint64_t sum = 0;
+  for (int q = 0; q < 4; ++q) {  // an unchanged word adds 0: cheaper than a branch on which words changed
+    sum += checksum_term(after[q], first_word + 4 * j + q);
+    if (kMinusOld) sum -= checksum_term(before[q], first_word + 4 * j + q);
+  }
+  return sum;
+}
+
+// With every_word (old_sum given: most words change), the terms of every new word, unchanged ones included (no
+// branch on which words of a vector changed); else new minus old terms of the vectors with a change only, found
+// 16 bitmap entries at a time (a loop over the set bits of a mask, not a branch per vector: whether a vector
+// changed is not predictable at a few percent). Returns the sum and sets *k to the changes applied.
+template <bool kFloat, bool kForward>
+SYNCD_256 uint64_t apply_vectors(uint16_t* target, uint64_t vecs, uint64_t first_word, const uint16_t* bitmap,
+                                 const uint16_t* v16, bool every_word, uint64_t* k_out) {
+  uint64_t ad = 0, k = 0;
+  if (every_word) {
+    for (uint64_t j = 0; j < vecs; ++j) {
+      const uint32_t bits = bitmap[j];
+      if (j % 2 == 0) prefetch_ahead(target + 16 * j, 64);
+      if (bits) {
+        ad += apply_vector<kFloat, kForward, false>(target, j, bits, v16, &k, first_word);
+      } else {
+        const uint8_t* tp = reinterpret_cast<const uint8_t*>(target + 16 * j);
+        for (int q = 0; q < 4; ++q) ad += checksum_term(load_le64(tp + 8 * q), first_word + 4 * j + q);
+      }
+    }
+  } else {
+    const __m256i zero = _mm256_setzero_si256();
+    for (uint64_t j0 = 0; j0 < vecs; j0 += 16) {
+      uint32_t m;  // bit 2i + 1: entry j0 + i is not zero
+      if (vecs - j0 >= 16) {
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bitmap + j0));
+        m = ~uint32_t(_mm256_movemask_epi8(_mm256_cmpeq_epi16(b, zero))) & 0xAAAAAAAAu;
+      } else {
+        m = 0;
+        for (uint64_t i = 0; j0 + i < vecs; ++i) m |= uint32_t(bitmap[j0 + i] != 0) << (2 * i + 1);
+      }
+      for (; m; m &= m - 1) {
+        const uint64_t j = j0 + unsigned(__builtin_ctz(m)) / 2;
+        ad += apply_vector<kFloat, kForward, true>(target, j, bitmap[j], v16, &k, first_word);
+      }
+    }
+  }
+  *k_out = k;
+  return ad;
+}
+
+}  // namespace
+
 SYNCD_256 uint64_t apply(uint16_t* target, uint64_t span, uint64_t first_word, const uint16_t* bitmap,
                          const uint16_t* v16, bool is_float, bool forward, const uint64_t* old_sum) {
-  const Keys16 kk;
   const uint64_t vecs = span / 16;
-  uint64_t ad = 0, k = 0;
-  // with old_sum (most words change), every new word's term instead of two terms per changed word: no branch
-  // on which words of a vector changed
   const bool every_word = old_sum != nullptr;
-  for (uint64_t j = 0; j < vecs; ++j) {
-    const uint32_t bits = bitmap[j];
-    uint8_t* tp = reinterpret_cast<uint8_t*>(target + 16 * j);
-    if (j % 2 == 0) prefetch_ahead(target + 16 * j, 64);  // every line: cheaper than asking the bitmap which ones
-    if (!bits) {
-      if (every_word)
-        for (int q = 0; q < 4; ++q) ad += checksum_term(load_le64(tp + 8 * q), first_word + 4 * j + q);
-      continue;
-    }
-    const __m128i v_lo = shuffle_by(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v16 + k)), kTab.expand16, bits & 0xFF);
-    k += uint64_t(__builtin_popcount(bits & 0xFF));
-    const __m128i v_hi = shuffle_by(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v16 + k)), kTab.expand16, bits >> 8);
-    k += uint64_t(__builtin_popcount(bits >> 8));
-    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tp));
-    const __m256i u = _mm256_add_epi16(_mm256_set_m128i(v_hi, v_lo), kk.one);
-    const __m256i d = _mm256_xor_si256(_mm256_srli_epi16(u, 1), _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_and_si256(u, kk.one)));
-    const __m256i ka = is_float ? kk.key(a) : a;
-    const __m256i kb = forward ? _mm256_add_epi16(ka, d) : _mm256_sub_epi16(ka, d);
-    const __m256i lanes = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
-                                            int16_t(0x8000));
-    const __m256i sel = _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16(int16_t(bits)), lanes), lanes);
-    const __m256i b = _mm256_blendv_epi8(a, is_float ? kk.unkey(kb) : kb, sel);
-    alignas(32) uint64_t before[4], after[4];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(before), a);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(after), b);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(tp), b);
-    if (every_word) {
-      for (int q = 0; q < 4; ++q) ad += checksum_term(after[q], first_word + 4 * j + q);
-      continue;
-    }
-    for (int q = 0; q < 4; ++q)  // an unchanged word adds 0: cheaper than a branch on which words changed
-      ad += checksum_term(after[q], first_word + 4 * j + q) - checksum_term(before[q], first_word + 4 * j + q);
-  }
+  uint64_t k = 0;
+  const uint64_t ad =
+      is_float ? (forward ? apply_vectors<true, true> : apply_vectors<true, false>)(target, vecs, first_word, bitmap, v16, every_word, &k)
+               : (forward ? apply_vectors<false, true> : apply_vectors<false, false>)(target, vecs, first_word, bitmap, v16, every_word, &k);
   const uint64_t tail = scalar16::apply(target, span, first_word, bitmap, v16, is_float, forward, vecs * 16, k);
   if (every_word) return ad + scalar16::checksum(target, span, first_word, vecs * 16) - *old_sum;
   return ad + tail;

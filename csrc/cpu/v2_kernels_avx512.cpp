@@ -338,6 +338,58 @@ SYNCD_512 uint64_t scan(const Classes16& c, const uint16_t* nw, uint64_t first_w
   return scalar16::scan(c, nw, first_word, is_float, bitmap, v16, cls_ch, sum_old, adj, vecs * 32, k);
 }
 
+namespace {
+
+// The sparse apply: only the vectors of 32 elements with a change, found 16 bitmap words at a time (a loop over
+// the set bits of a mask, not a branch per vector: whether a vector changed is not predictable at a few percent),
+// each adding its new minus old checksum terms to *acc (the other vectors are never read; prefetching the lines of
+// those that change, a few chunks ahead, measured no faster). Returns the changes applied.
+// Bit i: vector j0 + i (of 32 elements, below vecs) has a change.
+SYNCD_512 __attribute__((always_inline)) inline uint32_t changed_vectors(const uint16_t* bitmap, uint64_t vecs, uint64_t j0) {
+  const __mmask16 live = vecs - j0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (vecs - j0)) - 1);
+  const __m512i b = _mm512_maskz_loadu_epi32(live, bitmap + 2 * j0);
+  return _mm512_test_epi32_mask(b, b);
+}
+
+template <bool kFloat, bool kForward>
+SYNCD_512 uint64_t apply_sparse(uint16_t* target, uint64_t vecs, uint64_t first_word, const uint16_t* bitmap,
+                                const uint16_t* v16, __m512i* acc_out) {
+  const Keys16 kk;
+  const __m512i key0 = word_keys512(first_word);
+  __m512i acc = *acc_out;
+  uint64_t k = 0;
+  for (uint64_t j0 = 0; j0 < vecs; j0 += 16) {
+    for (uint32_t m = changed_vectors(bitmap, vecs, j0); m; m &= m - 1) {
+      const uint64_t j = j0 + unsigned(__builtin_ctz(m));
+      uint32_t bits;
+      std::memcpy(&bits, bitmap + 2 * j, 4);
+      const __m512i key = _mm512_add_epi64(key0, _mm512_set1_epi64(int64_t(j * 8 * core::kGolden)));
+      const __m512i a = _mm512_loadu_si512(target + 32 * j);
+      const __m512i v = expand_load32x16(bits, v16 + k);
+      const __m512i u = _mm512_add_epi16(v, kk.one);  // the key delta: (u >> 1) ^ -(u & 1)
+      const __m512i d = _mm512_xor_si512(_mm512_srli_epi16(u, 1), _mm512_sub_epi16(_mm512_setzero_si512(), _mm512_and_si512(u, kk.one)));
+      const __m512i ka = kFloat ? kk.key(a) : a;
+      const __m512i kb = kForward ? _mm512_add_epi16(ka, d) : _mm512_sub_epi16(ka, d);
+      const __m512i b = _mm512_mask_mov_epi16(a, bits, kFloat ? kk.unkey(kb) : kb);
+      _mm512_mask_storeu_epi16(target + 32 * j, bits, b);
+      acc = _mm512_add_epi64(acc, _mm512_sub_epi64(mix512(_mm512_xor_si512(b, key)), mix512(_mm512_xor_si512(a, key))));
+      k += unsigned(__builtin_popcount(bits));
+    }
+  }
+  *acc_out = acc;
+  return k;
+}
+
+SYNCD_512 uint64_t sparse_dispatch(uint16_t* target, uint64_t vecs, uint64_t first_word, const uint16_t* bitmap,
+                                   const uint16_t* v16, bool is_float, bool forward, __m512i* acc) {
+  if (is_float) return forward ? apply_sparse<true, true>(target, vecs, first_word, bitmap, v16, acc)
+                               : apply_sparse<true, false>(target, vecs, first_word, bitmap, v16, acc);
+  return forward ? apply_sparse<false, true>(target, vecs, first_word, bitmap, v16, acc)
+                 : apply_sparse<false, false>(target, vecs, first_word, bitmap, v16, acc);
+}
+
+}  // namespace
+
 SYNCD_512 uint64_t apply(uint16_t* target, uint64_t span, uint64_t first_word, const uint16_t* bitmap,
                          const uint16_t* v16, bool is_float, bool forward, const uint64_t* old_sum) {
   const Keys16 kk;
@@ -366,22 +418,7 @@ SYNCD_512 uint64_t apply(uint16_t* target, uint64_t span, uint64_t first_word, c
     scalar16::apply(target, span, first_word, bitmap, v16, is_float, forward, vecs * 32, k);  // the tail
     return (reduce_add_u64(acc)) + scalar16::checksum(target, span, first_word, vecs * 32) - *old_sum;
   }
-  for (uint64_t j = 0; j < vecs; ++j, key = _mm512_add_epi64(key, step8)) {
-    uint32_t bits;
-    std::memcpy(&bits, bitmap + 2 * j, 4);
-    prefetch_ahead(target + 32 * j, 64);  // every line: cheaper than asking the bitmap which ones
-    if (!bits) continue;
-    const __m512i a = _mm512_loadu_si512(target + 32 * j);
-    const __m512i v = expand_load32x16(bits, v16 + k);
-    const __m512i u = _mm512_add_epi16(v, kk.one);  // the key delta: (u >> 1) ^ -(u & 1)
-    const __m512i d = _mm512_xor_si512(_mm512_srli_epi16(u, 1), _mm512_sub_epi16(_mm512_setzero_si512(), _mm512_and_si512(u, kk.one)));
-    const __m512i ka = is_float ? kk.key(a) : a;
-    const __m512i kb = forward ? _mm512_add_epi16(ka, d) : _mm512_sub_epi16(ka, d);
-    const __m512i b = _mm512_mask_mov_epi16(a, bits, is_float ? kk.unkey(kb) : kb);
-    _mm512_mask_storeu_epi16(target + 32 * j, bits, b);
-    acc = _mm512_add_epi64(acc, _mm512_sub_epi64(mix512(_mm512_xor_si512(b, key)), mix512(_mm512_xor_si512(a, key))));
-    k += unsigned(__builtin_popcount(bits));
-  }
+  k = sparse_dispatch(target, vecs, first_word, bitmap, v16, is_float, forward, &acc);
   return (reduce_add_u64(acc)) +
          scalar16::apply(target, span, first_word, bitmap, v16, is_float, forward, vecs * 32, k);
 }
