@@ -340,10 +340,6 @@ SYNCD_512 uint64_t scan(const Classes16& c, const uint16_t* nw, uint64_t first_w
 
 namespace {
 
-// The sparse apply: only the vectors of 32 elements with a change, found 16 bitmap words at a time (a loop over
-// the set bits of a mask, not a branch per vector: whether a vector changed is not predictable at a few percent),
-// each adding its new minus old checksum terms to *acc (the other vectors are never read; prefetching the lines of
-// those that change, a few chunks ahead, measured no faster). Returns the changes applied.
 // Bit i: vector j0 + i (of 32 elements, below vecs) has a change.
 SYNCD_512 __attribute__((always_inline)) inline uint32_t changed_vectors(const uint16_t* bitmap, uint64_t vecs, uint64_t j0) {
   const __mmask16 live = vecs - j0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (vecs - j0)) - 1);
@@ -351,6 +347,10 @@ SYNCD_512 __attribute__((always_inline)) inline uint32_t changed_vectors(const u
   return _mm512_test_epi32_mask(b, b);
 }
 
+// The sparse apply: only the vectors of 32 elements with a change, found 16 bitmap words at a time (a loop over
+// the set bits of a mask, not a branch per vector: whether a vector changed is not predictable at a few percent),
+// each adding its new minus old checksum terms to *acc (the other vectors are never read; prefetching the lines of
+// those that change, a few chunks ahead, measured no faster). Returns the changes applied.
 template <bool kFloat, bool kForward>
 SYNCD_512 uint64_t apply_sparse(uint16_t* target, uint64_t vecs, uint64_t first_word, const uint16_t* bitmap,
                                 const uint16_t* v16, __m512i* acc_out) {
