@@ -464,10 +464,10 @@ void V2BlockDecoder::decode_values(BlockChanges& out) {
 }
 
 uint64_t apply_changes(uint8_t* target, const BlockChanges& ch, const DTypeInfo& dt, uint64_t first_word,
-                       bool forward, bool dense) {
+                       bool forward, bool with_old_sum) {
   if (dt.bits == 16)
-    return apply16(reinterpret_cast<uint16_t*>(target), ch.span, first_word, ch.bitmap.data(), ch.v16.data(),
-                   dt.is_float, forward, dense && ch.has_old_sum ? &ch.old_sum : nullptr, simd_level());
+    return apply16(reinterpret_cast<uint16_t*>(target), ch.span, first_word, ch.bitmap.data(), ch.v16.data(), ch.n,
+                   dt.is_float, forward, with_old_sum && ch.has_old_sum ? &ch.old_sum : nullptr, simd_level());
   return by_word_bytes(dt.bits / 8, [&](auto tag) -> uint64_t {
     using T = decltype(tag);
     return apply_generic<T>(reinterpret_cast<T*>(target), ch, dt.is_float, first_word, forward);

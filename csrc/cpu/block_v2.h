@@ -126,9 +126,10 @@ class V2BlockDecoder {
 };
 
 // Applies (forward) or undoes a block's decoded changes at `target` (the block's first element) in place;
-// returns the checksum change of the words written (words indexed from first_word). `dense` lets it sum
-// every new word (when ch.has_old_sum) instead of two terms per changed word.
+// returns the checksum change of the words written (words indexed from first_word). `with_old_sum` lets it
+// use ch.old_sum (when ch.has_old_sum) to sum every new word instead of two terms per changed word, where
+// that is cheaper.
 uint64_t apply_changes(uint8_t* target, const BlockChanges& ch, const DTypeInfo& dt, uint64_t first_word,
-                       bool forward, bool dense = false);
+                       bool forward, bool with_old_sum = false);
 
 }  // namespace syncd

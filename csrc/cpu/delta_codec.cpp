@@ -330,8 +330,7 @@ void apply_item(ApplyTask& t, const ApplyJob& j, size_t b, bool verify) {
     BlockChanges& d = *t.decoded[b];
     dec.decode(cs, d);
     if (verify) t.sums[b] = d.has_old_sum ? d.old_sum : checksum_raw_range(j.target, lo, hi);
-    const bool dense = verify && uint64_t(e.n_changed) * 16 > h.block_span(b);  // most words change
-    const uint64_t ad = apply_changes(j.target + lo, d, h.dtype, lo / 8, true, dense);
+    const uint64_t ad = apply_changes(j.target + lo, d, h.dtype, lo / 8, true, verify);
     t.written[b] = e.n_changed;
     if (verify) t.adjs[b] = ad;
     return;

@@ -371,11 +371,12 @@ uint64_t scan16(const Classes16& c, const uint16_t* nw, uint64_t first_word, boo
 }
 
 uint64_t apply16(uint16_t* target, uint64_t span, uint64_t first_word, const uint16_t* bitmap, const uint16_t* v16,
-                 bool is_float, bool forward, const uint64_t* old_sum, Simd s) {
+                 uint64_t n, bool is_float, bool forward, const uint64_t* old_sum, Simd s) {
   if constexpr (kX86) {
     if (s == Simd::kAvx512)
-      return avx512_16::apply(target, span, first_word, bitmap, v16, is_float, forward, old_sum);
-    if (s == Simd::kAvx2) return avx2_16::apply(target, span, first_word, bitmap, v16, is_float, forward, old_sum);
+      return avx512_16::apply(target, span, first_word, bitmap, v16, is_float, forward, n * 8 > span ? old_sum : nullptr);
+    if (s == Simd::kAvx2)
+      return avx2_16::apply(target, span, first_word, bitmap, v16, is_float, forward, n * 16 > span ? old_sum : nullptr);
   }
   return scalar16::apply(target, span, first_word, bitmap, v16, is_float, forward, 0, 0);
 }

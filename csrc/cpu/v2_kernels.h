@@ -62,12 +62,13 @@ void encode_positions16(const Classes16& c, const uint16_t* bitmap, BinGroupEnco
 uint64_t scan16(const Classes16& c, const uint16_t* nw, uint64_t first_word, bool is_float, uint16_t* bitmap,
                 uint16_t* v16, uint8_t* cls_ch, uint64_t* sum_old, uint64_t* adj, Simd s);
 
-// Applies (forward) or undoes the changes of a 16-bit block in place: target[16t + l] for each bitmap bit,
-// values v16 in order (readable 16 entries past the last change). Returns the checksum change of the words it wrote (new minus old terms). With
-// old_sum (the terms of every old word, as decode_positions16 gives them) it sums the terms of every new word
-// instead of two terms per changed word: cheaper when most words change.
+// Applies (forward) or undoes the n changes of a 16-bit block in place: target[16t + l] for each bitmap bit,
+// values v16 in order (readable 16 entries past the last change). Returns the checksum change of the words it
+// wrote (new minus old terms). Given old_sum (the terms of every old word, as decode_positions16 gives them), it
+// sums the terms of every new word instead of two terms per changed word where most words change (above a
+// density measured per kernel: the AVX-512 sparse pass stays cheaper up to 1/8, the AVX2 one to 1/16).
 uint64_t apply16(uint16_t* target, uint64_t span, uint64_t first_word, const uint16_t* bitmap, const uint16_t* v16,
-                 bool is_float, bool forward, const uint64_t* old_sum, Simd s);
+                 uint64_t n, bool is_float, bool forward, const uint64_t* old_sum, Simd s);
 
 // ---- values: every change's v = 2m + low; the changes J of classes with a value tree (in J's order, JBuckets)
 // code the bit length nb of m by its binary digits, most significant first (row r of 16 consecutive J entries:
