@@ -228,6 +228,15 @@ struct Keys16 {
   SYNCD_512 inline __m512i unkey(__m512i k) const {
     return _mm512_xor_si512(k, _mm512_or_si512(_mm512_andnot_si512(_mm512_srai_epi16(k, 15), ones), sign));
   }
+  // the 32 elements a with the changes in `bits` applied (forward) or undone, their values from v in order
+  SYNCD_512 __attribute__((always_inline)) inline __m512i changed(__m512i a, __mmask32 bits, const uint16_t* v,
+                                                                 bool is_float, bool forward) const {
+    const __m512i u = _mm512_add_epi16(expand_load32x16(bits, v), one);  // the key delta: (u >> 1) ^ -(u & 1)
+    const __m512i d = _mm512_xor_si512(_mm512_srli_epi16(u, 1), _mm512_sub_epi16(_mm512_setzero_si512(), _mm512_and_si512(u, one)));
+    const __m512i ka = is_float ? key(a) : a;
+    const __m512i kb = forward ? _mm512_add_epi16(ka, d) : _mm512_sub_epi16(ka, d);
+    return _mm512_mask_mov_epi16(a, bits, is_float ? unkey(kb) : kb);
+  }
 };
 
 }  // namespace
@@ -365,12 +374,7 @@ SYNCD_512 uint64_t apply_sparse(uint16_t* target, uint64_t vecs, uint64_t first_
       std::memcpy(&bits, bitmap + 2 * j, 4);
       const __m512i key = _mm512_add_epi64(key0, _mm512_set1_epi64(int64_t(j * 8 * core::kGolden)));
       const __m512i a = _mm512_loadu_si512(target + 32 * j);
-      const __m512i v = expand_load32x16(bits, v16 + k);
-      const __m512i u = _mm512_add_epi16(v, kk.one);  // the key delta: (u >> 1) ^ -(u & 1)
-      const __m512i d = _mm512_xor_si512(_mm512_srli_epi16(u, 1), _mm512_sub_epi16(_mm512_setzero_si512(), _mm512_and_si512(u, kk.one)));
-      const __m512i ka = kFloat ? kk.key(a) : a;
-      const __m512i kb = kForward ? _mm512_add_epi16(ka, d) : _mm512_sub_epi16(ka, d);
-      const __m512i b = _mm512_mask_mov_epi16(a, bits, kFloat ? kk.unkey(kb) : kb);
+      const __m512i b = kk.changed(a, bits, v16 + k, kFloat, kForward);
       _mm512_mask_storeu_epi16(target + 32 * j, bits, b);
       acc = _mm512_add_epi64(acc, _mm512_sub_epi64(mix512(_mm512_xor_si512(b, key)), mix512(_mm512_xor_si512(a, key))));
       k += unsigned(__builtin_popcount(bits));
@@ -378,14 +382,6 @@ SYNCD_512 uint64_t apply_sparse(uint16_t* target, uint64_t vecs, uint64_t first_
   }
   *acc_out = acc;
   return k;
-}
-
-SYNCD_512 uint64_t sparse_dispatch(uint16_t* target, uint64_t vecs, uint64_t first_word, const uint16_t* bitmap,
-                                   const uint16_t* v16, bool is_float, bool forward, __m512i* acc) {
-  if (is_float) return forward ? apply_sparse<true, true>(target, vecs, first_word, bitmap, v16, acc)
-                               : apply_sparse<true, false>(target, vecs, first_word, bitmap, v16, acc);
-  return forward ? apply_sparse<false, true>(target, vecs, first_word, bitmap, v16, acc)
-                 : apply_sparse<false, false>(target, vecs, first_word, bitmap, v16, acc);
 }
 
 }  // namespace
@@ -404,12 +400,7 @@ SYNCD_512 uint64_t apply(uint16_t* target, uint64_t span, uint64_t first_word, c
       prefetch_ahead(target + 32 * j, 64);
       __m512i a = _mm512_loadu_si512(target + 32 * j);
       if (bits) {
-        const __m512i v = expand_load32x16(bits, v16 + k);
-        const __m512i u = _mm512_add_epi16(v, kk.one);
-        const __m512i d = _mm512_xor_si512(_mm512_srli_epi16(u, 1), _mm512_sub_epi16(_mm512_setzero_si512(), _mm512_and_si512(u, kk.one)));
-        const __m512i ka = is_float ? kk.key(a) : a;
-        const __m512i kb = forward ? _mm512_add_epi16(ka, d) : _mm512_sub_epi16(ka, d);
-        a = _mm512_mask_mov_epi16(a, bits, is_float ? kk.unkey(kb) : kb);
+        a = kk.changed(a, bits, v16 + k, is_float, forward);
         _mm512_mask_storeu_epi16(target + 32 * j, bits, a);
         k += unsigned(__builtin_popcount(bits));
       }
@@ -418,7 +409,9 @@ SYNCD_512 uint64_t apply(uint16_t* target, uint64_t span, uint64_t first_word, c
     scalar16::apply(target, span, first_word, bitmap, v16, is_float, forward, vecs * 32, k);  // the tail
     return (reduce_add_u64(acc)) + scalar16::checksum(target, span, first_word, vecs * 32) - *old_sum;
   }
-  k = sparse_dispatch(target, vecs, first_word, bitmap, v16, is_float, forward, &acc);
+  k = (is_float ? (forward ? apply_sparse<true, true> : apply_sparse<true, false>)
+                : (forward ? apply_sparse<false, true> : apply_sparse<false, false>))(target, vecs, first_word, bitmap,
+                                                                                    v16, &acc);
   return (reduce_add_u64(acc)) +
          scalar16::apply(target, span, first_word, bitmap, v16, is_float, forward, vecs * 32, k);
 }
