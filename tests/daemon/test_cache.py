@@ -28,7 +28,7 @@ def test_put_checks_the_hash_and_is_atomic(tmp_path):
     assert p == shard_path(cache.root, sha(data)) and cache.has(sha(data), 1000) and not cache.has(sha(data), 999)
     assert bytes(cache.read(sha(data))) == data
     # a file that rotted on disk is detected on read and removed
-    p.write_bytes(b"x" + data[1:])
+    p.write_bytes(bytes([data[0] ^ 1]) + data[1:])  # (b"x" + data[1:] left it intact when data[0] was b"x")
     with pytest.raises(IntegrityError, match="no longer matches"):
         cache.read(sha(data))
     assert not cache.has(sha(data))
