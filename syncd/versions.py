@@ -75,7 +75,7 @@ def read_manifest(store, run_id: str, version: int, *, signing_key=None) -> mf.M
     store = Store.open(store, create=False)
     raw = read_manifest_bytes(store, run_id, version)
     key = _resolve(signing_key)
-    return mf.parse(raw, key=key or None, run_id=run_id, version=version,
+    return mf.parse(raw, key=None if key is UNCHECKED or key is False else key, run_id=run_id, version=version,
                     where=f"{store.url}/{mf.manifest_key(run_id, version)}", allow_unsigned=key is UNCHECKED)
 
 

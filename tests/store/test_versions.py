@@ -149,6 +149,21 @@ def test_unsigned_manifests_rejected_when_reader_has_a_key(tmp_path):
         syncd.materialize(store, RUN, signing_key=KEY)
 
 
+def test_a_keyless_reader_reads_a_signed_run_only_when_told_to_leave_it_unchecked(published, monkeypatch, capsys):
+    from syncd.signing import UNCHECKED
+
+    store, root, states = published
+    monkeypatch.delenv("SYNCD_SIGNING_KEY", raising=False)
+    with pytest.raises(SignatureError, match="no signing key is configured"):
+        read_manifest(store, RUN, 2, signing_key=False)
+    assert read_manifest(store, RUN, 2, signing_key=UNCHECKED).version == 2
+    assert latest_version(store, RUN, signing_key=UNCHECKED) == N - 1
+    assert_same(syncd.materialize(store, RUN, 2, signing_key=UNCHECKED), states[2])
+    capsys.readouterr()
+    assert cli(["ls", "--store", str(root), "--run-id", RUN, "--allow-unsigned"]) == 0
+    assert "version" in capsys.readouterr().out.lower()
+
+
 def test_key_from_environment(published, monkeypatch):
     store, _, states = published
     monkeypatch.setenv("SYNCD_SIGNING_KEY", KEY)
