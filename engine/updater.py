@@ -8,7 +8,8 @@ side (``pause``/``resume``) and calls the updater while paused.
 How an update moves (``docs/engine.md``):
 
 * ``stage(update)`` does all the work that can run while serving. Every delta blob is parsed and validated
-  (``syncd.ops.delta.changes``); positions of the full trainer tensor are mapped to local flat positions
+  (``syncd.ops.delta.changes``; a format-2 blob's context blocks against the engine's own copy of the old
+  tensor, which it must hold whole: a tensor-parallel slice cannot decode them, ``DeltaError``); positions of the full trainer tensor are mapped to local flat positions
   (dropped when another rank owns them); the current bits at those positions (the *old* words) are read and
   the new words computed. A parameter that maps 1:1 to a trainer tensor is decoded in full on a scratch copy
   (``syncd.ops.delta.decode``), which checks the blob's base checksum against the local tensor and the
@@ -169,7 +170,7 @@ class WeightUpdater:
             if src in self._ignore:
                 continue
             try:
-                ch = _delta.changes(blob)
+                ch = _delta.changes(blob, base=self._base_for(src, blob))
             except DeltaError as exc:
                 raise DeltaError(f"tensor {src!r}: {exc}") from None
             uses = self._by_source[src]
@@ -190,6 +191,23 @@ class WeightUpdater:
                     idx, old, new = self._stage_piece(spec, flat, piece, ch)
                 parts.setdefault(spec.name, []).append((idx, old, new))
         return StagedUpdate(update.version, self._version, "delta", self._merge(parts), self._epoch, expected)
+
+    def _base_for(self, src: str, blob) -> torch.Tensor | None:
+        """What decoding ``blob`` (the delta of trainer tensor ``src``) needs besides itself: None, or, for a
+        format-2 blob with context blocks, the old ``src`` as this engine holds it whole (a view of a local
+        tensor: the parameter itself, or its slab of a fused parameter; read, never written). Raises
+        ``DeltaError`` when this engine holds only part of ``src`` (a tensor-parallel slice), which is not
+        enough to decode such a blob."""
+        if not _delta.needs_base(blob):
+            return None
+        for spec, piece in self._by_source[src]:
+            if piece.dim is None or (piece.start == 0 and piece.stop == piece.source_shape[piece.dim]):
+                return local_slab(self._tensors[spec.name], piece)
+        held = ", ".join(f"[{p.start}:{p.stop}) of dim {p.dim}" for _, p in self._by_source[src])
+        raise DeltaError(f"its delta has context blocks (format 2), which only an engine holding the whole "
+                         f"tensor can decode, and this engine holds only {held} of {list(piece.source_shape)}; "
+                         "publish the tensors that engines hold in slices in format 1 (WeightPublisher's "
+                         "sliced_tensors, the trainer's --sliced-tensors)")
 
     def _stage_whole(self, spec, flat, blob, ch, src):
         """1:1 parameter: decode on a scratch copy (checks base and result checksums), keep the changed words."""

@@ -104,7 +104,8 @@ class LiveSide:
 
             task = self.curated = CuratedTask(task, cfg.curation)
         self.pub = WeightPublisher(cfg.store, cfg.run_id, every_k=1, full_every=cfg.full_every,
-                                   commit_gate=self.commit_gate)
+                                   commit_gate=self.commit_gate, delta_format=cfg.delta_format,
+                                   sliced_tensors=cfg.sliced_tensors)
         self.buffer = RolloutBuffer(0 if cfg.sync else cfg.max_lag, on_drop=lambda n: self.workers.allow(n))
         self.workers = RolloutWorkers(
             proxies=list(cfg.proxies), model_name=names[0][0], task=task, reward=reward, group_size=cfg.group_size,

@@ -97,6 +97,8 @@ class LoopConfig:
     seed: int = 0
     threads: int = 1
     full_every: int = 16
+    delta_format: int = 1
+    sliced_tensors: str | None = None
     daemon_status: str | None = None
     sync: bool = False
     plans: str | None = None
@@ -123,6 +125,7 @@ class LoopConfig:
     def check(self) -> None:
         """Raise :class:`ConfigError` naming the flag of the first bad setting."""
         from trainer.optim import OPTIMIZERS
+        from trainer.shard_writer import delta_formats
         from trainer.tasks import get_task
 
         rules = [(self.every_k >= 1, "--every-k", f"K must be >= 1, got {self.every_k}"),
@@ -155,6 +158,11 @@ class LoopConfig:
         for ok, flag, msg in rules:
             if not ok:
                 raise ConfigError(f"{flag}: {msg}")
+        try:
+            delta_formats(self.delta_format, self.sliced_tensors)
+        except ValueError as exc:
+            flag = "--delta-format" if "delta_format" in str(exc) else "--sliced-tensors"
+            raise ConfigError(f"{flag}: {exc}") from None
         try:
             get_task(self.task, length=self.task_length)
         except ValueError as exc:

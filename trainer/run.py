@@ -85,6 +85,12 @@ def parser() -> argparse.ArgumentParser:
     a("--seed", type=int, default=0)
     a("--threads", type=int, default=1, help="torch intra-op threads per rank (fixed: determinism)")
     a("--full-every", type=int, default=16, help="a full version every that many (deltas between)")
+    a("--delta-format", default=env("SYNCD_DELTA_FORMAT", "1"), metavar="1|2",
+      help="codec format of the deltas: 2 is about 0.75x the bytes, but engines must hold each tensor whole to "
+           "decode it (see --sliced-tensors) [SYNCD_DELTA_FORMAT]")
+    a("--sliced-tensors", default=env("SYNCD_SLICED_TENSORS"), metavar="REGEX",
+      help="with --delta-format 2: trainer tensors some engine holds only in slices (tensor parallel), written "
+           "in format 1 (full match) [SYNCD_SLICED_TENSORS]")
     a("--daemon-status", default=None, metavar="FILE", help="the node daemon's status file: engine versions")
     a("--sync", action="store_true", help="synchronous baseline: generate, then train, then update")
     a("--plans", default=None, metavar="FILE", help="train offline on the plans.jsonl of an earlier run")
@@ -129,6 +135,14 @@ def _curation(args):
         raise ConfigError(f"--curate/--curate-pool/--curate-confidence: {exc}") from None
 
 
+def _delta_format(text: str) -> int:
+    from trainer.loop import ConfigError
+
+    if text.strip() not in ("1", "2"):
+        raise ConfigError(f"--delta-format (or SYNCD_DELTA_FORMAT): must be 1 or 2, got {text!r}")
+    return int(text)
+
+
 def config_from_args(args):
     """The :class:`~trainer.loop.LoopConfig` of parsed flags. Raises ConfigError naming a bad flag."""
     from trainer.loop import LoopConfig
@@ -141,6 +155,7 @@ def config_from_args(args):
         optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
         is_cap=args.is_cap or None, is_band=args.is_band, is_seq_band=args.is_seq_band, micro_batch=args.micro_batch,
         adv_scale=not args.no_adv_scale, seed=args.seed, threads=args.threads, full_every=args.full_every,
+        delta_format=_delta_format(args.delta_format), sliced_tensors=args.sliced_tensors or None,
         daemon_status=args.daemon_status, sync=args.sync, plans=args.plans, save_weights=args.save_weights,
         plot=not args.no_plot, rollout_timeout_s=args.rollout_timeout, curation=_curation(args),
         checkpoint_dir=args.checkpoint_dir, resume=args.resume, replicas=args.replicas,
@@ -223,9 +238,8 @@ def _run_rank(argv: list[str]) -> int:
     from trainer.loop import ConfigError, run_loop
 
     args = parser().parse_args(argv)
-    cfg = config_from_args(args)
     try:
-        summary = run_loop(cfg)
+        summary = run_loop(config_from_args(args))
     except ConfigError as exc:
         print(f"trainer.run: {exc}", file=sys.stderr)
         return 2

@@ -52,7 +52,8 @@ def _trainer(argv) -> int:
     quiet_optional_imports()
     p = argparse.ArgumentParser(prog="syncd.app.demo _trainer")
     for name, kind in (("--model", str), ("--store", str), ("--progress", str), ("--versions", int),
-                       ("--every-k", int), ("--full-every", int), ("--lr", float), ("--interval", float)):
+                       ("--every-k", int), ("--full-every", int), ("--lr", float), ("--interval", float),
+                       ("--delta-format", int)):
         p.add_argument(name, type=kind, required=True)
     a = p.parse_args(argv)
     torch.manual_seed(0)
@@ -73,7 +74,8 @@ def _trainer(argv) -> int:
         start = torch.randint(0, 256, (8, 1), generator=gen)
         return (start + torch.arange(32)) % 256
 
-    pub = WeightPublisher(a.store, RUN, every_k=a.every_k, full_every=a.full_every, shard_bytes=64 << 10)
+    pub = WeightPublisher(a.store, RUN, every_k=a.every_k, full_every=a.full_every, shard_bytes=64 << 10,
+                          delta_format=a.delta_format)
     pub.publish(model, 0)
     emit(step=0, loss=None)
     step = 0
@@ -160,7 +162,8 @@ def run(args) -> dict:
         children["trainer"] = _spawn(
             ["-m", "syncd.app.demo", "_trainer", "--model", str(model), "--store", str(store), "--progress",
              str(progress), "--versions", str(args.versions), "--every-k", str(args.every_k), "--full-every",
-             str(args.full_every), "--lr", str(args.lr), "--interval", str(args.interval)], env, logs / "trainer.log")
+             str(args.full_every), "--lr", str(args.lr), "--interval", str(args.interval), "--delta-format",
+             str(args.delta_format)], env, logs / "trainer.log")
         urls = [_wait(lambda n=n: json.loads((work / f"{n}.ready").read_text())["url"], f"engine {n}", 180, children)
                 for n in names]
         daemon_args = ["-m", "syncd.app.cli", "--run-id", RUN, "--store", str(store), "--cache-dir", str(cache),
@@ -261,6 +264,7 @@ def summarize(args, status: dict, history: list, client: Client, exact: bool, wa
         "compression": (med(published) / full) if published and full else None,
         "wall_s": wall_s,
         "versions": args.versions, "every_k": args.every_k, "full_every": args.full_every, "lr": args.lr,
+        "delta_format": args.delta_format,
         "workdir": str(work) if (args.dir or args.keep) else None,
     }
 
@@ -288,7 +292,7 @@ def print_summary(s: dict) -> None:
             ("publish -> serving lag (median)", f(s["update_lag_s_median"], "ms")),
             ("delta per version (median)", "-" if s.get("delta_bytes_median") is None else
              f"{s['delta_bytes_median'] / 1e3:,.1f} kB = {s['delta_fraction_median']:.1%} of the "
-             f"{s['full_bytes'] / 1e3:,.1f} kB bf16 weights"),
+             f"{s['full_bytes'] / 1e3:,.1f} kB bf16 weights, format {s.get('delta_format', 1)}"),
             ("wall time", f"{s['wall_s']:.1f} s")]
     if s.get("timeline_png") or s.get("plot_error"):
         rows.append(("timeline", s.get("timeline_png") or f"not drawn: {s['plot_error']}"))
@@ -330,6 +334,8 @@ def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-5, help="the trainer's AdamW learning rate (the delta's size "
                                                           "follows it)")
     p.add_argument("--seed", type=int, default=0, help="seed of the tiny model's random init")
+    p.add_argument("--delta-format", type=int, choices=(1, 2), default=2,
+                   help="codec format of the deltas (the engines hold every tensor whole, so format 2 decodes)")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between versions (a real RL step's pace)")
     p.add_argument("--engines", type=int, default=2, help="engine processes (python -m engine.control)")
     p.add_argument("--clients", type=int, default=4, help="client threads streaming requests")

@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="learning rate: high, so that a tiny model learns in a minute (real RL runs use ~1e-6; the "
                         "delta's size follows it)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model's random init and of the trainer")
+    p.add_argument("--delta-format", type=int, choices=(1, 2), default=2,
+                   help="codec format of the deltas (the engines hold every tensor whole, so format 2 decodes)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the summary here")
     p.add_argument("--plot", default="syncd-demo.png", metavar="PNG",
                    help="the timeline (trainer's and engines' versions over time, pauses); the trainer's own "
@@ -119,7 +121,8 @@ def run(args) -> dict:
         out = work / "trainer"
         argv = stack.trainer_argv("--out", str(out), "--nproc", str(args.nproc), "--steps", str(args.steps),
                                   "--every-k", str(args.every_k), "--max-lag", str(args.max_lag), "--task", args.task,
-                                  "--top-p", str(args.top_p), "--seed", str(args.seed), "--lr", str(args.lr))
+                                  "--top-p", str(args.top_p), "--seed", str(args.seed), "--lr", str(args.lr),
+                                  "--delta-format", str(args.delta_format))
         say(f"engines serving version 0 after {time.time() - t0:.0f} s; starting the trainer")
         with open(stack.logs / "trainer.log", "wb") as err:
             proc = subprocess.Popen(argv, env=stack.env, cwd=ROOT, stdout=subprocess.PIPE, stderr=err)
@@ -202,7 +205,7 @@ def summarize(args, trained: dict, status: dict, exact: dict, proxy: dict, wall_
         "rollout_requests": rollouts.get("requests"), "groups_dropped_stale": trained.get("dropped_stale"),
         "rollouts_lost": sum(failures.values()), "rollout_failures": failures,
         "ranks_agree": trained.get("ranks_agree"),
-        **delta_sizes(versions or []), "lr": args.lr, "every_k": args.every_k,
+        **delta_sizes(versions or []), "delta_format": args.delta_format, "lr": args.lr, "every_k": args.every_k,
         "wall_s": wall_s, "workdir": str(work) if (args.dir or args.keep) else None, **(pictures or {}),
     }
 
@@ -256,7 +259,7 @@ def _delta_text(s: dict) -> str:
     if s.get("delta_bytes_median") is None:
         return "-"
     return (f"{s['delta_bytes_median'] / 1e3:,.1f} kB = {s['delta_fraction_median']:.1%} of the "
-            f"{s['full_bytes'] / 1e3:,.1f} kB bf16 weights ({s['deltas']} deltas)")
+            f"{s['full_bytes'] / 1e3:,.1f} kB bf16 weights ({s['deltas']} deltas, format {s.get('delta_format', 1)})")
 
 
 def main(argv=None) -> int:

@@ -40,7 +40,7 @@ class Update:
     """An update to stage, in the trainer's names.
 
     ``kind="delta"``: ``tensors`` maps trainer tensor names to codec blobs (``bytes``/``memoryview`` of
-    format v1, ``docs/delta-format.md``) taking ``base_version`` to ``version``; tensors not named are
+    format 1 or 2, ``docs/delta-format.md``) taking ``base_version`` to ``version``; tensors not named are
     unchanged. ``kind="full"``: ``tensors`` maps every trainer name to its full CPU tensor (``base_version``
     is ignored). ``checksums`` (trainer name -> ``syncd.ops.checksum`` of the full result tensor) lets the
     engine or controller verify. The engine may keep references to the buffers until ``apply`` returns.

@@ -30,7 +30,7 @@ from syncd.ops.reference import delta as ref
 from syncd.ops.reference import block_v1 as ref_v1
 from syncd.ops.reference import delta_v2 as ref_v2
 
-__all__ = ["encode", "decode", "apply_", "inspect", "encode_many", "apply_many", "Changes", "changes",
+__all__ = ["encode", "decode", "apply_", "inspect", "encode_many", "apply_many", "Changes", "changes", "needs_base",
            "apply_changes_", "find_changes", "DEFAULT_BLOCK_LOG2", "DEFAULT_FORMAT", "FORMAT_VERSIONS", "dtype_format"]
 
 #: format facts tools and benchmarks use (the format itself, ``syncd.ops._format``, is private to the ops)
@@ -177,6 +177,15 @@ def _unpack(blob, dt: fmt.DType, shape, base: torch.Tensor | None = None) -> tup
         classes_of = lambda b, lo, hi, e_top: all_cls[lo:hi]  # noqa: E731
     h, pos, v = ref.unpack(blob, classes_of)
     return pos.view(np.uint64), v, h.base_checksum, h.new_checksum
+
+
+def needs_base(blob) -> bool:
+    """Whether decoding ``blob`` needs the tensor it applies to: a format-2 blob with a context block, whose
+    element classes come from the old values (``changes(blob, base=...)``; ``apply_`` and ``decode`` always
+    have it). Reads the header and each block's first bytes only. Raises ``DeltaError`` for a malformed header
+    or block table."""
+    h = fmt.parse_header(blob, ref_ck.checksum_bytes)
+    return h.version == 2 and any(e >= 0 for e in _block_e_tops(blob))
 
 
 def _block_e_tops(blob) -> list[int]:

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.app.conftest import delta_formats_in
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -37,3 +39,5 @@ def test_demo_runs_and_loses_no_request(tmp_path):
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and s["timeline_png"] in p.stdout
     assert "None" not in p.stdout and "e+0" not in p.stdout, p.stdout  # numbers people read
     assert str(tmp_path / "work") in p.stdout  # the kept work dir is named
+    formats = delta_formats_in(tmp_path / "work" / "store")  # format 2, the matrices' deltas context-coded
+    assert s["delta_format"] == 2 and "format 2" in p.stdout and formats.get(-2, 0) > 0 and 1 not in formats, formats

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.app.conftest import delta_formats_in
+
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 20
 
@@ -42,3 +44,6 @@ def test_syncd_demo_runs_the_rl_loop(tmp_path):
         p.stdout.splitlines()[0]
     assert s["deltas"] >= 1 and 0 < s["delta_fraction_median"] < 1 and s["delta_bytes_median"] < s["full_bytes"]
     assert f"{s['delta_fraction_median']:.1%} of the" in p.stdout and s["workdir"] in p.stdout
+    # the demo publishes format 2 (its engines hold every tensor whole): the matrices' deltas are context-coded
+    formats = delta_formats_in(tmp_path / "work" / "store")
+    assert s["delta_format"] == 2 and "format 2)" in p.stdout and formats.get(-2, 0) > 0 and 1 not in formats, formats

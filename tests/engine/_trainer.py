@@ -12,16 +12,17 @@ RUN = "vllm"
 class Trainer:
     """A real trainer: the model in float32, AdamW steps on random tokens (``tests.store._models.train_steps``),
     every state published by ``trainer.WeightPublisher`` (version 0 full, then deltas) into a file store;
-    ``snaps[v]`` is version v's bf16 state dict."""
+    ``snaps[v]`` is version v's bf16 state dict. ``publisher``: more WeightPublisher arguments (the delta
+    format)."""
 
-    def __init__(self, model_dir, store, *, run=RUN, key=KEY, lr=3e-4):
+    def __init__(self, model_dir, store, *, run=RUN, key=KEY, lr=3e-4, publisher=None):
         from transformers import AutoModelForCausalLM
 
         from trainer import WeightPublisher
 
         self.store, self.run, self.key, self.lr = store, run, key, lr
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-        self.pub = WeightPublisher(store, run, signing_key=key, full_every=1000)
+        self.pub = WeightPublisher(store, run, signing_key=key, full_every=1000, **(publisher or {}))
         self.snaps: list[dict] = []
         self._publish()
 

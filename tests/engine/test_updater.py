@@ -18,8 +18,8 @@ from tests.store._models import bits, trajectory
 HEADS, KV = 4, 2
 
 
-def _delta_update(states, v, **kw) -> Update:
-    return Update(v, "delta", {k: delta.encode(states[v - 1][k], states[v][k]) for k in states[0]},
+def _delta_update(states, v, version: int = 1, **kw) -> Update:
+    return Update(v, "delta", {k: delta.encode(states[v - 1][k], states[v][k], version=version) for k in states[0]},
                   base_version=v - 1, **kw)
 
 
@@ -79,6 +79,52 @@ def test_tp_ranks_with_fused_qkv_gate_up_follow_real_deltas(states):
                   if "norm" not in k)
     staged = sum(p.index.numel() for e in ranks for p in e.updater.last_applied.params if "norm" not in p.name)
     assert staged == changed > 0
+
+
+def test_format2_context_blocks_decode_against_the_engines_own_fused_and_fp32_weights(states):
+    """Format-2 deltas need the old tensor: a single-rank engine holds every trainer tensor whole (fused qkv and
+    gate_up slabs, bf16 words inside fp32 weights) and decodes them against its own weights, bit for bit."""
+    fused = StateDictEngine.from_full(states[0], tp_specs(states[0], rank=0, world_size=1, num_heads=HEADS,
+                                                          num_kv_heads=KV), 0)
+    fp32 = {k: v.float() for k, v in states[0].items()}
+    in_fp32 = StateDictEngine({k: bf16_view_of_fp32(v) for k, v in fp32.items()}, 0)
+    for v in range(1, 5):
+        upd = _delta_update(states, v, version=2)
+        assert sum(delta.needs_base(b) for b in upd.tensors.values()) >= 8  # the matrices' blobs
+        for eng in (fused, in_fp32):
+            eng.stage(upd)
+            eng.pause()
+            eng.apply()
+            eng.resume()
+        want = _by_hand(states[v], 0, world=1)
+        assert all(_same(t, want[k].contiguous()) for k, t in fused.state_dict().items())
+        assert all(torch.equal(fp32[k], states[v][k].float()) for k in fp32)
+    assert fused.checksum() == expected_checksums(fused.parameters(), states[4])
+
+
+def test_a_tensor_parallel_rank_refuses_format2_for_a_slice_and_takes_format1_for_it(states):
+    """A rank holding a slice of a tensor cannot decode its context blocks: stage refuses the update, naming the
+    tensor and the remedy, and changes nothing; with the sliced tensors published in format 1 (what
+    ``WeightPublisher(delta_format=2, sliced_tensors=...)`` writes) it follows the run bit for bit."""
+    from trainer.shard_writer import delta_formats
+
+    specs = tp_specs(states[0], rank=1, world_size=2, num_heads=HEADS, num_kv_heads=KV)
+    eng = StateDictEngine.from_full(states[0], specs, 0)
+    before = {k: t.clone() for k, t in eng.state_dict().items()}
+    with pytest.raises(DeltaError, match=r"tensor 'model\.\S+': its delta has context blocks \(format 2\).*holds "
+                                         r"only \[\d+:\d+\) of dim \d.*format 1"):
+        eng.stage(_delta_update(states, 1, version=2))
+    assert eng.version == 0 and all(_same(t, before[k]) for k, t in eng.state_dict().items())
+    pick = delta_formats(2, sliced_tensors=r".*_proj\.(weight|bias)|model\.embed_tokens\.weight|lm_head\.weight")
+    for v in range(1, 4):
+        upd = Update(v, "delta", {k: delta.encode(states[v - 1][k], states[v][k], version=pick(k)) for k in states[0]},
+                     base_version=v - 1)
+        eng.stage(upd)
+        eng.pause()
+        eng.apply()
+        eng.resume()
+        want = _by_hand(states[v], 1)
+        assert all(_same(t, want[k].contiguous()) for k, t in eng.state_dict().items())
 
 
 def test_map_positions_of_3d_slices_and_fused_pieces():

@@ -149,7 +149,7 @@ def test_encoders_write_mode_2_and_blobs_in_mode_1_still_decode(backend):
 def test_small_or_sparse_blocks_are_mode_0_and_need_no_base():
     old, new = weight_pair(3000, 1e-5)  # one block of 3000 elements: below the context span
     blob = delta.encode(old, new, version=2)
-    assert delta.inspect(blob)["context_blocks"] == 0
+    assert delta.inspect(blob)["context_blocks"] == 0 and not delta.needs_base(blob)
     c = delta.changes(blob)  # no base needed
     assert torch.equal(c.positions, delta.changes(delta.encode(old, new)).positions)
 
@@ -157,6 +157,9 @@ def test_small_or_sparse_blocks_are_mode_0_and_need_no_base():
 def test_context_blocks_need_the_base():
     old, new = weight_pair(1 << 16, 1e-5)
     blob = delta.encode(old, new, version=2)
+    assert delta.needs_base(blob) and not delta.needs_base(delta.encode(old, new))
+    with pytest.raises(DeltaError):
+        delta.needs_base(blob[:40])
     with pytest.raises(DeltaError, match="needs the base"):
         delta.changes(blob)
     c1, c2 = delta.changes(delta.encode(old, new)), delta.changes(blob, base=old)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 
 import pytest
@@ -15,6 +16,7 @@ from syncd.store import Store
 from syncd.versions import list_versions, read_manifest
 from tests.store._models import assert_same, bf16, tiny_qwen2, train_steps
 from trainer import WeightPublisher
+from trainer.shard_writer import delta_formats
 
 KEY = "publisher-test-key-0123456789"
 
@@ -75,6 +77,49 @@ def test_real_training_every_step_materializes_bit_exact(tmp_path):
         assert all(len(ts) == 1 or sum(t.length for t in ts) <= 32 << 10 for ts in per_shard)
     hint = json.loads(store.get(mf.latest_hint_key("r")))
     assert hint["version"] == 6 and hint["step"] == 6
+
+
+def test_format2_deltas_with_sliced_tensors_in_format1_materialize_bit_exact(tmp_path):
+    from syncd.ops import delta
+
+    model = tiny_qwen2()
+    store = Store(tmp_path)
+    expected = []
+    sliced = r".*\.(o|down)_proj\.weight"
+    with WeightPublisher(store, "r", signing_key=KEY, full_every=4, delta_format=2, sliced_tensors=sliced) as pub:
+        def step(s, m):
+            assert pub.publish(m, s)
+            expected.append(bf16(m.state_dict()))
+
+        step(0, model)
+        train_steps(model, 3, callback=lambda s, m: step(s + 1, m))
+    for v, want in enumerate(expected):
+        assert_same(syncd.materialize(store, "r", v, signing_key=KEY), want)
+    m = read_manifest(store, "r", 2, signing_key=KEY)
+    assert m.kind == "delta"
+    formats, context = {}, set()
+    for t in m.tensors:
+        blob = store.get(mf.run_prefix("r") + m.shards[t.shard].key)[t.offset:t.offset + t.length]
+        formats[t.name] = delta.inspect(blob)["format_version"]
+        if delta.needs_base(blob):
+            context.add(t.name)
+    is_sliced = {n: bool(re.fullmatch(sliced, n)) for n in formats}
+    assert sum(is_sliced.values()) == 4 and all(formats[n] == (1 if is_sliced[n] else 2) for n in formats)
+    # the format-2 deltas of the matrices are context-coded: an engine needs their whole old tensor to decode
+    assert "model.layers.0.mlp.gate_proj.weight" in context and not context & {n for n in formats if is_sliced[n]}
+
+
+def test_delta_formats_are_checked_and_chosen_by_name(tmp_path):
+    assert delta_formats()("a") == 1 and delta_formats(2)("a") == 2
+    pick = delta_formats(2, sliced_tensors=r"x\..*")
+    assert (pick("x.w"), pick("y.x.w")) == (1, 2)
+    assert delta_formats(1, sliced_tensors=r"x\..*")("x.w") == 1
+    for bad in (0, 3, True, "2"):
+        with pytest.raises(ValueError, match="delta_format must be 1 or 2"):
+            delta_formats(bad)
+    with pytest.raises(ValueError, match="sliced_tensors '\\(' is not a regular expression"):
+        WeightPublisher(tmp_path, "r", delta_format=2, sliced_tensors="(")
+    assert list(tmp_path.iterdir()) == []  # refused before anything was opened
 
 
 def test_every_k_publishes_every_kth_step(tmp_path):

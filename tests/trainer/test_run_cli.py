@@ -42,6 +42,8 @@ def _run(capsys, model_dir, tmp_path, *flags, proxy=None, store=None):
     (["--curate", "0.5,0.2"], "--curate/--curate-pool/--curate-confidence: curation band must be 0 <= low < high"),
     (["--curate", "0.05,0.5", "--curate-confidence", "0.3"], "curation confidence must be in (0.5, 1), got 0.3"),
     (["--is-band", "1.5,2"], "--is-cap/--is-band/--is-seq-band/--micro-batch: is_band must be (low, high)"),
+    (["--delta-format", "3"], "--delta-format (or SYNCD_DELTA_FORMAT): must be 1 or 2, got '3'"),
+    (["--delta-format", "2", "--sliced-tensors", "(q"], "--sliced-tensors: sliced_tensors '(q' is not a regular"),
 ])
 def test_bad_settings_exit_2_naming_the_flag(capsys, model_dir, tmp_path, frontend, flags, message):
     rc, err = _run(capsys, model_dir, tmp_path, *flags, proxy=frontend.url)
@@ -90,3 +92,19 @@ def test_curate_flags_put_the_difficulty_filter_on_the_loop():
     assert config_from_args(parser().parse_args(base)).curation is None
     cfg = config_from_args(parser().parse_args([*base, "--curate", "0.1,0.6", "--curate-pool", "16"]))
     assert cfg.curation.band == (0.1, 0.6) and cfg.curation.pool == 16 and cfg.curation.confidence == 0.9
+
+
+def test_delta_format_flags_and_variables_reach_the_loop(capsys, model_dir, tmp_path, frontend, monkeypatch):
+    from trainer.run import config_from_args, parser
+
+    base = ["--model", "m", "--out", "o"]
+    cfg = config_from_args(parser().parse_args(base))
+    assert (cfg.delta_format, cfg.sliced_tensors) == (1, None)
+    monkeypatch.setenv("SYNCD_DELTA_FORMAT", "2")
+    monkeypatch.setenv("SYNCD_SLICED_TENSORS", r".*o_proj.*")
+    cfg = config_from_args(parser().parse_args(base))
+    assert (cfg.delta_format, cfg.sliced_tensors) == (2, r".*o_proj.*")
+    assert config_from_args(parser().parse_args([*base, "--delta-format", "1"])).delta_format == 1  # flag wins
+    monkeypatch.setenv("SYNCD_DELTA_FORMAT", "two")
+    rc, err = _run(capsys, model_dir, tmp_path, proxy=frontend.url)
+    assert rc == 2 and "--delta-format (or SYNCD_DELTA_FORMAT): must be 1 or 2, got 'two'" in err, err

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from syncd.engines.params import expected_checksums
+from syncd.ops import delta
 from tests.engine.vllm.conftest import engine_and_trainer
 from tests.engine.vllm.conftest import matches_transformers as _matches_transformers
 from tests.engine.vllm.conftest import update_while_streaming
@@ -22,7 +23,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 def setup(tmp_path_factory):
     # F.linear over the written weights for attention and the router (the dense module runs vLLM's oneDNN
     # copies); the experts are vLLM's packed copies either way
-    yield from engine_and_trainer(tmp_path_factory, "qwen3_moe", seed=4, cpu_gemm="torch")
+    yield from engine_and_trainer(tmp_path_factory, "qwen3_moe", seed=4, cpu_gemm="torch",
+                                  publisher=dict(delta_format=2))
 
 
 def test_moe_deltas_in_place_while_serving(setup):
@@ -40,6 +42,10 @@ def test_moe_deltas_in_place_while_serving(setup):
     update_while_streaming(eng, trainer, streams=3, max_tokens=300, check=check)
     v = eng.version
     assert v == 2
+    # delta format 2: the experts' (fused into w13) and the attention's deltas are context-coded, decoded against
+    # the engine's own weights (one rank holds every tensor whole)
+    context = {n for n, b in trainer.update(v).tensors.items() if delta.needs_base(b)}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in context and len(context) >= 4, context
     assert _matches_transformers(eng, trainer, v, [5 * j % 250 + 2 for j in range(40)]) < 1e-4
     w = eng.last_write  # F.linear layers have no packed copy to swap; the touched packed experts are repacked
     assert w["derive_s"] >= 0 and w["words"] > 0 and w["swapped"] == 0 and w["rebuilt"] > 0

@@ -3,7 +3,9 @@ head both ranks replicate takes real published deltas in place while it serves. 
 (column-parallel q/k/v and gate/up rows, row-parallel o/down columns, vocabulary rows); the engine names them
 ``tp<rank>.<name>`` and its checksums cover both ranks bit for bit; vLLM's logprobs equal transformers' on the
 trainer's weights after every apply (so every slice is where vLLM computes with it). An apply that fails on one
-rank only is undone on the other: all or nothing across ranks. One engine for the module."""
+rank only is undone on the other: all or nothing across ranks. The trainer publishes delta format 2 for the KV
+head both ranks hold whole (context-coded, decoded against each rank's own copy) and format 1 for the sliced tensors
+(``sliced_tensors``); a format-2 delta of a sliced tensor is refused at stage, naming it. One engine for the module."""
 
 from __future__ import annotations
 
@@ -13,10 +15,15 @@ import pytest
 import torch
 
 from syncd.engines.params import expected_checksums
+from syncd.engines.update import Update
 from syncd.errors import DeltaError
+from syncd.ops import delta
 from tests.engine.vllm.conftest import engine_and_trainer, matches_transformers, update_while_streaming
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+#: what each rank holds only a slice of (the KV head and the norms both ranks hold whole)
+SLICED = r".*\.(q_proj|o_proj|gate_proj|up_proj|down_proj)\.(weight|bias)|model\.embed_tokens\.weight|lm_head\.weight"
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +32,8 @@ def setup(tmp_path_factory):
     prev = os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION")
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     try:
-        yield from engine_and_trainer(tmp_path_factory, "qwen2", seed=5, tensor_parallel=2)
+        yield from engine_and_trainer(tmp_path_factory, "qwen2", seed=5, tensor_parallel=2,
+                                      publisher=dict(delta_format=2, sliced_tensors=SLICED))
     finally:
         if prev is None:
             os.environ.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
@@ -63,6 +71,8 @@ def test_deltas_in_place_on_both_ranks_while_serving(setup):
 
     update_while_streaming(eng, trainer, streams=2, max_tokens=200, check=check)
     assert eng.version == 2
+    context = {n for v in (1, 2) for n, b in trainer.update(v).tensors.items() if delta.needs_base(b)}
+    assert context and all(n.endswith(("k_proj.weight", "v_proj.weight")) for n in context), context
     assert matches_transformers(eng, trainer, 2, [5 * j % 250 + 2 for j in range(40)]) < 1e-4
 
 
@@ -108,3 +118,21 @@ def test_an_apply_one_rank_refuses_is_undone_on_the_other(setup):
     eng.resume()
     assert _bit_exact(eng, trainer, v)
     assert matches_transformers(eng, trainer, v, [7 * j % 250 + 3 for j in range(40)]) < 1e-4
+
+
+def test_a_format2_delta_of_a_sliced_tensor_is_refused_at_stage(setup):
+    eng, trainer = setup
+    before = eng.version
+    v = trainer.step()
+    upd = trainer.update(v)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    blobs = dict(upd.tensors, **{q: delta.encode(trainer.snaps[v - 1][q], trainer.snaps[v][q], version=2)})
+    assert delta.needs_base(blobs[q])
+    with pytest.raises(DeltaError, match=r"q_proj\.weight.*context blocks \(format 2\).*holds only \[\d+:\d+\)"):
+        eng.stage(Update(v, "delta", blobs, base_version=before, checksums=upd.checksums))
+    assert _bit_exact(eng, trainer, before)
+    eng.stage(upd)  # the run's own update (q_proj in format 1) applies
+    eng.pause()
+    eng.apply()
+    eng.resume()
+    assert _bit_exact(eng, trainer, v)
