@@ -115,7 +115,8 @@ def run(args) -> dict:
         _sync(args.device)
         alone_s.append(sw.elapsed)
     pub = WeightPublisher(store, run_id, every_k=args.every_k, full_every=args.full_every,
-                          shard_bytes=args.shard_mb << 20, signing_key=args.signing_key or False)
+                          shard_bytes=args.shard_mb << 20, signing_key=args.signing_key or False,
+                          delta_format=args.delta_format)
     step_s, publish_s, snapshots = [], [], []
     for step in range(args.versions * args.every_k):
         sw = Stopwatch()
@@ -176,7 +177,7 @@ def run(args) -> dict:
                "delta": run_e2e(args, store, f"{run_id}-e2e", snapshots, args.full_every),
                "full": run_e2e(args, store, f"{run_id}-e2e-full", snapshots, 1)}
     return dict(model=args.model, params=n_params, device=args.device, store=store.url, lr=args.lr,
-                every_k=args.every_k, full_every=args.full_every, shard_mb=args.shard_mb,
+                every_k=args.every_k, full_every=args.full_every, shard_mb=args.shard_mb, delta_format=args.delta_format,
                 machine=dict(python=platform.python_version(), torch=torch.__version__, cpus=os.cpu_count(),
                              torch_threads=torch.get_num_threads()),
                 step_s=step_s, step_alone_s=alone_s, publish_s=publish_s, drain_s=drain_s, versions=rows,
@@ -214,7 +215,8 @@ def run_e2e(args, store, run_id: str, snapshots: list, full_every: int) -> dict:
     thread = threading.Thread(target=serve, name="bench-daemon", daemon=True)
     thread.start()
     ready.wait()
-    pub = WeightPublisher(store, run_id, full_every=full_every, shard_bytes=args.shard_mb << 20, signing_key=key)
+    pub = WeightPublisher(store, run_id, full_every=full_every, shard_bytes=args.shard_mb << 20, signing_key=key,
+                          delta_format=args.delta_format)
     rows = []
     phase = random.Random(args.seed)
     try:
@@ -329,6 +331,7 @@ def main(argv=None) -> int:
     p.add_argument("--every-k", type=int, default=1)
     p.add_argument("--full-every", type=int, default=4)
     p.add_argument("--shard-mb", type=int, default=64)
+    p.add_argument("--delta-format", type=int, choices=(1, 2), default=1, help="the deltas' codec format")
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=32)
