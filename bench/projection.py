@@ -170,10 +170,23 @@ def tree_depth(nodes: int, fanout: int) -> int:
     return depth
 
 
+def rates_of(m: dict, fmt_v: str, sliced: float) -> dict:
+    """Bytes and one-core seconds of ``m``'s weights (a measured row's "bf16" or "nvfp4") in format ``fmt_v``. Format
+    2 decodes only where an engine holds a tensor whole, so the share ``sliced`` of the weights that engines hold in
+    tensor-parallel slices stays in format 1 (``WeightPublisher(sliced_tensors=)``): its bytes and times mix."""
+    if fmt_v == "1" or sliced <= 0:
+        return m[fmt_v]
+    f1, f2 = m["1"], m["2"]
+    mix = {k: sliced * f1[k] + (1 - sliced) * f2[k] for k in ("bytes", "encode_s", "apply_s", "host_decode_s")}
+    mix["class_bytes"] = (1 - sliced) * f2["class_bytes"]
+    return mix
+
+
 def project(row: dict, kind: str, fmt_v: str, a: argparse.Namespace, ck_bps: float, hop_s: float) -> dict:
-    """Stage times (seconds) for ``a.params`` parameters of ``kind`` ("bf16" / "nvfp4") in format ``fmt_v``."""
+    """Stage times (seconds) for ``a.params`` parameters of ``kind`` ("bf16" / "nvfp4") in format ``fmt_v`` (with
+    format 2, the ``a.sliced_fraction`` of them in format 1)."""
     m = row[kind]
-    f = m[fmt_v]
+    f = rates_of(m, fmt_v, a.sliced_fraction)
     per_param = m["weight_bytes"] / row["params"]  # weight bytes per parameter
     weights = a.params * per_param
     delta_bytes = a.params * f["bytes"] / row["params"]
@@ -232,6 +245,9 @@ ASSUMPTIONS = (  # flag, default, meaning
     ("hbm-gbps", 3500.0, "GPU memory bandwidth, GB/s (H200, achieved)"),
     ("staged-bytes-per-change", 6.0, "bytes per changed word sent to the GPU in the pause (int32 position + word)"),
     ("shard-mib", 64.0, "shard size flowing through the stages when pipelined"),
+    ("sliced-fraction", 0.05, "share of the weights engines hold in tensor-parallel slices, which stay in format 1 "
+                              "when format 2 is chosen (an MoE with expert-parallel experts and tensor-parallel "
+                              "attention and embeddings)"),
 )
 
 
@@ -278,6 +294,9 @@ def plot(projections: list[dict], a, path: str) -> None:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    if not 0.0 <= a.sliced_fraction <= 1.0:
+        print(f"bench.projection: --sliced-fraction must be in [0, 1], got {a.sliced_fraction}", file=sys.stderr)
+        return 2
     densities = [float(x) for x in a.densities.split(",")]
     t0 = Stopwatch()
     rows = measure_codecs(densities, a.sample_mib, a.repeats)
@@ -294,7 +313,7 @@ def main(argv=None) -> int:
     print(f"\n{'kind':>5} {'fmt':>3} {'density':>7} {'delta':>9} {'enc GB/s/core':>13} " +
           " ".join(f"{s:>9}" for s in stages) + f" {'sequential':>10} {'pipelined':>9}  dominant")
     for r, q in zip([r for r in rows for _ in range(4)], projections):
-        m = r[q["kind"]][str(q["format"])]
+        m = rates_of(r[q["kind"]], str(q["format"]), a.sliced_fraction)
         print(f"{q['kind']:>5} {q['format']:>3} {100 * q['density']:6.2f}% {q['delta_bytes'] / 1e9:7.2f}GB "
               f"{r[q['kind']]['weight_bytes'] / m['encode_s'] / 1e9:13.2f} " +
               " ".join(f"{q['stages_s'][s]:8.2f}s" for s in stages) +

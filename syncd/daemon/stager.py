@@ -16,13 +16,15 @@ from syncd.engines.update import Update
 log = logging.getLogger(__name__)
 
 
-async def stage_group(drivers, manifest, manifest_raw: bytes, cache_root) -> None:
+async def stage_group(drivers, manifest, manifest_raw: bytes, cache_root) -> dict:
     """Stage version ``manifest`` (verified; ``manifest_raw``: its exact bytes; shards in ``cache_root``) on
-    every driver's engine. Raises the first failure after all stagings have ended (a staged, unapplied
-    update is harmless: the next stage replaces it)."""
+    every driver's engine. Returns ``{driver: exception}`` for the engines that refused it, once all stagings
+    have ended (empty: every engine staged it); one engine's refusal does not hold back the others (a staged,
+    unapplied update is harmless: the next stage replaces it). Cancellation propagates."""
     update = Update.from_cache(manifest, cache_root, raw=manifest_raw)
     results = await asyncio.gather(*(asyncio.to_thread(d.adapter.stage, update) for d in drivers),
                                    return_exceptions=True)
-    errors = [r for r in results if isinstance(r, BaseException)]
-    if errors:
-        raise errors[0]
+    for r in results:
+        if isinstance(r, BaseException) and not isinstance(r, Exception):
+            raise r
+    return {d: r for d, r in zip(drivers, results) if isinstance(r, Exception)}

@@ -122,17 +122,23 @@ class UpdatePath:
             t0 = time.perf_counter()
             for d in group:
                 d.state = "staging"
-            try:
-                await stage_group(group, m, raw, self.cache.root)
-            except Exception as exc:  # noqa: BLE001 -- the engines are untouched: re-check them next round
-                log.error("run %s: staging version %d failed: %s: %s", self.run_id, m.version, type(exc).__name__, exc)
-                self.metrics.failure("apply")
-                if await self._heal([m]):
+            refused = await stage_group(group, m, raw, self.cache.root)
+            if refused:  # stage writes nothing: those engines serve their verified version; the others go on
+                for d, exc in refused.items():
+                    log.error("engine %s: staging version %d failed: %s: %s", d.name, m.version, type(exc).__name__,
+                              exc)
+                    self.metrics.failure("apply")
+                healed = await self._heal([m])
+                if healed:
                     log.warning("run %s: version %d's cached shards were bad; they are fetched again", self.run_id,
                                 m.version)
-                for d in group:
-                    d.verified, d.state, d.error = False, "serving", f"staging {m.version}: {exc}"
-                return
+                for d, exc in refused.items():
+                    d.state, d.error = "serving", f"staging {m.version}: {exc}"  # shown until an update lands
+                    if not healed:  # the same bytes again would be refused again: back off
+                        self._backoff(d)
+                group = [d for d in group if d not in refused]
+                if not group:
+                    return
             stage_s = time.perf_counter() - t0
             self.metrics.stage_s.observe(stage_s)
             await asyncio.to_thread(points.reached, "stage", m.version)
@@ -186,9 +192,19 @@ class UpdatePath:
             return
         self.metrics.count("rebuilds", engine=d.name)
         self.metrics.rebuild_s.observe(t["pause_s"])
-        d.state, d.error, d.failures = "serving", None, 0
+        reached = next(m for m in plan.steps if m.version == t["version"])
+        if t["refused"]:  # it serves an earlier version of the chain; the rest waits, as a refused stage does
+            self.metrics.failure("apply")
+            d.state, d.error = "serving", t["refused"]
+            if await self._heal(plan.steps):
+                log.warning("engine %s: the rebuild met bad cached shards; they are fetched again", d.name)
+            else:
+                self._backoff(d)
+            record = self._record(reached, 0.0, rebuild_from=plan.steps[0].version)
+        else:
+            d.state, d.error, d.failures = "serving", None, 0
         record["pause_s"][d.name] = t["pause_s"]
-        self._applied(d, plan.steps[-1], None, None)
+        self._applied(d, reached, None, None)
         self._finish(record)
 
     # ------------------------------------------------------------------------------------- bookkeeping

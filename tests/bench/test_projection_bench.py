@@ -53,6 +53,19 @@ def test_projection_tiny(tmp_path, capsys):
     assert dense["stages_s"]["long link"] > sparse["stages_s"]["long link"]
 
 
+def test_format2_leaves_the_sliced_share_in_format1(tmp_path, capsys):
+    """--sliced-fraction of the weights stay in format 1 when format 2 is chosen (engines cannot decode a sliced
+    tensor's context blocks): format 2's delta is that mix of both formats' measured bytes."""
+    data, _, _ = _run(tmp_path, capsys, "--hop-overhead-s", "0.005", "--densities", "0.01", "--sliced-fraction", "0.25")
+    assert data["assumptions"]["sliced-fraction"] == 0.25
+    row = data["measured"][0]["bf16"]
+    by = {(q["kind"], q["format"]): q for q in data["projections"]}
+    scale = by[("bf16", 1)]["delta_bytes"] / row["1"]["bytes"]
+    assert by[("bf16", 2)]["delta_bytes"] == pytest.approx(scale * (0.25 * row["1"]["bytes"] + 0.75 * row["2"]["bytes"]))
+    assert projection.main(["--sliced-fraction", "1.5", "--out", str(tmp_path / "x.json")]) == 2
+    assert "--sliced-fraction must be in [0, 1]" in capsys.readouterr().err
+
+
 def test_tree_depth():
     assert [projection.tree_depth(n, 2) for n in (1, 2, 3, 4, 7, 8, 64)] == [0, 1, 1, 2, 2, 3, 6]
     assert projection.tree_depth(64, 4) == 3

@@ -24,12 +24,14 @@ def free_port() -> int:
 
 
 class Published:
-    """A store, a publisher (``full_every`` 3, small shards) and the trainer's states, published on demand."""
+    """A store, a publisher (``full_every`` 3, small shards; ``publisher``: more WeightPublisher arguments) and
+    the trainer's states, published on demand."""
 
-    def __init__(self, root, *, full_every: int = 3, n_states: int = 12):
+    def __init__(self, root, *, full_every: int = 3, n_states: int = 12, **publisher):
         self.store = Store(root)
         self.states = trajectory(n_states)
-        self.pub = WeightPublisher(self.store, RUN, signing_key=KEY, full_every=full_every, shard_bytes=16 << 10)
+        self.pub = WeightPublisher(self.store, RUN, signing_key=KEY, full_every=full_every, shard_bytes=16 << 10,
+                                   **publisher)
         self.step = 0
 
     def publish(self, n: int = 1) -> int:

@@ -186,6 +186,53 @@ def test_apply_error_keeps_the_previous_version_serving(tmp_path, published):
     assert_same(inner.state_dict(), published.states[2])
 
 
+def test_an_engine_refusing_a_version_does_not_hold_back_the_others_and_is_retried_with_backoff(tmp_path):
+    """A tensor-parallel rank cannot decode format-2 deltas of the tensors it holds in slices: it refuses them at
+    stage and keeps serving its version, the status names the tensor and the remedy, and the daemon retries it
+    with backoff, not every engine check; the node's other engine, which holds every tensor whole, follows. A
+    rank with no weights yet is rebuilt as far as it can go (the full version) and serves that, not paused."""
+    from engine.sharding import tp_specs
+    from tests.daemon.conftest import Published
+
+    published = Published(tmp_path / "store", delta_format=2)
+    try:
+        published.publish(3)  # 0 full, then 1 and 2 in format 2
+        states = published.states
+        whole = engine.StateDictEngine({k: v.clone() for k, v in states[0].items()}, 0)
+        rank = engine.StateDictEngine.from_full(states[0], tp_specs(states[0], rank=1, world_size=2, num_heads=4,
+                                                                    num_kv_heads=2), 0)
+        tries = []
+        stage = rank.stage
+        rank.stage = lambda update: (tries.append(update.version), stage(update))[1]
+        fresh = engine.StateDictEngine.empty(tp_specs(states[0], rank=0, world_size=2, num_heads=4, num_kv_heads=2))
+        d = make_daemon(tmp_path, published, {"whole": whole, "rank": rank, "fresh": fresh})
+
+        async def main():
+            task = asyncio.ensure_future(d.run())
+            await wait_until(lambda: whole.version == 2, "the whole engine at version 2")
+            await wait_until(lambda: fresh.version == 0 and not fresh.paused, "the fresh rank serving version 0")
+            await wait_until(lambda: len(tries) >= 2, "the rank retried")
+            first = len(tries)
+            await asyncio.sleep(2.0)  # 20 engine checks: without backoff, about 20 more tries
+            later = len(tries) - first
+            status = json.loads(d.status.path.read_text())
+            d.request_stop()
+            await task
+            return later, status
+
+        later, status = asyncio.run(main())
+    finally:
+        published.close()
+    assert_same(whole.state_dict(), states[2])
+    assert rank.version == 0 and not rank.paused and set(tries) == {1}
+    assert later <= 5, tries  # backoff: 0.1 s * 2^n between tries
+    err = status["engines"]["rank"]["error"]
+    assert "staging 1" in err and "context blocks (format 2)" in err and "format 1" in err, err
+    assert status["engines"]["whole"]["version"] == 2 and not status["engines"]["whole"]["error"]
+    assert status["engines"]["fresh"]["version"] == 0 and "staging 1" in status["engines"]["fresh"]["error"]
+    assert [e for e in fresh.events if e[0] in ("load_full", "apply")] == [("load_full", 0)]
+
+
 def test_stop_waits_for_the_update_in_progress(tmp_path, published):
     published.publish(1)
     inner = engine.StateDictEngine(published.zeros(), None)
