@@ -5,6 +5,7 @@
 
 #include "checksum.h"
 #include "codec_core.h"
+#include "multiversion.h"
 #include "word_dispatch.h"
 
 namespace syncd {
@@ -165,14 +166,38 @@ void BlockChanges::reset(uint64_t span_, bool wide_, uint64_t n_max) {
   else v16.reserve(size_t(n_max) + 64);
 }
 
+SYNCD_CLONES
 void BlockChanges::list(uint32_t* pos, uint64_t* v) const {
-  uint64_t k = 0;
-  for (uint64_t t = 0; t * kLanes < span; ++t)
-    for (uint32_t bits = bitmap.data()[t]; bits; bits &= bits - 1) {
-      pos[k] = uint32_t(t * kLanes + __builtin_ctz(bits));
-      v[k] = value(k);
-      ++k;
+  // 64 elements a step, 8 positions written whatever the step holds (the next step overwrites the extra ones):
+  // a branch per set bit or per bitmap word mispredicts on most of them at a few percent changed
+  const uint16_t* bm = bitmap.data();
+  const uint64_t words = (span + kLanes - 1) / kLanes;
+  uint64_t k = 0, t = 0;
+  for (; t + 4 <= words; t += 4) {
+    uint64_t w;
+    std::memcpy(&w, bm + t, 8);
+    const uint32_t base = uint32_t(t * kLanes);
+    const unsigned cnt = unsigned(__builtin_popcountll(w));
+    if (__builtin_expect(cnt <= 8, 1)) {
+      uint64_t x = w;
+      for (int j = 0; j < 8; ++j) {  // the top bit keeps ctz defined once x runs out
+        pos[k + j] = base + uint32_t(__builtin_ctzll(x | 0x8000000000000000ull));
+        x &= x - 1;
+      }
+    } else {
+      uint64_t j = k;
+      for (uint64_t x = w; x; x &= x - 1) pos[j++] = base + uint32_t(__builtin_ctzll(x));
     }
+    k += cnt;
+  }
+  for (; t < words; ++t)
+    for (uint32_t bits = bm[t]; bits; bits &= bits - 1) pos[k++] = uint32_t(t * kLanes + __builtin_ctz(bits));
+  if (wide) {
+    std::memcpy(v, v64.data(), size_t(k) * sizeof(uint64_t));
+  } else {
+    const uint16_t* v16p = v16.data();
+    for (uint64_t i = 0; i < k; ++i) v[i] = v16p[i];
+  }
 }
 
 // ---------------------------------------------------------------------------------------------- encoder
@@ -214,7 +239,7 @@ void V2BlockEncoder::finish(std::vector<uint8_t>& out, const DTypeInfo& dt, cons
   if (!use_context(n_, span_, dt)) {
     out.push_back(kModeOrder0);
     if (scanned_) {
-      pos_.reserve(n_);
+      pos_.reserve(n_ + 8);
       v_.reserve(n_);
       ch_.list(pos_.data(), v_.data());
     }

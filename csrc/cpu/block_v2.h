@@ -64,7 +64,8 @@ struct BlockChanges {
   PodBuffer<uint64_t> v64;
   void reset(uint64_t span_, bool wide_, uint64_t n_max);
   uint64_t value(uint64_t i) const { return wide ? v64.data()[i] : v16.data()[i]; }
-  // Block-relative positions and values (for mode 0 and for unpack).
+  // Block-relative positions and values (for mode 0 and for unpack), in position order; `pos` must have room
+  // for n + 8 entries (the ones past n are scratch).
   void list(uint32_t* pos, uint64_t* v) const;
 };
 

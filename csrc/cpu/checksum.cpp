@@ -3,16 +3,11 @@
 #include <algorithm>
 #include <vector>
 
+#include "multiversion.h"
 #include "parallel.h"
 #include "simd_scan.h"
 
 namespace syncd {
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(SYNCD_NO_MULTIVERSION)
-#define SYNCD_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define SYNCD_CLONES
-#endif
 
 SYNCD_CLONES
 uint64_t checksum_words(const uint8_t* p, size_t nwords, uint64_t first_word) {

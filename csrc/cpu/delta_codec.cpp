@@ -592,11 +592,14 @@ void delta_unpack_into(const Header& h, const uint8_t* blob, uint64_t* pos, uint
                            " is context-coded (format 2): decoding it needs the base tensor");
         }
       }
-      BlockChanges ch;
-      dec.decode(cs, ch);
-      std::vector<uint32_t> rel(e.n_changed);
-      ch.list(rel.data(), vb);
-      for (size_t i = 0; i < e.n_changed; ++i) pb[i] = start + rel[i];
+      // pooled buffers: fresh ones cost a page fault per 4 KiB on every block
+      const uint64_t words = h.block_span(b) / 16 + 2, wide = h.dtype.bits == 16 ? 2 : 8;  // BlockChanges::reset
+      PooledChanges ch = take_changes(size_t(2 * words + (1 + wide) * (uint64_t(e.n_changed) + 64)));
+      dec.decode(cs, *ch);
+      thread_local PodBuffer<uint32_t> rel;
+      uint32_t* r = rel.scratch(e.n_changed + 8);
+      ch->list(r, vb);
+      for (size_t i = 0; i < e.n_changed; ++i) pb[i] = start + r[i];
       return;
     }
     BlockDecoder dec(payload, len, e.n_changed, h.block_span(b), h.dtype.bits, b);

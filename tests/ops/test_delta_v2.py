@@ -169,6 +169,18 @@ def test_context_blocks_need_the_base():
         delta.changes(blob, base=old[:-1])
 
 
+@pytest.mark.parametrize("step", [3e-7, 3e-6, 1e-2])  # about 1%, 10% and every element changed
+def test_changes_list_every_change_in_order_at_any_density(step):
+    """The context blocks' change lists (positions from the bitmap, 64 elements a step, and a partial end) are
+    format 1's, from sparse to every element changed."""
+    old, new = weight_pair((3 << 16) + 37, step)
+    blob = delta.encode(old, new, version=2, block_log2=16)
+    assert delta.inspect(blob)["context_blocks"] > 0
+    c1, c2 = delta.changes(delta.encode(old, new)), delta.changes(blob, base=old)
+    assert torch.equal(c1.positions, c2.positions) and torch.equal(c1.values, c2.values)
+    assert torch.equal(c2.positions, torch.nonzero(old.view(torch.int16) != new.view(torch.int16)).view(-1))
+
+
 def test_apply_with_the_wrong_base_fails_cleanly():
     old, new = weight_pair(1 << 16, 1e-5)
     blob = delta.encode(old, new, version=2)
