@@ -177,7 +177,8 @@ def run(args) -> dict:
                "delta": run_e2e(args, store, f"{run_id}-e2e", snapshots, args.full_every),
                "full": run_e2e(args, store, f"{run_id}-e2e-full", snapshots, 1)}
     return dict(model=args.model, params=n_params, device=args.device, store=store.url, lr=args.lr,
-                every_k=args.every_k, full_every=args.full_every, shard_mb=args.shard_mb, delta_format=args.delta_format,
+                every_k=args.every_k, full_every=args.full_every, shard_mb=args.shard_mb,
+                delta_format=args.delta_format,
                 machine=dict(python=platform.python_version(), torch=torch.__version__, cpus=os.cpu_count(),
                              torch_threads=torch.get_num_threads()),
                 step_s=step_s, step_alone_s=alone_s, publish_s=publish_s, drain_s=drain_s, versions=rows,

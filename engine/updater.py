@@ -8,16 +8,16 @@ side (``pause``/``resume``) and calls the updater while paused.
 How an update moves (``docs/engine.md``):
 
 * ``stage(update)`` does all the work that can run while serving. Every delta blob is parsed and validated
-  (``syncd.ops.delta.changes``; a format-2 blob's context blocks against the engine's own copy of the old
-  tensor, which it must hold whole: a tensor-parallel slice cannot decode them, ``DeltaError``); positions of the full trainer tensor are mapped to local flat positions
-  (dropped when another rank owns them); the current bits at those positions (the *old* words) are read and
-  the new words computed. A parameter that maps 1:1 to a trainer tensor is decoded in full on a scratch copy
-  (``syncd.ops.delta.decode``), which checks the blob's base checksum against the local tensor and the
-  result checksum against the trainer's. A full version is compared with the local weights and only the
-  words that differ are staged. The result is, per local parameter, ascending positions plus the old and
-  new words, in CPU memory: about 12 bytes per changed bf16 word (int64 positions). For a parameter on a GPU
-  they are pinned, positions are int32 where they fit and the old words get a fingerprint
-  (:func:`fingerprint`), so an apply sends 6 bytes per changed bf16 word over PCIe.
+  (``syncd.ops.delta.changes``; a format-2 blob's context blocks against the engine's own copy of the old tensor,
+  which it must hold whole: a tensor-parallel slice cannot decode them, ``DeltaError``); positions of the full
+  trainer tensor are mapped to local flat positions (dropped when another rank owns them); the current bits at those
+  positions (the *old* words) are read and the new words computed. A parameter that maps 1:1 to a trainer tensor is
+  decoded in full on a scratch copy (``syncd.ops.delta.decode``), which checks the blob's base checksum against the
+  local tensor and the result checksum against the trainer's. A full version is compared with the local weights and
+  only the words that differ are staged. The result is, per local parameter, ascending positions plus the old and
+  new words, in CPU memory: about 12 bytes per changed bf16 word (int64 positions). For a parameter on a GPU they
+  are pinned, positions are int32 where they fit and the old words get a fingerprint (:func:`fingerprint`), so an
+  apply sends 6 bytes per changed bf16 word over PCIe.
 * ``apply()`` scatters the new words; each staged position must still hold its staged old word, checked
   just before it is written (CPU: one pass on every core, ``syncd.ops.scatter_words_``). Only
   changed words move. If anything fails, every word already written is restored from the old words and the
@@ -203,9 +203,10 @@ class WeightUpdater:
         for spec, piece in self._by_source[src]:
             if piece.dim is None or (piece.start == 0 and piece.stop == piece.source_shape[piece.dim]):
                 return local_slab(self._tensors[spec.name], piece)
-        held = ", ".join(f"[{p.start}:{p.stop}) of dim {p.dim}" for _, p in self._by_source[src])
+        pieces = [p for _, p in self._by_source[src]]
+        held = ", ".join(f"[{p.start}:{p.stop}) of dim {p.dim}" for p in pieces)
         raise DeltaError(f"its delta has context blocks (format 2), which only an engine holding the whole "
-                         f"tensor can decode, and this engine holds only {held} of {list(piece.source_shape)}; "
+                         f"tensor can decode, and this engine holds only {held} of {list(pieces[0].source_shape)}; "
                          "publish the tensors that engines hold in slices in format 1 (WeightPublisher's "
                          "sliced_tensors, the trainer's --sliced-tensors)")
 

@@ -154,15 +154,15 @@ class LoopConfig:
                   f"must be in [0, --replica-groups={self.replica_groups}), got {self.replica_group}"),
                  (1 <= self.min_replicas <= self.replica_groups, "--min-replicas",
                   f"must be in [1, --replica-groups={self.replica_groups}], got {self.min_replicas}"),
-                 (self.lighthouse is None or not self.sync, "--sync", "the elastic job (--lighthouse) runs async")]
+                 (self.lighthouse is None or not self.sync, "--sync", "the elastic job (--lighthouse) runs async"),
+                 (self.delta_format in (1, 2), "--delta-format", f"must be 1 or 2, got {self.delta_format!r}")]
         for ok, flag, msg in rules:
             if not ok:
                 raise ConfigError(f"{flag}: {msg}")
         try:
             delta_formats(self.delta_format, self.sliced_tensors)
         except ValueError as exc:
-            flag = "--delta-format" if "delta_format" in str(exc) else "--sliced-tensors"
-            raise ConfigError(f"{flag}: {exc}") from None
+            raise ConfigError(f"--sliced-tensors: {exc}") from None
         try:
             get_task(self.task, length=self.task_length)
         except ValueError as exc:

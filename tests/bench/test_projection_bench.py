@@ -61,7 +61,8 @@ def test_format2_leaves_the_sliced_share_in_format1(tmp_path, capsys):
     row = data["measured"][0]["bf16"]
     by = {(q["kind"], q["format"]): q for q in data["projections"]}
     scale = by[("bf16", 1)]["delta_bytes"] / row["1"]["bytes"]
-    assert by[("bf16", 2)]["delta_bytes"] == pytest.approx(scale * (0.25 * row["1"]["bytes"] + 0.75 * row["2"]["bytes"]))
+    mixed = 0.25 * row["1"]["bytes"] + 0.75 * row["2"]["bytes"]
+    assert by[("bf16", 2)]["delta_bytes"] == pytest.approx(scale * mixed)
     assert projection.main(["--sliced-fraction", "1.5", "--out", str(tmp_path / "x.json")]) == 2
     assert "--sliced-fraction must be in [0, 1]" in capsys.readouterr().err
 
