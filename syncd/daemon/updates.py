@@ -127,15 +127,7 @@ class UpdatePath:
                 for d, exc in refused.items():
                     log.error("engine %s: staging version %d failed: %s: %s", d.name, m.version, type(exc).__name__,
                               exc)
-                    self.metrics.failure("apply")
-                healed = await self._heal([m])
-                if healed:
-                    log.warning("run %s: version %d's cached shards were bad; they are fetched again", self.run_id,
-                                m.version)
-                for d, exc in refused.items():
-                    d.state, d.error = "serving", f"staging {m.version}: {exc}"  # shown until an update lands
-                    if not healed:  # the same bytes again would be refused again: back off
-                        self._backoff(d)
+                await self._refused({d: f"staging {m.version}: {exc}" for d, exc in refused.items()}, [m])
                 group = [d for d in group if d not in refused]
                 if not group:
                     return
@@ -194,12 +186,7 @@ class UpdatePath:
         self.metrics.rebuild_s.observe(t["pause_s"])
         reached = next(m for m in plan.steps if m.version == t["version"])
         if t["refused"]:  # it serves an earlier version of the chain; the rest waits, as a refused stage does
-            self.metrics.failure("apply")
-            d.state, d.error = "serving", t["refused"]
-            if await self._heal(plan.steps):
-                log.warning("engine %s: the rebuild met bad cached shards; they are fetched again", d.name)
-            else:
-                self._backoff(d)
+            await self._refused({d: t["refused"]}, plan.steps)
             record = self._record(reached, 0.0, rebuild_from=plan.steps[0].version)
         else:
             d.state, d.error, d.failures = "serving", None, 0
@@ -208,6 +195,20 @@ class UpdatePath:
         self._finish(record)
 
     # ------------------------------------------------------------------------------------- bookkeeping
+
+    async def _refused(self, errors: dict, steps) -> None:
+        """Engines (``errors``: driver -> what it said) that refused to stage a version of ``steps`` and serve a
+        verified version: counted, the error shown until an update lands; the steps' cached shards re-hashed
+        (bad ones are fetched again at once), else each engine backs off (the same bytes would be refused)."""
+        for d, error in errors.items():
+            self.metrics.failure("apply")
+            d.state, d.error = "serving", error
+        if await self._heal(steps):
+            log.warning("run %s: versions %s had bad cached shards; they are fetched again", self.run_id,
+                        [m.version for m in steps])
+        else:
+            for d in errors:
+                self._backoff(d)
 
     def _backoff(self, d: EngineDriver) -> None:
         d.failures += 1

@@ -8,11 +8,11 @@ def delta_formats_in(store_dir) -> dict[int, int]:
     counting format-2 tensors with context blocks (which engines decode against their own weights) as ``-2``."""
     from pathlib import Path
 
-    from syncd import manifest as mf
+    from syncd.engines.update import tensors_of
     from syncd.ops import delta
     from syncd.signing import UNCHECKED
     from syncd.store import Store
-    from syncd.versions import list_versions
+    from syncd.versions import fetch_shards, list_versions
 
     store, counts = Store(store_dir), {}
     for run in sorted(p.name for p in (Path(store_dir) / "runs").iterdir()):
@@ -20,9 +20,7 @@ def delta_formats_in(store_dir) -> dict[int, int]:
             m = info.manifest
             if m is None or m.kind != "delta":
                 continue
-            shards = [store.get(mf.run_prefix(run) + s.key) for s in m.shards]
-            for t in m.tensors:
-                blob = shards[t.shard][t.offset:t.offset + t.length]
+            for blob in tensors_of(m, fetch_shards(store, run, m)).values():
                 k = -2 if delta.needs_base(blob) else delta.inspect(blob)["format_version"]
                 counts[k] = counts.get(k, 0) + 1
     return counts

@@ -80,7 +80,9 @@ def test_real_training_every_step_materializes_bit_exact(tmp_path):
 
 
 def test_format2_deltas_with_sliced_tensors_in_format1_materialize_bit_exact(tmp_path):
+    from syncd.engines.update import tensors_of
     from syncd.ops import delta
+    from syncd.versions import fetch_shards
 
     model = tiny_qwen2()
     store = Store(tmp_path)
@@ -97,12 +99,9 @@ def test_format2_deltas_with_sliced_tensors_in_format1_materialize_bit_exact(tmp
         assert_same(syncd.materialize(store, "r", v, signing_key=KEY), want)
     m = read_manifest(store, "r", 2, signing_key=KEY)
     assert m.kind == "delta"
-    formats, context = {}, set()
-    for t in m.tensors:
-        blob = store.get(mf.run_prefix("r") + m.shards[t.shard].key)[t.offset:t.offset + t.length]
-        formats[t.name] = delta.inspect(blob)["format_version"]
-        if delta.needs_base(blob):
-            context.add(t.name)
+    blobs = tensors_of(m, fetch_shards(store, "r", m))
+    formats = {name: delta.inspect(blob)["format_version"] for name, blob in blobs.items()}
+    context = {name for name, blob in blobs.items() if delta.needs_base(blob)}
     is_sliced = {n: bool(re.fullmatch(sliced, n)) for n in formats}
     assert sum(is_sliced.values()) == 4 and all(formats[n] == (1 if is_sliced[n] else 2) for n in formats)
     # the format-2 deltas of the matrices are context-coded: an engine needs their whole old tensor to decode
