@@ -342,14 +342,20 @@ void V2BlockEncoder::finish_context(std::vector<uint8_t>& out, const DTypeInfo& 
   uint8_t* vbase = wbase + gp * pos_region;
   BinGroupEncoder venc[kMaxGroups];
   for (int g = 0; g < gv; ++g) venc[g] = BinGroupEncoder(vbase + (g + 1) * val_region);
-  std::vector<uint8_t> mant;
+  std::vector<uint8_t>& mant = mant_;  // keeps its capacity across blocks: warm pages
+  mant.clear();
   signs_.reserve(n / 8 + 8);
   if (ch_.wide) encode_values(cch, ch_.v64.data(), n, lv, venc, gv, mant, signs_.data(), simd);
   else encode_values(cch, ch_.v16.data(), n, lv, venc, gv, mant, signs_.data(), simd);
   const uint8_t* vstart[kMaxGroups];
   for (int g = 0; g < gv; ++g) vstart[g] = venc[g].finish();
 
-  // parameters, stream lengths, streams, mantissa bits, sign bits
+  // parameters, stream lengths, streams, mantissa bits, sign bits (room for all of it at once: growing `out`
+  // by doubling copied the streams and faulted in fresh pages more than once)
+  size_t streams = mant.size() + (n + 7) / 8;
+  for (int g = 0; g < gp; ++g) streams += size_t(wbase + (g + 1) * pos_region - pstart[g]);
+  for (int g = 0; g < gv; ++g) streams += size_t(vbase + (g + 1) * val_region - vstart[g]);
+  out.reserve(out.size() + 4096 + streams);  // parameters: under 2.2 KiB with 16 trees of 6 levels, and varints
   out.push_back(kModeContextByDepth);
   put_u16(out, uint32_t(e_top_));
   out.push_back(uint8_t(gp));

@@ -90,6 +90,7 @@ class V2BlockEncoder {
   PodBuffer<uint32_t> pos_;
   PodBuffer<uint64_t> v_;
   PodBuffer<uint8_t> all_cls_, words_, signs_;
+  std::vector<uint8_t> mant_;
   uint64_t n_ = 0, span_ = 0;
   bool scanned_ = false;  // scan16 filled ch_ (else pos_/v_ hold the changes)
   int e_top_ = 0;
