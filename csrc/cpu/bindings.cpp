@@ -11,6 +11,7 @@
 #include "checksum.h"
 #include "delta_codec.h"
 #include "scatter.h"
+#include "changed_words.h"
 
 namespace py = pybind11;
 using namespace syncd;
@@ -194,6 +195,28 @@ PYBIND11_MODULE(_native, m) {
     }
     return py::make_tuple(res.failed_run, res.mismatches);
   }, py::arg("runs"), py::arg("verify") = true, py::arg("threads") = 1);
+  // An engine's staging of a tensor it holds whole: (dtype_code, words, old_words, pos, v) -> (old elements,
+  // new elements, the checksum raw sum's change); see changed_words.h. Elements come back as unsigned ints
+  // of the dtype's width.
+  m.def("changed_words", [](int dtype_code, py::array_t<uint64_t, py::array::c_style | py::array::forcecast> words,
+                            py::array_t<uint64_t, py::array::c_style | py::array::forcecast> old_words,
+                            py::array_t<uint64_t, py::array::c_style | py::array::forcecast> pos,
+                            py::array_t<uint64_t, py::array::c_style | py::array::forcecast> v) {
+    if (words.size() != old_words.size()) throw std::invalid_argument("words and old_words differ in length");
+    if (pos.size() != v.size()) throw std::invalid_argument("pos and v differ in length");
+    const DTypeInfo dt = dtype_info(dtype_code);
+    const char* fmt = dt.bits == 8 ? "B" : dt.bits == 16 ? "H" : dt.bits == 32 ? "I" : "Q";
+    const auto n = py::ssize_t(pos.size());
+    py::array old_el(py::dtype(fmt), std::vector<py::ssize_t>{n}), new_el(py::dtype(fmt), std::vector<py::ssize_t>{n});
+    uint64_t adj;
+    {
+      py::gil_scoped_release nogil;
+      adj = changed_words(dtype_code, words.data(), old_words.data(), size_t(words.size()), pos.data(), v.data(),
+                          size_t(n), static_cast<uint8_t*>(old_el.mutable_data()),
+                          static_cast<uint8_t*>(new_el.mutable_data()));
+    }
+    return py::make_tuple(old_el, new_el, adj);
+  }, py::arg("dtype_code"), py::arg("words"), py::arg("old_words"), py::arg("pos"), py::arg("v"));
   // Format 2 needs the classes of the old elements (two per byte, `nibbles`) and each block's e_top.
   m.def("pack", [](int dtype_code, const std::vector<int64_t>& shape, int block_log2,
                    py::array_t<uint64_t, py::array::c_style | py::array::forcecast> pos,

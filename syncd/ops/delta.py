@@ -22,6 +22,7 @@ import torch
 from syncd.errors import DeltaError
 from syncd.ops import _backend, _context
 from syncd.ops import _format as fmt
+from syncd.ops._checksum import checksum
 from syncd.ops._dispatch import dispatch, kernel, kernel_of, register, resolve
 from syncd.ops._tensors import byte_view, raw_ptr, shape_of
 from syncd.ops.reference import checksum as ref_ck
@@ -31,7 +32,7 @@ from syncd.ops.reference import block_v1 as ref_v1
 from syncd.ops.reference import delta_v2 as ref_v2
 
 __all__ = ["encode", "decode", "apply_", "inspect", "encode_many", "apply_many", "Changes", "changes", "needs_base",
-           "apply_changes_", "find_changes", "DEFAULT_BLOCK_LOG2", "DEFAULT_FORMAT", "FORMAT_VERSIONS", "dtype_format"]
+           "apply_changes_", "changed_words", "find_changes", "DEFAULT_BLOCK_LOG2", "DEFAULT_FORMAT", "FORMAT_VERSIONS", "dtype_format"]
 
 #: format facts tools and benchmarks use (the format itself, ``syncd.ops._format``, is private to the ops)
 DEFAULT_BLOCK_LOG2 = fmt.DEFAULT_BLOCK_LOG2
@@ -415,3 +416,72 @@ def apply_changes_(flat: torch.Tensor, index: torch.Tensor, values: torch.Tensor
     new = ref.apply_values(old, values.numpy().view(np.uint64), dt)
     with torch.no_grad():
         bits[idx] = torch.from_numpy(np.ascontiguousarray(new).view(bits.numpy().dtype))
+
+
+_SIGNED = {8: torch.int8, 16: torch.int16, 32: torch.int32, 64: torch.int64}
+
+
+def changed_words(base: torch.Tensor, ch: Changes) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bits of ``base``'s elements at ``ch.positions`` before and after ``ch``, as 1-D CPU tensors of the
+    signed integer type of the element width (int16 for bfloat16), after checking that ``ch`` takes ``base`` to
+    its encoder's result: ``base``'s checksum must be the blob's base checksum (one read pass, on ``base``'s
+    device), and ``base`` with those elements replaced must have the blob's result checksum, computed from the
+    changed 64-bit words alone. What ``decode`` on a scratch copy checks, without the copy or a second decode
+    (an engine stages a tensor it holds whole this way). ``base`` (any device, any layout) is only read.
+
+    Raises ``DeltaError`` for a base of another dtype or shape, or either checksum mismatch (the messages of
+    ``apply_``)."""
+    if base.dtype != ch.dtype or tuple(base.shape) != tuple(ch.shape):
+        raise DeltaError(f"base is {base.dtype}{list(base.shape)}, the blob is for {ch.dtype}{list(ch.shape)}")
+    dt = fmt.dtype_of(base.dtype)
+    flat = base.detach().reshape(-1)
+    if not flat.is_contiguous():  # a strided view (the bf16 halves of fp32 weights): one copy, read twice
+        flat = flat.contiguous()
+    have = checksum(flat)
+    if have != ch.base_checksum:
+        raise DeltaError(f"wrong base: blob expects base checksum {ch.base_checksum:#018x}, target has {have:#018x}")
+    nbytes = flat.numel() * dt.itemsize
+    per_word = 64 // dt.bits
+    pos = ch.positions.numpy().view(np.uint64)
+    values = ch.values.numpy().view(np.uint64)
+    word = pos // np.uint64(per_word)
+    first = np.ones(word.size, dtype=bool)
+    np.not_equal(word[1:], word[:-1], out=first[1:])
+    words = word[first]
+    old_w = _words_at(flat, words, nbytes, dt)  # the changed 64-bit words, a copy on the host
+    if _backend.available("cpu", "cpu") is None:
+        old, new, adj = _native_call(_backend.native().changed_words, dt.code, words, old_w, pos, values)
+    else:
+        old, new, adj = _changed_words_reference(dt, words, old_w, pos, values, first)
+    raw = (ref_ck.raw_of(ch.base_checksum, nbytes) + adj) & ref_ck.MASK64
+    if ref_ck.finalize(raw, nbytes) != ch.new_checksum:
+        raise DeltaError("result checksum mismatch: the decoded tensor differs from the encoder's")
+    signed = np.dtype(f"i{dt.itemsize}")
+    return torch.from_numpy(old.view(signed)), torch.from_numpy(new.view(signed))
+
+
+def _changed_words_reference(dt: fmt.DType, words, old_w, pos, values, first) -> tuple[np.ndarray, np.ndarray, int]:
+    """What the native ``changed_words`` computes (``csrc/cpu/changed_words.h``), for the words ``first`` marks."""
+    if pos.size and np.any(pos[1:] <= pos[:-1]):
+        raise DeltaError("change positions must ascend")
+    if values.size and int(values.max()) > (1 << dt.bits) - 2:
+        raise DeltaError(f"value change {int(values.max())} too wide for the dtype")
+    per_word = 64 // dt.bits
+    at = (np.cumsum(first) - 1) * per_word + (pos % np.uint64(per_word)).astype(np.int64)  # element in old_w
+    old = old_w.view(dt.np_uint)[at]
+    new = np.ascontiguousarray(ref.apply_values(old, values, dt))
+    new_w = old_w.copy()
+    new_w.view(dt.np_uint)[at] = new
+    return old, new, ref_ck.raw_after(0, words, old_w, new_w)
+
+
+def _words_at(flat: torch.Tensor, words: np.ndarray, nbytes: int, dt: fmt.DType) -> np.ndarray:
+    """The 64-bit words ``words`` (ascending indices) of the bytes of ``flat`` (1-D, contiguous, any device),
+    zero-padded past ``nbytes``, as a uint64 array on the host."""
+    index = torch.from_numpy(words.view(np.int64))
+    if flat.is_contiguous() and nbytes % 8 == 0 and (flat.storage_offset() * dt.itemsize) % 8 == 0:
+        return flat.view(torch.int64)[index.to(flat.device)].cpu().numpy().view(np.uint64)
+    per_word = 64 // dt.bits  # element by element: a last word past the tensor's end, or an unaligned view
+    elems = index[:, None] * per_word + torch.arange(per_word)
+    got = flat.view(_SIGNED[dt.bits])[elems.clamp(max=max(flat.numel() - 1, 0)).to(flat.device)].cpu()
+    return np.ascontiguousarray(torch.where(elems < flat.numel(), got, 0).numpy()).view(np.uint64).reshape(-1)

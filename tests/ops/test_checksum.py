@@ -61,6 +61,23 @@ def test_incremental_update_rule():
     assert (raw + delta) & ref.MASK64 == ref.raw_sum(new)
 
 
+def test_raw_of_inverts_the_finaliser_and_raw_after_adds_the_terms():
+    """What delta.changed_words checks a result with: raw back from a checksum, then the changed words' terms."""
+    rng = np.random.default_rng(5)
+    for n in (0, 1, 7, 8, 9, 4096):
+        data = rng.integers(0, 256, n, dtype=np.uint8)
+        assert ref.raw_of(ref.checksum_bytes(data), n) == ref.raw_sum(data)
+        if n < 16:
+            continue
+        new = data.copy()
+        new[[3, 9, 10, n - 1]] ^= np.uint8(0x5A)
+        pad = lambda b: np.concatenate([b, np.zeros(-n % 8, np.uint8)]).view("<u8")  # noqa: E731
+        idx = np.array([0, 1, (n - 1) // 8], dtype=np.uint64)
+        raw = ref.raw_after(ref.raw_of(ref.checksum_bytes(data), n), idx, pad(data)[idx.astype(int)],
+                            pad(new)[idx.astype(int)])
+        assert ref.finalize(raw, n) == ref.checksum_bytes(new)
+
+
 def test_same_bit_flipped_in_two_words_never_cancels():
     """Sums of per-word terms must not cancel for structured damage: the same bit flipped in two words."""
     data = torch.randint(0, 256, (8 * 48,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))

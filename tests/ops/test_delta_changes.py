@@ -50,3 +50,73 @@ def test_checksums_and_validation():
     with pytest.raises(DeltaError, match="positions but"):
         delta.apply_changes_(flat, c.positions[:-1], c.values)
     assert torch.equal(flat.view(torch.int16), before.view(torch.int16))
+
+
+def _as_int(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _host_backends(request, monkeypatch):
+    """Run ``changed_words``'s host part natively (``cpu``) or on the NumPy reference."""
+    if request.param == "reference":
+        from syncd.ops import _backend
+        real = _backend.available
+        monkeypatch.setattr(_backend, "available",
+                            lambda b, d="cpu": "forced off by the test" if b == "cpu" else real(b, d))
+    return request.param
+
+
+@pytest.fixture(params=["cpu", "reference"])
+def host(request, monkeypatch):
+    return _host_backends(request, monkeypatch)
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float64, torch.int64], ids=str)
+@pytest.mark.parametrize("shape", [(40, 24), (3,), (7, 9)], ids=str)
+@pytest.mark.parametrize("version", [1, 2])
+def test_changed_words_are_the_old_and_new_bits_at_the_changes(dtype, shape, version, host):
+    g = torch.Generator().manual_seed(len(shape) * 100 + shape[0])
+    old = (torch.randn(shape, generator=g) * 8).to(dtype)
+    other = (torch.randn(shape, generator=g) * 8).to(dtype)
+    new = torch.where(torch.rand(shape, generator=g) < 0.3, other.double(), old.double()).to(dtype)
+    blob = delta.encode(old, new, version=version)
+    c = delta.changes(blob, base=old)
+    before, after = delta.changed_words(old, c)
+    assert before.dtype == after.dtype == _as_int(old).dtype
+    assert torch.equal(before, _as_int(old)[c.positions]) and torch.equal(after, _as_int(new)[c.positions])
+
+
+def test_changed_words_of_a_big_format2_tensor_and_a_strided_base(host):
+    g = torch.Generator().manual_seed(3)
+    old = (torch.randn(300, 70, generator=g) * 0.02).to(torch.bfloat16)
+    new = torch.where(torch.rand(300, 70, generator=g) < 0.1, (old.float() * 1.01).to(torch.bfloat16), old)
+    c = delta.changes(delta.encode(old, new, version=2, block_log2=12), base=old)
+    assert delta.needs_base(delta.encode(old, new, version=2, block_log2=12))
+    before, after = delta.changed_words(old, c)
+    assert torch.equal(after, _as_int(new)[c.positions]) and torch.equal(before, _as_int(old)[c.positions])
+    t_old, t_new = old.t().contiguous().t(), new.t().contiguous().t()  # same values, column-major storage
+    c2 = delta.changes(delta.encode(old, new), base=t_old)
+    assert torch.equal(delta.changed_words(t_old, c2)[1], _as_int(t_new.contiguous())[c2.positions])
+
+
+def test_changed_words_refuses_what_decode_would(host):
+    old, new = _pair(torch.bfloat16)
+    c = delta.changes(delta.encode(old, new))
+    other = old.clone()
+    other.view(-1)[int(c.positions[0])] = new.view(-1)[int(c.positions[0])]
+    with pytest.raises(DeltaError, match="wrong base"):
+        delta.changed_words(other, c)
+    with pytest.raises(DeltaError, match="base is"):
+        delta.changed_words(old[:10], c)
+    # a change list that does not take the base to the encoder's result: the result checksum says so
+    tampered = delta.Changes(c.dtype, c.shape, c.positions, c.values ^ 2, c.base_checksum, c.new_checksum)
+    with pytest.raises(DeltaError, match="result checksum mismatch"):
+        delta.changed_words(old, tampered)
+    swapped = c.positions.clone()
+    swapped[[0, 1]] = swapped[[1, 0]]
+    with pytest.raises(DeltaError, match="must ascend"):
+        delta.changed_words(old, delta.Changes(c.dtype, c.shape, swapped, c.values, c.base_checksum, c.new_checksum))
+    wide = c.values.clone()
+    wide[3] = 1 << 16
+    with pytest.raises(DeltaError, match="too wide"):
+        delta.changed_words(old, delta.Changes(c.dtype, c.shape, c.positions, wide, c.base_checksum, c.new_checksum))

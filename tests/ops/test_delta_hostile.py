@@ -294,3 +294,30 @@ def test_fuzz_random_payloads_behind_a_valid_header(payload, nchg, version, cont
         delta.apply_(t, blob, backend="cpu", verify=False)
     except DeltaError:
         assert same_bits(t, old)
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(code=st.sampled_from(sorted(fmt.DTYPE_BY_CODE)), nw=st.integers(0, 12), n=st.integers(0, 40),
+       seed=st.integers(0, 2**32 - 1), sort=st.booleans())
+def test_fuzz_native_changed_words(code, nw, n, seed, sort):
+    """The native half of delta.changed_words on arbitrary word lists and change lists (what a hand-made
+    Changes could hand it): a result of the right shape, or DeltaError, and never a read or write out of bounds."""
+    import numpy as np
+
+    from syncd.ops import _backend
+
+    rng = np.random.default_rng(seed)
+    words = rng.integers(0, 16, nw, dtype=np.uint64)
+    pos = rng.integers(0, 64, n, dtype=np.uint64)
+    bits = fmt.DTYPE_BY_CODE[code].bits
+    if sort:  # well-formed lists half the time: the words are exactly those of the ascending positions
+        pos = np.unique(pos)
+        words = np.unique(pos // np.uint64(64 // bits)) if seed % 2 else np.unique(words)
+    v = rng.integers(0, 2**63, pos.size, dtype=np.uint64) >> rng.integers(bits - 2, 64, pos.size, dtype=np.uint64)
+    old_words = rng.integers(0, 2**63, words.size, dtype=np.uint64)
+    try:
+        old, new, adj = _backend.native().changed_words(code, words, old_words, pos, v)
+    except (DeltaError, ValueError):
+        return
+    assert old.size == new.size == pos.size and old.itemsize == new.itemsize == bits // 8 and 0 <= adj < 2**64
+    assert set((pos // (64 // bits)).tolist()) == set(words.tolist())

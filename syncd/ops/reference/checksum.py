@@ -26,6 +26,8 @@ WORD_MUL = 0xD6E8FEB86659FD93
 FMIX_C1 = 0xFF51AFD7ED558CCD
 FMIX_C2 = 0xC4CEB9FE1A85EC53
 MASK64 = (1 << 64) - 1
+_FMIX_C1_INV = pow(FMIX_C1, -1, 1 << 64)
+_FMIX_C2_INV = pow(FMIX_C2, -1, 1 << 64)
 _CHUNK_WORDS = 1 << 20
 
 
@@ -83,6 +85,28 @@ def raw_sum(data: np.ndarray, first_word: int = 0) -> int:
 
 def finalize(raw: int, nbytes: int) -> int:
     return fmix64_int((raw + nbytes * LENGTH_MUL) & MASK64)
+
+
+def raw_of(checksum: int, nbytes: int) -> int:
+    """``raw`` of a checksum over ``nbytes`` bytes (``finalize`` inverted: fmix64 is a bijection, each of its
+    xor-shifts by 33 is its own inverse and each multiply is undone by the constant's inverse mod 2**64)."""
+    x = checksum & MASK64
+    x ^= x >> 33
+    x = (x * _FMIX_C2_INV) & MASK64
+    x ^= x >> 33
+    x = (x * _FMIX_C1_INV) & MASK64
+    x ^= x >> 33
+    return (x - nbytes * LENGTH_MUL) & MASK64
+
+
+def raw_after(raw: int, index: np.ndarray, old_words: np.ndarray, new_words: np.ndarray) -> int:
+    """``raw`` after the words at ``index`` (word indices) change from ``old_words`` to ``new_words`` (uint64
+    arrays of one length; each index at most once): adds ``mix(new ^ k_i) - mix(old ^ k_i)`` per word."""
+    k = word_key(np.asarray(index))
+    with np.errstate(over="ignore"):
+        up = int(word_mix(np.asarray(new_words, np.uint64) ^ k).sum(dtype=np.uint64))
+        down = int(word_mix(np.asarray(old_words, np.uint64) ^ k).sum(dtype=np.uint64))
+    return (raw + up - down) & MASK64
 
 
 def checksum_bytes(data) -> int:

@@ -1,0 +1,70 @@
+#include "changed_words.h"
+
+#include <cstring>
+#include <string>
+
+#include "checksum.h"
+#include "delta_format.h"
+
+namespace syncd {
+namespace {
+
+template <class T>
+uint64_t walk(bool is_float, const uint64_t* words, const uint64_t* old_words, size_t nw, const uint64_t* pos,
+              const uint64_t* v, size_t n, T* old_el, T* new_el) {
+  constexpr unsigned W = sizeof(T) * 8, E = 64 / W;
+  const uint64_t mask = W == 64 ? ~uint64_t(0) : (uint64_t(1) << W) - 1, vmax = core::max_value(W);
+  uint64_t adj = 0, now = 0;
+  size_t row = 0;
+  for (size_t i = 0; i < n; ++i) {
+    if (i && pos[i] <= pos[i - 1])
+      throw DeltaError("change positions must ascend: " + std::to_string(pos[i]) + " follows " + std::to_string(pos[i - 1]));
+    const uint64_t w = pos[i] / E;
+    if (i == 0 || w != words[row]) {
+      if (i) {
+        const uint64_t k = (words[row] + 1) * kGolden;
+        adj += word_mix(now ^ k) - word_mix(old_words[row] ^ k);
+        ++row;
+      }
+      if (row >= nw || words[row] != w)
+        throw DeltaError("change " + std::to_string(i) + " at position " + std::to_string(pos[i]) +
+                         " is not in the next listed word (positions must ascend, words list each one's word)");
+      now = old_words[row];
+    }
+    if (v[i] > vmax) throw DeltaError("value change " + std::to_string(v[i]) + " too wide for the dtype");
+    const unsigned shift = unsigned(pos[i] % E) * W;
+    const T ob = T((old_words[row] >> shift) & mask), nb = core::apply_value<T>(ob, v[i], is_float);
+    old_el[i] = ob;
+    new_el[i] = nb;
+    now = (now & ~(mask << shift)) | (uint64_t(nb) << shift);
+  }
+  if (n) {
+    const uint64_t k = (words[row] + 1) * kGolden;
+    adj += word_mix(now ^ k) - word_mix(old_words[row] ^ k);
+    if (row + 1 != nw) throw DeltaError("words listed without a change in them");
+  } else if (nw) {
+    throw DeltaError("words listed without a change in them");
+  }
+  return adj;
+}
+
+}  // namespace
+
+uint64_t changed_words(int dtype_code, const uint64_t* words, const uint64_t* old_words, size_t nw,
+                       const uint64_t* pos, const uint64_t* v, size_t n, uint8_t* old_el, uint8_t* new_el) {
+  const DTypeInfo dt = dtype_info(dtype_code);
+  switch (dt.bits) {
+    case 8: return walk<uint8_t>(dt.is_float, words, old_words, nw, pos, v, n, old_el, new_el);
+    case 16:
+      return walk<uint16_t>(dt.is_float, words, old_words, nw, pos, v, n, reinterpret_cast<uint16_t*>(old_el),
+                            reinterpret_cast<uint16_t*>(new_el));
+    case 32:
+      return walk<uint32_t>(dt.is_float, words, old_words, nw, pos, v, n, reinterpret_cast<uint32_t*>(old_el),
+                            reinterpret_cast<uint32_t*>(new_el));
+    default:
+      return walk<uint64_t>(dt.is_float, words, old_words, nw, pos, v, n, reinterpret_cast<uint64_t*>(old_el),
+                            reinterpret_cast<uint64_t*>(new_el));
+  }
+}
+
+}  // namespace syncd
