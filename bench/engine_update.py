@@ -14,6 +14,9 @@ same run:
 * the physical limit of the ratio, in memory traffic: an in-place apply must move at least the cache lines
   that hold a changed word (read and write back), a full reload reads the new weights and writes every line
   of the storage (each write first reads its line: write-allocate);
+* staging without serving load against its baseline, a decode of the update's change lists (``delta.changes``,
+  what any stage must do): the engine checks base and result checksums on top (a read pass of the weights and the
+  changed words), and a ratio near 1 says it decodes each blob once;
 * tokens/s without updates and while updates are applied, and requests lost (must be 0).
 
 ``--device cuda`` (``auto``: cuda when available) serves from the GPU (weights in the engine's GPU dtype).
@@ -148,7 +151,8 @@ def touched_lines(updater, staged) -> int:
 
 
 
-def run(cfg: dict, lr: float, seed: int, workdir: Path, verify_apply: bool = True, device: str = "cpu") -> dict:
+def run(cfg: dict, lr: float, seed: int, workdir: Path, verify_apply: bool = True, device: str = "cpu",
+        delta_format: int = 1) -> dict:
     """The measurements described in the module docstring, on ``device`` ("cpu" or "cuda", already resolved
     by ``_gpu_reload.resolve_device``); returns the ``result`` dict of the JSON. Raises RuntimeError if the
     engine's checksums differ from a manifest's after an apply."""
@@ -158,6 +162,7 @@ def run(cfg: dict, lr: float, seed: int, workdir: Path, verify_apply: bool = Tru
     from engine.reference import ReferenceEngine
     from syncd.engines.update import Update
     from syncd.lazy import quiet_optional_imports
+    from syncd.ops import delta
     from syncd.store import Store
     from syncd.versions import fetch_shards, read_manifest
     from trainer import WeightPublisher
@@ -172,7 +177,7 @@ def run(cfg: dict, lr: float, seed: int, workdir: Path, verify_apply: bool = Tru
           f"{sw.lap():.1f}s")
     store = Store(workdir / "store")
     sw.lap()
-    with WeightPublisher(store, "bench", signing_key=False, full_every=10**6) as pub:
+    with WeightPublisher(store, "bench", signing_key=False, full_every=10**6, delta_format=delta_format) as pub:
         for step, snap in enumerate(snaps):
             pub.publish(snap, step)
     print(f"published 1 full + {cfg['updates']} delta versions in {sw.lap():.1f}s")
@@ -224,17 +229,22 @@ def run(cfg: dict, lr: float, seed: int, workdir: Path, verify_apply: bool = Tru
     # the same in-place apply without serving load (like the reloads below): rollback, stage again, apply
     engine.pause()
     sync()
-    quiet_apply, quiet_rollback = [], []
+    quiet_apply, quiet_rollback, quiet_stage, decode_only = [], [], [], []
     last = read_manifest(store, "bench", cfg["updates"], signing_key=False)
     last_update = Update.from_shards(last, fetch_shards(store, "bench", last))
+    before_last = snaps[cfg["updates"] - 1]  # the weights the last delta applies to, in the trainer's names
     for _ in range(cfg["reload_repeats"]):
         sw = Stopwatch()
         engine.rollback()
         sync()
         quiet_rollback.append(sw.lap())
+        # the least any stage does: decode every blob's change list (delta.changes, with its base for format 2)
+        for name, blob in last_update.tensors.items():
+            delta.changes(blob, base=before_last[name])
+        decode_only.append(sw.lap())
         engine.stage(last_update)
         sync()
-        sw.lap()
+        quiet_stage.append(sw.lap())
         engine.apply()
         sync()
         quiet_apply.append(sw.lap())
@@ -292,6 +302,8 @@ def run(cfg: dict, lr: float, seed: int, workdir: Path, verify_apply: bool = Tru
         reload_load_state_dict_median_s=median(reload), engine_load_full_median_s=median(load_full),
         ratio_reload_to_stall=median(reload) / median(stall), physical_limit_ratio=limit_ratio,
         quiet_apply_median_s=median(quiet_apply), quiet_rollback_median_s=median(quiet_rollback),
+        quiet_stage_median_s=median(quiet_stage), decode_changes_median_s=median(decode_only),
+        ratio_stage_to_decode=median(quiet_stage) / median(decode_only), delta_format=delta_format,
         reload_s=list(reload), load_full_s=list(load_full), quiet_apply_s=list(quiet_apply),
         ratio_reload_to_quiet_apply=median(reload) / median(quiet_apply),
         tokens_per_s_baseline=tokens_base / secs_base, tokens_per_s_with_updates=tokens_upd / secs_upd,
@@ -313,6 +325,8 @@ def parse_args(argv):
     p.add_argument("--window", type=float, help="seconds of load measured without updates (preset default)")
     p.add_argument("--interval", type=float, help="seconds between updates (preset default)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--delta-format", type=int, choices=(1, 2), default=1,
+                   help="the publisher's delta format (the reference engine holds every tensor whole: both work)")
     p.add_argument("--device", choices=gpu.DEVICES, default="cpu",
                    help="where the engine serves: cpu (default), cuda (an error without CUDA), auto (cuda when "
                         "available)")
@@ -369,7 +383,8 @@ def main(argv=None) -> int:
           f"{platform.processor() or platform.machine()}"
           + (f", serving on {gpu.gpu_name(args.device)}" if args.device == "cuda" else ""))
     with tempfile.TemporaryDirectory(prefix="syncd-engine-bench-") as tmp:
-        r = run(cfg, args.lr, args.seed, Path(tmp), verify_apply=not args.no_verify_apply, device=args.device)
+        r = run(cfg, args.lr, args.seed, Path(tmp), verify_apply=not args.no_verify_apply, device=args.device,
+                delta_format=args.delta_format)
     r["verify_apply"] = not args.no_verify_apply
     ms = lambda s: f"{1e3 * s:8.2f} ms"  # noqa: E731
     print(f"\ndensity {100 * r['density']:.3f}% of {r['params'] / 1e6:.1f}M words per update; "
@@ -385,6 +400,9 @@ def main(argv=None) -> int:
         print(f"full reload, engine.load_full:                         median {ms(r['engine_load_full_median_s'])}")
     print(f"without serving load: apply {ms(r['quiet_apply_median_s'])}, rollback {ms(r['quiet_rollback_median_s'])}"
           f"   -> reload / apply = {r['ratio_reload_to_quiet_apply']:.1f}x")
+    print(f"stage without serving load (format {r['delta_format']}): {ms(r['quiet_stage_median_s'])} against a decode "
+          f"of the update's change lists (delta.changes, what any stage must do) {ms(r['decode_changes_median_s'])}"
+          f"   -> stage / decode = {r['ratio_stage_to_decode']:.2f}x")
     print(f"off the stall: stage while serving {ms(r['stage_median_s'])}, pause wait (one step) "
           f"{ms(r['pause_wait_median_s'])}, checksum verify after resume {ms(r['verify_median_s'])}")
     print(f"tokens/s: {r['tokens_per_s_baseline']:.1f} without updates, {r['tokens_per_s_with_updates']:.1f} while "

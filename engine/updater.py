@@ -11,10 +11,10 @@ How an update moves (``docs/engine.md``):
   (``syncd.ops.delta.changes``; a format-2 blob's context blocks against the engine's own copy of the old tensor,
   which it must hold whole: a tensor-parallel slice cannot decode them, ``DeltaError``); positions of the full
   trainer tensor are mapped to local flat positions (dropped when another rank owns them); the current bits at those
-  positions (the *old* words) are read and the new words computed. A parameter that maps 1:1 to a trainer tensor is
-  decoded in full on a scratch copy (``syncd.ops.delta.decode``), which checks the blob's base checksum against the
-  local tensor and the result checksum against the trainer's. A full version is compared with the local weights and
-  only the words that differ are staged. The result is, per local parameter, ascending positions plus the old and
+  positions (the *old* words) are read and the new words computed. For a parameter that maps 1:1 to a trainer tensor
+  ``syncd.ops.delta.changed_words`` also checks the blob's base checksum against the local tensor (one read pass)
+  and the result checksum against the trainer's (from the changed words: no copy of the tensor, no second decode).
+  A full version is compared with the local weights and only the words that differ are staged. The result is, per local parameter, ascending positions plus the old and
   new words, in CPU memory: about 12 bytes per changed bf16 word (int64 positions). For a parameter on a GPU they
   are pinned, positions are int32 where they fit and the old words get a fingerprint (:func:`fingerprint`), so an
   apply sends 6 bytes per changed bf16 word over PCIe.
@@ -185,7 +185,7 @@ class WeightUpdater:
             for spec, piece in uses:
                 flat = self._flat[spec.name]
                 if piece.dim is None:
-                    idx, old, new = self._stage_whole(spec, flat, blob, ch, src)
+                    idx, old, new = self._stage_whole(spec, ch, src)
                     expected[spec.name] = ch.new_checksum
                 else:
                     idx, old, new = self._stage_piece(spec, flat, piece, ch)
@@ -210,15 +210,12 @@ class WeightUpdater:
                          "publish the tensors that engines hold in slices in format 1 (WeightPublisher's "
                          "sliced_tensors, the trainer's --sliced-tensors)")
 
-    def _stage_whole(self, spec, flat, blob, ch, src):
-        """1:1 parameter: decode on a scratch copy (checks base and result checksums), keep the changed words."""
+    def _stage_whole(self, spec, ch, src):
+        """1:1 parameter: the old and new words at the changes, with the base and result checksums checked."""
         try:
-            decoded = _delta.decode(self._tensors[spec.name], blob)
+            old, new = _delta.changed_words(self._tensors[spec.name], ch)
         except DeltaError as exc:
             raise DeltaError(f"tensor {src!r} -> {spec.name!r}: {exc}") from None
-        idx = ch.positions.to(flat.device)
-        old = word_view(flat)[idx]
-        new = word_view(decoded.view(-1))[idx]
         return ch.positions, old, new
 
     def _stage_piece(self, spec, flat, piece, ch):

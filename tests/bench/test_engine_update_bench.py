@@ -15,9 +15,10 @@ def test_engine_update_benchmark_tiny(tmp_path, capsys):
     out = tmp_path / "engine_update.json"
     png = tmp_path / "engine_update.png"
     assert engine_update.main(["--preset", "tiny", "--updates", "2", "--window", "0.5", "--out", str(out),
-                               "--plot", str(png)]) == 0
+                               "--plot", str(png), "--delta-format", "2"]) == 0
     printed = capsys.readouterr().out
     assert "reload / stall" in printed and "physical limit" in printed and "0 lost" in printed
+    assert "stage / decode" in printed
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"plot written to {png}" in printed
     data = json.loads(out.read_text())
     r = data["result"]
@@ -29,6 +30,7 @@ def test_engine_update_benchmark_tiny(tmp_path, capsys):
     assert r["tokens_per_s_baseline"] > 0 and r["tokens_per_s_with_updates"] > 0
     assert 0 < r["density"] < 1 and 0 < r["lines_touched_fraction"] <= 1
     assert r["quiet_apply_median_s"] > 0 and r["quiet_rollback_median_s"] > 0 and r["ratio_reload_to_quiet_apply"] > 0
+    assert r["delta_format"] == 2 and r["quiet_stage_median_s"] > 0 and r["decode_changes_median_s"] > 0
 
 
 def test_engine_update_benchmark_cuda_without_cuda_fails_clearly(tmp_path, capsys):

@@ -345,3 +345,21 @@ def test_fingerprint_catches_any_one_word_and_counts_positions(dtype):
     swapped = index.clone()
     swapped[[10, 11]] = swapped[[11, 10]]
     assert fingerprint(words, swapped) != base
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_stage_decodes_each_blob_once_and_copies_no_tensor(states, version, monkeypatch):
+    """A 1:1 parameter is staged from its change list (delta.changed_words checks both checksums), not decoded
+    a second time on a copy of the tensor."""
+    decoded = []
+    real_changes = delta.changes
+    monkeypatch.setattr(delta, "changes", lambda blob, base=None: decoded.append(1) or real_changes(blob, base))
+    monkeypatch.setattr(delta, "decode", lambda *a, **k: pytest.fail("stage decoded a blob on a copy"))
+    monkeypatch.setattr(delta, "apply_", lambda *a, **k: pytest.fail("stage applied a blob to a copy"))
+    eng = StateDictEngine({k: v.clone() for k, v in states[1].items()}, 1)
+    upd = _delta_update(states, 2, version=version)
+    eng.stage(upd)
+    assert len(decoded) == len(upd.tensors)
+    eng.pause()
+    eng.apply()
+    assert all(_same(eng.state_dict()[k], states[2][k]) for k in states[2])
