@@ -7,11 +7,11 @@
 #include <tuple>
 
 #include "v2_kernels.h"
+#include "changed_words.h"
 #include "changes_pool.h"
 #include "checksum.h"
 #include "delta_codec.h"
 #include "scatter.h"
-#include "changed_words.h"
 
 namespace py = pybind11;
 using namespace syncd;

@@ -1,6 +1,5 @@
 #include "changed_words.h"
 
-#include <cstring>
 #include <string>
 
 #include "checksum.h"

@@ -429,8 +429,9 @@ def changed_words(base: torch.Tensor, ch: Changes) -> tuple[torch.Tensor, torch.
     changed 64-bit words alone. What ``decode`` on a scratch copy checks, without the copy or a second decode
     (an engine stages a tensor it holds whole this way). ``base`` (any device, any layout) is only read.
 
-    Raises ``DeltaError`` for a base of another dtype or shape, or either checksum mismatch (the messages of
-    ``apply_``)."""
+    Raises ``DeltaError`` for a base of another dtype or shape, either checksum mismatch (the messages of
+    ``apply_``), or a change list that is malformed (positions out of range or not ascending, a value too wide
+    for the dtype, lengths that differ)."""
     if base.dtype != ch.dtype or tuple(base.shape) != tuple(ch.shape):
         raise DeltaError(f"base is {base.dtype}{list(base.shape)}, the blob is for {ch.dtype}{list(ch.shape)}")
     dt = fmt.dtype_of(base.dtype)
@@ -442,8 +443,13 @@ def changed_words(base: torch.Tensor, ch: Changes) -> tuple[torch.Tensor, torch.
         raise DeltaError(f"wrong base: blob expects base checksum {ch.base_checksum:#018x}, target has {have:#018x}")
     nbytes = flat.numel() * dt.itemsize
     per_word = 64 // dt.bits
-    pos = ch.positions.numpy().view(np.uint64)
-    values = ch.values.numpy().view(np.uint64)
+    if ch.positions.numel() != ch.values.numel():
+        raise DeltaError(f"{ch.positions.numel()} positions but {ch.values.numel()} values")
+    positions = ch.positions.to(torch.int64)
+    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= flat.numel()):
+        raise DeltaError(f"change position outside the {flat.numel()}-element tensor")
+    pos = np.ascontiguousarray(positions.numpy()).view(np.uint64)
+    values = np.ascontiguousarray(ch.values.to(torch.int64).numpy()).view(np.uint64)
     word = pos // np.uint64(per_word)
     first = np.ones(word.size, dtype=bool)
     np.not_equal(word[1:], word[:-1], out=first[1:])

@@ -116,6 +116,13 @@ def test_changed_words_refuses_what_decode_would(host):
     swapped[[0, 1]] = swapped[[1, 0]]
     with pytest.raises(DeltaError, match="must ascend"):
         delta.changed_words(old, delta.Changes(c.dtype, c.shape, swapped, c.values, c.base_checksum, c.new_checksum))
+    outside = c.positions.clone()
+    outside[-1] = old.numel()
+    with pytest.raises(DeltaError, match="outside the 960-element tensor"):
+        delta.changed_words(old, delta.Changes(c.dtype, c.shape, outside, c.values, c.base_checksum, c.new_checksum))
+    with pytest.raises(DeltaError, match="positions but"):
+        delta.changed_words(old, delta.Changes(c.dtype, c.shape, c.positions, c.values[1:], c.base_checksum,
+                                               c.new_checksum))
     wide = c.values.clone()
     wide[3] = 1 << 16
     with pytest.raises(DeltaError, match="too wide"):
