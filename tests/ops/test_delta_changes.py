@@ -56,19 +56,17 @@ def _as_int(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
-def _host_backends(request, monkeypatch):
-    """Run ``changed_words``'s host part natively (``cpu``) or on the NumPy reference."""
+@pytest.fixture(params=["cpu", "reference"])
+def host(request, monkeypatch):
+    """Run the codec natively (``cpu``) or, with the native backend reported unavailable, on the NumPy
+    reference (``changed_words``' host half included)."""
     if request.param == "reference":
         from syncd.ops import _backend
+
         real = _backend.available
         monkeypatch.setattr(_backend, "available",
                             lambda b, d="cpu": "forced off by the test" if b == "cpu" else real(b, d))
     return request.param
-
-
-@pytest.fixture(params=["cpu", "reference"])
-def host(request, monkeypatch):
-    return _host_backends(request, monkeypatch)
 
 
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float64, torch.int64], ids=str)
