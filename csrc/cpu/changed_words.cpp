@@ -21,8 +21,7 @@ uint64_t walk(bool is_float, const uint64_t* words, const uint64_t* old_words, s
     const uint64_t w = pos[i] / E;
     if (i == 0 || w != words[row]) {
       if (i) {
-        const uint64_t k = (words[row] + 1) * kGolden;
-        adj += word_mix(now ^ k) - word_mix(old_words[row] ^ k);
+        adj += checksum_term(now, words[row]) - checksum_term(old_words[row], words[row]);
         ++row;
       }
       if (row >= nw || words[row] != w)
@@ -38,8 +37,7 @@ uint64_t walk(bool is_float, const uint64_t* words, const uint64_t* old_words, s
     now = (now & ~(mask << shift)) | (uint64_t(nb) << shift);
   }
   if (n) {
-    const uint64_t k = (words[row] + 1) * kGolden;
-    adj += word_mix(now ^ k) - word_mix(old_words[row] ^ k);
+    adj += checksum_term(now, words[row]) - checksum_term(old_words[row], words[row]);
     if (row + 1 != nw) throw DeltaError("words listed without a change in them");
   } else if (nw) {
     throw DeltaError("words listed without a change in them");

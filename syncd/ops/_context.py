@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 from syncd.ops import _format as fmt
+from syncd.ops._tensors import int_view
 
-_INT = {8: torch.uint8, 16: torch.int16, 32: torch.int32, 64: torch.int64}
 
 
 def exponent_field(t: torch.Tensor, dt: fmt.DType) -> torch.Tensor:
@@ -17,7 +17,7 @@ def exponent_field(t: torch.Tensor, dt: fmt.DType) -> torch.Tensor:
     flat = t.detach().reshape(-1)
     if not dt.exp_bits:
         return torch.zeros(flat.numel(), dtype=torch.int16, device=t.device)
-    bits = flat.view(_INT[dt.bits])
+    bits = int_view(flat)
     wide = bits.to(torch.int32) if dt.bits < 32 else bits
     return ((wide >> dt.exp_shift) & ((1 << dt.exp_bits) - 1)).to(torch.int16)
 

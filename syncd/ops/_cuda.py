@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from syncd.ops import _backend
+from syncd.ops._tensors import int_view
 from syncd.ops.reference import checksum as ck
 
-_INT_VIEW = {8: torch.uint8, 16: torch.int16, 32: torch.int32, 64: torch.int64}
 
 
 def _stream(t: torch.Tensor) -> int:
@@ -26,8 +26,8 @@ def checksum(t: torch.Tensor) -> int:
 
 def find_changes(old: torch.Tensor, new: torch.Tensor, bits: int, is_float: bool):
     mod = _backend.cuda_native()
-    a = old.detach().reshape(-1).view(_INT_VIEW[bits])
-    b = new.detach().reshape(-1).view(_INT_VIEW[bits])
+    a = int_view(old.detach().reshape(-1))
+    b = int_view(new.detach().reshape(-1))
     n = a.numel()
     tile = mod.SCAN_TILE
     grid = max(1, (n + tile - 1) // tile)

@@ -28,6 +28,14 @@ def raw_ptr(t: torch.Tensor) -> int | None:
     return t.data_ptr()
 
 
+_INT_OF_BITS = {8: torch.uint8, 16: torch.int16, 32: torch.int32, 64: torch.int64}
+
+
+def int_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (any device) viewed as integers of its element width: bit-exact compares, gathers and writes."""
+    return t.view(_INT_OF_BITS[t.element_size() * 8])
+
+
 def nbytes_of(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 

@@ -24,7 +24,7 @@ from syncd.ops import _backend, _context
 from syncd.ops import _format as fmt
 from syncd.ops._checksum import checksum
 from syncd.ops._dispatch import dispatch, kernel, kernel_of, register, resolve
-from syncd.ops._tensors import byte_view, raw_ptr, shape_of
+from syncd.ops._tensors import byte_view, int_view, raw_ptr, shape_of
 from syncd.ops.reference import checksum as ref_ck
 from syncd.ops.reference import context as ref_ctx
 from syncd.ops.reference import delta as ref
@@ -158,8 +158,7 @@ def _unpack(blob, dt: fmt.DType, shape, base: torch.Tensor | None = None) -> tup
     ref.check_target(h, dt, shape)
     host = nibbles = None
     if base is not None and h.version == 2:
-        if tuple(base.shape) != tuple(h.shape) or base.dtype != getattr(torch, h.dtype.name):
-            raise DeltaError(f"base is {base.dtype}{list(base.shape)}, the blob is for {h.dtype.name}{list(h.shape)}")
+        _check_base(base, getattr(torch, h.dtype.name), h.shape)
         if base.device.type == "cpu":
             host = _plain(base)
         else:
@@ -178,6 +177,12 @@ def _unpack(blob, dt: fmt.DType, shape, base: torch.Tensor | None = None) -> tup
         classes_of = lambda b, lo, hi, e_top: all_cls[lo:hi]  # noqa: E731
     h, pos, v = ref.unpack(blob, classes_of)
     return pos.view(np.uint64), v, h.base_checksum, h.new_checksum
+
+
+def _check_base(base: torch.Tensor, dtype: torch.dtype, shape) -> None:
+    if base.dtype != dtype or tuple(base.shape) != tuple(shape):
+        blob = str(dtype).removeprefix("torch.")
+        raise DeltaError(f"base is {base.dtype}{list(base.shape)}, the blob is for {blob}{list(shape)}")
 
 
 def needs_base(blob) -> bool:
@@ -411,14 +416,11 @@ def apply_changes_(flat: torch.Tensor, index: torch.Tensor, values: torch.Tensor
     idx = index.to(torch.int64)
     if int(idx.min()) < 0 or int(idx.max()) >= flat.numel():
         raise DeltaError(f"change position outside the {flat.numel()}-element tensor")
-    bits = flat.view({8: torch.uint8, 16: torch.int16, 32: torch.int32, 64: torch.int64}[dt.bits])
+    bits = int_view(flat)
     old = bits[idx].numpy().view(dt.np_uint)
     new = ref.apply_values(old, values.numpy().view(np.uint64), dt)
     with torch.no_grad():
         bits[idx] = torch.from_numpy(np.ascontiguousarray(new).view(bits.numpy().dtype))
-
-
-_SIGNED = {8: torch.int8, 16: torch.int16, 32: torch.int32, 64: torch.int64}
 
 
 def changed_words(base: torch.Tensor, ch: Changes) -> tuple[torch.Tensor, torch.Tensor]:
@@ -432,8 +434,7 @@ def changed_words(base: torch.Tensor, ch: Changes) -> tuple[torch.Tensor, torch.
     Raises ``DeltaError`` for a base of another dtype or shape, either checksum mismatch (the messages of
     ``apply_``), or a change list that is malformed (positions out of range or not ascending, a value too wide
     for the dtype, lengths that differ)."""
-    if base.dtype != ch.dtype or tuple(base.shape) != tuple(ch.shape):
-        raise DeltaError(f"base is {base.dtype}{list(base.shape)}, the blob is for {ch.dtype}{list(ch.shape)}")
+    _check_base(base, ch.dtype, ch.shape)
     dt = fmt.dtype_of(base.dtype)
     flat = base.detach().reshape(-1)
     if not flat.is_contiguous():  # a strided view (the bf16 halves of fp32 weights): one copy, read twice
@@ -489,5 +490,5 @@ def _words_at(flat: torch.Tensor, words: np.ndarray, nbytes: int, dt: fmt.DType)
         return flat.view(torch.int64)[index.to(flat.device)].cpu().numpy().view(np.uint64)
     per_word = 64 // dt.bits  # element by element: a last word past the tensor's end, or an unaligned view
     elems = index[:, None] * per_word + torch.arange(per_word)
-    got = flat.view(_SIGNED[dt.bits])[elems.clamp(max=max(flat.numel() - 1, 0)).to(flat.device)].cpu()
+    got = int_view(flat)[elems.clamp(max=max(flat.numel() - 1, 0)).to(flat.device)].cpu()
     return np.ascontiguousarray(torch.where(elems < flat.numel(), got, 0).numpy()).view(np.uint64).reshape(-1)

@@ -11,9 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
+from syncd.ops._tensors import int_view
 from syncd.ops.reference import checksum as ck
 
-_INT_VIEW = {8: torch.uint8, 16: torch.int16, 32: torch.int32, 64: torch.int64}
 _UINT = {8: tl.uint8, 16: tl.uint16, 32: tl.uint32, 64: tl.uint64}
 
 CHECKSUM_BLOCK = 1024
@@ -130,7 +130,7 @@ def _compact_kernel(old_ptr, new_ptr, n, offset_ptr, pos_ptr, v_ptr, W: tl.const
 
 
 def _bits(t: torch.Tensor, bits: int) -> torch.Tensor:
-    return t.detach().reshape(-1).view(_INT_VIEW[bits])
+    return int_view(t.detach().reshape(-1))
 
 
 def find_changes(old: torch.Tensor, new: torch.Tensor, bits: int, is_float: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,7 +181,7 @@ def scatter_apply(target: torch.Tensor, pos: torch.Tensor, v: torch.Tensor, bits
     m = pos.numel()
     if not m:
         return
-    t = target.view(-1).view(_INT_VIEW[bits]) if target.dim() else target.view(1).view(_INT_VIEW[bits])
+    t = int_view(target.view(-1) if target.dim() else target.view(1))
     grid = triton.cdiv(m, SCAN_BLOCK)
     _scatter_kernel[(grid,)](t, pos, v, m, W=bits, UT=_UINT[bits], IS_FLOAT=is_float, FORWARD=forward,
                              BLOCK=SCAN_BLOCK)
