@@ -17,6 +17,7 @@ Thread-safety: collectives are issued from the training thread only.
 from __future__ import annotations
 
 import datetime
+import importlib
 import logging
 import os
 import random
@@ -92,6 +93,11 @@ class DataParallel:
         if self.world > 1:
             import torch.distributed as dist
 
+            # Importing torch._inductor after init_process_group (torch.use_deterministic_algorithms imports it)
+            # leaves references to the default group that destroy_process_group does not drop: gloo's threads
+            # then live into interpreter exit, where a rank can abort ("terminate called without an active
+            # exception"). Imported first, the group is freed by close().
+            importlib.import_module("torch._inductor.config")
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
@@ -156,3 +162,4 @@ class DataParallel:
 
             if dist.is_initialized():
                 dist.destroy_process_group()
+            self.group = None  # the last reference: gloo's threads are joined here, not at interpreter exit

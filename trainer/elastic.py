@@ -58,46 +58,57 @@ def start_lighthouse(min_replicas: int, *, bind: str = "127.0.0.1:0", join_timeo
                      heartbeat_timeout_ms: int = 5000, quorum_tick_ms: int = 100, log_file=None,
                      timeout_s: float = 60.0) -> tuple[subprocess.Popen, str]:
     """Start torchft's lighthouse console script; ``(process, "http://HOST:PORT")`` once it answers. The
-    caller stops the process. RuntimeError if it exits or does not answer within ``timeout_s``."""
+    caller stops the process. Its log (``RUST_LOG=info`` whatever this process's level: the port is read from
+    its "listening on" line) goes to ``log_file`` if given. RuntimeError if it exits or does not answer within
+    ``timeout_s``."""
+    import queue
+    import threading
+
     exe = os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")
     argv = [exe if os.path.exists(exe) else "torchft_lighthouse", "--min_replicas", str(min_replicas), "--bind",
             bind, "--join_timeout_ms", str(join_timeout_ms), "--quorum_tick_ms", str(quorum_tick_ms),
             "--heartbeat_timeout_ms", str(heartbeat_timeout_ms)]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "info")})
-    deadline = time.monotonic() + timeout_s
-    port = None
-    host = bind.rsplit(":", 1)[0]
-    while port is None:
-        line = proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the lighthouse exited (status {proc.wait()}) before listening: {argv}")
-        if log_file is not None:
-            log_file.write(line)
-        m = re.search(r"listening on: http://[^:\s]+:(\d+)", line)
-        if m:
-            port = int(m.group(1))
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"the lighthouse did not start within {timeout_s} s")
-    url = f"http://{host}:{port}"
-    while True:
-        try:
-            urllib.request.urlopen(f"{url}/status", timeout=2).read()
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError(f"the lighthouse at {url} did not answer") from None
-            time.sleep(0.05)
-    import threading
+                            env={**os.environ, "RUST_LOG": "info"})
+    lines: queue.Queue[str | None] = queue.Queue()
+    listening = threading.Event()
 
-    def drain():  # its log lines go on; keep the pipe from filling
+    def drain():  # every line to the log file; until the port is known, to the queue too (the pipe never fills)
         for ln in proc.stdout:
             if log_file is not None:
                 log_file.write(ln)
+            if not listening.is_set():
+                lines.put(ln)
+        lines.put(None)
 
     threading.Thread(target=drain, name="lighthouse-log", daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    host = bind.rsplit(":", 1)[0]
+    try:
+        port = None
+        while port is None:
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise RuntimeError(f"the lighthouse did not start within {timeout_s} s: {argv}") from None
+            if line is None:
+                raise RuntimeError(f"the lighthouse exited (status {proc.wait()}) before listening: {argv}")
+            if m := re.search(r"listening on: http://[^:\s]+:(\d+)", line):
+                port = int(m.group(1))
+        listening.set()
+        url = f"http://{host}:{port}"
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/status", timeout=2).read()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the lighthouse at {url} did not answer") from None
+                time.sleep(0.05)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
     return proc, url
 
 
@@ -181,3 +192,4 @@ class ElasticDP:
             self.manager.shutdown(wait=False)
         except Exception as exc:  # noqa: BLE001 -- shutting down
             log.debug("torchft manager shutdown: %s", exc)
+        self._pg.shutdown()  # drops the gloo group: its threads are joined now, not at interpreter exit
