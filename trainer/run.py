@@ -212,7 +212,7 @@ def _launch(argv: list[str], nproc: int) -> int:
         while not done.wait(0.5):
             for r, c in enumerate(children, 1):
                 if c.poll() not in (None, 0):
-                    print(f"trainer.run: rank {r} exited with status {c.returncode}; stopping the run",
+                    print(f"trainer.run: rank {r} exited with {_exit_status(c.returncode)}; stopping the run",
                           file=sys.stderr, flush=True)
                     for other in children:
                         if other.poll() is None:
@@ -230,7 +230,20 @@ def _launch(argv: list[str], nproc: int) -> int:
             except subprocess.TimeoutExpired:
                 c.send_signal(signal.SIGKILL)
                 c.wait()
-    return rc or max((c.returncode or 0 for c in children), default=0)
+    failed = [(r, c.returncode) for r, c in enumerate(children, 1) if c.returncode]
+    for r, status in failed:  # after rank 0 finished: the run's outputs are written, but a rank did not end well
+        print(f"trainer.run: rank {r} exited with {_exit_status(status)}", file=sys.stderr, flush=True)
+    return rc or (1 if failed else 0)
+
+
+def _exit_status(returncode: int) -> str:
+    """``"status N"`` or ``"signal SIGKILL"`` for a child's ``returncode``."""
+    if returncode >= 0:
+        return f"status {returncode}"
+    try:
+        return f"signal {signal.Signals(-returncode).name}"
+    except ValueError:
+        return f"signal {-returncode}"
 
 
 def _run_rank(argv: list[str]) -> int:

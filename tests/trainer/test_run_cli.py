@@ -1,10 +1,19 @@
 """``python -m trainer.run`` refuses a configuration it cannot run with exit status 2 and a message that names the
-flag: no engines reachable through the proxy, an unknown task, eta < 0, K < 1, and more; nothing is published."""
+flag: no engines reachable through the proxy, an unknown task, eta < 0, K < 1, and more; nothing is published.
+A data-parallel run (``--nproc``) whose rank dies stops with status 1 and names the rank."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 
+from bench.ft_data import write_offline_plans
 from engine.dynamo.procs import free_port
 from engine.reference.make_tiny import write_model
 from tests.trainer._fake_proxy import FakeProxy
@@ -108,3 +117,32 @@ def test_delta_format_flags_and_variables_reach_the_loop(capsys, model_dir, tmp_
     monkeypatch.setenv("SYNCD_DELTA_FORMAT", "two")
     rc, err = _run(capsys, model_dir, tmp_path, proxy=frontend.url)
     assert rc == 2 and "--delta-format (or SYNCD_DELTA_FORMAT): must be 1 or 2, got 'two'" in err, err
+
+
+@pytest.mark.integration
+def test_a_rank_killed_stops_the_run_and_is_named(tmp_path):
+    """``--nproc 2``: kill -9 of rank 1 (as soon as it starts; rank 0 waits for it to join the group) ends the run
+    with exit status 1 and a line naming the rank and its signal."""
+    model = write_model(tmp_path / "model", hidden=32)
+    store = (tmp_path / "store").as_uri()
+    plans = write_offline_plans(model, store, "rk", tmp_path / "plans.jsonl", steps=2, groups=2, group_size=2,
+                                distinct=2)
+    argv = [sys.executable, "-m", "trainer.run", "--model", str(model), "--store", store, "--run-id", "rk",
+            "--plans", str(plans), "--steps", "2", "--groups-per-step", "2", "--group-size", "2",
+            "--out", str(tmp_path / "out"), "--no-plot", "--nproc", "2"]
+    p = subprocess.Popen(argv, cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        children = Path(f"/proc/{p.pid}/task/{p.pid}/children")
+        deadline = time.monotonic() + 120
+        while not children.read_text().split():  # the launcher starts rank 1 before its own rank joins
+            assert p.poll() is None and time.monotonic() < deadline, "rank 1 never started"
+            time.sleep(0.01)
+        os.kill(int(children.read_text().split()[0]), signal.SIGKILL)
+        _, err = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 1, err[-3000:]
+    assert "trainer.run: rank 1 exited with signal SIGKILL; stopping the run" in err, err[-3000:]
