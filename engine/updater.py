@@ -169,9 +169,12 @@ class WeightUpdater:
         for src, blob in update.tensors.items():
             if src in self._ignore:
                 continue
+            base = self._whole_base(src)
             try:
-                ch = _delta.changes(blob, base=self._base_for(src, blob))
+                ch = _delta.changes(blob, base=base)
             except DeltaError as exc:
+                if base is None and _delta.needs_base(blob):
+                    raise DeltaError(f"tensor {src!r}: {self._sliced_message(src)}") from None
                 raise DeltaError(f"tensor {src!r}: {exc}") from None
             uses = self._by_source[src]
             spec0, piece0 = uses[0]
@@ -192,23 +195,22 @@ class WeightUpdater:
                 parts.setdefault(spec.name, []).append((idx, old, new))
         return StagedUpdate(update.version, self._version, "delta", self._merge(parts), self._epoch, expected)
 
-    def _base_for(self, src: str, blob) -> torch.Tensor | None:
-        """What decoding ``blob`` (the delta of trainer tensor ``src``) needs besides itself: None, or, for a
-        format-2 blob with context blocks, the old ``src`` as this engine holds it whole (a view of a local
-        tensor: the parameter itself, or its slab of a fused parameter; read, never written). Raises
-        ``DeltaError`` when this engine holds only part of ``src`` (a tensor-parallel slice), which is not
-        enough to decode such a blob."""
-        if not _delta.needs_base(blob):
-            return None
+    def _whole_base(self, src: str) -> torch.Tensor | None:
+        """The old trainer tensor ``src`` as this engine holds it whole (a view of a local tensor: the parameter
+        itself, or its slab of a fused parameter; read, never written), which decoding a format-2 blob with
+        context blocks needs; None when this engine holds only slices of it (tensor parallelism)."""
         for spec, piece in self._by_source[src]:
             if piece.dim is None or (piece.start == 0 and piece.stop == piece.source_shape[piece.dim]):
                 return local_slab(self._tensors[spec.name], piece)
+        return None
+
+    def _sliced_message(self, src: str) -> str:
         pieces = [p for _, p in self._by_source[src]]
         held = ", ".join(f"[{p.start}:{p.stop}) of dim {p.dim}" for p in pieces)
-        raise DeltaError(f"its delta has context blocks (format 2), which only an engine holding the whole "
-                         f"tensor can decode, and this engine holds only {held} of {list(pieces[0].source_shape)}; "
-                         "publish the tensors that engines hold in slices in format 1 (WeightPublisher's "
-                         "sliced_tensors, the trainer's --sliced-tensors)")
+        return (f"its delta has context blocks (format 2), which only an engine holding the whole tensor can "
+                f"decode, and this engine holds only {held} of {list(pieces[0].source_shape)}; publish the tensors "
+                "that engines hold in slices in format 1 (WeightPublisher's sliced_tensors, the trainer's "
+                "--sliced-tensors)")
 
     def _stage_whole(self, spec, ch, src):
         """1:1 parameter: the old and new words at the changes, with the base and result checksums checked."""

@@ -151,10 +151,11 @@ def _pack(dt, shape, block_log2, pos, v, base_ck, new_ck, version, context) -> b
     return ref.pack(dt, shape, block_log2, pos.astype(np.int64), v, base_ck, new_ck, version, ctx_of)
 
 
-def _unpack(blob, dt: fmt.DType, shape, base: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray, int, int]:
-    """Positions, values and checksums of a blob for a target of ``dt``/``shape``. ``base`` (any device) is
-    the tensor the blob applies to; format 2's context blocks cannot be decoded without it."""
-    h = fmt.parse_header(blob, ref_ck.checksum_bytes)
+def _unpack(blob, h: fmt.Header, dt: fmt.DType, shape, base: torch.Tensor | None = None,
+            e_tops: list[int] | None = None) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """Positions, values and checksums of a blob (``h``: its parsed header) for a target of ``dt``/``shape``.
+    ``base`` (any device) is the tensor the blob applies to; format 2's context blocks cannot be decoded without
+    it. ``e_tops``: the blob's ``_block_e_tops`` if the caller has them."""
     ref.check_target(h, dt, shape)
     host = nibbles = None
     if base is not None and h.version == 2:
@@ -162,8 +163,8 @@ def _unpack(blob, dt: fmt.DType, shape, base: torch.Tensor | None = None) -> tup
         if base.device.type == "cpu":
             host = _plain(base)
         else:
-            e_tops = torch.tensor([max(0, e) for e in _block_e_tops(blob)], dtype=torch.int64)
-            nibbles = _context.class_nibbles(base.detach().contiguous(), dt, h.block_log2, e_tops)[0].cpu().numpy()
+            tops = torch.tensor([max(0, e) for e in (e_tops or _block_e_tops(blob))], dtype=torch.int64)
+            nibbles = _context.class_nibbles(base.detach().contiguous(), dt, h.block_log2, tops)[0].cpu().numpy()
     if _backend.available("cpu", "cpu") is None:
         pos, v, base_ck, new_ck = _native_call(_backend.native().unpack, blob, dt.code, shape, _backend.threads(),
                                                host.data_ptr() if host is not None else 0, nibbles)
@@ -252,7 +253,7 @@ def _apply_gpu(name: str, tensor: torch.Tensor, blob, dt: fmt.DType, shape, veri
         have = k.checksum(work)
         if have != h.base_checksum:
             raise DeltaError(f"wrong base: blob expects base checksum {h.base_checksum:#018x}, target has {have:#018x}")
-    pos, v, base_ck, new_ck = _unpack(blob, dt, shape, work)
+    pos, v, base_ck, new_ck = _unpack(blob, h, dt, shape, work)
     if not len(pos):
         return
     # pageable copies: pinning a fresh buffer per call costs more than it saves
@@ -393,11 +394,15 @@ class Changes:
 
 def changes(blob, base: torch.Tensor | None = None) -> Changes:
     """Parse and fully validate ``blob`` (every block checksum) into its change list. A format-2 blob's
-    context blocks need ``base``, the tensor the blob applies to (any device; only read). Raises
-    ``DeltaError`` (also for a context block without a base, or a base of another dtype or shape)."""
+    context blocks need ``base``, the tensor the blob applies to (any device; only read, and only when the
+    blob has context blocks: a caller that holds the base may always pass it). Raises ``DeltaError`` (also
+    for a context block without a base, or a base of another dtype or shape, when the base is needed)."""
     h = fmt.parse_header(blob, ref_ck.checksum_bytes)
     torch_dtype = getattr(torch, h.dtype.name)
-    pos, v, base_ck, new_ck = _unpack(blob, h.dtype, tuple(h.shape), base)
+    e_tops = _block_e_tops(blob) if base is not None and h.version == 2 else None
+    if e_tops is not None and all(e < 0 for e in e_tops):
+        base = None  # no context block: the base would only be checked (and a strided one copied) for nothing
+    pos, v, base_ck, new_ck = _unpack(blob, h, h.dtype, tuple(h.shape), base, e_tops)
     return Changes(torch_dtype, tuple(h.shape), torch.from_numpy(np.asarray(pos).view(np.int64)),
                    torch.from_numpy(np.asarray(v).view(np.int64)), base_ck, new_ck)
 
