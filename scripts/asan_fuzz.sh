@@ -17,7 +17,7 @@ cd "$here"
 SYNCD_NATIVE_DIR="$build" LD_PRELOAD="$asan:$ubsan" \
   ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:halt_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
   SYNCD_FUZZ_EXAMPLES=${SYNCD_FUZZ_EXAMPLES:-300} \
-  "$py" -m pytest -q -p no:cacheprovider --capture=sys tests/ops/test_delta_hostile.py tests/ops/test_delta.py tests/ops/test_delta_v2.py tests/ops/test_scatter.py tests/ops/test_replay_kept.py -k "not triton" "${@:2}"
+  "$py" -m pytest -q -p no:cacheprovider --capture=sys tests/ops/test_delta_hostile.py tests/ops/test_delta.py tests/ops/test_delta_v2.py tests/ops/test_scatter.py tests/ops/test_replay_kept.py tests/ops/test_checksum.py tests/ops/test_delta_changes.py -k "not triton" "${@:2}"
 # format 2's decoder has a kernel per SIMD level (the run above takes the CPU's best): fuzz the others too
 for level in avx2 scalar; do
   SYNCD_SIMD=$level SYNCD_NATIVE_DIR="$build" LD_PRELOAD="$asan:$ubsan" \

@@ -116,6 +116,14 @@ PYBIND11_MODULE(_native, m) {
     return checksum(reinterpret_cast<const uint8_t*>(ptr), nbytes, threads);
   }, py::arg("ptr"), py::arg("nbytes"), py::arg("threads") = 1);
 
+  m.def("checksum_strided_ptr", [](uintptr_t ptr, size_t numel, size_t itemsize, size_t stride_bytes, int threads) {
+    if (itemsize != 1 && itemsize != 2 && itemsize != 4 && itemsize != 8)
+      throw std::invalid_argument("checksum_strided_ptr: itemsize must be 1, 2, 4 or 8");
+    py::gil_scoped_release nogil;
+    return checksum_strided(reinterpret_cast<const uint8_t*>(ptr), numel, itemsize, stride_bytes, threads);
+  }, py::arg("ptr"), py::arg("numel"), py::arg("itemsize"), py::arg("stride_bytes"), py::arg("threads") = 1,
+     "checksum of an element-strided view (element i at ptr + i * stride_bytes), as of its contiguous copy.");
+
   m.def("checksum_many_ptr", [](const std::vector<std::pair<uintptr_t, size_t>>& bufs, int threads) {
     std::vector<std::pair<const uint8_t*, size_t>> b;
     for (const auto& [ptr, n] : bufs) b.emplace_back(reinterpret_cast<const uint8_t*>(ptr), n);
@@ -217,6 +225,20 @@ PYBIND11_MODULE(_native, m) {
     }
     return py::make_tuple(old_el, new_el, adj);
   }, py::arg("dtype_code"), py::arg("words"), py::arg("old_words"), py::arg("pos"), py::arg("v"));
+  m.def("words_at_ptr", [](uintptr_t ptr, size_t numel, size_t itemsize, size_t stride_bytes,
+                           py::array_t<uint64_t, py::array::c_style | py::array::forcecast> words, int threads) {
+    if (itemsize != 1 && itemsize != 2 && itemsize != 4 && itemsize != 8)
+      throw std::invalid_argument("words_at_ptr: itemsize must be 1, 2, 4 or 8");
+    py::array_t<uint64_t> out(words.size());
+    {
+      py::gil_scoped_release nogil;
+      gather_words(reinterpret_cast<const uint8_t*>(ptr), numel, itemsize, stride_bytes, words.data(),
+                   size_t(words.size()), out.mutable_data(), threads);
+    }
+    return out;
+  }, py::arg("ptr"), py::arg("numel"), py::arg("itemsize"), py::arg("stride_bytes"), py::arg("words"),
+     py::arg("threads") = 1,
+     "The 64-bit words `words` of a (strided) view's contiguous byte image, zero past its end; see changed_words.h.");
   // Format 2 needs the classes of the old elements (two per byte, `nibbles`) and each block's e_top.
   m.def("pack", [](int dtype_code, const std::vector<int64_t>& shape, int block_log2,
                    py::array_t<uint64_t, py::array::c_style | py::array::forcecast> pos,

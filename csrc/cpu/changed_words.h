@@ -18,4 +18,12 @@ namespace syncd {
 uint64_t changed_words(int dtype_code, const uint64_t* words, const uint64_t* old_words, size_t nw,
                        const uint64_t* pos, const uint64_t* v, size_t n, uint8_t* old_el, uint8_t* new_el);
 
+// The 64-bit words `words` (nw ascending indices into the contiguous byte image) of a view of `numel`
+// elements of `itemsize` bytes (1, 2, 4 or 8), element i at p + i * stride_bytes (contiguous: stride_bytes ==
+// itemsize; the caller guarantees that memory), little-endian, zero past the last element: the old_words
+// changed_words takes, read in place, on up to `threads` threads. Throws DeltaError for a word that starts past
+// the view's end (then `out` is partly written).
+void gather_words(const uint8_t* p, size_t numel, size_t itemsize, size_t stride_bytes, const uint64_t* words,
+                  size_t nw, uint64_t* out, int threads);
+
 }  // namespace syncd

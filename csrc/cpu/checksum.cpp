@@ -56,7 +56,78 @@ std::vector<uint64_t> checksum_raw_many(const std::vector<std::pair<const uint8_
   return raw;
 }
 
+// Elements [e0, e0 + n) of a strided view, packed into `out` (n * sizeof(T) bytes).
+template <class T>
+SYNCD_CLONES void gather_strided(const uint8_t* p, size_t stride_bytes, size_t e0, size_t n, uint8_t* out) {
+  const uint8_t* src = p + e0 * stride_bytes;
+  for (size_t i = 0; i < n; ++i) {
+    T v;
+    std::memcpy(&v, src + i * stride_bytes, sizeof(T));
+    std::memcpy(out + i * sizeof(T), &v, sizeof(T));
+  }
+}
+
+// The same for stride 2 * sizeof(T) (the bf16 halves of fp32 weights): element i is the low half of the
+// little-endian word of twice its width at p + i * stride, which vectorises as a narrowing move. The last
+// element is copied alone, so no load passes the view's last byte.
+template <class T, class T2>
+SYNCD_CLONES void gather_halves(const uint8_t* p, size_t e0, size_t n, uint8_t* out) {
+  if (n == 0) return;
+  const uint8_t* src = p + e0 * sizeof(T2);
+  for (size_t i = 0; i + 1 < n; ++i) {
+    T2 w;
+    std::memcpy(&w, src + i * sizeof(T2), sizeof(T2));
+    const T v = static_cast<T>(w);
+    std::memcpy(out + i * sizeof(T), &v, sizeof(T));
+  }
+  std::memcpy(out + (n - 1) * sizeof(T), src + (n - 1) * sizeof(T2), sizeof(T));
+}
+
+void gather_any(const uint8_t* p, size_t itemsize, size_t stride_bytes, size_t e0, size_t n, uint8_t* out) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+  if (stride_bytes == 2 * itemsize) {
+    switch (itemsize) {
+      case 1: return gather_halves<uint8_t, uint16_t>(p, e0, n, out);
+      case 2: return gather_halves<uint16_t, uint32_t>(p, e0, n, out);
+      case 4: return gather_halves<uint32_t, uint64_t>(p, e0, n, out);
+      default: break;
+    }
+  }
+#endif
+  switch (itemsize) {
+    case 1: return gather_strided<uint8_t>(p, stride_bytes, e0, n, out);
+    case 2: return gather_strided<uint16_t>(p, stride_bytes, e0, n, out);
+    case 4: return gather_strided<uint32_t>(p, stride_bytes, e0, n, out);
+    default: return gather_strided<uint64_t>(p, stride_bytes, e0, n, out);
+  }
+}
+
 }  // namespace
+
+uint64_t checksum_strided(const uint8_t* p, size_t numel, size_t itemsize, size_t stride_bytes, int threads) {
+  const size_t nbytes = numel * itemsize;
+  const size_t per_item = kChunk / itemsize;  // elements per work item: a whole number of words
+  const size_t items = (numel + per_item - 1) / per_item;
+  std::vector<uint64_t> part(items, 0);
+  parallel_for(items, threads, [&](size_t k) {
+    thread_local std::vector<uint8_t> buf;
+    buf.resize(kChunk);
+    const size_t e0 = k * per_item, n = std::min(numel - e0, per_item);
+    gather_any(p, itemsize, stride_bytes, e0, n, buf.data());
+    const size_t len = n * itemsize, whole = len / 8, first_word = e0 * itemsize / 8;
+    uint64_t s = whole >= 64 ? checksum_words_fast(buf.data(), whole, first_word)
+                             : checksum_words(buf.data(), whole, first_word);
+    if (len % 8) {  // the view's last, partial word: zero-padded
+      uint8_t w[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      std::memcpy(w, buf.data() + whole * 8, len % 8);
+      s += checksum_term(load_le64(w), first_word + whole);
+    }
+    part[k] = s;
+  });
+  uint64_t raw = 0;
+  for (uint64_t s : part) raw += s;
+  return checksum_finalize(raw, nbytes);
+}
 
 std::vector<uint64_t> checksum_many(const std::vector<std::pair<const uint8_t*, size_t>>& bufs, int threads) {
   std::vector<uint64_t> out = checksum_raw_many(bufs, threads);

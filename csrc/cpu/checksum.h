@@ -43,6 +43,11 @@ inline uint64_t checksum(const uint8_t* p, size_t nbytes, int threads) {
   return checksum_finalize(checksum_raw_parallel(p, nbytes, threads), nbytes);
 }
 
+// checksum of an element-strided view, equal to checksum() of its contiguous copy: `numel` elements of
+// `itemsize` bytes (1, 2, 4 or 8), element i at p + i * stride_bytes (the caller guarantees that memory).
+// Gathered 512 KiB at a time into a per-thread buffer, so the copy never leaves the cache.
+uint64_t checksum_strided(const uint8_t* p, size_t numel, size_t itemsize, size_t stride_bytes, int threads);
+
 // checksum of every (pointer, nbytes) buffer, with the 512 KiB pieces of all of them in one pool.
 std::vector<uint64_t> checksum_many(const std::vector<std::pair<const uint8_t*, size_t>>& bufs, int threads);
 

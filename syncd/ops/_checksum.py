@@ -1,8 +1,9 @@
 """``checksum``: the 64-bit content checksum of a tensor's bytes, identical on every backend and device.
 
 The definition is in ``syncd/ops/reference/checksum.py`` and ``docs/delta-format.md``. It covers the raw
-bytes in row-major order (a non-contiguous tensor is checksummed as its contiguous copy), not the dtype or
-shape. Thread-safe.
+bytes in row-major order (a non-contiguous tensor has its contiguous copy's checksum; the CPU backend reads one
+whose elements are evenly spaced, such as the bf16 halves of fp32 weights, in place), not the dtype or shape.
+Thread-safe.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 
 from syncd.ops import _backend
 from syncd.ops._dispatch import dispatch, kernel, register, resolve
-from syncd.ops._tensors import byte_view, nbytes_of, raw_ptr
+from syncd.ops._tensors import byte_view, even_stride, nbytes_of, raw_ptr
 from syncd.ops.reference import checksum as ref
 
 
@@ -28,6 +29,10 @@ def _checksum_cpu(tensor: torch.Tensor) -> int:
     ptr = raw_ptr(tensor)
     if ptr is not None:
         return int(_backend.native().checksum_ptr(ptr, nbytes_of(tensor), _backend.threads()))
+    stride = even_stride(tensor)
+    if stride is not None and tensor.numel() and tensor.element_size() in (1, 2, 4, 8):  # no copy
+        return int(_backend.native().checksum_strided_ptr(tensor.data_ptr(), tensor.numel(), tensor.element_size(),
+                                                          stride, _backend.threads()))
     return int(_backend.native().checksum(byte_view(tensor), _backend.threads()))
 
 

@@ -15,8 +15,8 @@ def byte_view(t: torch.Tensor) -> np.ndarray:
     if t.is_conj() or t.is_neg():
         t = t.resolve_conj().resolve_neg()
     flat = t.reshape(-1)
-    if flat.numel() > 1 and flat.stride(0) != 1:  # a strided view that flattens without a copy
-        flat = flat.contiguous()
+    if flat.stride(0) != 1:  # a strided view that flattens without a copy (also one of 0 or 1 elements, which
+        flat = flat.clone(memory_format=torch.contiguous_format)  # contiguous() would return with its stride)
     return flat.view(torch.uint8).numpy()
 
 
@@ -26,6 +26,25 @@ def raw_ptr(t: torch.Tensor) -> int | None:
     if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
         return None
     return t.data_ptr()
+
+
+def even_stride(t: torch.Tensor) -> int | None:
+    """Bytes between consecutive elements of a CPU tensor in row-major order when that distance is the same
+    throughout (its element size for a contiguous tensor; twice that for every other element of one, as the
+    bf16 halves of fp32 weights), else None (also for a lazily conjugated or negated view). The elements are
+    then at ``data_ptr() + i * even_stride(t)``."""
+    if t.device.type != "cpu" or t.is_conj() or t.is_neg():
+        return None
+    step, span = None, 1
+    for size, stride in zip(reversed(t.shape), reversed(t.stride())):
+        if size == 1:
+            continue
+        if step is None:
+            step = stride
+        elif stride != step * span:
+            return None
+        span *= size
+    return (1 if step is None else step) * t.element_size()
 
 
 _INT_OF_BITS = {8: torch.uint8, 16: torch.int16, 32: torch.int32, 64: torch.int64}

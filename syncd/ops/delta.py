@@ -24,7 +24,7 @@ from syncd.ops import _backend, _context
 from syncd.ops import _format as fmt
 from syncd.ops._checksum import checksum
 from syncd.ops._dispatch import dispatch, kernel, kernel_of, register, resolve
-from syncd.ops._tensors import byte_view, int_view, raw_ptr, shape_of
+from syncd.ops._tensors import byte_view, even_stride, int_view, raw_ptr, shape_of
 from syncd.ops.reference import checksum as ref_ck
 from syncd.ops.reference import context as ref_ctx
 from syncd.ops.reference import delta as ref
@@ -441,9 +441,7 @@ def changed_words(base: torch.Tensor, ch: Changes) -> tuple[torch.Tensor, torch.
     for the dtype, lengths that differ)."""
     _check_base(base, ch.dtype, ch.shape)
     dt = fmt.dtype_of(base.dtype)
-    flat = base.detach().reshape(-1)
-    if not flat.is_contiguous():  # a strided view (the bf16 halves of fp32 weights): one copy, read twice
-        flat = flat.contiguous()
+    flat = base.detach().reshape(-1)  # a strided view stays one (the bf16 halves of fp32 weights): read in place
     have = checksum(flat)
     if have != ch.base_checksum:
         raise DeltaError(f"wrong base: blob expects base checksum {ch.base_checksum:#018x}, target has {have:#018x}")
@@ -488,11 +486,15 @@ def _changed_words_reference(dt: fmt.DType, words, old_w, pos, values, first) ->
 
 
 def _words_at(flat: torch.Tensor, words: np.ndarray, nbytes: int, dt: fmt.DType) -> np.ndarray:
-    """The 64-bit words ``words`` (ascending indices) of the bytes of ``flat`` (1-D, contiguous, any device),
+    """The 64-bit words ``words`` (ascending indices) of the bytes of ``flat`` (1-D, any layout, any device),
     zero-padded past ``nbytes``, as a uint64 array on the host."""
     index = torch.from_numpy(words.view(np.int64))
     if flat.is_contiguous() and nbytes % 8 == 0 and (flat.storage_offset() * dt.itemsize) % 8 == 0:
         return flat.view(torch.int64)[index.to(flat.device)].cpu().numpy().view(np.uint64)
+    stride = even_stride(flat)  # a strided CPU view (bf16 halves of fp32) or a partial last word: read in place
+    if stride is not None and flat.numel() and _backend.available("cpu", "cpu") is None:
+        return _native_call(_backend.native().words_at_ptr, flat.data_ptr(), flat.numel(), dt.itemsize, stride, words,
+                            _backend.threads())
     per_word = 64 // dt.bits  # element by element: a last word past the tensor's end, or an unaligned view
     elems = index[:, None] * per_word + torch.arange(per_word)
     got = int_view(flat)[elems.clamp(max=max(flat.numel() - 1, 0)).to(flat.device)].cpu()

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from syncd.ops import checksum, checksum_bytes, checksum_many
+from syncd.ops import _backend, checksum, checksum_bytes, checksum_many
+from syncd.ops._tensors import even_stride
 from syncd.ops.reference import checksum as ref
 from tests.ops._util import ALL_DTYPES, on, random_bits
 
@@ -111,3 +112,54 @@ def test_strided_views_checksum_like_their_contiguous_copy(make):
     assert not t.is_contiguous()
     for backend in ("cpu", "reference"):
         assert checksum(t, backend=backend) == checksum(t.contiguous(), backend=backend)
+
+
+def _halves(rows: int, cols: int) -> torch.Tensor:
+    """The high bf16 halves of fp32 weights, as the reference engine serves them (stride 2 elements)."""
+    return torch.randn(rows, cols).view(torch.bfloat16)[:, 1::2]
+
+
+@pytest.mark.parametrize("make, stride", [
+    (lambda: torch.arange(32, dtype=torch.float32)[::2], 8),
+    (lambda: _halves(4, 6), 4),
+    (lambda: torch.zeros(5, 1, 9, dtype=torch.int64)[:, :, ::3], 24),
+    (lambda: torch.zeros(5, 1, 7, dtype=torch.int64)[:, :, ::3], None),  # rows of 7, every third: gaps 3, 3, 1
+    (lambda: torch.zeros(3, 4)[:, :1], 16),  # a column: one element per row
+    (lambda: torch.zeros(6, dtype=torch.int16).expand(2, 6), None),  # rows repeat: not evenly spaced
+    (lambda: torch.arange(48, dtype=torch.float32).reshape(8, 6)[:, :4], None),
+    (lambda: torch.arange(32, dtype=torch.bfloat16).reshape(4, 8).t(), None),
+    (lambda: torch.zeros(4, 4, dtype=torch.complex64).conj(), None),
+], ids=["step", "halves", "3d-step", "3d-uneven", "column", "expanded", "columns", "transposed", "conj"])
+def test_even_stride_finds_evenly_spaced_elements(make, stride):
+    t = make()
+    assert even_stride(t) == stride
+    if stride is not None:  # the claim: element i lives at data_ptr + i * stride
+        flat = t.contiguous().reshape(-1).view(torch.uint8).reshape(t.numel(), t.element_size())
+        storage = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+        start = t.data_ptr() - t.untyped_storage().data_ptr()
+        at = start + torch.arange(t.numel())[:, None] * stride + torch.arange(t.element_size())
+        assert torch.equal(storage[at], flat)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("n", [0, 1, 3, 4, 5, 1000, (1 << 18) + 3])
+@pytest.mark.parametrize("step, offset", [(2, 0), (2, 1), (3, 2), (5, 1)])
+def test_strided_native_checksum_reads_in_place_what_the_copy_holds(dtype, n, step, offset):
+    """The native backend checksums an evenly strided view without copying it (per 512 KiB piece into a
+    per-thread buffer; a stride of twice the element size gathers by narrowing): the same value as the
+    reference over its contiguous copy, at every length (partial last words, several pieces)."""
+    g = torch.Generator().manual_seed(n * 31 + step)
+    base = random_bits((n * step + offset + 1,), dtype, g)
+    view = base[offset::step][:n]
+    assert view.numel() == n and (n < 2 or not view.is_contiguous())
+    want = checksum(view.contiguous(), backend="reference")
+    assert checksum(view, backend="cpu") == want
+    if n:
+        native = _backend.native().checksum_strided_ptr
+        args = (view.data_ptr(), n, view.element_size(), step * view.element_size())
+        assert native(*args, 1) == native(*args, 2) == want
+
+
+def test_strided_native_checksum_refuses_an_odd_element_size():
+    with pytest.raises(ValueError, match="itemsize must be 1, 2, 4 or 8"):
+        _backend.native().checksum_strided_ptr(torch.zeros(4).data_ptr(), 2, 3, 6, 1)

@@ -1,10 +1,11 @@
 """The sparse view of a blob (``delta.changes``/``apply_changes_``) that sliced and fused engine parameters use."""
 
+import numpy as np
 import pytest
 import torch
 
 from syncd.errors import DeltaError
-from syncd.ops import delta
+from syncd.ops import _backend, delta
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2,
           torch.uint8, torch.int8, torch.int16, torch.int32]
@@ -61,8 +62,6 @@ def host(request, monkeypatch):
     """Run the codec natively (``cpu``) or, with the native backend reported unavailable, on the NumPy
     reference (``changed_words``' host half included)."""
     if request.param == "reference":
-        from syncd.ops import _backend
-
         real = _backend.available
         monkeypatch.setattr(_backend, "available",
                             lambda b, d="cpu": "forced off by the test" if b == "cpu" else real(b, d))
@@ -125,3 +124,26 @@ def test_changed_words_refuses_what_decode_would(host):
     wide[3] = 1 << 16
     with pytest.raises(DeltaError, match="too wide"):
         delta.changed_words(old, delta.Changes(c.dtype, c.shape, c.positions, wide, c.base_checksum, c.new_checksum))
+
+
+@pytest.mark.parametrize("itemsize, dtype", [(1, torch.uint8), (2, torch.int16), (4, torch.int32), (8, torch.int64)])
+@pytest.mark.parametrize("numel, step", [(1, 1), (7, 1), (1000, 1), (1001, 2), (300_001, 2), (999, 3)])
+def test_native_word_gather_reads_a_view_in_place(itemsize, dtype, numel, step):
+    """``words_at_ptr`` (what ``changed_words`` reads the changed words of a CPU base with): the words of the
+    view's contiguous copy, zero past its last element, on one thread or several; a word past the end is an
+    error, not a read outside the tensor."""
+    g = torch.Generator().manual_seed(numel + step)
+    base = torch.randint(-(1 << 30), 1 << 30, (numel * step + 1,), generator=g, dtype=torch.int64).to(dtype)
+    view = base[1::step][:numel]
+    per = 8 // itemsize
+    nwords = (numel + per - 1) // per
+    padded = torch.zeros(nwords * per, dtype=dtype)
+    padded[:numel] = view
+    image = padded.view(torch.int64).numpy().view(np.uint64)
+    words = np.unique(np.random.default_rng(numel).integers(0, nwords, size=min(nwords, 5000))).astype(np.uint64)
+    native = _backend.native().words_at_ptr
+    for threads in (1, 2):
+        got = native(view.data_ptr(), numel, itemsize, step * itemsize, words, threads)
+        assert np.array_equal(got, image[words.astype(np.int64)])
+    with pytest.raises(ValueError, match="past the"):
+        native(view.data_ptr(), numel, itemsize, step * itemsize, np.array([nwords], dtype=np.uint64), 2)
