@@ -231,7 +231,7 @@ def _launch(argv: list[str], nproc: int) -> int:
                 c.send_signal(signal.SIGKILL)
                 c.wait()
     failed = [(r, c.returncode) for r, c in enumerate(children, 1) if c.returncode]
-    for r, status in failed:  # after rank 0 finished: the run's outputs are written, but a rank did not end well
+    for r, status in failed:  # seen after rank 0 returned (a rank that died earlier stopped the run above)
         print(f"trainer.run: rank {r} exited with {_exit_status(status)}", file=sys.stderr, flush=True)
     return rc or (1 if failed else 0)
 
