@@ -14,10 +14,10 @@ How an update moves (``docs/engine.md``):
   positions (the *old* words) are read and the new words computed. For a parameter that maps 1:1 to a trainer tensor
   ``syncd.ops.delta.changed_words`` also checks the blob's base checksum against the local tensor (one read pass)
   and the result checksum against the trainer's (from the changed words: no copy of the tensor, no second decode).
-  A full version is compared with the local weights and only the words that differ are staged. The result is, per local parameter, ascending positions plus the old and
-  new words, in CPU memory: about 12 bytes per changed bf16 word (int64 positions). For a parameter on a GPU they
-  are pinned, positions are int32 where they fit and the old words get a fingerprint (:func:`fingerprint`), so an
-  apply sends 6 bytes per changed bf16 word over PCIe.
+  A full version is compared with the local weights and only the words that differ are staged. The result is, per
+  local parameter, ascending positions plus the old and new words, in CPU memory: about 12 bytes per changed bf16
+  word (int64 positions). For a parameter on a GPU they are pinned, positions are int32 where they fit and the old
+  words get a fingerprint (:func:`fingerprint`), so an apply sends 6 bytes per changed bf16 word over PCIe.
 * ``apply()`` scatters the new words; each staged position must still hold its staged old word, checked
   just before it is written (CPU: one pass on every core, ``syncd.ops.scatter_words_``). Only
   changed words move. If anything fails, every word already written is restored from the old words and the

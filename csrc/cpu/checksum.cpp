@@ -25,16 +25,24 @@ uint64_t checksum_words(const uint8_t* p, size_t nwords, uint64_t first_word) {
   return s;
 }
 
-uint64_t checksum_raw_range(const uint8_t* base, size_t begin, size_t end) {
-  size_t whole = (end - begin) / 8;
-  uint64_t s = whole >= 64 ? checksum_words_fast(base + begin, whole, begin / 8) : checksum_words(base + begin, whole, begin / 8);
-  size_t tail = (end - begin) % 8;
+namespace {
+
+// `raw` over `len` bytes at p whose first word has index `first_word`; a partial last word is zero-padded.
+uint64_t checksum_raw_bytes(const uint8_t* p, size_t len, uint64_t first_word) {
+  const size_t whole = len / 8, tail = len % 8;
+  uint64_t s = whole >= 64 ? checksum_words_fast(p, whole, first_word) : checksum_words(p, whole, first_word);
   if (tail) {
     uint8_t buf[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    std::memcpy(buf, base + begin + whole * 8, tail);
-    s += checksum_term(load_le64(buf), begin / 8 + whole);
+    std::memcpy(buf, p + whole * 8, tail);
+    s += checksum_term(load_le64(buf), first_word + whole);
   }
   return s;
+}
+
+}  // namespace
+
+uint64_t checksum_raw_range(const uint8_t* base, size_t begin, size_t end) {
+  return checksum_raw_bytes(base + begin, end - begin, begin / 8);
 }
 
 namespace {
@@ -114,15 +122,7 @@ uint64_t checksum_strided(const uint8_t* p, size_t numel, size_t itemsize, size_
     buf.resize(kChunk);
     const size_t e0 = k * per_item, n = std::min(numel - e0, per_item);
     gather_any(p, itemsize, stride_bytes, e0, n, buf.data());
-    const size_t len = n * itemsize, whole = len / 8, first_word = e0 * itemsize / 8;
-    uint64_t s = whole >= 64 ? checksum_words_fast(buf.data(), whole, first_word)
-                             : checksum_words(buf.data(), whole, first_word);
-    if (len % 8) {  // the view's last, partial word: zero-padded
-      uint8_t w[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      std::memcpy(w, buf.data() + whole * 8, len % 8);
-      s += checksum_term(load_le64(w), first_word + whole);
-    }
-    part[k] = s;
+    part[k] = checksum_raw_bytes(buf.data(), n * itemsize, e0 * itemsize / 8);
   });
   uint64_t raw = 0;
   for (uint64_t s : part) raw += s;

@@ -191,8 +191,15 @@ def needs_base(blob) -> bool:
     element classes come from the old values (``changes(blob, base=...)``; ``apply_`` and ``decode`` always
     have it). Reads the header and each block's first bytes only. Raises ``DeltaError`` for a malformed header
     or block table."""
-    h = fmt.parse_header(blob, ref_ck.checksum_bytes)
-    return h.version == 2 and any(e >= 0 for e in _block_e_tops(blob))
+    return _context_e_tops(blob, fmt.parse_header(blob, ref_ck.checksum_bytes)) is not None
+
+
+def _context_e_tops(blob, h: fmt.Header) -> list[int] | None:
+    """The blob's ``_block_e_tops`` if it has a context block (format 2), else None."""
+    if h.version != 2:
+        return None
+    e_tops = _block_e_tops(blob)
+    return e_tops if any(e >= 0 for e in e_tops) else None
 
 
 def _block_e_tops(blob) -> list[int]:
@@ -399,8 +406,8 @@ def changes(blob, base: torch.Tensor | None = None) -> Changes:
     for a context block without a base, or a base of another dtype or shape, when the base is needed)."""
     h = fmt.parse_header(blob, ref_ck.checksum_bytes)
     torch_dtype = getattr(torch, h.dtype.name)
-    e_tops = _block_e_tops(blob) if base is not None and h.version == 2 else None
-    if e_tops is not None and all(e < 0 for e in e_tops):
+    e_tops = _context_e_tops(blob, h) if base is not None else None
+    if e_tops is None:
         base = None  # no context block: the base would only be checked (and a strided one copied) for nothing
     pos, v, base_ck, new_ck = _unpack(blob, h, h.dtype, tuple(h.shape), base, e_tops)
     return Changes(torch_dtype, tuple(h.shape), torch.from_numpy(np.asarray(pos).view(np.int64)),
