@@ -118,6 +118,7 @@ class NodeDaemon(UpdatePath):
         self._fetch_retry_at = 0.0  # after a full cache disk: no downloads before this (monotonic)
         self._disk_full = 0
         self._companions: list = []
+        self._status_due: asyncio.TimerHandle | None = None  # the write of a change that came too soon after one
         self.supervisor = Supervisor(f"daemon of run {self.run_id}", on_failure=self._task_failed,
                                      backoff_s=config.poll_interval_s, max_backoff_s=config.backoff_max_s)
 
@@ -164,6 +165,7 @@ class NodeDaemon(UpdatePath):
                  "after the engine update in progress" if self._critical else "now")
         self.supervisor.stopping = True  # a task that ends now is stopping, not failing
         self._stop.set()
+        self._wake.set()  # the wait between rounds ends too
         if self._task is not None and not self._critical:
             self._task.cancel()
 
@@ -248,6 +250,9 @@ class NodeDaemon(UpdatePath):
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     loop.remove_signal_handler(sig)
             self.status.set(state="stopped")
+            if self._status_due is not None:
+                self._status_due.cancel()
+                self._status_due = None
             self._write_status(force=True)
             self.metrics.close()
             log.info("run %s: daemon stopped", self.run_id)
@@ -265,9 +270,12 @@ class NodeDaemon(UpdatePath):
                 log.error("%s", missing_run)
             elif was:
                 log.warning("run %s: versions appeared in the store", self.run_id)
+        before = (self.status.get("store_error"), was, self.status.get("state"))
         self.status.set(store_error=None, run_error=missing_run)
         if not self._stopping():
             self.status.set(state="unknown run" if missing_run else "running")
+        if (self.status.get("store_error"), missing_run, self.status.get("state")) != before:
+            self._write_status()
 
     def _task_failed(self, kind: str) -> None:
         self.metrics.failure(kind)
@@ -284,7 +292,17 @@ class NodeDaemon(UpdatePath):
             if fields:
                 self.status.set(**fields)
         self.status.set(tasks=self.supervisor.health())
-        self.status.write(self.metrics.totals, force=force)
+        if self.status.write(self.metrics.totals, force=force) or self._status_due is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # not on the daemon's loop: the next round writes it
+            return
+        self._status_due = loop.call_later(self.status.min_interval_s, self._write_due_status)
+
+    def _write_due_status(self) -> None:
+        self._status_due = None
+        self._write_status(force=True)
 
     # ------------------------------------------------------------------------------------- one round
 

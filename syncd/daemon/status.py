@@ -1,7 +1,7 @@
 """The node's state as a JSON file, for ``syncd status`` and for tools (the demo's progress display).
 
 The daemon rewrites the file atomically (write to a temp file, ``os.replace``) whenever something changes,
-at most every ``min_interval_s``. Content::
+at most every ``StatusBoard.min_interval_s`` (a change inside that interval is written at its end). Content::
 
     {"pid", "run_id", "store", "cache_dir", "metrics_url",
      "state": "starting|running|unknown run|stopping|stopped", "started_at", "updated_at" (unix seconds),
@@ -39,7 +39,9 @@ def default_status_file(cache_dir: Path, run_id: str) -> Path:
 
 
 class StatusBoard:
-    """The daemon's state, mirrored to ``path``."""
+    """The daemon's state, mirrored to ``path``. ``min_interval_s``: the least time between two unforced writes."""
+
+    min_interval_s = 0.2
 
     def __init__(self, path: Path, **fields):
         self.path = Path(path)
@@ -72,10 +74,12 @@ class StatusBoard:
             doc["updates"] = list(self._updates)
             return doc
 
-    def write(self, totals: dict | None = None, *, force: bool = False, min_interval_s: float = 0.2) -> None:
+    def write(self, totals: dict | None = None, *, force: bool = False) -> bool:
+        """Write the file now, or return False without writing when ``force`` is false and the last write is less
+        than ``min_interval_s`` ago (the caller writes again later). True once written or failed to write."""
         now = time.time()
-        if not force and now - self._last_write < min_interval_s:
-            return
+        if not force and now - self._last_write < self.min_interval_s:
+            return False
         self._last_write = now
         with self._lock:
             if totals is not None:
@@ -88,6 +92,7 @@ class StatusBoard:
             os.replace(tmp, self.path)
         except OSError as exc:
             log.warning("cannot write status file %s: %s", self.path, exc)
+        return True
 
 
 def read_status(path: Path) -> dict:

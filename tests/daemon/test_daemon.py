@@ -311,3 +311,52 @@ def test_external_delivery_without_polling(tmp_path, published):
     asyncio.run(main())
     assert_same(inner.state_dict(), published.states[1])
     assert sorted(set(delivered)) == [0, 1]
+
+
+def test_the_status_file_follows_a_store_outage_between_rounds(tmp_path, published):
+    """The store going away and coming back shows in the status file between update rounds (engine checks
+    here are a minute apart, beyond the test's waits): the change after an outage was written only by the
+    next round before, and a change within ``min_interval_s`` of the last write was dropped until then. A stop
+    ends the wait between rounds (it waited for the next engine check before)."""
+    import os
+
+    from syncd.daemon.status import read_status
+
+    published.publish(1)
+    inner = engine.StateDictEngine(published.zeros(), None)
+    cfg = DaemonConfig(run_id=RUN, cache_dir=tmp_path / "cache", poll_interval_s=0.05, engine_check_s=60.0,
+                       engine_lease_s=120.0, backoff_max_s=0.4)
+    d = NodeDaemon(cfg, adapters={"e": inner}, store=published.store, signing_key=KEY)
+    d.status.min_interval_s = 1.0  # wider than the poll backoff: the first change after a write is deferred
+    root, away = tmp_path / "store", tmp_path / "store-away"
+
+    def shown():
+        return read_status(d.status.path)
+
+    async def main():
+        task = asyncio.ensure_future(d.run())
+        await wait_until(lambda: inner.version == 0 and shown()["engines"]["e"]["version"] == 0, "version 0")
+        os.rename(root, away)
+        root.write_bytes(b"")  # every request to the store fails
+        await wait_until(lambda: shown()["store_error"], "the outage in the status file", timeout=30)
+        root.unlink()
+        os.rename(away, root)
+        await wait_until(lambda: shown()["store_error"] is None, "the recovery in the status file", timeout=30)
+        assert not task.done()
+        d.request_stop()
+        await asyncio.wait_for(task, 30)
+
+    asyncio.run(main())
+    assert shown()["state"] == "stopped"
+
+
+def test_a_status_write_too_soon_after_the_last_is_refused_not_lost(tmp_path):
+    from syncd.daemon.status import StatusBoard, read_status
+
+    board = StatusBoard(tmp_path / "s.json", run_id=RUN)
+    board.min_interval_s = 60.0
+    assert board.write(force=True)
+    board.set(store_error="boom")
+    assert not board.write()  # the caller is told, and writes it later
+    assert read_status(board.path)["store_error"] is None
+    assert board.write(force=True) and read_status(board.path)["store_error"] == "boom"

@@ -47,7 +47,8 @@ def test_daemon_killed_mid_download_and_mid_stage_converges(tmp_path, procs, mod
     c = procs.daemon(store, cache, [url], hooks="apply@6:3", mark_dir=marks)
     procs.wait(lambda: engine_version(url) == 5, "daemon C to converge to version 5")
     assert same_as_trainer(url, record, 5)
-    st = status(cache)
+    st = procs.wait(lambda: (st := status(cache))["engines"]["e0"]["version"] == 5 and st,
+                    "the status file to show version 5")  # written just after the engine answers 5
     assert st["engines"]["e0"]["state"] == "serving" and st["newest_version"] == 5
     assert all(u["version"] != 4 or u.get("rebuild_from") is None for u in st["updates"])
 
@@ -93,7 +94,7 @@ def test_store_outage_engines_keep_serving_then_the_daemon_catches_up(tmp_path, 
     os.rename(store, away)  # the node loses the store: every request to it fails
     store.write_bytes(b"")
     procs.wait(lambda: metric(cache, "syncd_poll_errors_total") >= 3, "the daemon to see the outage")
-    assert status(cache)["store_error"]
+    procs.wait(lambda: status(cache)["store_error"], "the status file to show the store error")
     # meanwhile the trainer side still reaches the store and publishes two more versions
     assert procs.trainer(away, model_dir, 2, record=rec2, extra=["--seed", "1"]).wait(timeout=120) == 0
     events = generate(url, max_tokens=4)
