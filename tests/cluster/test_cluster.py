@@ -23,7 +23,9 @@ def test_every_node_gets_every_version_once_from_the_store(tmp_path, states, mak
     store = tmp_path / "store"
     pub = Publisher(store, states)
     pub.next(), pub.next()  # versions 0 (full) and 1 (delta) exist before the cluster starts
-    c = make_cluster(4, store, "--discover-s", "0.3", discovery="simcl")  # members from the store directory
+    # members from the store directory; a node is dead after 3 s without a heartbeat (not 0.75 s): no stall of a
+    # starved machine moves a root, so each shard is read exactly once
+    c = make_cluster(4, store, "--discover-s", "0.3", "--dead-after-s", "3", discovery="simcl")
     c.start_all()
     c.wait(lambda: all(1 in c.delivered(r) for r in range(4)), 40, "version 1 on every node")
     for _ in range(3):

@@ -266,7 +266,9 @@ def test_daemons_with_engines_relay_and_controller_killed_nodes_restarted(tmp_pa
     restarted_at = events(log[3], "start")[-1]["t"]
     caught_up = [e for e in events(log[3], "store_read") if e["v"] < 4 and e["t"] >= restarted_at]
     assert sum(e["bytes"] for e in caught_up) == 0, "the restarted relay caught up from its peers"
-    updates = [u["version"] for u in json.loads((cache[0] / f"status-{RUN}.json").read_text())["updates"]]
+    updates = procs.wait(lambda: (u := [x["version"] for x in json.loads((cache[0] / f"status-{RUN}.json")
+                                                                    .read_text())["updates"]]) and u[-1] == 4 and u,
+                         "daemon 0's status file to record version 4")  # written just after the engine answers
     assert updates == sorted(set(updates)) and updates[-1] == 4 and all(v > d0 for v in updates), updates
 
     # the store, counted at the store: each shard about once

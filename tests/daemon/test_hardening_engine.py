@@ -111,7 +111,8 @@ def test_case6_one_controller_per_engine(tmp_path, procs, model_dir, run):
     other.publish(2)  # run run-b: 0F 1 (other weights than r's 2)
     other.close()
     _, url = procs.engine(model_dir, headless=True)
-    a = procs.daemon(run.root, tmp_path / "cache-a", [url], extra=["--engine-lease", "2"])
+    # A's lease outlasts a starved machine's pauses: B must not see it lapse while A lives
+    a = procs.daemon(run.root, tmp_path / "cache-a", [url], extra=["--engine-lease", "10"])
     procs.wait(lambda: engine_version(url) == 2, "daemon A's run at version 2")
     b_cache = tmp_path / "cache-b"
     procs.daemon(run.root, b_cache, [url], run_id="run-b", extra=["--engine-lease", "2"])

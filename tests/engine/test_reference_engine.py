@@ -116,13 +116,14 @@ def test_pause_holds_steps_queues_new_requests_and_keeps_caches(dense_dir):
             if ev.finish_reason:
                 finished.set()
 
-        eng.submit(GenerationRequest("long", PROMPT, SamplingParams(max_tokens=40, seed=3)), sink)
+        n_tokens = 400  # far more than run in the moment before the pause on a slow machine
+        eng.submit(GenerationRequest("long", PROMPT, SamplingParams(max_tokens=n_tokens, seed=3)), sink)
         assert started.wait(30)
         with pytest.raises(RuntimeError, match="paused"):
             eng.apply()  # not paused
         eng.pause()
         n = len(events)
-        assert 0 < n < 40
+        assert 0 < n < n_tokens
         late, late_done = [], threading.Event()
         eng.submit(GenerationRequest("late", PROMPT, SamplingParams(max_tokens=3, seed=3)),
                    lambda ev: (late.append(ev), ev.finish_reason and late_done.set()))
@@ -134,7 +135,7 @@ def test_pause_holds_steps_queues_new_requests_and_keeps_caches(dense_dir):
         assert eng.version == 6 and eng.checksum()["lm_head.weight"] == checksum(new["lm_head.weight"])
         eng.resume()
         assert finished.wait(60) and late_done.wait(60)
-        assert [e.index for e in events] == list(range(40))  # nothing restarted or dropped
+        assert [e.index for e in events] == list(range(n_tokens))  # nothing restarted or dropped
         assert {e.version for e in events[:n]} == {5} and {e.version for e in events[n:]} == {6}
         assert [e.version for e in late] == [6, 6, 6]
     finally:
