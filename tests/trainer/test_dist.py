@@ -13,10 +13,24 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
+# The names of this process's native threads; one that ends while they are listed is left out.
+_THREAD_NAMES = """
+def thread_names():
+    names = []
+    for t in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{t}/comm") as fh:
+                names.append(fh.read().strip())
+        except FileNotFoundError:
+            pass
+    return sorted(names)
+"""
+
 # One rank: join, make the run deterministic (the order ``trainer.loop`` uses), a step's collectives, close;
 # then the names of this process's native threads.
 _RANK = """
 import json, os
+""" + _THREAD_NAMES + """
 from trainer.dist import DataParallel, make_deterministic
 dp = DataParallel()
 make_deterministic(0)
@@ -24,13 +38,14 @@ total = dp.all_reduce_sum([float(dp.rank + 1)])
 box = dp.broadcast({"step": 1} if dp.is_main else None)
 gathered = dp.gather(dp.rank)
 dp.close()
-names = sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+names = thread_names()
 print(json.dumps({"total": total, "box": box, "gathered": gathered, "threads": names}))
 """
 
 # One replica group of an elastic job: a lighthouse, a quorum of one, an all-reduce, a commit, close.
 _GROUP = """
 import json, os
+""" + _THREAD_NAMES + """
 from trainer.elastic import ElasticDP, start_lighthouse
 lh, url = start_lighthouse(1, timeout_s=120)
 try:
@@ -43,7 +58,7 @@ try:
 finally:
     lh.kill()
     lh.wait()
-names = sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+names = thread_names()
 print(json.dumps({"total": total, "committed": committed, "threads": names}))
 """
 
