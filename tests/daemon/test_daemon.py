@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import urllib.request
 
@@ -15,6 +16,7 @@ import engine
 from syncd import manifest as mf
 from syncd.daemon import DaemonConfig, NodeDaemon
 from syncd.daemon.fetcher import StoreShardSource
+from syncd.daemon.status import StatusBoard, read_status
 from syncd.errors import DeltaError
 from syncd.signing import parse_key
 from tests.daemon._procs import wait_until
@@ -318,10 +320,6 @@ def test_the_status_file_follows_a_store_outage_between_rounds(tmp_path, publish
     here are a minute apart, beyond the test's waits): the change after an outage was written only by the
     next round before, and a change within ``min_interval_s`` of the last write was dropped until then. A stop
     ends the wait between rounds (it waited for the next engine check before)."""
-    import os
-
-    from syncd.daemon.status import read_status
-
     published.publish(1)
     inner = engine.StateDictEngine(published.zeros(), None)
     cfg = DaemonConfig(run_id=RUN, cache_dir=tmp_path / "cache", poll_interval_s=0.05, engine_check_s=60.0,
@@ -351,8 +349,6 @@ def test_the_status_file_follows_a_store_outage_between_rounds(tmp_path, publish
 
 
 def test_a_status_write_too_soon_after_the_last_is_refused_not_lost(tmp_path):
-    from syncd.daemon.status import StatusBoard, read_status
-
     board = StatusBoard(tmp_path / "s.json", run_id=RUN)
     board.min_interval_s = 60.0
     assert board.write(force=True)
