@@ -136,6 +136,13 @@ def status(cache: Path, run_id: str = RUN) -> dict:
     return json.loads((cache / f"status-{run_id}.json").read_text())
 
 
+def status_at(procs, cache: Path, version: int, engine: str = "e0", run_id: str = RUN) -> dict:
+    """The status file once it shows ``engine`` at ``version``: an engine serves a version before the daemon
+    writes that it does, so a read right after the engine answers can be one write behind."""
+    return procs.wait(lambda: (st := status(cache, run_id))["engines"][engine]["version"] == version and st,
+                      f"the status file to show {engine} at version {version}")
+
+
 def metrics(cache: Path, run_id: str = RUN) -> str:
     return urllib.request.urlopen(status(cache, run_id)["metrics_url"], timeout=10).read().decode()
 

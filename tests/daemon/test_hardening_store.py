@@ -12,7 +12,7 @@ import time
 import pytest
 
 from tests.daemon._hostile import FAR_FUTURE, NESTED_HINT, ModelRun, hint, write_atomic
-from tests.daemon._procs import engine_checksums, engine_version, metric, status
+from tests.daemon._procs import engine_checksums, engine_version, metric, status, status_at
 from tests.daemon.conftest import RUN
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -20,13 +20,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 def log_of(procs, name: str) -> str:
     return "\n".join(p[2].read_text(errors="replace") for p in procs.children if p[0] == name and p[2].exists())
-
-
-def shown_at(procs, cache, version: int) -> dict:
-    """The status file once it shows engine e0 at ``version``: the engine serves a version before the daemon
-    writes that it does, so a read right after the engine answers can be one write behind."""
-    return procs.wait(lambda: (st := status(cache))["engines"]["e0"]["version"] == version and st,
-                      f"the status file to show e0 at version {version}")
 
 
 def test_case1_a_forged_nested_hint_does_not_stop_updates(tmp_path, procs, model_dir, run):
@@ -42,7 +35,7 @@ def test_case1_a_forged_nested_hint_does_not_stop_updates(tmp_path, procs, model
     run.publish(2)  # versions 2 and 3; the publisher writes a correct hint again
     procs.wait(lambda: engine_version(url) == 3, "the engine to reach version 3")
     assert engine_checksums(url) == run.checksums(3)
-    st = shown_at(procs, cache, 3)
+    st = status_at(procs, cache, 3)
     assert st["tasks"]["poller"]["restarts"] == 0 and st["newest_version"] == 3
 
 
@@ -61,7 +54,7 @@ def test_case2_far_future_garbage_does_not_freeze_the_daemon(tmp_path, procs, mo
     write_atomic(run.hint_path(), hint(FAR_FUTURE))  # and again after the real publishes
     procs.wait(lambda: engine_version(url) == 3, "the engine to reach version 3 past the garbage")
     assert engine_checksums(url) == run.checksums(3)
-    assert shown_at(procs, cache, 3)["newest_version"] == 3
+    assert status_at(procs, cache, 3)["newest_version"] == 3
 
 
 def test_case9_a_keyless_reader_refuses_a_signed_run_unless_allowed(tmp_path, procs, model_dir, run):

@@ -9,7 +9,7 @@ import signal
 import pytest
 
 from tests.daemon._procs import (engine_checksums, engine_version, generate, kill9, metric, open_gates, status,
-                                 trainer_record)
+                                 status_at, trainer_record)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -47,8 +47,7 @@ def test_daemon_killed_mid_download_and_mid_stage_converges(tmp_path, procs, mod
     c = procs.daemon(store, cache, [url], hooks="apply@6:3", mark_dir=marks)
     procs.wait(lambda: engine_version(url) == 5, "daemon C to converge to version 5")
     assert same_as_trainer(url, record, 5)
-    st = procs.wait(lambda: (st := status(cache))["engines"]["e0"]["version"] == 5 and st,
-                    "the status file to show version 5")  # written just after the engine answers 5
+    st = status_at(procs, cache, 5)
     assert st["engines"]["e0"]["state"] == "serving" and st["newest_version"] == 5
     assert all(u["version"] != 4 or u.get("rebuild_from") is None for u in st["updates"])
 
