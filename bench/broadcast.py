@@ -1,7 +1,7 @@
 """Cluster broadcast benchmark: time to get one version onto every node of a simulated cluster.
 
 A real model (Qwen2-style, bf16, sized to ``--size-mib``) takes real AdamW steps; each step is published
-as a full version (``trainer.WeightPublisher``) to a file store that an S3 endpoint serves
+as a full version (``syncd.trainer.WeightPublisher``) to a file store that an S3 endpoint serves
 (``python -m bench.netsim s3serve``; it counts every byte it sends). For each cluster size N a fresh
 cluster of N ``python -m syncd.cluster.node`` processes distributes a first version (warm-up), then
 ``--repeats`` more; the figure is, per version, the time from the controller's plan to the last node's
@@ -234,7 +234,7 @@ def run(args) -> dict:
 
     from bench import netsim as sim
     from syncd.versions import read_manifest
-    from trainer import WeightPublisher
+    from syncd.trainer import WeightPublisher
 
     torch.set_num_threads(1)
     modes = ["shaped", "unshaped"] if args.mode == "both" else [args.mode]

@@ -11,8 +11,8 @@ daemon verified them are refused, and the daemon re-fetches them. This benchmark
    read pass as medians of per-round ratios (the three take turns in every round, so a noisy neighbour
    moves numerator and denominator together). The physical limit is the read pass itself.
 2. *What it adds to an update*: a real delta (AdamW steps at an RL learning rate on a small Qwen2,
-   ``bench.codec.snapshots``) published by ``trainer.WeightPublisher`` to a file store, its shards in a node
-   cache; an engine (``engine.StateDictEngine``) stages and applies it with the shards verified and not,
+   ``bench.codec.snapshots``) published by ``syncd.trainer.WeightPublisher`` to a file store, its shards in a node
+   cache; an engine (``syncd.engine.StateDictEngine``) stages and applies it with the shards verified and not,
    in turns; the median added seconds and the share of the stage+apply time.
 
     python -m bench.cache_verify                  # 512 MiB of shards; a ~30M-parameter model's delta
@@ -98,13 +98,13 @@ def update_cost(cfg: dict, work: Path) -> dict:
     """Stage + apply of a real delta from the node cache, shards verified vs not, in turns."""
     import torch
 
-    import engine
+    from syncd import engine
     from bench.codec import snapshots
     from syncd.cache import ShardCache
     from syncd.engines.update import Update
     from syncd.store import Store
     from syncd.versions import fetch_shards, read_manifest
-    from trainer.publisher import WeightPublisher
+    from syncd.trainer.publisher import WeightPublisher
 
     old, new = snapshots(cfg, cfg["lr"], 1, seed=0)
     store = Store(work / "store")

@@ -4,15 +4,15 @@ and the share of training samples that are prefix-consistent (goal 100%).
     python -m bench.compaction                       # window 128, repeat task of 256 tokens, 8 requests
     python -m bench.compaction --json c.json --plot c.png
 
-The model: a tiny Qwen2 (``engine.reference.make_tiny`` sizes, ``max_position_embeddings = --window``) trained
+The model: a tiny Qwen2 (``syncd.engine.reference.make_tiny`` sizes, ``max_position_embeddings = --window``) trained
 for ``--train-steps`` real AdamW steps on the ``repeat`` task's language (a letter, ``:``, then that letter, with a
 ``:`` here and there), so that it can solve the task -- the figure is then whether the context lets it. The task:
-``trainer.tasks`` ``repeat`` with ``--length`` answer tokens (longer than the window), scored by its own reward.
+``syncd.trainer.tasks`` ``repeat`` with ``--length`` answer tokens (longer than the window), scored by its own reward.
 One node (the Dynamo frontend and a reference-engine worker recording replay records) serves two sandbox proxies
 in this process, one without compaction (the baseline: the window cuts the answer) and one with
-(``engine.proxy.compaction``; summary, resume and continue prompts of one ``:`` each, ``--summary-tokens``);
+(``syncd.engine.proxy.compaction``; summary, resume and continue prompts of one ``:`` each, ``--summary-tokens``);
 every request is one trajectory, finished with its reward. The compacted trajectories are read back
-(``trainer.rollouts`` + ``trainer.compaction.training_samples``) and every sample is checked against its record
+(``syncd.trainer.rollouts`` + ``syncd.trainer.compaction.training_samples``) and every sample is checked against its record
 (``prefix_consistent``).
 
 Figures (JSON; ``--plot`` draws them): per arm ``success`` (share of requests whose reward is at least
@@ -91,7 +91,7 @@ def _model_folder(root: Path, args):
     from tokenizers import Tokenizer
 
     from bench.rollouts import _write_folder
-    from engine.reference.make_tiny import model_config, random_model, tokenizer_json
+    from syncd.engine.reference.make_tiny import model_config, random_model, tokenizer_json
 
     cfg = model_config("qwen2", hidden=args.hidden, layers=2, intermediate=2 * args.hidden,
                        max_positions=args.window)
@@ -106,8 +106,8 @@ async def _arm(node, compaction, sandbox: str, task, args) -> list[dict]:
     """Every request of one arm through its own proxy; each trajectory finished with its reward."""
     import aiohttp
 
-    from engine.proxy.server import Proxy, ProxyConfig
-    from trainer.tasks import Sample
+    from syncd.engine.proxy.server import Proxy, ProxyConfig
+    from syncd.trainer.tasks import Sample
 
     proxy = Proxy(ProxyConfig(upstream=node.frontend_url, run_id=RUN, sandbox_id=sandbox, compaction=compaction),
                   node.store_url)
@@ -149,8 +149,8 @@ def _summary(rows: list[dict], length: int, success_at: float) -> dict:
 
 def _samples(store_url: str, sandbox: str) -> dict:
     from syncd.records.trajectory import read_record
-    from trainer.compaction import prefix_consistent, training_samples
-    from trainer.rollouts import MissingReplayError, read_rollouts
+    from syncd.trainer.compaction import prefix_consistent, training_samples
+    from syncd.trainer.rollouts import MissingReplayError, read_rollouts
 
     deadline = time.monotonic() + 120
     while True:
@@ -183,9 +183,9 @@ class _Node:
 
 
 def run(args) -> dict:
-    from engine.dynamo.serve import Node, NodeConfig
-    from engine.proxy.compaction import CompactionConfig
-    from trainer.tasks import get_task
+    from syncd.engine.dynamo.serve import Node, NodeConfig
+    from syncd.engine.proxy.compaction import CompactionConfig
+    from syncd.trainer.tasks import get_task
 
     if args.length <= args.window:
         raise ValueError(f"--length {args.length} fits the --window {args.window}: nothing to show")

@@ -1,7 +1,7 @@
 """Engine update benchmark: the reference engine serves a steady load while real deltas are applied in place.
 
 A Qwen2-style model (random init, fp32 master weights) takes AdamW steps on a policy-gradient loss at an RL
-learning rate (``bench.codec.snapshots``); ``trainer.WeightPublisher`` publishes version 0 (full) and one
+learning rate (``bench.codec.snapshots``); ``syncd.trainer.WeightPublisher`` publishes version 0 (full) and one
 delta per step to a local file store. ``ReferenceEngine.from_store`` loads version 0, client threads keep
 ``clients`` requests running, and the controller reads each version back (``syncd.versions``), stages it
 while serving, then pauses, applies and resumes, and verifies the checksums after resuming. Measured in the
@@ -159,13 +159,13 @@ def run(cfg: dict, lr: float, seed: int, workdir: Path, verify_apply: bool = Tru
     from transformers import AutoModelForCausalLM
 
     from bench.codec import snapshots
-    from engine.reference import ReferenceEngine
+    from syncd.engine.reference import ReferenceEngine
     from syncd.engines.update import Update
     from syncd.lazy import quiet_optional_imports
     from syncd.ops import delta
     from syncd.store import Store
     from syncd.versions import fetch_shards, read_manifest
-    from trainer import WeightPublisher
+    from syncd.trainer import WeightPublisher
 
     quiet_optional_imports()
 

@@ -1,5 +1,5 @@
 """``python -m bench.engine_update --engine vllm``: the engine update benchmark on a real vLLM
-(:class:`engine.vllm.VLLMEngine`), the same trainer side as the reference engine's run (``bench.engine_update``).
+(:class:`syncd.engine.vllm.VLLMEngine`), the same trainer side as the reference engine's run (``bench.engine_update``).
 
 A Qwen2-style model takes AdamW steps at an RL learning rate (``bench.codec.snapshots``); ``WeightPublisher``
 publishes version 0 (full) and one delta per step. vLLM serves version 0 while client tasks keep ``clients``
@@ -120,12 +120,12 @@ def run(cfg: dict, lr: float, seed: int, workdir: Path, cpu_gemm: str = "onednn"
     """The measurements of the module docstring; returns the ``result`` dict of the JSON. Raises RuntimeError
     if vLLM's checksums differ from the trainer's after an apply."""
     from bench.codec import snapshots
-    from engine.vllm import VLLMEngine
+    from syncd.engine.vllm import VLLMEngine
     from syncd.engines.params import expected_checksums
     from syncd.engines.update import Update
     from syncd.store import Store
     from syncd.versions import fetch_shards, read_manifest
-    from trainer import WeightPublisher
+    from syncd.trainer import WeightPublisher
 
     sw = Stopwatch()
     snaps = snapshots(cfg, lr, cfg["updates"], seed)

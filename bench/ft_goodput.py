@@ -1,4 +1,4 @@
-"""The goodput section of :mod:`bench.trainer_ft`: the thin trainer (``python -m trainer.run --nproc 2
+"""The goodput section of :mod:`bench.trainer_ft`: the thin trainer (``python -m syncd.trainer.run --nproc 2
 --checkpoint-dir``, offline on recorded rollouts, :mod:`bench.ft_data`) killed with SIGKILL every ``--fail-every``
 steps and resumed, against a failure-free run of the same steps: steps lost per failure (the last step the run
 reported before the kill, minus the resume step) and goodput (steps per wall second, process starts included).
@@ -32,7 +32,7 @@ def _children(pid: int) -> list[int]:
 
 
 def kill_process_tree(p: subprocess.Popen) -> None:
-    """SIGKILL ``p`` and the processes it started (``trainer.run --nproc`` starts its ranks in their own sessions,
+    """SIGKILL ``p`` and the processes it started (``syncd.trainer.run --nproc`` starts its ranks in their own sessions,
     so a process-group kill would miss them), then reap ``p``."""
     victims = [p.pid, *_children(p.pid)]
     for pid in victims:
@@ -70,7 +70,7 @@ def _trained(out: Path) -> list[int]:
 
 def bench_goodput(args, work: Path) -> dict:
     from bench.ft_data import write_offline_plans
-    from engine.reference.make_tiny import write_model
+    from syncd.engine.reference.make_tiny import write_model
 
     model = write_model(work / "model")
     store = f"file://{work / 'store'}"
@@ -79,7 +79,7 @@ def bench_goodput(args, work: Path) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SYNCD_NODE": "node-{rank}"}
 
     def argv(name: str, *extra: str) -> list[str]:
-        return [sys.executable, "-m", "trainer.run", "--model", str(model), "--store", store, "--run-id", "gp",
+        return [sys.executable, "-m", "syncd.trainer.run", "--model", str(model), "--store", store, "--run-id", "gp",
                 "--plans", str(plans), "--steps", str(args.goodput_steps), "--groups-per-step", "4",
                 "--group-size", "4", "--out", str(work / name / "out"), "--no-plot", "--nproc", "2",
                 "--checkpoint-dir", str(work / name / "ckpt"), "--replicas", "1", "--checkpoint-busy", args.busy,
@@ -109,7 +109,7 @@ def bench_goodput(args, work: Path) -> dict:
             time.sleep(0.01)
         if p.poll() is not None:
             if p.returncode != 0:
-                raise RuntimeError(f"trainer.run failed: {err.read_text()[-2000:]}")
+                raise RuntimeError(f"syncd.trainer.run failed: {err.read_text()[-2000:]}")
             break
         kill_process_tree(p)
         t_kill = clock()
@@ -133,5 +133,5 @@ def _resumed_at(err: Path, p: subprocess.Popen) -> int:
             if "rank 0: resumed at step" in ln:
                 return int(ln.rsplit(" ", 1)[1])
         if p.poll() is not None:
-            raise RuntimeError(f"trainer.run did not resume: {err.read_text()[-2000:]}")
+            raise RuntimeError(f"syncd.trainer.run did not resume: {err.read_text()[-2000:]}")
         time.sleep(0.01)

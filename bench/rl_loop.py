@@ -1,7 +1,7 @@
 """The thin trainer's RL loop, measured: the asynchronous loop against a synchronous baseline, side by side.
 
 Each mode gets a fresh serving side (``syncd.app.rl_stack``: two reference-engine workers under the Dynamo frontend
-recording replay records, the sandbox proxy, the node daemon) and one ``python -m trainer.run`` with the same
+recording replay records, the sandbox proxy, the node daemon) and one ``python -m syncd.trainer.run`` with the same
 task, sizes, seed and step count:
 
 * **async** (``async:ETA``, one run per staleness bound asked for): rollout workers run ahead of training
@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _generation_ceiling(stack, requests: int, tokens: int, repeats: int = 3) -> float:
     """Tokens per second of ``requests`` completions of ``tokens`` tokens sent at once through the proxy."""
-    from trainer.rollout_workers import complete, proxy_models
+    from syncd.trainer.rollout_workers import complete, proxy_models
 
     body = {"model": proxy_models(stack.proxy_url)[0], "prompt": "a:", "max_tokens": tokens, "ignore_eos": True,
             "temperature": 1.0}
@@ -75,7 +75,7 @@ def _modes(text: str) -> list[tuple[str, str, int]]:
 
 def run_mode(name: str, kind: str, eta: int, args, workdir: Path, *, ceiling: bool) -> dict:
     from syncd.app.rl_stack import RLStack, StackConfig
-    from trainer.metrics import publish_to_serving, read_metrics, summarize
+    from syncd.trainer.metrics import publish_to_serving, read_metrics, summarize
 
     mode = name
     stack = RLStack(StackConfig(workdir / mode, run_id=f"rl-{mode}", engines=args.engines, seed=args.seed)).start()
@@ -91,7 +91,7 @@ def run_mode(name: str, kind: str, eta: int, args, workdir: Path, *, ceiling: bo
         p = subprocess.run(stack.trainer_argv(*flags), env=stack.env, cwd=ROOT, capture_output=True, text=True,
                            timeout=args.timeout)
         if p.returncode != 0:
-            raise RuntimeError(f"{mode}: trainer.run exited {p.returncode}: {p.stderr[-3000:]}")
+            raise RuntimeError(f"{mode}: syncd.trainer.run exited {p.returncode}: {p.stderr[-3000:]}")
         process_s = t0.elapsed
         lines = read_metrics(workdir / mode / "out" / "metrics.jsonl")
     finally:

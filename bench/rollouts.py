@@ -1,13 +1,13 @@
 """Real rollouts with weight updates landing mid-trajectory, for ``bench.replay`` and the replay tests.
 
-:func:`generate` runs the whole production path on a tiny model (``engine.reference.make_tiny`` configs):
+:func:`generate` runs the whole production path on a tiny model (``syncd.engine.reference.make_tiny`` configs):
 
 1. a trainer model is trained for a few real AdamW steps on text (so its next-token distributions are peaked,
    as a trained model's are; a random-init model's are flat), with NVFP4 QAT when ``nvfp4`` is set;
-2. ``trainer.WeightPublisher`` publishes it as version 0 to the store (file or S3) and the same weights become
+2. ``syncd.trainer.WeightPublisher`` publishes it as version 0 to the store (file or S3) and the same weights become
    the model folder a node serves;
-3. a node (``engine.dynamo.serve.Node``: the Dynamo frontend and reference-engine workers recording replay
-   records to the store) and a sandbox proxy (``python -m engine.proxy``, recording trajectories) start;
+3. a node (``syncd.engine.dynamo.serve.Node``: the Dynamo frontend and reference-engine workers recording replay
+   records to the store) and a sandbox proxy (``python -m syncd.engine.proxy``, recording trajectories) start;
 4. ``requests`` streamed completions (temperature, top-p, top-k as configured) run through the proxy while a
    controller makes ``updates`` more real optimizer steps, publishing each as a delta and applying it on every
    worker through its admin routes once every stream has made ``update_every`` more tokens (the workers pause
@@ -86,11 +86,11 @@ class RolloutRun:
     def trainer_model(self, version: int | None = None):
         """A fresh float32 trainer model (NVFP4 QAT enabled when the run served NVFP4) holding ``version``'s
         weights (the last version when None)."""
-        from engine.reference.make_tiny import random_model
+        from syncd.engine.reference.make_tiny import random_model
 
         model = random_model(self.model_config, self.config.seed)
         if self.config.nvfp4:
-            from trainer.qat import enable_qat
+            from syncd.trainer.qat import enable_qat
 
             enable_qat(model)
         model.load_state_dict(self.weights[max(self.weights) if version is None else version])
@@ -101,7 +101,7 @@ def corpus_ids() -> list[int]:
     """Token ids of the project's docs (the tiny byte-level tokenizer), the text the model is trained on."""
     from tokenizers import Tokenizer
 
-    from engine.reference.make_tiny import tokenizer_json
+    from syncd.engine.reference.make_tiny import tokenizer_json
 
     docs = sorted((Path(__file__).resolve().parents[1] / "docs").glob("*.md"))
     text = "".join(p.read_text(errors="replace") for p in docs) or FALLBACK_TEXT * 50
@@ -122,7 +122,7 @@ def train_step(model, opt, data: torch.Tensor, gen: torch.Generator, *, batch: i
 
 def _published(model, nvfp4: bool) -> dict:
     if nvfp4:
-        from trainer.qat import export_nvfp4
+        from syncd.trainer.qat import export_nvfp4
 
         return export_nvfp4(model)
     return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
@@ -136,7 +136,7 @@ def _served(model) -> dict:
 def _write_folder(out: Path, config, model, state: dict) -> Path:
     from safetensors.torch import save_file
 
-    from engine.reference.make_tiny import special_ids, write_tokenizer
+    from syncd.engine.reference.make_tiny import special_ids, write_tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
     config.architectures = [type(model).__name__]
@@ -217,18 +217,18 @@ def _post(url: str, path: str, body: dict) -> dict:
 
 
 def _start_proxy(workdir: Path, upstream: str, store_url: str, run_id: str):
-    from engine.proxy.procs import start_proxy
+    from syncd.engine.proxy.procs import start_proxy
 
     return start_proxy(workdir, upstream, store_url, run_id, SANDBOX)
 
 def generate(workdir: Path, store_url: str, cfg: RolloutConfig, *, run_id: str | None = None) -> RolloutRun:
     """Run the rollouts (see the module docstring). ``store_url``: where versions, replay records and trajectory
     records go (file or S3 URL). Raises RuntimeError when a stream, an update or a process fails."""
-    from engine.dynamo.procs import stop_process
-    from engine.dynamo.serve import Node, NodeConfig
-    from engine.reference.make_tiny import model_config, random_model
+    from syncd.engine.dynamo.procs import stop_process
+    from syncd.engine.dynamo.serve import Node, NodeConfig
+    from syncd.engine.reference.make_tiny import model_config, random_model
     from syncd.engines.update import Update
-    from trainer import WeightPublisher
+    from syncd.trainer import WeightPublisher
 
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -238,7 +238,7 @@ def generate(workdir: Path, store_url: str, cfg: RolloutConfig, *, run_id: str |
                         experts=cfg.experts, top_k=cfg.experts_top_k)
     model = random_model(mcfg, cfg.seed)
     if cfg.nvfp4:
-        from trainer.qat import enable_qat
+        from syncd.trainer.qat import enable_qat
 
         enable_qat(model)
     data = torch.tensor(corpus_ids())

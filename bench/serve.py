@@ -1,7 +1,7 @@
 """Serving-path benchmark: what the sandbox proxy and the Dynamo frontend cost, and what a migration costs.
 
-Starts a real node (``engine.dynamo.serve.Node``: the Dynamo frontend and N reference-engine workers on a
-tiny random-init model, file discovery) and a sandbox proxy (``python -m engine.proxy``), then, in the same
+Starts a real node (``syncd.engine.dynamo.serve.Node``: the Dynamo frontend and N reference-engine workers on a
+tiny random-init model, file discovery) and a sandbox proxy (``python -m syncd.engine.proxy``), then, in the same
 run, sends the same load (R requests of T generated tokens, C at a time, EOS ignored so every request makes
 exactly T tokens) three ways:
 
@@ -247,9 +247,9 @@ def _main(argv=None) -> int:
     cfg = dict(PRESETS[args.preset])
     cfg.update({k: v for k, v in vars(args).items() if k in cfg and v is not None})
 
-    from engine.dynamo.serve import Node, NodeConfig
-    from engine.dynamo.settings import DynamoSettings
-    from engine.reference.make_tiny import write_model
+    from syncd.engine.dynamo.serve import Node, NodeConfig
+    from syncd.engine.dynamo.settings import DynamoSettings
+    from syncd.engine.reference.make_tiny import write_model
 
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
         tmp = Path(tmp)
@@ -271,7 +271,7 @@ def _main(argv=None) -> int:
             results = asyncio.run(_measure(node, proxy[1], cfg, _prompt_ids(node.frontend_url, model), model))
         finally:
             if proxy is not None:
-                from engine.dynamo.procs import stop_process
+                from syncd.engine.dynamo.procs import stop_process
 
                 stop_process(proxy[0], 30)
             node.close()
@@ -301,10 +301,10 @@ def _main(argv=None) -> int:
 def _start_proxy(tmp: Path, upstream: str, store_url: str):
     import subprocess
 
-    from engine.dynamo.procs import wait_until
+    from syncd.engine.dynamo.procs import wait_until
 
     ready = tmp / "proxy.json"
-    proc = subprocess.Popen([sys.executable, "-m", "engine.proxy", "--upstream", upstream, "--store", store_url,
+    proc = subprocess.Popen([sys.executable, "-m", "syncd.engine.proxy", "--upstream", upstream, "--store", store_url,
                              "--run-id", RUN_ID, "--sandbox-id", "bench", "--per-request", "--ready-file", str(ready)],
                             stdout=subprocess.DEVNULL, stderr=open(tmp / "proxy.log", "wb"), start_new_session=True)
     wait_until(ready.exists, 60, "the proxy to serve", alive=lambda: proc.poll() is not None and "proxy exited")

@@ -5,18 +5,18 @@ failures. Each figure next to its baseline, measured in the same process, median
                                [--sections stall,rebuild,goodput] [--json ft.json] [--plot ft.png]
 
 * **stall**: a real AdamW training step of an MLP, three ways in interleaved rounds: no checkpoint, the per-step
-  asynchronous :class:`trainer.checkpoint.Checkpointer` (stall = the time the training thread spends in ``save``
+  asynchronous :class:`syncd.trainer.checkpoint.Checkpointer` (stall = the time the training thread spends in ``save``
   and ``before_update``), and a synchronous ``torch.save`` of the same state (model, optimizer, RNG) plus fsync.
   Figures: the stall as a share of the no-checkpoint step, and sync stall / async stall. The physical floor of a
   non-overlapped snapshot is one memcpy of the state (measured).
 * **rebuild**: the checkpoint of a ~``--rebuild-params`` model with its AdamW state, rebuilt by a new process's
-  worth of work from a peer's replica (:func:`trainer.replicas.fetch_checkpoint` from a :class:`ReplicaServer`
+  worth of work from a peer's replica (:func:`syncd.trainer.replicas.fetch_checkpoint` from a :class:`ReplicaServer`
   in another process, over loopback, verified and parsed in memory as ``FaultTolerance.restore`` does; the copy to
   local disk happens afterwards, in the background) against the same bundle from the object store (``--store``,
   default a ``file://`` store in the work folder: a local disk, faster than any cloud object store), verified and
   parsed the same way, each loaded into a fresh model and optimizer. Projected to a 1T-parameter run: the per-node
   shard over the measured per-link rate, with the assumptions printed.
-* **goodput**: the thin trainer (``python -m trainer.run --nproc 2 --checkpoint-dir``, offline on recorded
+* **goodput**: the thin trainer (``python -m syncd.trainer.run --nproc 2 --checkpoint-dir``, offline on recorded
   rollouts, ``bench.ft_data``) killed with SIGKILL every ``--fail-every`` steps and resumed, against a
   failure-free run of the same steps: steps lost per failure (trained before the kill, minus the resume step)
   and goodput (steps per wall second, process starts included); ``--busy`` is the trainer's ``--checkpoint-busy``.
@@ -62,7 +62,7 @@ def _state_bytes(model, opt) -> int:
 def bench_stall(args, work: Path) -> dict:
     import torch
 
-    from trainer.checkpoint import Checkpointer, capture_rng
+    from syncd.trainer.checkpoint import Checkpointer, capture_rng
 
     torch.manual_seed(0)
     model = _mlp(args.stall_params, args.width)
@@ -133,7 +133,7 @@ def bench_stall(args, work: Path) -> dict:
 
 SERVER = r"""
 import sys, time
-from trainer.replicas import ReplicaServer
+from syncd.trainer.replicas import ReplicaServer
 s = ReplicaServer(sys.argv[1], keep=2)
 print(s.url, flush=True)
 sys.stdin.readline()
@@ -145,9 +145,9 @@ def bench_rebuild(args, work: Path) -> dict:
     import torch
 
     from syncd.store import Store
-    from trainer.checkpoint import Checkpointer, parse_checkpoint, step_dir
-    from trainer.ckpt_format import MANIFEST, Bundle, parse_manifest
-    from trainer.replicas import fetch_checkpoint, push_replica
+    from syncd.trainer.checkpoint import Checkpointer, parse_checkpoint, step_dir
+    from syncd.trainer.ckpt_format import MANIFEST, Bundle, parse_manifest
+    from syncd.trainer.replicas import fetch_checkpoint, push_replica
 
     torch.manual_seed(0)
     model = _mlp(args.rebuild_params, args.width)

@@ -1,7 +1,7 @@
 """Weight-update benchmark: publish real optimizer-step versions of a small LM, then materialize them.
 
 Trains a random-init Qwen2-style model (fp32 master weights, AdamW at an RL learning rate on a
-policy-gradient loss), publishes every K-th step with ``trainer.WeightPublisher`` to a store, and then
+policy-gradient loss), publishes every K-th step with ``syncd.trainer.WeightPublisher`` to a store, and then
 reads every version back the way a recovering node does (full version, then one delta at a time). In the
 same run and over the same weights it measures the baseline: uploading, downloading and loading each
 version as a full safetensors file. Prints, per version, bytes uploaded against the full safetensors bytes
@@ -17,7 +17,7 @@ copy) + ``stall`` (waiting for the previous upload); ``encode`` and ``upload`` r
 
 End to end (``--e2e``, on by default): the same trainer snapshots are published again, one version at a
 time, while a ``syncd`` node daemon (``syncd.daemon.NodeDaemon``, its default poll interval) keeps
-``--engines`` in-process engines (``engine.StateDictEngine``) current. Per version: from ``publish()``
+``--engines`` in-process engines (``syncd.engine.StateDictEngine``) current. Per version: from ``publish()``
 returning to every engine serving it (``e2e``), broken into ``encode``, ``upload`` (shards + manifest),
 ``poll`` (manifest committed to the daemon noticing it), ``download`` (into the node cache, verified),
 ``decode`` (staging on the engines while they serve), ``pause`` (longest engine pause: apply + checksum
@@ -96,7 +96,7 @@ def run(args) -> dict:
     import syncd
     from syncd.store import Store
     from syncd.versions import apply_delta, fetch_shards, list_versions, load_full
-    from trainer.publisher import WeightPublisher
+    from syncd.trainer.publisher import WeightPublisher
 
     torch.set_flush_denormal(True)
     store = Store(args.store or Path(tempfile.mkdtemp(prefix="syncd-bench-")))
@@ -192,9 +192,9 @@ def run_e2e(args, store, run_id: str, snapshots: list, full_every: int) -> dict:
     import shutil
     import threading
 
-    import engine
+    from syncd import engine
     from syncd.daemon import DaemonConfig, NodeDaemon
-    from trainer.publisher import WeightPublisher
+    from syncd.trainer.publisher import WeightPublisher
 
     key = args.signing_key or False
     cache_dir = Path(tempfile.mkdtemp(prefix="syncd-bench-cache-"))

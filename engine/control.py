@@ -2,12 +2,8 @@
 counter, signature check) runs the ``POST /engine/weights/<op>`` routes around an adapter. The routes and
 their wire format are specified once in :mod:`syncd.engines.wire`; the daemon's client is
 :class:`syncd.engines.client.RemoteAdapter`. The HTTP server of a standalone engine process is
-:mod:`engine.control_server` (``python -m engine.control --model DIR --port P``); the Dynamo worker serves the
+:mod:`syncd.engine.control_server` (``python -m syncd.engine.control --model DIR --port P``); the Dynamo worker serves the
 same routes on its system port. Design: ``docs/engine.md``, "Who may drive an engine".
-
-The wire constants, forms and error types and ``RemoteAdapter`` moved to :mod:`syncd.engines`; they are
-re-exported here until 0.3, with a DeprecationWarning, as are ``stage_from_cache``/``load_full_from_cache``
-(``adapter.stage(Update.from_cache(...))``).
 """
 
 from __future__ import annotations
@@ -22,26 +18,6 @@ from syncd.engines.errors import BadRequest
 from syncd.engines.update import Update
 from syncd.engines.wire import ROUTES, cached_of, lease_of, names_of, spec_to_json
 from syncd.errors import LeaseHeld, NotAuthorized
-from syncd.lazy import lazy_names, moved
-
-# moved to syncd.engines; the old paths warn until 0.3
-__getattr__ = lazy_names(__name__, {
-    "RemoteAdapter": "syncd.engines.client", "EngineUnreachable": "syncd.engines.errors",
-    "RemoteEngineError": "syncd.engines.errors",
-    **{n: "syncd.engines.wire" for n in ("MAX_BODY_BYTES", "MAX_LEASE_S", "OPS", "ROUTE_PREFIX", "WEIGHT_OPS",
-                                         "spec_from_json", "status_of")}}, deprecated=True)
-
-
-def stage_from_cache(adapter, manifest_raw: bytes, cache_root) -> None:
-    """Deprecated (goes in 0.3): ``adapter.stage(Update.from_cache(manifest_raw, cache_root))``."""
-    moved("engine.control.stage_from_cache", "adapter.stage(syncd.engines.Update.from_cache(...))")
-    adapter.stage(Update.from_cache(manifest_raw, cache_root))
-
-
-def load_full_from_cache(adapter, manifest_raw: bytes, cache_root) -> None:
-    """Deprecated (goes in 0.3): ``adapter.load_full(Update.from_cache(manifest_raw, cache_root))``."""
-    moved("engine.control.load_full_from_cache", "adapter.load_full(syncd.engines.Update.from_cache(...))")
-    adapter.load_full(Update.from_cache(manifest_raw, cache_root))
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +156,6 @@ class EngineControl:
 if __name__ == "__main__":
     import sys
 
-    from engine.control_server import main
+    from syncd.engine.control_server import main
 
     sys.exit(main())

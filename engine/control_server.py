@@ -1,6 +1,6 @@
-"""The HTTP server of a standalone engine process (``python -m engine.control --model DIR --port P``), on
+"""The HTTP server of a standalone engine process (``python -m syncd.engine.control --model DIR --port P``), on
 aiohttp (the proxy's HTTP stack): the control routes (:mod:`syncd.engines.wire`) through an
-:class:`~engine.control.EngineControl`, and, when the engine serves generation, ``POST /generate``
+:class:`~syncd.engine.control.EngineControl`, and, when the engine serves generation, ``POST /generate``
 (newline-delimited JSON token events) and ``GET /health``.
 
 Hostile local clients cost little: an idle or slow connection (no request, or headers trickling in) is
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from engine.control import EngineControl
+from syncd.engine.control import EngineControl
 from syncd import jsonsafe
 from syncd.engines.errors import BadRequest
 from syncd.engines.wire import MAX_BODY_BYTES, ROUTE_PREFIX, error_reply
@@ -203,14 +203,14 @@ class ControlServer:
 def _build_engine(args):
     """The engine a standalone process serves, holding the model folder's weights as version None (they
     are no version of any run; the daemon rebuilds them): the reference engine, or with ``--headless`` the
-    weights-only ``engine.StateDictEngine``. Returns ``(adapter, generator or None)``."""
-    from engine.reference.model import load_folder_weights
+    weights-only ``syncd.engine.StateDictEngine``. Returns ``(adapter, generator or None)``."""
+    from syncd.engine.reference.model import load_folder_weights
 
     if args.headless:
-        from engine.state_dict import StateDictEngine
+        from syncd.engine.state_dict import StateDictEngine
 
         return StateDictEngine(load_folder_weights(args.model), None), None
-    from engine.reference import ReferenceEngine
+    from syncd.engine.reference import ReferenceEngine
 
     eng = ReferenceEngine.from_pretrained(args.model, version=None, max_batch=args.max_batch)
     return eng, eng
@@ -218,7 +218,7 @@ def _build_engine(args):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m engine.control", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        prog="python -m syncd.engine.control", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Serve one engine process: the weight-control routes the syncd daemon drives "
                     "(POST /engine/weights/<op>, docs/engine.md) and, unless --headless, generation.",
         epilog="POST /generate takes a JSON object: request_id (string, required), prompt_token_ids (list of "
@@ -230,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     p.add_argument("--port", type=int, default=0, help="port (0: a free one, written to --ready-file)")
     p.add_argument("--ready-file", default=None, help="write {'url', 'pid'} here once serving")
-    p.add_argument("--headless", action="store_true", help="weights only (engine.StateDictEngine), no generation")
+    p.add_argument("--headless", action="store_true", help="weights only (syncd.engine.StateDictEngine), no generation")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--max-batch", type=int, default=8, help="requests running at once (reference engine)")
     p.add_argument("--token-file", default=None,
@@ -255,7 +255,7 @@ def main(argv=None) -> int:
     try:
         token, key = load_or_create(args.token_file), key_from_env()
     except ValueError as exc:
-        print(f"engine.control: {exc}", file=sys.stderr)
+        print(f"syncd.engine.control: {exc}", file=sys.stderr)
         return 2
     torch.set_num_threads(max(1, args.threads))
     adapter, generator = _build_engine(args)

@@ -1,23 +1,14 @@
-"""The integer word views ``engine.WeightUpdater`` compares and writes through (:func:`word_view`,
-:func:`flat_view`, :func:`bf16_view_of_fp32`).
+"""The integer word views ``syncd.engine.WeightUpdater`` compares and writes through (:func:`word_view`,
+:func:`flat_view`, :func:`bf16_view_of_fp32`). Pure functions; thread-safe.
 
-How local parameters map onto the trainer's tensors (:func:`check_spec`, :func:`map_positions`,
-:func:`build_local`, :func:`expected_checksums`, ...) moved to :mod:`syncd.engines.params`, the engine contract;
-those names are re-exported here until 0.3, with a DeprecationWarning. Pure functions; thread-safe.
+How local parameters map onto the trainer's tensors is the engine contract's (:mod:`syncd.engines.params`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from syncd.lazy import lazy_names
-
 __all__ = ["bf16_view_of_fp32", "word_view", "flat_view"]
-
-# moved to syncd.engines.params (the layout is part of the engine contract); the old paths warn until 0.3
-__getattr__ = lazy_names(__name__, {n: "syncd.engines.params" for n in (
-    "ParamPiece", "ParamSpec", "build_local", "check_spec", "expected_checksums", "identity_specs", "local_slab",
-    "map_positions", "slab")}, deprecated=True)
 
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

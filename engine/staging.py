@@ -1,4 +1,4 @@
-"""What a staged update is (``engine.WeightUpdater``): per local parameter, ascending positions and the old and new
+"""What a staged update is (``syncd.engine.WeightUpdater``): per local parameter, ascending positions and the old and new
 words there (:class:`StagedParam`), and the update they make up (:class:`StagedUpdate`); the 64-bit
 :func:`fingerprint` of staged words, so an apply on a GPU checks the words in place without sending the old ones;
 and that apply (:func:`write_on_device`). The caller owns the tensors (the Adapter contract's one controller)."""
@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine.local_params import word_view
+from syncd.engine.local_params import word_view
 from syncd.errors import DeltaError
 
 __all__ = ["StagedParam", "StagedUpdate", "fingerprint", "write_on_device", "mismatch"]

@@ -1,7 +1,7 @@
-"""``StateDictEngine``: a headless ``engine.Adapter`` over plain tensors (weights only, no generation).
+"""``StateDictEngine``: a headless ``syncd.engines.Adapter`` over plain tensors (weights only, no generation).
 
 For daemons, controllers and tests where generation is irrelevant: it takes updates exactly like a serving
-engine (same :class:`~engine.updater.WeightUpdater`, same contract), including as a tensor-parallel rank
+engine (same :class:`~syncd.engine.updater.WeightUpdater`, same contract), including as a tensor-parallel rank
 (:meth:`StateDictEngine.from_full` with sliced/fused specs).
 
 Thread-safety: the Adapter contract (``syncd/engines/protocol.py``). ``apply``/``rollback``/``load_full`` raise
@@ -18,7 +18,7 @@ import torch
 
 from syncd.engines.params import ParamSpec
 from syncd.engines.update import Update
-from engine.updater import WeightUpdater, build_local, identity_specs
+from syncd.engine.updater import WeightUpdater, build_local, identity_specs
 
 __all__ = ["StateDictEngine"]
 

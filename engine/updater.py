@@ -1,4 +1,4 @@
-"""``WeightUpdater``: the weight-update half of ``engine.Adapter`` over a set of local tensors, for any engine.
+"""``WeightUpdater``: the weight-update half of ``syncd.engines.Adapter`` over a set of local tensors, for any engine.
 
 An engine describes its local parameters with :class:`~syncd.engines.params.ParamSpec` (renamed, fused and
 tensor-parallel sliced ones included) and hands over the live tensors; the updater implements ``stage``,
@@ -47,8 +47,8 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
-from engine.local_params import bf16_view_of_fp32, flat_view, word_view
-from engine.staging import StagedParam, StagedUpdate, fingerprint, mismatch, write_on_device  # noqa: F401
+from syncd.engine.local_params import bf16_view_of_fp32, flat_view, word_view
+from syncd.engine.staging import StagedParam, StagedUpdate, fingerprint, mismatch, write_on_device  # noqa: F401
 from syncd.engines.params import (ParamPiece, ParamSpec, build_local, check_spec, expected_checksums, identity_specs,
                                   local_slab, map_positions, slab)
 from syncd.engines.update import Update
@@ -325,7 +325,7 @@ class WeightUpdater:
         hold the word being replaced. On any failure every word written so far is put back and nothing else
         is touched, then the error is raised. CPU parameters: one :func:`syncd.ops.scatter_words_` over all of
         them (every core, each word compared just before it is written); the rest (GPU parameters, or every
-        one with ``_NATIVE_SCATTER`` off): :func:`engine.staging.write_on_device`."""
+        one with ``_NATIVE_SCATTER`` off): :func:`syncd.engine.staging.write_on_device`."""
         cpu = [p for p in params if p.name in self._np] if _NATIVE_SCATTER else []
         if cpu:
             failed = scatter_words_(_word_items(self._np, cpu, new), verify=verify)

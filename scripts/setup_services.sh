@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install what the Dynamo tests and `python -m engine.dynamo.serve --start-services` need that pip cannot:
+# Install what the Dynamo tests and `python -m syncd.engine.dynamo.serve --start-services` need that pip cannot:
 # Debian's etcd-server and nats-server (the production-style discovery path). Idempotent: does nothing when
 # both binaries are there; installs with apt-get when running as root; otherwise says what to install.
 # The packages' own services are not started or enabled here: syncd starts its own servers on free ports.

@@ -21,7 +21,7 @@ class BackendUnavailable(SyncdError, RuntimeError):
     """A backend was asked for by name but cannot run here; the message says why."""
 
 
-# --- object store, manifests and versions (syncd.store, syncd.manifest, syncd.versions, trainer.publisher) ---
+# --- object store, manifests and versions (syncd.store, syncd.manifest, syncd.versions, syncd.trainer.publisher) ---
 
 
 class StoreError(SyncdError, OSError):
@@ -74,10 +74,10 @@ class VersionConflict(SyncdError, RuntimeError):
 
 
 class PublishError(SyncdError, RuntimeError):
-    """A background encode or upload of :class:`trainer.WeightPublisher` failed; ``__cause__`` says why."""
+    """A background encode or upload of :class:`syncd.trainer.WeightPublisher` failed; ``__cause__`` says why."""
 
 
-# --- engine control (engine.control, the node daemon) ---
+# --- engine control (syncd.engine.control, the node daemon) ---
 
 
 class NotAuthorized(SyncdError, PermissionError):

@@ -1,6 +1,5 @@
 """Names a package imports on first use (so that importing it stays cheap: no torch until an op or an engine is
-used): :func:`lazy_names` makes the package's module ``__getattr__`` (PEP 562) from a table -- also the one
-mechanism of the old import paths kept for a release after a move, which warn (``deprecated=True``); and
+used): :func:`lazy_names` makes the package's module ``__getattr__`` (PEP 562) from a table; and
 :func:`quiet_optional_imports`, the one place where the import-time warnings of optional torch extensions are held
 back. Thread-safe (the import system's locks)."""
 
@@ -10,9 +9,8 @@ import importlib
 import importlib.util
 import logging
 import sys
-import warnings
 
-__all__ = ["lazy_names", "moved", "quiet_optional_imports", "SHIM_REMOVAL"]
+__all__ = ["lazy_names", "quiet_optional_imports"]
 
 #: loggers that speak while an optional extension loads: torchao's "Failed to load <its CUDA library>" on a
 #: CPU-only torch (at its import)
@@ -49,21 +47,10 @@ def quiet_optional_imports() -> None:
             lg.setLevel(level)
 
 
-#: the release that removes the old import paths kept after a move (``lazy_names(..., deprecated=True)``)
-SHIM_REMOVAL = "0.3"
-
-
-def moved(old: str, new: str) -> None:
-    """Warn that ``old`` moved to ``new`` (DeprecationWarning, attributed to the caller's caller)."""
-    warnings.warn(f"{old} moved to {new}; the old path goes in {SHIM_REMOVAL}", DeprecationWarning, stacklevel=3)
-
-
-def lazy_names(package: str, table: dict, *, deprecated: bool = False):
+def lazy_names(package: str, table: dict):
     """The ``__getattr__`` of module ``package``: ``table`` maps each public name to the module it lives in (or to
     ``(module, attribute)``); the value is imported on first access and kept in the module. An unknown name raises
-    ``AttributeError`` as for any module. ``deprecated``: the names are old paths kept after a move (until
-    :data:`SHIM_REMOVAL`): every access warns ``DeprecationWarning`` naming the new path, attributed to the line
-    that imported the name, and nothing is kept in the module (so every importer is warned)."""
+    ``AttributeError`` as for any module."""
     def __getattr__(name: str):
         try:
             target = table[name]
@@ -71,10 +58,7 @@ def lazy_names(package: str, table: dict, *, deprecated: bool = False):
             raise AttributeError(f"module {package!r} has no attribute {name!r}") from None
         module, attr = target if isinstance(target, tuple) else (target, name)
         value = getattr(importlib.import_module(module), attr)
-        if deprecated:
-            moved(f"{package}.{name}", f"{module}.{attr}")
-        else:
-            setattr(sys.modules[package], name, value)
+        setattr(sys.modules[package], name, value)
         return value
 
     return __getattr__

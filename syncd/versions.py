@@ -27,7 +27,6 @@ from syncd.errors import (BaseVersionMissing, DeltaError, IntegrityError, Manife
                           ObjectNotFound, ObjectTooLarge, SyncdError, VersionNotFound)
 from syncd.newest import VersionPoller
 from syncd.signing import ENV_KEY, ENV_KEY_FILE, UNCHECKED, resolve_policy
-from syncd.lazy import lazy_names
 from syncd.store import Store
 
 log = logging.getLogger(__name__)
@@ -401,8 +400,3 @@ def verify_run(store, run_id: str, *, signing_key=None, deep: bool = True, backe
             weights, current = None, None
             yield m.version, "failed", f"{type(exc).__name__}: {exc}"
 
-
-# retention moved to syncd.retention; its names are re-exported here until 0.3, with a DeprecationWarning
-__getattr__ = lazy_names("syncd.versions", {n: "syncd.retention" for n in ("RetentionPolicy", "RetentionPlan",
-                                                                          "plan_retention", "apply_retention")},
-                         deprecated=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 
 _LAZY = {
-    "WeightPublisher": ("trainer.publisher", "WeightPublisher"),
+    "WeightPublisher": ("syncd.trainer.publisher", "WeightPublisher"),
 }
 
 __all__ = sorted(_LAZY)
@@ -15,7 +15,7 @@ def __getattr__(name: str):
     try:
         module, attr = _LAZY[name]
     except KeyError:
-        raise AttributeError(f"module 'trainer' has no attribute {name!r}") from None
+        raise AttributeError(f"module 'syncd.trainer' has no attribute {name!r}") from None
     value = getattr(importlib.import_module(module), attr)
     globals()[name] = value
     return value

@@ -7,7 +7,7 @@ Layout: ``[B, T]`` right-padded (``T`` the longest sequence); the logits row tha
 version it was sampled with, its sequence ``seq`` and the sampling temperature. Routes are ``[B, T, L, k]``
 with :data:`syncd.ops.replay.NO_ROUTE` at padding (never an expert id). Kept sets recorded to be rebuilt from
 logits are in ``kept_pending`` (rows of the batch's generated tokens; their CSR rows empty until
-:func:`trainer.kept.fill_kept` rebuilds them, which :func:`trainer.logprobs.trainer_logprobs` does).
+:func:`syncd.trainer.kept.fill_kept` rebuilds them, which :func:`syncd.trainer.logprobs.trainer_logprobs` does).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from syncd.ops.replay import NO_ROUTE
-from trainer.rollouts import NO_VERSION, PendingKept, RolloutSequence
+from syncd.trainer.rollouts import NO_VERSION, PendingKept, RolloutSequence
 
 __all__ = ["RolloutBatch", "collate"]
 

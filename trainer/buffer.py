@@ -11,12 +11,12 @@ advantages are normalised within the group.
 :func:`group_advantages`: ``(r - mean) / (std + eps)`` within each group (population std), or ``r - mean``
 with ``scale=False``; a group whose rewards are all equal has advantages 0 (it carries no signal).
 
-The buffer also keeps the run's :class:`trainer.rl_state.PromptLedger` under its lock (which prompt is fresh,
+The buffer also keeps the run's :class:`syncd.trainer.rl_state.PromptLedger` under its lock (which prompt is fresh,
 in flight, buffered, planned, consumed or to be regenerated): producers ask it for the next prompt
 (:meth:`RolloutBuffer.next_prompt`), report a failure (:meth:`failed`), and a stale drop sends the prompt back
 to be regenerated, so that no prompt is lost. :meth:`snapshot` is the buffer's part of the RL-state checkpoint
 (the ledger and every buffered group with its per-token versions), taken atomically between two steps;
-:meth:`restore` puts back what :func:`trainer.rl_state.restore_groups` kept.
+:meth:`restore` puts back what :func:`syncd.trainer.rl_state.restore_groups` kept.
 
 Thread-safety: every :class:`RolloutBuffer` method may be called from any thread.
 """
@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trainer.rl_state import PromptLedger
-from trainer.tasks import TaskItem
+from syncd.trainer.rl_state import PromptLedger
+from syncd.trainer.tasks import TaskItem
 
 __all__ = ["Group", "RolloutBuffer", "group_advantages", "BufferClosed"]
 
@@ -43,7 +43,7 @@ class BufferClosed(RuntimeError):
 @dataclass
 class Group:
     """One task item's ``G`` samples. ``trajectories``: ``(sandbox_id, trajectory_id)`` per sample, in sample
-    order; ``rewards``: one per sample; ``rollouts``: the :class:`trainer.rollouts.Rollout` s read back (None once
+    order; ``rewards``: one per sample; ``rollouts``: the :class:`syncd.trainer.rollouts.Rollout` s read back (None once
     dropped from memory, e.g. on ranks that read them themselves); ``versions``: ``{version: tokens}`` over
     the generated tokens; ``tokens``: generated tokens; ``requested_version``: the trainer's version when the
     group was requested; times are ``time.time()``; ``token_versions``: per sample, the version of each generated
@@ -166,7 +166,7 @@ class RolloutBuffer:
                     "dropped_stale": self.dropped_stale}
 
     def restore(self, ledger: PromptLedger, groups: list[Group], dropped_stale: int = 0) -> None:
-        """Replace the ledger and the buffered groups with a restored run's (:func:`trainer.rl_state.restore_groups`)."""
+        """Replace the ledger and the buffered groups with a restored run's (:func:`syncd.trainer.rl_state.restore_groups`)."""
         with self._cond:
             self.ledger = ledger
             self._groups = deque(sorted(groups, key=lambda g: g.finished_at))

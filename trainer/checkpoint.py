@@ -20,7 +20,7 @@ steps (a data-parallel job restores the newest step *every* rank has) decide tog
 on every rank, then ``save(..., skip=<any rank busy>)``.
 
 A checkpoint is the folder ``step-<12 digits>`` of a bundle, written atomically and read back verified by
-:mod:`trainer.ckpt_dir` (whose names this module re-exports). ``keep`` bounds retention: the newest ``keep``
+:mod:`syncd.trainer.ckpt_dir` (whose names this module re-exports). ``keep`` bounds retention: the newest ``keep``
 complete checkpoints stay, and so does :attr:`Checkpointer.common_step`, the newest step the ranks agreed every
 one of them holds (:meth:`Checkpointer.agree`, :func:`agreement`), so a rank whose writes keep failing cannot
 leave the others without a step it also has.
@@ -44,9 +44,9 @@ from pathlib import Path
 
 import torch
 
-from trainer.ckpt_dir import (Checkpoint, capture_rng, list_steps, model_tensors, newest_checkpoint,
+from syncd.trainer.ckpt_dir import (Checkpoint, capture_rng, list_steps, model_tensors, newest_checkpoint,
                               parse_checkpoint, restore_rng, step_dir, write_bundle_dir)
-from trainer.ckpt_format import check_owner, flatten
+from syncd.trainer.ckpt_format import check_owner, flatten
 
 log = logging.getLogger(__name__)
 

@@ -1,14 +1,14 @@
 """Checkpoint folders on disk: their layout, the atomic write, the verified read, and what a restore applies.
 
-A checkpoint is the folder ``step-<12 digits>`` of a :mod:`trainer.ckpt_format` bundle (``model.safetensors``,
+A checkpoint is the folder ``step-<12 digits>`` of a :mod:`syncd.trainer.ckpt_format` bundle (``model.safetensors``,
 ``optim.safetensors``, ``state.json``, ``MANIFEST.json`` with every file's SHA-256, signed with the run's key when
 one is set). :func:`write_bundle_dir` writes it in a hidden temporary folder, every file fsynced, the manifest
 last, then renames it into place and fsyncs the parent: a crash leaves either the whole checkpoint or a temporary
-folder that is never read (and removed by the next :class:`trainer.checkpoint.Checkpointer` on that folder).
+folder that is never read (and removed by the next :class:`syncd.trainer.checkpoint.Checkpointer` on that folder).
 :func:`newest_checkpoint` walks the folder from the newest step down, verifies each candidate completely (the
 manifest, every file's size and hash, the safetensors and JSON parse) and returns the first that passes; a torn or
 corrupt one is skipped with a warning that names the file and the reason. Nothing is loaded into a model until the
-whole checkpoint verified: no half states. :mod:`trainer.checkpoint` re-exports these names.
+whole checkpoint verified: no half states. :mod:`syncd.trainer.checkpoint` re-exports these names.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.ckpt_format import (MANIFEST, Bundle, StateError, encode_manifest, load_bundle, read_dir, unflatten,
+from syncd.trainer.ckpt_format import (MANIFEST, Bundle, StateError, encode_manifest, load_bundle, read_dir, unflatten,
                                  write_safetensors)
 
 log = logging.getLogger(__name__)

@@ -43,7 +43,7 @@ from syncd import jsonsafe
 from syncd.errors import SyncdError
 from syncd.manifest import now_rfc3339
 from syncd.signing import check_signature, resolve_key, signature_for
-from trainer.safetensors_view import SAFETENSORS_DTYPES, view_safetensors
+from syncd.trainer.safetensors_view import SAFETENSORS_DTYPES, view_safetensors
 
 __all__ = ["StateError", "FORMAT", "MANIFEST", "flatten", "unflatten", "safetensors_header", "write_safetensors",
            "Bundle", "encode_manifest", "parse_manifest", "read_frame", "frame_prefix", "load_bundle",
@@ -160,7 +160,7 @@ def unflatten(skeleton, tensors: dict[str, torch.Tensor], *, where: str = "state
 
 def _file_order(tensors: dict[str, torch.Tensor]) -> list[str]:
     """Wider elements first, then by name: every tensor starts aligned to its element size, so a reader can view
-    it in place (:mod:`trainer.safetensors_view`)."""
+    it in place (:mod:`syncd.trainer.safetensors_view`)."""
     return sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
 
 
@@ -374,7 +374,7 @@ def _read_verified(readinto, ent: dict, what: str) -> memoryview:
 
 def load_bundle(bundle: Bundle, *, where: str) -> tuple[dict[str, dict[str, torch.Tensor]], object]:
     """Parse a verified bundle: ``({file: {name: tensor}} for the safetensors files, state.json's document)``.
-    The safetensors files go through :func:`trainer.safetensors_view.view_safetensors` (checked; the tensors view
+    The safetensors files go through :func:`syncd.trainer.safetensors_view.view_safetensors` (checked; the tensors view
     the bundle's memory, a read-only file body is copied once first); state.json through :mod:`syncd.jsonsafe`."""
     tensors = {}
     for name, raw in bundle.files.items():

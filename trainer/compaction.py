@@ -1,8 +1,8 @@
-"""Training samples from self-compacted trajectories (the proxy side is ``engine.proxy.compaction``).
+"""Training samples from self-compacted trajectories (the proxy side is ``syncd.engine.proxy.compaction``).
 
 A compacted request is recorded as segments, one turn each: *generate* (context ``C``, output ``O``),
 *summary* (prompt ``C + O + summary prompt``, the model's summary ``S``) and *continuation* (prompt
-``head + resume + S + continue``, output ``O'``), and so on. :func:`trainer.rollouts.read_rollouts` already
+``head + resume + S + continue``, output ``O'``), and so on. :func:`syncd.trainer.rollouts.read_rollouts` already
 joins each turn with its replay records (versions, log-probs, kept sets, routes) and merges a turn into the
 sequence before it when its prompt extends that sequence: a summary extends its generate (or continuation)
 segment, a continuation starts a new sequence. So a compacted trajectory reads back as one sequence per
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.rollouts import Rollout, RolloutSequence
+from syncd.trainer.rollouts import Rollout, RolloutSequence
 
 __all__ = ["TrainingSample", "training_samples", "prefix_consistent", "sequence_rewards"]
 

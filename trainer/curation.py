@@ -11,7 +11,7 @@ keeps, per task id, the outcomes of its recent attempts (a sample is *solved* wh
 * ``too_hard`` when it puts at least ``confidence`` below the band's bottom (never-solved tasks),
 * kept otherwise -- an unseen or uncertain task is kept, so it gets attempts that decide it.
 
-:class:`CuratedTask` applies the filter to the loop's task sampler: it wraps a :class:`trainer.tasks.Task`
+:class:`CuratedTask` applies the filter to the loop's task sampler: it wraps a :class:`syncd.trainer.tasks.Task`
 over a finite pool of its items (``pool`` item indices). Draw ``index`` maps to an item as a pure function of
 the index and the current estimates (:meth:`CuratedTask.item`), so the rollout workers' per-index seeds stay
 reproducible whatever thread draws. The rollout workers record a group's rewards (:meth:`CuratedTask.observe`)
@@ -32,7 +32,7 @@ import threading
 from collections import Counter, deque
 from dataclasses import dataclass
 
-from trainer.tasks import Sample, Task, TaskItem
+from syncd.trainer.tasks import Sample, Task, TaskItem
 
 __all__ = ["CurationConfig", "Curator", "CuratedTask", "Estimate", "CurationExhausted", "KEPT", "TOO_EASY",
            "TOO_HARD", "beta_tail"]

@@ -1,7 +1,7 @@
 """Data parallelism and determinism for the thin trainer, over ``torch.distributed``.
 
 :class:`DataParallel` joins the process group named by the usual variables (``RANK``, ``WORLD_SIZE``,
-``MASTER_ADDR``, ``MASTER_PORT``, as ``torchrun`` or ``trainer.run --nproc`` set them): gloo on the CPU, NCCL
+``MASTER_ADDR``, ``MASTER_PORT``, as ``torchrun`` or ``syncd.trainer.run --nproc`` set them): gloo on the CPU, NCCL
 on CUDA. One process (``WORLD_SIZE`` unset or 1) needs no process group. Every rank holds the whole model and
 takes the same optimizer steps; :meth:`DataParallel.all_reduce_grads` sums the gradients in a fixed order: one
 flat buffer in the model's parameter order (its layout never changes), one all-reduce, copied back. Losses are
@@ -61,7 +61,7 @@ def weights_digest(model: torch.nn.Module) -> str:
 
 def flat_grads(params) -> torch.Tensor:
     """Every parameter's gradient in one float32 buffer, in parameter order (a missing one as zeros): the fixed
-    reduction layout both data-parallel engines (``DataParallel``, ``trainer.elastic.ElasticDP``) sum."""
+    reduction layout both data-parallel engines (``DataParallel``, ``syncd.trainer.elastic.ElasticDP``) sum."""
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params])
 
 

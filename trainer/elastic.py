@@ -29,7 +29,7 @@ The lighthouse is torchft's console script (``torchft_lighthouse --min_replicas 
   same plan on the next quorum.
 * The group's own TCPStore (the Manager connects to one as a client), replica id ``group_<i>`` (torchft appends a
   fresh uuid on every start, so a restarted group is a new member), and the healing transport
-  (:class:`trainer.heal.VerifiedTransport`).
+  (:class:`syncd.trainer.heal.VerifiedTransport`).
 
 :meth:`set_step` tells torchft the step a group restored from its checkpoint (or its peers' replicas), so that a
 group at the others' step does not heal at all and one behind heals from a live peer.
@@ -167,7 +167,7 @@ class ElasticDP:
         peer's failure the gradients are garbage and :meth:`commit` returns False."""
         from torch.distributed import ReduceOp
 
-        from trainer.dist import flat_grads, set_grads
+        from syncd.trainer.dist import flat_grads, set_grads
 
         flat = flat_grads(params)
         self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()

@@ -1,13 +1,13 @@
-"""The thin trainer as an elastic job: one process per replica group on torchft (``trainer.elastic``).
+"""The thin trainer as an elastic job: one process per replica group on torchft (``syncd.trainer.elastic``).
 
     torchft_lighthouse --min_replicas 1 --bind HOST:PORT --join_timeout_ms 1000 --heartbeat_timeout_ms 5000
-    python -m trainer.run ... --lighthouse http://HOST:PORT --replica-groups 3 --replica-group I \\
+    python -m syncd.trainer.run ... --lighthouse http://HOST:PORT --replica-groups 3 --replica-group I \\
         --min-replicas 2 --checkpoint-dir /local/ckpt --out OUT       # for I = 0, 1, 2; restart a dead one as is
 
 A step: the group fetches step ``N``'s plan (group 0 -- the live side: rollout workers, buffer, publisher --
-makes it and writes it to the store's plan log, :mod:`trainer.plan_log`, before anyone trains it; the others
+makes it and writes it to the store's plan log, :mod:`syncd.trainer.plan_log`, before anyone trains it; the others
 read it there; with ``--plans`` every group reads the recorded plans), joins the step's quorum (a group behind
-the others heals here from a live peer, :class:`trainer.heal.VerifiedTransport`), trains its share of the plan
+the others heals here from a live peer, :class:`syncd.trainer.heal.VerifiedTransport`), trains its share of the plan
 (group ``i`` of the plan to participant ``i % n``), sums gradients over the participants, and steps only if
 every participant voted the step whole; otherwise it retries the same plan on the next quorum. After a commit it
 checkpoints (``--checkpoint-dir``; group 0's checkpoint holds the RL state) and replicates to ``--replicas``
@@ -35,11 +35,11 @@ from pathlib import Path
 import torch
 
 from syncd.store import Store
-from trainer.checkpoint import capture_rng, restore_rng
-from trainer.dist import make_deterministic, weights_digest
-from trainer.metrics import MetricsLog
-from trainer.objective import LossConfig, policy_gradient_loss
-from trainer.optim import build_optimizer
+from syncd.trainer.checkpoint import capture_rng, restore_rng
+from syncd.trainer.dist import make_deterministic, weights_digest
+from syncd.trainer.metrics import MetricsLog
+from syncd.trainer.objective import LossConfig, policy_gradient_loss
+from syncd.trainer.optim import build_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -86,13 +86,13 @@ class _Plans:
 
 def run_elastic(cfg) -> dict:
     """Run replica group ``cfg.replica_group`` of an elastic job until ``cfg.steps`` steps are committed."""
-    from trainer.elastic import ElasticDP
-    from trainer.ft import FaultTolerance, FTConfig
-    from trainer.heal import VerifiedTransport
-    from trainer.live import LiveSide
-    from trainer.loop import _load_model, _sequences
-    from trainer.plan_log import PlanLog
-    from trainer.replicas import ReplicaServer
+    from syncd.trainer.elastic import ElasticDP
+    from syncd.trainer.ft import FaultTolerance, FTConfig
+    from syncd.trainer.heal import VerifiedTransport
+    from syncd.trainer.live import LiveSide
+    from syncd.trainer.loop import _load_model, _sequences
+    from syncd.trainer.plan_log import PlanLog
+    from syncd.trainer.replicas import ReplicaServer
 
     group, owner = cfg.replica_group, f"group-{cfg.replica_group}"
     owners = tuple(f"group-{i}" for i in range(cfg.replica_groups))

@@ -9,9 +9,9 @@ replicas, restore, and the durability gate that publishing waits on.
     ft.durable(step)                     # the step's checkpoint on disk here and offered to its k holders
 
 Layout under ``root`` (node-local disk): ``<owner>/own/step-*`` this owner's checkpoints
-(:class:`trainer.checkpoint.Checkpointer`), ``<owner>/held/<other>/step-*`` the replicas it holds for others
-(:class:`trainer.replicas.ReplicaServer`). The owner's server address goes into the store's peer directory; its
-newest durable checkpoint is pushed to the ``replicas`` holders of :func:`trainer.replicas.place_replicas`.
+(:class:`syncd.trainer.checkpoint.Checkpointer`), ``<owner>/held/<other>/step-*`` the replicas it holds for others
+(:class:`syncd.trainer.replicas.ReplicaServer`). The owner's server address goes into the store's peer directory; its
+newest durable checkpoint is pushed to the ``replicas`` holders of :func:`syncd.trainer.replicas.place_replicas`.
 
 :meth:`FaultTolerance.available` lists the steps this owner could restore (its own checkpoints that verify, and
 the steps its holders have): a plain data-parallel job restores the newest step every rank has
@@ -28,9 +28,9 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainer.checkpoint import Checkpoint, Checkpointer, list_steps, newest_checkpoint, step_dir
-from trainer.peers import PeerDirectory, Replicator, rebuild_from_peers
-from trainer.replicas import ReplicaError, ReplicaServer, list_replicas, place_replicas, write_bundle
+from syncd.trainer.checkpoint import Checkpoint, Checkpointer, list_steps, newest_checkpoint, step_dir
+from syncd.trainer.peers import PeerDirectory, Replicator, rebuild_from_peers
+from syncd.trainer.replicas import ReplicaError, ReplicaServer, list_replicas, place_replicas, write_bundle
 
 log = logging.getLogger(__name__)
 

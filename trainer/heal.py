@@ -4,9 +4,9 @@ When a replica group joins a quorum behind the others, torchft's Manager has a h
 ``send_checkpoint(dst_ranks, step, state_dict)`` and the joiner ``recv_checkpoint(src_rank, metadata, step)``
 (``torchft.checkpointing.CheckpointTransport``). torchft's own transports pickle the state (HTTPTransport
 ``torch.load(weights_only=False)``, PGTransport ``pickle.loads`` of its metadata): a peer could make the receiver
-run code. This one implements the same interface with the :mod:`trainer.ckpt_format` bundle: the state is
+run code. This one implements the same interface with the :mod:`syncd.trainer.ckpt_format` bundle: the state is
 flattened into safetensors bytes plus a JSON skeleton, framed behind a manifest with every file's SHA-256 (HMAC-
-signed with the run's key when one is set), staged on this owner's :class:`trainer.replicas.ReplicaServer`
+signed with the run's key when one is set), staged on this owner's :class:`syncd.trainer.replicas.ReplicaServer`
 (``GET /v1/heal/<step>``); the receiver checks size, signature, owner and step, and hashes before the safetensors
 library or the bounded JSON reader sees a byte. ``metadata()`` is the server's URL.
 
@@ -22,9 +22,9 @@ import json
 import logging
 from datetime import timedelta
 
-from trainer.ckpt_format import (StateError, encode_manifest, flatten, frame_prefix, load_bundle, read_frame,
+from syncd.trainer.ckpt_format import (StateError, encode_manifest, flatten, frame_prefix, load_bundle, read_frame,
                                  unflatten, write_safetensors)
-from trainer.replicas import ReplicaError, ReplicaServer, _conn
+from syncd.trainer.replicas import ReplicaError, ReplicaServer, _conn
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ __all__ = ["VerifiedTransport", "encode_state", "decode_state"]
 
 
 def encode_state(owner: str, step: int, state, *, signing_key=None) -> bytes:
-    """``state`` (any :func:`trainer.ckpt_format.flatten`-able object) as one framed bundle."""
+    """``state`` (any :func:`syncd.trainer.ckpt_format.flatten`-able object) as one framed bundle."""
     tensors, skeleton = flatten(state, "s")
     buf = io.BytesIO()
     tfile = write_safetensors(buf, tensors)

@@ -6,7 +6,7 @@ trainer rebuilds such a set from its own logits of the same position with the en
 (``syncd.ops.replay.kept_sets``, shared with the engine's sampler) and verifies the fingerprint. That is exact when
 its scaled logits are within ``delta`` of the engine's each, i.e. computed on the weights version that sampled the
 token: on-policy from the training forward itself, otherwise from a recomputation on that version
-(:func:`trainer.logprobs.resolve_kept`). A set that does not verify is never used: :class:`KeptRebuildError`, or
+(:func:`syncd.trainer.logprobs.resolve_kept`). A set that does not verify is never used: :class:`KeptRebuildError`, or
 with ``on_mismatch="drop"`` the token is marked invalid and counted.
 """
 
@@ -18,7 +18,7 @@ import torch
 
 from syncd.ops.reference.replay import kept_rows
 from syncd.ops.replay import REBUILD_OK, REBUILD_OVERLAP, rebuild_kept
-from trainer.rollouts import KeptSetError, PendingKept, RolloutError
+from syncd.trainer.rollouts import KeptSetError, PendingKept, RolloutError
 
 __all__ = ["KeptRebuildError", "FilledKept", "fill_kept"]
 
@@ -52,7 +52,7 @@ def fill_kept(ids: torch.Tensor, offsets: torch.Tensor, pending: PendingKept | N
     named in messages.
 
     Raises :class:`KeptRebuildError` for a set that does not verify (``on_mismatch="raise"``) and
-    :class:`~trainer.rollouts.KeptSetError` for a verified set without its sampled token (a bad record)."""
+    :class:`~syncd.trainer.rollouts.KeptSetError` for a verified set without its sampled token (a bad record)."""
     if on_mismatch not in ("raise", "drop"):
         raise ValueError("on_mismatch must be 'raise' or 'drop'")
     G = offsets.numel() - 1
@@ -91,7 +91,7 @@ def fill_kept(ids: torch.Tensor, offsets: torch.Tensor, pending: PendingKept | N
             f"{int(p.top[j])} ranks of these logits plus its listed ids ({what}; the logits' own margin there is "
             f"{float(rb.margin[j]):.3g}, the engine's tolerance {float(p.tolerances[j]):.3g}): these logits differ "
             "from the engine's by more than its tolerance, or are of other weights than the version that sampled "
-            "the token (rebuild from that version's logits: trainer.logprobs.resolve_kept)")
+            "the token (rebuild from that version's logits: syncd.trainer.logprobs.resolve_kept)")
     # rows that did not verify keep the target alone (valid False); the others their rebuilt set
     sizes = torch.where(ok, rb.offsets[1:] - rb.offsets[:-1], torch.ones_like(p.top))
     keep = ok[rb_rows]

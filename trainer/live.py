@@ -5,7 +5,7 @@ buffer, plans, metrics -- and the RL state that survives a restart.
 step, the trainer version, the difficulty filter's state (with curation), the rollout buffer's snapshot (the
 prompt ledger -- cursor, per-prompt consumed bits, prompts to regenerate, the in-flight request ledger -- and
 every buffered group with its per-token versions).
-:meth:`LiveSide.start` with a restored snapshot applies the buffer policy (:func:`trainer.rl_state.restore_groups`),
+:meth:`LiveSide.start` with a restored snapshot applies the buffer policy (:func:`syncd.trainer.rl_state.restore_groups`),
 closes the earlier life's trajectories still open in the proxy, and keeps the versions monotonic: the publisher
 numbers after the run's newest *valid* version, and when that is not the version the restored step had published
 (it never committed, or -- with fewer durable replicas than asked -- a newer one from a lost future exists),
@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from trainer.buffer import BufferClosed, RolloutBuffer
-from trainer.metrics import EngineWatcher, MetricsLog, read_metrics, summarize
-from trainer.objective import LossConfig, TokenRecord, step_diagnostics
+from syncd.trainer.buffer import BufferClosed, RolloutBuffer
+from syncd.trainer.metrics import EngineWatcher, MetricsLog, read_metrics, summarize
+from syncd.trainer.objective import LossConfig, TokenRecord, step_diagnostics
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def _truncate_jsonl(path: Path, keep) -> None:
 class LiveSide:
     """See the module docstring. ``resume_step``: a restored run's step; ``metrics.jsonl`` and ``plans.jsonl``
     are kept up to it (the lines of steps after it, never committed, and a torn last line removed) instead of
-    started afresh; ``commit_gate(step)``: the publisher's, see :class:`trainer.WeightPublisher`."""
+    started afresh; ``commit_gate(step)``: the publisher's, see :class:`syncd.trainer.WeightPublisher`."""
 
     def __init__(self, cfg, model, *, resume_step: int | None = None, commit_gate=None):
         self.cfg, self.model, self.commit_gate = cfg, model, commit_gate
@@ -84,10 +84,10 @@ class LiveSide:
             self._plans = [json.loads(ln) for ln in Path(cfg.plans).read_text().splitlines() if ln.strip()]
             return
         from syncd.versions import has_versions, latest_version
-        from trainer.loop import ConfigError
-        from trainer.publisher import WeightPublisher
-        from trainer.rollout_workers import ProxyError, RolloutWorkers, Sampling, proxy_models
-        from trainer.tasks import get_task, load_reward
+        from syncd.trainer.loop import ConfigError
+        from syncd.trainer.publisher import WeightPublisher
+        from syncd.trainer.rollout_workers import ProxyError, RolloutWorkers, Sampling, proxy_models
+        from syncd.trainer.tasks import get_task, load_reward
 
         try:
             names = [proxy_models(u) for u in cfg.proxies]
@@ -100,7 +100,7 @@ class LiveSide:
         task = get_task(cfg.task, length=cfg.task_length)
         reward = load_reward(cfg.reward) if cfg.reward else task.reward
         if cfg.curation is not None:
-            from trainer.curation import CuratedTask
+            from syncd.trainer.curation import CuratedTask
 
             task = self.curated = CuratedTask(task, cfg.curation)
         self.pub = WeightPublisher(cfg.store, cfg.run_id, every_k=1, full_every=cfg.full_every,
@@ -126,7 +126,7 @@ class LiveSide:
 
     def _restore(self, rl: dict, newest: int | None) -> int:
         """Apply the buffer policy to the restored RL state; returns how many groups were kept."""
-        from trainer.rl_state import restore_groups
+        from syncd.trainer.rl_state import restore_groups
 
         cfg = self.cfg
         self.step, self.version = int(rl["step"]), int(rl["version"])
@@ -259,7 +259,7 @@ class LiveSide:
         (out / "summary.json").write_text(json.dumps(read_metrics(self.metrics.path)[-1], indent=1))
         if self.cfg.plot:
             try:
-                from trainer.plots import plot_run
+                from syncd.trainer.plots import plot_run
 
                 plot_run(read_metrics(self.metrics.path), out / "run.png")
             except ImportError as exc:

@@ -12,7 +12,7 @@
   forward and then one position per forward, last-row logits only: the shapes the reference engine runs.
 
 Kept sets recorded to be rebuilt (``RolloutBatch.kept_pending``) are rebuilt from the logits each function computes
-(:func:`trainer.kept.fill_kept`): exact where those logits are of the version that sampled the token, which
+(:func:`syncd.trainer.kept.fill_kept`): exact where those logits are of the version that sampled the token, which
 :func:`sampler_logprobs` always runs and :func:`trainer_logprobs` runs when the model holds that version (on-policy).
 :func:`resolve_kept` rebuilds a batch's sets once, from the sampled versions, for a trainer a version or more ahead.
 
@@ -32,10 +32,10 @@ from typing import Callable, Mapping
 import torch
 
 from syncd.ops.replay import kept_logprobs
-from trainer.batch import RolloutBatch
-from trainer.kept import FilledKept, fill_kept
-from trainer.replay import observe_routing, routing_replay
-from trainer.rollouts import NO_VERSION, RolloutSequence
+from syncd.trainer.batch import RolloutBatch
+from syncd.trainer.kept import FilledKept, fill_kept
+from syncd.trainer.replay import observe_routing, routing_replay
+from syncd.trainer.rollouts import NO_VERSION, RolloutSequence
 
 __all__ = ["ReplayedLogprobs", "trainer_logprobs", "sampler_logprobs", "resolve_kept"]
 
@@ -95,7 +95,7 @@ def trainer_logprobs(model: torch.nn.Module, batch: RolloutBatch, *, kept: bool 
     """Log-probs of ``batch``'s generated tokens under ``model`` as it is (see the module docstring). When the
     model's logits are its lm_head of the last hidden state, only the generated tokens' rows go through the
     lm_head, and with kept-set replay its backward gets a sparse gradient (the kept entries). Kept sets to rebuild
-    are rebuilt from this forward's logits: :class:`trainer.kept.KeptRebuildError` where they do not verify (the
+    are rebuilt from this forward's logits: :class:`syncd.trainer.kept.KeptRebuildError` where they do not verify (the
     model is not the version that sampled them: :func:`resolve_kept` first), or with ``on_mismatch="drop"`` those
     tokens are marked invalid in ``kept.valid``."""
     B, T = batch.shape
@@ -176,7 +176,7 @@ def resolve_kept(model: torch.nn.Module, sequences: list[RolloutSequence], *,
     """``sequences`` with every kept set listed: those recorded to be rebuilt are rebuilt from a recomputation of
     the engine's logits (:func:`sampler_logprobs`: each position on the version it ran with, through
     ``weights_of``; the model as it is when None). For a trainer whose weights are ahead of the rollouts' versions.
-    Sequences without such sets are returned as they are. Raises :class:`trainer.kept.KeptRebuildError`."""
+    Sequences without such sets are returned as they are. Raises :class:`syncd.trainer.kept.KeptRebuildError`."""
     out = []
     for seq in sequences:
         if seq.kept_pending is None:

@@ -1,16 +1,16 @@
-"""``trainer.loop``: the thin trainer's asynchronous RL loop, built from the package's parts.
+"""``syncd.trainer.loop``: the thin trainer's asynchronous RL loop, built from the package's parts.
 
-Every rank (``trainer.dist.DataParallel``) holds the model and its optimizer (``trainer.optim``). Rank 0 also
-runs the live side: it publishes the initial weights as version 0 (``trainer.WeightPublisher``), starts the
-rollout workers (``trainer.rollout_workers``: each task item's prompt ``G`` times through the sandbox proxy in
+Every rank (``syncd.trainer.dist.DataParallel``) holds the model and its optimizer (``syncd.trainer.optim``). Rank 0 also
+runs the live side: it publishes the initial weights as version 0 (``syncd.trainer.WeightPublisher``), starts the
+rollout workers (``syncd.trainer.rollout_workers``: each task item's prompt ``G`` times through the sandbox proxy in
 front of the Dynamo frontend, records back through the store), and fills the rollout buffer
-(``trainer.buffer``, staleness bound ``max_lag``). A step:
+(``syncd.trainer.buffer``, staleness bound ``max_lag``). A step:
 
 1. rank 0 takes ``groups_per_step`` groups within the bound (waiting for them) and makes the step's **plan**:
    the trajectories, their rewards and the weight versions their tokens came from; the plan is recorded
    (``plans.jsonl``) and sent to every rank;
 2. each rank takes its share of the groups (group ``i`` to rank ``i % world``), reads their rollouts from the
-   store, and accumulates the policy-gradient loss of ``trainer.objective`` (replayed log-probs, importance
+   store, and accumulates the policy-gradient loss of ``syncd.trainer.objective`` (replayed log-probs, importance
    correction) normalised by the step's global token count;
 3. gradients are summed in a fixed order (one flat buffer), clipped by global norm, and every rank steps;
 4. every ``every_k`` steps rank 0 publishes a version; the node daemon brings the engines to it while they
@@ -23,16 +23,16 @@ is published may still be generated on ``v - 1`` while the daemon applies ``v``,
 ``sync=True`` is the baseline: generate a step's groups on the newest version (once the daemon status says
 every engine serves it), then train, then publish. ``plans=`` trains offline on the plans an earlier run
 recorded: the same rollouts, so the same seed ends with bit-identical weights (deterministic algorithms, fixed
-reduction order, fixed thread count; ``trainer.dist.make_deterministic``).
+reduction order, fixed thread count; ``syncd.trainer.dist.make_deterministic``).
 
-Outputs in ``out`` (replaced when there from an earlier run): ``metrics.jsonl`` (``trainer.metrics``), ``plans.jsonl``, ``summary.json``, ``run.png``
-(``trainer.plots``) and, with ``save_weights``, ``weights.safetensors`` (float32).
+Outputs in ``out`` (replaced when there from an earlier run): ``metrics.jsonl`` (``syncd.trainer.metrics``), ``plans.jsonl``, ``summary.json``, ``run.png``
+(``syncd.trainer.plots``) and, with ``save_weights``, ``weights.safetensors`` (float32).
 
 Fault tolerance (``docs/trainer.md``): with ``checkpoint_dir`` every rank checkpoints every step in the
-background (``trainer.checkpoint``; rank 0's holds the RL state of ``trainer.live``), replicated to ``replicas``
-peers on other nodes (``trainer.replicas``, ``trainer.peers``), and publishing waits until a step's checkpoint is durable;
+background (``syncd.trainer.checkpoint``; rank 0's holds the RL state of ``syncd.trainer.live``), replicated to ``replicas``
+peers on other nodes (``syncd.trainer.replicas``, ``syncd.trainer.peers``), and publishing waits until a step's checkpoint is durable;
 ``resume`` continues a killed run from the newest step every rank can restore (local, else peers' replicas).
-With ``lighthouse`` the job is elastic (``trainer.elastic_loop``): one process per replica group, a per-step
+With ``lighthouse`` the job is elastic (``syncd.trainer.elastic_loop``): one process per replica group, a per-step
 quorum on torchft, groups leaving and rejoining without a restart.
 """
 
@@ -46,13 +46,13 @@ from pathlib import Path
 import torch
 
 from syncd.store import Store
-from trainer.buffer import group_advantages
-from trainer.checkpoint import agreed_step, agreement
-from trainer.compaction import sequence_rewards
-from trainer.dist import DataParallel, make_deterministic, weights_digest
-from trainer.objective import LossConfig, policy_gradient_loss
-from trainer.optim import build_optimizer
-from trainer.rollouts import read_rollouts
+from syncd.trainer.buffer import group_advantages
+from syncd.trainer.checkpoint import agreed_step, agreement
+from syncd.trainer.compaction import sequence_rewards
+from syncd.trainer.dist import DataParallel, make_deterministic, weights_digest
+from syncd.trainer.objective import LossConfig, policy_gradient_loss
+from syncd.trainer.optim import build_optimizer
+from syncd.trainer.rollouts import read_rollouts
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class LoopConfig:
-    """What :func:`run_loop` runs (``python -m trainer.run --help`` describes each as its flag)."""
+    """What :func:`run_loop` runs (``python -m syncd.trainer.run --help`` describes each as its flag)."""
 
     model: str
     store: str
@@ -120,13 +120,13 @@ class LoopConfig:
     replica_groups: int = 1
     min_replicas: int = 1
     ft_timeout_s: float = 30.0
-    curation: object | None = None  # a trainer.curation.CurationConfig: the difficulty filter on the task sampler
+    curation: object | None = None  # a syncd.trainer.curation.CurationConfig: the difficulty filter on the task sampler
 
     def check(self) -> None:
         """Raise :class:`ConfigError` naming the flag of the first bad setting."""
-        from trainer.optim import OPTIMIZERS
-        from trainer.shard_writer import delta_formats
-        from trainer.tasks import get_task
+        from syncd.trainer.optim import OPTIMIZERS
+        from syncd.trainer.shard_writer import delta_formats
+        from syncd.trainer.tasks import get_task
 
         rules = [(self.every_k >= 1, "--every-k", f"K must be >= 1, got {self.every_k}"),
                  (self.max_lag >= 0, "--max-lag", f"the staleness bound eta must be >= 0, got {self.max_lag}"),
@@ -195,10 +195,10 @@ def run_loop(cfg: LoopConfig) -> dict:
     :class:`ConfigError` for a bad configuration and RuntimeError when the run cannot go on."""
     cfg.check()
     if cfg.lighthouse:
-        from trainer.elastic_loop import run_elastic
+        from syncd.trainer.elastic_loop import run_elastic
 
         return run_elastic(cfg)
-    from trainer.live import LiveSide
+    from syncd.trainer.live import LiveSide
 
     dp = DataParallel()
     make_deterministic(cfg.seed, cfg.threads)
@@ -282,7 +282,7 @@ def _fault_tolerance(cfg: LoopConfig, dp: DataParallel, model, opt):
     checkpoints and replica server; with ``resume``, the newest step every rank can restore, applied."""
     if cfg.checkpoint_dir is None:
         return None, None
-    from trainer.ft import FaultTolerance, FTConfig, agree_step, default_node
+    from syncd.trainer.ft import FaultTolerance, FTConfig, agree_step, default_node
 
     node = cfg.node.replace("{rank}", str(dp.rank)) if cfg.node else default_node()
     nodes = dp.broadcast(dp.gather(node))

@@ -5,7 +5,7 @@ Kinds (written by rank 0):
 * ``start``: the configuration;
 * ``step``: one per optimizer step: ``step``, ``version`` (the trainer's, that the staleness is measured
   against), ``reward_mean``, ``reward_std`` (mean within-group std), ``reward_min``/``max``,
-  ``zero_std_groups``, ``loss``, the mismatch and correction diagnostics of :func:`trainer.objective.step_diagnostics`
+  ``zero_std_groups``, ``loss``, the mismatch and correction diagnostics of :func:`syncd.trainer.objective.step_diagnostics`
   (``is_mean``, ``is_outside``, ``kl_k3``, ``staleness_mean``/``max``/``counts``, ...), ``tokens`` (trained),
   ``trainer_tokens_per_s`` (trained tokens over the step's compute time), ``rollout_tokens_per_s`` (tokens the
   rollout workers produced since the previous step over the time since), ``wait_s`` (waiting for rollouts),

@@ -1,13 +1,13 @@
 """The policy-gradient loss of the thin trainer, with replayed log-probabilities and importance correction.
 
 For the generated tokens ``i`` of a batch, with ``log pi_i`` the trainer's log-prob under its current weights
-(:func:`trainer.logprobs.trainer_logprobs`: kept-set replay, and routing replay for MoE models), ``log mu_i``
+(:func:`syncd.trainer.logprobs.trainer_logprobs`: kept-set replay, and routing replay for MoE models), ``log mu_i``
 the engine's (recorded with the token; sampled with weights of an older version when the rollout is stale) and
-``A_i`` the advantage of the token's sequence (:func:`trainer.buffer.group_advantages`)::
+``A_i`` the advantage of the token's sequence (:func:`syncd.trainer.buffer.group_advantages`)::
 
     loss = -sum_i w_i * A_i * log pi_i / N        w_i = correction weight of r_i = pi_i / mu_i (detached)
 
-``w_i`` comes from :func:`trainer.correction.correct`: by default token-level truncated importance sampling,
+``w_i`` comes from :func:`syncd.trainer.correction.correct`: by default token-level truncated importance sampling,
 ``min(r_i, C)`` with ``C = 2`` (``is_cap``); ``is_band`` masks tokens whose ratio is outside a band and
 ``is_seq_band`` rejects whole sequences by their geometric-mean ratio. ``N`` is the number of generated tokens
 of the whole step, over every data-parallel rank, so that the ranks' summed gradients are the gradient of the
@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer import correction as C
-from trainer.batch import collate
-from trainer.logprobs import trainer_logprobs
+from syncd.trainer import correction as C
+from syncd.trainer.batch import collate
+from syncd.trainer.logprobs import trainer_logprobs
 
 __all__ = ["LossConfig", "TokenRecord", "policy_gradient_loss", "step_diagnostics"]
 

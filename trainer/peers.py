@@ -1,5 +1,5 @@
 """Where every owner's replica server is, the replicator that keeps its holders up to date, and the rebuild of a
-lost owner from them (the transport and the server are :mod:`trainer.replicas`).
+lost owner from them (the transport and the server are :mod:`syncd.trainer.replicas`).
 
 * :class:`PeerDirectory` keeps ``{owner: {"url", "node"}}`` in the store (``runs/<run>/trainer/peers/<owner>.json``);
   a restarted owner announces its new address, and a reader treats the entries as hostile (bounded JSON; the data
@@ -22,8 +22,8 @@ from pathlib import Path
 
 from syncd import jsonsafe
 from syncd import manifest as mf
-from trainer.ckpt_format import StateError, check_owner
-from trainer.replicas import ReplicaError, fetch_checkpoint, list_replicas, push_replica
+from syncd.trainer.ckpt_format import StateError, check_owner
+from syncd.trainer.replicas import ReplicaError, fetch_checkpoint, list_replicas, push_replica
 
 log = logging.getLogger(__name__)
 

@@ -55,8 +55,8 @@ from syncd.errors import ObjectExists, ObjectNotFound, PublishError, StoreError,
 from syncd.retention import RetentionPolicy, apply_retention
 from syncd.signing import resolve_key
 from syncd.store import Store
-from trainer.shard_writer import ShardWriter, delta_formats
-from trainer.version_numbers import Squatted, free_number, newest_valid, usable
+from syncd.trainer.shard_writer import ShardWriter, delta_formats
+from syncd.trainer.version_numbers import Squatted, free_number, newest_valid, usable
 
 log = logging.getLogger(__name__)
 

@@ -9,20 +9,20 @@ death never takes a checkpoint together with all its replicas (``k >= 1``), and 
 replicas. ``k`` larger than the number of other nodes is a configuration error.
 
 **Transport**: every owner runs a :class:`ReplicaServer` (stdlib ``ThreadingHTTPServer``, bound where
-``host`` says; loopback by default). A replica moves as one framed :mod:`trainer.ckpt_format` bundle: the
+``host`` says; loopback by default). A replica moves as one framed :mod:`syncd.trainer.ckpt_format` bundle: the
 manifest (each file's size and SHA-256, HMAC-signed with the run's key when one is set), then the raw file bytes.
 ``PUT /v1/replicas/<owner>/<step>`` stores one (:func:`push_replica`): the holder checks the manifest, streams the
 files into a temporary folder while hashing them, and renames the folder into place only if every hash matched;
 it keeps the newest ``keep`` steps per owner. ``GET /v1/replicas/<owner>`` lists the steps held,
 ``GET /v1/replicas/<owner>/<step>`` sends one back, checked again by :func:`fetch_replica` before it lands in the
-owner's own checkpoint folder. ``GET /v1/heal/<step>`` serves the state staged by :class:`trainer.heal.VerifiedTransport`.
+owner's own checkpoint folder. ``GET /v1/heal/<step>`` serves the state staged by :class:`syncd.trainer.heal.VerifiedTransport`.
 Why not torchft's own checkpoint transports: both unpickle what they receive (``torch.load(weights_only=False)``,
 ``pickle.loads`` of the metadata), HTTPTransport serves live tensors by reference, and PGTransport needs the peer
 in lockstep on the training process group with fixed tags; the same bundle format is used for their job
-(``trainer.heal``) so only hash-checked safetensors and bounded JSON are ever parsed.
+(``syncd.trainer.heal``) so only hash-checked safetensors and bounded JSON are ever parsed.
 
 Where the peers are, the replicator that pushes every durable checkpoint, and the rebuild of a lost owner from
-its holders are in :mod:`trainer.peers`.
+its holders are in :mod:`syncd.trainer.peers`.
 
 Thread-safety: the server's handlers run on their own threads; the functions are stateless.
 """
@@ -42,8 +42,8 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from syncd import jsonsafe
-from trainer.checkpoint import list_steps, parse_checkpoint, step_dir
-from trainer.ckpt_format import MANIFEST, StateError, check_owner, frame_prefix, read_frame
+from syncd.trainer.checkpoint import list_steps, parse_checkpoint, step_dir
+from syncd.trainer.ckpt_format import MANIFEST, StateError, check_owner, frame_prefix, read_frame
 
 log = logging.getLogger(__name__)
 

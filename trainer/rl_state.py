@@ -26,7 +26,7 @@ too; an in-flight group whose records all made it to the store before the crash 
 are regenerated (their open trajectories closed by the caller). Buffered rollouts are never silently dropped on
 resume (the OpenRLHF 1322 bug).
 
-Not thread-safe by itself: :class:`trainer.buffer.RolloutBuffer` calls it under its lock.
+Not thread-safe by itself: :class:`syncd.trainer.buffer.RolloutBuffer` calls it under its lock.
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@ trajectory (``X-Syncd-Trajectory``), with the sampling of the config (temperatur
 of the run's seed, ``i`` and the sample number. It scores each completion text with the reward function (the
 sandbox's view of the answer), finishes each trajectory with ``{"task", "item", "sample", "reward", ...}`` as
 its metadata (so the store holds the reward with the record), and reads the group back with
-:func:`trainer.rollouts.read_rollouts`, waiting up to ``record_timeout_s`` for the engines' replay records, which
+:func:`syncd.trainer.rollouts.read_rollouts`, waiting up to ``record_timeout_s`` for the engines' replay records, which
 they write in the background once a request ends. The group (rewards, versions of its tokens) goes into the
-:class:`~trainer.buffer.RolloutBuffer`.
+:class:`~syncd.trainer.buffer.RolloutBuffer`.
 
 Which prompt comes next is the buffer's prompt ledger's answer (:meth:`RolloutBuffer.next_prompt`): a prompt
 whose group was dropped (stale or failed) is regenerated before a fresh one, as attempt 1, 2, ... (its
@@ -26,7 +26,7 @@ the group is dropped whole (its trajectories still open in the proxy are finishe
 logged, counted by kind in :attr:`RolloutWorkers.failures`, its prompt queued to be regenerated and its credit
 given back, and the worker goes on after a backoff -- except for an error marked ``fatal`` (an exhausted curation
 pool), which stops the workers and closes the buffer, so the trainer's wait ends with the cause in
-:meth:`RolloutWorkers.stats`. A task with an ``observe`` method (:class:`trainer.curation.CuratedTask`) is told each
+:meth:`RolloutWorkers.stats`. A task with an ``observe`` method (:class:`syncd.trainer.curation.CuratedTask`) is told each
 group's rewards once the group is in the buffer. Records are trusted only after ``read_rollouts`` checked them.
 
 Thread-safety: :meth:`allow`, :meth:`stats` and :meth:`stop` from any thread; ``reward`` is called from the worker
@@ -50,9 +50,9 @@ from urllib.parse import urlsplit
 from syncd.errors import ObjectNotFound
 from syncd.store import Store
 from syncd.supervise import Failures
-from trainer.buffer import Group, RolloutBuffer
-from trainer.rollouts import MissingReplayError, RolloutError, read_rollouts
-from trainer.tasks import RewardFn, Sample, Task, TaskItem
+from syncd.trainer.buffer import Group, RolloutBuffer
+from syncd.trainer.rollouts import MissingReplayError, RolloutError, read_rollouts
+from syncd.trainer.tasks import RewardFn, Sample, Task, TaskItem
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +210,7 @@ class RolloutWorkers:
                 kind = getattr(exc, "kind", "task")
                 self.failures(kind)
                 self.last_error = f"group {index}: {type(exc).__name__}: {exc}"
-                if getattr(exc, "fatal", False):  # no retry can succeed (trainer.curation.CurationExhausted)
+                if getattr(exc, "fatal", False):  # no retry can succeed (syncd.trainer.curation.CurationExhausted)
                     log.error("rollout %s failure, the workers stop: %s", kind, self.last_error)
                     self._stop.set()
                     self.buffer.close()  # the trainer's take() raises BufferClosed; stats() name the cause
@@ -229,7 +229,7 @@ class RolloutWorkers:
                 self.groups += 1
                 self.tokens += group.tokens
             self.buffer.put(group)
-            observe = getattr(self.task, "observe", None)  # trainer.curation.CuratedTask: only groups buffered
+            observe = getattr(self.task, "observe", None)  # syncd.trainer.curation.CuratedTask: only groups buffered
             if observe is not None:
                 try:
                     observe(group.item, group.rewards)
@@ -390,7 +390,7 @@ def _token_versions(ro) -> list[int]:
 
 def _make_group(index, item, ids, rewards, rollouts, counted, version, requested_at, finished_at) -> Group:
     """A group from its read-back rollouts (one sequence each, or one per context window for a compacted request,
-    ``engine.proxy.compaction``; ``counted``: the token counts the responses reported, checked when given: equal,
+    ``syncd.engine.proxy.compaction``; ``counted``: the token counts the responses reported, checked when given: equal,
     or at most the recorded ones when compacted)."""
     versions: dict[int, int] = {}
     tokens, per_token = 0, []

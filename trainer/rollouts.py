@@ -12,7 +12,7 @@ several writers and segments: a segment's tokens are the records of the engine r
 segment (``position - index`` equals the segment's first position; a killed worker's extra tokens are ignored).
 Every generated token must have its record, agreeing with the trajectory on token id, weight version and
 log-probability; its kept set must contain it (a set recorded to be rebuilt from the trainer's logits is checked when
-it is rebuilt, :mod:`trainer.kept`); MoE routes must fit the model (ids ``< E``, distinct per position);
+it is rebuilt, :mod:`syncd.trainer.kept`); MoE routes must fit the model (ids ``< E``, distinct per position);
 segments must follow each other without a gap. Otherwise a named :class:`RolloutError` is raised (or, with
 ``on_error="drop"``, the trajectory is dropped and counted by reason): never a silent zero.
 
@@ -84,7 +84,7 @@ class PendingKept:
     tokens: ``rows`` (int64 ``[R]``, indices into the generated tokens, i.e. rows of the kept-set CSR, where those
     rows are still empty), each set the first ``top`` ranks of the sampling logits and the ``extra_ids`` (CSR
     ``extra_offsets``), verified by ``fingerprints``; ``tolerances``: the engines' ``delta``. Rebuilt by
-    :func:`trainer.kept.fill_kept`."""
+    :func:`syncd.trainer.kept.fill_kept`."""
 
     rows: torch.Tensor
     top: torch.Tensor
@@ -132,7 +132,7 @@ class RolloutSequence:
     rows of the kept sets (CSR ``kept_ids``/``kept_offsets``, ascending ids); ``row_versions``: the version the
     engine ran each position with (:data:`NO_VERSION` where it never ran); ``routes``: ``[T, L, k]`` or None for a
     dense model. ``kept_pending``: the kept sets recorded to be rebuilt from logits (their CSR rows are empty until
-    then; :mod:`trainer.kept`), None when every set was listed."""
+    then; :mod:`syncd.trainer.kept`), None when every set was listed."""
 
     tokens: torch.Tensor
     loss_mask: torch.Tensor
@@ -163,7 +163,7 @@ class Rollout:
     status: str
     metadata: dict
     sequences: list[RolloutSequence]
-    #: turn index -> the turn's ``compaction`` member, for the segments of compacted requests (trainer.compaction)
+    #: turn index -> the turn's ``compaction`` member, for the segments of compacted requests (syncd.trainer.compaction)
     compaction: dict = field(default_factory=dict)
 
 

@@ -1,9 +1,9 @@
-"""``python -m trainer.run`` (also ``syncd train`` and ``syncd-train``): the thin trainer's asynchronous RL run.
+"""``python -m syncd.trainer.run`` (also ``syncd train`` and ``syncd-train``): the thin trainer's asynchronous RL run.
 
-    python -m trainer.run --model DIR --store URL --run-id RUN --proxy URL [--proxy URL ...] --out DIR
+    python -m syncd.trainer.run --model DIR --store URL --run-id RUN --proxy URL [--proxy URL ...] --out DIR
                           [--task repeat] [--steps 30] [--group-size 8] [--groups-per-step 4] [--every-k 1]
                           [--max-lag 2] [--optimizer adamw|muon] [--nproc 2] [--daemon-status FILE] [--sync]
-    python -m trainer.run --model DIR --store URL --run-id RUN --plans OLD/plans.jsonl --out DIR   # offline
+    python -m syncd.trainer.run --model DIR --store URL --run-id RUN --plans OLD/plans.jsonl --out DIR   # offline
 
 It trains against engines that something else runs: ``syncd serve`` (the Dynamo frontend and workers, started
 with ``--weights-version 0 --replay-store URL --run-id RUN`` on the same model folder), the node daemon
@@ -31,7 +31,7 @@ import time
 
 __all__ = ["main", "parser", "config_from_args"]
 
-log = logging.getLogger("trainer.run")
+log = logging.getLogger("syncd.trainer.run")
 
 
 def _band(text: str) -> tuple[float, float]:
@@ -43,20 +43,20 @@ def _band(text: str) -> tuple[float, float]:
 
 
 def parser() -> argparse.ArgumentParser:
-    from trainer.tasks import DEFAULT_TASK, TASKS
+    from syncd.trainer.tasks import DEFAULT_TASK, TASKS
 
     env = os.environ.get
-    p = argparse.ArgumentParser(prog="python -m trainer.run", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m syncd.trainer.run", description=__doc__.split("\n\n")[0])
     a = p.add_argument
     a("--model", required=True, help="the model folder the engines serve as version 0 (config.json, weights)")
     a("--store", default=env("SYNCD_STORE"), help="store URL for versions and records [SYNCD_STORE]")
     a("--run-id", default=env("SYNCD_RUN_ID"), help="run id of versions, replay and trajectory records [SYNCD_RUN_ID]")
     a("--proxy", action="append", default=[], metavar="URL", help="sandbox proxy in front of the frontend (repeat)")
     a("--out", required=True, help="folder for metrics.jsonl, plans.jsonl, summary.json, run.png")
-    a("--task", default=DEFAULT_TASK, help=f"one of {', '.join(sorted(TASKS))} (trainer.tasks)")
+    a("--task", default=DEFAULT_TASK, help=f"one of {', '.join(sorted(TASKS))} (syncd.trainer.tasks)")
     a("--task-length", type=int, default=8, help="answer length in tokens")
     a("--reward", default=None, metavar="MODULE:ATTR",
-      help="reward function replacing the task's (trainer.tasks.Sample -> float)")
+      help="reward function replacing the task's (syncd.trainer.tasks.Sample -> float)")
     a("--steps", type=int, default=30, help="optimizer steps")
     a("--group-size", type=int, default=8, help="G: samples per prompt")
     a("--groups-per-step", type=int, default=4, help="prompts (groups) per step")
@@ -76,7 +76,7 @@ def parser() -> argparse.ArgumentParser:
     a("--is-band", type=_band, default=None, metavar="LOW,HIGH", help="mask tokens whose IS ratio is outside")
     a("--is-seq-band", type=_band, default=None, metavar="LOW,HIGH", help="reject sequences by geometric-mean ratio")
     a("--curate", type=_band, default=None, metavar="LOW,HIGH",
-      help="difficulty filter: keep task items whose solve rate is inside LOW,HIGH (trainer.curation)")
+      help="difficulty filter: keep task items whose solve rate is inside LOW,HIGH (syncd.trainer.curation)")
     a("--curate-pool", type=int, default=64, help="task items the filter estimates (with --curate)")
     a("--curate-confidence", type=float, default=0.9,
       help="posterior mass outside the band that drops an item (with --curate)")
@@ -126,8 +126,8 @@ def parser() -> argparse.ArgumentParser:
 def _curation(args):
     if args.curate is None:
         return None
-    from trainer.curation import CurationConfig
-    from trainer.loop import ConfigError
+    from syncd.trainer.curation import CurationConfig
+    from syncd.trainer.loop import ConfigError
 
     try:
         return CurationConfig(band=args.curate, pool=args.curate_pool, confidence=args.curate_confidence)
@@ -136,7 +136,7 @@ def _curation(args):
 
 
 def _delta_format(text: str) -> int:
-    from trainer.loop import ConfigError
+    from syncd.trainer.loop import ConfigError
 
     if text.strip() not in ("1", "2"):
         raise ConfigError(f"--delta-format (or SYNCD_DELTA_FORMAT): must be 1 or 2, got {text!r}")
@@ -144,8 +144,8 @@ def _delta_format(text: str) -> int:
 
 
 def config_from_args(args):
-    """The :class:`~trainer.loop.LoopConfig` of parsed flags. Raises ConfigError naming a bad flag."""
-    from trainer.loop import LoopConfig
+    """The :class:`~syncd.trainer.loop.LoopConfig` of parsed flags. Raises ConfigError naming a bad flag."""
+    from syncd.trainer.loop import LoopConfig
 
     return LoopConfig(
         model=args.model, store=args.store, run_id=args.run_id, out=args.out, proxies=tuple(args.proxy),
@@ -166,7 +166,7 @@ def config_from_args(args):
 
 def _preflight(cfg) -> None:
     """What rank 0 checks before any rank starts (ConfigError naming the flag)."""
-    from trainer.loop import ConfigError
+    from syncd.trainer.loop import ConfigError
 
     for flag, var, value in (("--store", "SYNCD_STORE", cfg.store), ("--run-id", "SYNCD_RUN_ID", cfg.run_id)):
         if not value:
@@ -174,7 +174,7 @@ def _preflight(cfg) -> None:
     cfg.check()
     if cfg.plans:
         return
-    from trainer.rollout_workers import ProxyError, Sampling, proxy_models
+    from syncd.trainer.rollout_workers import ProxyError, Sampling, proxy_models
 
     try:
         Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
@@ -202,7 +202,7 @@ def _launch(argv: list[str], nproc: int) -> int:
     """Rank 0 here, ranks 1..N-1 as processes of this module; a rank that fails stops the others."""
     port = str(_free_port())
     base = dict(os.environ, WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    children = [subprocess.Popen([sys.executable, "-m", "trainer.run", *argv],
+    children = [subprocess.Popen([sys.executable, "-m", "syncd.trainer.run", *argv],
                                  env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}, start_new_session=True)
                 for r in range(1, nproc)]
     os.environ.update(WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", LOCAL_RANK="0")
@@ -212,7 +212,7 @@ def _launch(argv: list[str], nproc: int) -> int:
         while not done.wait(0.5):
             for r, c in enumerate(children, 1):
                 if c.poll() not in (None, 0):
-                    print(f"trainer.run: rank {r} exited with {_exit_status(c.returncode)}; stopping the run",
+                    print(f"syncd.trainer.run: rank {r} exited with {_exit_status(c.returncode)}; stopping the run",
                           file=sys.stderr, flush=True)
                     for other in children:
                         if other.poll() is None:
@@ -232,7 +232,7 @@ def _launch(argv: list[str], nproc: int) -> int:
                 c.wait()
     failed = [(r, c.returncode) for r, c in enumerate(children, 1) if c.returncode]
     for r, status in failed:  # seen after rank 0 returned (a rank that died earlier stopped the run above)
-        print(f"trainer.run: rank {r} exited with {_exit_status(status)}", file=sys.stderr, flush=True)
+        print(f"syncd.trainer.run: rank {r} exited with {_exit_status(status)}", file=sys.stderr, flush=True)
     return rc or (1 if failed else 0)
 
 
@@ -248,16 +248,16 @@ def _exit_status(returncode: int) -> str:
 
 def _run_rank(argv: list[str]) -> int:
     from syncd.errors import SyncdError
-    from trainer.loop import ConfigError, run_loop
+    from syncd.trainer.loop import ConfigError, run_loop
 
     args = parser().parse_args(argv)
     try:
         summary = run_loop(config_from_args(args))
     except ConfigError as exc:
-        print(f"trainer.run: {exc}", file=sys.stderr)
+        print(f"syncd.trainer.run: {exc}", file=sys.stderr)
         return 2
     except (RuntimeError, SyncdError, OSError, TimeoutError) as exc:
-        print(f"trainer.run: rank {os.environ.get('RANK', '0')}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"syncd.trainer.run: rank {os.environ.get('RANK', '0')}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     if os.environ.get("RANK", "0") == "0" or args.lighthouse:
         print(json.dumps(summary), flush=True)
@@ -273,13 +273,13 @@ def main(argv=None) -> int:
     if logging.getLogger().level > logging.INFO:  # torchft logs every quorum (Rust, at info) and warns on each
         os.environ.setdefault("RUST_LOG", "warn")  # reconfiguration that it cannot reset NCCL's flight recorder
         logging.getLogger("torchft").setLevel(logging.ERROR)
-    from trainer.loop import ConfigError
+    from syncd.trainer.loop import ConfigError
 
     if args.nproc < 1:
-        print("trainer.run: --nproc: must be >= 1", file=sys.stderr)
+        print("syncd.trainer.run: --nproc: must be >= 1", file=sys.stderr)
         return 2
     if args.nproc > 1 and args.lighthouse:
-        print("trainer.run: --nproc: an elastic job (--lighthouse) runs one process per replica group; start "
+        print("syncd.trainer.run: --nproc: an elastic job (--lighthouse) runs one process per replica group; start "
               "each with its --replica-group", file=sys.stderr)
         return 2
     if ("RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1) or args.lighthouse:
@@ -287,13 +287,13 @@ def main(argv=None) -> int:
             try:
                 config_from_args(args).check()
             except ConfigError as exc:
-                print(f"trainer.run: {exc}", file=sys.stderr)
+                print(f"syncd.trainer.run: {exc}", file=sys.stderr)
                 return 2
         return _run_rank(argv)  # one rank of torchrun or of --nproc, or one replica group
     try:
         _preflight(config_from_args(args))
     except ConfigError as exc:
-        print(f"trainer.run: {exc}", file=sys.stderr)
+        print(f"syncd.trainer.run: {exc}", file=sys.stderr)
         return 2
     if args.nproc > 1:
         return _launch(argv, args.nproc)

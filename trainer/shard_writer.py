@@ -1,4 +1,4 @@
-"""The shards of one version being written (:class:`ShardWriter`, ``trainer.WeightPublisher``'s helper): full
+"""The shards of one version being written (:class:`ShardWriter`, ``syncd.trainer.WeightPublisher``'s helper): full
 versions as safetensors files, deltas as concatenated codec blobs, each shard uploaded while the next is built.
 The layout and the manifest entries are ``syncd.manifest``'s (``docs/layout.md``)."""
 
@@ -15,7 +15,7 @@ import torch
 
 from syncd import manifest as mf
 
-log = logging.getLogger("trainer.publisher")
+log = logging.getLogger("syncd.trainer.publisher")
 
 __all__ = ["ShardWriter", "delta_formats"]
 
@@ -27,7 +27,7 @@ def delta_formats(delta_format: int = 1, sliced_tensors: str | None = None) -> C
     Format 2 codes each element's change on its old exponent: about 0.75x the bytes of format 1, and faster to
     encode and apply from a few percent changed words on, a little slower below (``python -m bench.codec``).
     Its context blocks decode only with the whole old tensor at hand, which an engine holding a tensor-parallel
-    slice of it lacks (``engine.WeightUpdater`` refuses such a blob, naming the tensor); fused parameters hold
+    slice of it lacks (``syncd.engine.WeightUpdater`` refuses such a blob, naming the tensor); fused parameters hold
     their sources whole and are fine. Readers take both formats in any mix. Raises ValueError naming the bad
     argument."""
     if delta_format not in (1, 2) or isinstance(delta_format, bool):
@@ -43,7 +43,7 @@ def delta_formats(delta_format: int = 1, sliced_tensors: str | None = None) -> C
 
 class ShardWriter:
     """Builds one version's shards and uploads them in parallel while later shards are still being built
-    (at most ``upload_threads`` shards in memory at once). ``pub``: the :class:`~trainer.publisher.WeightPublisher`
+    (at most ``upload_threads`` shards in memory at once). ``pub``: the :class:`~syncd.trainer.publisher.WeightPublisher`
     whose store, session, pool and settings it uses; used from its publishing thread."""
 
     def __init__(self, pub, version: int, kind: str):

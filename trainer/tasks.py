@@ -5,7 +5,7 @@ completion through its reward function. The reward interface is one callable, :d
 :class:`Sample` (the item, the completion text the sandbox received, its finish reason and token count, and
 the trainer step the rollout was requested at, for rewards with schedules) and returns a float. The shipped
 tasks' rewards are in [0, 1]; group-normalised advantages make any other scale work too
-(``trainer.rewards.swe.SWECheckReward`` is the SWE-check reward behind the same interface).
+(``syncd.trainer.rewards.swe.SWECheckReward`` is the SWE-check reward behind the same interface).
 
 Shipped tasks (a tiny random-init model over the 320-token byte-level vocabulary of ``make_tiny``; the figures
 are measured by ``python -m bench.rl_loop`` and ``docs/trainer.md``):

@@ -1,8 +1,8 @@
 """syncd in an existing trainer: a ``transformers.TrainerCallback`` that publishes the weights with
-:class:`trainer.WeightPublisher` every K optimizer steps, for TRL's ``GRPOTrainer`` (or any ``transformers.Trainer``).
+:class:`syncd.trainer.WeightPublisher` every K optimizer steps, for TRL's ``GRPOTrainer`` (or any ``transformers.Trainer``).
 
     from trl import GRPOConfig, GRPOTrainer
-    from trainer.trl_callback import SyncdPublishCallback
+    from syncd.trainer.trl_callback import SyncdPublishCallback
 
     cb = SyncdPublishCallback("s3://bucket/rl", "run-42", every_k=4)
     GRPOTrainer(model=model, args=GRPOConfig(...), reward_funcs=[...], train_dataset=ds, callbacks=[cb]).train()
@@ -25,7 +25,7 @@ import logging
 
 from transformers import TrainerCallback
 
-from trainer.publisher import WeightPublisher
+from syncd.trainer.publisher import WeightPublisher
 
 log = logging.getLogger(__name__)
 

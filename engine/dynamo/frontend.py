@@ -1,6 +1,6 @@
 """The Dynamo OpenAI frontend, started from ``ai-dynamo-runtime`` alone.
 
-``python -m engine.dynamo.frontend --http-port P [--migration-limit N] ...`` runs the same Rust HTTP
+``python -m syncd.engine.dynamo.frontend --http-port P [--migration-limit N] ...`` runs the same Rust HTTP
 frontend as ``python -m dynamo.frontend`` (``dynamo.llm.make_engine`` + ``run_input``: model discovery,
 tokenization and chat templates, routing, request migration), without the ``ai-dynamo`` package and its
 heavier dependencies. It serves ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/health``
@@ -19,7 +19,7 @@ import os
 import signal
 import sys
 
-from engine.dynamo.settings import add_arguments, add_frontend_arguments, from_args
+from syncd.engine.dynamo.settings import add_arguments, add_frontend_arguments, from_args
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ ROUTER_MODES = ("round-robin", "random", "least-loaded")
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m engine.dynamo.frontend", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m syncd.engine.dynamo.frontend", description=__doc__.split("\n\n")[0])
     add_frontend_arguments(p)
     p.add_argument("--router-mode", choices=ROUTER_MODES, default="round-robin")
     p.add_argument("--log-level", default=os.environ.get("SYNCD_LOG_LEVEL", "WARNING"))
@@ -42,12 +42,12 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.migration_limit < 0:
-        print("engine.dynamo.frontend: --migration-limit must be >= 0", file=sys.stderr)
+        print("syncd.engine.dynamo.frontend: --migration-limit must be >= 0", file=sys.stderr)
         return 2
     try:
         settings = from_args(args)
     except ValueError as exc:
-        print(f"engine.dynamo.frontend: {exc}", file=sys.stderr)
+        print(f"syncd.engine.dynamo.frontend: {exc}", file=sys.stderr)
         return 2
     settings.apply()
     os.environ.pop("DYN_SYSTEM_PORT", None)  # the system port is a worker's; never bind it here

@@ -1,4 +1,4 @@
-"""The wire format between the Dynamo frontend and an ``engine.Generator`` worker, both ways. Pure functions.
+"""The wire format between the Dynamo frontend and an ``syncd.engines.Generator`` worker, both ways. Pure functions.
 
 Requests (what the frontend sends a ``ModelInput.Tokens`` worker, one JSON object per request)::
 
@@ -8,20 +8,20 @@ Requests (what the frontend sends a ``ModelInput.Tokens`` worker, one JSON objec
      "sampling_options": {"temperature", "top_p", "top_k", "seed", "n", "best_of", ...penalties},
      "output_options": {"logprobs", ...}, "eos_token_ids": [...], ...}
 
-:func:`to_generation_request` turns one into an :class:`engine.GenerationRequest`. Options the
-``engine.SamplingParams`` contract cannot honour (``n > 1``, beam search, penalties, ``min_p``, guided
+:func:`to_generation_request` turns one into an :class:`syncd.engines.GenerationRequest`. Options the
+``syncd.engines.SamplingParams`` contract cannot honour (``n > 1``, beam search, penalties, ``min_p``, guided
 decoding, ``min_tokens``) raise :class:`UnsupportedRequest` rather than being ignored. Without a ``seed`` the
 seed is derived from the request id, which Dynamo keeps when it migrates a request: the continuation on
 another worker then draws the same random numbers as an undisturbed run would have.
 
-Responses: :func:`to_chunk` turns one :class:`engine.TokenEvent` into an output chunk::
+Responses: :func:`to_chunk` turns one :class:`syncd.engines.TokenEvent` into an output chunk::
 
     {"token_ids": [t], "finish_reason": ... (last chunk only), "log_probs": [lp] (when asked),
      "engine_data": {"syncd": 1, "request_id": engine request id, "index": i, "token_ids": [t],
                      "versions": [weight version], "logprobs": [lp]}}
 
 ``engine_data`` reaches an OpenAI client as ``nvext.engine_data`` of each streamed chunk when the request
-asks for it (``"nvext": {"extra_fields": ["engine_data"]}``); ``engine.proxy`` relies on it to record token
+asks for it (``"nvext": {"extra_fields": ["engine_data"]}``); ``syncd.engine.proxy`` relies on it to record token
 ids and the weight version of every token.
 """
 
@@ -173,7 +173,7 @@ def wants_logprobs(request: Mapping[str, Any]) -> bool:
 def to_chunk(event: TokenEvent, *, logprobs: bool = False) -> dict:
     """The output chunk for one generated token (``event.finish_reason`` ``"stop"``/``"length"``/None).
 
-    An ``"abort"`` event is not a token: callers handle it (see ``engine.dynamo.worker``)."""
+    An ``"abort"`` event is not a token: callers handle it (see ``syncd.engine.dynamo.worker``)."""
     if event.finish_reason == "abort":
         raise ValueError("an abort event carries no token")
     chunk: dict = {

@@ -1,9 +1,9 @@
 """Start and supervise the Dynamo pieces of one inference node: engine workers and, where wanted, the frontend.
 
-    python -m engine.dynamo.serve --model DIR [--workers N] [--frontend --http-port P] [--migration-limit M]
+    python -m syncd.engine.dynamo.serve --model DIR [--workers N] [--frontend --http-port P] [--migration-limit M]
                                   [--discovery file|etcd [--start-services]] [--ready-file F] [-- WORKER ARGS]
 
-(``syncd serve`` runs the same :func:`main`.) Each worker is a process ``python -m engine.dynamo.worker`` with
+(``syncd serve`` runs the same :func:`main`.) Each worker is a process ``python -m syncd.engine.dynamo.worker`` with
 its own system port (admin routes ``/engine/weights/<op>`` for the node daemon: pass the URLs in the ready
 file to ``syncd --engine``); arguments after ``--`` go to every worker (e.g. ``--engine MODULE:FACTORY``,
 ``--replay-store URL --run-id RUN``). Discovery: ``file`` (default, no servers) or ``etcd`` + NATS given by
@@ -37,8 +37,8 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from engine.dynamo.procs import MAX_SYSTEM_PORT, free_port, http_json, stop_process, wait_until
-from engine.dynamo.settings import DynamoSettings, add_arguments, add_frontend_arguments, env_int, from_args
+from syncd.engine.dynamo.procs import MAX_SYSTEM_PORT, free_port, http_json, stop_process, wait_until
+from syncd.engine.dynamo.settings import DynamoSettings, add_arguments, add_frontend_arguments, env_int, from_args
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ class Node:
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         try:
             if cfg.start_services:
-                from engine.dynamo.services import LocalServices
+                from syncd.engine.dynamo.services import LocalServices
 
                 self.services = LocalServices(cfg.run_dir / "services").start()
                 self.settings = replace(self.settings, discovery="etcd",
@@ -146,14 +146,14 @@ class Node:
                 port = (cfg.system_port_base + i if cfg.system_port_base
                         else free_port(self.settings.host, below=MAX_SYSTEM_PORT))
                 ready = cfg.run_dir / f"worker{i}.ready.json"
-                argv = [cfg.python, "-m", "engine.dynamo.worker", "--model", str(cfg.model),
+                argv = [cfg.python, "-m", "syncd.engine.dynamo.worker", "--model", str(cfg.model),
                         "--served-model-name", cfg.model_name, "--system-port", str(port),
                         "--ready-file", str(ready), *self.settings.argv(), *cfg.worker_args]
                 self.children.append(_Child(f"worker{i}", argv, ready, port, env=self._worker_env(i)))
             if cfg.frontend:
                 port = cfg.http_port or free_port(cfg.http_host)
                 self.frontend_url = f"http://{cfg.http_host}:{port}"
-                argv = [cfg.python, "-m", "engine.dynamo.frontend", "--http-host", cfg.http_host,
+                argv = [cfg.python, "-m", "syncd.engine.dynamo.frontend", "--http-host", cfg.http_host,
                         "--http-port", str(port), "--migration-limit", str(cfg.migration_limit),
                         *self.settings.argv()]
                 self.children.append(_Child("frontend", argv, None))
@@ -173,7 +173,7 @@ class Node:
         engine = args[args.index("--engine") + 1] if "--engine" in args[:-1] else os.environ.get("SYNCD_DYNAMO_ENGINE")
         if engine != "vllm" or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
             return {}
-        from engine.vllm.ranks import cpu_shares
+        from syncd.engine.vllm.ranks import cpu_shares
 
         try:
             return {"VLLM_CPU_OMP_THREADS_BIND": cpu_shares(self.config.workers)[i]}
@@ -352,7 +352,7 @@ def _kill_group(pgid: int) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m engine.dynamo.serve", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m syncd.engine.dynamo.serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="model folder (config.json, tokenizer, weights)")
     p.add_argument("--served-model-name", default=None, help="OpenAI model name (default: the folder's name)")
     p.add_argument("--workers", type=env_int("SYNCD_DYNAMO_WORKERS"),
@@ -398,10 +398,10 @@ def main(argv=None) -> int:
                             ready_file=Path(args.ready_file) if args.ready_file else None)
         node = Node(config)
     except ValueError as exc:
-        print(f"engine.dynamo.serve: {exc}", file=sys.stderr)
+        print(f"syncd.engine.dynamo.serve: {exc}", file=sys.stderr)
         return 2
     if not Path(args.model, "config.json").is_file():
-        print(f"engine.dynamo.serve: {args.model} has no config.json (need a model folder)", file=sys.stderr)
+        print(f"syncd.engine.dynamo.serve: {args.model} has no config.json (need a model folder)", file=sys.stderr)
         return 2
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -409,7 +409,7 @@ def main(argv=None) -> int:
     try:
         node.start()
     except (RuntimeError, TimeoutError, OSError) as exc:
-        print(f"engine.dynamo.serve: the node did not come up: {exc}", file=sys.stderr)
+        print(f"syncd.engine.dynamo.serve: the node did not come up: {exc}", file=sys.stderr)
         return 1
     log.info("node up: %s", json.dumps(node.describe()))
     node.supervise(background=True)
@@ -418,7 +418,7 @@ def main(argv=None) -> int:
             break
     node.close()
     if node._failed:
-        print(f"engine.dynamo.serve: {node._failed}", file=sys.stderr)
+        print(f"syncd.engine.dynamo.serve: {node._failed}", file=sys.stderr)
         return 1
     return 0
 

@@ -3,7 +3,7 @@
 Debian's ``etcd-server`` and ``nats-server`` packages provide the binaries (``scripts/setup_services.sh``
 installs them). :class:`LocalServices` starts one of each on free loopback ports with their data in a
 directory of the caller's, waits until both answer, and stops them (by pid) on :meth:`close` or when used as
-a context manager. Used by ``engine.dynamo.serve --start-services``, the tests and the benchmarks.
+a context manager. Used by ``syncd.engine.dynamo.serve --start-services``, the tests and the benchmarks.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from engine.dynamo.procs import free_port, http_json, stop_process, wait_port, wait_until
+from syncd.engine.dynamo.procs import free_port, http_json, stop_process, wait_port, wait_until
 
 log = logging.getLogger(__name__)
 

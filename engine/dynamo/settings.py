@@ -158,7 +158,7 @@ def env_int(var: str):
 
 def add_frontend_arguments(p, *, migration_default: str = "3") -> None:
     """The OpenAI frontend's address flags (``SYNCD_DYNAMO_HTTP_HOST``/``_PORT``) and its migration limit
-    (``DYN_MIGRATION_LIMIT``), one definition for ``engine.dynamo.frontend`` and ``syncd serve``."""
+    (``DYN_MIGRATION_LIMIT``), one definition for ``syncd.engine.dynamo.frontend`` and ``syncd serve``."""
     env = os.environ.get
     p.add_argument("--http-host", default=env("SYNCD_DYNAMO_HTTP_HOST", "127.0.0.1"),
                    help="frontend address [SYNCD_DYNAMO_HTTP_HOST]")

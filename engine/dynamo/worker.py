@@ -1,4 +1,4 @@
-"""Serve any ``engine.Adapter`` + ``engine.Generator`` engine as an NVIDIA Dynamo worker.
+"""Serve any ``syncd.engines.Adapter`` + ``syncd.engines.Generator`` engine as an NVIDIA Dynamo worker.
 
 :class:`DynamoWorker` registers the engine's model with the frontend (``ModelInput.Tokens``, chat and
 completions: the frontend tokenizes and applies the chat template), serves token generation on the endpoint
@@ -9,7 +9,7 @@ worker's system port (``DYN_SYSTEM_PORT``)::
                                   stage, pause, apply, rollback, load_full, resume  (contract: engine/control.py)
 
 so the node daemon drives the engine through ``syncd.engines.RemoteAdapter("http://host:system_port")``.
-The routes go through an :class:`engine.control.EngineControl`: every call must carry the node's engine
+The routes go through an :class:`syncd.engine.control.EngineControl`: every call must carry the node's engine
 token (``--token-file`` / ``SYNCD_ENGINE_TOKEN_FILE``) as the body member ``"auth"`` (Dynamo hands a route
 only its body), weight ops need the caller's lease, and with ``SYNCD_SIGNING_KEY``/``_FILE`` set the worker
 verifies every manifest's signature itself. Weight ops run one at a time on a worker thread; generation goes
@@ -18,7 +18,7 @@ replies HTTP 500 with
 ``{"error": "Handler error", "message": "Python callback failed: <ExceptionClass>: <message>"}`` (Dynamo's
 system server fixes that shape; the exception class is kept in the message).
 
-Requests: see :mod:`engine.dynamo.protocol` -- per-request ``max_tokens``, stop tokens, temperature/top-k/
+Requests: see :mod:`syncd.engine.dynamo.protocol` -- per-request ``max_tokens``, stop tokens, temperature/top-k/
 top-p/seed; a prompt that already holds generated tokens (a migrated request) simply continues. Every chunk
 carries the engine's request id, token ids, log-probabilities and the weight version of each token in
 ``engine_data``. A client that goes away (the frontend stops the request) aborts the engine request.
@@ -35,11 +35,11 @@ weights of no version, so the daemon rebuilds it from the newest full version pl
 throughout) and resumed it: a worker restarted after a crash never serves stale weights. The ready file then
 names the ``version`` it registered with.
 
-Engines: ``--engine reference`` (:class:`engine.reference.ReferenceEngine`), ``--engine vllm``
-(:class:`engine.vllm.VLLMEngine`, the ``vllm`` extra; run the worker in its own session and stop it by its
+Engines: ``--engine reference`` (:class:`syncd.engine.reference.ReferenceEngine`), ``--engine vllm``
+(:class:`syncd.engine.vllm.VLLMEngine`, the ``vllm`` extra; run the worker in its own session and stop it by its
 process group: vLLM's engine-core and worker processes outlive a SIGKILLed parent) or ``MODULE:FACTORY``.
 
-CLI: ``python -m engine.dynamo.worker --model DIR [--engine reference|vllm|MODULE:FACTORY] ...`` (``--help``).
+CLI: ``python -m syncd.engine.dynamo.worker --model DIR [--engine reference|vllm|MODULE:FACTORY] ...`` (``--help``).
 """
 
 from __future__ import annotations
@@ -55,9 +55,9 @@ import sys
 import uuid
 from pathlib import Path
 
-from engine.dynamo import protocol
-from engine.dynamo.procs import MAX_SYSTEM_PORT
-from engine.dynamo.settings import DynamoSettings, add_arguments, from_args
+from syncd.engine.dynamo import protocol
+from syncd.engine.dynamo.procs import MAX_SYSTEM_PORT
+from syncd.engine.dynamo.settings import DynamoSettings, add_arguments, from_args
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ WEIGHT_ROUTE_PREFIX = "weights/"
 class DynamoWorker:
     """One engine served as a Dynamo worker (see the module docstring).
 
-    ``engine``: implements ``engine.Adapter`` and ``engine.Generator``. ``model_dir``: the folder the
+    ``engine``: implements ``syncd.engines.Adapter`` and ``syncd.engines.Generator``. ``model_dir``: the folder the
     frontend reads the tokenizer, chat template and config from. ``served_name``: the OpenAI model name.
     ``default_max_tokens``: for requests without ``max_tokens``. ``drain_timeout_s``: how long a stopping
     worker lets in-flight requests finish. ``ready_file``: written (atomically, JSON ``{"pid",
@@ -84,7 +84,7 @@ class DynamoWorker:
                  ready_file: str | os.PathLike | None = None, context_length: int | None = None,
                  token: str | None = None, run_id: str | None = None, signing_key=None,
                  wait_for_weights: bool = False):
-        from engine.control import EngineControl
+        from syncd.engine.control import EngineControl
         from syncd.engine_token import load_or_create
 
         self.engine = engine
@@ -264,11 +264,11 @@ class DynamoWorker:
 
 def _reference_engine(args):
     """The reference engine on ``args.model`` (its weights are version ``args.weights_version``)."""
-    from engine.reference import ReferenceEngine
+    from syncd.engine.reference import ReferenceEngine
 
     recorder = None
     if args.replay_store:
-        from engine.replay import ReplayRecorder
+        from syncd.engine.replay import ReplayRecorder
 
         if not args.run_id:
             raise ValueError("--replay-store needs --run-id")
@@ -278,11 +278,11 @@ def _reference_engine(args):
 
 
 def _vllm_engine(args):
-    """vLLM (:class:`engine.vllm.VLLMEngine`) on ``args.model``; its weights are version ``args.weights_version``."""
+    """vLLM (:class:`syncd.engine.vllm.VLLMEngine`) on ``args.model``; its weights are version ``args.weights_version``."""
     if args.replay_store:
         raise ValueError("--replay-store with --engine vllm: vLLM returns kept sets and routes only with Model "
-                         "Runner V2 (a GPU); engine.vllm.replay maps them, the worker does not record them yet")
-    from engine.vllm import VLLMEngine
+                         "Runner V2 (a GPU); syncd.engine.vllm.replay maps them, the worker does not record them yet")
+    from syncd.engine.vllm import VLLMEngine
 
     tp = args.tensor_parallel_size
     return VLLMEngine(args.model, version=args.weights_version, max_num_seqs=args.max_batch,
@@ -292,7 +292,7 @@ def _vllm_engine(args):
 
 def build_engine(args):
     """The engine ``--engine`` names: ``reference``, ``vllm``, or ``MODULE:FACTORY`` where ``FACTORY(args)``
-    returns an object implementing ``engine.Adapter`` and ``engine.Generator``. Raises ValueError/TypeError."""
+    returns an object implementing ``syncd.engines.Adapter`` and ``syncd.engines.Generator``. Raises ValueError/TypeError."""
     spec = args.engine
     if spec in ("reference", "vllm"):
         factory = _reference_engine if spec == "reference" else _vllm_engine
@@ -318,7 +318,7 @@ def _context_length(model_dir) -> int | None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m engine.dynamo.worker",
+    p = argparse.ArgumentParser(prog="python -m syncd.engine.dynamo.worker",
                                 description="Serve an engine as an NVIDIA Dynamo worker.")
     p.add_argument("--model", required=True, help="model folder (config.json, tokenizer, weights)")
     p.add_argument("--served-model-name", default=None, help="OpenAI model name (default: the folder's name)")
@@ -360,18 +360,18 @@ def main(argv=None) -> int:
     try:
         settings: DynamoSettings = from_args(args)
     except ValueError as exc:
-        print(f"engine.dynamo.worker: {exc}", file=sys.stderr)
+        print(f"syncd.engine.dynamo.worker: {exc}", file=sys.stderr)
         return 2
     if args.wait_for_daemon and args.weights_version is not None:
-        print("engine.dynamo.worker: --wait-for-daemon starts with weights of no version; drop --weights-version",
+        print("syncd.engine.dynamo.worker: --wait-for-daemon starts with weights of no version; drop --weights-version",
               file=sys.stderr)
         return 2
     if args.system_port is not None and not 0 <= args.system_port <= MAX_SYSTEM_PORT:
-        print(f"engine.dynamo.worker: --system-port must be 0..{MAX_SYSTEM_PORT} (Dynamo 1.6 reads it as a "
+        print(f"syncd.engine.dynamo.worker: --system-port must be 0..{MAX_SYSTEM_PORT} (Dynamo 1.6 reads it as a "
               "signed 16-bit number)", file=sys.stderr)
         return 2
     if args.tensor_parallel_size < 1 or (args.tensor_parallel_size > 1 and args.engine != "vllm"):
-        print("engine.dynamo.worker: --tensor-parallel-size must be 1, or more with --engine vllm", file=sys.stderr)
+        print("syncd.engine.dynamo.worker: --tensor-parallel-size must be 1, or more with --engine vllm", file=sys.stderr)
         return 2
     import torch
 
@@ -379,7 +379,7 @@ def main(argv=None) -> int:
     try:
         engine = build_engine(args)
     except (ValueError, TypeError, OSError, ImportError, AttributeError) as exc:
-        print(f"engine.dynamo.worker: cannot build the engine: {exc}", file=sys.stderr)
+        print(f"syncd.engine.dynamo.worker: cannot build the engine: {exc}", file=sys.stderr)
         return 2
     from syncd.engine_token import load_or_create
     from syncd.signing import key_from_env
@@ -387,7 +387,7 @@ def main(argv=None) -> int:
     try:
         token, key = load_or_create(args.token_file), key_from_env()
     except ValueError as exc:
-        print(f"engine.dynamo.worker: {exc}", file=sys.stderr)
+        print(f"syncd.engine.dynamo.worker: {exc}", file=sys.stderr)
         return 2
     settings.apply()
     if args.system_port is not None:

@@ -1,5 +1,5 @@
 import sys
 
-from engine.proxy.cli import main
+from syncd.engine.proxy.cli import main
 
 sys.exit(main())

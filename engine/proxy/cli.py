@@ -1,4 +1,4 @@
-"""``python -m engine.proxy``: run one sandbox's proxy until SIGTERM/SIGINT (then every open trajectory is
+"""``python -m syncd.engine.proxy``: run one sandbox's proxy until SIGTERM/SIGINT (then every open trajectory is
 written). Flags override the ``SYNCD_*`` variables named in ``--help``."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ __all__ = ["main", "parser"]
 
 def parser() -> argparse.ArgumentParser:
     env = os.environ.get
-    p = argparse.ArgumentParser(prog="python -m engine.proxy", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m syncd.engine.proxy", description=__doc__.split("\n\n")[0])
     p.add_argument("--upstream", default=env("SYNCD_PROXY_UPSTREAM"), help="Dynamo frontend URL (SYNCD_PROXY_UPSTREAM)")
     p.add_argument("--store", default=env("SYNCD_STORE"), help="store URL for records (SYNCD_STORE; default: the embedded one)")
     p.add_argument("--run-id", default=env("SYNCD_RUN_ID"), help="run id (SYNCD_RUN_ID)")
@@ -85,21 +85,21 @@ def main(argv=None) -> int:
                           "a logging level (DEBUG, INFO, WARNING, ERROR)")
         port = _from_env(args.port, "--port", "SYNCD_PROXY_PORT", "0", _port, "a port number (0-65535)")
     except ValueError as exc:
-        print(f"engine.proxy: {exc}", file=sys.stderr)
+        print(f"syncd.engine.proxy: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from engine.proxy.record import RecordError
-    from engine.proxy.server import Proxy, ProxyConfig
+    from syncd.engine.proxy.record import RecordError
+    from syncd.engine.proxy.server import Proxy, ProxyConfig
 
     missing = [f for f, v in (("--upstream", args.upstream), ("--run-id", args.run_id),
                               ("--sandbox-id", args.sandbox_id)) if not v]
     if missing:
-        print(f"engine.proxy: {', '.join(missing)} required", file=sys.stderr)
+        print(f"syncd.engine.proxy: {', '.join(missing)} required", file=sys.stderr)
         return 2
     try:
         compaction = None
         if args.compact_model:
-            from engine.proxy.compaction import CompactionConfig
+            from syncd.engine.proxy.compaction import CompactionConfig
 
             kw = {k: v for k, v in (("window", args.compact_window), ("summary_prompt", args.compact_summary_prompt),
                                     ("resume_prompt", args.compact_resume_prompt),
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
                              spill_dir=Path(args.spill_dir) if args.spill_dir else None, compaction=compaction)
         proxy = Proxy(config, args.store)
     except (RecordError, ValueError, OSError, KeyError) as exc:
-        print(f"engine.proxy: {exc}", file=sys.stderr)
+        print(f"syncd.engine.proxy: {exc}", file=sys.stderr)
         return 2
 
     async def run():
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
         try:
             url = await proxy.start(args.host, port)
         except OSError as exc:
-            print(f"engine.proxy: cannot serve on {args.host}:{port}: {exc}", file=sys.stderr)
+            print(f"syncd.engine.proxy: cannot serve on {args.host}:{port}: {exc}", file=sys.stderr)
             await proxy.close(0)
             return 3
         if args.ready_file:

@@ -41,9 +41,9 @@ from pathlib import Path
 
 from aiohttp import web
 
-from engine.proxy.record import Turn, now
-from engine.proxy import sse
-from engine.proxy.turn import (TRAJECTORY_HEADER, ClientStream, check_complete, client_wants, error_response,
+from syncd.engine.proxy.record import Turn, now
+from syncd.engine.proxy import sse
+from syncd.engine.proxy.turn import (TRAJECTORY_HEADER, ClientStream, check_complete, client_wants, error_response,
                                upstream_body)
 from syncd.records.trajectory import COMPACTION_ROLES
 
@@ -126,7 +126,7 @@ REFUSALS = ("max_compactions", "too_long")
 
 
 class Compactor:
-    """Runs compacted requests for a :class:`engine.proxy.server.Proxy` (see the module docstring). Counts
+    """Runs compacted requests for a :class:`syncd.engine.proxy.server.Proxy` (see the module docstring). Counts
     compactions done and requests refused by reason (``REFUSALS``) in :meth:`stats` and, given a Prometheus
     ``registry``, as ``syncd_proxy_compactions_total`` and ``syncd_proxy_compactions_refused_total{reason}``. It
     holds a live context per open compacted trajectory only: :meth:`forget` drops it when the proxy writes the

@@ -1,11 +1,9 @@
-"""Trajectory records: what ``engine.proxy`` writes to the object store for every agent trajectory (the keys
+"""Trajectory records: what ``syncd.engine.proxy`` writes to the object store for every agent trajectory (the keys
 and the JSON schema are specified in :mod:`syncd.records.trajectory`).
 
 The reading half (schema constants, ``RecordError``, ``check_id``, ``record_key``, ``parse``, ``read_record``,
-``list_records``, ``replay_tokens``) moved to :mod:`syncd.records.trajectory`, so that trainers read records
-without importing ``engine``; ``parse``, ``read_record``, ``list_records``, ``replay_tokens`` and
-``MAX_RECORD_BYTES`` are re-exported here until 0.3, with a DeprecationWarning. This module keeps the
-writing half: :class:`Turn` and :class:`Trajectory` build a record; a trajectory is ``complete`` only when every
+``list_records``, ``replay_tokens``) is :mod:`syncd.records.trajectory`'s, so that trainers read records
+without importing ``syncd.engine``. This module keeps the writing half: :class:`Turn` and :class:`Trajectory` build a record; a trajectory is ``complete`` only when every
 turn is ``ok``, otherwise ``failure`` says which turn failed and why. Nothing is ever dropped to make a record
 look complete.
 """
@@ -16,13 +14,8 @@ import json
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-# used here and by engine.proxy's writer/server (RecordError, check_id): the reading half's names this module keeps
+# used here and by syncd.engine.proxy's writer/server (RecordError, check_id): the reading half's names this module keeps
 from syncd.records.trajectory import SCHEMA, SCHEMA_VERSION, RecordError, check_id, record_key  # noqa: F401
-from syncd.lazy import lazy_names
-
-# moved to syncd.records.trajectory; the old paths warn until 0.3
-__getattr__ = lazy_names(__name__, {n: "syncd.records.trajectory" for n in (
-    "MAX_RECORD_BYTES", "list_records", "parse", "read_record", "replay_tokens")}, deprecated=True)
 
 __all__ = ["SCHEMA", "SCHEMA_VERSION", "Turn", "Trajectory", "RecordError", "record_key", "check_id", "now"]
 
@@ -54,7 +47,7 @@ class Turn:
     usage: dict | None = None
     segments: list = field(default_factory=list)
     finished_at: str | None = None
-    compaction: dict | None = None  # a segment of a compacted request (engine.proxy.compaction)
+    compaction: dict | None = None  # a segment of a compacted request (syncd.engine.proxy.compaction)
 
     def fail(self, reason: str) -> None:
         """Mark the turn failed (the first reason wins)."""

@@ -5,7 +5,7 @@ An agent sandbox talks to ``http://proxy/v1/chat/completions`` and ``/v1/complet
 
 * asks the frontend for a stream with the prompt's token ids (``nvext.annotations: ["token_ids"]``) and
   every chunk's ``engine_data`` (token ids, log-probabilities, weight versions and the engine's request
-  id, see ``engine.dynamo.protocol``), whatever the client asked; the client gets back only what it asked
+  id, see ``syncd.engine.dynamo.protocol``), whatever the client asked; the client gets back only what it asked
   for (a streamed or a whole response, ``nvext`` and usage only when requested);
 * retries the request when it fails before any token came back (connection refused, HTTP 404/408/429/5xx,
   an error event before the first token): up to ``retry_attempts`` tries within ``retry_deadline_s``;
@@ -22,10 +22,10 @@ a 400 before a turn exists: nothing is served or recorded for it.
 Turns are grouped into trajectories by the ``X-Syncd-Trajectory`` request header (default: the proxy's
 ``default_trajectory``, else ``default-<life>``, unique to this proxy life; with ``per_request`` every
 request is its own trajectory, written when it ends). ``POST /syncd/trajectories/<id>/finish`` (JSON body,
-optional ``{"metadata": {...}}``) writes a trajectory's record to the store (``engine.proxy.record``) and
+optional ``{"metadata": {...}}``) writes a trajectory's record to the store (``syncd.engine.proxy.record``) and
 answers ``{"key", "trajectory_id", "status", "failure", "written"}``; when the proxy stops, every open
 trajectory is written, each on its own. A trajectory stays open until its record is in the store or kept
-for retry (and spilled to ``spill_dir``): ``engine.proxy.writer`` never overwrites, renames a record whose
+for retry (and spilled to ``spill_dir``): ``syncd.engine.proxy.writer`` never overwrites, renames a record whose
 key an earlier proxy life took, and reports every record it could neither write nor spill. A turn that
 could not complete (upstream failure after tokens, client gone, proxy stopped) is kept with what it got and
 marked failed with the reason; its trajectory is then ``failed``. A finished trajectory id that comes back is
@@ -36,7 +36,7 @@ Supervision: the retry task runs under a :class:`syncd.supervise.Supervisor`; it
 what it did not expect are logged and counted in ``syncd_failures_total{kind}`` (``GET /metrics``; kinds
 ``store``, ``record``, ``task``, ``request``); ``GET /health`` shows the counts and the task's health.
 
-The per-turn bookkeeping is ``engine.proxy.turn``, one attempt at the frontend ``engine.proxy.upstream``.
+The per-turn bookkeeping is ``syncd.engine.proxy.turn``, one attempt at the frontend ``syncd.engine.proxy.upstream``.
 
 Thread-safety: one asyncio loop (uvloop) runs everything; the store is called from worker threads.
 """
@@ -57,11 +57,11 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from engine.proxy.record import RecordError, Trajectory, Turn, check_id, now
-from engine.proxy.turn import (TRAJECTORY_HEADER, BadRequest, Broken, ClientGone, ClientStream, Rejected, Retryable,
+from syncd.engine.proxy.record import RecordError, Trajectory, Turn, check_id, now
+from syncd.engine.proxy.turn import (TRAJECTORY_HEADER, BadRequest, Broken, ClientGone, ClientStream, Rejected, Retryable,
                                TurnState, check_complete, error_response, parse_body, upstream_body, whole_response)
-from engine.proxy.upstream import stream_once
-from engine.proxy.writer import RecordWriter, new_life
+from syncd.engine.proxy.upstream import stream_once
+from syncd.engine.proxy.writer import RecordWriter, new_life
 from syncd.supervise import Failures, Supervisor
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ class ProxyConfig:
     read_timeout_s: float = 600.0
     write_retry_s: float = 2.0
     spill_dir: Path | None = None
-    compaction: object | None = None  # an engine.proxy.compaction.CompactionConfig: self-compaction on
+    compaction: object | None = None  # an syncd.engine.proxy.compaction.CompactionConfig: self-compaction on
 
     def __post_init__(self):
         check_id(self.run_id, "run id")
@@ -128,7 +128,7 @@ class Proxy:
         self.url: str | None = None
         self.compactor = None
         if config.compaction is not None:
-            from engine.proxy.compaction import Compactor
+            from syncd.engine.proxy.compaction import Compactor
 
             self.compactor = Compactor(config.compaction, registry=self.failures.registry)
 

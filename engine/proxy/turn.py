@@ -1,5 +1,5 @@
 """One turn of the proxy: a single client request to ``/v1/chat/completions`` or ``/v1/completions``, with
-every upstream attempt it takes (``engine.proxy.server`` runs the turn loop and its retries).
+every upstream attempt it takes (``syncd.engine.proxy.server`` runs the turn loop and its retries).
 
 * :func:`parse_body` reads a client's body strictly (``syncd.jsonsafe``: bounded size and depth, no
   ``NaN``/``Infinity``, nothing the record's strict encoder would refuse) and checks the members the proxy
@@ -8,7 +8,7 @@ every upstream attempt it takes (``engine.proxy.server`` runs the turn loop and 
 * :func:`upstream_body` rewrites the client's body into what the proxy asks of the frontend (always a
   stream, with usage, ``engine_data`` and the prompt's ``token_ids`` annotation); :func:`client_wants` says
   which of those the client itself asked for, and :func:`for_client` strips a chunk down to that.
-* :class:`TurnState` owns the turn's :class:`~engine.proxy.record.Turn` while it runs and folds each chunk
+* :class:`TurnState` owns the turn's :class:`~syncd.engine.proxy.record.Turn` while it runs and folds each chunk
   into it: the ``engine_data`` token ids, versions and log-probabilities (segment by segment, so a gap in
   the token record is an error, never a silent hole) and the choices' text, tool calls and finish reason.
   :func:`annotation_ids` parses the prompt's ``token_ids`` annotation.
@@ -32,8 +32,8 @@ import math
 import aiohttp
 from aiohttp import web
 
-from engine.proxy import sse
-from engine.proxy.record import Turn
+from syncd.engine.proxy import sse
+from syncd.engine.proxy.record import Turn
 from syncd import jsonsafe
 
 __all__ = ["TRAJECTORY_HEADER", "TurnState", "ClientStream", "client_wants", "upstream_body", "for_client",
@@ -135,7 +135,7 @@ class TurnState:
         t = self.turn
         if not isinstance(ed, dict) or ed.get("syncd") != 1:
             raise Broken(f"a chunk without syncd engine_data (got {str(ed)[:200]}); is the worker an "
-                          "engine.dynamo worker?")
+                          "syncd.engine.dynamo worker?")
         ids, versions, lps = ed.get("token_ids"), ed.get("versions"), ed.get("logprobs")
         rid, index = ed.get("request_id"), ed.get("index")
         if not (isinstance(ids, list) and isinstance(versions, list) and isinstance(lps, list)

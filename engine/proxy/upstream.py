@@ -1,4 +1,4 @@
-"""One attempt at a turn against the Dynamo frontend (``engine.proxy.server`` retries it): the SSE stream of a
+"""One attempt at a turn against the Dynamo frontend (``syncd.engine.proxy.server`` retries it): the SSE stream of a
 completion, parsed strictly, recorded into the turn, and passed on to the client as it asked for it."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 
 import aiohttp
 
-from engine.proxy import sse
-from engine.proxy.turn import (Broken, ClientStream, Rejected, Retryable, TurnState, annotation_ids, client_wants,
+from syncd.engine.proxy import sse
+from syncd.engine.proxy.turn import (Broken, ClientStream, Rejected, Retryable, TurnState, annotation_ids, client_wants,
                                for_client, parse_event)
 
 __all__ = ["stream_once", "RETRYABLE_STATUS", "MAX_ERROR_BODY_BYTES"]

@@ -1,7 +1,7 @@
-"""Writing finished trajectories to the object store so that none is ever lost (used by ``engine.proxy.server``).
+"""Writing finished trajectories to the object store so that none is ever lost (used by ``syncd.engine.proxy.server``).
 
-:meth:`RecordWriter.write` stores one :class:`~engine.proxy.record.Trajectory` with create-if-absent at its
-key (``engine.proxy.record.record_key``). Keys are unique per proxy life:
+:meth:`RecordWriter.write` stores one :class:`~syncd.engine.proxy.record.Trajectory` with create-if-absent at its
+key (``syncd.engine.proxy.record.record_key``). Keys are unique per proxy life:
 
 * an object already at the key with the same bytes is this record (an earlier attempt whose answer was
   lost): written;
@@ -30,9 +30,9 @@ import secrets
 import time
 from pathlib import Path
 
-from engine.proxy.record import RecordError, Trajectory, check_id
+from syncd.engine.proxy.record import RecordError, Trajectory, check_id
 
-log = logging.getLogger("engine.proxy.server")
+log = logging.getLogger("syncd.engine.proxy.server")
 
 __all__ = ["RecordWriter", "new_life"]
 
@@ -58,7 +58,7 @@ class RecordWriter:
     async def write(self, traj: Trajectory) -> bool:
         """Store ``traj``'s record (its ``trajectory_id`` may be renamed); True once the store has it,
         False while it is pending (and spilled, with a spill directory). Raises only
-        :class:`~engine.proxy.record.RecordError` if the record cannot be encoded (nothing is kept then)."""
+        :class:`~syncd.engine.proxy.record.RecordError` if the record cannot be encoded (nothing is kept then)."""
         try:
             data = traj.encode()
         except (ValueError, TypeError, RecursionError) as exc:

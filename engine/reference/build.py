@@ -1,4 +1,4 @@
-"""Making a :class:`~engine.reference.engine.ReferenceEngine` (its ``from_*`` constructors): from a local model
+"""Making a :class:`~syncd.engine.reference.engine.ReferenceEngine` (its ``from_*`` constructors): from a local model
 folder, from the trainer's tensors and their config (one rank, a simulated tensor-parallel split, or NVFP4 packed
 weights), or from a version of a run in the store."""
 
@@ -16,7 +16,7 @@ def from_pretrained(cls, folder, *, version: int | None = 0, device="cpu", compu
     """From a local model folder (``config.json`` + ``*.safetensors``, as ``make_tiny`` writes)."""
     from transformers import AutoConfig
 
-    from engine.reference.model import load_folder_weights
+    from syncd.engine.reference.model import load_folder_weights
 
     config = AutoConfig.from_pretrained(str(folder))
     return from_state_dict(cls, load_folder_weights(folder), config, version=version, device=device,
@@ -27,18 +27,18 @@ def from_state_dict(cls, state_dict: Mapping[str, torch.Tensor], config, *, vers
                     compute_dtype=None, tp_size: int = 1, **kw):
     """From the trainer's tensors (names as the transformers model of ``config`` has them) and its config.
     ``tp_size=2`` runs a simulated tensor-parallel split (dense Llama/Qwen2 only): two ranks each holding half of
-    each sliced parameter, with fused qkv and gate_up (:mod:`engine.reference.tp`).
+    each sliced parameter, with fused qkv and gate_up (:mod:`syncd.engine.reference.tp`).
 
     NVFP4: a state dict holding ``<name>.qdata/.scales/.per_tensor_scale`` triples (what
-    ``trainer.qat.export_nvfp4`` publishes) is detected; those weights are served from their packed parts, which
-    are the engine's parameters under those names (:mod:`engine.reference.nvfp4_weights`). ``tp_size`` must then
+    ``syncd.trainer.qat.export_nvfp4`` publishes) is detected; those weights are served from their packed parts, which
+    are the engine's parameters under those names (:mod:`syncd.engine.reference.nvfp4_weights`). ``tp_size`` must then
     be 1 (ValueError otherwise)."""
     if tp_size == 1:
-        from engine.reference.model import HFRunner
+        from syncd.engine.reference.model import HFRunner
 
         runner = HFRunner(config, state_dict, device=device, compute_dtype=compute_dtype)
     else:
-        from engine.reference.tp import TPRunner
+        from syncd.engine.reference.tp import TPRunner
 
         runner = TPRunner(config, state_dict, world_size=tp_size, device=device, compute_dtype=compute_dtype)
     return cls(runner, version=version, **kw)

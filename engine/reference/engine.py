@@ -1,13 +1,13 @@
 """``ReferenceEngine``: a real generation engine on PyTorch + transformers that takes weight updates while it
-serves. It implements ``engine.Adapter`` (through :class:`~engine.updater.WeightUpdater`) and
-``engine.Generator``.
+serves. It implements ``syncd.engines.Adapter`` (through :class:`~syncd.engine.updater.WeightUpdater`) and
+``syncd.engines.Generator``.
 
 Serving: a background scheduler thread runs *steps*. Between steps, waiting requests join the running batch
 (up to ``max_batch``) and finished or aborted ones leave it (continuous batching at the iteration level). In
 a step every running request advances by one token: a new request runs its whole prompt (prefill, which may
 already hold tokens generated elsewhere), the others their last token, each against its own KV cache, in its
 own forward call, so its numbers never depend on its batch mates. Each token is sampled in float32 with the
-request's seed at the token's absolute position (:mod:`engine.reference.sampling`): the same seed, prompt
+request's seed at the token's absolute position (:mod:`syncd.engine.reference.sampling`): the same seed, prompt
 and weights give the same tokens.
 
 Updates (the Adapter contract in ``syncd/engines/protocol.py``): ``stage`` runs on the caller's thread while
@@ -33,8 +33,8 @@ from typing import AsyncIterator, Callable, Mapping, Sequence
 
 import torch
 
-from engine.reference.sampling import sample
-from engine.updater import WeightUpdater
+from syncd.engine.reference.sampling import sample
+from syncd.engine.updater import WeightUpdater
 from syncd.engines.params import ParamSpec
 from syncd.engines.protocol import GenerationRequest, SamplingParams, TokenEvent
 from syncd.engines.update import Update
@@ -72,9 +72,9 @@ class EngineStats:
 
 
 class ReferenceEngine:
-    """See the module docstring. ``runner``: an :class:`~engine.reference.model.HFRunner` (or a
+    """See the module docstring. ``runner``: an :class:`~syncd.engine.reference.model.HFRunner` (or a
     tensor-parallel runner with the same interface) holding the weights of ``version``. ``recorder``: an
-    optional :class:`~engine.replay.ReplayRecorder` that receives every token's replay record.
+    optional :class:`~syncd.engine.replay.ReplayRecorder` that receives every token's replay record.
     ``max_batch``: requests running at once (others wait). ``verify_apply``: ``apply`` checks that every staged
     position still holds its staged old word as it writes (see ``WeightUpdater.apply``)."""
 
@@ -106,22 +106,22 @@ class ReferenceEngine:
 
     @classmethod
     def from_pretrained(cls, folder, **kw) -> "ReferenceEngine":
-        """From a local model folder (:func:`engine.reference.build.from_pretrained`)."""
-        from engine.reference import build
+        """From a local model folder (:func:`syncd.engine.reference.build.from_pretrained`)."""
+        from syncd.engine.reference import build
 
         return build.from_pretrained(cls, folder, **kw)
 
     @classmethod
     def from_state_dict(cls, state_dict: Mapping[str, torch.Tensor], config, **kw) -> "ReferenceEngine":
-        """From the trainer's tensors and their config (:func:`engine.reference.build.from_state_dict`)."""
-        from engine.reference import build
+        """From the trainer's tensors and their config (:func:`syncd.engine.reference.build.from_state_dict`)."""
+        from syncd.engine.reference import build
 
         return build.from_state_dict(cls, state_dict, config, **kw)
 
     @classmethod
     def from_store(cls, store, run_id: str, version: int | None = None, **kw) -> "ReferenceEngine":
-        """From a version of a run in the store (:func:`engine.reference.build.from_store`)."""
-        from engine.reference import build
+        """From a version of a run in the store (:func:`syncd.engine.reference.build.from_store`)."""
+        from syncd.engine.reference import build
 
         return build.from_store(cls, store, run_id, version, **kw)
 

@@ -1,6 +1,6 @@
 """Write a tiny random-init model and a tiny tokenizer to a local folder (nothing is downloaded).
 
-    python -m engine.reference.make_tiny --out DIR [--moe] [--arch qwen2|llama|qwen3_moe|mixtral] [--seed N]
+    python -m syncd.engine.reference.make_tiny --out DIR [--moe] [--arch qwen2|llama|qwen3_moe|mixtral] [--seed N]
                                          [--nvfp4]
 
 The folder holds ``config.json``, ``model.safetensors`` (bf16), ``generation_config.json``,
@@ -140,7 +140,7 @@ def write_model(out: Path, *, arch: str = "qwen2", seed: int = 0, nvfp4: bool = 
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m engine.reference.make_tiny", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m syncd.engine.reference.make_tiny", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="folder to write (created)")
     p.add_argument("--moe", action="store_true", help="a mixture-of-experts model (default arch qwen3_moe)")
     p.add_argument("--arch", choices=ARCHS, help="architecture (default qwen2, or qwen3_moe with --moe)")

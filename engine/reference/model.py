@@ -1,14 +1,14 @@
 """The reference engine's model runners: what computes next-token logits for one request.
 
-A runner owns the model weights and exposes them to :class:`~engine.updater.WeightUpdater` as
+A runner owns the model weights and exposes them to :class:`~syncd.engine.updater.WeightUpdater` as
 ``specs``/``local_tensors`` in the trainer's dtype (bf16 words as published), while computing in
 ``compute_dtype``: float32 on CPU (a request's numbers then barely depend on how they are computed, which
 keeps sampling reproducible), the weights' dtype on a GPU. With fp32 compute and bf16 weights the fp32
 parameters hold bf16-exact values and the updater writes the bf16 words in place
-(:func:`engine.updater.bf16_view_of_fp32`); nothing is stored twice.
+(:func:`syncd.engine.updater.bf16_view_of_fp32`); nothing is stored twice.
 
 NVFP4 weights (a state dict with ``<name>.qdata/.scales/.per_tensor_scale`` triples, ``docs/nvfp4.md``) are
-detected and held by :class:`~engine.reference.nvfp4_weights.NVFP4Weights`: the packed parts are the
+detected and held by :class:`~syncd.engine.reference.nvfp4_weights.NVFP4Weights`: the packed parts are the
 updater's parameters under the trainer's names, and the model parameter ``<name>`` is their dequantized
 copy, refreshed by :meth:`HFRunner.weights_written` after every write (only the blocks that changed).
 
@@ -30,7 +30,7 @@ from typing import Mapping
 import torch
 
 from syncd.engines.params import ParamPiece, ParamSpec
-from engine.updater import bf16_view_of_fp32
+from syncd.engine.updater import bf16_view_of_fp32
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ def load_folder_weights(folder: str | Path) -> dict[str, torch.Tensor]:
 class HFRunner:
     """A ``transformers`` causal LM built from ``config`` and loaded with ``weights`` (trainer names ->
     tensors, all of one floating dtype: the weights dtype; NVFP4 triples besides, which are dequantized to the
-    weights dtype, the dtype ``trainer.qat.export_nvfp4`` cast the other tensors to). ``device``/
+    weights dtype, the dtype ``syncd.trainer.qat.export_nvfp4`` cast the other tensors to). ``device``/
     ``compute_dtype`` as above. Raises ValueError when ``weights`` and the model's state dict differ in names
     or shapes, for an incomplete or malformed NVFP4 triple, and for an NVFP4 weight that is tied to another."""
 
@@ -84,7 +84,7 @@ class HFRunner:
 
         quiet_optional_imports()
 
-        from engine.reference.nvfp4_weights import NVFP4Weights, has_nvfp4
+        from syncd.engine.reference.nvfp4_weights import NVFP4Weights, has_nvfp4
 
         packed: dict = {}
         if has_nvfp4(weights):

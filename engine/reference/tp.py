@@ -1,5 +1,5 @@
 """A simulated tensor-parallel split of a dense Llama/Qwen2 model: ``world_size`` engine ranks in one process,
-each holding only its slices of the weights in vLLM's fused layout (:mod:`engine.sharding`: fused ``qkv_proj``
+each holding only its slices of the weights in vLLM's fused layout (:mod:`syncd.engine.sharding`: fused ``qkv_proj``
 and ``gate_up_proj``, column-parallel q/k/v, gate/up and vocabulary rows, row-parallel ``o_proj`` and
 ``down_proj``, replicated norms), and a forward pass of its own over those slices: each rank computes its
 heads and its part of the MLP, and the partial outputs are summed (the all-reduce) or concatenated (the
@@ -7,7 +7,7 @@ logits' all-gather). The weights exist only as the ranks' slices, so every token
 depends on the updater's fused/sliced mapping being right.
 
 Local parameter names are ``tp<rank>.<fused name>``; :meth:`TPRunner.rank_specs` gives one rank's specs
-under their plain names. Same interface as :class:`~engine.reference.model.HFRunner`; the scheduler thread
+under their plain names. Same interface as :class:`~syncd.engine.reference.model.HFRunner`; the scheduler thread
 is the only caller of ``forward``.
 """
 
@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from syncd.engines.params import ParamSpec
-from engine.reference.model import default_compute_dtype, local_view
-from engine.sharding import tp_specs
-from engine.updater import build_local
+from syncd.engine.reference.model import default_compute_dtype, local_view
+from syncd.engine.sharding import tp_specs
+from syncd.engine.updater import build_local
 
 __all__ = ["TPRunner"]
 

@@ -1,6 +1,6 @@
 """``ReplayRecorder``: collect every generated token's replay record per request and write them to the run's
-object store prefix. Reading them back (``read_request``, ``list_requests``, ``request_key``, ``replay_prefix``)
-moved to :mod:`syncd.records.replay_store`; re-exported here until 0.3, with a DeprecationWarning.
+object store prefix. Reading them back is :mod:`syncd.records.replay_store`'s (``read_request``,
+``list_requests``).
 
 Keys (``docs/replay-format.md``)::
 
@@ -42,17 +42,12 @@ from syncd import manifest as mf
 from syncd.errors import ObjectExists, SyncdError
 from syncd.records.replay import ReplayChunk, TokenRecord, encode_chunk
 from syncd.records.replay_kept import MAX_TOLERANCE
-from syncd.lazy import lazy_names
 from syncd.records.replay_store import chunk_key
 from syncd.store import Store
 
 log = logging.getLogger(__name__)
 
 __all__ = ["ReplayRecorder", "ReplayUploadError"]
-
-# moved to syncd.records.replay_store; the old paths warn until 0.3
-__getattr__ = lazy_names(__name__, {n: "syncd.records.replay_store" for n in (
-    "read_request", "list_requests", "request_key", "replay_prefix")}, deprecated=True)
 
 
 class ReplayUploadError(SyncdError, RuntimeError):

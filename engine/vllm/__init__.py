@@ -1,15 +1,15 @@
-"""syncd's vLLM engine: :class:`~engine.vllm.engine.VLLMEngine` (``Adapter`` + ``Generator`` over vLLM's
-``AsyncLLM``), the worker side inside vLLM (:mod:`engine.vllm.worker_ext`: the ``syncd`` weight-transfer backend
-and worker extension), vLLM's parameter layout in the trainer's names (:mod:`engine.vllm.layout`) and replay
-records from vLLM's outputs (:mod:`engine.vllm.replay`). Needs the ``vllm`` extra; names are imported lazily, so
+"""syncd's vLLM engine: :class:`~syncd.engine.vllm.engine.VLLMEngine` (``Adapter`` + ``Generator`` over vLLM's
+``AsyncLLM``), the worker side inside vLLM (:mod:`syncd.engine.vllm.worker_ext`: the ``syncd`` weight-transfer backend
+and worker extension), vLLM's parameter layout in the trainer's names (:mod:`syncd.engine.vllm.layout`) and replay
+records from vLLM's outputs (:mod:`syncd.engine.vllm.replay`). Needs the ``vllm`` extra; names are imported lazily, so
 importing this package does not import vLLM."""
 
 from __future__ import annotations
 
 from syncd.lazy import lazy_names
 
-_LAZY = {"VLLMEngine": "engine.vllm.engine", "vllm_specs": "engine.vllm.layout", "ModelShape": "engine.vllm.layout"}
+_LAZY = {"VLLMEngine": "syncd.engine.vllm.engine", "vllm_specs": "syncd.engine.vllm.layout", "ModelShape": "syncd.engine.vllm.layout"}
 
 __all__ = sorted(_LAZY)
 
-__getattr__ = lazy_names("engine.vllm", _LAZY)
+__getattr__ = lazy_names("syncd.engine.vllm", _LAZY)

@@ -7,7 +7,7 @@ before the model loads) keeps the linear weights so there is something to write;
 packed copies of the layers an update touches in step: a linear layer's new copy is packed while the update is
 staged (:meth:`_Derived.prepare`) and swapped in after the write; touched experts are repacked after the write
 from a logical copy kept next to the packed tensor (checked against vLLM's own packing at start). On a GPU
-nothing is derived. Used by :mod:`engine.vllm.worker_ext` in vLLM's worker process; the worker's thread calls
+nothing is derived. Used by :mod:`syncd.engine.vllm.worker_ext` in vLLM's worker process; the worker's thread calls
 :meth:`_Derived.refresh`, the stage thread :meth:`_Derived.prepare` (never at the same time: the front end applies
 only a finished stage).
 """
@@ -135,12 +135,12 @@ class _Derived:
 
     def prepare(self, staged) -> float:
         """Build, while vLLM serves, the packed copies the touched linear layers compute with once ``staged``
-        (the updater's :class:`~engine.staging.StagedUpdate`, read against the live weights) is written: each
+        (the updater's :class:`~syncd.engine.staging.StagedUpdate`, read against the live weights) is written: each
         layer's weight is copied, the staged words written into the copy, and vLLM's dispatch packs it.
         :meth:`refresh` swaps them in for the same update instead of packing inside the pause; until then the
         touched layers' packed copies exist twice. Raises ``DeltaError`` if a staged old word is not in the live
         weight (it was read from there). Returns the seconds it took."""
-        from engine.local_params import bf16_view_of_fp32, flat_view, word_view
+        from syncd.engine.local_params import bf16_view_of_fp32, flat_view, word_view
         from syncd.errors import DeltaError
         from syncd.ops import scatter_words_
 

@@ -9,7 +9,7 @@ How the Adapter maps onto vLLM (``docs/engine.md``, "vLLM"):
                (``collective_rpc("syncd_stage")``; the node-cache shards are read in the worker itself)
 ``pause``      ``pause_generation(mode="keep", clear_cache=False)``: requests stay queued, KV and prefix
                caches are kept; returns once no step runs
-``apply``      vLLM's weight-transfer interface with the ``syncd`` backend (``engine.vllm.worker_ext``):
+``apply``      vLLM's weight-transfer interface with the ``syncd`` backend (``syncd.engine.vllm.worker_ext``):
                ``start_weight_update`` -> ``update_weights({"op": "apply"})`` (the changed words written in
                place into vLLM's own parameters, the packed CPU copies of the touched layers rebuilt) ->
                ``finish_weight_update(weight_version=str(version))``, which labels every later token
@@ -27,11 +27,11 @@ contract says) and ``generate``/``abort`` (any thread or loop) are handed to it.
 
 Tensor parallelism (``engine_kwargs={"tensor_parallel_size": W}``): every rank stages, writes and checksums its
 own slices; with ``W > 1`` the engine's parameters are named ``tp<rank>.<vLLM name>`` and the ranks' answers are
-merged (:mod:`engine.vllm.ranks`). An apply that fails on some ranks is undone on the others. On CPU each rank
+merged (:mod:`syncd.engine.vllm.ranks`). An apply that fails on some ranks is undone on the others. On CPU each rank
 gets an equal share of the allowed cores, or of the one core list ``VLLM_CPU_OMP_THREADS_BIND`` names.
 
 A process killed with SIGKILL leaves the others running: run a serving process in its own session and kill its
-group (``engine.dynamo.procs`` does).
+group (``syncd.engine.dynamo.procs`` does).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import threading
 import time
 from typing import AsyncIterator, Sequence
 
-from engine.vllm import ranks
+from syncd.engine.vllm import ranks
 from syncd.engines.params import ParamSpec
 from syncd.engines.protocol import GenerationRequest, TokenEvent
 from syncd.engines.update import Update
@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["VLLMEngine", "WORKER_EXTENSION"]
 
-WORKER_EXTENSION = "engine.vllm.worker_ext.SyncdWorkerExtension"
+WORKER_EXTENSION = "syncd.engine.vllm.worker_ext.SyncdWorkerExtension"
 
 
 def _raise(res):
@@ -95,10 +95,10 @@ class VLLMEngine:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
         if self.world_size > 1 and "|" not in bind and bind != "nobind" and _on_cpu():
-            # one group (e.g. this engine's share of a node, engine.dynamo.serve) or none: one share per rank
+            # one group (e.g. this engine's share of a node, syncd.engine.dynamo.serve) or none: one share per rank
             cpus = None if bind == "auto" else ranks.parse_cpu_list(bind)
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ranks.cpu_thread_binding(self.world_size, cpus)
-        if cpu_gemm is not None:  # read by engine.vllm.worker_ext in the worker, which inherits this environment
+        if cpu_gemm is not None:  # read by syncd.engine.vllm.worker_ext in the worker, which inherits this environment
             os.environ["SYNCD_VLLM_CPU_GEMM"] = cpu_gemm
         args = dict(model=self.model_dir, dtype="float32", enforce_eager=True, max_num_seqs=max_num_seqs,
                     max_logprobs=-1, worker_extension_cls=WORKER_EXTENSION, weight_transfer_config={"backend": "syncd"})
@@ -169,7 +169,7 @@ class VLLMEngine:
     def stage(self, update: Update) -> dict:
         """Stage ``update`` in the worker while vLLM serves (see the module docstring); returns what the worker
         staged (``version``, ``words``, ``bytes``, ``seconds``)."""
-        from engine.vllm.transfer import update_ref
+        from syncd.engine.vllm.transfer import update_ref
 
         ref, path = update_ref(update)
         try:
@@ -199,7 +199,7 @@ class VLLMEngine:
         self._write({"op": "rollback"})
 
     def load_full(self, update: Update) -> None:
-        from engine.vllm.transfer import update_ref
+        from syncd.engine.vllm.transfer import update_ref
 
         self._need_pause("load_full")
         ref, path = update_ref(update)
@@ -291,7 +291,7 @@ class VLLMEngine:
 
     async def _pump(self, request: GenerationRequest, put) -> None:
         """On the engine's loop: stream the request from vLLM, hand TokenEvents to ``put`` (then None)."""
-        from engine.vllm.outputs import sampling_params, token_versions
+        from syncd.engine.vllm.outputs import sampling_params, token_versions
 
         rid = request.request_id
         n = 0

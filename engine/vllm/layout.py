@@ -17,7 +17,7 @@ everything else (norms, ``mlp.gate`` router)     same name, same shape          
 ===============================================  ====================================  =========================
 
 The specs describe the *logical* layout (what vLLM's loader writes before its CPU backend repacks weights for
-its kernels): ``engine.vllm.worker_ext`` keeps those tensors and rebuilds the packed copies after each write.
+its kernels): ``syncd.engine.vllm.worker_ext`` keeps those tensors and rebuilds the packed copies after each write.
 Padded layouts (a vocabulary or MoE intermediate size vLLM pads for its kernels) have no exact tiling and are
 refused with ``ValueError``, as is a parameter this table does not know. Pure functions; thread-safe.
 """

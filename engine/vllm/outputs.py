@@ -7,7 +7,7 @@ final output. A streamed token's version is read from the same place vLLM builds
 processor's per-request ``weight_version_starts``, which is complete for every token already delivered
 (tokens are labelled before their output is queued). It is vLLM-private state: where it is missing the
 engine's current version is used, and the final spans are what the replay records trust
-(:mod:`engine.vllm.replay`).
+(:mod:`syncd.engine.vllm.replay`).
 """
 
 from __future__ import annotations

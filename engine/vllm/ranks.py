@@ -1,9 +1,9 @@
-"""The tensor-parallel ranks of one vLLM engine seen as one Adapter (:class:`engine.vllm.VLLMEngine`).
+"""The tensor-parallel ranks of one vLLM engine seen as one Adapter (:class:`syncd.engine.vllm.VLLMEngine`).
 
-Every worker rank holds its own slices (:func:`engine.vllm.layout.vllm_specs` with its rank) and answers every
+Every worker rank holds its own slices (:func:`syncd.engine.vllm.layout.vllm_specs` with its rank) and answers every
 ``collective_rpc`` for itself; this module names and merges what the ranks answer. With one rank nothing is
 renamed. With several, a local parameter is ``tp<rank>.<vLLM name>`` (the convention of
-:class:`engine.reference.tp.TPRunner`), so the engine's parameters and checksums cover every rank and
+:class:`syncd.engine.reference.tp.TPRunner`), so the engine's parameters and checksums cover every rank and
 ``expected_checksums`` over them checks every slice. Pure functions; thread-safe.
 """
 

@@ -1,7 +1,7 @@
 """Replay records from vLLM's outputs: what a finished ``vllm.outputs.RequestOutput`` carries for replay --
 ``sampling_mask`` (the kept token ids of every generated token), ``routed_experts`` (the experts of every
 position) and ``weight_versions`` (per-token version spans) -- onto syncd's replay records
-(:class:`syncd.records.replay.TokenRecord`, written by :class:`engine.replay.ReplayRecorder`;
+(:class:`syncd.records.replay.TokenRecord`, written by :class:`syncd.engine.replay.ReplayRecorder`;
 ``docs/replay-format.md``).
 
 =================================  ==============================================================================
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.vllm.outputs import spans_to_versions
+from syncd.engine.vllm.outputs import spans_to_versions
 
 __all__ = ["kept_sets", "routes", "record_output"]
 
@@ -69,7 +69,7 @@ def routes(routed, prompt_len: int, n: int, num_experts: int) -> tuple[np.ndarra
 
 def record_output(recorder, out, *, num_experts: int = 0) -> int:
     """Add the replay records of finished ``RequestOutput`` ``out`` (first completion) to ``recorder`` (an
-    :class:`engine.replay.ReplayRecorder`) and finish the request there; returns the number of tokens. Raises
+    :class:`syncd.engine.replay.ReplayRecorder`) and finish the request there; returns the number of tokens. Raises
     ``ValueError`` for an unfinished output, one without the replay fields, or fields that disagree."""
     if not out.finished:
         raise ValueError(f"request {out.request_id!r}: replay records come from the final output")

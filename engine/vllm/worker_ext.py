@@ -1,6 +1,6 @@
 """The syncd side inside vLLM's worker process: a backend of vLLM's weight-transfer interface (``"syncd"``) and a
-worker extension (``worker_extension_cls="engine.vllm.worker_ext.SyncdWorkerExtension"``) driven through
-``collective_rpc`` by :class:`engine.vllm.engine.VLLMEngine`.
+worker extension (``worker_extension_cls="syncd.engine.vllm.worker_ext.SyncdWorkerExtension"``) driven through
+``collective_rpc`` by :class:`syncd.engine.vllm.engine.VLLMEngine`.
 
 vLLM imports this module in every worker before it loads the model (it resolves ``worker_extension_cls`` when
 it builds the worker), so importing it
@@ -12,9 +12,9 @@ it builds the worker), so importing it
   with ``F.linear`` over the kept weight instead (no packed copy; slower decode).
 
 The weights syncd writes are vLLM's own parameters in their logical (loader) layout, through one
-:class:`engine.updater.WeightUpdater` per worker over their bf16 words (the fp32 parameters hold bf16-exact
+:class:`syncd.engine.updater.WeightUpdater` per worker over their bf16 words (the fp32 parameters hold bf16-exact
 values, as the reference engine's). What vLLM's CPU kernels compute with is derived from them and kept in step
-by :mod:`engine.vllm.cpu_copies` (packed while staging, swapped in after the write). On a GPU vLLM computes with
+by :mod:`syncd.engine.vllm.cpu_copies` (packed while staging, swapped in after the write). On a GPU vLLM computes with
 the parameters themselves and nothing is derived.
 
 Everything here runs on the worker's thread between scheduler steps, except staging, which runs on a thread
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.vllm.cpu_copies import _Derived, _pack_moe_, _unpack_moe, install_cpu_gemm_keep
+from syncd.engine.vllm.cpu_copies import _Derived, _pack_moe_, _unpack_moe, install_cpu_gemm_keep
 
 log = logging.getLogger(__name__)
 
@@ -47,15 +47,15 @@ class _WorkerState:
     """The syncd state of one worker: its updater over the model's parameters and the derived copies."""
 
     def __init__(self, model, model_config, *, version, rank: int, world_size: int):
-        from engine.local_params import bf16_view_of_fp32
-        from engine.updater import WeightUpdater
-        from engine.vllm.layout import ModelShape, vllm_specs
+        from syncd.engine.local_params import bf16_view_of_fp32
+        from syncd.engine.updater import WeightUpdater
+        from syncd.engine.vllm.layout import ModelShape, vllm_specs
 
         params = dict(model.named_parameters())
         empty = [n for n, p in params.items() if p.numel() == 0]
         if empty:
             raise RuntimeError(f"vLLM replaced {len(empty)} weights with empty parameters (e.g. {empty[0]!r}); "
-                               "engine.vllm.worker_ext was not imported before the model was loaded")
+                               "syncd.engine.vllm.worker_ext was not imported before the model was loaded")
         bad = [n for n, p in params.items() if p.dtype != torch.float32]
         if bad:
             raise ValueError(f"syncd serves vLLM in float32 (bf16-exact values); {bad[0]!r} is "
@@ -122,8 +122,8 @@ class _WorkerState:
 
 
 def _update_of(ref: dict):
-    """The :class:`~syncd.engines.update.Update` a front end sent (engine.vllm.engine.update_ref)."""
-    from engine.vllm.transfer import update_from_ref
+    """The :class:`~syncd.engines.update.Update` a front end sent (syncd.engine.vllm.engine.update_ref)."""
+    from syncd.engine.vllm.transfer import update_from_ref
 
     return update_from_ref(ref)
 
@@ -145,7 +145,7 @@ class SyncdInitInfo(WeightTransferInitInfo):
 @dataclass
 class SyncdUpdateInfo(WeightTransferUpdateInfo):
     """``op``: ``"apply"`` (the staged update), ``"rollback"`` or ``"load_full"`` (with ``ref``, a full version
-    as :func:`engine.vllm.transfer.update_ref` describes it)."""
+    as :func:`syncd.engine.vllm.transfer.update_ref` describes it)."""
 
     op: str = "apply"
     ref: dict | None = None

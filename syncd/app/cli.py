@@ -6,7 +6,7 @@ Commands (README.md has the full table of flags and their environment variables)
                                          with ``--cluster-rank R --cluster-peers ...`` one node of a cluster
     syncd status --run-id RUN            the node daemon's state (from its status file)
     syncd demo [--json PATH]             an RL run that learns, on this machine (--weights-only: weight sync only)
-    syncd train --model DIR --proxy URL  the thin RL trainer (python -m trainer.run; syncd train --help)
+    syncd train --model DIR --proxy URL  the thin RL trainer (python -m syncd.trainer.run; syncd train --help)
     syncd ls [--run-id RUN]              runs in the store, or the versions of one run
     syncd verify --run-id RUN [--quick]  check every version of a run (exit 1 if any is unusable)
     syncd gc --run-id RUN [--dry-run]    apply the retention policy
@@ -165,10 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an RL run that learns on this machine: trainer, daemon, two engines under Dynamo, proxy "
                         "(--weights-only: the weight-sync demo; syncd demo --help)")
     sub.add_parser("train", add_help=False,
-                   help="the thin RL trainer (python -m trainer.run; syncd train --help)")
+                   help="the thin RL trainer (python -m syncd.trainer.run; syncd train --help)")
     sub.add_parser("serve", add_help=False,
                    help="start and supervise this node's Dynamo engine workers and frontend "
-                        "(python -m engine.dynamo.serve; syncd serve --help)")
+                        "(python -m syncd.engine.dynamo.serve; syncd serve --help)")
     p = sub.add_parser("ls", help="list runs, or the versions of --run-id")
     _common(p)
     p.add_argument("--json", action="store_true", help="one JSON object per line")
@@ -302,16 +302,16 @@ def main(argv=None) -> int:
     """Entry point of the ``syncd`` console script; returns the exit status."""
     parser = build_parser()
     argv = _program_first(list(sys.argv[1:] if argv is None else argv), parser)
-    if argv[:1] == ["serve"]:  # its own flags (engine.dynamo.serve); arguments after `--` go to every worker
-        from engine.dynamo.serve import main as serve_main
+    if argv[:1] == ["serve"]:  # its own flags (syncd.engine.dynamo.serve); arguments after `--` go to every worker
+        from syncd.engine.dynamo.serve import main as serve_main
 
         return serve_main(argv[1:])
     if argv[:1] == ["demo"]:  # its own flags (syncd.app.rl_demo; --weights-only: syncd.app.demo's)
         from syncd.app.rl_demo import main as demo_main
 
         return demo_main(argv[1:])
-    if argv[:1] == ["train"]:  # its own flags (trainer.run)
-        from trainer.run import main as train_main
+    if argv[:1] == ["train"]:  # its own flags (syncd.trainer.run)
+        from syncd.trainer.run import main as train_main
 
         return train_main(argv[1:])
     args = _resolve(parser.parse_args(argv))

@@ -1,10 +1,10 @@
 """The serving side of a local RL run, started as real processes: what ``syncd demo``, ``bench.rl_loop`` and the
-trainer's end-to-end tests run the thin trainer (``python -m trainer.run``) against.
+trainer's end-to-end tests run the thin trainer (``python -m syncd.trainer.run``) against.
 
-* a tiny random-init model folder (``engine.reference.make_tiny``), which the engines serve as version 0;
-* one inference node (``engine.dynamo.serve.Node``, what ``syncd serve`` runs): the Dynamo frontend and
+* a tiny random-init model folder (``syncd.engine.reference.make_tiny``), which the engines serve as version 0;
+* one inference node (``syncd.engine.dynamo.serve.Node``, what ``syncd serve`` runs): the Dynamo frontend and
   ``engines`` reference-engine workers, each recording replay records to the store under the run;
-* the sandbox proxy (``python -m engine.proxy``) in front of the frontend, recording trajectories;
+* the sandbox proxy (``python -m syncd.engine.proxy``) in front of the frontend, recording trajectories;
 * the node daemon (``python -m syncd.app.cli``), keeping every worker on the newest version through its admin
   routes and writing its status file (engines' versions, every update with its pauses).
 
@@ -83,8 +83,8 @@ class RLStack:
         say = say or (lambda text: log.info("%s", text))
         say(f"writing a tiny random-init {self.config.arch} model (hidden {self.config.hidden}, "
             f"{self.config.layers} layers) and starting the Dynamo frontend and {self.config.engines} engine workers")
-        from engine.dynamo.serve import Node, NodeConfig
-        from engine.reference.make_tiny import write_model
+        from syncd.engine.dynamo.serve import Node, NodeConfig
+        from syncd.engine.reference.make_tiny import write_model
 
         cfg = self.config
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -114,7 +114,7 @@ class RLStack:
                                     stdin=subprocess.DEVNULL, start_new_session=True)
 
     def _start_proxy(self) -> tuple[subprocess.Popen, str]:
-        from engine.proxy.procs import start_proxy
+        from syncd.engine.proxy.procs import start_proxy
 
         proc, url = start_proxy(self.workdir, self.node.frontend_url, self.store_url, self.run_id,
                                 self.config.sandbox_id, env=self.env, log_path=self.logs / "proxy.log")
@@ -123,7 +123,7 @@ class RLStack:
 
     def _start_daemon(self) -> subprocess.Popen:
         from syncd.engines.client import RemoteAdapter
-        from engine.dynamo.procs import wait_until
+        from syncd.engine.dynamo.procs import wait_until
 
         argv = ["-m", "syncd.app.cli", "--run-id", self.run_id, "--store", self.store_url, "--cache-dir",
                 str(self.workdir / "cache"), "--status-file", str(self.status_file), "--poll-interval",
@@ -155,7 +155,7 @@ class RLStack:
     def proxy_health(self) -> dict:
         """The proxy's ``/health`` (open trajectories, pending writes, failure counts); raises RuntimeError when it
         does not answer."""
-        from engine.dynamo.procs import http_json
+        from syncd.engine.dynamo.procs import http_json
 
         status, body = http_json("GET", f"{self.proxy_url}/health", timeout_s=10)
         if status != 200 or not isinstance(body, dict):
@@ -170,7 +170,7 @@ class RLStack:
 
     def wait_engines_at(self, version: int, timeout_s: float = 120.0) -> None:
         """Until every worker serves ``version`` (TimeoutError otherwise)."""
-        from engine.dynamo.procs import wait_until
+        from syncd.engine.dynamo.procs import wait_until
 
         wait_until(lambda: all(v == version for v in self.engine_versions().values()), timeout_s,
                    f"every engine at version {version}", interval_s=0.2, alive=self.dead)
@@ -194,8 +194,8 @@ class RLStack:
         return None
 
     def trainer_argv(self, *extra: str) -> list[str]:
-        """``python -m trainer.run`` against this stack, plus ``extra`` flags."""
-        return [sys.executable, "-m", "trainer.run", "--proxy", self.proxy_url, "--store", self.store_url,
+        """``python -m syncd.trainer.run`` against this stack, plus ``extra`` flags."""
+        return [sys.executable, "-m", "syncd.trainer.run", "--proxy", self.proxy_url, "--store", self.store_url,
                 "--run-id", self.run_id, "--model", str(self.model_dir), "--daemon-status", str(self.status_file),
                 *extra]
 
@@ -213,7 +213,7 @@ class RLStack:
             return self.daemon.wait()
 
     def close(self) -> None:
-        from engine.dynamo.procs import stop_process
+        from syncd.engine.dynamo.procs import stop_process
 
         self.stop_daemon()
         if self.proxy is not None:

@@ -35,13 +35,9 @@ from syncd.cluster.errors import ClusterError, NotHeld, ProtocolError, Stalled
 from syncd.cluster.partials import PartialShards, ShardState, n_chunks
 from syncd.cluster.wire import T
 from syncd.errors import IntegrityError, ObjectNotFound, StoreError
-from syncd.lazy import lazy_names
 
 log = logging.getLogger(__name__)
 
-# ShardCache: renamed syncd.cluster.partials.PartialShards (it sits on the node cache, syncd.cache.ShardCache);
-# the old name warns until 0.3
-__getattr__ = lazy_names(__name__, {"ShardCache": ("syncd.cluster.partials", "PartialShards")}, deprecated=True)
 
 _HEX64 = frozenset("0123456789abcdef")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 @dataclass(frozen=True)
 class EngineSpec:
     """An engine the daemon keeps current: ``name`` (metrics label) and its control ``url``
-    (``http://host:port`` of an engine process, see ``engine.control``)."""
+    (``http://host:port`` of an engine process, see ``syncd.engine.control``)."""
 
     name: str
     url: str

@@ -15,7 +15,6 @@ from syncd import jsonsafe
 from syncd.engines import wire
 from syncd.engines.errors import EngineUnreachable, RemoteEngineError
 from syncd.engines.update import Update
-from syncd.lazy import moved
 
 __all__ = ["RemoteAdapter"]
 
@@ -149,19 +148,3 @@ class RemoteAdapter:
     def checksum(self, names: Sequence[str] | None = None) -> dict[str, int]:
         reply = self.call("checksum", {"names": list(names) if names is not None else None})
         return {k: int(v, 16) for k, v in reply["checksums"].items()}
-
-    # ------------------------------------------------------------------------------- deprecated, go in 0.3
-
-    def stage_from_cache(self, manifest_raw: bytes, cache_root) -> int:
-        """Deprecated (goes in 0.3; warns): stage the version ``manifest_raw`` names from the node cache, sending
-        the bytes unparsed (use ``stage(Update.from_cache(...))``); the version staged."""
-        moved("RemoteAdapter.stage_from_cache", "RemoteAdapter.stage(Update.from_cache(...))")
-        return self.call("stage", {"manifest": bytes(manifest_raw).decode("ascii"),
-                                   "cache_root": os.fspath(cache_root)})["version"]
-
-    def load_full_from_cache(self, manifest_raw: bytes, cache_root) -> int:
-        """Deprecated (goes in 0.3; warns): ``load_full`` of the full version ``manifest_raw`` names from the node
-        cache (use ``load_full(Update.from_cache(...))``); the version."""
-        moved("RemoteAdapter.load_full_from_cache", "RemoteAdapter.load_full(Update.from_cache(...))")
-        return self.call("load_full", {"manifest": bytes(manifest_raw).decode("ascii"),
-                                       "cache_root": os.fspath(cache_root)})["version"]

@@ -1,6 +1,6 @@
 """The one protocol every engine implements: :class:`Adapter` (weight updates) and :class:`Generator`
 (serving); and :class:`EngineLink`, what the node daemon holds for each engine it drives, in this process or
-another. The daemon (``syncd.daemon``), the Dynamo worker (``engine.dynamo``) and the tests talk to engines
+another. The daemon (``syncd.daemon``), the Dynamo worker (``syncd.engine.dynamo``) and the tests talk to engines
 only through these.
 
 Update lifecycle, driven by one controller thread (the daemon) while other threads keep serving::

@@ -1,6 +1,6 @@
 """The engine control routes and their wire format (``POST /engine/weights/<op>``), specified once: the table
-:data:`ROUTES` and the body/reply forms below, shared by the engine-side half (``engine.control.EngineControl``,
-served by ``engine.control_server`` and the Dynamo worker) and the client
+:data:`ROUTES` and the body/reply forms below, shared by the engine-side half (``syncd.engine.control.EngineControl``,
+served by ``syncd.engine.control_server`` and the Dynamo worker) and the client
 (:class:`syncd.engines.client.RemoteAdapter`). Design: ``docs/engine.md``, "Who may drive an engine".
 
 Every route takes a JSON object and replies one; an error replies 4xx/5xx with ``{"error": message, "type":

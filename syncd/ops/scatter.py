@@ -1,5 +1,5 @@
 """``scatter_words_``: write staged words into many word arrays at once, all or nothing, each word compared just
-before it is written -- what an engine's in-place apply and rollback do (``engine.WeightUpdater``).
+before it is written -- what an engine's in-place apply and rollback do (``syncd.engine.WeightUpdater``).
 
 Backends: ``cpu`` (native, ``csrc/cpu/scatter.cpp``: every array cut into runs of 8192 words written on every
 core while their cache lines are hot; a failure undoes every run already written) and ``reference`` (NumPy:

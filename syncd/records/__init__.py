@@ -3,8 +3,8 @@ the core so that neither side imports the other.
 
 - :mod:`syncd.records.replay`: per-token replay records (version, token, log-prob, kept set, MoE routes)
   (``docs/replay-format.md``); :mod:`syncd.records.replay_store`: their store keys and ``read_request``;
-  ``engine.replay.ReplayRecorder`` writes them
-- :mod:`syncd.records.trajectory`: the proxy's trajectory records, read and checked (``engine.proxy`` writes them)
+  ``syncd.engine.replay.ReplayRecorder`` writes them
+- :mod:`syncd.records.trajectory`: the proxy's trajectory records, read and checked (``syncd.engine.proxy`` writes them)
 """
 
 from syncd.records.replay import (ReplayChunk, ReplayFormatError, TokenRecord, decode_chunk, decode_kept,

@@ -1,5 +1,5 @@
 """Replay records (``docs/replay-format.md`` is the specification): their binary encodings. Part of the syncd
-core, so that ``engine.replay`` (the recorder) and ``trainer.rollouts`` (the reader) share it without importing
+core, so that ``syncd.engine.replay`` (the recorder) and ``syncd.trainer.rollouts`` (the reader) share it without importing
 each other.
 
 * **kept set** (the token ids top-k/top-p sampling could have chosen at one step; :mod:`syncd.records.replay_kept`):

@@ -5,7 +5,7 @@
 ``<request key>`` (:func:`request_key`) is the request id itself when it is 1-128 characters of
 ``[A-Za-z0-9._-]`` starting with a letter or digit, without ``..``, else ``h-`` + the first 32 hex digits of its
 SHA-256 (the chunk holds the real id; a chunk under a request's key whose id is another is corrupt).
-``<writer>`` is 16 hex digits per recorder. ``engine.replay.ReplayRecorder`` writes the chunks; :func:`read_request`
+``<writer>`` is 16 hex digits per recorder. ``syncd.engine.replay.ReplayRecorder`` writes the chunks; :func:`read_request`
 reads every chunk of a request (all writers) back, at most :data:`MAX_REQUEST_BYTES` of them in all, and
 :func:`list_requests` lists a run's request keys.
 """

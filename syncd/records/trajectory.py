@@ -1,6 +1,6 @@
-"""Trajectory records, the reading half: what ``engine.proxy`` writes to the object store for every agent
+"""Trajectory records, the reading half: what ``syncd.engine.proxy`` writes to the object store for every agent
 trajectory, checked as hostile input. Part of the syncd core, so that the proxy (which writes them,
-``engine.proxy.record``) and the trainer (which reads them, ``trainer.rollouts``) share one schema.
+``syncd.engine.proxy.record``) and the trainer (which reads them, ``syncd.trainer.rollouts``) share one schema.
 
 Key (create-if-absent, never overwritten)::
 
@@ -16,7 +16,7 @@ A record is one JSON object (``schema: "syncd.trajectory"``, ``schema_version: 1
                 "logprobs", "finish_reason", "text", "usage", "segments": [{"request_id", "start", "count"}],
                 "started_at", "finished_at"}]}
 
-Self-compaction (``engine.proxy.compaction``) adds optional members, so records without it are unchanged and
+Self-compaction (``syncd.engine.proxy.compaction``) adds optional members, so records without it are unchanged and
 schema version 1 still holds: a turn that is a segment of a compacted client request carries ``"compaction":
 {"request": <index of the request's first segment>, "segment", "role": "generate" | "summary" | "continuation",
 "client_request"?: <the client's body, on the first segment>}`` (its ``request`` is then the body sent upstream,
@@ -29,7 +29,7 @@ turn on one worker each (more than one when Dynamo migrated the request). A traj
 when every turn is ``ok``; otherwise ``failure`` says which turn failed and why. Nothing is ever dropped to
 make a record look complete. ``requested_trajectory_id`` is the id the client used; the proxy stores a
 record under another id (``<id>.<proxy life>``) only when an earlier proxy life already wrote that key
-(``engine.proxy.writer``).
+(``syncd.engine.proxy.writer``).
 
 :func:`parse` treats a stored record as hostile: size-bounded, strict JSON, every member checked.
 """

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-import engine
+from syncd import engine
 from syncd.app import cli, commands
 from syncd.daemon import DaemonConfig, NodeDaemon
 from tests.daemon.conftest import KEY, RUN

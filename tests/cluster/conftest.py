@@ -1,4 +1,4 @@
-"""Fixtures of the cluster tests: real versions from real AdamW steps, published by trainer.WeightPublisher
+"""Fixtures of the cluster tests: real versions from real AdamW steps, published by syncd.trainer.WeightPublisher
 to a real file store; node processes on loopback."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from bench.netsim import NodeProcs, free_port
 from tests.cluster._util import KEY, RUN, SECRET
 from tests.daemon._fixtures import model_dir, procs  # noqa: F401  (fixtures shared by both packages)
 from tests.store._models import trajectory
-from trainer import WeightPublisher
+from syncd.trainer import WeightPublisher
 
 
 @pytest.fixture(scope="session")

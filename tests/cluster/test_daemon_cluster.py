@@ -6,7 +6,7 @@ to its engines.
   say what is wrong;
 * two daemons with in-process engines in one event loop (the wiring, metrics and status, quickly);
 * the issue's end-to-end case with real processes on loopback: four daemons, each with a reference-engine
-  process, a trainer process taking real AdamW steps and publishing with ``trainer.WeightPublisher`` to a
+  process, a trainer process taking real AdamW steps and publishing with ``syncd.trainer.WeightPublisher`` to a
   file store that is served as S3 (``bench.netsim``) so that every byte the store sends is counted;
   a relay is killed -9 mid-broadcast, then the controller, and both come back: every engine ends on the
   newest version with the trainer's checksums, and the store served each shard about once.
@@ -23,7 +23,7 @@ import urllib.request
 
 import pytest
 
-import engine
+from syncd import engine
 from syncd.app import cli, commands
 from syncd.cluster import ClusterConfig, ClusterSecret, auth
 from syncd.cluster.errors import AuthError
@@ -186,7 +186,7 @@ def test_daemons_with_engines_relay_and_controller_killed_nodes_restarted(tmp_pa
     procs.trainer(store, model_dir, 5, gate_dir=gates, record=record)  # versions 0F 1 2 3F 4, one per gate
     ready = {r: tmp_path / f"engine{r}.ready" for r in range(n)}
     for r in range(n):
-        procs.spawn(f"engine{r}", ["-m", "engine.control", "--model", str(model_dir), "--port", "0",
+        procs.spawn(f"engine{r}", ["-m", "syncd.engine.control", "--model", str(model_dir), "--port", "0",
                                    "--ready-file", str(ready[r])])
     url = {r: procs.wait(lambda r=r: json.loads(ready[r].read_text())["url"], f"engine {r} to serve", 120)
            for r in range(n)}

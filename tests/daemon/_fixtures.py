@@ -8,7 +8,7 @@ import pytest
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A tiny reference-engine model folder (``make_tiny``), one per test module."""
-    from engine.reference.make_tiny import write_model
+    from syncd.engine.reference.make_tiny import write_model
 
     return write_model(tmp_path_factory.mktemp("model") / "tiny")
 

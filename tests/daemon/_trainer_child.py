@@ -1,10 +1,10 @@
 """A trainer process for the daemon tests: real AdamW steps on a tiny random-init Qwen2, one version
-published per step with ``trainer.WeightPublisher``; records what it published.
+published per step with ``syncd.trainer.WeightPublisher``; records what it published.
 
     python -m tests.daemon._trainer_child STORE RUN --model DIR --steps N [--gate-dir D] [--record F]
         [--full-every M] [--shard-bytes B] [--seed S] [--tamper corrupt@V|badsig@V ...]
 
-``--model``: a model folder (``engine.reference.make_tiny``); training starts from its weights, so the
+``--model``: a model folder (``syncd.engine.reference.make_tiny``); training starts from its weights, so the
 trainer's tensor names are the engine's.
 
 ``--gate-dir``: before step ``s`` the child waits for the file ``D/s`` (the test releases versions one at a
@@ -29,7 +29,7 @@ from syncd.ops import checksum
 from syncd.signing import SigningKey
 from syncd.store import Store
 from tests.store._models import bf16, train_steps
-from trainer.publisher import WeightPublisher
+from syncd.trainer.publisher import WeightPublisher
 
 
 class TamperingStore(Store):
@@ -58,7 +58,7 @@ def load_model(folder: str):
     """The float32 trainable model of a model folder (config + bf16 safetensors)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from engine.reference.model import load_folder_weights
+    from syncd.engine.reference.model import load_folder_weights
 
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.float32)
     model.load_state_dict({k: v.float() for k, v in load_folder_weights(folder).items()})

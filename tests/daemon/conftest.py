@@ -1,5 +1,5 @@
 """Shared pieces of the daemon tests: a real file store with versions published by
-``trainer.WeightPublisher`` from real AdamW steps (``tests/store/_models.trajectory``)."""
+``syncd.trainer.WeightPublisher`` from real AdamW steps (``tests/store/_models.trajectory``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from syncd.store import Store
 from tests.daemon._fixtures import model_dir, procs  # noqa: F401  (fixtures shared by both packages)
 from tests.store._models import trajectory
-from trainer.publisher import WeightPublisher
+from syncd.trainer.publisher import WeightPublisher
 
 KEY = "daemon-test-key-0123456789abcdef"
 RUN = "r"

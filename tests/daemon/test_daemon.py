@@ -1,5 +1,5 @@
 """NodeDaemon in one process: real store, real publisher (real AdamW steps), real engines
-(engine.StateDictEngine). Faults are injected by wrapping an engine (named as such below)."""
+(syncd.engine.StateDictEngine). Faults are injected by wrapping an engine (named as such below)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 import torch
 
-import engine
+from syncd import engine
 from syncd import manifest as mf
 from syncd.daemon import DaemonConfig, NodeDaemon
 from syncd.daemon.fetcher import StoreShardSource
@@ -193,7 +193,7 @@ def test_an_engine_refusing_a_version_does_not_hold_back_the_others_and_is_retri
     stage and keeps serving its version, the status names the tensor and the remedy, and the daemon retries it
     with backoff, not every engine check; the node's other engine, which holds every tensor whole, follows. A
     rank with no weights yet is rebuilt as far as it can go (the full version) and serves that, not paused."""
-    from engine.sharding import tp_specs
+    from syncd.engine.sharding import tp_specs
     from tests.daemon.conftest import Published
 
     published = Published(tmp_path / "store", delta_format=2)
@@ -261,7 +261,7 @@ def test_stop_waits_for_the_update_in_progress(tmp_path, published):
 def test_a_restarted_daemon_continues_from_the_engines_version(tmp_path, published):
     published.publish(2)
     good = engine.StateDictEngine({k: v.clone() for k, v in published.states[1].items()}, 1)
-    liar = engine.StateDictEngine({k: v.clone() for k, v in published.states[0].items()}, 1)  # claims 1, holds 0
+    liar = syncd.engine.StateDictEngine({k: v.clone() for k, v in published.states[0].items()}, 1)  # claims 1, holds 0
     good.pause()  # as a daemon killed mid-update would leave it
     d = make_daemon(tmp_path, published, {"good": good, "liar": liar})
 

@@ -7,7 +7,7 @@ Qwen2) publishes 2-5 versions; between them, a seeded random generator writes wh
 access can: garbage, deeply nested or huge hints, hints pointing far into the future or back in time (a
 replayed hint), garbage, huge, replayed (another version's genuine manifest), unsigned (forged without the
 key) and deeply nested manifests at far-future version numbers, and torn directories. A NodeDaemon with two
-engines (``engine.StateDictEngine``, in-process to run many scenarios) follows the run. After the last write
+engines (``syncd.engine.StateDictEngine``, in-process to run many scenarios) follows the run. After the last write
 the test measures the time until both engines serve the newest valid version, bit for bit.
 
 Not generated: squatting the *next* version number the publisher will use (that blocks the publisher,
@@ -30,14 +30,14 @@ from pathlib import Path
 
 import pytest
 
-import engine
+from syncd import engine
 from syncd import manifest as mf
 from syncd.daemon import DaemonConfig, NodeDaemon
 from syncd.store import Store
 from syncd.versions import read_manifest
 from tests.daemon.conftest import KEY
 from tests.store._models import assert_same, trajectory
-from trainer.publisher import WeightPublisher
+from syncd.trainer.publisher import WeightPublisher
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

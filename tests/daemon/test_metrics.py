@@ -13,7 +13,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-import engine
+from syncd import engine
 from syncd.daemon import DaemonConfig, NodeDaemon
 from syncd.daemon.metrics import DEPRECATED, DaemonMetrics
 from tests.daemon.conftest import KEY, RUN
@@ -49,7 +49,7 @@ def test_before_anything_is_known():
 
 def test_names_units_docs_and_dashboard(tmp_path, published):
     published.publish(3)
-    eng = engine.StateDictEngine(published.zeros(), None)  # no version: the daemon rebuilds it, then updates it
+    eng = syncd.engine.StateDictEngine(published.zeros(), None)  # no version: the daemon rebuilds it, then updates it
     cfg = DaemonConfig(run_id=RUN, cache_dir=tmp_path / "cache", poll_interval_s=0.05, engine_check_s=0.1)
     d = NodeDaemon(cfg, adapters={"e0": eng}, store=published.store, signing_key=KEY)
 

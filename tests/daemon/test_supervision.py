@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-import engine
+from syncd import engine
 from syncd.daemon import DaemonConfig, NodeDaemon
 from syncd.store import Store
 from tests.daemon._procs import wait_until

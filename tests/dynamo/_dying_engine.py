@@ -8,7 +8,7 @@ import asyncio
 import os
 import signal
 
-from engine.reference import ReferenceEngine
+from syncd.engine.reference import ReferenceEngine
 
 DIE_SEED = 4242
 

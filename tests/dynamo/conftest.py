@@ -1,5 +1,5 @@
 """Real Dynamo clusters for the tests: a tiny reference-engine model, a node (frontend + workers, started
-by ``engine.dynamo.serve.Node``) and per-sandbox proxies (``python -m engine.proxy`` processes)."""
+by ``syncd.engine.dynamo.serve.Node``) and per-sandbox proxies (``python -m syncd.engine.proxy`` processes)."""
 
 from __future__ import annotations
 
@@ -10,22 +10,22 @@ from pathlib import Path
 
 import pytest
 
-from engine.dynamo.procs import stop_process
-from engine.proxy import procs as proxy_procs
+from syncd.engine.dynamo.procs import stop_process
+from syncd.engine.proxy import procs as proxy_procs
 
 RUN_ID = "dyn-run"
 
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> Path:
-    from engine.reference.make_tiny import write_model
+    from syncd.engine.reference.make_tiny import write_model
 
     return write_model(tmp_path_factory.mktemp("dyn-model") / "tiny", arch="qwen2", seed=3)
 
 
 @dataclass
 class ProxyProcess:
-    """A running ``python -m engine.proxy``; :meth:`stop` sends SIGTERM (open trajectories get written)."""
+    """A running ``python -m syncd.engine.proxy``; :meth:`stop` sends SIGTERM (open trajectories get written)."""
 
     proc: subprocess.Popen
     url: str

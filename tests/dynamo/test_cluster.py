@@ -1,5 +1,5 @@
 """A real node with file discovery: the Dynamo frontend and two reference-engine workers started by
-``engine.dynamo.serve.Node``, and per-sandbox proxies in front of it. One cluster serves the whole module
+``syncd.engine.dynamo.serve.Node``, and per-sandbox proxies in front of it. One cluster serves the whole module
 (startup costs 10-20 s on two cores); every test leaves it with two serving workers at weight version 0."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.dynamo.procs import free_port, http_json, stop_process, wait_until
-from engine.dynamo.serve import Node, NodeConfig
-from engine.dynamo.settings import DynamoSettings
+from syncd.engine.dynamo.procs import free_port, http_json, stop_process, wait_until
+from syncd.engine.dynamo.serve import Node, NodeConfig
+from syncd.engine.dynamo.settings import DynamoSettings
 from syncd.records.trajectory import read_record, replay_tokens
 from syncd.engines.update import Update
 from tests.dynamo._client import finish_reason, get_json, post_json, post_stream, stream_text
@@ -243,7 +243,7 @@ def _publish(model_dir: Path, store_url: str) -> None:
     from transformers import AutoModelForCausalLM
 
     from tests.store._models import train_steps
-    from trainer import WeightPublisher
+    from syncd.trainer import WeightPublisher
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     with WeightPublisher(store_url, RUN_ID, signing_key=False) as pub:
@@ -359,7 +359,7 @@ def test_proxy_retries_until_the_frontend_comes_up(cluster):
         import subprocess
         import sys
 
-        frontend = subprocess.Popen([sys.executable, "-m", "engine.dynamo.frontend", "--http-port", str(port),
+        frontend = subprocess.Popen([sys.executable, "-m", "syncd.engine.dynamo.frontend", "--http-port", str(port),
                                      *c.node.settings.argv()], env=c.node.settings.environ(),
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         t.join(120)

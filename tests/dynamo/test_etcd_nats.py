@@ -1,4 +1,4 @@
-"""The production-style path: ``syncd serve --start-services`` (``engine.dynamo.serve``) runs etcd and NATS (Debian's
+"""The production-style path: ``syncd serve --start-services`` (``syncd.engine.dynamo.serve``) runs etcd and NATS (Debian's
 packages, installed by ``scripts/setup_services.sh``), two reference-engine workers and the frontend as
 real processes; a sandbox proxy in front records a trajectory; SIGTERM stops everything cleanly."""
 
@@ -13,8 +13,8 @@ import sys
 import pytest
 
 from syncd.engines.client import RemoteAdapter
-from engine.dynamo.procs import stop_process, wait_until
-from engine.dynamo.services import find_binary
+from syncd.engine.dynamo.procs import stop_process, wait_until
+from syncd.engine.dynamo.services import find_binary
 from syncd.records.trajectory import read_record
 from tests.dynamo._client import finish_reason, post_json, post_stream, stream_text
 from tests.dynamo.conftest import RUN_ID, start_proxy

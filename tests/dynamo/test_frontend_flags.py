@@ -1,12 +1,12 @@
-"""The frontend's address flags are defined once (engine.dynamo.settings.add_frontend_arguments) for
-``engine.dynamo.frontend`` and ``syncd serve``: both read SYNCD_DYNAMO_HTTP_HOST/_PORT, and a bad integer in a
+"""The frontend's address flags are defined once (syncd.engine.dynamo.settings.add_frontend_arguments) for
+``syncd.engine.dynamo.frontend`` and ``syncd serve``: both read SYNCD_DYNAMO_HTTP_HOST/_PORT, and a bad integer in a
 variable is refused naming it (``--help`` still works)."""
 
 from __future__ import annotations
 
 import pytest
 
-from engine.dynamo import frontend, serve
+from syncd.engine.dynamo import frontend, serve
 
 
 @pytest.mark.parametrize("parser, base", [(frontend.parser, []), (serve.parser, ["--model", "m"])])

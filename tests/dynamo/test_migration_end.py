@@ -1,6 +1,6 @@
 """A worker that dies after streaming a request's last token but before its stream's end: the frontend migrates
 the request with max_tokens 0 (every token already made), and the client still gets every token and a normal
-end, not an error. Real frontend and workers (``engine.dynamo.serve.Node``); the dying engine is the reference
+end, not an error. Real frontend and workers (``syncd.engine.dynamo.serve.Node``); the dying engine is the reference
 engine killing its own process (``tests.dynamo._dying_engine``)."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import uuid
 
 import pytest
 
-from engine.dynamo.procs import wait_until
-from engine.dynamo.serve import Node, NodeConfig
-from engine.dynamo.settings import DynamoSettings
+from syncd.engine.dynamo.procs import wait_until
+from syncd.engine.dynamo.serve import Node, NodeConfig
+from syncd.engine.dynamo.settings import DynamoSettings
 from tests.dynamo._client import finish_reason, post_stream
 from tests.dynamo._dying_engine import DIE_SEED
 

@@ -1,11 +1,11 @@
-"""The frontend <-> worker wire format (``engine.dynamo.protocol``): pure functions, no processes."""
+"""The frontend <-> worker wire format (``syncd.engine.dynamo.protocol``): pure functions, no processes."""
 
 from __future__ import annotations
 
 import pytest
 
 from syncd.engines.protocol import TokenEvent
-from engine.dynamo.protocol import (BadRequest, UnsupportedRequest, seed_for, to_chunk, to_generation_request,
+from syncd.engine.dynamo.protocol import (BadRequest, UnsupportedRequest, seed_for, to_chunk, to_generation_request,
                                     wants_logprobs)
 
 

@@ -11,7 +11,7 @@ import uuid
 import openai  # the official client (the test extra): missing, the test fails rather than skips
 import pytest
 
-from engine.dynamo.serve import Node, NodeConfig
+from syncd.engine.dynamo.serve import Node, NodeConfig
 from tests.dynamo.conftest import RUN_ID, start_proxy
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -1,4 +1,4 @@
-"""The recovery path end to end under ``syncd serve``'s node (``engine.dynamo.serve.Node``): a real frontend, two
+"""The recovery path end to end under ``syncd serve``'s node (``syncd.engine.dynamo.serve.Node``): a real frontend, two
 workers (``--wait-for-daemon``) and a real node daemon driving them through their admin routes, following a run a
 real trainer publishes (AdamW steps, ``WeightPublisher``).
 
@@ -23,9 +23,9 @@ import uuid
 
 import pytest
 
-from engine.dynamo.procs import MAX_SYSTEM_PORT, wait_until
-from engine.dynamo.serve import Node, NodeConfig
-from engine.dynamo.settings import DynamoSettings
+from syncd.engine.dynamo.procs import MAX_SYSTEM_PORT, wait_until
+from syncd.engine.dynamo.serve import Node, NodeConfig
+from syncd.engine.dynamo.settings import DynamoSettings
 from syncd.engines.client import RemoteAdapter
 from syncd.engines.params import expected_checksums
 from syncd.store import Store
@@ -89,7 +89,7 @@ def _pgid_alive(pgid: int) -> bool:
 
 @pytest.mark.parametrize("engine", ["reference", "vllm"])
 def test_sigkilled_worker_is_restarted_rebuilt_and_routed_to_only_once_current(engine, tmp_path):
-    from engine.reference.make_tiny import write_model
+    from syncd.engine.reference.make_tiny import write_model
     from syncd.daemon import DaemonConfig
     from syncd.daemon.config import EngineSpec
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.dynamo import serve
-from engine.dynamo.settings import DynamoSettings, add_arguments, from_args
+from syncd.engine.dynamo import serve
+from syncd.engine.dynamo.settings import DynamoSettings, add_arguments, from_args
 
 
 def test_file_backend_environment(tmp_path, dynamo_env_clean):
@@ -55,7 +55,7 @@ def test_serve_refuses_bad_arguments(tmp_path, capsys):
 
 def test_file_discovery_drops_a_leftover_nats_event_plane():
     """A process that once ran with etcd + NATS must not hand a NATS event plane to file-discovery children."""
-    from engine.dynamo.settings import DynamoSettings
+    from syncd.engine.dynamo.settings import DynamoSettings
 
     env = DynamoSettings(discovery="file", file_kv="/tmp/kv").environ(
         {"DYN_EVENT_PLANE": "nats", "NATS_SERVER": "nats://127.0.0.1:4222", "ETCD_ENDPOINTS": "http://x"})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.dynamo import frontend, worker
+from syncd.engine.dynamo import frontend, worker
 
 
 class NotAnEngine:
@@ -56,9 +56,9 @@ def test_a_migration_with_no_tokens_left_ends_at_once(model_dir):
     token had arrived). Other requests are served as before."""
     import asyncio
 
-    from engine.dynamo import protocol
-    from engine.proxy.record import Turn
-    from engine.proxy.turn import TurnState
+    from syncd.engine.dynamo import protocol
+    from syncd.engine.proxy.record import Turn
+    from syncd.engine.proxy.turn import TurnState
 
     ref = worker.build_engine(worker.parser().parse_args(["--model", str(model_dir)]))
     w = worker.DynamoWorker(ref, model_dir=model_dir, served_name="tiny", token="t" * 32)

@@ -1,4 +1,4 @@
-"""A real trainer for engine tests: a tiny model's AdamW steps published by ``trainer.WeightPublisher`` into a
+"""A real trainer for engine tests: a tiny model's AdamW steps published by ``syncd.trainer.WeightPublisher`` into a
 file store (version 0 full, then deltas), with each version's bf16 state kept to compare engines against."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ RUN = "vllm"
 
 class Trainer:
     """A real trainer: the model in float32, AdamW steps on random tokens (``tests.store._models.train_steps``),
-    every state published by ``trainer.WeightPublisher`` (version 0 full, then deltas) into a file store;
+    every state published by ``syncd.trainer.WeightPublisher`` (version 0 full, then deltas) into a file store;
     ``snaps[v]`` is version v's bf16 state dict. ``publisher``: more WeightPublisher arguments (the delta
     format)."""
 
     def __init__(self, model_dir, store, *, run=RUN, key=KEY, lr=3e-4, publisher=None):
         from transformers import AutoModelForCausalLM
 
-        from trainer import WeightPublisher
+        from syncd.trainer import WeightPublisher
 
         self.store, self.run, self.key, self.lr = store, run, key, lr
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)

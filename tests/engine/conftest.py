@@ -1,10 +1,10 @@
-"""Tiny random-init models written by ``engine.reference.make_tiny``, once per test session."""
+"""Tiny random-init models written by ``syncd.engine.reference.make_tiny``, once per test session."""
 
 from __future__ import annotations
 
 import pytest
 
-from engine.reference.make_tiny import write_model
+from syncd.engine.reference.make_tiny import write_model
 
 
 @pytest.fixture(scope="session")

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import StateDictEngine
+from syncd.engine import StateDictEngine
 from syncd.engines.protocol import GenerationRequest, SamplingParams
 from syncd.engines.update import Update
-from engine.sharding import tp_specs
-from engine.updater import expected_checksums
+from syncd.engine.sharding import tp_specs
+from syncd.engine.updater import expected_checksums
 from syncd.ops import checksum, delta
 from tests.store._models import bits, trajectory
 
@@ -46,8 +46,8 @@ def test_updates_on_cuda_tensors_are_bit_exact_and_roll_back():
 
 
 def test_reference_engine_generates_on_the_gpu_and_takes_deltas(dense_dir):
-    from engine.reference import ReferenceEngine
-    from engine.reference.model import load_folder_weights
+    from syncd.engine.reference import ReferenceEngine
+    from syncd.engine.reference.model import load_folder_weights
 
     w = load_folder_weights(dense_dir)
     eng = ReferenceEngine.from_pretrained(dense_dir, device="cuda")

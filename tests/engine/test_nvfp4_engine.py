@@ -1,6 +1,6 @@
 """The reference engine serves NVFP4 weights and takes NVFP4 versions as deltas of the packed codes and scales.
 
-A tiny Qwen2 trains with QAT (``trainer.qat``) through real AdamW steps; ``WeightPublisher(..., dtype=None)``
+A tiny Qwen2 trains with QAT (``syncd.trainer.qat``) through real AdamW steps; ``WeightPublisher(..., dtype=None)``
 publishes ``export_nvfp4(model)`` after every step to a file store. The engine starts from version 0
 (``from_store``) and serves while a controller thread stages, pauses, applies and resumes each later version.
 After each apply the engine's packed tensors are the trainer's quantization byte for byte, the weights it
@@ -19,16 +19,16 @@ import torch
 
 from syncd.engines.protocol import GenerationRequest, SamplingParams
 from syncd.engines.update import Update
-from engine.reference import ReferenceEngine
-from engine.reference.make_tiny import write_model
-from engine.reference.sampling import sample
+from syncd.engine.reference import ReferenceEngine
+from syncd.engine.reference.make_tiny import write_model
+from syncd.engine.reference.sampling import sample
 from syncd.engines.update import Update
 from syncd.ops import checksum, nvfp4
 from syncd.store import Store
 from syncd.versions import fetch_shards, read_manifest
 from tests.store._models import bits, train_steps
-from trainer import WeightPublisher
-from trainer.qat import disable_qat, enable_qat, export_nvfp4
+from syncd.trainer import WeightPublisher
+from syncd.trainer.qat import disable_qat, enable_qat, export_nvfp4
 
 KEY = "nvfp4-engine-test-key-0123456789"
 RUN = "nvfp4"

@@ -1,4 +1,4 @@
-"""``engine.proxy.server.Proxy``'s bookkeeping stays bounded for as long as the proxy lives: running-turn lists
+"""``syncd.engine.proxy.server.Proxy``'s bookkeeping stays bounded for as long as the proxy lives: running-turn lists
 go with their last turn, the finished-id memory is an LRU of ``MAX_WRITTEN_IDS``, and a compactor's live context
 goes when its trajectory is written or fails to be (a real local-files store; no HTTP server is needed)."""
 
@@ -8,10 +8,10 @@ import asyncio
 
 import pytest
 
-import engine.proxy.server as server
-from engine.proxy.compaction import CompactionConfig
-from engine.proxy.record import RecordError, Turn
-from engine.proxy.server import Proxy, ProxyConfig
+import syncd.engine.proxy.server as server
+from syncd.engine.proxy.compaction import CompactionConfig
+from syncd.engine.proxy.record import RecordError, Turn
+from syncd.engine.proxy.server import Proxy, ProxyConfig
 
 
 def _proxy(tmp_path, **kw) -> Proxy:
@@ -65,7 +65,7 @@ def test_finished_ids_are_remembered_up_to_the_cap(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from engine.reference.make_tiny import write_model
+    from syncd.engine.reference.make_tiny import write_model
 
     return write_model(tmp_path_factory.mktemp("bmodel") / "tiny", arch="qwen2", seed=1, hidden=16, layers=1,
                        heads=2, kv_heads=1, intermediate=32, max_positions=128)

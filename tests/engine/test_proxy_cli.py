@@ -1,4 +1,4 @@
-"""``python -m engine.proxy`` start-up errors: a bad flag or ``SYNCD_*`` variable, a bad compaction model, a port
+"""``python -m syncd.engine.proxy`` start-up errors: a bad flag or ``SYNCD_*`` variable, a bad compaction model, a port
 in use -- each answers with exit status 2 or 3 and a line naming what is wrong, never a traceback."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from engine.proxy.cli import main
+from syncd.engine.proxy.cli import main
 
 REQUIRED = ["--upstream", "http://127.0.0.1:9", "--run-id", "run", "--sandbox-id", "sb"]
 
@@ -40,7 +40,7 @@ def test_a_bad_log_level_is_named(monkeypatch, capsys, argv, env, named):
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from engine.reference.make_tiny import write_model
+    from syncd.engine.reference.make_tiny import write_model
 
     return write_model(tmp_path_factory.mktemp("clim") / "tiny", arch="qwen2", seed=1, hidden=16, layers=1,
                        heads=2, kv_heads=1, intermediate=32, max_positions=128)
@@ -67,7 +67,7 @@ def test_a_port_in_use_exits_3_with_a_message(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        proc = subprocess.run([sys.executable, "-m", "engine.proxy", *REQUIRED, "--store", str(tmp_path / "s"),
+        proc = subprocess.run([sys.executable, "-m", "syncd.engine.proxy", *REQUIRED, "--store", str(tmp_path / "s"),
                                "--port", str(port)], capture_output=True, text=True, timeout=120,
                               env={**os.environ, "SYNCD_LOG_LEVEL": "WARNING"})
     assert proc.returncode == 3, proc.stderr

@@ -1,4 +1,4 @@
-"""``engine.proxy.compaction`` without an engine: the policy (when a request is compacted, the room it leaves), the
+"""``syncd.engine.proxy.compaction`` without an engine: the policy (when a request is compacted, the room it leaves), the
 configuration checks, and the record members that mark the segments (the end-to-end path through a real engine is
 tests/trainer/test_compaction.py)."""
 
@@ -8,14 +8,14 @@ import json
 
 import pytest
 
-from engine.proxy.compaction import CompactionConfig, Compactor, _Live
-from engine.proxy.record import RecordError, Trajectory, Turn
+from syncd.engine.proxy.compaction import CompactionConfig, Compactor, _Live
+from syncd.engine.proxy.record import RecordError, Trajectory, Turn
 from syncd.records.trajectory import parse
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from engine.reference.make_tiny import write_model
+    from syncd.engine.reference.make_tiny import write_model
 
     return write_model(tmp_path_factory.mktemp("cmodel") / "tiny", arch="qwen2", seed=1, hidden=16, layers=1,
                        heads=2, kv_heads=1, intermediate=32, max_positions=128)

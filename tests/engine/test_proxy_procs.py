@@ -1,12 +1,12 @@
-"""``engine.proxy.procs.start_proxy`` in a reused workdir: the ready file an earlier proxy left behind never
-answers for the new one (a real ``python -m engine.proxy`` process, a local-files store)."""
+"""``syncd.engine.proxy.procs.start_proxy`` in a reused workdir: the ready file an earlier proxy left behind never
+answers for the new one (a real ``python -m syncd.engine.proxy`` process, a local-files store)."""
 
 from __future__ import annotations
 
 import json
 
-from engine.dynamo.procs import http_json, stop_process
-from engine.proxy.procs import start_proxy
+from syncd.engine.dynamo.procs import http_json, stop_process
+from syncd.engine.proxy.procs import start_proxy
 
 
 def test_a_stale_ready_file_does_not_answer_for_the_new_proxy(tmp_path):

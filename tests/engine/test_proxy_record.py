@@ -1,4 +1,4 @@
-"""``engine.proxy.record``: trajectory records, their keys, and hostile-input checks."""
+"""``syncd.engine.proxy.record``: trajectory records, their keys, and hostile-input checks."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from engine.proxy.record import RecordError, Trajectory, Turn, record_key
+from syncd.engine.proxy.record import RecordError, Trajectory, Turn, record_key
 from syncd.records.trajectory import list_records, parse, read_record
 from syncd.store import Store
 

@@ -1,4 +1,4 @@
-"""Proxy records are never lost: real ``python -m engine.proxy`` processes in front of a real Dynamo frontend
+"""Proxy records are never lost: real ``python -m syncd.engine.proxy`` processes in front of a real Dynamo frontend
 and reference-engine worker, writing to a real file store.
 
 * a client body with values strict JSON cannot hold (NaN, Infinity, 1e999, deep nesting) or malformed
@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from engine.dynamo.procs import wait_until
+from syncd.engine.dynamo.procs import wait_until
 from syncd.records.trajectory import list_records, parse, read_record
 from tests.dynamo._client import get_json, post_json
 from tests.dynamo.conftest import RUN_ID, start_proxy
@@ -28,8 +28,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 @pytest.fixture(scope="module")
 def frontend(tmp_path_factory):
     """``(frontend URL, model name, store URL, workdir)`` of one node: a frontend and one worker."""
-    from engine.dynamo.serve import Node, NodeConfig
-    from engine.reference.make_tiny import write_model
+    from syncd.engine.dynamo.serve import Node, NodeConfig
+    from syncd.engine.reference.make_tiny import write_model
 
     root = tmp_path_factory.mktemp("proxy-records")
     model = write_model(root / "tiny", arch="qwen2", seed=3)

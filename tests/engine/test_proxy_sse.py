@@ -1,4 +1,4 @@
-"""``engine.proxy.sse``: parsing the frontend's event stream, however it is cut into chunks."""
+"""``syncd.engine.proxy.sse``: parsing the frontend's event stream, however it is cut into chunks."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from engine.proxy.sse import SSEError, events, format_event
+from syncd.engine.proxy.sse import SSEError, events, format_event
 
 STREAM = (b'event: token_ids\n: "[1,2,3]"\n\n'
           b'data: {"a":1}\n\n'

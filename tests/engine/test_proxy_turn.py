@@ -1,4 +1,4 @@
-"""``engine.proxy.turn``: what the frontend sends is checked before it enters a record -- a malformed or
+"""``syncd.engine.proxy.turn``: what the frontend sends is checked before it enters a record -- a malformed or
 non-strict event, ``engine_data`` or choice fails the turn with the reason, never a record that cannot be
 encoded or read back."""
 
@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from engine.proxy.record import Turn
-from engine.proxy.sse import format_event
-from engine.proxy.turn import (BadRequest, Broken, TurnState, annotation_ids, client_wants, parse_body, parse_event,
+from syncd.engine.proxy.record import Turn
+from syncd.engine.proxy.sse import format_event
+from syncd.engine.proxy.turn import (BadRequest, Broken, TurnState, annotation_ids, client_wants, parse_body, parse_event,
                                upstream_body)
 
 
@@ -69,7 +69,7 @@ def test_a_whole_chat_response_folds_tool_calls_logprobs_and_finish_reason():
     """What a non-streamed client gets is the frontend's aggregate of the stream: tool-call fragments joined per
     index, log-prob entries concatenated, the finish reason, ``refusal`` null. (The tiny random model never
     calls a tool, so the end-to-end test cannot show tool calls; this folds OpenAI-shaped chunks.)"""
-    from engine.proxy.turn import whole_response
+    from syncd.engine.proxy.turn import whole_response
 
     st = TurnState(Turn(0, "chat/completions", {}, False))
     def lp(tok, x):
@@ -96,7 +96,7 @@ def test_a_whole_chat_response_folds_tool_calls_logprobs_and_finish_reason():
 
 
 def test_completions_logprobs_fold_and_empty_chunks_are_dropped():
-    from engine.proxy.turn import for_client, whole_response
+    from syncd.engine.proxy.turn import for_client, whole_response
 
     st = TurnState(Turn(0, "completions", {}, False))
     for i, (tok, x) in enumerate([("x", -1.0), ("y", -2.0)]):

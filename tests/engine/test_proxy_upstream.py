@@ -1,4 +1,4 @@
-"""``engine.proxy.upstream``: what a broken or hostile frontend sends is bounded before it reaches memory, the
+"""``syncd.engine.proxy.upstream``: what a broken or hostile frontend sends is bounded before it reaches memory, the
 turn's error and the record. The frontend here is a small aiohttp server on loopback standing in for a broken
 Dynamo frontend (a real one never sends a 16 MiB error body: a mock, named as such)."""
 
@@ -10,9 +10,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from engine.proxy.record import Turn
-from engine.proxy.turn import ClientStream, Rejected, Retryable, TurnState
-from engine.proxy.upstream import MAX_ERROR_BODY_BYTES, stream_once
+from syncd.engine.proxy.record import Turn
+from syncd.engine.proxy.turn import ClientStream, Rejected, Retryable, TurnState
+from syncd.engine.proxy.upstream import MAX_ERROR_BODY_BYTES, stream_once
 
 BIG = 16 << 20
 

@@ -1,4 +1,4 @@
-"""engine.reference.ReferenceEngine: continuous batching, sampling, determinism, migration, stop/abort, pause
+"""syncd.engine.reference.ReferenceEngine: continuous batching, sampling, determinism, migration, stop/abort, pause
 semantics, the tensor-parallel split, MoE routing capture, and the tiny-model script."""
 
 from __future__ import annotations
@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import Adapter, Generator
+from syncd.engine import Adapter, Generator
 from syncd.engines.protocol import GenerationRequest, SamplingParams
 from syncd.engines.update import Update
-from engine.reference import ReferenceEngine
-from engine.reference.make_tiny import main as make_tiny_main
-from engine.reference.make_tiny import special_ids
-from engine.reference.model import HFRunner, load_folder_weights
-from engine.reference.sampling import kept_set, sample
-from engine.updater import expected_checksums
+from syncd.engine.reference import ReferenceEngine
+from syncd.engine.reference.make_tiny import main as make_tiny_main
+from syncd.engine.reference.make_tiny import special_ids
+from syncd.engine.reference.model import HFRunner, load_folder_weights
+from syncd.engine.reference.sampling import kept_set, sample
+from syncd.engine.updater import expected_checksums
 from syncd.ops import checksum, delta
 
 PROMPT = (257, 84, 82, 68, 81, 198, 71)
@@ -252,8 +252,8 @@ def test_no_torchao_warnings_where_we_build_models(tmp_path):
     import subprocess
     import sys
 
-    code = ("import sys; from engine.reference.make_tiny import main; main(['--out', sys.argv[1]]); "
-            "from engine.reference.engine import ReferenceEngine; ReferenceEngine.from_pretrained(sys.argv[1])")
+    code = ("import sys; from syncd.engine.reference.make_tiny import main; main(['--out', sys.argv[1]]); "
+            "from syncd.engine.reference.engine import ReferenceEngine; ReferenceEngine.from_pretrained(sys.argv[1])")
     p = subprocess.run([sys.executable, "-c", code, str(tmp_path / "m")], capture_output=True, text=True, timeout=300,
                        cwd=Path(__file__).resolve().parents[2])
     assert p.returncode == 0, p.stderr[-2000:]

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from syncd.engines.protocol import SamplingParams
-from engine.reference.sampling import sample
+from syncd.engine.reference.sampling import sample
 from syncd.ops import replay
 from syncd.records.replay import KeptToRebuild, ReplayFormatError, decode_kept, encode_kept_record
 

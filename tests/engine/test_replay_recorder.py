@@ -1,4 +1,4 @@
-"""engine.ReplayRecorder: MoE routing and kept sets recorded by the engine land in the store and read back (listed,
+"""syncd.engine.ReplayRecorder: MoE routing and kept sets recorded by the engine land in the store and read back (listed,
 or, with a tolerance, to be rebuilt from the same logits); a failing store loses nothing; a migrated request's
 records from two engines read back as one sequence."""
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from syncd.engines.protocol import GenerationRequest, SamplingParams
-from engine.reference import ReferenceEngine
-from engine.reference.sampling import kept_set
-from engine.replay import ReplayRecorder, ReplayUploadError, list_requests, read_request, request_key
+from syncd.engine.reference import ReferenceEngine
+from syncd.engine.reference.sampling import kept_set
+from syncd.engine.replay import ReplayRecorder, ReplayUploadError, list_requests, read_request, request_key
 from syncd.errors import StoreError
 from syncd.ops.replay import rebuild_kept
 from syncd.records.replay import KeptToRebuild

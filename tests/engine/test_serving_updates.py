@@ -1,5 +1,5 @@
 """The reference engine serves while another thread stages and applies a sequence of real deltas, published by
-``trainer.WeightPublisher`` from real AdamW steps into a local file store and read back with
+``syncd.trainer.WeightPublisher`` from real AdamW steps into a local file store and read back with
 ``syncd.versions``. No request is dropped or restarted, tokens after each apply carry the new version,
 ``checksum()`` equals the trainer's after each apply, and every token's replay record lands in the store."""
 
@@ -12,15 +12,15 @@ import pytest
 import torch
 
 from syncd.engines.protocol import GenerationRequest, SamplingParams
-from engine.reference import ReferenceEngine
-from engine.replay import ReplayRecorder, read_request
-from engine.updater import expected_checksums
+from syncd.engine.reference import ReferenceEngine
+from syncd.engine.replay import ReplayRecorder, read_request
+from syncd.engine.updater import expected_checksums
 from syncd.engines.update import Update
 from syncd.ops import checksum
 from syncd.store import Store
 from syncd.versions import fetch_shards, read_manifest
 from tests.store._models import train_steps
-from trainer import WeightPublisher
+from syncd.trainer import WeightPublisher
 
 KEY = "engine-test-signing-key-0123456789"
 RUN = "serve"

@@ -1,4 +1,4 @@
-"""engine.WeightUpdater / StateDictEngine on real AdamW deltas of a tiny Qwen2: 1:1, fused (qkv, gate_up) and
+"""syncd.engine.WeightUpdater / StateDictEngine on real AdamW deltas of a tiny Qwen2: 1:1, fused (qkv, gate_up) and
 tensor-parallel sliced parameters against slicing the trainer's tensors, rollback, all-or-nothing."""
 
 from __future__ import annotations
@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import StateDictEngine
+from syncd.engine import StateDictEngine
 from syncd.engines.params import ParamPiece, ParamSpec
 from syncd.engines.update import Update
-from engine.sharding import tp_specs
-from engine.updater import WeightUpdater, bf16_view_of_fp32, build_local, expected_checksums, map_positions
+from syncd.engine.sharding import tp_specs
+from syncd.engine.updater import WeightUpdater, bf16_view_of_fp32, build_local, expected_checksums, map_positions
 from syncd.errors import DeltaError, IntegrityError
 from syncd.ops import checksum, delta
 from tests.store._models import bits, trajectory
@@ -106,7 +106,7 @@ def test_a_tensor_parallel_rank_refuses_format2_for_a_slice_and_takes_format1_fo
     """A rank holding a slice of a tensor cannot decode its context blocks: stage refuses the update, naming the
     tensor and the remedy, and changes nothing; with the sliced tensors published in format 1 (what
     ``WeightPublisher(delta_format=2, sliced_tensors=...)`` writes) it follows the run bit for bit."""
-    from trainer.shard_writer import delta_formats
+    from syncd.trainer.shard_writer import delta_formats
 
     specs = tp_specs(states[0], rank=1, world_size=2, num_heads=HEADS, num_kv_heads=KV)
     eng = StateDictEngine.from_full(states[0], specs, 0)
@@ -179,7 +179,7 @@ def write_mode(request, monkeypatch):
     """Run a test with the native scatter (syncd.ops.scatter_words_) on the calling thread, split over the pool
     in small runs, or through the torch path GPU parameters take (batched compares, one synchronisation, then
     writes)."""
-    import engine.updater as upd
+    import syncd.engine.updater as upd
     import syncd.ops.scatter as scatter
 
     if request.param == "parallel":
@@ -220,7 +220,7 @@ def test_a_failure_midway_through_the_write_restores_every_written_parameter(sta
 
 
 def _identity(state):
-    from engine.updater import identity_specs
+    from syncd.engine.updater import identity_specs
     tensors = {k: v.clone() for k, v in state.items()}
     return identity_specs(tensors), tensors
 
@@ -330,7 +330,7 @@ def test_specs_must_tile_the_local_tensor():
 
 @pytest.mark.parametrize("dtype", [torch.int16, torch.int32, torch.int64])
 def test_fingerprint_catches_any_one_word_and_counts_positions(dtype):
-    from engine.updater import fingerprint
+    from syncd.engine.updater import fingerprint
 
     g = torch.Generator().manual_seed(0)
     words = torch.randint(-1000, 1000, (5000,), generator=g).to(dtype)

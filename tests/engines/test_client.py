@@ -1,5 +1,5 @@
-"""syncd.engines.client.RemoteAdapter driving a real engine (engine.StateDictEngine) through the control routes of
-a real loopback HTTP server (engine.control_server), and reading Dynamo's error envelope."""
+"""syncd.engines.client.RemoteAdapter driving a real engine (syncd.engine.StateDictEngine) through the control routes of
+a real loopback HTTP server (syncd.engine.control_server), and reading Dynamo's error envelope."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-import engine
-from engine.control_server import ControlServer
+from syncd import engine
+from syncd.engine.control_server import ControlServer
 from syncd.cache import ShardCache
 from syncd.engines.client import RemoteAdapter
 from syncd.engines.errors import EngineUnreachable

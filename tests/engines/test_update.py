@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-import engine
+from syncd import engine
 from syncd.cache import ShardCache
 from syncd.engines.local import InProcessLink
 from syncd.engines.update import Update

@@ -15,7 +15,7 @@ import time
 import torch
 
 from syncd.store import Store
-from trainer.publisher import WeightPublisher
+from syncd.trainer.publisher import WeightPublisher
 
 
 class KillingStore(Store):

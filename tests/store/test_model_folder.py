@@ -13,7 +13,7 @@ from syncd.errors import IntegrityError, SignatureError
 from syncd.model_folder import get_model_files, materialize_folder, put_model_files
 from syncd.store import Store
 from syncd.versions import materialize
-from trainer.publisher import WeightPublisher
+from syncd.trainer.publisher import WeightPublisher
 
 KEY = "model-folder-test-key-0123456789"
 RUN = "hf"
@@ -25,7 +25,7 @@ def trained(tmp_path_factory):
     newest version is a delta on a full one), the publisher storing the folder's config and tokenizer."""
     from transformers import AutoModelForCausalLM
 
-    from engine.reference.make_tiny import write_model
+    from syncd.engine.reference.make_tiny import write_model
 
     root = tmp_path_factory.mktemp("hf")
     model_dir = write_model(root / "model")

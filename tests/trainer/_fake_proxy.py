@@ -1,4 +1,4 @@
-"""A small HTTP server standing in for ``engine.proxy`` in unit tests of the trainer's client side (the real proxy,
+"""A small HTTP server standing in for ``syncd.engine.proxy`` in unit tests of the trainer's client side (the real proxy,
 in front of real Dynamo engines, is in test_loop_e2e.py): ``GET /v1/models`` lists ``models``; ``POST
 /v1/completions`` answers ``status`` with an 8-token completion and records the request; ``POST
 /syncd/trajectories/<id>/finish`` records the metadata and answers a written, complete record of run ``rl``."""

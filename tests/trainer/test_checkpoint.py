@@ -1,4 +1,4 @@
-"""``trainer.checkpoint``: per-step asynchronous checkpoints on a real disk -- a restored run continues bit for bit
+"""``syncd.trainer.checkpoint``: per-step asynchronous checkpoints on a real disk -- a restored run continues bit for bit
 (AdamW and Muon, RNG included), the snapshot holds the step boundary even though the weights change right after,
 the files are standard safetensors, torn and corrupt checkpoints are skipped with the reason and nothing half
 loaded, retention is bounded, a forged manifest is refused under a key, and a writer killed with SIGKILL in the
@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.checkpoint import Checkpointer, agreed_step, agreement, list_steps, newest_checkpoint, step_dir
-from trainer.optim import build_optimizer
+from syncd.trainer.checkpoint import Checkpointer, agreed_step, agreement, list_steps, newest_checkpoint, step_dir
+from syncd.trainer.optim import build_optimizer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -125,14 +125,14 @@ def test_torn_and_corrupt_checkpoints_are_skipped_with_the_reason(tmp_path, capl
     data = bytearray((step_dir(root, 2) / "optim.safetensors").read_bytes())
     data[len(data) // 2] ^= 0x40  # one bit flipped on disk
     (step_dir(root, 2) / "optim.safetensors").write_bytes(bytes(data))
-    with caplog.at_level(logging.WARNING, "trainer.checkpoint"):
+    with caplog.at_level(logging.WARNING, "syncd.trainer.checkpoint"):
         c = newest_checkpoint(root, owner="rank-0")
     assert c.step == 1
     assert "optim.safetensors does not match its SHA-256 in the manifest (corrupt)" in caplog.text
     assert list_steps(root) == [2, 1]  # step 3 has no manifest: not even a candidate
     model = (step_dir(root, 1) / "model.safetensors")
     model.write_bytes(model.read_bytes()[:-5])
-    with caplog.at_level(logging.WARNING, "trainer.checkpoint"):
+    with caplog.at_level(logging.WARNING, "syncd.trainer.checkpoint"):
         assert newest_checkpoint(root, owner="rank-0") is None  # nothing loads half a state
     assert "model.safetensors holds" in caplog.text and "(torn)" in caplog.text
 
@@ -146,7 +146,7 @@ def test_a_forged_manifest_is_refused_under_a_key(tmp_path, caplog, monkeypatch)
     (step_dir(root, 3) / "MANIFEST.json").write_text(raw.replace('"step": 3', '"step": 3 '))
     p = step_dir(root, 2) / "MANIFEST.json"
     p.write_text(p.read_text().replace('"owner": "rank-0"', '"owner": "rank-9"'))
-    with caplog.at_level(logging.WARNING, "trainer.checkpoint"):
+    with caplog.at_level(logging.WARNING, "syncd.trainer.checkpoint"):
         assert newest_checkpoint(root).step == 3  # whitespace is not a forgery: the signature covers content
         assert newest_checkpoint(root, at_most=2).step == 1
     assert "signature does not verify" in caplog.text
@@ -262,7 +262,7 @@ def test_a_rank_whose_writes_fail_keeps_a_step_in_common_with_the_others(tmp_pat
 
 WRITER = r"""
 import sys, torch
-from trainer.checkpoint import Checkpointer
+from syncd.trainer.checkpoint import Checkpointer
 ck = Checkpointer(sys.argv[1], owner="rank-0", keep=2, on_busy="wait")
 torch.manual_seed(0)
 state = {"w": torch.randn(4 << 20)}                    # 16 MB per checkpoint: a write takes a while

@@ -1,7 +1,7 @@
 """Self-compaction end to end on real parts: a reference-engine worker under the Dynamo frontend with a 128-token
-context, the sandbox proxy (``engine.proxy.Proxy``, in this process, with ``engine.proxy.compaction`` on) in front of
-it, a file store for the replay and trajectory records, and the trainer's reader (``trainer.rollouts`` +
-``trainer.compaction``). A request for more tokens than the window holds is compacted into segments; each one is
+context, the sandbox proxy (``syncd.engine.proxy.Proxy``, in this process, with ``syncd.engine.proxy.compaction`` on) in front of
+it, a file store for the replay and trajectory records, and the trainer's reader (``syncd.trainer.rollouts`` +
+``syncd.trainer.compaction``). A request for more tokens than the window holds is compacted into segments; each one is
 recorded with its exact ids and joins its replay records; every training sample cut from it is prefix-consistent
 and equals what the engine saw (a hypothesis property over compaction settings and requests)."""
 
@@ -17,11 +17,11 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from engine.proxy.compaction import CompactionConfig
-from engine.proxy.server import Proxy, ProxyConfig
+from syncd.engine.proxy.compaction import CompactionConfig
+from syncd.engine.proxy.server import Proxy, ProxyConfig
 from syncd.records.trajectory import read_record
-from trainer.compaction import prefix_consistent, training_samples
-from trainer.rollouts import read_rollouts
+from syncd.trainer.compaction import prefix_consistent, training_samples
+from syncd.trainer.rollouts import read_rollouts
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -32,8 +32,8 @@ WINDOW = 128
 @pytest.fixture(scope="module")
 def node(tmp_path_factory):
     """``(frontend URL, model name, model folder, store URL)``: one worker whose model has 128 positions."""
-    from engine.dynamo.serve import Node, NodeConfig
-    from engine.reference.make_tiny import write_model
+    from syncd.engine.dynamo.serve import Node, NodeConfig
+    from syncd.engine.reference.make_tiny import write_model
 
     root = tmp_path_factory.mktemp("compaction")
     model = write_model(root / "tiny", arch="qwen2", seed=3, max_positions=WINDOW)
@@ -81,7 +81,7 @@ def _rollouts(node, sandbox: str):
     """The sandbox's rollouts, once the engine's replay records (written just after a request ends) are in."""
     import time
 
-    from trainer.rollouts import MissingReplayError
+    from syncd.trainer.rollouts import MissingReplayError
 
     deadline = time.monotonic() + 60
     while True:
@@ -215,11 +215,11 @@ def test_the_loops_rollout_workers_take_compacted_groups_from_a_curated_task(nod
     rewards."""
     import threading
 
-    from trainer.buffer import RolloutBuffer, group_advantages
-    from trainer.compaction import sequence_rewards
-    from trainer.curation import CuratedTask, CurationConfig
-    from trainer.rollout_workers import RolloutWorkers, Sampling
-    from trainer.tasks import get_task
+    from syncd.trainer.buffer import RolloutBuffer, group_advantages
+    from syncd.trainer.compaction import sequence_rewards
+    from syncd.trainer.curation import CuratedTask, CurationConfig
+    from syncd.trainer.rollout_workers import RolloutWorkers, Sampling
+    from syncd.trainer.tasks import get_task
 
     url, model, _, store = node
     loop = asyncio.new_event_loop()

@@ -1,4 +1,4 @@
-"""``trainer.compaction`` on hand-made rollouts: the (prompt, completion) cut, the final reward on every sample, one
+"""``syncd.trainer.compaction`` on hand-made rollouts: the (prompt, completion) cut, the final reward on every sample, one
 advantage per sequence, and ``prefix_consistent`` catching a sample that is not what the engine saw."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import copy
 import pytest
 import torch
 
-from trainer.compaction import prefix_consistent, sequence_rewards, training_samples
-from trainer.rollouts import Rollout, RolloutSequence
+from syncd.trainer.compaction import prefix_consistent, sequence_rewards, training_samples
+from syncd.trainer.rollouts import Rollout, RolloutSequence
 
 # a compacted request: generate [1, 2] -> [3, 4]; summary [1, 2, 3, 4, 9] -> [7]; continuation [1, 8, 7] -> [5]
 TURNS = [{"index": 0, "prompt_token_ids": [1, 2], "output_token_ids": [3, 4]},

@@ -1,4 +1,4 @@
-"""``trainer.correction``: truncated IS, band masking, geometric sequence rejection, ESS, raw (pre-clip) ratio
+"""``syncd.trainer.correction``: truncated IS, band masking, geometric sequence rejection, ESS, raw (pre-clip) ratio
 statistics, per-token versions and the by-source split, on hand-checked numbers."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from trainer import correction as C
+from syncd.trainer import correction as C
 
 
 def test_raw_statistics_are_those_before_any_clip_or_mask():

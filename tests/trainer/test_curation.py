@@ -1,4 +1,4 @@
-"""``trainer.curation``: Beta pass-rate estimates and the difficulty filter, on synthetic pass rates whose answers
+"""``syncd.trainer.curation``: Beta pass-rate estimates and the difficulty filter, on synthetic pass rates whose answers
 are known in closed form."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import threading
 
 import pytest
 
-from trainer.curation import (KEPT, TOO_EASY, TOO_HARD, CuratedTask, CurationConfig, CurationExhausted, Curator,
+from syncd.trainer.curation import (KEPT, TOO_EASY, TOO_HARD, CuratedTask, CurationConfig, CurationExhausted, Curator,
                               beta_tail)
-from trainer.tasks import Sample, get_task
+from syncd.trainer.tasks import Sample, get_task
 
 
 def _binomial_tail(x: float, a: int, b: int) -> float:

@@ -1,6 +1,6 @@
 """The trainer's process groups release their native threads at ``close()``, not at interpreter exit:
-``trainer.dist.DataParallel`` on a real two-rank gloo group (two processes on loopback) and
-``trainer.elastic.ElasticDP`` on torchft with a real lighthouse."""
+``syncd.trainer.dist.DataParallel`` on a real two-rank gloo group (two processes on loopback) and
+``syncd.trainer.elastic.ElasticDP`` on torchft with a real lighthouse."""
 
 from __future__ import annotations
 
@@ -26,12 +26,12 @@ def thread_names():
     return sorted(names)
 """
 
-# One rank: join, make the run deterministic (the order ``trainer.loop`` uses), a step's collectives, close;
+# One rank: join, make the run deterministic (the order ``syncd.trainer.loop`` uses), a step's collectives, close;
 # then the names of this process's native threads.
 _RANK = """
 import json, os
 """ + _THREAD_NAMES + """
-from trainer.dist import DataParallel, make_deterministic
+from syncd.trainer.dist import DataParallel, make_deterministic
 dp = DataParallel()
 make_deterministic(0)
 total = dp.all_reduce_sum([float(dp.rank + 1)])
@@ -46,7 +46,7 @@ print(json.dumps({"total": total, "box": box, "gathered": gathered, "threads": n
 _GROUP = """
 import json, os
 """ + _THREAD_NAMES + """
-from trainer.elastic import ElasticDP, start_lighthouse
+from syncd.trainer.elastic import ElasticDP, start_lighthouse
 lh, url = start_lighthouse(1, timeout_s=120)
 try:
     dp = ElasticDP(group=0, groups=1, lighthouse=url, min_replicas=1, state_dict=dict,
@@ -92,7 +92,7 @@ def test_close_frees_the_process_group_before_interpreter_exit():
 
 def test_elastic_close_frees_the_gloo_group():
     """``ElasticDP.close`` drops torchft's gloo group (its threads joined then, not at exit). The parent's
-    ``RUST_LOG=warn`` (what ``trainer.run`` sets below info) must not hide the lighthouse's port line, on which
+    ``RUST_LOG=warn`` (what ``syncd.trainer.run`` sets below info) must not hide the lighthouse's port line, on which
     ``start_lighthouse`` used to wait forever."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RUST_LOG": "warn"}
     p = subprocess.run([sys.executable, "-c", _GROUP], env=env, cwd=ROOT, capture_output=True, text=True,

@@ -1,8 +1,8 @@
 """The elastic job on torchft with real failures: a torchft lighthouse (the wheel's console script) started by the
-test, two replica groups of ``python -m trainer.run --lighthouse ...`` (gloo, one process each) training offline
+test, two replica groups of ``python -m syncd.trainer.run --lighthouse ...`` (gloo, one process each) training offline
 on recorded rollouts (``bench.ft_data``), and ``kill -9`` of one group in the middle of the run. The killed group's
 node-local checkpoint folder is wiped with it (the node is gone), so its restart has to rebuild its state from the
-replica its peer holds, then heal to the live step from that peer (``trainer.heal``) and rejoin.
+replica its peer holds, then heal to the live step from that peer (``syncd.trainer.heal``) and rejoin.
 
 * no shrink (``--min-replicas 2``): the survivor cannot commit alone, so it retries the step until the killed
   group is back; the committed loss curve and the final weights are bit-identical to an uninterrupted run;
@@ -41,7 +41,7 @@ SHRINK_BOUND_S = (HEARTBEAT_MS + JOIN_MS) / 1000 + 20
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     from bench.ft_data import write_offline_plans
-    from engine.reference.make_tiny import write_model
+    from syncd.engine.reference.make_tiny import write_model
 
     root = tmp_path_factory.mktemp("elastic")
     model = write_model(root / "model")
@@ -60,10 +60,10 @@ def data(tmp_path_factory):
 SPARE = r"""
 import json, sys
 import torch, torchft, transformers  # noqa: F401 -- the slow part of a start
-import trainer.elastic_loop, trainer.run  # noqa: F401
+import syncd.trainer.elastic_loop, syncd.trainer.run  # noqa: F401
 print("ready", file=sys.stderr, flush=True)
 sys.stdin.readline()
-sys.exit(trainer.run.main(json.loads(sys.argv[1])))
+sys.exit(syncd.trainer.run.main(json.loads(sys.argv[1])))
 """
 
 
@@ -71,7 +71,7 @@ class Job:
     """A lighthouse and the replica groups of one elastic run, each a process started (and restarted) by the test."""
 
     def __init__(self, data, name: str, *, min_replicas: int, steps: int = STEPS, groups: int = GROUPS):
-        from trainer.elastic import start_lighthouse
+        from syncd.trainer.elastic import start_lighthouse
 
         self.data, self.dir = data, data["root"] / name
         self.dir.mkdir()
@@ -87,7 +87,7 @@ class Job:
     def argv(self, group: int) -> list[str]:
         d = self.data
         plans = d["plans" if self.groups == GROUPS else "plans-big"]
-        return [sys.executable, "-m", "trainer.run", "--model", str(d["model"]), "--store", self.store,
+        return [sys.executable, "-m", "syncd.trainer.run", "--model", str(d["model"]), "--store", self.store,
                 "--run-id", "el", "--plans", str(plans), "--steps", str(self.steps),
                 "--groups-per-step", str(self.groups), "--group-size", str(G), "--out", str(self.dir / "out"),
                 "--no-plot", "--lighthouse", self.url, "--replica-groups", "2", "--replica-group", str(group),
@@ -185,7 +185,7 @@ def job(data, request):
 
 def _kill_mid_run(j: Job, victim: int, after_step: int, seed: int) -> float:
     """kill -9 ``victim`` once it committed ``after_step`` and its peer holds a replica of one of its steps."""
-    from trainer.checkpoint import list_steps
+    from syncd.trainer.checkpoint import list_steps
 
     j.wait_committed(victim, after_step)
     held = j.ckpt(1 - victim) / f"group-{1 - victim}" / "held" / f"group-{victim}"

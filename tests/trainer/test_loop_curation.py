@@ -1,5 +1,5 @@
 """``LoopConfig.curation`` puts the difficulty filter on the loop's task sampler: the live side starts its rollout
-workers on a :class:`trainer.curation.CuratedTask` (the proxy here is ``tests.trainer._fake_proxy``; its records
+workers on a :class:`syncd.trainer.curation.CuratedTask` (the proxy here is ``tests.trainer._fake_proxy``; its records
 never reach the store, so no group reaches the buffer or is trained -- the sampler is what is checked, and that the
 curator saw none of those dropped groups' rewards)."""
 
@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import time
 
-from engine.reference.make_tiny import write_model
+from syncd.engine.reference.make_tiny import write_model
 from tests.trainer._fake_proxy import FakeProxy
-from trainer.curation import CuratedTask, CurationConfig
-from trainer.live import LiveSide
-from trainer.loop import LoopConfig
+from syncd.trainer.curation import CuratedTask, CurationConfig
+from syncd.trainer.live import LiveSide
+from syncd.trainer.loop import LoopConfig
 
 
 def test_the_loops_task_sampler_is_curated(tmp_path):

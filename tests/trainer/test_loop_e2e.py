@@ -1,4 +1,4 @@
-"""The thin trainer end to end on real parts: two data-parallel ranks (``python -m trainer.run --nproc 2``, gloo),
+"""The thin trainer end to end on real parts: two data-parallel ranks (``python -m syncd.trainer.run --nproc 2``, gloo),
 two reference-engine workers under the Dynamo frontend recording replay records, the sandbox proxy recording
 trajectories, and the node daemon applying every version (K = 1) while the engines generate (``syncd.app.rl_stack``).
 One run serves the module; the offline runs retrain on its recorded plans (the same rollouts, from the store).
@@ -19,8 +19,8 @@ import torch
 
 from syncd.app.rl_stack import RLStack, StackConfig
 from syncd.versions import materialize
-from trainer.metrics import publish_to_serving, read_metrics
-from trainer.rollouts import read_rollouts
+from syncd.trainer.metrics import publish_to_serving, read_metrics
+from syncd.trainer.rollouts import read_rollouts
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -37,7 +37,7 @@ def _train(stack: RLStack, out: Path, *flags: str, timeout: float = 600) -> dict
 
 
 def _offline(stack: RLStack, out: Path, plans: Path, *flags: str) -> dict:
-    argv = [sys.executable, "-m", "trainer.run", "--model", str(stack.model_dir), "--store", stack.store_url,
+    argv = [sys.executable, "-m", "syncd.trainer.run", "--model", str(stack.model_dir), "--store", stack.store_url,
             "--run-id", stack.run_id, "--plans", str(plans), "--out", str(out), "--no-plot", *flags]
     p = subprocess.run(argv, env=stack.env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]

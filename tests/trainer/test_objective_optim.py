@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.reference.make_tiny import model_config, random_model
-from trainer.objective import LossConfig, policy_gradient_loss, step_diagnostics
-from trainer.optim import build_optimizer, muon_split
-from trainer.rollouts import NO_VERSION, RolloutSequence
+from syncd.engine.reference.make_tiny import model_config, random_model
+from syncd.trainer.objective import LossConfig, policy_gradient_loss, step_diagnostics
+from syncd.trainer.optim import build_optimizer, muon_split
+from syncd.trainer.rollouts import NO_VERSION, RolloutSequence
 
 V = 320
 
@@ -135,7 +135,7 @@ def test_the_loss_and_a_step_on_cuda_match_the_cpu_and_repeat_bit_for_bit(model,
     the same weights end bit-identical (run by bench/gpu_check.sh)."""
     import copy
 
-    from trainer.dist import make_deterministic, weights_digest
+    from syncd.trainer.dist import make_deterministic, weights_digest
 
     make_deterministic(0)
     gen = torch.Generator().manual_seed(5)

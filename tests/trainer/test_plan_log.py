@@ -1,4 +1,4 @@
-"""``trainer.plan_log``: the elastic job's plans are written once (a second writer gets the first plan), read back
+"""``syncd.trainer.plan_log``: the elastic job's plans are written once (a second writer gets the first plan), read back
 as hostile input (another step's entry, a malformed one, a forged one under a key are refused with the reason), and
 waited for with a stated timeout."""
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from trainer.plan_log import PlanLog, PlanLogError
+from syncd.trainer.plan_log import PlanLog, PlanLogError
 
 PLAN = {"kind": "plan", "step": 1, "version": 0, "groups": [{"gid": 3, "item": {"index": 3}}]}
 

@@ -1,4 +1,4 @@
-"""trainer.WeightPublisher with a real tiny Qwen2, real AdamW steps, and a real local store."""
+"""syncd.trainer.WeightPublisher with a real tiny Qwen2, real AdamW steps, and a real local store."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from syncd.errors import PublishError, StoreError, VersionConflict
 from syncd.store import Store
 from syncd.versions import list_versions, read_manifest
 from tests.store._models import assert_same, bf16, tiny_qwen2, train_steps
-from trainer import WeightPublisher
-from trainer.shard_writer import delta_formats
+from syncd.trainer import WeightPublisher
+from syncd.trainer.shard_writer import delta_formats
 
 KEY = "publisher-test-key-0123456789"
 

@@ -1,4 +1,4 @@
-"""NVFP4 QAT (trainer.qat) with a real tiny Qwen2 and real AdamW steps: the forward uses exactly the weights
+"""NVFP4 QAT (syncd.trainer.qat) with a real tiny Qwen2 and real AdamW steps: the forward uses exactly the weights
 an engine serves from the published NVFP4 tensors, and the publisher + materialize ship them bit for bit."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import syncd
 from syncd.ops import nvfp4
 from tests.ops._util import same_bits
 from tests.store._models import assert_same, tiny_qwen2, train_steps
-from trainer import WeightPublisher
-from trainer.qat import disable_qat, enable_qat, export_nvfp4, fake_quant, qat_weight_names
+from syncd.trainer import WeightPublisher
+from syncd.trainer.qat import disable_qat, enable_qat, export_nvfp4, fake_quant, qat_weight_names
 
 KEY = "qat-test-key-0123456789abcdef"
 PROJ = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",

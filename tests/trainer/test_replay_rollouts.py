@@ -17,11 +17,11 @@ import torch
 from bench.rollouts import RolloutConfig, generate
 from syncd.ops.reference.replay import kept_rows
 from tests.store.conftest import s3_endpoint  # noqa: F401 -- the loopback S3 server
-from trainer import correction as C
-from trainer.batch import collate
-from trainer.logprobs import resolve_kept, sampler_logprobs, trainer_logprobs
-from trainer.replay import routing_replay
-from trainer.rollouts import read_rollouts
+from syncd.trainer import correction as C
+from syncd.trainer.batch import collate
+from syncd.trainer.logprobs import resolve_kept, sampler_logprobs, trainer_logprobs
+from syncd.trainer.replay import routing_replay
+from syncd.trainer.rollouts import read_rollouts
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -167,7 +167,7 @@ def test_training_gradient_with_replay_matches_the_naive_masked_softmax(runs, ki
 def test_a_trainer_a_version_ahead_rebuilds_only_what_it_still_ranks_alike(runs, kind):
     """The newest weights' own logits: the sets they rank alike verify (and are the engine's), the others are
     refused by name or, with on_mismatch="drop", counted, never replaced by other sets."""
-    from trainer.kept import KeptRebuildError
+    from syncd.trainer.kept import KeptRebuildError
 
     run = runs[kind]
     pending, resolved = collate(run.rollouts.sequences), collate(run.resolved)

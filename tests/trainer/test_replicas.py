@@ -1,4 +1,4 @@
-"""Peer replicas (``trainer.replicas``, ``trainer.ft``) on real sockets and real disks: placement never puts a
+"""Peer replicas (``syncd.trainer.replicas``, ``syncd.trainer.ft``) on real sockets and real disks: placement never puts a
 checkpoint and all its replicas on one node, replicas round-trip bit for bit, a replica corrupted at its holder
 or on the way is detected and skipped with the reason (the next holder's is used; nothing half-loaded), a lost
 node's owner rebuilds from its peers, and the durability gate says whether every holder took a step."""
@@ -13,11 +13,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer.checkpoint import Checkpointer, list_steps, newest_checkpoint, step_dir
-from trainer.ckpt_format import StateError
-from trainer.ft import FaultTolerance, FTConfig, agree_step
-from trainer.peers import PeerDirectory, rebuild_from_peers
-from trainer.replicas import (ReplicaError, ReplicaServer, fetch_replica, place_replicas, push_replica,
+from syncd.trainer.checkpoint import Checkpointer, list_steps, newest_checkpoint, step_dir
+from syncd.trainer.ckpt_format import StateError
+from syncd.trainer.ft import FaultTolerance, FTConfig, agree_step
+from syncd.trainer.peers import PeerDirectory, rebuild_from_peers
+from syncd.trainer.replicas import (ReplicaError, ReplicaServer, fetch_replica, place_replicas, push_replica,
                               write_bundle)
 
 
@@ -89,7 +89,7 @@ def test_a_replica_round_trips_and_a_corrupt_one_is_skipped_for_the_next_holder(
     d.announce("a", a.url, "n1")
     d.announce("b", b.url, "n2")
     _flip(step_dir(a.root / "rank-0", 2) / "model.safetensors")  # bit rot at the first holder
-    with caplog.at_level(logging.WARNING, "trainer.replicas"):
+    with caplog.at_level(logging.WARNING, "syncd.trainer.replicas"):
         bundle, c, holder = rebuild_from_peers("rank-0", ["a", "b"], d)
     assert (c.step, holder, c.source) == (2, "b", "b")  # a's step 2 skipped, b's step 2 taken
     assert "replica of step 2 held by a skipped" in caplog.text
@@ -154,7 +154,7 @@ def test_a_lost_node_rebuilds_from_its_peers_and_the_gate_counts_holders(tmp_pat
         assert fts[1].checkpointer.durable_step == 1
         fts[2].close()  # a holder dies: the next step is on fewer holders than asked, and the gate says so
         fts[0].checkpointer.save(2, models[0], None, state={"step": 2}, wait=True)
-        with caplog.at_level(logging.WARNING, "trainer.ft"):
+        with caplog.at_level(logging.WARNING, "syncd.trainer.ft"):
             assert fts[0].durable(2, timeout=30) is False
         assert "step 2 is replicated on 1 of 2 holders (rank-2)" in caplog.text
     finally:
@@ -168,7 +168,7 @@ def test_a_lost_node_rebuilds_from_its_peers_and_the_gate_counts_holders(tmp_pat
 def test_the_live_heal_state_is_verified_before_it_is_parsed(tmp_path):
     import io
 
-    from trainer.heal import decode_state, encode_state
+    from syncd.trainer.heal import decode_state, encode_state
 
     state = {"model": {"w": torch.arange(6.0)}, "step": 3, "lr": 0.5}
     frame = encode_state("group-1", 3, state)

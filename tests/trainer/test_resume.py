@@ -1,4 +1,4 @@
-"""kill -9 of the whole trainer (``python -m trainer.run --nproc 2 --checkpoint-dir``: both ranks, gloo, each on
+"""kill -9 of the whole trainer (``python -m syncd.trainer.run --nproc 2 --checkpoint-dir``: both ranks, gloo, each on
 its own "node" with a replica on the other) at random points, restarted with ``--resume`` each time, training
 offline on recorded rollouts (``bench.ft_data``). Whatever the kill points (seeded, so a failure reproduces):
 
@@ -38,7 +38,7 @@ KILLS = 2
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     from bench.ft_data import write_offline_plans
-    from engine.reference.make_tiny import write_model
+    from syncd.engine.reference.make_tiny import write_model
 
     root = tmp_path_factory.mktemp("resume")
     model = write_model(root / "model")
@@ -49,7 +49,7 @@ def data(tmp_path_factory):
 
 
 def _argv(data, out: Path, ckpt: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "trainer.run", "--model", str(data["model"]), "--store", data["store"],
+    return [sys.executable, "-m", "syncd.trainer.run", "--model", str(data["model"]), "--store", data["store"],
             "--run-id", "rs", "--plans", str(data["plans"]), "--steps", str(STEPS), "--groups-per-step", str(GROUPS),
             "--group-size", str(G), "--out", str(out), "--no-plot", "--save-weights", "--nproc", "2",
             "--checkpoint-dir", str(ckpt), "--replicas", "1", *extra]
@@ -60,7 +60,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "SYNCD_NODE": "node-{rank}"}
 
 def _durable(ckpt: Path) -> int:
     """The newest step both ranks have a complete checkpoint of on disk (a resume may not go back further)."""
-    from trainer.checkpoint import list_steps, newest_checkpoint
+    from syncd.trainer.checkpoint import list_steps, newest_checkpoint
 
     common = None
     for r in (0, 1):
@@ -115,7 +115,7 @@ def test_kill_9_of_the_whole_trainer_at_random_points_loses_and_repeats_nothing(
     a, b = load_file(str(tmp_path / "ref" / "weights.safetensors")), load_file(str(out / "weights.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # bit for bit: no extra/missing step
 
-    from trainer.checkpoint import newest_checkpoint
+    from syncd.trainer.checkpoint import newest_checkpoint
 
     c = newest_checkpoint(ckpt / "rank-0" / "own", owner="rank-0")
     parts = c.optim if isinstance(c.optim, list) else [c.optim]  # AdamW alone, or Muon + AdamW
@@ -132,7 +132,7 @@ def test_in_skip_mode_every_rank_skips_the_same_steps(data, tmp_path):
     """``--checkpoint-busy skip``: a rank whose write is still going skips the step's checkpoint, and so do the
     others (they decide together), so a restart always finds steps that every rank can restore. Whether any step
     is skipped depends on the machine's speed; the sets must be equal either way."""
-    from trainer.checkpoint import list_steps
+    from syncd.trainer.checkpoint import list_steps
 
     ckpt = tmp_path / "ckpt"
     p = subprocess.run(_argv(data, tmp_path / "out", ckpt, "--checkpoint-busy", "skip", "--keep-checkpoints",

@@ -1,4 +1,4 @@
-"""``trainer.rewards.cheating``: each built-in detector on crafted trajectory records, one that hits and one that
+"""``syncd.trainer.rewards.cheating``: each built-in detector on crafted trajectory records, one that hits and one that
 does not; the check flags any hit, zeroes the reward whether or not the attempt succeeded, and counts per
 detector."""
 
@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from trainer.rewards import zero_if_cheating
-from trainer.rewards.cheating import (CheatingCheck, GitHistory, GradingWrite, HiddenFiles, NetworkAccess, ToolCall,
+from syncd.trainer.rewards import zero_if_cheating
+from syncd.trainer.rewards.cheating import (CheatingCheck, GitHistory, GradingWrite, HiddenFiles, NetworkAccess, ToolCall,
                                       tool_calls)
 
 
@@ -99,7 +99,7 @@ def test_any_hit_flags_the_trajectory_and_zeroes_its_reward_whether_or_not_it_su
 
 def test_detectors_are_pluggable():
     def sudo(calls, record):
-        from trainer.rewards.cheating import Hit
+        from syncd.trainer.rewards.cheating import Hit
 
         return [Hit("sudo", c, c.command) for c in calls if c.command and c.command.startswith("sudo")]
 

@@ -11,7 +11,7 @@ README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 
 def test_worked_example_output_is_current():
     text = README.read_text(encoding="utf-8")
-    section = text.split("## Rewards (`trainer.rewards`)", 1)[1]
+    section = text.split("## Rewards (`syncd.trainer.rewards`)", 1)[1]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
     expected = section.split("```text\n", 1)[1].split("```", 1)[0]
     out = io.StringIO()

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer.rewards import RewardInputError, fbeta, fbeta_from_counts, fbeta_grad, pr_from_counts
+from syncd.trainer.rewards import RewardInputError, fbeta, fbeta_from_counts, fbeta_grad, pr_from_counts
 
 unit = st.floats(min_value=0.0, max_value=1.0, allow_nan=False)
 betas = st.floats(min_value=0.05, max_value=20.0, allow_nan=False)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer.rewards import (
+from syncd.trainer.rewards import (
     LatencyModel,
     Phase,
     RewardInputError,

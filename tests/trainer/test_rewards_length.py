@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer.rewards import AlternatingLengthPenalty, CostWeights, LengthPhase, RewardInputError, zero_if_cheating
+from syncd.trainer.rewards import AlternatingLengthPenalty, CostWeights, LengthPhase, RewardInputError, zero_if_cheating
 
 U, B = LengthPhase.UNCONSTRAINED, LengthPhase.BUDGET
 # cost = tokens + 100 per turn + 10 per tool-second; budget 10_000

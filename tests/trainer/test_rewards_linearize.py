@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer.rewards import LinearizedReward, RewardInputError, fbeta, linearize
+from syncd.trainer.rewards import LinearizedReward, RewardInputError, fbeta, linearize
 
 # R0/P0 = 1/(2·sqrt(2)) is the ratio at which β = 0.5 gives a = (R0 / (β·P0))² = 1/2.
 P0 = 0.6
@@ -254,7 +254,7 @@ def test_recalibration(caplog):
     assert lin.slope_at(0.6, 0.5) == pytest.approx(25 / 9)
     assert lin.needs_recalibration(0.6, 0.5)
     assert not lin.needs_recalibration(0.6, 0.5, rtol=5.0)
-    with caplog.at_level(logging.INFO, logger="trainer.rewards.linearize"):
+    with caplog.at_level(logging.INFO, logger="syncd.trainer.rewards.linearize"):
         new = lin.recalibrated(0.6, 0.5)
     assert "recalibrated" in caplog.text
     assert (new.p_ref, new.r_ref, new.beta) == (0.6, 0.5, 0.5)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer.rewards import RewardInputError, max_bipartite_matching, sample_pr, score_sample
+from syncd.trainer.rewards import RewardInputError, max_bipartite_matching, sample_pr, score_sample
 
 
 def pairs_matcher(allowed):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.rewards import RewardInputError, fbeta, population_metrics, score_sample
+from syncd.trainer.rewards import RewardInputError, fbeta, population_metrics, score_sample
 
 
 def same(p, t):

@@ -1,5 +1,5 @@
-"""``trainer.rewards.SWECheckReward``: the SWE-check reward behind the thin trainer's reward interface (a
-``trainer.tasks.Sample`` in, a float out), worked out by hand: parse, scope judge, maximum matching, the
+"""``syncd.trainer.rewards.SWECheckReward``: the SWE-check reward behind the thin trainer's reward interface (a
+``syncd.trainer.tasks.Sample`` in, a float out), worked out by hand: parse, scope judge, maximum matching, the
 linearized F_beta reward normalised to [0, 1], the cheating rule and the alternating length penalty."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import math
 
 import pytest
 
-from trainer.rewards import (AlternatingLengthPenalty, CostWeights, LinearizedReward, RewardInputError,
+from syncd.trainer.rewards import (AlternatingLengthPenalty, CostWeights, LinearizedReward, RewardInputError,
                              SWECheckReward)
-from trainer.tasks import Sample, TaskItem
+from syncd.trainer.tasks import Sample, TaskItem
 
 LIN = LinearizedReward.at(0.5, 0.6, 0.6 / (2 * math.sqrt(2)))  # the seed's 1/2 P + R: a = 0.5
 

@@ -1,4 +1,4 @@
-"""The RL state across restarts (``trainer.rl_state`` with the real ``trainer.buffer.RolloutBuffer``): property tests
+"""The RL state across restarts (``syncd.trainer.rl_state`` with the real ``syncd.trainer.buffer.RolloutBuffer``): property tests
 over random runs killed at random points, and the public restart bugs as named cases.
 
 A run is a random sequence of what the live side does -- request a prompt, a group's records land in the store and
@@ -17,9 +17,9 @@ import copy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer.buffer import Group, RolloutBuffer
-from trainer.rl_state import LedgerError, PromptLedger, restore_groups
-from trainer.tasks import TaskItem
+from syncd.trainer.buffer import Group, RolloutBuffer
+from syncd.trainer.rl_state import LedgerError, PromptLedger, restore_groups
+from syncd.trainer.tasks import TaskItem
 
 import pytest
 

@@ -10,9 +10,9 @@ import time
 import pytest
 
 from tests.trainer._fake_proxy import FakeProxy
-from trainer.buffer import RolloutBuffer
-from trainer.rollout_workers import ProxyError, RolloutWorkers, Sampling, complete
-from trainer.tasks import get_task
+from syncd.trainer.buffer import RolloutBuffer
+from syncd.trainer.rollout_workers import ProxyError, RolloutWorkers, Sampling, complete
+from syncd.trainer.tasks import get_task
 
 
 def _workers(tmp_path, proxy, reward, **kw):
@@ -90,8 +90,8 @@ def _curated_workers(tmp_path, proxy, task, reward):
 
 
 def test_an_exhausted_curation_pool_stops_the_workers_with_the_cause(tmp_path):
-    from trainer.buffer import BufferClosed
-    from trainer.curation import CuratedTask, CurationConfig
+    from syncd.trainer.buffer import BufferClosed
+    from syncd.trainer.curation import CuratedTask, CurationConfig
 
     task = CuratedTask(get_task("repeat"), CurationConfig(pool=2, recheck_after=0))
     for k in range(2):
@@ -114,8 +114,8 @@ def test_an_exhausted_curation_pool_stops_the_workers_with_the_cause(tmp_path):
 
 
 def test_curation_sees_only_the_rewards_of_groups_that_reached_the_buffer(tmp_path):
-    from trainer.buffer import Group
-    from trainer.curation import CuratedTask, CurationConfig
+    from syncd.trainer.buffer import Group
+    from syncd.trainer.curation import CuratedTask, CurationConfig
 
     task = CuratedTask(get_task("repeat"), CurationConfig(pool=4))
     proxy = FakeProxy()  # its records never reach the store: every group is dropped after its rewards

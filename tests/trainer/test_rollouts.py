@@ -1,4 +1,4 @@
-"""``trainer.rollouts.read_rollouts`` on records written by real reference engines (in process) to a real file
+"""``syncd.trainer.rollouts.read_rollouts`` on records written by real reference engines (in process) to a real file
 store: a request migrated between two engines (two writers, two segments, the first engine's undelivered
 tokens ignored), multi-turn merging, and every kind of corrupt, missing or mismatched record refused with a
 named error (or dropped and counted); kept sets recorded to be rebuilt read back pending and rebuild, from the
@@ -14,15 +14,15 @@ import pytest
 import torch
 
 from syncd.engines.protocol import GenerationRequest, SamplingParams
-from engine.proxy.record import Trajectory, Turn
-from engine.reference import ReferenceEngine
-from engine.replay import ReplayRecorder
+from syncd.engine.proxy.record import Trajectory, Turn
+from syncd.engine.reference import ReferenceEngine
+from syncd.engine.replay import ReplayRecorder
 from syncd.ops.replay import NO_ROUTE
 from syncd.records.replay import ReplayFormatError, decode_chunk, encode_chunk
 from syncd.store import Store
-from trainer.batch import collate
+from syncd.trainer.batch import collate
 from tests.engine.conftest import dense_dir, moe_dir  # noqa: F401 -- the tiny model folders
-from trainer.rollouts import (NO_VERSION, KeptSetError, MissingReplayError, RecordMismatchError, RouteError,
+from syncd.trainer.rollouts import (NO_VERSION, KeptSetError, MissingReplayError, RecordMismatchError, RouteError,
                               SegmentGapError, read_rollouts)
 
 PROMPT = [257, 84, 82, 68, 81, 198, 71]
@@ -254,7 +254,7 @@ def test_moe_routes_that_do_not_fit_the_model_are_refused(moe_dir, tmp_path):
 def test_trainer_logprobs_with_sparse_lm_head_gradients_equal_the_full_logits_path(migrated):
     from transformers import AutoModelForCausalLM
 
-    from trainer.logprobs import trainer_logprobs
+    from syncd.trainer.logprobs import trainer_logprobs
 
     store, out, kind, folder, _ = migrated
     seqs = read_rollouts(store, "r").sequences
@@ -281,7 +281,7 @@ def _model(folder):
 
 
 def test_sets_to_rebuild_rebuild_to_exactly_the_listed_sets(migrated):
-    from trainer.logprobs import resolve_kept, sampler_logprobs, trainer_logprobs
+    from syncd.trainer.logprobs import resolve_kept, sampler_logprobs, trainer_logprobs
 
     store, out, kind, folder, rebuild = migrated
     listed, pending = read_rollouts(store, "r").sequences, read_rollouts(rebuild, "r").sequences
@@ -316,8 +316,8 @@ def test_sets_to_rebuild_rebuild_to_exactly_the_listed_sets(migrated):
 
 
 def test_logits_of_other_weights_get_a_named_error_never_another_set(migrated):
-    from trainer.kept import KeptRebuildError
-    from trainer.logprobs import trainer_logprobs
+    from syncd.trainer.kept import KeptRebuildError
+    from syncd.trainer.logprobs import trainer_logprobs
 
     store, out, kind, folder, rebuild = migrated
     (a,), pending = read_rollouts(store, "r").sequences, read_rollouts(rebuild, "r").sequences

@@ -1,4 +1,4 @@
-"""``trainer.replay.routing_replay`` on transformers' Qwen3-MoE and Mixtral (tiny, random init): replaying a model's
+"""``syncd.trainer.replay.routing_replay`` on transformers' Qwen3-MoE and Mixtral (tiny, random init): replaying a model's
 own routes reproduces it bit for bit (outputs and every gradient); recorded routes are what the experts run;
 the router keeps its gradient (checked against finite differences); activation checkpointing recomputes with
 the same routes, inside the context and after it; padding is never taken for expert 0; bad routes and misuse
@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.reference.make_tiny import model_config, random_model
+from syncd.engine.reference.make_tiny import model_config, random_model
 from syncd.ops.replay import NO_ROUTE
-from trainer.replay import RoutingReplayError, moe_routers, routing_replay
+from syncd.trainer.replay import RoutingReplayError, moe_routers, routing_replay
 
 ARCHS = ["qwen3_moe", "mixtral"]
 IMPLS = ["grouped_mm", "batched_mm", "eager"]  # transformers' experts implementations (grouped_mm: the default)
@@ -254,7 +254,7 @@ def test_bind_swaps_routes_between_cached_forwards():
 
     import inspect
 
-    # transformers >= 5.20 calls it cache=, 5.19 (vLLM's pin) past_key_values= (as engine.reference.model does)
+    # transformers >= 5.20 calls it cache=, 5.19 (vLLM's pin) past_key_values= (as syncd.engine.reference.model does)
     kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.no_grad():
         full = model(ids).logits

@@ -1,4 +1,4 @@
-"""``python -m trainer.run`` refuses a configuration it cannot run with exit status 2 and a message that names the
+"""``python -m syncd.trainer.run`` refuses a configuration it cannot run with exit status 2 and a message that names the
 flag: no engines reachable through the proxy, an unknown task, eta < 0, K < 1, and more; nothing is published.
 A data-parallel run (``--nproc``) whose rank dies stops with status 1 and names the rank."""
 
@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from bench.ft_data import write_offline_plans
-from engine.dynamo.procs import free_port
-from engine.reference.make_tiny import write_model
+from syncd.engine.dynamo.procs import free_port
+from syncd.engine.reference.make_tiny import write_model
 from tests.trainer._fake_proxy import FakeProxy
-from trainer.run import main
+from syncd.trainer.run import main
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +85,7 @@ def test_missing_store_model_or_plans(capsys, model_dir, tmp_path, frontend, mon
 
 
 def test_a_run_that_already_has_versions_is_refused(capsys, model_dir, tmp_path, frontend):
-    from trainer.publisher import WeightPublisher
+    from syncd.trainer.publisher import WeightPublisher
 
     store = (tmp_path / "store").as_uri()
     with WeightPublisher(store, "rl", signing_key=False) as pub:
@@ -95,7 +95,7 @@ def test_a_run_that_already_has_versions_is_refused(capsys, model_dir, tmp_path,
 
 
 def test_curate_flags_put_the_difficulty_filter_on_the_loop():
-    from trainer.run import config_from_args, parser
+    from syncd.trainer.run import config_from_args, parser
 
     base = ["--model", "m", "--out", "o"]
     assert config_from_args(parser().parse_args(base)).curation is None
@@ -104,7 +104,7 @@ def test_curate_flags_put_the_difficulty_filter_on_the_loop():
 
 
 def test_delta_format_flags_and_variables_reach_the_loop(capsys, model_dir, tmp_path, frontend, monkeypatch):
-    from trainer.run import config_from_args, parser
+    from syncd.trainer.run import config_from_args, parser
 
     base = ["--model", "m", "--out", "o"]
     cfg = config_from_args(parser().parse_args(base))
@@ -127,7 +127,7 @@ def test_a_rank_killed_stops_the_run_and_is_named(tmp_path):
     store = (tmp_path / "store").as_uri()
     plans = write_offline_plans(model, store, "rk", tmp_path / "plans.jsonl", steps=2, groups=2, group_size=2,
                                 distinct=2)
-    argv = [sys.executable, "-m", "trainer.run", "--model", str(model), "--store", store, "--run-id", "rk",
+    argv = [sys.executable, "-m", "syncd.trainer.run", "--model", str(model), "--store", store, "--run-id", "rk",
             "--plans", str(plans), "--steps", "2", "--groups-per-step", "2", "--group-size", "2",
             "--out", str(tmp_path / "out"), "--no-plot", "--nproc", "2"]
     p = subprocess.Popen(argv, cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE,
@@ -145,4 +145,4 @@ def test_a_rank_killed_stops_the_run_and_is_named(tmp_path):
             p.kill()
             p.wait()
     assert p.returncode == 1, err[-3000:]
-    assert "trainer.run: rank 1 exited with signal SIGKILL; stopping the run" in err, err[-3000:]
+    assert "syncd.trainer.run: rank 1 exited with signal SIGKILL; stopping the run" in err, err[-3000:]

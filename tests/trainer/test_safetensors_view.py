@@ -1,4 +1,4 @@
-"""trainer.safetensors_view: zero-copy tensors over a safetensors file in memory, checked against the safetensors
+"""syncd.trainer.safetensors_view: zero-copy tensors over a safetensors file in memory, checked against the safetensors
 library (the reference) on valid files, and differentially fuzzed on hostile ones: whatever it accepts, the library
 accepts with the same tensors; anything else is a ValueError naming what is wrong, never another exception."""
 
@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from trainer.ckpt_format import write_safetensors
-from trainer.safetensors_view import view_safetensors
+from syncd.trainer.ckpt_format import write_safetensors
+from syncd.trainer.safetensors_view import view_safetensors
 
 
 def _tensors():

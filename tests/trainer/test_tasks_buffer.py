@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from trainer.buffer import BufferClosed, Group, RolloutBuffer, group_advantages
-from trainer.tasks import TASKS, Sample, TaskItem, get_task, load_reward
+from syncd.trainer.buffer import BufferClosed, Group, RolloutBuffer, group_advantages
+from syncd.trainer.tasks import TASKS, Sample, TaskItem, get_task, load_reward
 
 
 def _sample(task, index, text, **kw):
@@ -58,9 +58,9 @@ def test_unknown_task_and_bad_rewards_are_named():
     with pytest.raises(ValueError, match="MODULE:ATTRIBUTE"):
         load_reward("no_colon")
     with pytest.raises(ValueError, match="cannot load reward"):
-        load_reward("trainer.tasks:missing")
+        load_reward("syncd.trainer.tasks:missing")
     with pytest.raises(ValueError, match="is not callable"):  # a class is instantiated once: a Task is no RewardFn
-        load_reward("trainer.tasks:RepeatTask")
+        load_reward("syncd.trainer.tasks:RepeatTask")
 
 
 def test_load_reward_gives_a_callable_on_samples(tmp_path, monkeypatch):

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.reference.make_tiny import write_model
+from syncd.engine.reference.make_tiny import write_model
 from syncd.versions import list_versions, materialize
-from trainer.trl_callback import SyncdPublishCallback
+from syncd.trainer.trl_callback import SyncdPublishCallback
 
 pytestmark = [pytest.mark.slow]
 

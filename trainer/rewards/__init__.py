@@ -3,20 +3,20 @@
 Pure Python and numpy; every function is exact (no sampling) and validates its inputs, raising
 :class:`RewardInputError` (a ``ValueError``) with a message naming the bad argument.
 
-* :mod:`~trainer.rewards.fbeta`: :func:`fbeta`, its gradient, and F_β from pooled TP/FP/FN counts.
-* :mod:`~trainer.rewards.matching`: per-sample scoring, :func:`sample_pr` → (P(τ), R(τ)), with a pluggable
+* :mod:`~syncd.trainer.rewards.fbeta`: :func:`fbeta`, its gradient, and F_β from pooled TP/FP/FN counts.
+* :mod:`~syncd.trainer.rewards.matching`: per-sample scoring, :func:`sample_pr` → (P(τ), R(τ)), with a pluggable
   scope judge and matcher and one-to-one *maximum* bipartite matching.
-* :mod:`~trainer.rewards.population`: P_pop, R_pop, F_β(P_pop, R_pop), and the pooled alternative.
-* :mod:`~trainer.rewards.linearize`: :func:`linearize` → (a, 1), the sample reward a·P(τ) + R(τ) whose
+* :mod:`~syncd.trainer.rewards.population`: P_pop, R_pop, F_β(P_pop, R_pop), and the pooled alternative.
+* :mod:`~syncd.trainer.rewards.linearize`: :func:`linearize` → (a, 1), the sample reward a·P(τ) + R(τ) whose
   mean climbs F_β(P_pop, R_pop) to first order, with recalibration.
-* :mod:`~trainer.rewards.latency`: latency estimate and :func:`latency_penalty` from users' switch-away
-  times; :mod:`~trainer.rewards.phases`: the capability → product two-phase reward.
-* :mod:`~trainer.rewards.length`: the alternating length penalty and :func:`zero_if_cheating`.
-* :mod:`~trainer.rewards.cheating`: :class:`CheatingCheck`, pluggable detectors of cheating attempts over a
+* :mod:`~syncd.trainer.rewards.latency`: latency estimate and :func:`latency_penalty` from users' switch-away
+  times; :mod:`~syncd.trainer.rewards.phases`: the capability → product two-phase reward.
+* :mod:`~syncd.trainer.rewards.length`: the alternating length penalty and :func:`zero_if_cheating`.
+* :mod:`~syncd.trainer.rewards.cheating`: :class:`CheatingCheck`, pluggable detectors of cheating attempts over a
   trajectory record's tool calls (hidden tests and grader files, git history, network access from a restricted
   sandbox, writes to the grading path); a hit zeroes the reward (:func:`zero_if_cheating`).
-* :mod:`~trainer.rewards.swe`: :class:`SWECheckReward`, all of the above behind the thin trainer's reward
-  interface (``trainer.tasks.RewardFn``: a ``Sample`` in, a float out).
+* :mod:`~syncd.trainer.rewards.swe`: :class:`SWECheckReward`, all of the above behind the thin trainer's reward
+  interface (``syncd.trainer.tasks.RewardFn``: a ``Sample`` in, a float out).
 """
 
 from __future__ import annotations

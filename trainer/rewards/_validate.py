@@ -1,4 +1,4 @@
-"""Input checks shared by :mod:`trainer.rewards`.
+"""Input checks shared by :mod:`syncd.trainer.rewards`.
 
 Every bad *value* (NaN, out of range, negative count, mismatched arrays, β ≤ 0) raises
 :class:`RewardInputError`, which is both a :class:`syncd.errors.SyncdError` and a :class:`ValueError`, so

@@ -20,7 +20,7 @@ A :data:`Detector` is any callable ``(calls, record) -> list[Hit]``; the built-i
   ``touch``/``chmod``, ``open(..., "w")``, file-writing tools).
 
 :class:`CheatingCheck` runs its detectors on a record: any hit flags the trajectory (:class:`CheatReport`), and
-:meth:`CheatingCheck.reward` is :func:`~trainer.rewards.zero_if_cheating` of the reward -- 0 for a flagged
+:meth:`CheatingCheck.reward` is :func:`~syncd.trainer.rewards.zero_if_cheating` of the reward -- 0 for a flagged
 attempt whether or not it succeeded. Detections are counted per detector (:attr:`CheatingCheck.counts`).
 A tool call's arguments are hostile text: malformed JSON is kept as a string and searched as such.
 

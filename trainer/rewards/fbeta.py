@@ -8,7 +8,7 @@ F_β is the weighted harmonic mean of P and R, ``(1 + β²) / (β²/R + 1/P)``, 
 and max(P, R). β < 1 weights precision more (the SWE-check seed moved from β = 1 to β = 0.5 because β = 1
 produced too many false positives); β → ∞ tends to R, β → 0 tends to P.
 
-Two facts the linearization in :mod:`trainer.rewards.linearize` rests on:
+Two facts the linearization in :mod:`syncd.trainer.rewards.linearize` rests on:
 
 * F_β is positively homogeneous of degree 1: F_β(tP, tR) = t·F_β(P, R). By Euler's theorem
   ``P·∂F/∂P + R·∂F/∂R = F``, so the tangent plane at any point passes through the origin.
@@ -77,7 +77,7 @@ def pr_from_counts(tp: float, fp: float, fn: float) -> tuple[float, float]:
     """Precision TP/(TP+FP) and recall TP/(TP+FN), with the SWE-check edge cases.
 
     Counts may be integers or non-negative rates (only their ratios matter). Edge cases follow the
-    per-sample convention of :func:`trainer.rewards.sample_pr`: nothing predicted and nothing to find
+    per-sample convention of :func:`syncd.trainer.rewards.sample_pr`: nothing predicted and nothing to find
     (TP = FP = FN = 0) gives (1, 1); otherwise a 0/0 ratio (no predictions, or no ground truth) gives 0.
 
     Raises:
@@ -99,7 +99,7 @@ def fbeta_from_counts(tp: float, fp: float, fn: float, beta: float) -> float:
     Equals ``(1+β²)·TP / ((1+β²)·TP + β²·FN + FP)`` when TP > 0, 0 when TP = 0 and FP + FN > 0, and 1 when
     all counts are 0 (see :func:`pr_from_counts`). This is the aggregation the seed considered and rejected
     for training, because pooling lets samples with many ground-truth bugs dominate; it is provided for
-    comparison with :func:`trainer.rewards.population_metrics`.
+    comparison with :func:`syncd.trainer.rewards.population_metrics`.
 
     Raises:
         ValueError (:class:`RewardInputError`): a count is negative/NaN/infinite, or beta is invalid.

@@ -13,7 +13,7 @@ dropped (the seed's "force y = 1"):
 
     reward(τ) = a·P(τ) + b·R(τ),   b = 1,   a = g_P / g_R = (R₀ / (β·P₀))².
 
-Properties (proved in :mod:`trainer.rewards.fbeta`):
+Properties (proved in :mod:`syncd.trainer.rewards.fbeta`):
 
 * The constant really is zero: F_β is homogeneous of degree 1, so ``F₀ = g_P·P₀ + g_R·R₀`` and the plane
   is exactly ``g_R·(a·P + R)``. Hence ``g_R · E[reward] = g_R·(a·P_pop + R_pop)`` is the first-order

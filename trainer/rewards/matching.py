@@ -52,7 +52,7 @@ class SampleScore:
         scope_ok: False when the scope judge rejected a predicted bug (then precision = recall = 0).
         matches: the matched (prediction index, ground-truth index) pairs, sorted by prediction index.
 
-    The counts are what :func:`trainer.rewards.fbeta_from_counts` pools; a scope failure counts as all
+    The counts are what :func:`syncd.trainer.rewards.fbeta_from_counts` pools; a scope failure counts as all
     predictions wrong and all ground truth missed, consistent with its P = R = 0.
     """
 

@@ -3,9 +3,9 @@
 The two phases differ only in the reward (the rest of the training setup is identical):
 
 * **capability** (steps ``< product_start_step``, most of the training compute): the base reward, e.g. the
-  linearized F_β reward of :class:`trainer.rewards.LinearizedReward`; latency is not penalized.
+  linearized F_β reward of :class:`syncd.trainer.rewards.LinearizedReward`; latency is not penalized.
 * **product** (steps ``>= product_start_step``, a much shorter phase): the base reward minus
-  ``latency_weight`` times the latency penalty of :mod:`trainer.rewards.latency`, which lies in [0, 1]:
+  ``latency_weight`` times the latency penalty of :mod:`syncd.trainer.rewards.latency`, which lies in [0, 1]:
 
       reward = base_reward - latency_weight · penalty(latency_model.estimate(tokens, turns)).
 
@@ -14,7 +14,7 @@ analyses). The phase-2 checkpoint and ``latency_weight`` are the knob that picks
 performance/latency Pareto frontier.
 
 Range: the product-phase reward lies in ``[base_reward - latency_weight, base_reward]`` and can be
-negative. Combined with :func:`trainer.rewards.zero_if_cheating`, a flagged rollout (reward 0) would then
+negative. Combined with :func:`syncd.trainer.rewards.zero_if_cheating`, a flagged rollout (reward 0) would then
 score above a slow honest failure (as low as ``-latency_weight``); if that matters, add ``latency_weight``
 to every honest reward (a constant shift, invisible to a mean baseline) so honest rewards stay ≥ 0.
 """

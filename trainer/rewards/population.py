@@ -9,7 +9,7 @@ The SWE-check seed names two ways to aggregate per-sample scores and trains on t
   not count at all, which is why the seed did not train on it.
 
 Note that ``E_τ[F_β(P(τ), R(τ))]`` is neither of these; averaging per-sample F_β does not give F_β of the
-averages, which is what motivates the linearized reward of :mod:`trainer.rewards.linearize`.
+averages, which is what motivates the linearized reward of :mod:`syncd.trainer.rewards.linearize`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class PopulationMetrics:
         fbeta_pop: F_β(p_pop, r_pop), the metric the linearized reward climbs.
         tp, fp, fn: pooled counts.
         p_global, r_global: precision and recall of the pooled counts
-            (see :func:`trainer.rewards.pr_from_counts` for the edge cases).
+            (see :func:`syncd.trainer.rewards.pr_from_counts` for the edge cases).
         fbeta_global: F_β(p_global, r_global).
     """
 
@@ -57,7 +57,7 @@ def population_metrics(scores: Iterable[SampleScore], beta: float) -> Population
     """Averaged and pooled precision, recall and F_β of a population of scored rollouts.
 
     Args:
-        scores: the :class:`SampleScore` of each rollout (from :func:`trainer.rewards.score_sample`).
+        scores: the :class:`SampleScore` of each rollout (from :func:`syncd.trainer.rewards.score_sample`).
         beta: F_β weight, finite and > 0 (the seed trained with 0.5).
 
     Raises:

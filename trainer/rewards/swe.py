@@ -1,18 +1,18 @@
-"""The SWE-check bug-detection reward behind the thin trainer's reward interface (:data:`trainer.tasks.RewardFn`).
+"""The SWE-check bug-detection reward behind the thin trainer's reward interface (:data:`syncd.trainer.tasks.RewardFn`).
 
-:class:`SWECheckReward` turns one :class:`trainer.tasks.Sample` into a float, the seed's recipe end to end:
+:class:`SWECheckReward` turns one :class:`syncd.trainer.tasks.Sample` into a float, the seed's recipe end to end:
 
 1. ``parse(sample.completion)`` -> the predicted bugs (your parser of the model's report);
 2. the ground truth is ``sample.item.meta[truth_key]`` (the task item carries it; it is recorded with every
    trajectory of the item);
-3. :func:`~trainer.rewards.score_sample` (scope judge, maximum one-to-one matching) -> P(tau), R(tau);
-4. the linearized F_beta reward ``a * P + R`` (:class:`~trainer.rewards.LinearizedReward`), divided by ``a + 1``
+3. :func:`~syncd.trainer.rewards.score_sample` (scope judge, maximum one-to-one matching) -> P(tau), R(tau);
+4. the linearized F_beta reward ``a * P + R`` (:class:`~syncd.trainer.rewards.LinearizedReward`), divided by ``a + 1``
    so that it lies in [0, 1] unless ``normalize=False``;
 5. optionally the SWE-1.7 rules: 0 when ``cheated(sample)``, and the alternating length penalty at the sample's
    trainer step (``length_penalty``, costs from ``cost(sample) -> (tokens, turns, tool_time_s)``, by default
    the completion's token count, one turn, no tool time).
 
-Bad input raises :class:`~trainer.rewards.RewardInputError` (a ``ValueError``): the rollout worker then drops the
+Bad input raises :class:`~syncd.trainer.rewards.RewardInputError` (a ``ValueError``): the rollout worker then drops the
 group and counts a ``reward`` failure rather than training on a made-up number.
 """
 
@@ -45,7 +45,7 @@ class SWECheckReward:
         self.length_penalty, self.cost = length_penalty, cost
 
     def score(self, sample):
-        """The :class:`~trainer.rewards.SampleScore` of ``sample``."""
+        """The :class:`~syncd.trainer.rewards.SampleScore` of ``sample``."""
         meta = sample.item.meta or {}
         if self.truth_key not in meta:
             raise RewardInputError(f"item {sample.item.index} has no ground truth under meta[{self.truth_key!r}]")

@@ -9,7 +9,7 @@ weight was::
     <name>.per_tensor_scale  float32 []                    decode convention (value = code * scale * pts)
 
 Every other tensor is kept (floating-point ones cast to the serving dtype). These are ordinary tensors, so
-``trainer.WeightPublisher`` ships them as deltas of the packed bytes like any other (publish with
+``syncd.trainer.WeightPublisher`` ships them as deltas of the packed bytes like any other (publish with
 ``dtype=None`` so that the float32 per-tensor scales are not cast) and ``syncd.materialize`` returns them
 bit for bit. See ``docs/nvfp4.md``.
 """

@@ -31,7 +31,7 @@ def engine_and_trainer(tmp_path_factory, arch: str, seed: int, cpu_gemm: str = "
     """A tiny model of ``arch``, its trainer (version 0 published; ``publisher``: more WeightPublisher arguments)
     and a VLLMEngine serving version 0 with CPU linear layers ``cpu_gemm`` on ``tensor_parallel`` ranks (a
     generator for module-scoped fixtures: the engine is closed after the module)."""
-    from engine.vllm import VLLMEngine
+    from syncd.engine.vllm import VLLMEngine
     from syncd.store import Store
 
     model_dir = write_tiny(tmp_path_factory, arch, seed)
@@ -46,7 +46,7 @@ def engine_and_trainer(tmp_path_factory, arch: str, seed: int, cpu_gemm: str = "
 
 
 def write_tiny(tmp_path_factory, arch: str, seed: int):
-    from engine.reference.make_tiny import write_model
+    from syncd.engine.reference.make_tiny import write_model
 
     return write_model(tmp_path_factory.mktemp(f"vllm-{arch}"), arch=arch, seed=seed, **SIZES)
 

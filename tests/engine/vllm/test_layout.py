@@ -1,5 +1,5 @@
-"""engine.vllm.layout: vLLM's parameter layout in the trainer's names, checked against the shapes transformers
-gives the same configs and, for dense models, against engine.sharding's tensor-parallel layout (vLLM's). Pure:
+"""syncd.engine.vllm.layout: vLLM's parameter layout in the trainer's names, checked against the shapes transformers
+gives the same configs and, for dense models, against syncd.engine.sharding's tensor-parallel layout (vLLM's). Pure:
 no vLLM needed."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.reference.make_tiny import model_config, random_model
-from engine.sharding import tp_specs
-from engine.vllm.layout import ModelShape, trainer_name, vllm_specs
+from syncd.engine.reference.make_tiny import model_config, random_model
+from syncd.engine.sharding import tp_specs
+from syncd.engine.vllm.layout import ModelShape, trainer_name, vllm_specs
 from syncd.engines.params import build_local
 
 SIZES = dict(hidden=128, heads=2, kv_heads=1, intermediate=256)

@@ -1,11 +1,11 @@
-"""engine.vllm.ranks: the names and merged answers of a tensor-parallel vLLM engine (pure functions; no vLLM)."""
+"""syncd.engine.vllm.ranks: the names and merged answers of a tensor-parallel vLLM engine (pure functions; no vLLM)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.vllm import ranks
+from syncd.engine.vllm import ranks
 from syncd.engines.params import identity_specs
 
 

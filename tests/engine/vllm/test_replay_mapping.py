@@ -1,4 +1,4 @@
-"""engine.vllm.replay on vLLM's own output classes (``vllm.outputs.RequestOutput``, ``CompletionOutput``,
+"""syncd.engine.vllm.replay on vLLM's own output classes (``vllm.outputs.RequestOutput``, ``CompletionOutput``,
 ``SamplingMask``, ``WeightVersionSpan``, ``vllm.logprobs.Logprob``, ``vllm.v1.outputs.SamplingMaskLists``) FILLED
 BY THE TEST: on CPU vLLM cannot produce sampling masks or routed experts (they need Model Runner V2, i.e. a GPU),
 so these objects stand in for what a GPU engine returns. The records go through the real ReplayRecorder into a
@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.replay import ReplayRecorder, read_request
-from engine.vllm.replay import kept_sets, record_output, routes
+from syncd.engine.replay import ReplayRecorder, read_request
+from syncd.engine.vllm.replay import kept_sets, record_output, routes
 from syncd.store import Store
 
 pytest.importorskip("vllm.outputs", reason="the vllm extra (scripts/setup.sh installs it)")

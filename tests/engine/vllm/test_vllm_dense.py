@@ -161,7 +161,7 @@ def test_kv_cache_kept_across_an_update(setup):
     assert (lps[k:] - recomputed).abs().max() > 10 * tol  # so the cache was kept, not recomputed
 
     async def again():
-        from engine.vllm.outputs import sampling_params
+        from syncd.engine.vllm.outputs import sampling_params
 
         final = None
         async for out in eng.llm.generate({"prompt_token_ids": prompt},
