@@ -104,7 +104,7 @@ def update_cost(cfg: dict, work: Path) -> dict:
     from syncd.engines.update import Update
     from syncd.store import Store
     from syncd.versions import fetch_shards, read_manifest
-    from syncd.trainer.publisher import WeightPublisher
+    from syncd.publish.publisher import WeightPublisher
 
     old, new = snapshots(cfg, cfg["lr"], 1, seed=0)
     store = Store(work / "store")

@@ -96,7 +96,7 @@ def run(args) -> dict:
     import syncd
     from syncd.store import Store
     from syncd.versions import apply_delta, fetch_shards, list_versions, load_full
-    from syncd.trainer.publisher import WeightPublisher
+    from syncd.publish.publisher import WeightPublisher
 
     torch.set_flush_denormal(True)
     store = Store(args.store or Path(tempfile.mkdtemp(prefix="syncd-bench-")))
@@ -194,7 +194,7 @@ def run_e2e(args, store, run_id: str, snapshots: list, full_every: int) -> dict:
 
     from syncd import engine
     from syncd.daemon import DaemonConfig, NodeDaemon
-    from syncd.trainer.publisher import WeightPublisher
+    from syncd.publish.publisher import WeightPublisher
 
     key = args.signing_key or False
     cache_dir = Path(tempfile.mkdtemp(prefix="syncd-bench-cache-"))

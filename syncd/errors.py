@@ -21,7 +21,7 @@ class BackendUnavailable(SyncdError, RuntimeError):
     """A backend was asked for by name but cannot run here; the message says why."""
 
 
-# --- object store, manifests and versions (syncd.store, syncd.manifest, syncd.versions, syncd.trainer.publisher) ---
+# --- object store, manifests and versions (syncd.store, syncd.manifest, syncd.versions, syncd.publish.publisher) ---
 
 
 class StoreError(SyncdError, OSError):

@@ -18,7 +18,7 @@ def test_zstandard_is_only_the_benchmarks():
     code = """
 import sys, torch
 import syncd, syncd.app.cli, syncd.daemon, syncd.cluster, syncd.versions, syncd.model_folder
-import syncd.engine, syncd.engine.control_server, syncd.engine.proxy.server, syncd.engine.reference.engine, syncd.trainer.publisher, syncd.trainer.loop
+import syncd.engine, syncd.engine.control_server, syncd.engine.proxy.server, syncd.engine.reference.engine, syncd.publish.publisher, syncd.trainer.loop
 from syncd.ops import delta
 old = torch.zeros(1000, dtype=torch.bfloat16); new = old.clone(); new[::7] = 1
 assert torch.equal(delta.decode(old, delta.encode(old, new)), new)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 
 _LAZY = {
-    "WeightPublisher": ("syncd.trainer.publisher", "WeightPublisher"),
+    "WeightPublisher": ("syncd.publish.publisher", "WeightPublisher"),
 }
 
 __all__ = sorted(_LAZY)

@@ -85,7 +85,7 @@ class LiveSide:
             return
         from syncd.versions import has_versions, latest_version
         from syncd.trainer.loop import ConfigError
-        from syncd.trainer.publisher import WeightPublisher
+        from syncd.publish.publisher import WeightPublisher
         from syncd.trainer.rollout_workers import ProxyError, RolloutWorkers, Sampling, proxy_models
         from syncd.trainer.tasks import get_task, load_reward
 

@@ -125,7 +125,7 @@ class LoopConfig:
     def check(self) -> None:
         """Raise :class:`ConfigError` naming the flag of the first bad setting."""
         from syncd.trainer.optim import OPTIMIZERS
-        from syncd.trainer.shard_writer import delta_formats
+        from syncd.publish.shard_writer import delta_formats
         from syncd.trainer.tasks import get_task
 
         rules = [(self.every_k >= 1, "--every-k", f"K must be >= 1, got {self.every_k}"),

@@ -25,7 +25,7 @@ import logging
 
 from transformers import TrainerCallback
 
-from syncd.trainer.publisher import WeightPublisher
+from syncd.publish.publisher import WeightPublisher
 
 log = logging.getLogger(__name__)
 

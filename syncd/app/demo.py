@@ -47,7 +47,7 @@ def _trainer(argv) -> int:
 
     from syncd.engine.reference.model import load_folder_weights
     from syncd.lazy import quiet_optional_imports
-    from syncd.trainer.publisher import WeightPublisher
+    from syncd.publish.publisher import WeightPublisher
 
     quiet_optional_imports()
     p = argparse.ArgumentParser(prog="syncd.app.demo _trainer")

@@ -14,7 +14,7 @@ from syncd import manifest as mf
 from syncd.ops import checksum
 from syncd.store import Store
 from tests.daemon.conftest import KEY, RUN
-from syncd.trainer.publisher import WeightPublisher
+from syncd.publish.publisher import WeightPublisher
 
 
 @functools.lru_cache(maxsize=4)

@@ -29,7 +29,7 @@ from syncd.ops import checksum
 from syncd.signing import SigningKey
 from syncd.store import Store
 from tests.store._models import bf16, train_steps
-from syncd.trainer.publisher import WeightPublisher
+from syncd.publish.publisher import WeightPublisher
 
 
 class TamperingStore(Store):

@@ -11,7 +11,7 @@ import torch
 from syncd.store import Store
 from tests.daemon._fixtures import model_dir, procs  # noqa: F401  (fixtures shared by both packages)
 from tests.store._models import trajectory
-from syncd.trainer.publisher import WeightPublisher
+from syncd.publish.publisher import WeightPublisher
 
 KEY = "daemon-test-key-0123456789abcdef"
 RUN = "r"

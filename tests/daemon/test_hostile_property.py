@@ -37,7 +37,7 @@ from syncd.store import Store
 from syncd.versions import read_manifest
 from tests.daemon.conftest import KEY
 from tests.store._models import assert_same, trajectory
-from syncd.trainer.publisher import WeightPublisher
+from syncd.publish.publisher import WeightPublisher
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

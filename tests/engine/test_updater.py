@@ -106,7 +106,7 @@ def test_a_tensor_parallel_rank_refuses_format2_for_a_slice_and_takes_format1_fo
     """A rank holding a slice of a tensor cannot decode its context blocks: stage refuses the update, naming the
     tensor and the remedy, and changes nothing; with the sliced tensors published in format 1 (what
     ``WeightPublisher(delta_format=2, sliced_tensors=...)`` writes) it follows the run bit for bit."""
-    from syncd.trainer.shard_writer import delta_formats
+    from syncd.publish.shard_writer import delta_formats
 
     specs = tp_specs(states[0], rank=1, world_size=2, num_heads=HEADS, num_kv_heads=KV)
     eng = StateDictEngine.from_full(states[0], specs, 0)

@@ -15,7 +15,7 @@ import time
 import torch
 
 from syncd.store import Store
-from syncd.trainer.publisher import WeightPublisher
+from syncd.publish.publisher import WeightPublisher
 
 
 class KillingStore(Store):

@@ -14,7 +14,7 @@ from syncd.jsonsafe import JSONError
 from syncd.newest import VersionPoller, parse_hint
 from syncd.store import Store
 from syncd.versions import latest_version, poll_latest, read_manifest
-from syncd.trainer.publisher import WeightPublisher
+from syncd.publish.publisher import WeightPublisher
 
 from ._models import trajectory
 from .conftest import KEY

@@ -13,7 +13,7 @@ from syncd.errors import IntegrityError, SignatureError
 from syncd.model_folder import get_model_files, materialize_folder, put_model_files
 from syncd.store import Store
 from syncd.versions import materialize
-from syncd.trainer.publisher import WeightPublisher
+from syncd.publish.publisher import WeightPublisher
 
 KEY = "model-folder-test-key-0123456789"
 RUN = "hf"

@@ -14,7 +14,7 @@ from syncd.errors import PublishError, VersionConflict
 from syncd.store import Store
 from syncd.retention import RetentionPolicy, apply_retention
 from syncd.versions import list_versions, poll_latest, read_manifest
-from syncd.trainer.publisher import WeightPublisher
+from syncd.publish.publisher import WeightPublisher
 
 from ._models import assert_same, trajectory
 from .conftest import KEY

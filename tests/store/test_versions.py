@@ -19,7 +19,7 @@ from syncd.signing import SigningKey
 from syncd.store import Store
 from syncd.versions import (apply_delta, fetch_shards, latest_version, list_versions, read_manifest,
                             verify_run)
-from syncd.trainer.publisher import WeightPublisher
+from syncd.publish.publisher import WeightPublisher
 
 from ._models import assert_same, trajectory
 from .conftest import KEY

@@ -85,7 +85,7 @@ def test_missing_store_model_or_plans(capsys, model_dir, tmp_path, frontend, mon
 
 
 def test_a_run_that_already_has_versions_is_refused(capsys, model_dir, tmp_path, frontend):
-    from syncd.trainer.publisher import WeightPublisher
+    from syncd.publish.publisher import WeightPublisher
 
     store = (tmp_path / "store").as_uri()
     with WeightPublisher(store, "rl", signing_key=False) as pub:

@@ -52,11 +52,11 @@ import torch
 
 from syncd import manifest as mf
 from syncd.errors import ObjectExists, ObjectNotFound, PublishError, StoreError, VersionConflict
+from syncd.publish.shard_writer import ShardWriter, delta_formats
+from syncd.publish.version_numbers import Squatted, free_number, newest_valid, usable
 from syncd.retention import RetentionPolicy, apply_retention
 from syncd.signing import resolve_key
 from syncd.store import Store
-from syncd.trainer.shard_writer import ShardWriter, delta_formats
-from syncd.trainer.version_numbers import Squatted, free_number, newest_valid, usable
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from syncd.store import Store
 from syncd.versions import list_versions, read_manifest
 from tests.store._models import assert_same, bf16, tiny_qwen2, train_steps
 from syncd.trainer import WeightPublisher
-from syncd.trainer.shard_writer import delta_formats
+from syncd.publish.shard_writer import delta_formats
 
 KEY = "publisher-test-key-0123456789"
 

@@ -1,4 +1,4 @@
-"""The shards of one version being written (:class:`ShardWriter`, ``syncd.trainer.WeightPublisher``'s helper): full
+"""The shards of one version being written (:class:`ShardWriter`, ``syncd.publish.WeightPublisher``'s helper): full
 versions as safetensors files, deltas as concatenated codec blobs, each shard uploaded while the next is built.
 The layout and the manifest entries are ``syncd.manifest``'s (``docs/layout.md``)."""
 
@@ -15,7 +15,7 @@ import torch
 
 from syncd import manifest as mf
 
-log = logging.getLogger("syncd.trainer.publisher")
+log = logging.getLogger("syncd.publish.publisher")
 
 __all__ = ["ShardWriter", "delta_formats"]
 
@@ -43,7 +43,7 @@ def delta_formats(delta_format: int = 1, sliced_tensors: str | None = None) -> C
 
 class ShardWriter:
     """Builds one version's shards and uploads them in parallel while later shards are still being built
-    (at most ``upload_threads`` shards in memory at once). ``pub``: the :class:`~syncd.trainer.publisher.WeightPublisher`
+    (at most ``upload_threads`` shards in memory at once). ``pub``: the :class:`~syncd.publish.publisher.WeightPublisher`
     whose store, session, pool and settings it uses; used from its publishing thread."""
 
     def __init__(self, pub, version: int, kind: str):

@@ -1,6 +1,6 @@
 """How a publisher numbers its next version in a store that others (an earlier life of the trainer, an attacker, a
 crashed upload) may have written: after the run's newest *valid* version, skipping numbers squatted by unusable
-manifests, refusing numbers another publisher holds. Used by :class:`syncd.trainer.publisher.WeightPublisher`.
+manifests, refusing numbers another publisher holds. Used by :class:`syncd.publish.publisher.WeightPublisher`.
 
 Every function reads the store (one GET per manifest, one HEAD per number) and raises
 :class:`~syncd.errors.StoreError` when it does not answer."""
@@ -15,7 +15,7 @@ from syncd.store import Store
 
 __all__ = ["Squatted", "usable", "free_number", "newest_valid"]
 
-log = logging.getLogger("syncd.trainer.publisher")
+log = logging.getLogger("syncd.publish.publisher")
 
 
 class Squatted(Exception):
