@@ -12,6 +12,7 @@ import urllib.request
 import pytest
 import torch
 
+import syncd.engine
 from syncd import engine
 from syncd import manifest as mf
 from syncd.daemon import DaemonConfig, NodeDaemon

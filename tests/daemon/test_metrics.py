@@ -13,7 +13,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from syncd import engine
+import syncd.engine
 from syncd.daemon import DaemonConfig, NodeDaemon
 from syncd.daemon.metrics import DEPRECATED, DaemonMetrics
 from tests.daemon.conftest import KEY, RUN
