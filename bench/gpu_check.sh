@@ -22,7 +22,7 @@ echo "== GPU tests + op tests on the GPU machine"
 "$py" -m pytest -q -p no:cacheprovider tests/ops -k "not asan" 2>&1 | tee "$out/gpu_tests.log" | tail -25
 rc=${PIPESTATUS[0]}
 echo "== publisher on CUDA weights (encode on the GPU, materialize onto the GPU)"
-"$py" -m pytest -q -p no:cacheprovider tests/trainer/test_publisher.py -m gpu 2>&1 | tee "$out/gpu_publisher.log" | tail -15
+"$py" -m pytest -q -p no:cacheprovider tests/publish/test_publisher.py -m gpu 2>&1 | tee "$out/gpu_publisher.log" | tail -15
 [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 echo "== engine weight updates on CUDA parameters (pinned staging, on-device scatter, rollback)"
 "$py" -m pytest -q -p no:cacheprovider tests/engine/test_gpu_engine.py tests/engine/test_nvfp4_engine.py tests/bench/test_engine_update_bench.py -m gpu 2>&1 | tee "$out/gpu_engine.log" | tail -15
