@@ -3,10 +3,11 @@
 Modules, one concept each: ``config`` (settings), ``poller`` (noticing versions; the verified manifests come from
 :mod:`syncd.manifest_source`), ``planner`` (chain vs newer full version), ``fetcher`` (``ShardSource``: shards into
 the node cache, re-hashed before they are trusted), ``stager`` (staging while serving), ``driver`` (one engine: its
-checks, lease and critical section), ``recovery`` (rebuilds), ``updates`` (the update path: fetch, stage, apply,
-rebuild, heal the cache), ``metrics`` (Prometheus), ``status`` (the status file), ``points`` (named points of the
-update path an observer can hold), ``cluster`` (the daemon as a node of a cluster: flags, ``ClusterLink``), and
-``daemon`` (``NodeDaemon``, the loop, supervision and signal handling). :func:`run` runs one on uvloop.
+checks, lease and critical sections, update and rebuild), ``updates`` (``UpdatePath``, the daemon's collaborator
+that moves engine groups: fetch, stage, apply, rebuild, heal and trim the cache), ``metrics`` (Prometheus),
+``status`` (the status file), ``points`` (named points of the update path an observer can hold), ``cluster`` (the
+daemon as a node of a cluster: flags, ``ClusterLink``), and ``daemon`` (``NodeDaemon``, the loop, supervision and
+signal handling). :func:`run` runs one on uvloop.
 
 The names below are imported on first use, so that ``syncd status`` or building the command line does not
 load the engines' machinery (torch).

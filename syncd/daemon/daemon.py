@@ -51,7 +51,7 @@ from syncd.supervise import Supervisor
 log = logging.getLogger(__name__)
 
 
-class NodeDaemon(UpdatePath):
+class NodeDaemon:
     """The node daemon for ``config.run_id``.
 
     ``adapters``: in-process engines by name (any ``syncd.engines.Adapter``; each driven through an
@@ -63,6 +63,10 @@ class NodeDaemon(UpdatePath):
     environment). ``on_update(record)``: called (on the event loop) after each version reaches an engine
     group, with the record also added to the status file. Companions (:meth:`attach`) run in the daemon's
     loop alongside it. Use from one event loop.
+
+    The daemon holds the engines' drivers (:class:`~syncd.daemon.driver.EngineDriver`), chooses each round
+    which group of engines moves from which version, and hands the moving to its
+    :class:`~syncd.daemon.updates.UpdatePath` (fetch, stage, apply, rebuild, cache trimming).
     """
 
     def __init__(self, config: DaemonConfig, *, adapters: Mapping[str, object] | None = None, store=None,
@@ -89,8 +93,6 @@ class NodeDaemon(UpdatePath):
         self.manifests = ManifestSource(self.run_id, store=store, cache=self.cache, key=self.key,
                                         metrics=self.metrics, retry_failed_s=config.retry_failed_s,
                                         allow_unsigned=self.allow_unsigned)
-        self.source = source or StoreShardSource(store, self.cache, concurrency=config.download_concurrency,
-                                                 metrics=self.metrics)
         engines = {name: InProcessLink(a) for name, a in (adapters or {}).items()}
         for spec in config.engines:
             if spec.name in engines:
@@ -106,21 +108,34 @@ class NodeDaemon(UpdatePath):
         for name, link in engines.items():
             self.status.engine(name, url=link.url, version=None, lag=None, state="unknown", error=None,
                                applied=0, last_pause_s=None)
-        self.poll, self.on_update = poll, on_update
+        self.poll = poll
         self.newest: int | None = None
         self.noticed_at: dict[int, float] = {}
         self.metrics_url: str | None = None
         self._stop: asyncio.Event | None = None
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
-        self._critical = 0
-        self._fetch_s: float | None = None  # the last plan's download time, for update records
-        self._fetch_retry_at = 0.0  # after a full cache disk: no downloads before this (monotonic)
-        self._disk_full = 0
         self._companions: list = []
         self._status_due: asyncio.TimerHandle | None = None  # the write of a change that came too soon after one
         self.supervisor = Supervisor(f"daemon of run {self.run_id}", on_failure=self._task_failed,
                                      backoff_s=config.poll_interval_s, max_backoff_s=config.backoff_max_s)
+        source = source or StoreShardSource(store, self.cache, concurrency=config.download_concurrency,
+                                            metrics=self.metrics)
+        self._updates = UpdatePath(run_id=self.run_id, manifests=self.manifests, source=source, cache=self.cache,
+                                   drivers=self.drivers, metrics=self.metrics, status=self.status,
+                                   engine_check_s=config.engine_check_s, newest=lambda: self.newest,
+                                   noticed_at=self.noticed_at, stopping=self._stopping,
+                                   write_status=lambda: self._write_status(force=True), on_update=on_update)
+
+    @property
+    def source(self) -> ShardSource:
+        """The :class:`ShardSource` the updates fetch with; may be replaced before :meth:`run` (or between
+        rounds, from the daemon's loop)."""
+        return self._updates.source
+
+    @source.setter
+    def source(self, source: ShardSource) -> None:
+        self._updates.source = source
 
     def attach(self, companion) -> None:
         """Run ``companion`` in the daemon's loop (call before :meth:`run`): ``await companion.start()``
@@ -162,20 +177,12 @@ class NodeDaemon(UpdatePath):
         if self._stop is None or self._stop.is_set():
             return
         log.info("run %s: stopping (%s)", self.run_id,
-                 "after the engine update in progress" if self._critical else "now")
+                 "after the engine update in progress" if self._updates.in_critical_section else "now")
         self.supervisor.stopping = True  # a task that ends now is stopping, not failing
         self._stop.set()
         self._wake.set()  # the wait between rounds ends too
-        if self._task is not None and not self._critical:
+        if self._task is not None and not self._updates.in_critical_section:
             self._task.cancel()
-
-    async def _critical_call(self, fn, *args):
-        """Run blocking ``fn`` in a thread; a stop request waits for it instead of cancelling it."""
-        self._critical += 1
-        try:
-            return await asyncio.shield(asyncio.to_thread(fn, *args))
-        finally:
-            self._critical -= 1
 
     def _stopping(self) -> bool:
         return self._stop is not None and self._stop.is_set()
@@ -319,7 +326,7 @@ class NodeDaemon(UpdatePath):
             before = {d.name: (d.version, d.needs_rebuild) for d in todo}
             cur = None if todo[0].needs_rebuild else todo[0].version
             group = [d for d in todo if (None if d.needs_rebuild else d.version) == cur]
-            await self._advance(group, cur)
+            await self._updates.advance(group, cur)
             if all(before[d.name] == (d.version, d.needs_rebuild) for d in todo):
                 return  # no progress this round: wait for a new version, an engine change, or a retry time
 

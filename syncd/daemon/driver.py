@@ -10,6 +10,15 @@ interrupts it): ``pause`` -> ``apply`` -> checksum check against the manifest ->
   version, resume on it and raise :class:`UpdateFailed`; if rollback fails or does not restore it, the
   engine stays paused and :class:`NeedsRebuild` is raised.
 
+``rebuild`` is the other critical section: an engine whose weights are unknown (new to the daemon and not
+matching its reported version, restarted with its initial weights, another run's, or left matching no version
+by a failed update) is loaded with the newest full version and the delta chain after it, all while paused,
+from the node cache (the daemon's shard source fills it first). It resumes only once its checksums equal a
+manifest's: the chain's last version's, or, when it refuses to stage a delta of the chain (which writes
+nothing: a blob it cannot decode, such as a format-2 delta of a tensor it holds only in slices, or a bad
+cached shard), the version it reached before it, which it then serves. On any other failure it stays
+paused and :class:`RebuildFailed` is raised (it must not serve weights that match no version).
+
 So an engine resumes only on weights whose checksums equal a verified manifest's. Versions are applied in
 order and at most once (a step whose base is not the engine's version, or a version it already passed, is
 refused with ``RuntimeError``).
@@ -24,6 +33,7 @@ from syncd import manifest as mf
 from syncd.daemon import points
 from syncd.engines.errors import EngineUnreachable
 from syncd.engines.params import expected_checksums  # loads torch with the daemon, never inside an engine's pause
+from syncd.engines.update import Update
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +46,15 @@ class NeedsRebuild(RuntimeError):
     """The engine's weights match no known version; it is paused until rebuilt."""
 
 
+class RebuildFailed(RuntimeError):
+    """A rebuild did not reach verified weights; the engine stays paused."""
+
+
 class EngineDriver:
     """State and update sequences of one engine (``adapter``: its :class:`~syncd.engines.protocol.EngineLink`,
-    in this process or another, driven alike). Not thread-safe: the daemon drives one engine from one task.
+    in this process or another, driven alike). Not thread-safe: the daemon drives one engine from one task
+    (its blocking methods, :meth:`refresh` and the critical sections :meth:`apply_staged` and :meth:`rebuild`,
+    in a worker thread, one at a time); the fields below are read and set by that task between calls.
 
     ``known``: ``(instance, writes)`` of the engine's control state right after this daemon's last write
     or check. Only the lease holder can write, so a change the daemon did not make means its lease lapsed
@@ -243,6 +259,51 @@ class EngineDriver:
         t4 = time.perf_counter()
         self.settle()
         return {"pause_s": t4 - t0 - (t2 - t1), "apply_s": t1 - t0, "check_s": t3 - t2}
+
+    def rebuild(self, plan, raws: list[bytes], cache_root) -> dict:
+        """The critical section of a rebuild (blocking): load ``plan.steps[0]`` (a full version) and apply the
+        deltas after it (``raws``: each step's manifest bytes; the shards in the node cache at ``cache_root``),
+        all while paused; verify; resume. Returns ``{"pause_s", "version", "refused"}``: the version the engine
+        now serves, and None, or, when it refused to stage a delta of the chain, what it said (it then serves
+        the version before that delta). Raises :class:`RebuildFailed` (engine left paused), ``ValueError`` if
+        the plan does not start from a full version; an error of the engine's control calls after the checks
+        (resume, lease) propagates as it is."""
+        if not plan.from_full:
+            raise ValueError("a rebuild starts from a full version")
+        t0 = time.perf_counter()
+        self._pause()
+        reached, refused = 0, None  # the index in plan.steps of what the engine holds
+        try:
+            self.adapter.load_full(Update.from_cache(plan.steps[0], cache_root, raw=raws[0]))
+            for i, (m, raw) in enumerate(zip(plan.steps[1:], raws[1:]), 1):
+                try:
+                    self.adapter.stage(Update.from_cache(m, cache_root, raw=raw))
+                except Exception as exc:  # noqa: BLE001 -- nothing was written: the engine holds steps[reached]
+                    refused = f"staging {m.version}: {type(exc).__name__}: {exc}"
+                    break
+                self.adapter.apply()
+                reached = i
+            bad = self.mismatches(plan.steps[reached])
+        except Exception as exc:
+            self.verified, self.needs_rebuild = False, True
+            raise RebuildFailed(f"engine {self.name}: rebuilding version {plan.target} from full version "
+                                f"{plan.steps[0].version} failed: {type(exc).__name__}: {exc}") from exc
+        version = plan.steps[reached].version
+        if bad:
+            self.verified, self.needs_rebuild = False, True
+            raise RebuildFailed(f"engine {self.name}: rebuilt version {version}, but {len(bad)} parameter(s) "
+                                f"do not match its checksums (first: {bad[0]})")
+        self.version, self.verified, self.needs_rebuild = version, True, False
+        self.applied = set(plan.versions[:reached + 1])
+        self.resume()
+        self.settle()
+        if refused:
+            log.error("engine %s rebuilt only up to version %d (full %d + %d deltas), which it serves: %s",
+                      self.name, version, plan.steps[0].version, reached, refused)
+        else:
+            log.info("engine %s rebuilt at version %d (full %d + %d deltas) in %.3fs", self.name, version,
+                     plan.steps[0].version, reached, time.perf_counter() - t0)
+        return {"pause_s": time.perf_counter() - t0, "version": version, "refused": refused}
 
     def _restore_or_rebuild(self, prev: mf.Manifest | None, why: str):
         """After a failed update, while paused: resume on ``prev`` if the weights are exactly it."""

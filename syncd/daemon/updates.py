@@ -2,13 +2,14 @@
 
 *Fetch* every shard of the plan into the node cache (a full cache disk is counted, shown and retried after a
 backoff); *stage* each version on a group of engines while they serve; then, one engine at a time, the
-critical section ``pause -> apply -> checksum check -> resume`` (:mod:`~syncd.daemon.driver`); or *rebuild*
-an engine with unknown weights (:mod:`~syncd.daemon.recovery`). An engine that refuses cached shards
-(staging or a rebuild fails) makes the daemon re-hash them: bad ones are removed, counted and fetched again
+critical section ``pause -> apply -> checksum check -> resume`` (:meth:`EngineDriver.apply_staged
+<syncd.daemon.driver.EngineDriver.apply_staged>`); or *rebuild* an engine with unknown weights
+(:meth:`EngineDriver.rebuild <syncd.daemon.driver.EngineDriver.rebuild>`). An engine that refuses cached shards
+(staging or a rebuild fails) makes the update path re-hash them: bad ones are removed, counted and fetched again
 instead of being offered forever. Afterwards the cache is trimmed, keeping what a restart needs.
 
-:class:`UpdatePath` is a mixin of ``NodeDaemon`` (it uses the daemon's manifests, source, cache, metrics,
-status, drivers and stop state); it runs on the daemon's event loop.
+:class:`UpdatePath` is a collaborator the daemon holds: it is handed the objects it works on and the few live
+facts of the daemon it reads (the newest version, whether a stop was asked) as callables.
 """
 
 from __future__ import annotations
@@ -17,15 +18,19 @@ import asyncio
 import errno
 import logging
 import time
+from typing import Callable, Mapping
 
 from syncd import manifest as mf
+from syncd.cache import ShardCache
 from syncd.daemon import points
-from syncd.daemon.driver import EngineDriver, NeedsRebuild, UpdateFailed
-from syncd.daemon.fetcher import check_cached
+from syncd.daemon.driver import EngineDriver, NeedsRebuild, RebuildFailed, UpdateFailed
+from syncd.daemon.fetcher import ShardSource, check_cached
+from syncd.daemon.metrics import DaemonMetrics
 from syncd.daemon.planner import Plan, plan_update, walk_back
-from syncd.daemon.recovery import RebuildFailed, rebuild_engine
 from syncd.daemon.stager import stage_group
+from syncd.daemon.status import StatusBoard
 from syncd.errors import IntegrityError, SyncdError, VersionNotFound
+from syncd.manifest_source import ManifestSource
 
 log = logging.getLogger(__name__)
 
@@ -37,17 +42,56 @@ def _created(rfc3339: str) -> float:
 
 
 class UpdatePath:
-    """See the module docstring."""
+    """Moves groups of engines of run ``run_id`` to the newest version (see the module docstring).
 
-    async def _advance(self, group: list[EngineDriver], cur: int | None) -> None:
-        """Move ``group`` (engines at version ``cur``; None: to be rebuilt) towards the newest version."""
-        plan = await asyncio.to_thread(plan_update, self.manifests, cur, self.newest)
+    Handed by its owner (the daemon): ``manifests`` (the verified manifests), ``source`` (fills ``cache``, the
+    node cache; replaceable between rounds), ``drivers`` (every engine by name; read for what the cache must
+    keep, the groups to move are passed to :meth:`advance`), ``metrics`` and ``status`` (written here: update
+    records, ``cache_error``, an engine's ``last_pause_s``), ``engine_check_s`` (seconds; the base of the
+    backoffs), and callables: ``newest()`` (the newest version noticed, None before any; read during a round
+    to re-plan when a newer one arrives), ``noticed_at`` (version -> wall time it was noticed, owned and
+    written by the owner, read here), ``stopping()`` (True once a stop was asked: no new engine is started
+    on), ``write_status()`` (write the status file now) and ``on_update(record)`` (None, or called after each
+    version reaches an engine group, after the record was added to ``status``).
+
+    Use from the owner's event loop, one round at a time; its blocking work (store reads, critical sections,
+    cache trimming) runs in worker threads. A critical section in progress (:attr:`in_critical_section`) is
+    shielded from cancellation: the owner must not cancel the round then, only ask it to stop.
+    """
+
+    def __init__(self, *, run_id: str, manifests: ManifestSource, source: ShardSource, cache: ShardCache,
+                 drivers: Mapping[str, EngineDriver], metrics: DaemonMetrics, status: StatusBoard,
+                 engine_check_s: float, newest: Callable[[], int | None], noticed_at: Mapping[int, float],
+                 stopping: Callable[[], bool], write_status: Callable[[], None],
+                 on_update: Callable[[dict], None] | None = None):
+        self.run_id, self.manifests, self.source, self.cache = run_id, manifests, source, cache
+        self.drivers, self.metrics, self.status = drivers, metrics, status
+        self.engine_check_s = engine_check_s
+        self._newest, self._noticed_at, self._stopping = newest, noticed_at, stopping
+        self._write_status, self._on_update = write_status, on_update
+        self._critical = 0  # critical sections in progress
+        self._fetch_s: float | None = None  # the last plan's download time, for update records
+        self._fetch_retry_at = 0.0  # after a full cache disk: no downloads before this (monotonic)
+        self._disk_full = 0  # full-disk failures in a row
+
+    @property
+    def in_critical_section(self) -> bool:
+        """True while an engine's critical section runs (cancelling the round now would not stop it)."""
+        return self._critical > 0
+
+    async def advance(self, group: list[EngineDriver], cur: int | None) -> None:
+        """Move ``group`` (engines at version ``cur``; None: to be rebuilt) towards the newest version: plan,
+        fetch, then stage and apply each step (or rebuild each engine), then trim the cache. Leaves each
+        driver's ``state``/``error`` saying where it got; an engine's failure is counted, shown and backed off,
+        never raised. Raises what the store raises (``StoreError``) and unexpected errors of the fetch;
+        cancellation propagates, except into a critical section, which is always finished."""
+        plan = await asyncio.to_thread(plan_update, self.manifests, cur, self._newest())
         if plan is None:
             for d in group:
                 d.state = "blocked" if cur is not None else "needs rebuild"
             return
         log.debug("run %s: engines %s at %s -> %d via %s (%d bytes)", self.run_id, [d.name for d in group], cur,
-                 plan.target, plan.versions, plan.bytes)
+                  plan.target, plan.versions, plan.bytes)
         if not await self._fetch(plan):
             return
         if cur is None:
@@ -58,6 +102,15 @@ class UpdatePath:
         else:
             await self._step_through(group, plan)
         await asyncio.to_thread(self._retain)
+
+    async def _critical_call(self, fn, *args):
+        """Run blocking ``fn`` in a thread; cancelling the caller does not interrupt it (see
+        :attr:`in_critical_section`)."""
+        self._critical += 1
+        try:
+            return await asyncio.shield(asyncio.to_thread(fn, *args))
+        finally:
+            self._critical -= 1
 
     async def _fetch(self, plan: Plan) -> bool:
         """Every shard of the plan into the cache; False on bad or missing data (the version is rejected)
@@ -89,7 +142,7 @@ class UpdatePath:
         """The cache disk is full: count it, show it, free what is not pinned, back off before downloading."""
         self._disk_full += 1
         self.metrics.failure("disk_full")
-        delay = min(60.0, self.config.engine_check_s * 2 ** min(self._disk_full, 10))
+        delay = min(60.0, self.engine_check_s * 2 ** min(self._disk_full, 10))
         self._fetch_retry_at = time.monotonic() + delay
         message = f"cache disk full: {exc}"
         if self._disk_full == 1 or self.status.get("cache_error") != message:
@@ -158,7 +211,8 @@ class UpdatePath:
                 self._applied(d, m, t["pause_s"], t["apply_s"])
             self._finish(record)
             prev = m
-            if self.newest is not None and self.newest > plan.target:
+            newest = self._newest()
+            if newest is not None and newest > plan.target:
                 return  # newer versions arrived: re-plan (maybe a shorter way to the newest)
 
     async def _rebuild(self, d: EngineDriver, plan: Plan) -> None:
@@ -166,7 +220,7 @@ class UpdatePath:
         d.state = "rebuilding"
         record = self._record(plan.steps[-1], 0.0, rebuild_from=plan.steps[0].version)
         try:
-            t = await self._critical_call(rebuild_engine, d, plan, raws, self.cache.root)
+            t = await self._critical_call(d.rebuild, plan, raws, self.cache.root)
         except RebuildFailed as exc:
             log.error("%s", exc)
             self.metrics.failure("rebuild")
@@ -212,10 +266,10 @@ class UpdatePath:
 
     def _backoff(self, d: EngineDriver) -> None:
         d.failures += 1
-        d.retry_at = time.monotonic() + min(60.0, self.config.engine_check_s * 2 ** d.failures)
+        d.retry_at = time.monotonic() + min(60.0, self.engine_check_s * 2 ** d.failures)
 
     def _record(self, m: mf.Manifest, stage_s: float, **extra) -> dict:
-        noticed = min((t for v, t in self.noticed_at.items() if v >= m.version), default=None)
+        noticed = min((t for v, t in self._noticed_at.items() if v >= m.version), default=None)
         return {"version": m.version, "kind": m.kind, "step": m.step, "bytes": m.total_bytes,
                 "full_bytes": sum(t.nbytes for t in m.tensors), "created_at": m.created_at,
                 "noticed_at": noticed, "download_s": self._fetch_s, "stage_s": stage_s,
@@ -246,15 +300,15 @@ class UpdatePath:
                      "/".join(f"{p * 1e3:.1f}" for p in pauses.values()), lag)
         record["done_at"] = time.time()
         self.status.add_update(record)
-        self._write_status(force=True)
-        if self.on_update is not None:
-            self.on_update(record)
+        self._write_status()
+        if self._on_update is not None:
+            self._on_update(record)
 
     def _retain(self) -> None:
         """Trim the cache, pinning the chains (full version + deltas) of every engine's version and of the
         newest version: what a restart or a rebuild needs."""
         pinned, oldest = set(), None
-        for v in {d.version for d in self.drivers.values() if d.version is not None} | {self.newest}:
+        for v in {d.version for d in self.drivers.values() if d.version is not None} | {self._newest()}:
             if v is None:
                 continue
             try:
