@@ -1,6 +1,5 @@
 """Retention: which versions of a run to keep, and deleting the rest safely while readers may still use them.
 
-Moved out of :mod:`syncd.versions` (which re-exports these names until 0.3, with a DeprecationWarning).
 Thread-safety: functions are reentrant; they share nothing but the :class:`~syncd.store.Store` (thread-safe).
 """
 

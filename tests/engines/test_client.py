@@ -48,12 +48,6 @@ def test_remote_adapter_over_a_real_server(setup):
         with pytest.raises(ValueError, match="node cache"):  # an update held in memory cannot cross the wire
             remote.stage(engine.Update(version=2, kind="delta", tensors={}))
         assert remote.version == 1
-        # the old wire form still works until 0.3, and says what replaces it
-        remote.rollback()
-        with pytest.warns(DeprecationWarning, match=r"RemoteAdapter.stage_from_cache moved to .*stage\(Update"):
-            assert remote.stage_from_cache(raws[1], cache.root) == 1
-        with pytest.warns(DeprecationWarning, match=r"RemoteAdapter.load_full_from_cache moved to"):
-            assert remote.load_full_from_cache(raws[0], cache.root) == 0
         # unknown routes and malformed bodies
         auth = {"Authorization": f"Bearer {remote.credentials()['auth']}"}
         conn = http.client.HTTPConnection(server.host, server.port, timeout=10)

@@ -144,12 +144,3 @@ def test_retention_under_concurrent_readers(tmp_path):
     assert left[-2:] == [22, 23] and 0 not in left  # retention did delete while they read
     for v in left:
         assert_same(syncd.materialize(store, RUN, v, signing_key=KEY), states[v])
-
-
-def test_retention_keeps_its_old_import_path_for_one_release():
-    import syncd.retention
-    import syncd.versions
-
-    for name in ("RetentionPolicy", "RetentionPlan", "plan_retention", "apply_retention"):
-        with pytest.warns(DeprecationWarning, match=f"syncd.versions.{name} moved to syncd.retention.{name}"):
-            assert getattr(syncd.versions, name) is getattr(syncd.retention, name)
