@@ -12,9 +12,10 @@ id, so two publishers racing for the same version never touch each other's shard
 manifest put decides which one wins.
 
 The manifest is canonical JSON (sorted keys, no spaces, ASCII, no floats) with one extra member,
-``signature``: ``{"alg": "hmac-sha256", "key_id": ..., "mac": ...}``, the MAC taken over ``DOMAIN`` + the
-canonical encoding of ``{"manifest": <every other member>, "alg": ..., "key_id": ...}``; or ``null`` when
-the publisher had no key. A reader parses the bytes
+``signature``: ``{"alg": "ed25519", "key_id": ..., "sig": ...}`` (or the legacy
+``{"alg": "hmac-sha256", "key_id": ..., "mac": ...}``), taken over ``DOMAIN`` + the canonical encoding of
+``{"manifest": <every other member>, "alg": ..., "key_id": ...}``; or ``null`` when the publisher had no key
+(:mod:`syncd.signing`). A reader parses the bytes
 strictly (size bound, no duplicate keys, no NaN, no floats), insists that they are canonical, checks the
 signature, then validates every field; only then does it use any of them (:func:`parse`).
 
@@ -31,7 +32,7 @@ from datetime import datetime, timezone
 
 from syncd import jsonsafe
 from syncd.errors import ManifestError, ManifestMismatch
-from syncd.signing import SigningKey, check_signature, signature_for
+from syncd.signing import check_signature, describe_signature, signature_for
 
 SCHEMA = "syncd.manifest"
 SCHEMA_VERSION = 1
@@ -164,7 +165,9 @@ class ShardEntry:
 @dataclass(frozen=True)
 class Manifest:
     """A parsed, validated manifest. ``digest`` is the SHA-256 (hex) of the exact manifest object bytes
-    (set by :func:`parse` and :meth:`encode`; a delta names its base by it)."""
+    (set by :func:`parse` and :meth:`encode`; a delta names its base by it). ``signed_by`` and
+    ``signature_alg``: the key id and algorithm of the signature :func:`parse` verified (None: unsigned, or
+    read without a key)."""
 
     run_id: str
     version: int
@@ -178,11 +181,18 @@ class Manifest:
     shards: tuple[ShardEntry, ...]
     signed_by: str | None = field(default=None, compare=False)
     digest: str | None = field(default=None, compare=False)
+    signature_alg: str | None = field(default=None, compare=False)
 
     @property
     def total_bytes(self) -> int:
         """Bytes of all shards (what a node downloads for this version, manifest excluded)."""
         return sum(s.size for s in self.shards)
+
+    @property
+    def signature_text(self) -> str:
+        """How ``syncd ls``/``verify`` name the signature: ``signed ed25519 key ID``, ``signed hmac-sha256
+        (legacy) key ID`` or ``unsigned / not checked``."""
+        return describe_signature(self.signature_alg, self.signed_by)
 
     @property
     def created_datetime(self) -> datetime:
@@ -210,10 +220,13 @@ class Manifest:
                        for s in self.shards],
         }
 
-    def encode(self, key: SigningKey | None) -> bytes:
-        """Canonical manifest bytes, signed with ``key`` (or with ``"signature": null`` when None).
+    def encode(self, key) -> bytes:
+        """Canonical manifest bytes, signed with ``key`` (a :class:`~syncd.signing.PrivateKey`, a legacy
+        :class:`~syncd.signing.SigningKey`, or a :class:`~syncd.signing.Keyring` with a signer), or with
+        ``"signature": null`` when None.
 
-        Validates the manifest first (raises :class:`ManifestError` on a writer bug)."""
+        Validates the manifest first (raises :class:`ManifestError` on a writer bug); ``ValueError`` when
+        ``key`` cannot sign (public keys only)."""
         body = self.body()
         _validate(body)
         doc = dict(body)
@@ -234,7 +247,8 @@ def digest(raw: bytes) -> str:
 
 
 def _signed_message(body: dict):
-    """``message_for(alg, key_id)``: the bytes a manifest's MAC covers -- every member but the MAC itself."""
+    """``message_for(alg, key_id)``: the bytes a manifest's signature covers -- every member but the
+    signature bytes themselves."""
     return lambda alg, key_id: DOMAIN + _canonical({"manifest": body, "alg": alg, "key_id": key_id})
 
 
@@ -252,13 +266,15 @@ def _strict_json(raw: bytes, where: str):
     return doc
 
 
-def parse(raw: bytes, *, key: SigningKey | None, run_id: str | None = None, version: int | None = None,
+def parse(raw: bytes, *, key, run_id: str | None = None, version: int | None = None,
           where: str = "manifest", allow_unsigned: bool = False) -> Manifest:
     """Parse, authenticate and validate manifest bytes read from the store.
 
     ``run_id`` / ``version``: where the manifest was found; a signed body that names another run or
-    version raises :class:`ManifestMismatch` (replay). With ``key`` set, a missing or wrong signature raises
-    :class:`SignatureError` before any field is looked at; without one, a signed manifest raises it too
+    version raises :class:`ManifestMismatch` (replay). ``key``: any key object of :mod:`syncd.signing` (public
+    keys, a keyring of several selected by key id, a private or legacy key) or None. With a key, a missing or
+    wrong signature, or one by a key id not accepted, raises :class:`SignatureError` before any field is
+    looked at; without one, a signed manifest raises it too
     unless ``allow_unsigned`` (:func:`syncd.signing.check_signature`). Any other defect raises
     :class:`ManifestError` saying which field is wrong. ``where`` prefixes every message (e.g. the object key).
     """
@@ -276,8 +292,9 @@ def parse(raw: bytes, *, key: SigningKey | None, run_id: str | None = None, vers
         raise ManifestMismatch(f"{where}: manifest names run {m.run_id!r} but was found under run {run_id!r}")
     if version is not None and m.version != version:
         raise ManifestMismatch(f"{where}: manifest names version {m.version} but was found at version {version}")
-    signed_by = signature["key_id"] if isinstance(signature, dict) and key is not None else None
-    return replace(m, signed_by=signed_by, digest=digest(raw))
+    checked = isinstance(signature, dict) and key is not None
+    return replace(m, signed_by=signature["key_id"] if checked else None,
+                   signature_alg=signature["alg"] if checked else None, digest=digest(raw))
 
 
 def signature_key_id(raw: bytes) -> str | None:

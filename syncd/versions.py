@@ -2,15 +2,16 @@
 latest, verify, materialize (retention: :mod:`syncd.retention`).
 
 Everything read from the store is hostile until checked. The order is always: manifest bytes → strict parse
-→ HMAC (when a key is configured) → schema → "is it where it claims to be" → shard size and SHA-256 →
+→ signature (when a key is configured) → schema → "is it where it claims to be" → shard size and SHA-256 →
 codec header (dtype, shape, base and result checksums against the manifests) → apply → result checksum.
 Any failure raises a named :mod:`syncd.errors` exception *before* its data is used; ``materialize`` never
 returns partially built weights.
 
 Signing keys: every function takes ``signing_key`` (None: ``SYNCD_SIGNING_KEY`` / ``SYNCD_SIGNING_KEY_FILE``,
-and ``SYNCD_ALLOW_UNSIGNED``; False: no key; :data:`~syncd.signing.UNCHECKED`: no key, read signed manifests
-unchecked; or a key). Without a key, signed manifests are refused (:class:`SignatureError` naming both
-variables) unless ``UNCHECKED``; a warning is logged once per process.
+``SYNCD_VERIFY_KEYS`` and ``SYNCD_ALLOW_UNSIGNED``; False: no key; :data:`~syncd.signing.UNCHECKED`: no key,
+read signed manifests unchecked; or a key object of :mod:`syncd.signing`, public keys being enough). Without
+a key, signed manifests are refused (:class:`SignatureError` naming the variables) unless ``UNCHECKED``; a
+warning is logged once per process.
 
 Thread-safety: functions are reentrant; they share nothing but the :class:`~syncd.store.Store` (thread-safe).
 """
@@ -26,7 +27,7 @@ from syncd import manifest as mf
 from syncd.errors import (BaseVersionMissing, DeltaError, IntegrityError, ManifestError, ManifestMismatch,
                           ObjectNotFound, ObjectTooLarge, SyncdError, VersionNotFound)
 from syncd.newest import VersionPoller
-from syncd.signing import ENV_KEY, ENV_KEY_FILE, UNCHECKED, resolve_policy
+from syncd.signing import ENV_KEY, ENV_KEY_FILE, ENV_VERIFY_KEYS, UNCHECKED, resolve_policy
 from syncd.store import Store
 
 log = logging.getLogger(__name__)
@@ -39,15 +40,15 @@ __all__ = ["latest_version", "poll_latest", "refuse_unchecked", "materialize", "
 
 def _resolve(signing_key):
     """``signing_key`` resolved once (environment read, key parsed) into a value every function here takes:
-    a :class:`~syncd.signing.SigningKey`, ``False`` (no key: signed manifests refused) or
+    a key object of :mod:`syncd.signing`, ``False`` (no key: signed manifests refused) or
     :data:`~syncd.signing.UNCHECKED` (no key, signed manifests read unchecked). Warns once per process
     when nothing is checked."""
     global _warned_unsigned
     key, allow_unsigned = resolve_policy(signing_key)
     if key is None and not _warned_unsigned:
         _warned_unsigned = True
-        log.warning("no signing key configured (%s or %s): manifest signatures are NOT verified%s", ENV_KEY,
-                    ENV_KEY_FILE, "" if allow_unsigned else "; signed manifests are refused")
+        log.warning("no signing key configured (%s, %s or %s): manifest signatures are NOT verified%s",
+                    ENV_VERIFY_KEYS, ENV_KEY, ENV_KEY_FILE, "" if allow_unsigned else "; signed manifests are refused")
     return key if key is not None else (UNCHECKED if allow_unsigned else False)
 
 
@@ -395,7 +396,7 @@ def verify_run(store, run_id: str, *, signing_key=None, deep: bool = True, backe
                 else:
                     weights = materialize(store, run_id, m.version, signing_key=signing_key, backend=backend)
             current = m
-            yield m.version, "ok", f"{m.kind}, {len(m.tensors)} tensors, {m.total_bytes} bytes"
+            yield m.version, "ok", f"{m.kind}, {len(m.tensors)} tensors, {m.total_bytes} bytes, {m.signature_text}"
         except SyncdError as exc:
             weights, current = None, None
             yield m.version, "failed", f"{type(exc).__name__}: {exc}"

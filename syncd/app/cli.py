@@ -12,10 +12,13 @@ Commands (README.md has the full table of flags and their environment variables)
     syncd gc --run-id RUN [--dry-run]    apply the retention policy
     syncd materialize --run-id RUN --out DIR [--version V] [--config-from MODEL_DIR]
                                          a version as a Hugging Face folder (from_pretrained, SGLang, evals)
+    syncd keygen --out PREFIX            an Ed25519 key pair: PREFIX.key (the publisher's, mode 0600) and
+                                         PREFIX.pub (for daemons, engines, readers); prints the key id
 
-Every flag has a ``SYNCD_*`` environment variable; a flag given on the command line wins. The signing key
-is read only from ``SYNCD_SIGNING_KEY`` or a file (``--signing-key-file``), never from a flag, so that it
-does not show up in process listings. Exit status: 0 fine, 1 verification found a problem, 2 usage or
+Every flag has a ``SYNCD_*`` environment variable; a flag given on the command line wins. Keys are read
+from files (``--signing-key-file``: the publisher's private key, or a legacy HMAC secret; ``--verify-key``,
+repeatable: the public keys a verifier accepts) or ``SYNCD_SIGNING_KEY``, never from a flag's value, so
+that no secret shows up in process listings (:mod:`syncd.signing`). Exit status: 0 fine, 1 verification found a problem, 2 usage or
 configuration error, 3 store unreachable or other runtime error. The daemon exits 0 after SIGTERM/SIGINT.
 The commands that read and report (status, ls, verify, gc) are :mod:`syncd.app.commands`.
 """
@@ -41,6 +44,7 @@ ENV = {
     "endpoint": ("SYNCD_STORE_ENDPOINT", None),
     "store_option": ("SYNCD_STORE_OPTIONS", ""),
     "signing_key_file": ("SYNCD_SIGNING_KEY_FILE", None),
+    "verify_key": ("SYNCD_VERIFY_KEYS", ""),
     "log_level": ("SYNCD_LOG_LEVEL", None),  # None: INFO for the daemon, WARNING for the other commands
     "keep_last": ("SYNCD_KEEP_LAST", "8"),
     "grace": ("SYNCD_GC_GRACE_S", "300"),
@@ -76,7 +80,11 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="extra obstore option, repeatable (e.g. region=eu-west-1) "
                         "[SYNCD_STORE_OPTIONS, comma-separated]")
     p.add_argument("--signing-key-file", default=s, metavar="PATH",
-                   help="file holding the manifest signing key [SYNCD_SIGNING_KEY_FILE; or SYNCD_SIGNING_KEY]")
+                   help="file holding a manifest key: the publisher's private key, one public key, or a legacy "
+                        "HMAC secret [SYNCD_SIGNING_KEY_FILE; or SYNCD_SIGNING_KEY]")
+    p.add_argument("--verify-key", default=s, action="append", metavar="FILE",
+                   help="public key file (PREFIX.pub of `syncd keygen`) whose signatures are accepted, repeatable: "
+                        "during a key rotation both keys [SYNCD_VERIFY_KEYS, comma-separated]")
     p.add_argument("--log-level", default=s, metavar="LEVEL", help="logging level [SYNCD_LOG_LEVEL]")
     p.add_argument("--log-format", default=s, choices=("text", "json"),
                    help="log lines as text or one JSON object each [SYNCD_LOG_FORMAT]")
@@ -125,7 +133,7 @@ def _daemon_flags(p: argparse.ArgumentParser) -> None:
 _USAGE = "%(prog)s [COMMAND] [--run-id RUN] [--store URL] [options]   (syncd COMMAND --help: that command's)"
 _DEFAULTS = {"log_level": "INFO for the daemon, WARNING for the other commands", "cache_dir": None,
              "status_file": None, "store": "file://$XDG_DATA_HOME/syncd/store", "metrics_port": "off",
-             "store_option": None, "engine": None, "allow_unsigned": None}
+             "store_option": None, "engine": None, "allow_unsigned": None, "verify_key": None}
 
 
 def _show_defaults(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -195,6 +203,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", default="5G", metavar="N",
                    help="largest safetensors file; more weights than that are split into model-0000N-of-0000M "
                         "files with an index (default: %(default)s)")
+    p = sub.add_parser("keygen", help="make an Ed25519 key pair for signing manifests",
+                       description="Write PREFIX.key (the private key: only the publisher gets it, mode 0600) and "
+                                   "PREFIX.pub (the public key: daemons, engines and readers get it, --verify-key) "
+                                   "and print the key id. Existing files are never overwritten.")
+    p.add_argument("--out", required=True, metavar="PREFIX", help="path prefix of the two files")
     return _show_defaults(parser)
 
 
@@ -209,7 +222,7 @@ def _resolve(args: argparse.Namespace) -> argparse.Namespace:
             continue
         args.source_of[dest] = var if var in os.environ else flag
         value = os.environ.get(var, default)
-        if dest == "store_option":
+        if dest in ("store_option", "verify_key"):
             value = [v for v in (value or "").split(",") if v.strip()]
         setattr(args, dest, value)
     return args
@@ -260,6 +273,17 @@ def _run_daemon(args, out) -> int:
     log.info("syncd daemon: run %s, store %s, engines %s, cache %s, status %s", config.run_id, store.url,
              ", ".join(f"{e.name}={e.url}" for e in config.engines), daemon.cache.root, daemon.status.path)
     run(daemon)
+    return 0
+
+
+def _keygen(args, out) -> int:
+    """``syncd keygen --out PREFIX``: the key id on the first line, then where each file went."""
+    from syncd.signing.keyfiles import write_keypair
+
+    private, public, key = write_keypair(args.out)
+    out.write(f"{key.key_id}\n"
+              f"private key {private} (mode 0600): the publisher's only (SYNCD_SIGNING_KEY_FILE / --signing-key-file)\n"
+              f"public key  {public}: for daemons, engines and readers (SYNCD_VERIFY_KEYS / --verify-key)\n")
     return 0
 
 
@@ -316,7 +340,7 @@ def main(argv=None) -> int:
         return train_main(argv[1:])
     args = _resolve(parser.parse_args(argv))
     commands = {"ls": ls, "verify": verify, "gc": gc, "status": status, "daemon": _run_daemon,
-                "materialize": materialize}
+                "materialize": materialize, "keygen": _keygen}
     if args.command is None and args.run_id:
         args.command = "daemon"
     if args.command not in commands:

@@ -36,14 +36,15 @@ def size(text) -> int:
 
 
 def signing(args):
-    """The readers' signing policy from the flags: a key, ``UNCHECKED`` (no key, ``--allow-unsigned``) or
-    ``False`` (no key: signed manifests are refused)."""
-    from syncd.signing import ENV_ALLOW_UNSIGNED, UNCHECKED, env_flag, key_from_env
+    """The readers' signing policy from the flags: a key (or a keyring: ``--verify-key`` public keys),
+    ``UNCHECKED`` (no key, ``--allow-unsigned``) or ``False`` (no key: signed manifests are refused)."""
+    from syncd.signing import ENV_ALLOW_UNSIGNED, ENV_VERIFY_KEYS, UNCHECKED, env_flag, key_from_env
 
     env = dict(os.environ)
     if args.signing_key_file:
         env.pop("SYNCD_SIGNING_KEY", None)
         env["SYNCD_SIGNING_KEY_FILE"] = args.signing_key_file
+    env[ENV_VERIFY_KEYS] = ",".join(args.verify_key)
     key = key_from_env(env)
     allow = value(args, "allow_unsigned", lambda v: env_flag(ENV_ALLOW_UNSIGNED, {ENV_ALLOW_UNSIGNED: v or ""}),
                    "a boolean (1 or 0)")
@@ -176,12 +177,12 @@ def ls(args, out) -> int:
         if m is not None:
             row.update(kind=m.kind, base_version=m.base_version, step=m.step, created_at=m.created_at,
                        shards=len(m.shards), bytes=m.total_bytes, tensors=len(m.tensors),
-                       signed_by=m.signed_by)
+                       signed_by=m.signed_by, signature=m.signature_alg)
         if args.json:
             out.write(json.dumps(row) + "\n")
         elif m is not None:
             base = "-" if m.base_version is None else str(m.base_version)
-            status = "ok" + (" (signed)" if m.signed_by else "")
+            status = "ok" + (f" ({m.signature_text})" if m.signed_by else "")
             out.write(f"{i.version:>8} {m.kind:5} {base:>6} {m.step:>8} {m.created_at:26} {len(m.shards):>6} "
                       f"{m.total_bytes:>12} {status}\n")
         else:
