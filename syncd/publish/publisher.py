@@ -55,7 +55,7 @@ from syncd.errors import ObjectExists, ObjectNotFound, PublishError, StoreError,
 from syncd.publish.shard_writer import ShardWriter, delta_formats
 from syncd.publish.version_numbers import Squatted, free_number, newest_valid, usable
 from syncd.retention import RetentionPolicy, apply_retention
-from syncd.signing import resolve_key
+from syncd.signing import resolve_key, signer_of
 from syncd.store import Store
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,8 @@ class WeightPublisher:
     ``store``: URL, path or :class:`~syncd.store.Store`. ``every_k``: publish when ``step`` is at least
     ``every_k`` past the last published step. ``full_every``: a full version every that many versions
     (1: always full). ``shard_bytes``: target shard size (encoded bytes; a bigger tensor gets a shard of
-    its own). ``signing_key``: None reads ``SYNCD_SIGNING_KEY``; False publishes unsigned. ``dtype``: the
+    its own). ``signing_key``: None reads ``SYNCD_SIGNING_KEY`` / ``SYNCD_SIGNING_KEY_FILE`` (the private key
+    of ``syncd keygen``; a key that cannot sign is a ``ValueError`` here); False publishes unsigned. ``dtype``: the
     serving dtype that float32/64/16/bf16 tensors are cast to (None: keep). ``snapshot_device``: where
     snapshots live (None: where each weight is; ``"cpu"`` to spare GPU memory). ``retention``: a
     :class:`~syncd.retention.RetentionPolicy` applied after each version (None: keep everything).
@@ -134,8 +135,10 @@ class WeightPublisher:
         self.every_k, self.full_every, self.shard_bytes = every_k, full_every, shard_bytes
         self.key = resolve_key(signing_key)
         if self.key is None:
-            log.warning("publishing run %s UNSIGNED: set SYNCD_SIGNING_KEY so engines can authenticate it",
-                        run_id)
+            log.warning("publishing run %s UNSIGNED: set SYNCD_SIGNING_KEY_FILE (the private key of `syncd keygen`) "
+                        "so engines can authenticate it", run_id)
+        else:
+            signer_of(self.key)
         self.dtype, self.snapshot_device, self.on_busy = dtype, snapshot_device, on_busy
         self.retention, self.backend, self.commit_gate = retention, backend, commit_gate
         self.session = secrets.token_hex(8)

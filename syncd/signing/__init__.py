@@ -33,7 +33,7 @@ from syncd.signing.keys import (ED25519, HMAC, LABEL, MEMBER, MIN_KEY_BYTES, Key
 __all__ = ["SigningKey", "PrivateKey", "PublicKey", "Keyring", "ED25519", "HMAC", "LABEL", "MIN_KEY_BYTES",
            "ENV_KEY", "ENV_KEY_FILE", "ENV_VERIFY_KEYS", "ENV_ALLOW_UNSIGNED", "UNCHECKED", "NO_KEY_HELP",
            "parse_key", "key_from_env", "env_flag", "resolve_key", "resolve_policy", "check_signature",
-           "signature_for", "describe_signature"]
+           "signer_of", "signature_for", "describe_signature"]
 
 ENV_KEY = "SYNCD_SIGNING_KEY"
 ENV_KEY_FILE = "SYNCD_SIGNING_KEY_FILE"
@@ -173,13 +173,20 @@ def check_signature(message_for, signature, key, where: str, *, allow_unsigned: 
                              f"signing, or it was not signed by key {theirs}); refusing it")
 
 
-def signature_for(message_for, key) -> dict:
-    """The ``signature`` member signed with ``key``'s signer (``message_for`` as in :func:`check_signature`).
-    ``ValueError`` when ``key`` cannot sign (a public key, or a keyring without a signer)."""
+def signer_of(key) -> SigningKey | PrivateKey:
+    """The key that ``key`` signs with; ``ValueError`` when it cannot sign (a public key, or a keyring without
+    a signer): what a publisher checks when it starts."""
     signer = as_keyring(key).signer
     if signer is None:
         raise ValueError("cannot sign: only public keys are configured (the publisher is given the private key "
-                         f"file, {ENV_KEY_FILE} / --signing-key-file)")
+                         f"file of `syncd keygen`, {ENV_KEY_FILE} / --signing-key-file)")
+    return signer
+
+
+def signature_for(message_for, key) -> dict:
+    """The ``signature`` member signed with ``key``'s signer (``message_for`` as in :func:`check_signature`).
+    ``ValueError`` when ``key`` cannot sign (:func:`signer_of`)."""
+    signer = signer_of(key)
     return {"alg": signer.alg, "key_id": signer.key_id, MEMBER[signer.alg]: signer.sign(message_for(signer.alg,
                                                                                                  signer.key_id))}
 

@@ -136,6 +136,8 @@ def test_a_party_holding_every_public_key_cannot_forge_a_manifest(tmp_path):
     evil = replace(m, step=m.step + 1000)
     with pytest.raises(ValueError, match="cannot sign: only public keys"):
         evil.encode(forger)
+    with pytest.raises(ValueError, match="cannot sign: only public keys"):
+        WeightPublisher(Store(root), RUN, signing_key=forger)  # refused when it starts, not at its first version
     body = evil.body()
     message = mf._signed_message(body)  # noqa: SLF001 -- the exact bytes a signature covers
 
