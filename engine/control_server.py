@@ -1,6 +1,6 @@
-"""The HTTP server of a standalone engine process (``python -m syncd.engine.control --model DIR --port P``), on
-aiohttp (the proxy's HTTP stack): the control routes (:mod:`syncd.engines.wire`) through an
-:class:`~syncd.engine.control.EngineControl`, and, when the engine serves generation, ``POST /generate``
+"""The HTTP server of a standalone engine process (``python -m syncd.engine.control_server --model DIR --port
+P``), on aiohttp (the proxy's HTTP stack): the control routes (:mod:`syncd.engines.wire`) through an
+:class:`~syncd.engines.control.EngineControl`, and, when the engine serves generation, ``POST /generate``
 (newline-delimited JSON token events) and ``GET /health``.
 
 Hostile local clients cost little: an idle or slow connection (no request, or headers trickling in) is
@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from syncd.engine.control import EngineControl
 from syncd import jsonsafe
+from syncd.engines.control import EngineControl
 from syncd.engines.errors import BadRequest
 from syncd.engines.wire import MAX_BODY_BYTES, ROUTE_PREFIX, error_reply
 
@@ -218,7 +218,7 @@ def _build_engine(args):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m syncd.engine.control", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        prog="python -m syncd.engine.control_server", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Serve one engine process: the weight-control routes the syncd daemon drives "
                     "(POST /engine/weights/<op>, docs/engine.md) and, unless --headless, generation.",
         epilog="POST /generate takes a JSON object: request_id (string, required), prompt_token_ids (list of "
@@ -255,7 +255,7 @@ def main(argv=None) -> int:
     try:
         token, key = load_or_create(args.token_file), key_from_env()
     except ValueError as exc:
-        print(f"syncd.engine.control: {exc}", file=sys.stderr)
+        print(f"syncd.engine.control_server: {exc}", file=sys.stderr)
         return 2
     torch.set_num_threads(max(1, args.threads))
     adapter, generator = _build_engine(args)
@@ -276,3 +276,7 @@ def main(argv=None) -> int:
     if hasattr(adapter, "close"):
         adapter.close()
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

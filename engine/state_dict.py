@@ -1,8 +1,9 @@
 """``StateDictEngine``: a headless ``syncd.engines.Adapter`` over plain tensors (weights only, no generation).
 
 For daemons, controllers and tests where generation is irrelevant: it takes updates exactly like a serving
-engine (same :class:`~syncd.engine.updater.WeightUpdater`, same contract), including as a tensor-parallel rank
-(:meth:`StateDictEngine.from_full` with sliced/fused specs).
+engine (the same :class:`~syncd.engines.in_place.InPlaceAdapter`, same contract), including as a tensor-parallel
+rank (:meth:`StateDictEngine.from_full` with sliced/fused specs). What is its own: the tensors, a pause flag, and a
+log of what happened to it (:attr:`StateDictEngine.events`).
 
 Thread-safety: the Adapter contract (``syncd/engines/protocol.py``). ``apply``/``rollback``/``load_full`` raise
 ``RuntimeError`` unless paused, so a controller that forgets ``pause()`` is caught here rather than on a
@@ -11,19 +12,17 @@ serving engine.
 
 from __future__ import annotations
 
-import threading
 from typing import Iterable, Mapping, Sequence
 
 import torch
 
-from syncd.engines.params import ParamSpec
-from syncd.engines.update import Update
-from syncd.engine.updater import WeightUpdater, build_local, identity_specs
+from syncd.engines.in_place import InPlaceAdapter
+from syncd.engines.params import ParamSpec, build_local, identity_specs
 
 __all__ = ["StateDictEngine"]
 
 
-class StateDictEngine:
+class StateDictEngine(InPlaceAdapter):
     """An Adapter over ``state_dict`` (local name -> tensor; the engine updates these tensors in place and
     does not copy them). ``specs`` default to one 1:1 parameter per tensor under its own name. ``version``:
     what the tensors hold now (None: nothing loaded yet; then ``load_full`` first)."""
@@ -31,11 +30,10 @@ class StateDictEngine:
     def __init__(self, state_dict: Mapping[str, torch.Tensor], version: int | None = None, *,
                  specs: Sequence[ParamSpec] | None = None, ignore_sources: Iterable[str] = ()):
         tensors = dict(state_dict)
-        self._updater = WeightUpdater(specs if specs is not None else identity_specs(tensors), tensors,
-                                      version=version, ignore_sources=ignore_sources)
         self._paused = False
-        self._lock = threading.Lock()
         self.events: list[tuple[str, int | None]] = []  # (op, version after it), for tests and logs
+        super().__init__(specs if specs is not None else identity_specs(tensors), tensors, version=version,
+                         ignore_sources=ignore_sources, observe=lambda op, v: self.events.append((op, v)))
 
     @classmethod
     def from_full(cls, full: Mapping[str, torch.Tensor], specs: Sequence[ParamSpec], version: int | None = None,
@@ -51,59 +49,20 @@ class StateDictEngine:
         local = {s.name: torch.zeros(s.shape, dtype=s.dtype, device=s.device) for s in specs}
         return cls(local, None, specs=specs)
 
-    # --------------------------------------------------------------------------------------- Adapter
-
-    @property
-    def version(self) -> int | None:
-        return self._updater.version
+    # --------------------------------------------------------------------------------------- its own
 
     @property
     def paused(self) -> bool:
         return self._paused
 
-    @property
-    def updater(self) -> WeightUpdater:
-        return self._updater
-
-    def parameters(self) -> Sequence[ParamSpec]:
-        return self._updater.parameters()
-
-    def stage(self, update: Update) -> None:
-        self._updater.stage(update)
-        self.events.append(("stage", update.version))
-
     def pause(self) -> None:
         self._paused = True
         self.events.append(("pause", self.version))
-
-    def apply(self) -> None:
-        self._need_pause("apply")
-        self._updater.apply()
-        self.events.append(("apply", self.version))
-
-    def rollback(self) -> None:
-        self._need_pause("rollback")
-        self._updater.rollback()
-        self.events.append(("rollback", self.version))
-
-    def load_full(self, update: Update) -> None:
-        self._need_pause("load_full")
-        self._updater.load_full(update)
-        self.events.append(("load_full", self.version))
 
     def resume(self) -> None:
         self._paused = False
         self.events.append(("resume", self.version))
 
-    def checksum(self, names: Sequence[str] | None = None) -> dict[str, int]:
-        return self._updater.checksum(names)
-
-    # --------------------------------------------------------------------------------------- extras
-
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The live local tensors (not copies)."""
-        return self._updater.tensors()
-
-    def _need_pause(self, op: str) -> None:
-        if not self._paused:
-            raise RuntimeError(f"{op} needs the engine paused (call pause() first)")
+        return self.updater.tensors()

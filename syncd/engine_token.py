@@ -1,6 +1,6 @@
 """The node's engine-control credential: a token file readable only by its owner.
 
-Engine processes (``python -m syncd.engine.control``, the Dynamo worker) refuse every weight-control request that
+Engine processes (``python -m syncd.engine.control_server``, the Dynamo worker) refuse every weight-control request that
 does not present this token, and the node daemon presents it (``docs/engine.md``, "Who may drive an engine").
 Both find the file the same way, :func:`token_path`: ``$SYNCD_ENGINE_TOKEN_FILE``, else
 ``$XDG_CONFIG_HOME/syncd/engine-token`` (``~/.config/syncd/engine-token``). Whichever starts first creates it

@@ -77,7 +77,7 @@ class PublishError(SyncdError, RuntimeError):
     """A background encode or upload of :class:`syncd.trainer.WeightPublisher` failed; ``__cause__`` says why."""
 
 
-# --- engine control (syncd.engine.control, the node daemon) ---
+# --- engine control (syncd.engines.control, the node daemon) ---
 
 
 class NotAuthorized(SyncdError, PermissionError):

@@ -9,7 +9,7 @@ worker's system port (``DYN_SYSTEM_PORT``)::
                                   stage, pause, apply, rollback, load_full, resume  (contract: engine/control.py)
 
 so the node daemon drives the engine through ``syncd.engines.RemoteAdapter("http://host:system_port")``.
-The routes go through an :class:`syncd.engine.control.EngineControl`: every call must carry the node's engine
+The routes go through an :class:`syncd.engines.control.EngineControl`: every call must carry the node's engine
 token (``--token-file`` / ``SYNCD_ENGINE_TOKEN_FILE``) as the body member ``"auth"`` (Dynamo hands a route
 only its body), weight ops need the caller's lease, and with ``SYNCD_SIGNING_KEY``/``_FILE`` set the worker
 verifies every manifest's signature itself. Weight ops run one at a time on a worker thread; generation goes
@@ -84,7 +84,7 @@ class DynamoWorker:
                  ready_file: str | os.PathLike | None = None, context_length: int | None = None,
                  token: str | None = None, run_id: str | None = None, signing_key=None,
                  wait_for_weights: bool = False):
-        from syncd.engine.control import EngineControl
+        from syncd.engines.control import EngineControl
         from syncd.engine_token import load_or_create
 
         self.engine = engine

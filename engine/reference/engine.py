@@ -1,6 +1,7 @@
 """``ReferenceEngine``: a real generation engine on PyTorch + transformers that takes weight updates while it
-serves. It implements ``syncd.engines.Adapter`` (through :class:`~syncd.engine.updater.WeightUpdater`) and
-``syncd.engines.Generator``.
+serves. It implements ``syncd.engines.Generator`` and ``syncd.engines.Adapter``: the update side is
+:class:`~syncd.engines.in_place.InPlaceAdapter` over the runner's tensors; the engine supplies its pause/resume and
+refreshes what its runner computes from written weights.
 
 Serving: a background scheduler thread runs *steps*. Between steps, waiting requests join the running batch
 (up to ``max_batch``) and finished or aborted ones leave it (continuous batching at the iteration level). In
@@ -29,15 +30,13 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Mapping, Sequence
+from typing import AsyncIterator, Callable, Mapping
 
 import torch
 
 from syncd.engine.reference.sampling import sample
-from syncd.engine.updater import WeightUpdater
-from syncd.engines.params import ParamSpec
+from syncd.engines.in_place import InPlaceAdapter
 from syncd.engines.protocol import GenerationRequest, SamplingParams, TokenEvent
-from syncd.engines.update import Update
 
 log = logging.getLogger(__name__)
 
@@ -71,25 +70,26 @@ class EngineStats:
     step_seconds: float = 0.0
 
 
-class ReferenceEngine:
+class ReferenceEngine(InPlaceAdapter):
     """See the module docstring. ``runner``: an :class:`~syncd.engine.reference.model.HFRunner` (or a
-    tensor-parallel runner with the same interface) holding the weights of ``version``. ``recorder``: an
-    optional :class:`~syncd.engine.replay.ReplayRecorder` that receives every token's replay record.
-    ``max_batch``: requests running at once (others wait). ``verify_apply``: ``apply`` checks that every staged
-    position still holds its staged old word as it writes (see ``WeightUpdater.apply``)."""
+    tensor-parallel runner with the same interface) holding the weights of ``version``: its ``specs`` and
+    ``local_tensors`` are what the updater writes, its ``weights_written`` (if any) is told what was written.
+    ``recorder``: an optional :class:`~syncd.engine.replay.ReplayRecorder` that receives every token's replay
+    record. ``max_batch``: requests running at once (others wait). ``verify_apply``: ``apply`` checks that every
+    staged position still holds its staged old word as it writes (see ``WeightUpdater.apply``)."""
 
     def __init__(self, runner, *, version: int | None = None, recorder=None, max_batch: int = 8,
                  name: str = "reference", verify_apply: bool = True):
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
+        super().__init__(runner.specs, runner.local_tensors, version=version,
+                         ignore_sources=getattr(runner, "aliases", ()), verify_apply=verify_apply,
+                         written=getattr(runner, "weights_written", None))
         self.runner = runner
         self.name = name
         self.recorder = recorder
         self.max_batch = max_batch
-        self.verify_apply = verify_apply
         self.stats = EngineStats()
-        self._updater = WeightUpdater(runner.specs, runner.local_tensors, version=version,
-                                      ignore_sources=getattr(runner, "aliases", ()))
         self._cv = threading.Condition(threading.RLock())
         self._waiting: deque[_Live] = deque()
         self._running: list[_Live] = []
@@ -125,15 +125,7 @@ class ReferenceEngine:
 
         return build.from_store(cls, store, run_id, version, **kw)
 
-    # ------------------------------------------------------------------------------------ Adapter
-
-    @property
-    def version(self) -> int | None:
-        return self._updater.version
-
-    @property
-    def updater(self) -> WeightUpdater:
-        return self._updater
+    # ------------------------------------------------------------------------------------ Adapter: its own
 
     @property
     def paused(self) -> bool:
@@ -141,57 +133,16 @@ class ReferenceEngine:
         with self._cv:
             return self._pause_requested and not self._stepping
 
-    def parameters(self) -> Sequence[ParamSpec]:
-        return self._updater.parameters()
-
-    def stage(self, update: Update) -> None:
-        self._updater.stage(update)
-
     def pause(self) -> None:
         with self._cv:
             self._pause_requested = True
             while self._stepping:
                 self._cv.wait()
 
-    def apply(self) -> None:
-        self._need_pause("apply")
-        applied = self._updater.apply(verify=self.verify_apply)
-        try:
-            self._written(applied)
-        except BaseException:  # keep apply all or nothing: the weights and what is computed from them
-            self._updater.rollback()
-            self._written(applied)
-            raise
-
-    def rollback(self) -> None:
-        self._need_pause("rollback")
-        undone = self._updater.last_applied
-        self._updater.rollback()
-        self._written(undone)
-
-    def load_full(self, update: Update) -> None:
-        self._need_pause("load_full")
-        self._updater.load_full(update)
-        self._written(None)
-
     def resume(self) -> None:
         with self._cv:
             self._pause_requested = False
             self._cv.notify_all()
-
-    def checksum(self, names: Sequence[str] | None = None) -> dict[str, int]:
-        return self._updater.checksum(names)
-
-    def _written(self, update) -> None:
-        """Tell the runner which local tensors were written (``update``'s positions; None: all), so it can
-        refresh what it computes from them (the dequantized copies of NVFP4 weights)."""
-        written = getattr(self.runner, "weights_written", None)
-        if written is not None:
-            written(None if update is None else {p.name: p.index for p in update.params})
-
-    def _need_pause(self, op: str) -> None:
-        if not self.paused:
-            raise RuntimeError(f"{op} needs the engine paused (call pause() first)")
 
     # ------------------------------------------------------------------------------------ Generator
 
@@ -323,7 +274,7 @@ class ReferenceEngine:
                 while self._waiting and len(self._running) < self.max_batch:
                     self._running.append(self._waiting.popleft())
                 batch = list(self._running)
-                version = self._updater.version
+                version = self.version
                 self._stepping = True
             t0 = time.perf_counter()
             results = []
@@ -386,7 +337,7 @@ class ReferenceEngine:
     def _finish_aborted(self, live: _Live) -> None:
         self._remove(live)
         self.stats.requests_aborted += 1
-        self._emit(live, TokenEvent(live.req.request_id, len(live.generated), -1, 0.0, self._updater.version,
+        self._emit(live, TokenEvent(live.req.request_id, len(live.generated), -1, 0.0, self.version,
                                     "abort"))
 
     def _remove(self, live: _Live) -> None:

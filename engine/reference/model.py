@@ -1,11 +1,11 @@
 """The reference engine's model runners: what computes next-token logits for one request.
 
-A runner owns the model weights and exposes them to :class:`~syncd.engine.updater.WeightUpdater` as
+A runner owns the model weights and exposes them to :class:`~syncd.engines.updater.WeightUpdater` as
 ``specs``/``local_tensors`` in the trainer's dtype (bf16 words as published), while computing in
 ``compute_dtype``: float32 on CPU (a request's numbers then barely depend on how they are computed, which
 keeps sampling reproducible), the weights' dtype on a GPU. With fp32 compute and bf16 weights the fp32
 parameters hold bf16-exact values and the updater writes the bf16 words in place
-(:func:`syncd.engine.updater.bf16_view_of_fp32`); nothing is stored twice.
+(:func:`syncd.engines.params.bf16_view_of_fp32`); nothing is stored twice.
 
 NVFP4 weights (a state dict with ``<name>.qdata/.scales/.per_tensor_scale`` triples, ``docs/nvfp4.md``) are
 detected and held by :class:`~syncd.engine.reference.nvfp4_weights.NVFP4Weights`: the packed parts are the
@@ -29,8 +29,7 @@ from typing import Mapping
 
 import torch
 
-from syncd.engines.params import ParamPiece, ParamSpec
-from syncd.engine.updater import bf16_view_of_fp32
+from syncd.engines.params import ParamPiece, ParamSpec, bf16_view_of_fp32
 
 log = logging.getLogger(__name__)
 
@@ -146,9 +145,10 @@ class HFRunner:
         self.top_k = int(getattr(self.routers[0], "top_k", 0)) if self.routers else 0
         self.num_experts = int(getattr(self.routers[0], "num_experts", 0)) if self.routers else 0
 
-    def weights_written(self, changed: Mapping[str, torch.Tensor] | None) -> None:
-        """The engine wrote the local tensors (while paused): ``changed`` maps local names to the flat
-        positions written (None: every tensor may have changed). Refreshes the dequantized copies of NVFP4
+    def weights_written(self, changed: Mapping[str, torch.Tensor] | None, applied=None) -> None:
+        """The engine's hook for written parameters (:data:`syncd.engines.updater.Written`): the updater wrote the
+        local tensors (while paused); ``changed`` maps local names to the flat positions written (None: every
+        tensor may have changed; ``applied`` is not needed here). Refreshes the dequantized copies of NVFP4
         weights whose packed parts changed; nothing else to do (the other tensors are the model's own)."""
         self.nvfp4.refresh(changed)
 

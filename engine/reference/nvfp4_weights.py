@@ -5,7 +5,7 @@ A weight ``<name>`` published as NVFP4 (``docs/nvfp4.md``: ``<name>.qdata`` uint
 float8_e4m3fn, ``<name>.per_tensor_scale`` float32) is held twice:
 
 * the **packed parts**, under the trainer's names: these are the engine's parameters for
-  :class:`~syncd.engine.updater.WeightUpdater` (``parameters()``, ``checksum()``, deltas applied in place: only the
+  :class:`~syncd.engines.updater.WeightUpdater` (``parameters()``, ``checksum()``, deltas applied in place: only the
   changed bytes of codes and scales move);
 * the **dequantized copy**: the model's own parameter ``<name>`` (its compute dtype), holding
   ``syncd.ops.nvfp4.dequantize(parts, serving_dtype)`` exactly, so a plain ``nn.Linear`` forward computes with
@@ -28,8 +28,7 @@ from typing import Mapping
 
 import torch
 
-from syncd.engines.params import ParamPiece, ParamSpec
-from syncd.engine.local_params import word_view
+from syncd.engines.params import ParamPiece, ParamSpec, word_view
 from syncd.ops import nvfp4
 from syncd.ops.nvfp4 import BLOCK, PER_TENSOR_SCALE, QDATA, SCALES, NVFP4Tensor
 

@@ -20,10 +20,9 @@ from typing import Mapping
 import torch
 import torch.nn.functional as F
 
-from syncd.engines.params import ParamSpec
+from syncd.engines.params import ParamSpec, build_local
 from syncd.engine.reference.model import default_compute_dtype, local_view
 from syncd.engine.sharding import tp_specs
-from syncd.engine.updater import build_local
 
 __all__ = ["TPRunner"]
 

@@ -135,12 +135,12 @@ class _Derived:
 
     def prepare(self, staged) -> float:
         """Build, while vLLM serves, the packed copies the touched linear layers compute with once ``staged``
-        (the updater's :class:`~syncd.engine.staging.StagedUpdate`, read against the live weights) is written: each
+        (the updater's :class:`~syncd.engines.staging.StagedUpdate`, read against the live weights) is written: each
         layer's weight is copied, the staged words written into the copy, and vLLM's dispatch packs it.
         :meth:`refresh` swaps them in for the same update instead of packing inside the pause; until then the
         touched layers' packed copies exist twice. Raises ``DeltaError`` if a staged old word is not in the live
         weight (it was read from there). Returns the seconds it took."""
-        from syncd.engine.local_params import bf16_view_of_fp32, flat_view, word_view
+        from syncd.engines.params import bf16_view_of_fp32, flat_view, word_view
         from syncd.errors import DeltaError
         from syncd.ops import scatter_words_
 

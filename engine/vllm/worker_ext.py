@@ -12,9 +12,10 @@ it builds the worker), so importing it
   with ``F.linear`` over the kept weight instead (no packed copy; slower decode).
 
 The weights syncd writes are vLLM's own parameters in their logical (loader) layout, through one
-:class:`syncd.engine.updater.WeightUpdater` per worker over their bf16 words (the fp32 parameters hold bf16-exact
+:class:`syncd.engines.WeightUpdater` per worker over their bf16 words (the fp32 parameters hold bf16-exact
 values, as the reference engine's). What vLLM's CPU kernels compute with is derived from them and kept in step
-by :mod:`syncd.engine.vllm.cpu_copies` (packed while staging, swapped in after the write). On a GPU vLLM computes with
+by :mod:`syncd.engine.vllm.cpu_copies` (packed while staging, swapped in by the updater's hook for written
+parameters). On a GPU vLLM computes with
 the parameters themselves and nothing is derived.
 
 Everything here runs on the worker's thread between scheduler steps, except staging, which runs on a thread
@@ -47,8 +48,8 @@ class _WorkerState:
     """The syncd state of one worker: its updater over the model's parameters and the derived copies."""
 
     def __init__(self, model, model_config, *, version, rank: int, world_size: int):
-        from syncd.engine.local_params import bf16_view_of_fp32
-        from syncd.engine.updater import WeightUpdater
+        from syncd.engines.params import bf16_view_of_fp32
+        from syncd.engines.updater import WeightUpdater
         from syncd.engine.vllm.layout import ModelShape, vllm_specs
 
         params = dict(model.named_parameters())
@@ -65,7 +66,8 @@ class _WorkerState:
         self.specs = vllm_specs([(n, p.shape) for n, p in params.items()], shape, rank=rank, world_size=world_size)
         self.derived = _Derived(model, params)
         tensors = {s.name: bf16_view_of_fp32(self.derived.tensor(s.name, params[s.name].data)) for s in self.specs}
-        self.updater = WeightUpdater(self.specs, tensors, version=version)
+        self.derive_s = 0.0  # how long the last refresh of the derived copies took
+        self.updater = WeightUpdater(self.specs, tensors, version=version, written=self._written)
         self._stage: dict = {"done": True, "result": None}
         self._thread: threading.Thread | None = None
         self.last: dict = {}
@@ -90,6 +92,10 @@ class _WorkerState:
         self._thread = threading.Thread(target=run, name="syncd-stage", daemon=True)
         self._thread.start()
 
+    def _written(self, changed, applied) -> None:
+        """The updater's hook for written parameters: bring the derived copies in step (a failure undoes an apply)."""
+        self.derive_s = self.derived.refresh(changed, applied)
+
     def apply(self) -> dict:
         t = time.perf_counter()
         try:
@@ -97,28 +103,18 @@ class _WorkerState:
         except BaseException:
             self.derived.discard()
             raise
-        t_write = time.perf_counter() - t
-        written = {p.name: p.index for p in applied.params}
-        try:
-            t_derive = self.derived.refresh(written, applied)
-        except BaseException:  # all or nothing: the weights and what is computed from them
-            self.updater.rollback()
-            self.derived.refresh(written)
-            raise
+        t_write = time.perf_counter() - t - self.derive_s
         return {"version": self.updater.version, "words": applied.changed, "write_s": t_write,
-                "derive_s": t_derive, "swapped": self.derived.swapped, "rebuilt": self.derived.rebuilt}
+                "derive_s": self.derive_s, "swapped": self.derived.swapped, "rebuilt": self.derived.rebuilt}
 
     def rollback(self) -> dict:
-        undone = self.updater.last_applied
-        version = self.updater.rollback()
-        self.derived.refresh({p.name: p.index for p in undone.params})
-        return {"version": version}
+        return {"version": self.updater.rollback()}
 
     def load_full(self, ref: dict) -> dict:
         t = time.perf_counter()
         self.updater.load_full(_update_of(ref))
-        t_write = time.perf_counter() - t
-        return {"version": self.updater.version, "write_s": t_write, "derive_s": self.derived.refresh(None)}
+        return {"version": self.updater.version, "write_s": time.perf_counter() - t - self.derive_s,
+                "derive_s": self.derive_s}
 
 
 def _update_of(ref: dict):

@@ -3,8 +3,8 @@ RL run of ``syncd.app.rl_demo``).
 
 A trainer process takes real AdamW steps on a tiny random-init model (``syncd.engine.reference.make_tiny``) and
 publishes a version every ``--every-k`` steps with ``syncd.trainer.WeightPublisher`` to a local file store; two
-reference-engine processes (``python -m syncd.engine.control``) serve generation; a ``syncd`` daemon process keeps
-them on the newest version; a client in this process streams requests to both engines the whole time.
+reference-engine processes (``python -m syncd.engine.control_server``) serve generation; a ``syncd`` daemon process
+keeps them on the newest version; a client in this process streams requests to both engines the whole time.
 Progress shows the trainer's step and loss, each engine's version and lag, and each update's bytes and pause;
 at the end a summary table is printed and written as JSON (``--json``): ``versions_applied``,
 ``requests_served``, ``requests_lost`` (must be 0), ``pause_s_median``/``pause_s_max``,
@@ -156,7 +156,7 @@ def run(args) -> dict:
     try:
         names = [f"e{i}" for i in range(args.engines)]
         for n in names:
-            children[n] = _spawn(["-m", "syncd.engine.control", "--model", str(model), "--ready-file",
+            children[n] = _spawn(["-m", "syncd.engine.control_server", "--model", str(model), "--ready-file",
                                   str(work / f"{n}.ready")], env, logs / f"{n}.log")
         progress = work / "trainer.jsonl"
         children["trainer"] = _spawn(
@@ -337,7 +337,7 @@ def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--delta-format", type=int, choices=(1, 2), default=2,
                    help="codec format of the deltas (the engines hold every tensor whole, so format 2 decodes)")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between versions (a real RL step's pace)")
-    p.add_argument("--engines", type=int, default=2, help="engine processes (python -m syncd.engine.control)")
+    p.add_argument("--engines", type=int, default=2, help="engine processes (python -m syncd.engine.control_server)")
     p.add_argument("--clients", type=int, default=4, help="client threads streaming requests")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens per request")
     p.add_argument("--dir", default=None, help="work directory, kept (by default a temp dir, removed after)")

@@ -6,7 +6,9 @@ An engine's local parameter (:class:`ParamSpec`) is one trainer tensor, a row or
 :class:`ParamPiece`. This module checks that a spec's pieces tile its local shape (:func:`check_spec`), maps
 full-tensor flat positions to local ones (:func:`map_positions`), cuts a local tensor out of full ones
 (:func:`build_local`) and says what each local checksum must be (:func:`expected_checksums`) -- the daemon
-verifies an engine against a manifest with it, the engine's updater stages with the rest.
+verifies an engine against a manifest with it, the engine's updater stages with the rest. The integer word views
+the updater compares and writes through are here too (:func:`word_view`, :func:`flat_view`,
+:func:`bf16_view_of_fp32`).
 
 Pure functions over tensors the caller owns; thread-safe. Errors: ``ValueError`` for a spec or tensor that
 does not fit, ``KeyError`` for a missing trainer tensor.
@@ -15,6 +17,7 @@ does not fit, ``KeyError`` for a missing trainer tensor.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -23,7 +26,7 @@ import torch
 from syncd.ops import checksum as _checksum
 
 __all__ = ["ParamPiece", "ParamSpec", "identity_specs", "check_spec", "map_positions", "build_local",
-           "expected_checksums", "slab", "local_slab"]
+           "expected_checksums", "slab", "local_slab", "word_view", "flat_view", "bf16_view_of_fp32"]
 
 
 @dataclass(frozen=True)
@@ -166,3 +169,35 @@ def expected_checksums(specs: Sequence[ParamSpec], full: Mapping[str, object]) -
         if all(isinstance(full.get(p.source), torch.Tensor) for p in spec.pieces):
             out[spec.name] = _checksum(build_local(spec, full))  # type: ignore[arg-type]
     return out
+
+
+# -- word views of local tensors -------------------------------------------------------------------------------
+
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def word_view(flat: torch.Tensor) -> torch.Tensor:
+    """A 1-D view of ``flat``'s elements as integers of the same width (bit-exact compares and copies)."""
+    return flat.view(_INT_OF_WIDTH[flat.element_size()])
+
+
+def flat_view(t: torch.Tensor, name: str) -> torch.Tensor:
+    """``t`` as a 1-D view (no copy); ValueError naming local tensor ``name`` when it cannot be flattened so."""
+    try:
+        return t.detach().view(-1)
+    except RuntimeError:
+        raise ValueError(f"local tensor {name!r} cannot be flattened without a copy (strides "
+                         f"{tuple(t.stride())} for shape {tuple(t.shape)}); pass a view that can") from None
+
+
+def bf16_view_of_fp32(t: torch.Tensor) -> torch.Tensor:
+    """The bf16 words of an fp32 tensor whose values are all bf16-exact (low 16 bits zero), as a bf16 view
+    of the same shape sharing its memory: writing a bf16 word through it sets the fp32 value exactly.
+    Little-endian hosts only (the bf16 word is the high half of each fp32 word)."""
+    if t.dtype != torch.float32:
+        raise ValueError(f"bf16_view_of_fp32 needs a float32 tensor, got {t.dtype}")
+    if sys.byteorder != "little":  # pragma: no cover
+        raise ValueError("bf16_view_of_fp32 needs a little-endian host")
+    if not t.is_contiguous():
+        raise ValueError("bf16_view_of_fp32 needs a contiguous tensor")
+    return t.detach().view(torch.bfloat16)[..., 1::2] if t.dim() else t.detach().view(1).view(torch.bfloat16)[1]

@@ -1,5 +1,5 @@
 """The engine control routes and their wire format (``POST /engine/weights/<op>``), specified once: the table
-:data:`ROUTES` and the body/reply forms below, shared by the engine-side half (``syncd.engine.control.EngineControl``,
+:data:`ROUTES` and the body/reply forms below, shared by the engine-side half (``syncd.engines.control.EngineControl``,
 served by ``syncd.engine.control_server`` and the Dynamo worker) and the client
 (:class:`syncd.engines.client.RemoteAdapter`). Design: ``docs/engine.md``, "Who may drive an engine".
 

@@ -1,5 +1,5 @@
-"""Every console script (pyproject's [project.scripts], plus `python -m syncd.engine.control` and the commands `syncd`
-dispatches) answers --help without importing torch: help is instant, not the seconds a torch import takes on a
+"""Every console script (pyproject's [project.scripts], plus `python -m syncd.engine.control_server` and the commands
+`syncd` dispatches) answers --help without importing torch: help is instant, not the seconds a torch import takes on a
 busy machine. Checked by what is imported, not by a clock."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
 CASES = [(name, target, []) for name, target in SCRIPTS.items()] + [
-    ("python -m syncd.engine.control", "syncd.engine.control_server:main", []),
+    ("python -m syncd.engine.control_server", "syncd.engine.control_server:main", []),
     ("syncd demo", "syncd.app.cli:main", ["demo"]), ("syncd demo --weights-only", "syncd.app.cli:main",
                                                       ["demo", "--weights-only"]),
     ("syncd serve", "syncd.app.cli:main", ["serve"]), ("syncd train", "syncd.app.cli:main", ["train"]),

@@ -186,7 +186,7 @@ def test_daemons_with_engines_relay_and_controller_killed_nodes_restarted(tmp_pa
     procs.trainer(store, model_dir, 5, gate_dir=gates, record=record)  # versions 0F 1 2 3F 4, one per gate
     ready = {r: tmp_path / f"engine{r}.ready" for r in range(n)}
     for r in range(n):
-        procs.spawn(f"engine{r}", ["-m", "syncd.engine.control", "--model", str(model_dir), "--port", "0",
+        procs.spawn(f"engine{r}", ["-m", "syncd.engine.control_server", "--model", str(model_dir), "--port", "0",
                                    "--ready-file", str(ready[r])])
     url = {r: procs.wait(lambda r=r: json.loads(ready[r].read_text())["url"], f"engine {r} to serve", 120)
            for r in range(n)}

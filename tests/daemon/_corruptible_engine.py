@@ -1,8 +1,8 @@
-"""A real engine process (``python -m syncd.engine.control``, headless) whose weights a test can change behind the
-daemon's back: SIGUSR1 flips the lowest bit of the first word of one parameter, in the process's own memory,
+"""A real engine process (``python -m syncd.engine.control_server``, headless) whose weights a test can change behind
+the daemon's back: SIGUSR1 flips the lowest bit of the first word of one parameter, in the process's own memory,
 outside every control route -- what a memory fault or an engine bug would do. Test-only entry point.
 
-    python -m tests.daemon._corruptible_engine --model DIR --headless [syncd.engine.control flags]
+    python -m tests.daemon._corruptible_engine --model DIR --headless [syncd.engine.control_server flags]
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Real processes for the daemon tests: engine processes (``python -m syncd.engine.control``), daemons
+"""Real processes for the daemon tests: engine processes (``python -m syncd.engine.control_server``), daemons
 (``python -m syncd.app.cli``) and trainers (``tests.daemon._trainer_child``), with their logs in files, bounded
 waits that say what they waited for (and show the logs), and cleanup of every child even on failure."""
 
@@ -74,7 +74,7 @@ class Procs:
     # ------------------------------------------------------------------------------------- the parts
 
     def engine(self, model: Path, *, port: int = 0, headless: bool = False, name: str = "engine",
-               module: str = "syncd.engine.control", extra: list[str] = ()) -> tuple:
+               module: str = "syncd.engine.control_server", extra: list[str] = ()) -> tuple:
         ready = self.tmp / f"{name}.{len(self.children)}.ready"
         args = ["-m", module, "--model", str(model), "--port", str(port), "--ready-file", str(ready), *extra]
         p = self.spawn(name, args + (["--headless"] if headless else []))

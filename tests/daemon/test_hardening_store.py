@@ -128,8 +128,8 @@ def test_case11_a_full_cache_disk_is_counted_and_shown_then_recovered(tmp_path, 
 
     run.publish(2)
     cache, ready, release, status_file = (tmp_path / n for n in ("cache", "engine.ready", "release", "status.json"))
-    engine = [sys.executable, "-m", "syncd.engine.control", "--model", str(model_dir), "--headless", "--port", "0",
-              "--ready-file", str(ready)]
+    engine = [sys.executable, "-m", "syncd.engine.control_server", "--model", str(model_dir), "--headless", "--port",
+              "0", "--ready-file", str(ready)]
     daemon = [sys.executable, "-m", "syncd.app.cli", "--run-id", RUN, "--store", str(run.root),
               "--cache-dir", str(cache),
               "--status-file", str(status_file), "--poll-interval", "0.1", "--engine-check", "0.2",

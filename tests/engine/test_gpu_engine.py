@@ -11,7 +11,7 @@ from syncd.engine import StateDictEngine
 from syncd.engines.protocol import GenerationRequest, SamplingParams
 from syncd.engines.update import Update
 from syncd.engine.sharding import tp_specs
-from syncd.engine.updater import expected_checksums
+from syncd.engines.params import expected_checksums
 from syncd.ops import checksum, delta
 from tests.store._models import bits, trajectory
 

@@ -11,15 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from syncd.engine import Adapter, Generator
-from syncd.engines.protocol import GenerationRequest, SamplingParams
+from syncd.engines.protocol import Adapter, GenerationRequest, Generator, SamplingParams
 from syncd.engines.update import Update
 from syncd.engine.reference import ReferenceEngine
 from syncd.engine.reference.make_tiny import main as make_tiny_main
 from syncd.engine.reference.make_tiny import special_ids
 from syncd.engine.reference.model import HFRunner, load_folder_weights
 from syncd.engine.reference.sampling import kept_set, sample
-from syncd.engine.updater import expected_checksums
+from syncd.engines.params import expected_checksums
 from syncd.ops import checksum, delta
 
 PROMPT = (257, 84, 82, 68, 81, 198, 71)

@@ -14,7 +14,7 @@ import torch
 from syncd.engines.protocol import GenerationRequest, SamplingParams
 from syncd.engine.reference import ReferenceEngine
 from syncd.engine.replay import ReplayRecorder, read_request
-from syncd.engine.updater import expected_checksums
+from syncd.engines.params import expected_checksums
 from syncd.engines.update import Update
 from syncd.ops import checksum
 from syncd.store import Store

@@ -1,5 +1,5 @@
 """A store with versions 0 (full), 1, 2 (deltas) and a node cache holding their shards, for the tests of the
-engine contract (here) and of its engine-side half (``tests/engine/test_control.py``)."""
+engine contract (here) and of its engine-side half (``tests/engines/test_control.py``)."""
 
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ from syncd.engine.control_server import ControlServer
 from syncd.cache import ShardCache
 from syncd.engines.client import RemoteAdapter
 from syncd.engines.errors import EngineUnreachable
+from syncd.engines.protocol import Adapter
 from syncd.engines.update import Update
 from syncd.errors import DeltaError
 from syncd.versions import read_manifest
@@ -27,7 +28,7 @@ def test_remote_adapter_over_a_real_server(setup):
     server = ControlServer(eng, port=free_port()).start()
     try:
         remote = RemoteAdapter(server.url)
-        assert isinstance(remote, engine.Adapter)
+        assert isinstance(remote, Adapter)
         assert remote.version is None
         assert list(remote.parameters()) == list(eng.parameters())
         remote.pause()
@@ -46,7 +47,7 @@ def test_remote_adapter_over_a_real_server(setup):
         with pytest.raises(ValueError, match="base version"):
             remote.stage(Update.from_cache(raws[1], cache.root))
         with pytest.raises(ValueError, match="node cache"):  # an update held in memory cannot cross the wire
-            remote.stage(engine.Update(version=2, kind="delta", tensors={}))
+            remote.stage(Update(version=2, kind="delta", tensors={}))
         assert remote.version == 1
         # unknown routes and malformed bodies
         auth = {"Authorization": f"Bearer {remote.credentials()['auth']}"}

@@ -1,4 +1,4 @@
-"""syncd.engine.control.EngineControl: the weight routes as pure handlers driving a real engine
+"""syncd.engines.control.EngineControl: the weight routes as pure handlers driving a real engine
 (engine.StateDictEngine): lease, run checks, signature checks. (The client over a real server:
 ``tests/engines/test_client.py``.)"""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from syncd import engine
-from syncd.engine.control import EngineControl
+from syncd.engines.control import EngineControl
 from syncd.engines.errors import BadRequest
 from syncd.engines.wire import spec_from_json, spec_to_json
 from syncd.errors import LeaseHeld, NotAuthorized

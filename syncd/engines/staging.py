@@ -1,19 +1,22 @@
-"""What a staged update is (``syncd.engine.WeightUpdater``): per local parameter, ascending positions and the old and new
-words there (:class:`StagedParam`), and the update they make up (:class:`StagedUpdate`); the 64-bit
+"""What a staged update is (``syncd.engines.WeightUpdater``): per local parameter, ascending positions and the old and
+new words there (:class:`StagedParam`), and the update they make up (:class:`StagedUpdate`); the 64-bit
 :func:`fingerprint` of staged words, so an apply on a GPU checks the words in place without sending the old ones;
-and that apply (:func:`write_on_device`). The caller owns the tensors (the Adapter contract's one controller)."""
+and how it is written, all or nothing (:func:`write_staged`: CPU parameters by the native scatter, the others by
+:func:`write_on_device`). The caller owns the tensors (the Adapter contract's one controller)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Mapping
 
 import numpy as np
 import torch
 
-from syncd.engine.local_params import word_view
+from syncd.engines.params import word_view
 from syncd.errors import DeltaError
+from syncd.ops import scatter_words_
 
-__all__ = ["StagedParam", "StagedUpdate", "fingerprint", "write_on_device", "mismatch"]
+__all__ = ["StagedParam", "StagedUpdate", "fingerprint", "write_staged", "write_on_device", "mismatch"]
 
 
 @dataclass
@@ -122,3 +125,42 @@ def write_on_device(flats, params: list[StagedParam], *, new: bool, verify: bool
         for p, bits, idx in done:
             bits.index_copy_(0, idx, _dev(p.old if new else p.new, bits))
         raise
+
+
+_NATIVE_SCATTER = True  # CPU parameters through syncd.ops.scatter_words_ (tests turn it off to run the torch path)
+
+
+def write_staged(flats: Mapping[str, torch.Tensor], words: Mapping[str, np.ndarray], params: list[StagedParam], *,
+                 new: bool, verify: bool = False, version: int | None = None) -> None:
+    """Scatter the new (``new``) or old words of every parameter into its flat tensor (``flats``, by name; ``words``:
+    the NumPy word views of the CPU ones). With ``verify``, each position must hold the word being replaced. On any
+    failure every word written so far is put back and nothing else is touched, then the error is raised
+    (``DeltaError`` naming the parameter for a mismatch). CPU parameters: one :func:`syncd.ops.scatter_words_` over
+    all of them (every core, each word compared just before it is written); the rest (GPU parameters, or every one
+    with ``_NATIVE_SCATTER`` off): :func:`write_on_device`."""
+    cpu = [p for p in params if p.name in words] if _NATIVE_SCATTER else []
+    if cpu:
+        failed = scatter_words_(_word_items(words, cpu, new), verify=verify)
+        if failed is not None:
+            p, bad = cpu[failed[0]], failed[1]
+            if bad < 0:
+                raise DeltaError(f"apply: parameter {p.name!r} has a staged position outside the tensor; "
+                                 "nothing was written")
+            raise mismatch(p, bad, version)
+    try:
+        write_on_device(flats, [p for p in params if p.name not in words or not _NATIVE_SCATTER],
+                        new=new, verify=verify, version=version)
+    except BaseException:
+        if cpu:
+            scatter_words_(_word_items(words, cpu, not new), verify=False)
+        raise
+
+
+def _word_items(views: Mapping[str, np.ndarray], params: list[StagedParam], new: bool) -> list:
+    """``syncd.ops.scatter_words_`` items of CPU parameters (``views``: their word arrays): the new (``new``) or
+    the old words over the others."""
+    items = []
+    for p in params:
+        i, o, n = p.arrays()
+        items.append((views[p.name], i, o, n) if new else (views[p.name], i, n, o))
+    return items

@@ -2,8 +2,8 @@
 counter, signature check) runs the ``POST /engine/weights/<op>`` routes around an adapter. The routes and
 their wire format are specified once in :mod:`syncd.engines.wire`; the daemon's client is
 :class:`syncd.engines.client.RemoteAdapter`. The HTTP server of a standalone engine process is
-:mod:`syncd.engine.control_server` (``python -m syncd.engine.control --model DIR --port P``); the Dynamo worker serves the
-same routes on its system port. Design: ``docs/engine.md``, "Who may drive an engine".
+:mod:`syncd.engine.control_server` (``python -m syncd.engine.control_server --model DIR --port P``); the Dynamo
+worker serves the same routes on its system port. Design: ``docs/engine.md``, "Who may drive an engine".
 """
 
 from __future__ import annotations
@@ -152,10 +152,3 @@ class EngineControl:
             if op == "apply":
                 self.run_id = self._staged_run or self.run_id
         return {"version": a.version, "writes": self.writes}
-
-if __name__ == "__main__":
-    import sys
-
-    from syncd.engine.control_server import main
-
-    sys.exit(main())

@@ -1,9 +1,11 @@
 """``WeightUpdater``: the weight-update half of ``syncd.engines.Adapter`` over a set of local tensors, for any engine.
 
 An engine describes its local parameters with :class:`~syncd.engines.params.ParamSpec` (renamed, fused and
-tensor-parallel sliced ones included) and hands over the live tensors; the updater implements ``stage``,
-``apply``, ``rollback``, ``load_full``, ``checksum`` and ``version`` on them. The engine keeps the serving
-side (``pause``/``resume``) and calls the updater while paused.
+tensor-parallel sliced ones included) and hands over the live tensors, and optionally a hook for written
+parameters (``written``, as checkpoint-engine's ``post_hook``); the updater implements ``stage``, ``apply``,
+``rollback``, ``load_full``, ``checksum`` and ``version`` on them. The engine keeps the serving side
+(``pause``/``resume``) and calls the updater while paused; :class:`~syncd.engines.in_place.InPlaceAdapter` puts the
+two together into the whole Adapter.
 
 How an update moves (``docs/engine.md``):
 
@@ -24,12 +26,15 @@ How an update moves (``docs/engine.md``):
   error is raised: all or nothing.
 * ``rollback()`` scatters the old words of the last apply back: bit-exact and as cheap as the apply.
 * ``load_full(update)`` validates everything first (names, dtypes, shapes, checksums) and then copies.
+* After each write the engine's ``written`` hook refreshes what the engine computes from the written words
+  (dequantized or packed copies); if it fails after an apply, the apply is undone and the hook runs again for
+  the old words, so an apply stays all or nothing for the weights and what is computed from them.
 
 Local tensors may be any view that flattens without a copy (``t.view(-1)`` works), for example the bf16
 words inside an fp32 tensor that holds bf16-exact values (:func:`bf16_view_of_fp32`), so an engine can
 compute in fp32 while the trainer's bf16 words are updated in place. How local parameters map onto the
 trainer's tensors (validation, position mapping, building and checksumming local tensors) is part of the
-engine contract, :mod:`syncd.engines.params`; this module re-exports the names it always did.
+engine contract, :mod:`syncd.engines.params`; what a staged update is, :mod:`syncd.engines.staging`.
 
 Thread-safety: ``stage``/``apply``/``rollback``/``load_full`` follow the Adapter contract (one controller
 thread; ``apply``/``rollback``/``load_full`` only while the engine runs no forward pass). ``stage`` and
@@ -42,25 +47,28 @@ checksum differs from the update's; ``ValueError`` for a ``base_version`` other 
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
 
-from syncd.engine.local_params import bf16_view_of_fp32, flat_view, word_view
-from syncd.engine.staging import StagedParam, StagedUpdate, fingerprint, mismatch, write_on_device  # noqa: F401
-from syncd.engines.params import (ParamPiece, ParamSpec, build_local, check_spec, expected_checksums, identity_specs,
-                                  local_slab, map_positions, slab)
+from syncd.engines.params import (ParamPiece, ParamSpec, build_local, check_spec, expected_checksums, flat_view,
+                                  local_slab, map_positions, slab, word_view)
+from syncd.engines.staging import StagedParam, StagedUpdate, fingerprint, write_staged
 from syncd.engines.update import Update
 from syncd.errors import DeltaError, IntegrityError
 from syncd.ops import checksum as _checksum
-from syncd.ops import checksum_many, scatter_words_
+from syncd.ops import checksum_many
 from syncd.ops import delta as _delta
 
 log = logging.getLogger(__name__)
 
-__all__ = ["WeightUpdater", "StagedUpdate", "StagedParam", "expected_checksums", "build_local",
-           "identity_specs", "bf16_view_of_fp32", "map_positions", "update_from_manifest"]
+__all__ = ["WeightUpdater", "Written"]
+
+#: The engine's hook for written parameters: ``written(positions, applied)``, called after every write with the
+#: staged local flat positions written by local name (None: every parameter, after ``load_full``) and the update just
+#: applied (None after a rollback or a full load). Its return value is ignored.
+Written = Callable[[Mapping[str, torch.Tensor] | None, StagedUpdate | None], object]
 
 
 class WeightUpdater:
@@ -71,13 +79,15 @@ class WeightUpdater:
     flattens without a copy). ``version``: the version those tensors hold now (None: not loaded yet).
     ``ignore_sources``: trainer tensors this engine holds none of (another rank's, or a tied alias of a
     parameter already mapped); updates naming them are accepted and they are skipped. Any other name an
-    update carries that no piece uses raises ``DeltaError``.
-    See the module docstring for what each call does, costs and raises.
+    update carries that no piece uses raises ``DeltaError``. ``written``: the engine's hook for written parameters
+    (:data:`Written`), run inside ``apply``/``rollback``/``load_full`` on the caller's thread, so while the engine
+    is paused. See the module docstring for what each call does, costs and raises.
     """
 
     def __init__(self, specs: Sequence[ParamSpec], tensors: Mapping[str, torch.Tensor], *,
-                 version: int | None = None, ignore_sources: Iterable[str] = ()):
+                 version: int | None = None, ignore_sources: Iterable[str] = (), written: Written | None = None):
         self._specs = list(specs)
+        self._written = written
         self._tensors: dict[str, torch.Tensor] = {}
         self._flat: dict[str, torch.Tensor] = {}
         self._np: dict[str, np.ndarray] = {}  # word views of CPU targets, for the scatter
@@ -294,7 +304,8 @@ class WeightUpdater:
         """Write the staged update in place, all or nothing; keep it for ``rollback``. With ``verify`` (the
         default) every staged position must still hold its staged old word, compared just before it is
         written; on a mismatch (or any other failure) every word written is put back and ``DeltaError`` is
-        raised with the weights exactly as before. Returns what was applied."""
+        raised with the weights exactly as before. If the ``written`` hook raises, the apply is undone (the old
+        words, then the hook again for them) and its error raised. Returns what was applied."""
         s = self._staged
         if s is None:
             raise RuntimeError("apply: nothing is staged")
@@ -302,46 +313,36 @@ class WeightUpdater:
             self._staged = None
             raise DeltaError(f"apply: version {s.version} was staged against version {s.prev_version}, but the "
                              f"weights changed since (now version {self._version}); stage it again")
-        self._write(s.params, new=True, verify=verify, version=s.version)
+        write_staged(self._flat, self._np, s.params, new=True, verify=verify, version=s.version)
         self._staged, self._applied = None, s
         self._version = s.version
         self._epoch += 1
+        if self._written is not None:
+            try:
+                self._written(_positions(s), s)
+            except BaseException:  # all or nothing: the weights and what the engine computes from them
+                self._undo()
+                self._written(_positions(s), None)
+                raise
         return s
 
     def rollback(self) -> int | None:
-        """Undo the last ``apply`` bit for bit; returns the version restored. RuntimeError if there is none."""
+        """Undo the last ``apply`` bit for bit, then run the ``written`` hook; returns the version restored.
+        RuntimeError if there is none."""
+        s = self._undo()
+        if self._written is not None:
+            self._written(_positions(s), None)
+        return self._version
+
+    def _undo(self) -> StagedUpdate:
         s = self._applied
         if s is None:
             raise RuntimeError("rollback: no applied update to undo")
-        self._write(s.params, new=False)
+        write_staged(self._flat, self._np, s.params, new=False)
         self._applied = None
         self._version = s.prev_version
         self._epoch += 1
-        return self._version
-
-    def _write(self, params: list[StagedParam], *, new: bool, verify: bool = False,
-               version: int | None = None) -> None:
-        """Scatter the new (``new``) or old words of every parameter. With ``verify``, each position must
-        hold the word being replaced. On any failure every word written so far is put back and nothing else
-        is touched, then the error is raised. CPU parameters: one :func:`syncd.ops.scatter_words_` over all of
-        them (every core, each word compared just before it is written); the rest (GPU parameters, or every
-        one with ``_NATIVE_SCATTER`` off): :func:`syncd.engine.staging.write_on_device`."""
-        cpu = [p for p in params if p.name in self._np] if _NATIVE_SCATTER else []
-        if cpu:
-            failed = scatter_words_(_word_items(self._np, cpu, new), verify=verify)
-            if failed is not None:
-                p, bad = cpu[failed[0]], failed[1]
-                if bad < 0:
-                    raise DeltaError(f"apply: parameter {p.name!r} has a staged position outside the tensor; "
-                                     "nothing was written")
-                raise mismatch(p, bad, version)
-        try:
-            write_on_device(self._flat, [p for p in params if p.name not in self._np or not _NATIVE_SCATTER],
-                            new=new, verify=verify, version=version)
-        except BaseException:
-            if cpu:
-                scatter_words_(_word_items(self._np, cpu, not new), verify=False)
-            raise
+        return s
 
     def discard(self) -> None:
         """Drop the staged update and the rollback state (frees their memory)."""
@@ -352,7 +353,8 @@ class WeightUpdater:
 
     def load_full(self, update: Update) -> None:
         """Replace every local weight with full version ``update`` (validated first: names, dtypes, shapes,
-        checksums; nothing is written if any fails). Drops the staged update and the rollback state."""
+        checksums; nothing is written if any fails), then run the ``written`` hook for every parameter. Drops
+        the staged update and the rollback state."""
         full = self._check_full(update)
         with torch.no_grad():
             for spec in self._specs:
@@ -363,6 +365,8 @@ class WeightUpdater:
         self._applied = None
         self._version = update.version
         self._epoch += 1
+        if self._written is not None:
+            self._written(None, None)
 
     # ------------------------------------------------------------------------------------------ checksum
 
@@ -381,23 +385,9 @@ class WeightUpdater:
         return expected_checksums(self._specs, full)
 
 
-def update_from_manifest(m, shards: Sequence) -> Update:
-    """Moved to :meth:`syncd.engines.Update.from_shards <syncd.engines.update.Update.from_shards>`, kept for one
-    release."""
-    return Update.from_shards(m, shards)
-
-
-_NATIVE_SCATTER = True  # CPU parameters through syncd.ops.scatter_words_ (tests turn it off to run the torch path)
-
-
-def _word_items(views: Mapping[str, np.ndarray], params: list[StagedParam], new: bool) -> list:
-    """``syncd.ops.scatter_words_`` items of CPU parameters (``views``: their word arrays): the new (``new``) or
-    the old words over the others."""
-    items = []
-    for p in params:
-        i, o, n = p.arrays()
-        items.append((views[p.name], i, o, n) if new else (views[p.name], i, n, o))
-    return items
+def _positions(s: StagedUpdate) -> dict[str, torch.Tensor]:
+    """The staged local flat positions of ``s`` by local name (what a ``written`` hook is told)."""
+    return {p.name: p.index for p in s.params}
 
 
 def _host(t: torch.Tensor, pin: bool) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""syncd.engine.WeightUpdater / StateDictEngine on real AdamW deltas of a tiny Qwen2: 1:1, fused (qkv, gate_up) and
+"""syncd.engines.WeightUpdater / StateDictEngine on real AdamW deltas of a tiny Qwen2: 1:1, fused (qkv, gate_up) and
 tensor-parallel sliced parameters against slicing the trainer's tensors, rollback, all-or-nothing."""
 
 from __future__ import annotations
@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from syncd.engine import StateDictEngine
-from syncd.engines.params import ParamPiece, ParamSpec
-from syncd.engines.update import Update
 from syncd.engine.sharding import tp_specs
-from syncd.engine.updater import WeightUpdater, bf16_view_of_fp32, build_local, expected_checksums, map_positions
+from syncd.engines.params import (ParamPiece, ParamSpec, bf16_view_of_fp32, build_local, expected_checksums,
+                                  map_positions)
+from syncd.engines.update import Update
+from syncd.engines.updater import WeightUpdater
 from syncd.errors import DeltaError, IntegrityError
 from syncd.ops import checksum, delta
 from tests.store._models import bits, trajectory
@@ -179,14 +180,14 @@ def write_mode(request, monkeypatch):
     """Run a test with the native scatter (syncd.ops.scatter_words_) on the calling thread, split over the pool
     in small runs, or through the torch path GPU parameters take (batched compares, one synchronisation, then
     writes)."""
-    import syncd.engine.updater as upd
+    import syncd.engines.staging as staging
     import syncd.ops.scatter as scatter
 
     if request.param == "parallel":
         monkeypatch.setattr(scatter, "_PARALLEL_MIN", 0)
         monkeypatch.setattr(scatter, "_RUN", 64)
     if request.param == "torch":
-        monkeypatch.setattr(upd, "_NATIVE_SCATTER", False)
+        monkeypatch.setattr(staging, "_NATIVE_SCATTER", False)
     return request.param
 
 
@@ -220,7 +221,7 @@ def test_a_failure_midway_through_the_write_restores_every_written_parameter(sta
 
 
 def _identity(state):
-    from syncd.engine.updater import identity_specs
+    from syncd.engines.params import identity_specs
     tensors = {k: v.clone() for k, v in state.items()}
     return identity_specs(tensors), tensors
 
@@ -330,7 +331,7 @@ def test_specs_must_tile_the_local_tensor():
 
 @pytest.mark.parametrize("dtype", [torch.int16, torch.int32, torch.int64])
 def test_fingerprint_catches_any_one_word_and_counts_positions(dtype):
-    from syncd.engine.updater import fingerprint
+    from syncd.engines.staging import fingerprint
 
     g = torch.Generator().manual_seed(0)
     words = torch.randint(-1000, 1000, (5000,), generator=g).to(dtype)
