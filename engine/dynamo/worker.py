@@ -6,7 +6,7 @@ completions: the frontend tokenizes and applies the chat template), serves token
 worker's system port (``DYN_SYSTEM_PORT``)::
 
     POST /engine/weights/<op>     op in syncd.engines.wire.OPS: version, lease, release, parameters, checksum,
-                                  stage, pause, apply, rollback, load_full, resume  (contract: engine/control.py)
+                                  stage, pause, apply, rollback, load_full, resume  (contract: syncd/engines/control.py)
 
 so the node daemon drives the engine through ``syncd.engines.RemoteAdapter("http://host:system_port")``.
 The routes go through an :class:`syncd.engines.control.EngineControl`: every call must carry the node's engine

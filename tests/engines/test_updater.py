@@ -369,3 +369,34 @@ def test_stage_decodes_each_blob_once_and_copies_no_tensor(states, version, monk
     eng.pause()
     eng.apply()
     assert all(_same(eng.state_dict()[k], states[2][k]) for k in states[2])
+
+
+def test_the_written_hook_sees_every_write_and_a_failing_hook_undoes_the_apply(states):
+    """The engine's hook for written parameters runs inside apply / rollback / load_full with the positions written
+    and the update applied; when it raises after an apply, the words and the hook are put back as before."""
+    calls, fail = [], [False]
+
+    def written(positions, applied):
+        calls.append((None if positions is None else {k: v.clone() for k, v in positions.items()}, applied))
+        if fail[0]:
+            fail[0] = False
+            raise OSError("refresh failed")
+
+    up = WeightUpdater(*_identity(states[0]), version=0, written=written)
+    up.stage(_delta_update(states, 1))
+    staged = up.staged
+    up.apply()
+    assert len(calls) == 1 and calls[0][1] is staged
+    assert {k: v.tolist() for k, v in calls[0][0].items()} == {p.name: p.index.tolist() for p in staged.params}
+    assert up.rollback() == 0 and calls[1][1] is None and calls[1][0].keys() == calls[0][0].keys()
+
+    up.stage(_delta_update(states, 1))
+    fail[0] = True
+    with pytest.raises(OSError, match="refresh failed"):
+        up.apply()
+    assert up.version == 0 and up.last_applied is None and len(calls) == 4
+    assert calls[2][1] is not None and calls[3][1] is None  # the failed refresh, then the one for the old words
+    assert all(_same(up.tensors()[k], states[0][k]) for k in states[0])
+
+    up.load_full(Update(3, "full", {k: v.clone() for k, v in states[3].items()}))
+    assert calls[-1] == (None, None) and up.version == 3
