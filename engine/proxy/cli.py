@@ -12,13 +12,16 @@ import signal
 import sys
 from pathlib import Path
 
+from syncd.urls import check_http_url
+
 __all__ = ["main", "parser"]
 
 
 def parser() -> argparse.ArgumentParser:
     env = os.environ.get
     p = argparse.ArgumentParser(prog="python -m syncd.engine.proxy", description=__doc__.split("\n\n")[0])
-    p.add_argument("--upstream", default=env("SYNCD_PROXY_UPSTREAM"), help="Dynamo frontend URL (SYNCD_PROXY_UPSTREAM)")
+    p.add_argument("--upstream", default=None,
+                   help="Dynamo frontend URL, e.g. http://127.0.0.1:8000 (SYNCD_PROXY_UPSTREAM)")
     p.add_argument("--store", default=env("SYNCD_STORE"), help="store URL for records (SYNCD_STORE; default: the embedded one)")
     p.add_argument("--run-id", default=env("SYNCD_RUN_ID"), help="run id (SYNCD_RUN_ID)")
     p.add_argument("--sandbox-id", default=env("SYNCD_SANDBOX_ID"), help="this sandbox's id (SYNCD_SANDBOX_ID)")
@@ -91,12 +94,14 @@ def main(argv=None) -> int:
     from syncd.engine.proxy.record import RecordError
     from syncd.engine.proxy.server import Proxy, ProxyConfig
 
-    missing = [f for f, v in (("--upstream", args.upstream), ("--run-id", args.run_id),
+    upstream = args.upstream if args.upstream is not None else os.environ.get("SYNCD_PROXY_UPSTREAM")
+    missing = [f for f, v in (("--upstream", upstream), ("--run-id", args.run_id),
                               ("--sandbox-id", args.sandbox_id)) if not v]
     if missing:
         print(f"syncd.engine.proxy: {', '.join(missing)} required", file=sys.stderr)
         return 2
     try:
+        check_http_url(upstream, "--upstream" if args.upstream is not None else "SYNCD_PROXY_UPSTREAM")
         compaction = None
         if args.compact_model:
             from syncd.engine.proxy.compaction import CompactionConfig
@@ -108,7 +113,7 @@ def main(argv=None) -> int:
                                                     summary_tokens=args.compact_summary_tokens,
                                                     keep_prompt=args.compact_keep_prompt,
                                                     max_compactions=args.compact_max, **kw)
-        config = ProxyConfig(upstream=args.upstream, run_id=args.run_id, sandbox_id=args.sandbox_id,
+        config = ProxyConfig(upstream=upstream, run_id=args.run_id, sandbox_id=args.sandbox_id,
                              default_trajectory=args.trajectory_id, per_request=args.per_request,
                              retry_attempts=args.retry_attempts, retry_deadline_s=args.retry_deadline,
                              spill_dir=Path(args.spill_dir) if args.spill_dir else None, compaction=compaction)

@@ -1,16 +1,20 @@
 """The per-sandbox OpenAI-compatible proxy in front of the Dynamo frontend.
 
-An agent sandbox talks to ``http://proxy/v1/chat/completions`` and ``/v1/completions`` (streamed or not,
-``/v1/models`` too) exactly as it would to the frontend. For every request the proxy
+An agent sandbox talks to ``http://proxy/v1/chat/completions`` and ``/v1/completions`` (streamed or not;
+``GET /v1/models`` and ``/v1/models/<id>`` too, passed on) exactly as it would to the frontend. For every request
+the proxy
 
 * asks the frontend for a stream with the prompt's token ids (``nvext.annotations: ["token_ids"]``) and
   every chunk's ``engine_data`` (token ids, log-probabilities, weight versions and the engine's request
   id, see ``syncd.engine.dynamo.protocol``), whatever the client asked; the client gets back only what it asked
   for (a streamed or a whole response, ``nvext`` and usage only when requested);
-* retries the request when it fails before any token came back (connection refused, HTTP 404/408/429/5xx,
-  an error event before the first token): up to ``retry_attempts`` tries within ``retry_deadline_s``;
-  after the first token a failure cannot be hidden from the client and fails the turn (Dynamo's own
-  migration is what survives a dead worker mid-stream);
+* retries the request when the upstream fails before any token came back (connection refused, a timeout,
+  HTTP 5xx/408/429, 404 while the frontend lists no model, an error event without a client-error code):
+  up to ``retry_attempts`` tries within ``retry_deadline_s``; after the first token a failure cannot be hidden
+  from the client and fails the turn (Dynamo's own migration is what survives a dead worker mid-stream). What
+  the frontend refuses as the client's mistake (a model it does not serve, a value or option it or a worker
+  refuses: HTTP 4xx, or a 4xx error event) is passed on at once with the frontend's reason, and the turn is
+  recorded as failed with it (``syncd.engine.proxy.upstream``);
 * records the turn: prompt and output token ids, each token's weight version and log-probability, finish
   reason, usage, the engine request ids (which link the turn to the engines' replay records) and the
   workers' segments of a migrated request; the record is checked against the frontend's usage counts.
@@ -36,7 +40,10 @@ Supervision: the retry task runs under a :class:`syncd.supervise.Supervisor`; it
 what it did not expect are logged and counted in ``syncd_failures_total{kind}`` (``GET /metrics``; kinds
 ``store``, ``record``, ``task``, ``request``); ``GET /health`` shows the counts and the task's health.
 
-The per-turn bookkeeping is ``syncd.engine.proxy.turn``, one attempt at the frontend ``syncd.engine.proxy.upstream``.
+``POST /v1/responses`` (the Responses API) is passed on as the client sent it and recorded as a turn without a
+token record, which the frontend does not send for it (``syncd.engine.proxy.responses``).
+
+The per-turn bookkeeping is ``syncd.engine.proxy.turn``, the attempts at the frontend ``syncd.engine.proxy.upstream``.
 
 Thread-safety: one asyncio loop (uvloop) runs everything; the store is called from worker threads.
 """
@@ -47,7 +54,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import random
 import time
 import uuid
 from collections import OrderedDict
@@ -57,12 +63,14 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
+from syncd.engine.proxy import responses
 from syncd.engine.proxy.record import RecordError, Trajectory, Turn, check_id, now
-from syncd.engine.proxy.turn import (TRAJECTORY_HEADER, BadRequest, Broken, ClientGone, ClientStream, Rejected, Retryable,
-                               TurnState, check_complete, error_response, parse_body, upstream_body, whole_response)
-from syncd.engine.proxy.upstream import stream_once
+from syncd.engine.proxy.turn import (TRAJECTORY_HEADER, BadRequest, ClientStream, TurnState, check_complete,
+                                     error_response, parse_body, upstream_body, whole_response)
+from syncd.engine.proxy.upstream import stream_once, with_retries
 from syncd.engine.proxy.writer import RecordWriter, new_life
 from syncd.supervise import Failures, Supervisor
+from syncd.urls import check_http_url
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +101,7 @@ class ProxyConfig:
     compaction: object | None = None  # an syncd.engine.proxy.compaction.CompactionConfig: self-compaction on
 
     def __post_init__(self):
+        check_http_url(self.upstream, "upstream")
         check_id(self.run_id, "run id")
         check_id(self.sandbox_id, "sandbox id")
         if self.default_trajectory is not None:
@@ -136,9 +145,10 @@ class Proxy:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_REQUEST_BYTES, middlewares=[self._unexpected])
-        app.router.add_post("/v1/chat/completions", lambda r: self._completion(r, "chat/completions"))
-        app.router.add_post("/v1/completions", lambda r: self._completion(r, "completions"))
+        for endpoint in ("chat/completions", "completions", responses.ENDPOINT):
+            app.router.add_post(f"/v1/{endpoint}", self._turn_route(endpoint))
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/v1/models/{model:.+}", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/syncd/trajectories/{tid}/finish", self._finish_route)
@@ -318,11 +328,18 @@ class Proxy:
         return web.Response(body=self.failures.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _models(self, request: web.Request) -> web.Response:
+        """``GET /v1/models`` and ``/v1/models/<id>``: the frontend's answer, passed on (not a turn)."""
         try:
-            async with self._session.get(f"{self.upstream}/v1/models") as resp:
+            async with self._session.get(self.upstream + request.raw_path) as resp:
                 return web.Response(status=resp.status, body=await resp.read(), content_type="application/json")
-        except aiohttp.ClientError as exc:
-            return error_response(502, f"upstream {self.upstream} unreachable: {exc}", "upstream_unavailable")
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            return error_response(502, f"upstream {self.upstream} unreachable: {type(exc).__name__}: {exc}",
+                                  "upstream_unavailable")
+
+    def _turn_route(self, endpoint: str):
+        async def route(request: web.Request) -> web.StreamResponse:
+            return await self._completion(request, endpoint)
+        return route
 
     async def _finish_route(self, request: web.Request) -> web.Response:
         tid = request.match_info["tid"]
@@ -386,6 +403,8 @@ class Proxy:
 
     async def _run_turn(self, state: TurnState, body: dict, endpoint: str, out: ClientStream):
         turn = state.turn
+        if endpoint == responses.ENDPOINT:  # passed on as the client sent it (no token record to ask for)
+            return await self.attempts(state, body, endpoint, out) or await responses.finish(state, out)
         failed = await self.attempts(state, upstream_body(body), endpoint, out)
         if failed is not None:
             return failed
@@ -398,35 +417,7 @@ class Proxy:
         return web.json_response(whole_response(state, endpoint), headers=out.headers)
 
     async def attempts(self, state: TurnState, up_body: dict, endpoint: str, out: ClientStream):
-        """The turn's attempts at the frontend with their retries: None when one streamed the turn to its end,
-        else the response that tells the client why not (the turn is marked failed)."""
-        turn = state.turn
-        cfg = self.config
-        deadline = time.monotonic() + cfg.retry_deadline_s
-        for attempt in range(1, cfg.retry_attempts + 1):
-            record = {"attempt": attempt, "started_at": now(), "error": None}
-            turn.attempts.append(record)
-            try:
-                await stream_once(self._session, self.upstream, state, up_body, endpoint, out)
-                return None
-            except Retryable as exc:
-                record["error"] = str(exc)
-                left = deadline - time.monotonic()
-                if attempt == cfg.retry_attempts or left <= 0:
-                    turn.fail(f"no token after {attempt} attempts: {exc}")
-                    return error_response(502, turn.error, "upstream_unavailable")
-                delay = min(left, cfg.retry_backoff_s * 2 ** (attempt - 1) * (0.5 + random.random()))
-                log.info("turn %d of %s: attempt %d failed before any token (%s); retrying in %.2f s",
-                         turn.index, out.tid, attempt, exc, delay)
-                await asyncio.sleep(delay)
-            except Rejected as exc:
-                record["error"] = str(exc)
-                turn.fail(str(exc))
-                return web.Response(status=exc.status, body=exc.body.encode(), content_type="application/json")
-            except Broken as exc:
-                record["error"] = str(exc)
-                turn.fail(f"upstream failed after {state.tokens} tokens: {exc}")
-                return await out.fail(turn.error)
-            except ClientGone:
-                turn.fail(f"the client went away after {state.tokens} tokens")
-                return out.response
+        """The turn's attempts at the frontend with their retries (``syncd.engine.proxy.upstream.with_retries``):
+        None when one streamed the turn to its end, else the response that tells the client why not."""
+        once = responses.respond_once if endpoint == responses.ENDPOINT else stream_once
+        return await with_retries(once, self._session, self.upstream, self.config, state, up_body, endpoint, out)

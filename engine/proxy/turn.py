@@ -17,8 +17,8 @@ every upstream attempt it takes (``syncd.engine.proxy.server`` runs the turn loo
   (:func:`error_response`).
 
 Raised: :class:`BadRequest` (the client's body is refused), :class:`Retryable` (failed before any token:
-worth another attempt), :class:`Rejected` (the upstream refused the request with a status not worth
-retrying), :class:`Broken` (failed after tokens, or the upstream sent a malformed record: the turn fails),
+worth another attempt), :class:`Rejected` (the frontend refused the request as the client's mistake: passed
+on at once), :class:`Broken` (failed after tokens, or the upstream sent a malformed record: the turn fails),
 :class:`ClientGone` (writing to the client failed).
 
 Thread-safety: none; a turn's objects are used from the one asyncio loop that runs the proxy.
@@ -54,9 +54,13 @@ class Retryable(Exception):
 
 
 class Rejected(Exception):
-    def __init__(self, status: int, body: str):
+    """The frontend refused the request as the client's mistake: ``status`` and ``body`` are what a client that
+    asked for a whole response gets; ``event`` (an error event, when the refusal came on a stream that had
+    said 200) is what a streamed client gets, followed by the end of the stream, as from the frontend."""
+
+    def __init__(self, status: int, body: str, event: dict | None = None):
         super().__init__(f"upstream refused the request: HTTP {status}: {body[:500]}")
-        self.status, self.body = status, body
+        self.status, self.body, self.event = status, body, event
 
 
 class Broken(Exception):
@@ -125,6 +129,7 @@ class TurnState:
         self.turn = turn
         self.choices: dict[int, dict] = {}
         self.last: dict | None = None
+        self.body: bytes | None = None  # a whole upstream reply passed on as it came (/v1/responses)
         self.done = asyncio.Event()
 
     @property
@@ -294,6 +299,15 @@ class ClientStream:
     async def end(self) -> web.StreamResponse:
         await self.send(b"data: [DONE]\n\n")
         await self.response.write_eof()
+        return self.response
+
+    async def refuse(self, event: dict) -> web.StreamResponse:
+        """Pass on the frontend's refusal of a streamed request (an error event, then the end of the stream)."""
+        try:
+            await self.send(sse.format_event(event))
+            await self.end()
+        except ClientGone:
+            pass
         return self.response
 
     async def fail(self, message: str) -> web.StreamResponse:

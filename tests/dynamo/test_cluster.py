@@ -393,10 +393,10 @@ def test_proxy_marks_failures_and_never_truncates_silently(cluster):
         assert status == 200 and reply["status"] == "failed" and "client went away" in reply["failure"]
         rec = read_record(c.store_url, RUN_ID, "sb-fail", "gone")
         assert rec["metadata"] == {"why": "test"} and len(rec["turns"][0]["output_token_ids"]) >= 3
-        # a request that never gets a token: retried, then failed with the reason
+        # a model the frontend does not serve: the client's mistake, the frontend's 404 at once (not retried)
         status, _, reply = post_json(f"{proxy.url}/v1/completions", {"model": "no-such-model", "prompt": "x"},
                                      headers={"X-Syncd-Trajectory": "nomodel"})
-        assert status == 502 and "no token after 2 attempts" in reply["error"]["message"]
+        assert (status, reply["message"]) == (404, "Model not found"), reply
         # finishing twice is refused; an unknown trajectory is a 404; bad ids are refused
         assert post_json(f"{proxy.url}/syncd/trajectories/gone/finish", {})[0] == 409
         assert post_json(f"{proxy.url}/syncd/trajectories/never/finish", {})[0] == 404
@@ -406,4 +406,4 @@ def test_proxy_marks_failures_and_never_truncates_silently(cluster):
         assert proxy.stop() == 0
     # stopping the proxy wrote the trajectory still open, marked failed with the reason
     rec = read_record(c.store_url, RUN_ID, "sb-fail", "nomodel")
-    assert rec["status"] == "failed" and "no token after 2 attempts" in rec["failure"]
+    assert rec["status"] == "failed" and "HTTP 404" in rec["failure"] and len(rec["turns"][0]["attempts"]) == 1

@@ -1,5 +1,6 @@
-"""``python -m syncd.engine.proxy`` start-up errors: a bad flag or ``SYNCD_*`` variable, a bad compaction model, a port
-in use -- each answers with exit status 2 or 3 and a line naming what is wrong, never a traceback."""
+"""``python -m syncd.engine.proxy`` start-up errors: a bad flag or ``SYNCD_*`` variable (an upstream URL without a
+scheme included), a bad compaction model, a port in use -- each answers with exit status 2 or 3 and a line naming
+what is wrong, never a traceback."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import sys
 import pytest
 
 from syncd.engine.proxy.cli import main
+from syncd.engine.proxy.server import Proxy
 
 REQUIRED = ["--upstream", "http://127.0.0.1:9", "--run-id", "run", "--sandbox-id", "sb"]
 
@@ -72,3 +74,29 @@ def test_a_port_in_use_exits_3_with_a_message(tmp_path):
                               env={**os.environ, "SYNCD_LOG_LEVEL": "WARNING"})
     assert proc.returncode == 3, proc.stderr
     assert f"cannot serve on 127.0.0.1:{port}" in proc.stderr and "Traceback" not in proc.stderr
+
+
+async def _must_not_start(self, *args, **kwargs):
+    raise AssertionError(f"the proxy started serving with --upstream {self.config.upstream!r}")
+
+
+@pytest.mark.parametrize("upstream, named", [
+    ("127.0.0.1:8000", "--upstream '127.0.0.1:8000' has no scheme (did you mean http://127.0.0.1:8000?)"),
+    ("localhost:8000", "--upstream 'localhost:8000' has no scheme"),
+    ("http://127.0.0.1:99999", "--upstream 'http://127.0.0.1:99999' has an invalid port"),
+    ("grpc://127.0.0.1:8000", "--upstream 'grpc://127.0.0.1:8000' has the scheme 'grpc'"),
+])
+def test_an_upstream_without_a_usable_url_is_named_at_start(tmp_path, capsys, monkeypatch, upstream, named):
+    """Before: ``--upstream 127.0.0.1:8000`` started, and every request failed later with a 502."""
+    monkeypatch.setattr(Proxy, "start", _must_not_start)
+    argv = ["--upstream", upstream, "--run-id", "run", "--sandbox-id", "sb", "--store", str(tmp_path / "s")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert named in err and "e.g. http://127.0.0.1:8000" in err and "Traceback" not in err
+
+
+def test_an_upstream_variable_without_a_scheme_is_named(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(Proxy, "start", _must_not_start)
+    monkeypatch.setenv("SYNCD_PROXY_UPSTREAM", "frontend:8000")
+    assert main(["--run-id", "run", "--sandbox-id", "sb", "--store", str(tmp_path / "s")]) == 2
+    assert "SYNCD_PROXY_UPSTREAM 'frontend:8000' has no scheme" in capsys.readouterr().err
