@@ -41,8 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--peers", default=_env("peers"), help="static members: RANK=HOST:PORT,...")
     a("--peers-from-store", dest="cluster_id", default=_env("peers_from_store"),
       help="find members in the store directory clusters/<ID>/members/")
-    a("--advertise", default=_env("advertise"), help="HOST:PORT other nodes reach this one at (store directory)")
+    a("--advertise", default=_env("advertise"),
+      help="HOST:PORT other nodes reach this one at (store directory or etcd)")
     a("--listen", default=_env("listen"), help="HOST:PORT to bind (default: this node's address)")
+    a("--etcd", default=_env("etcd", os.environ.get("SYNCD_ETCD")),
+      help="etcd client URL(s), comma-separated (or SYNCD_ETCD): membership as a lease per node and the controller "
+           "elected through etcd, with fencing by term (default: the embedded election)")
     a("--cache-root", default=_env("cache_root"), help="local cache directory")
     a("--cluster-secret-file", default=_env("secret_file"),
       help="file holding the cluster secret (or set SYNCD_CLUSTER_SECRET)")
@@ -51,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, typ in (("heartbeat-s", float), ("dead-after-s", float), ("poll-s", float), ("discover-s", float),
                       ("fanout", int), ("chunk-bytes", int), ("store-streams", int), ("pull-window", int),
                       ("stall-s", float), ("store-fallback-s", float), ("pace-timeout-s", float),
-                      ("slow-fraction", float), ("throttle-bps", float)):
+                      ("slow-fraction", float), ("throttle-bps", float), ("etcd-ttl-s", int)):
         a("--" + name, type=typ, default=_env(name))
     a("--no-fsync", action="store_true", default=_env("no_fsync") in ("1", "true", "yes"))
     a("--verify-first", action="store_true", default=_env("verify_first") in ("1", "true", "yes"),

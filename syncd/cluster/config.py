@@ -32,7 +32,11 @@ class ClusterConfig:
     median rate is marked slow (moved to the leaves). ``throttle_bps``: cap this node's upload (tests and
     benchmarks). ``fsync``: fsync each shard before it is moved into ``shards/``. ``verify_first``: a
     root checks a whole shard against the manifest before it forwards any chunk (default: it streams, see
-    :mod:`syncd.cluster.transfer`)."""
+    :mod:`syncd.cluster.transfer`). ``etcd``: etcd client URL(s), comma-separated: membership is then a lease per
+    node and the controller is elected through etcd, with fencing by term (:mod:`syncd.cluster.etcd_election`;
+    None: the embedded election, :mod:`syncd.cluster.election`). ``etcd_ttl_s``: that lease's TTL in whole
+    seconds (at least 2, etcd's minimum): a dead controller is replaced about that long after its last
+    keepalive."""
 
     rank: int
     peers: dict | None = None
@@ -55,16 +59,24 @@ class ClusterConfig:
     throttle_bps: float | None = None
     fsync: bool = True
     connect_timeout_s: float = 5.0
+    etcd: str | None = None
+    etcd_ttl_s: int = 5
 
     def __post_init__(self):
         if self.dead_after_s is None:
             self.dead_after_s = 3 * self.heartbeat_s
-        if self.peers is None and self.cluster_id is None:
-            raise ValueError("give the members: a static peer list or a store directory (cluster_id)")
+        if self.peers is None and self.cluster_id is None and not self.etcd:
+            raise ValueError("give the members: a static peer list, a store directory (cluster_id) or etcd")
         if self.cluster_id is not None:
             membership.check_cluster_id(self.cluster_id)
-            if self.peers is None and self.advertise is None:
-                raise ValueError("a node found through the store directory needs an advertised host:port")
+        if self.peers is None and self.advertise is None:
+            raise ValueError("a node found through the store directory or etcd needs an advertised host:port")
+        if self.etcd:
+            from syncd.cluster.etcd_gateway import parse_endpoints
+
+            parse_endpoints(self.etcd)
+            if not isinstance(self.etcd_ttl_s, int) or not 2 <= self.etcd_ttl_s <= 3600:
+                raise ValueError("etcd_ttl_s must be a whole number of seconds in 2..3600")
         if not 4096 <= self.chunk_bytes <= wire.MAX_CHUNK_BYTES:
             raise ValueError(f"chunk_bytes must be in 4096..{wire.MAX_CHUNK_BYTES}")
         if not 1 <= self.fanout <= 64 or self.store_streams < 0 or self.pull_window < 1:

@@ -222,6 +222,8 @@ class Controller:
         lo = min(nxt.values())
         slow = self._slow_set(live)
         for v in range(lo, latest + 1):
+            if not node.heartbeats.election.is_controller:
+                return  # deposed (or the etcd lease ran out) while planning: send nothing more
             try:
                 m, raw = await self._manifest(v)
             except (VersionNotFound, ManifestError):
@@ -259,7 +261,7 @@ class Controller:
                 plan = prev.plan
             payload = None
             for r in plan.members:
-                if r == node.rank or r not in live:
+                if r == node.rank or r not in live or not node.heartbeats.election.is_controller:
                     continue
                 inc = node.heartbeats.membership.info(r).get("inc")
                 if self._sent.get((r, inc, v)) == plan.key():

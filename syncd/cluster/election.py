@@ -15,6 +15,10 @@ two dead-after periods (three to six heartbeats by default). The new controller 
 from shared state, not from its predecessor: the manifests in the store, each node's delivered version and
 held shards (from heartbeats) and the last plans, which every node has received (see ``ClusterNode``).
 
+Its terms are not fencing tokens (two nodes can open the same term, and a node that was cut off opens terms of
+its own): a plan of any term is taken and the per-version order decides (``ClusterNode``). With etcd
+(``--etcd``) the election is :class:`syncd.cluster.etcd_election.EtcdElection` instead, with the same interface.
+
 Pure logic (the caller passes the clock); not thread-safe.
 """
 
@@ -72,3 +76,14 @@ class Election:
     @property
     def is_controller(self) -> bool:
         return self.controller == self.me
+
+    def is_stale(self, term) -> bool:
+        """Whether a plan or controller heartbeat of ``term`` is refused: never here (see the module docstring)."""
+        return False
+
+    def loops(self) -> dict:
+        """Long-lived tasks this election needs: none (it runs in the heartbeat loop)."""
+        return {}
+
+    async def close(self) -> None:
+        """Nothing to release."""

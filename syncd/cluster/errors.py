@@ -1,7 +1,7 @@
 """Errors of the cluster layer (:mod:`syncd.cluster`).
 
-Everything a peer sends is hostile until checked; a peer that fails a check gets its connection closed and
-the failure is counted (``ClusterNode.stats``). The exceptions below say what was wrong.
+Everything a peer (or etcd) sends is hostile until checked; a peer that fails a check gets its connection closed
+and the failure is counted (``ClusterNode.stats``). The exceptions below say what was wrong.
 """
 
 from __future__ import annotations
@@ -34,3 +34,25 @@ class Stalled(ClusterError):
     def __init__(self, msg: str, *, peer_starved: bool = False):
         super().__init__(msg)
         self.peer_starved = peer_starved
+
+
+class EtcdError(ClusterError):
+    """etcd answered a call with an error, or the call could not be made (see the subclasses). The message
+    names the endpoint and the call; ``reason`` is etcd's own message, when it sent one."""
+
+    def __init__(self, msg: str, *, reason: str | None = None):
+        super().__init__(msg)
+        self.reason = reason
+
+
+class EtcdUnavailable(EtcdError):
+    """etcd could not be reached, did not answer in time, or cannot serve now (no quorum): try again later."""
+
+
+class LeaseNotFound(EtcdError):
+    """The etcd lease named in the call does not exist (it expired or was revoked)."""
+
+
+class EtcdProtocolError(EtcdError, ProtocolError):
+    """An etcd reply that does not follow the HTTP or JSON API (malformed, oversized, a field missing or out
+    of range)."""

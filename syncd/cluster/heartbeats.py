@@ -1,13 +1,16 @@
 """The membership role of a cluster node (:class:`Heartbeats`, held by :class:`~syncd.cluster.node.ClusterNode`):
 who is in the cluster and alive (:class:`~syncd.cluster.membership.Membership`), who is the controller
-(:class:`~syncd.cluster.election.Election`), and the control connections that carry heartbeats and plans.
+(:class:`~syncd.cluster.election.Election`, or with ``--etcd`` :class:`~syncd.cluster.etcd_election.EtcdElection`),
+and the control connections that carry heartbeats and plans.
 
 Every ``heartbeat_s`` a node sends every other member a heartbeat: its incarnation, the highest controller
 term it has seen, its delivered version, which shards of the versions in flight it holds (``hold``) and in
 part (``part``), the rates it receives at from each parent and the parents that stalled; the controller's
 heartbeat also carries the version each new node starts at (``starts``) and the newest verified version
-(``latest``). Members come from the static peer list or the store directory (``discover_s``). Runs on the
-node's event loop (store reads in worker threads).
+(``latest``). A heartbeat that claims the controller role with a term older than the newest this node has seen
+is refused (its commands too; with etcd, see :meth:`~syncd.cluster.etcd_election.EtcdElection.is_stale`).
+Members come from the static peer list, the store directory (``discover_s``) or etcd. Runs on the node's event
+loop (store reads in worker threads).
 """
 
 from __future__ import annotations
@@ -36,7 +39,13 @@ class Heartbeats:
         cfg = node.cfg
         self.node = node
         self.membership = Membership(node.rank, members, dead_after_s=cfg.dead_after_s)
-        self.election = Election(node.rank, grace_s=cfg.dead_after_s, started=time.monotonic())
+        if cfg.etcd:
+            from syncd.cluster.etcd_election import EtcdElection
+
+            self.election = EtcdElection(node, endpoint=cfg.etcd, ttl_s=cfg.etcd_ttl_s,
+                                         cluster=cfg.cluster_id or node.run_id)
+        else:
+            self.election = Election(node.rank, grace_s=cfg.dead_after_s, started=time.monotonic())
         self._out: dict[int, wire.Channel] = {}  # our control connection to each peer (we only send on it)
         self._dialing: dict[int, asyncio.Task] = {}
         self._watchers: set[asyncio.Task] = set()
@@ -82,16 +91,21 @@ class Heartbeats:
         node = self.node
         while node.running:
             before = set(self.membership.live())
-            ctrl, became = self.election.evaluate(self.membership.live(), time.monotonic())
-            if became:
-                node.events("controller", term=self.election.term)
-                node.controller.take_over()
+            self.elect()
             payload = wire.dump_json(self.heartbeat())
             await asyncio.gather(*(self.send(r, T.HEARTBEAT, payload)
                                    for r in self.membership.members if r != node.rank), return_exceptions=True)
             await asyncio.sleep(node.cfg.heartbeat_s)
             if set(self.membership.live()) != before:
                 self.membership_changed()
+
+    def elect(self) -> None:
+        """Evaluate the election now (each heartbeat, and when etcd's election changes); on a takeover the
+        controller role continues from shared state."""
+        _, became = self.election.evaluate(self.membership.live(), time.monotonic())
+        if became:
+            self.node.events("controller", term=self.election.term)
+            self.node.controller.take_over()
 
     async def send(self, rank: int, t: T, payload: bytes) -> bool:
         """Send one control frame to ``rank`` (dialing it in the background if there is no connection yet);
@@ -166,12 +180,13 @@ class Heartbeats:
         before = set(self.membership.live())
         if self.membership.heard(rank, hb):
             node.events("peer_restarted", peer=rank)
-        if hb["ctrl"] == rank:
-            self.election.rival_claim(rank, hb["term"])
-        else:
+        if hb["ctrl"] != rank:
             self.election.seen_term(hb["term"])
-        if hb["ctrl"] == rank and isinstance(hb.get("starts"), dict):
-            mine = hb["starts"].get(str(node.rank))
+        elif self.election.is_stale(hb["term"]):  # a deposed controller's claim and commands
+            node.refuse_stale("heartbeat", rank, hb["term"])
+        else:
+            self.election.rival_claim(rank, hb["term"])
+            mine = hb["starts"].get(str(node.rank)) if isinstance(hb.get("starts"), dict) else None
             if isinstance(mine, int) and mine >= 0 and node.adopt_start(mine):
                 node.pulse()
         if set(self.membership.live()) != before:
@@ -183,6 +198,14 @@ class Heartbeats:
         self.node.controller.wake()
         self.node.replanned()
 
+    def merge_members(self, found: dict[int, Member]) -> None:
+        """Take members found in the store directory or etcd: a new or moved one is dialed afresh."""
+        for r in self.membership.add(found):
+            self.node.events("member", peer=r)
+            ch = self._out.pop(r, None)
+            if ch is not None:
+                ch.close()
+
     async def discover_loop(self) -> None:
         """Supervised: register this node in the store directory and read the others, every ``discover_s``."""
         node = self.node
@@ -192,11 +215,7 @@ class Heartbeats:
                 await asyncio.to_thread(membership.register, node.store, node.cfg.cluster_id, me, node.inc,
                                         node.secret)
                 found = await asyncio.to_thread(membership.discover, node.store, node.cfg.cluster_id, node.secret)
-                for r in self.membership.add(found):
-                    node.events("member", peer=r)
-                    ch = self._out.pop(r, None)
-                    if ch is not None:
-                        ch.close()
+                self.merge_members(found)
             except (SyncdError, OSError) as exc:
                 log.warning("node %d: store directory discovery failed: %s", node.rank, exc)
                 node.failure("store")

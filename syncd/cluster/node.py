@@ -5,7 +5,8 @@ for tests and benchmarks: :mod:`syncd.cluster.cli`).
 What a node does (``docs/cluster.md``), through its roles -- objects with their own state, each in its module:
 
 * :class:`~syncd.cluster.heartbeats.Heartbeats` (membership): heartbeats to every member, liveness, the
-  election (:mod:`syncd.cluster.election`), the control connections that carry heartbeats and plans;
+  election (:mod:`syncd.cluster.election`, or through etcd :mod:`syncd.cluster.etcd_election`), the control
+  connections that carry heartbeats and plans;
 * :class:`~syncd.cluster.controller.Controller`: while elected, polls the store for the newest verified
   version, plans every version some live node still needs (:mod:`syncd.cluster.planner`) and sends the plans;
 * :class:`~syncd.cluster.fetching.Relay`: gets each shard of the plans it is in into the cache (from the
@@ -110,7 +111,7 @@ class ClusterNode:
         self.events = EventLog(events)
         self.stats = {"refused_connections": 0, "bad_frames": 0, "store_bytes": 0, "store_bytes_by_version": {},
                       "served_bytes": 0, "served_chunks": 0, "received_bytes": 0, "received_chunks": 0,
-                      "switches": 0, "delivered": [], "failures": {}}
+                      "switches": 0, "delivered": [], "failures": {}, "stale_refused": 0}
         self._failures_hook = failures
         self.supervisor = Supervisor(f"cluster node {self.rank}", on_failure=self.failure, on_error=self._task_error,
                                      logger=log)
@@ -133,7 +134,7 @@ class ClusterNode:
         self.pulse_future = loop.create_future()
         self.replan_future = loop.create_future()
         members = dict(cfg.peers or {})
-        if cfg.cluster_id is not None and cfg.advertise is not None:
+        if (cfg.cluster_id is not None or cfg.etcd) and cfg.advertise is not None:
             members[self.rank] = Member(self.rank, cfg.advertise[0], int(cfg.advertise[1]))
         if self.rank not in members:
             raise ValueError(f"rank {self.rank} has no address (not in the peer list, no advertise)")
@@ -151,6 +152,8 @@ class ClusterNode:
         self.supervisor.spawn("deliver", self._deliver_loop)
         if cfg.cluster_id is not None:
             self.supervisor.spawn("discover", self.heartbeats.discover_loop)
+        for name, loop_fn in self.heartbeats.election.loops().items():
+            self.supervisor.spawn(name, loop_fn)
         self.events("start", rank=self.rank, inc=self.inc, delivered=self.delivered, pid=os.getpid())
         log.info("cluster node %d listening on %s:%d (incarnation %s)", self.rank, host, port, self.inc)
 
@@ -162,6 +165,7 @@ class ClusterNode:
         if self._server is not None:
             self._server.close()
         await self.supervisor.stop()
+        await self.heartbeats.election.close()
         tasks = [*self.heartbeats.close(), *self.relay.close()]
         for t in tasks:
             t.cancel()
@@ -187,7 +191,9 @@ class ClusterNode:
         ``store_bytes`` (shard bytes read from the store), ``served_bytes``/``served_chunks`` (to peers),
         ``relays_lost`` (pulls whose source died, stalled or failed, moved to another source),
         ``failures`` (``{kind: count}``), ``tasks`` (:meth:`syncd.supervise.Supervisor.health`) and
-        ``skipped_versions`` (``{version: why}`` of the unusable versions the controller skipped, newest 16).
+        ``skipped_versions`` (``{version: why}`` of the unusable versions the controller skipped, newest 16),
+        ``election`` (``"etcd"`` or ``"builtin"``) and ``stale_refused`` (plans and controller heartbeats refused
+        for a term older than the newest seen).
         Call from the node's loop (or accept a value a moment old from another thread)."""
         st = self.stats
         roles = self.heartbeats is not None
@@ -205,7 +211,8 @@ class ClusterNode:
                 "store_bytes": st["store_bytes"], "served_bytes": st["served_bytes"],
                 "served_chunks": st["served_chunks"], "relays_lost": st["switches"],
                 "failures": dict(st["failures"]), "tasks": self.supervisor.health(),
-                "skipped_versions": self.controller.skipped() if roles else {}}
+                "skipped_versions": self.controller.skipped() if roles else {},
+                "election": "etcd" if self.cfg.etcd else "builtin", "stale_refused": st["stale_refused"]}
 
     def failure(self, kind: str) -> None:
         """Count one failure of ``kind`` (here and in the ``failures`` hook)."""
@@ -311,11 +318,27 @@ class ClusterNode:
 
     # ------------------------------------------------------------------------------------- plans
 
+    def refuse_stale(self, what: str, sender: int, term: int) -> None:
+        """A ``what`` (plan, heartbeat) from ``sender`` carries ``term``, older than the newest seen: refused
+        (counted in ``stale_refused``, a ``stale_refused`` event)."""
+        newest = self.heartbeats.election.max_term
+        self.stats["stale_refused"] += 1
+        self.events("stale_refused", what=what, peer=sender, term=term, newest=newest)
+        log.info("node %d: refused a %s of rank %d: its term %d is older than term %d", self.rank, what, sender,
+                 term, newest)
+
     async def on_plan(self, sender: int, msg: dict) -> None:
-        """A PLAN from ``sender``: its manifest verified here, then the plan accepted."""
+        """A PLAN from ``sender``: refused if its term is stale (fencing), else its manifest verified here and
+        the plan accepted."""
         raw = msg.get("manifest")
         if not isinstance(raw, str) or not isinstance(msg.get("plan"), dict):
             raise ProtocolError("PLAN without manifest and plan")
+        term = msg["plan"].get("term")
+        if not isinstance(term, int) or isinstance(term, bool):
+            raise ProtocolError("PLAN without an integer term")
+        if self.heartbeats.election.is_stale(term):
+            self.refuse_stale("plan", sender, term)
+            return
         raw_b = raw.encode("ascii", errors="strict")
         v = msg["plan"].get("version")
         if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= mf.MAX_VERSION:
@@ -340,8 +363,8 @@ class ClusterNode:
             return
         self.heartbeats.election.seen_term(plan.term)
         self.plans[plan.version] = new
-        self.events("plan", v=plan.version, term=plan.term, seq=plan.seq, roots=plan.roots(), slow=list(plan.slow),
-                    shard_roots=[s.root for s in plan.shards],
+        self.events("plan", v=plan.version, term=plan.term, seq=plan.seq, sender=new.sender, roots=plan.roots(),
+                    slow=list(plan.slow), shard_roots=[s.root for s in plan.shards],
                     relays=sorted({r for s in plan.shards for r in s.order[1:] if s.children(r, plan.fanout)}))
         for sp in sorted(plan.shards, key=lambda s: s.fetch_rank):
             if self.rank in sp.order and not self.cache.has(sp.sha256):

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 #: flags of ``python -m syncd.cluster.node`` that the daemon has under its own names
 _SHARED = {"help", "store", "endpoint", "store_option", "run_id", "cache_root", "signing_key_file", "log_level"}
 _METAVAR = {"rank": "R", "peers": "R=HOST:PORT,...", "peers-from-store": "ID", "advertise": "HOST:PORT",
-            "listen": "HOST:PORT", "secret-file": "PATH", "events": "PATH", "slow-fraction": "F",
+            "etcd": "URL", "listen": "HOST:PORT", "secret-file": "PATH", "events": "PATH", "slow-fraction": "F",
             "throttle-bps": "BYTES_PER_S"}
 _HELP = {  # where the node's own parser has none (its defaults: syncd.cluster.ClusterConfig)
     "rank": "this node's rank in the cluster; setting it runs the daemon in cluster mode",
@@ -128,9 +128,10 @@ def cluster_settings(args: argparse.Namespace) -> ClusterSettings | None:
         if ns.peers or ns.cluster_id:
             raise ValueError("cluster members are given but no rank: set --cluster-rank (or SYNCD_CLUSTER_RANK)")
         return None
-    if not ns.peers and not ns.cluster_id:
-        raise ValueError("cluster mode (--cluster-rank) needs the members: --cluster-peers R=HOST:PORT,... or "
-                         "--cluster-peers-from-store ID (or SYNCD_CLUSTER_PEERS / SYNCD_CLUSTER_PEERS_FROM_STORE)")
+    if not ns.peers and not ns.cluster_id and not ns.etcd:
+        raise ValueError("cluster mode (--cluster-rank) needs the members: --cluster-peers R=HOST:PORT,..., "
+                         "--cluster-peers-from-store ID or --cluster-etcd URL (or SYNCD_CLUSTER_PEERS / "
+                         "SYNCD_CLUSTER_PEERS_FROM_STORE / SYNCD_CLUSTER_ETCD)")
     try:
         config = config_from_args(ns)
     except ValueError as exc:

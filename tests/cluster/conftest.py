@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bench.netsim import NodeProcs, free_port
+from bench.netsim.etcd import EtcdServer
 from tests.cluster._util import KEY, RUN, SECRET
 from tests.daemon._fixtures import model_dir, procs  # noqa: F401  (fixtures shared by both packages)
 from tests.store._models import trajectory
@@ -56,3 +57,12 @@ def make_cluster(tmp_path):
     yield make
     for c in made:
         c.stop_all()
+
+
+@pytest.fixture
+def etcd(tmp_path):
+    """A real etcd (Debian's etcd-server, ``scripts/setup_services.sh``) on loopback ports, its data under
+    ``tmp_path`` (so a test can kill and restart it); stopped at teardown."""
+    server = EtcdServer(tmp_path / "etcd").start()
+    yield server
+    server.stop()
