@@ -7,6 +7,11 @@ takes the same optimizer steps; :meth:`DataParallel.all_reduce_grads` sums the g
 flat buffer in the model's parameter order (its layout never changes), one all-reduce, copied back. Losses are
 normalised by the step's global token count, so the sum is the gradient of the whole step.
 
+The step loop (:func:`syncd.trainer.loop.train`) drives it as it drives the elastic
+:class:`syncd.trainer.elastic.ElasticDP`: :meth:`DataParallel.begin_step` gives this rank's share of the next step,
+:meth:`DataParallel.commit` is always True here (a rank that fails stops the whole job: the others' collectives
+fail), and :attr:`DataParallel.step` counts the committed steps.
+
 :func:`make_deterministic` is what makes two runs from the same seed on the same rollouts end with
 bit-identical weights: ``torch.use_deterministic_algorithms(True)``, a fixed number of intra-op threads, seeded
 generators, and no filling of uninitialised memory (the trainer never reads it; filling costs time).
@@ -81,6 +86,9 @@ def set_grads(params, flat: torch.Tensor) -> None:
 class DataParallel:
     """The trainer's process group (see the module docstring). ``device``: where this rank computes."""
 
+    #: a plain job never heals a rank from a peer's live state: it restarts as a whole, from checkpoints
+    healed = False
+
     def __init__(self, *, device: str | torch.device | None = None, timeout_s: float = 900.0):
         self.rank = int(os.environ.get("RANK", "0"))
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -90,6 +98,7 @@ class DataParallel:
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', self.rank))}" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
         self.group = None
+        self.step = 0  # steps committed (the next one is step + 1)
         if self.world > 1:
             import torch.distributed as dist
 
@@ -109,6 +118,42 @@ class DataParallel:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    def set_step(self, step: int) -> None:
+        """The step the ranks' restored state belongs to (before the first :meth:`begin_step`)."""
+        self.step = int(step)
+
+    def begin_step(self) -> tuple[int, int]:
+        """``(rank, world)``: this rank's share of step ``step + 1`` (every rank takes part in every step)."""
+        return self.rank, self.world
+
+    def commit(self) -> bool:
+        """Count step ``step + 1`` committed; always True (call after :meth:`all_reduce_grads`, before the
+        optimizer steps)."""
+        self.step += 1
+        return True
+
+    def broadcast_result(self, make):
+        """``make()`` run on rank 0 (pass None on the other ranks), its result on every rank. An exception there
+        is raised there and, as a RuntimeError, on the other ranks (which would otherwise wait for rank 0 forever)."""
+        if self.is_main:
+            try:
+                value = {"ok": make()}
+            except Exception as exc:  # noqa: BLE001 -- the other ranks must hear of it
+                self.broadcast({"error": f"{type(exc).__name__}: {exc}"})
+                raise
+            return self.broadcast(value)["ok"]
+        value = self.broadcast(None)
+        if "error" in value:
+            raise RuntimeError(f"rank 0 stopped the run: {value['error']}")
+        return value["ok"]
+
+    def summary(self, model: torch.nn.Module) -> dict:
+        """What the ranks report at the end of a run: ``digest`` (:func:`weights_digest` of rank 0's weights) and
+        ``ranks_agree`` (every rank ended with the same weights); both None off rank 0. A collective."""
+        digests = self.gather(weights_digest(model))
+        return {"digest": digests[0] if digests else None,
+                "ranks_agree": None if digests is None else len(set(digests)) == 1}
 
     def broadcast(self, obj):
         """``obj`` of rank 0 on every rank (pickled: the ranks trust each other)."""

@@ -31,6 +31,11 @@ The lighthouse is torchft's console script (``torchft_lighthouse --min_replicas 
   fresh uuid on every start, so a restarted group is a new member), and the healing transport
   (:class:`syncd.trainer.heal.VerifiedTransport`).
 
+It is the data-parallel object of the one step loop (:func:`syncd.trainer.loop.train`), as
+:class:`syncd.trainer.dist.DataParallel` is for a plain job: the loop's :meth:`ElasticDP.begin_step` is the quorum,
+its :meth:`ElasticDP.commit` torchft's ``should_commit``, and :attr:`ElasticDP.healed` says whether the quorum
+healed this group (what torchft's ``OptimizerWrapper`` does in ``zero_grad`` and ``step``, with the loop's own order).
+
 :meth:`set_step` tells torchft the step a group restored from its checkpoint (or its peers' replicas), so that a
 group at the others' step does not heal at all and one behind heals from a live peer.
 Thread-safety: the training thread only.
@@ -129,12 +134,18 @@ class ElasticDP:
             raise ValueError(f"min_replicas must be in [1, {groups}], got {min_replicas}")
         self.group, self.groups, self.min_replicas = group, groups, min_replicas
         self.is_main = group == 0
+        self.healed = False  # this step's quorum loaded a live peer's state (set in begin_step)
+        self.restored_step = 0
+
+        def heal(state) -> None:
+            load_state_dict(state)
+            self.healed = True
         self.device = torch.device("cpu")
         self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
         timeout = timedelta(seconds=timeout_s)
         self._pg = ProcessGroupGloo(timeout=timeout)
         self.manager = Manager(
-            pg=self._pg, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=min_replicas,
+            pg=self._pg, load_state_dict=heal, state_dict=state_dict, min_replica_size=min_replicas,
             use_async_quorum=False, init_sync=False, replica_id=f"group_{group}", store_addr=host,
             store_port=self._store.port, rank=0, world_size=1, lighthouse_addr=lighthouse, hostname=host,
             timeout=timeout, quorum_timeout=timedelta(seconds=quorum_timeout_s),
@@ -150,10 +161,13 @@ class ElasticDP:
 
     def set_step(self, step: int) -> None:
         """The step this group's restored state belongs to (before its first quorum)."""
+        self.restored_step = int(step)
         self.manager.load_state_dict({"step": int(step), "batches_committed": 0})
 
     def begin_step(self) -> tuple[int, int]:
-        """Join this step's quorum (healing first if behind); ``(participant index, participants)``."""
+        """Join this step's quorum (healing first if behind: :attr:`step` then moved on, :attr:`healed` is
+        True); ``(participant index, participants)``, the index -1 if this group does not take part."""
+        self.healed = False
         self.manager.start_quorum()
         self.quorums += 1
         rank, self.world = self.manager.participating_rank(), self.manager.num_participants()
@@ -179,6 +193,20 @@ class ElasticDP:
         t = torch.tensor(values, dtype=torch.float64)
         self.manager.allreduce(t, reduce_op=ReduceOp.SUM).wait()
         return t.tolist()
+
+    def gather(self, obj) -> list:
+        """``[obj]``: replica groups exchange tensors, not objects; each reports its own share (the counterpart
+        of :meth:`syncd.trainer.dist.DataParallel.gather`)."""
+        return [obj]
+
+    def summary(self, model: torch.nn.Module) -> dict:
+        """What this group reports at the end of a run: ``digest`` (its weights,
+        :func:`syncd.trainer.dist.weights_digest`), ``group``, ``steps`` committed, ``quorums`` joined,
+        ``failed_commits`` and ``restored_step`` (0: started afresh)."""
+        from syncd.trainer.dist import weights_digest
+
+        return {"digest": weights_digest(model), "group": self.group, "steps": self.step, "quorums": self.quorums,
+                "failed_commits": self.failed_commits, "restored_step": self.restored_step}
 
     def commit(self) -> bool:
         """torchft's vote: True if every participant finished the step (then step the optimizer)."""

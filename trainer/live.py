@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from syncd.trainer.buffer import BufferClosed, RolloutBuffer
+from syncd.trainer.config import ConfigError
 from syncd.trainer.metrics import EngineWatcher, MetricsLog, read_metrics, summarize
 from syncd.trainer.objective import LossConfig, TokenRecord, step_diagnostics
 
@@ -83,9 +84,8 @@ class LiveSide:
         if cfg.plans:
             self._plans = [json.loads(ln) for ln in Path(cfg.plans).read_text().splitlines() if ln.strip()]
             return
-        from syncd.versions import has_versions, latest_version
-        from syncd.trainer.loop import ConfigError
         from syncd.publish.publisher import WeightPublisher
+        from syncd.versions import has_versions, latest_version
         from syncd.trainer.rollout_workers import ProxyError, RolloutWorkers, Sampling, proxy_models
         from syncd.trainer.tasks import get_task, load_reward
 
@@ -187,6 +187,9 @@ class LiveSide:
         return plan
 
     def record(self, plan: dict) -> None:
+        """Append ``plan`` to ``plans.jsonl`` (nothing when training offline on recorded plans)."""
+        if self._recorded is None:
+            return
         self._recorded.write(json.dumps(plan) + "\n")
         self._recorded.flush()
 

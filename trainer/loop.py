@@ -32,8 +32,22 @@ Fault tolerance (``docs/trainer.md``): with ``checkpoint_dir`` every rank checkp
 background (``syncd.trainer.checkpoint``; rank 0's holds the RL state of ``syncd.trainer.live``), replicated to ``replicas``
 peers on other nodes (``syncd.trainer.replicas``, ``syncd.trainer.peers``), and publishing waits until a step's checkpoint is durable;
 ``resume`` continues a killed run from the newest step every rank can restore (local, else peers' replicas).
-With ``lighthouse`` the job is elastic (``syncd.trainer.elastic_loop``): one process per replica group, a per-step
+With ``lighthouse`` the job is elastic: one process per replica group, a per-step
 quorum on torchft, groups leaving and rejoining without a restart.
+
+The step is written once, :func:`train`, over a data-parallel object and the collaborators of a :class:`Job`
+(assembled by :mod:`syncd.trainer.jobs`), as torchft's ``OptimizerWrapper`` hides elasticity from a plain loop:
+
+* ``dp.begin_step()`` gives this process's share of the next step (``(rank, n)``: group ``i`` of the plan to
+  participant ``i % n``); the elastic :class:`syncd.trainer.elastic.ElasticDP` joins the step's quorum there, and
+  a group behind the others heals there (``dp.step`` moves on: the loop then trains the others' step);
+* ``dp.commit()`` after the gradients are summed: always True for :class:`syncd.trainer.dist.DataParallel`;
+  torchft's ``should_commit`` for the elastic one (False: a peer failed, the optimizer does not step and the same
+  step is tried again on the next quorum);
+* the plan source (:mod:`syncd.trainer.plans`: broadcast from rank 0, or the elastic job's plan log), the
+  checkpoints (:class:`syncd.trainer.step_checkpoints.StepCheckpoints`: the ranks of a plain job agree on the
+  steps they hold, an elastic group's are its own) and the attempt log (an elastic group's ``ft.jsonl``: one
+  ``attempt`` line per try of a step, ``end``) are handed in.
 """
 
 from __future__ import annotations
@@ -47,293 +61,109 @@ import torch
 
 from syncd.store import Store
 from syncd.trainer.buffer import group_advantages
-from syncd.trainer.checkpoint import agreed_step, agreement
 from syncd.trainer.compaction import sequence_rewards
-from syncd.trainer.dist import DataParallel, make_deterministic, weights_digest
+from syncd.trainer.config import LoopConfig
 from syncd.trainer.objective import LossConfig, policy_gradient_loss
-from syncd.trainer.optim import build_optimizer
 from syncd.trainer.rollouts import read_rollouts
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LoopConfig", "ConfigError", "run_loop"]
+__all__ = ["Job", "train"]
 
 
-class ConfigError(ValueError):
-    """A configuration the loop cannot run; the message names the flag."""
+@dataclass
+class Job:
+    """What :func:`train` runs on; the job that assembled it owns (and closes) every part.
+
+    ``cfg``: the run's configuration (``cfg.out``: this process's output folder). ``dp``: the data-parallel object
+    (:class:`syncd.trainer.dist.DataParallel` or :class:`syncd.trainer.elastic.ElasticDP`: ``step``,
+    ``begin_step()``, ``all_reduce_grads``, ``all_reduce_sum``, ``commit()``, ``healed``, ``gather``,
+    ``summary``). ``model``, ``opt``: this process's model and optimizer. ``plans``: the plan source
+    (:mod:`syncd.trainer.plans`). ``live``: the live side, where this process runs it
+    (:class:`syncd.trainer.live.LiveSide`). ``checkpoints``: :class:`syncd.trainer.step_checkpoints.StepCheckpoints`
+    (None: no checkpoints). ``attempts``: a :class:`syncd.trainer.metrics.MetricsLog` for one ``attempt`` line per
+    try of a step and the ``end`` line (None: none). ``weights_file``: where this process writes its final weights
+    with ``cfg.save_weights`` (None: another process does)."""
+
+    cfg: LoopConfig
+    dp: object
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    plans: object
+    live: object | None = None
+    checkpoints: object | None = None
+    attempts: object | None = None
+    weights_file: Path | None = None
 
 
-@dataclass(frozen=True)
-class LoopConfig:
-    """What :func:`run_loop` runs (``python -m syncd.trainer.run --help`` describes each as its flag)."""
-
-    model: str
-    store: str
-    run_id: str
-    out: str
-    proxies: tuple[str, ...] = ()
-    task: str = "repeat"
-    task_length: int = 8
-    reward: str | None = None
-    steps: int = 30
-    group_size: int = 8
-    groups_per_step: int = 4
-    every_k: int = 1
-    max_lag: int = 2
-    lookahead: int | None = None
-    workers: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    optimizer: str = "adamw"
-    lr: float = 1e-2
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    is_cap: float | None = 2.0
-    is_band: tuple | None = None
-    is_seq_band: tuple | None = None
-    micro_batch: int = 64
-    adv_scale: bool = True
-    seed: int = 0
-    threads: int = 1
-    full_every: int = 16
-    delta_format: int = 1
-    sliced_tensors: str | None = None
-    daemon_status: str | None = None
-    sync: bool = False
-    plans: str | None = None
-    save_weights: bool = False
-    plot: bool = True
-    rollout_timeout_s: float = 300.0
-    record_timeout_s: float = 60.0
-    request_timeout_s: float = 120.0
-    engine_timeout_s: float = 120.0
-    checkpoint_dir: str | None = None
-    resume: bool = False
-    replicas: int = 1
-    keep_checkpoints: int = 2
-    checkpoint_busy: str = "wait"
-    node: str | None = None
-    ft_host: str = "127.0.0.1"
-    lighthouse: str | None = None
-    replica_group: int = 0
-    replica_groups: int = 1
-    min_replicas: int = 1
-    ft_timeout_s: float = 30.0
-    curation: object | None = None  # a syncd.trainer.curation.CurationConfig: the difficulty filter on the task sampler
-
-    def check(self) -> None:
-        """Raise :class:`ConfigError` naming the flag of the first bad setting."""
-        from syncd.trainer.optim import OPTIMIZERS
-        from syncd.publish.shard_writer import delta_formats
-        from syncd.trainer.tasks import get_task
-
-        rules = [(self.every_k >= 1, "--every-k", f"K must be >= 1, got {self.every_k}"),
-                 (self.max_lag >= 0, "--max-lag", f"the staleness bound eta must be >= 0, got {self.max_lag}"),
-                 (self.steps >= 1, "--steps", f"must be >= 1, got {self.steps}"),
-                 (self.group_size >= 2, "--group-size", f"a group needs >= 2 samples, got {self.group_size}"),
-                 (self.groups_per_step >= 1, "--groups-per-step", f"must be >= 1, got {self.groups_per_step}"),
-                 (self.lookahead is None or self.lookahead >= self.groups_per_step, "--lookahead",
-                  f"must be >= --groups-per-step ({self.groups_per_step}), got {self.lookahead}"),
-                 (self.lr > 0, "--lr", f"must be > 0, got {self.lr}"),
-                 (self.threads >= 1, "--threads", f"must be >= 1, got {self.threads}"),
-                 (self.optimizer in OPTIMIZERS, "--optimizer",
-                  f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}"),
-                 (self.plans is not None or bool(self.proxies), "--proxy",
-                  "at least one proxy URL is needed (or --plans to train offline)"),
-                 (not self.sync or self.daemon_status is not None, "--daemon-status",
-                  "the synchronous baseline (--sync) waits for the engines through the daemon's status file"),
-                 (not (self.sync and self.plans), "--sync", "cannot be combined with --plans"),
-                 (self.checkpoint_dir is not None or not self.resume, "--resume",
-                  "needs --checkpoint-dir (where the run's checkpoints are)"),
-                 (self.replicas >= 0, "--replicas", f"must be >= 0, got {self.replicas}"),
-                 (self.keep_checkpoints >= 1, "--keep-checkpoints", f"must be >= 1, got {self.keep_checkpoints}"),
-                 (self.checkpoint_busy in ("skip", "wait"), "--checkpoint-busy",
-                  f"must be skip or wait, got {self.checkpoint_busy!r}"),
-                 (self.replica_groups >= 1 and 0 <= self.replica_group < self.replica_groups, "--replica-group",
-                  f"must be in [0, --replica-groups={self.replica_groups}), got {self.replica_group}"),
-                 (1 <= self.min_replicas <= self.replica_groups, "--min-replicas",
-                  f"must be in [1, --replica-groups={self.replica_groups}], got {self.min_replicas}"),
-                 (self.lighthouse is None or not self.sync, "--sync", "the elastic job (--lighthouse) runs async"),
-                 (self.delta_format in (1, 2), "--delta-format", f"must be 1 or 2, got {self.delta_format!r}")]
-        for ok, flag, msg in rules:
-            if not ok:
-                raise ConfigError(f"{flag}: {msg}")
-        try:
-            delta_formats(self.delta_format, self.sliced_tensors)
-        except ValueError as exc:
-            raise ConfigError(f"--sliced-tensors: {exc}") from None
-        try:
-            get_task(self.task, length=self.task_length)
-        except ValueError as exc:
-            raise ConfigError(f"--task: {exc}") from None
-        try:
-            LossConfig(self.is_cap, self.is_band, self.is_seq_band, self.micro_batch)
-        except ValueError as exc:
-            raise ConfigError(f"--is-cap/--is-band/--is-seq-band/--micro-batch: {exc}") from None
-        if not Path(self.model, "config.json").is_file():
-            raise ConfigError(f"--model: {self.model} is not a model folder (no config.json)")
-        if self.plans is not None:
-            try:
-                n = sum(1 for ln in Path(self.plans).read_text().splitlines() if ln.strip())
-            except OSError as exc:
-                raise ConfigError(f"--plans: cannot read {self.plans}: {exc}") from None
-            if n < self.steps:
-                raise ConfigError(f"--plans: {self.plans} holds {n} steps, --steps asks for {self.steps}")
-
-
-def _load_model(cfg: LoopConfig, device) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32).to(device)
-    model.train()
-    return model
-
-
-def run_loop(cfg: LoopConfig) -> dict:
-    """Run ``cfg`` on this rank (every rank calls it); returns the summary (rank 0's is complete). Raises
-    :class:`ConfigError` for a bad configuration and RuntimeError when the run cannot go on."""
-    cfg.check()
-    if cfg.lighthouse:
-        from syncd.trainer.elastic_loop import run_elastic
-
-        return run_elastic(cfg)
-    from syncd.trainer.live import LiveSide
-
-    dp = DataParallel()
-    make_deterministic(cfg.seed, cfg.threads)
-    model = _load_model(cfg, dp.device)
-    opt = build_optimizer(model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay)
+def train(job: Job) -> dict:
+    """Train until ``job.dp.step`` reaches ``cfg.steps`` committed steps; returns the summary (the live side's,
+    where this process runs it, is complete). Raises RuntimeError when the run cannot go on (no rollouts, a
+    missing trajectory, another rank stopped the run)."""
+    cfg, dp, model, opt, live, ckpts = job.cfg, job.dp, job.model, job.opt, job.live, job.checkpoints
     params = [p for p in model.parameters() if p.requires_grad]
     loss_cfg = LossConfig(cfg.is_cap, cfg.is_band, cfg.is_seq_band, cfg.micro_batch)
     store = Store.open(cfg.store)
-    live = ft = None
-    try:
-        ft, restored = _fault_tolerance(cfg, dp, model, opt)
-        start = restored.step if restored is not None else 0
-        if dp.is_main:
-            live = LiveSide(cfg, model, resume_step=start if restored is not None else None,
-                            commit_gate=(lambda s: ft.durable(s)) if ft is not None else None)
-        _shared(dp, (lambda: live.start(restored.state if restored is not None else None))
-                if live is not None else None)
-        for step in range(start + 1, cfg.steps + 1):
-            plan = _shared(dp, (lambda: live.plan(step)) if live is not None else None)
-            t0 = time.perf_counter()
-            mine = [g for i, g in enumerate(plan["groups"]) if i % dp.world == dp.rank]
-            seqs, adv = _sequences(cfg, store, mine, live, model.config.vocab_size)
-            normalizer = max(1, sum(g["tokens"] for g in plan["groups"]))
-            loss, rec = policy_gradient_loss(model, seqs, adv, normalizer=normalizer, config=loss_cfg) \
-                if seqs else (0.0, None)
-            dp.all_reduce_grads(params)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)) if cfg.grad_clip > 0 else None
-            if ft is not None:
-                ft.checkpointer.before_update()
+    while dp.step < cfg.steps:
+        step = dp.step + 1
+        plan = job.plans.get(step)
+        t0 = time.perf_counter()
+        rank, n = dp.begin_step()
+        tq = time.perf_counter()
+        if dp.step + 1 != step:  # healed to the others' step
+            step = dp.step + 1
+            if step > cfg.steps:
+                break
+            plan = job.plans.get(step)
+        mine = [g for i, g in enumerate(plan["groups"]) if rank >= 0 and i % n == rank]
+        seqs, adv = _sequences(cfg, store, mine, live, model.config.vocab_size)
+        normalizer = max(1, sum(g["tokens"] for g in plan["groups"]))
+        loss, rec = policy_gradient_loss(model, seqs, adv, normalizer=normalizer, config=loss_cfg) \
+            if seqs else (0.0, None)
+        dp.all_reduce_grads(params)
+        loss = dp.all_reduce_sum([loss])[0]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)) if cfg.grad_clip > 0 else None
+        if ckpts is not None:
+            ckpts.before_update()
+        ok = dp.commit()
+        if ok:
             opt.step()
-            opt.zero_grad()
-            if ft is not None and cfg.checkpoint_busy == "wait":
-                ft.checkpointer.wait_previous()  # past the all-reduce, every rank's checkpoint of step - 1 is written
-            sums = dp.all_reduce_sum([loss, *agreement(ft.checkpointer if ft is not None else None)])
-            loss = sums[0]
-            if ft is not None and (common := agreed_step(sums[1:], dp.world)) is not None:
-                ft.checkpointer.agree(common)  # retention keeps a step every rank holds
-            recs = dp.gather(rec)
-            train_s = time.perf_counter() - t0
-            if live is not None:
-                live.finish_step(step, plan, [r for r in recs if r is not None], loss, grad_norm, train_s, loss_cfg)
-            if ft is not None:
-                gated = live is not None and live.published_step == step  # its version waits for this checkpoint
-                skip = None
-                if cfg.checkpoint_busy == "skip":  # every rank skips the same steps, or none could restore them all
-                    busy, gated_ranks = dp.all_reduce_sum([float(ft.checkpointer.busy), float(gated)])
-                    skip, gated = busy > 0, gated_ranks > 0
-                ft.checkpointer.save(step, model, opt, state=live.snapshot() if live is not None else None,
-                                     wait=gated or step == cfg.steps, skip=skip)
-        digests = dp.gather(weights_digest(model))
-        summary = {"digest": digests[0] if digests else None,
-                   "ranks_agree": None if digests is None else len(set(digests)) == 1}
-        if ft is not None:
-            ft.checkpointer.flush()
-            summary["checkpoints"] = _ckpt_summary(ft)
+        opt.zero_grad()
+        if job.attempts is not None:
+            job.attempts.write("attempt", step=step, committed=ok, participants=n, rank=rank, loss=loss,
+                               healed=dp.healed, quorum_s=tq - t0, step_s=time.perf_counter() - t0)
+        if not ok:
+            log.warning("step %d not committed (a peer failed); retrying it", step)
+            continue
+        if ckpts is not None:
+            ckpts.committed()
+        recs = dp.gather(rec)
+        train_s = time.perf_counter() - t0
         if live is not None:
-            summary = live.close(summary)
-        if dp.is_main and cfg.save_weights:
-            from safetensors.torch import save_file
+            live.finish_step(step, plan, [r for r in recs if r is not None], loss, grad_norm, train_s, loss_cfg,
+                             participants=n)
+        job.plans.committed(step)
+        if ckpts is not None:
+            gated = live is not None and live.published_step == step  # its version waits for this checkpoint
+            ckpts.save(step, model, opt, state=live.snapshot() if live is not None else {"step": step},
+                       must=gated or step == cfg.steps)
+    summary = dp.summary(model)
+    if ckpts is not None:
+        summary["checkpoints"] = ckpts.flush()
+    if live is not None:
+        summary = live.close(summary)
+    if job.attempts is not None:
+        job.attempts.write("end", **summary)
+    if cfg.save_weights and job.weights_file is not None:
+        from safetensors.torch import save_file
 
-            save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()},
-                      str(Path(cfg.out) / "weights.safetensors"))
-        return summary
-    finally:
-        if live is not None:
-            live.abort()
-        if ft is not None:
-            ft.close()
-        dp.close()
-
-
-def _ckpt_summary(ft) -> dict:
-    st = ft.checkpointer.stats
-    return {"saved": st.saved, "skipped": st.skipped, "failures": st.failures, "stall_s": st.stall_s,
-            "durable_step": ft.checkpointer.durable_step,
-            "replica_failures": ft.replicator.failures if ft.replicator is not None else 0}
-
-
-def _fault_tolerance(cfg: LoopConfig, dp: DataParallel, model, opt):
-    """``(FaultTolerance or None, restored Checkpoint or None)`` for a plain data-parallel job: every rank's
-    checkpoints and replica server; with ``resume``, the newest step every rank can restore, applied."""
-    if cfg.checkpoint_dir is None:
-        return None, None
-    from syncd.trainer.ft import FaultTolerance, FTConfig, agree_step, default_node
-
-    node = cfg.node.replace("{rank}", str(dp.rank)) if cfg.node else default_node()
-    nodes = dp.broadcast(dp.gather(node))
-    owners = tuple(f"rank-{r}" for r in range(dp.world))
-    k = min(cfg.replicas, len(set(nodes)) - 1)
-    if k < cfg.replicas and dp.is_main:
-        log.warning("--replicas %d: the %d ranks are on %d node(s); keeping %d replica(s) (a replica on the "
-                    "owner's own node would not survive the node)", cfg.replicas, dp.world, len(set(nodes)), k)
-    ft = FaultTolerance(FTConfig(cfg.checkpoint_dir, owners[dp.rank], owners, tuple(nodes), cfg.store, cfg.run_id,
-                                 replicas=k, keep=cfg.keep_checkpoints, host=cfg.ft_host,
-                                 on_busy=cfg.checkpoint_busy))
-    dp.barrier()  # every replica server announced before anyone asks for its replicas
-    if not cfg.resume:
-        taken = dp.gather(ft.checkpointer.durable_step is not None)
-        if dp.broadcast(any(taken) if dp.is_main else None):
-            raise ConfigError(f"--checkpoint-dir: {cfg.checkpoint_dir} holds checkpoints of an earlier run: pass "
-                              "--resume to continue it, or use another folder")
-        return ft, None
-    avail = dp.gather(ft.available())
-    step = dp.broadcast(agree_step(avail) if dp.is_main else None)
-    if step is None:
-        raise ConfigError(f"--resume: no checkpoint step that every rank can restore in {cfg.checkpoint_dir} "
-                          "(nor on the peers' replicas)")
-    ckpt = ft.restore(step=step)
-    ok = dp.gather(ckpt is not None)
-    if dp.broadcast(all(ok) if dp.is_main else None) is not True:
-        raise RuntimeError(f"a rank could not restore step {step} (see its log)")
-    ckpt.apply(model, opt)
-    log.warning("rank %d: resumed at step %d", dp.rank, step)
-    return ft, ckpt
-
-
-def _shared(dp: DataParallel, make):
-    """``make()`` on rank 0, its result on every rank; an exception there is raised there and, as a
-    RuntimeError, on the other ranks (which would otherwise wait for rank 0 forever)."""
-    if make is not None:
-        try:
-            value = {"ok": make()}
-        except Exception as exc:  # noqa: BLE001 -- the other ranks must hear of it
-            dp.broadcast({"error": f"{type(exc).__name__}: {exc}"})
-            raise
-        return dp.broadcast(value)["ok"]
-    value = dp.broadcast(None)
-    if "error" in value:
-        raise RuntimeError(f"rank 0 stopped the run: {value['error']}")
-    return value["ok"]
+        save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, str(job.weights_file))
+    return summary
 
 
 def _sequences(cfg: LoopConfig, store, groups: list[dict], live, vocab_size: int):
-    """This rank's sequences and their advantages: rank 0 has its live groups in memory, the others (and
-    offline runs) read them from the store."""
+    """This process's sequences and their advantages: the live side has its groups in memory, the other ranks
+    (and offline runs) read them from the store."""
     seqs, adv = [], []
     for g in groups:
         rollouts = live.rollouts_of(g["gid"]) if live is not None else None

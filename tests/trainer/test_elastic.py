@@ -60,7 +60,7 @@ def data(tmp_path_factory):
 SPARE = r"""
 import json, sys
 import torch, torchft, transformers  # noqa: F401 -- the slow part of a start
-import syncd.trainer.elastic_loop, syncd.trainer.run  # noqa: F401
+import syncd.trainer.jobs, syncd.trainer.run  # noqa: F401
 print("ready", file=sys.stderr, flush=True)
 sys.stdin.readline()
 sys.exit(syncd.trainer.run.main(json.loads(sys.argv[1])))

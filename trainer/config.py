@@ -1,0 +1,137 @@
+"""The thin trainer's run configuration: :class:`LoopConfig`, every setting of a run, and :class:`ConfigError`,
+the error a bad one raises (its message names the flag).
+
+Light to import (no torch): :meth:`LoopConfig.check` imports what it checks against when called.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["ConfigError", "LoopConfig"]
+
+
+class ConfigError(ValueError):
+    """A configuration the loop cannot run; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    """What a run runs (:func:`syncd.trainer.jobs.run_job`; ``python -m syncd.trainer.run --help`` describes each
+    setting as its flag). Frozen: every rank and replica group holds the same one."""
+
+    model: str
+    store: str
+    run_id: str
+    out: str
+    proxies: tuple[str, ...] = ()
+    task: str = "repeat"
+    task_length: int = 8
+    reward: str | None = None
+    steps: int = 30
+    group_size: int = 8
+    groups_per_step: int = 4
+    every_k: int = 1
+    max_lag: int = 2
+    lookahead: int | None = None
+    workers: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    optimizer: str = "adamw"
+    lr: float = 1e-2
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    is_cap: float | None = 2.0
+    is_band: tuple | None = None
+    is_seq_band: tuple | None = None
+    micro_batch: int = 64
+    adv_scale: bool = True
+    seed: int = 0
+    threads: int = 1
+    full_every: int = 16
+    delta_format: int = 1
+    sliced_tensors: str | None = None
+    daemon_status: str | None = None
+    sync: bool = False
+    plans: str | None = None
+    save_weights: bool = False
+    plot: bool = True
+    rollout_timeout_s: float = 300.0
+    record_timeout_s: float = 60.0
+    request_timeout_s: float = 120.0
+    engine_timeout_s: float = 120.0
+    checkpoint_dir: str | None = None
+    resume: bool = False
+    replicas: int = 1
+    keep_checkpoints: int = 2
+    checkpoint_busy: str = "wait"
+    node: str | None = None
+    ft_host: str = "127.0.0.1"
+    lighthouse: str | None = None
+    replica_group: int = 0
+    replica_groups: int = 1
+    min_replicas: int = 1
+    ft_timeout_s: float = 30.0
+    curation: object | None = None  # a syncd.trainer.curation.CurationConfig: the difficulty filter on the task sampler
+
+    def check(self) -> None:
+        """Raise :class:`ConfigError` naming the flag of the first bad setting."""
+        from syncd.publish.shard_writer import delta_formats
+        from syncd.trainer.objective import LossConfig
+        from syncd.trainer.optim import OPTIMIZERS
+        from syncd.trainer.tasks import get_task
+
+        rules = [(self.every_k >= 1, "--every-k", f"K must be >= 1, got {self.every_k}"),
+                 (self.max_lag >= 0, "--max-lag", f"the staleness bound eta must be >= 0, got {self.max_lag}"),
+                 (self.steps >= 1, "--steps", f"must be >= 1, got {self.steps}"),
+                 (self.group_size >= 2, "--group-size", f"a group needs >= 2 samples, got {self.group_size}"),
+                 (self.groups_per_step >= 1, "--groups-per-step", f"must be >= 1, got {self.groups_per_step}"),
+                 (self.lookahead is None or self.lookahead >= self.groups_per_step, "--lookahead",
+                  f"must be >= --groups-per-step ({self.groups_per_step}), got {self.lookahead}"),
+                 (self.lr > 0, "--lr", f"must be > 0, got {self.lr}"),
+                 (self.threads >= 1, "--threads", f"must be >= 1, got {self.threads}"),
+                 (self.optimizer in OPTIMIZERS, "--optimizer",
+                  f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}"),
+                 (self.plans is not None or bool(self.proxies), "--proxy",
+                  "at least one proxy URL is needed (or --plans to train offline)"),
+                 (not self.sync or self.daemon_status is not None, "--daemon-status",
+                  "the synchronous baseline (--sync) waits for the engines through the daemon's status file"),
+                 (not (self.sync and self.plans), "--sync", "cannot be combined with --plans"),
+                 (self.checkpoint_dir is not None or not self.resume, "--resume",
+                  "needs --checkpoint-dir (where the run's checkpoints are)"),
+                 (self.replicas >= 0, "--replicas", f"must be >= 0, got {self.replicas}"),
+                 (self.keep_checkpoints >= 1, "--keep-checkpoints", f"must be >= 1, got {self.keep_checkpoints}"),
+                 (self.checkpoint_busy in ("skip", "wait"), "--checkpoint-busy",
+                  f"must be skip or wait, got {self.checkpoint_busy!r}"),
+                 (self.replica_groups >= 1 and 0 <= self.replica_group < self.replica_groups, "--replica-group",
+                  f"must be in [0, --replica-groups={self.replica_groups}), got {self.replica_group}"),
+                 (1 <= self.min_replicas <= self.replica_groups, "--min-replicas",
+                  f"must be in [1, --replica-groups={self.replica_groups}], got {self.min_replicas}"),
+                 (self.lighthouse is None or not self.sync, "--sync", "the elastic job (--lighthouse) runs async"),
+                 (self.delta_format in (1, 2), "--delta-format", f"must be 1 or 2, got {self.delta_format!r}")]
+        for ok, flag, msg in rules:
+            if not ok:
+                raise ConfigError(f"{flag}: {msg}")
+        try:
+            delta_formats(self.delta_format, self.sliced_tensors)
+        except ValueError as exc:
+            raise ConfigError(f"--sliced-tensors: {exc}") from None
+        try:
+            get_task(self.task, length=self.task_length)
+        except ValueError as exc:
+            raise ConfigError(f"--task: {exc}") from None
+        try:
+            LossConfig(self.is_cap, self.is_band, self.is_seq_band, self.micro_batch)
+        except ValueError as exc:
+            raise ConfigError(f"--is-cap/--is-band/--is-seq-band/--micro-batch: {exc}") from None
+        if not Path(self.model, "config.json").is_file():
+            raise ConfigError(f"--model: {self.model} is not a model folder (no config.json)")
+        if self.plans is not None:
+            try:
+                n = sum(1 for ln in Path(self.plans).read_text().splitlines() if ln.strip())
+            except OSError as exc:
+                raise ConfigError(f"--plans: cannot read {self.plans}: {exc}") from None
+            if n < self.steps:
+                raise ConfigError(f"--plans: {self.plans} holds {n} steps, --steps asks for {self.steps}")

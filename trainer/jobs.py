@@ -1,0 +1,206 @@
+"""A run of the thin trainer: the plain data-parallel job or the elastic job, each the one step loop
+(:func:`syncd.trainer.loop.train`) over its own data-parallel object and collaborators.
+
+    summary = run_job(cfg)        # what every rank, or every replica group, of a run calls
+
+**Plain** (:func:`plain_job`): ranks of one ``torch.distributed`` group (:class:`syncd.trainer.dist.DataParallel`).
+Rank 0 runs the live side and broadcasts each step's plan (:class:`syncd.trainer.plans.BroadcastPlans`). With
+``checkpoint_dir`` every rank checkpoints each step (``rank-<r>``, replicated to peers on other nodes), and with
+``resume`` the ranks restore the newest step every one of them can (its own checkpoint, else its peers' replicas);
+a failed rank stops the job, which is restarted as a whole.
+
+**Elastic** (``lighthouse``, :func:`elastic_job`): one process per replica group on torchft
+(:class:`syncd.trainer.elastic.ElasticDP`), for example
+
+    torchft_lighthouse --min_replicas 1 --bind HOST:PORT --join_timeout_ms 1000 --heartbeat_timeout_ms 5000
+    python -m syncd.trainer.run ... --lighthouse http://HOST:PORT --replica-groups 3 --replica-group I \\
+        --min-replicas 2 --checkpoint-dir /local/ckpt --out OUT       # for I = 0, 1, 2; restart a dead one as is
+
+Group 0 runs the live side and writes each step's plan to the store's plan log before anyone trains it; the
+others read it there (:class:`syncd.trainer.plans.LoggedPlans`; with ``--plans`` every group reads the recorded
+plans). A group joins each step's quorum (one behind the others heals there from a live peer,
+:class:`syncd.trainer.heal.VerifiedTransport`, served from its replica server), trains its share, and steps only
+if every participant voted the step whole; otherwise it retries the same plan on the next quorum. After a commit
+it checkpoints (``group-<i>``; group 0's checkpoint holds the RL state) and replicates to ``--replicas`` other
+groups. A group that dies is restarted with the same command line (by whatever runs the job): it restores its
+newest checkpoint (local, else rebuilt from the replicas its peers hold), tells torchft its step, and joins; if
+the others went on without it, it heals to their step, and group 0 first accounts for the plans trained while it
+was away. A dead group 0 pauses the pipeline -- the others wait for the next plan -- but nobody restarts; the job
+never restarts as a whole. Each group writes ``OUT/group-<i>/ft.jsonl``: ``restored`` (step, source), one
+``attempt`` line per try of a step (``step``, ``committed``, ``participants``, ``rank``, ``loss``, ``healed``,
+``quorum_s``, ``step_s``), ``end``; group 0 also the live side's files there.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from contextlib import ExitStack, contextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from syncd.trainer.checkpoint import capture_rng, restore_rng
+from syncd.trainer.config import ConfigError, LoopConfig
+from syncd.trainer.dist import DataParallel, make_deterministic
+from syncd.trainer.loop import Job, train
+from syncd.trainer.metrics import MetricsLog
+from syncd.trainer.optim import build_optimizer
+from syncd.trainer.plans import BroadcastPlans, LoggedPlans
+from syncd.trainer.step_checkpoints import StepCheckpoints
+
+log = logging.getLogger(__name__)
+
+__all__ = ["run_job", "plain_job", "elastic_job"]
+
+
+def run_job(cfg: LoopConfig) -> dict:
+    """Run ``cfg`` in this process (every rank, or every replica group, calls it); returns the summary (that of
+    the process running the live side is complete). Raises :class:`ConfigError` for a bad configuration and
+    RuntimeError when the run cannot go on."""
+    cfg.check()
+    assemble = elastic_job if cfg.lighthouse else plain_job
+    with assemble(cfg) as job:
+        return train(job)
+
+
+def _load_model(cfg: LoopConfig, device) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32).to(device)
+    model.train()
+    return model
+
+
+@contextmanager
+def plain_job(cfg: LoopConfig) -> Iterator[Job]:
+    """This rank's :class:`~syncd.trainer.loop.Job` of a plain data-parallel job (module docstring); everything
+    it started is closed on exit."""
+    from syncd.trainer.live import LiveSide
+
+    with ExitStack() as stack:
+        dp = DataParallel()
+        stack.callback(dp.close)
+        make_deterministic(cfg.seed, cfg.threads)
+        model = _load_model(cfg, dp.device)
+        opt = build_optimizer(model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        ft, restored = _rank_checkpoints(cfg, dp, model, opt, stack)
+        start = restored.step if restored is not None else 0
+        dp.set_step(start)
+        live = None
+        if dp.is_main:
+            live = LiveSide(cfg, model, resume_step=start if restored is not None else None,
+                            commit_gate=ft.durable if ft is not None else None)
+            stack.callback(live.abort)
+        dp.broadcast_result((lambda: live.start(restored.state if restored is not None else None))
+                            if live is not None else None)
+        yield Job(cfg, dp, model, opt, BroadcastPlans(dp, live), live=live,
+                  checkpoints=StepCheckpoints(ft, ranks=dp) if ft is not None else None,
+                  weights_file=Path(cfg.out, "weights.safetensors") if dp.is_main else None)
+
+
+def _rank_checkpoints(cfg: LoopConfig, dp: DataParallel, model, opt, stack: ExitStack):
+    """``(FaultTolerance or None, restored Checkpoint or None)`` for a plain data-parallel job: every rank's
+    checkpoints and replica server (closed by ``stack``); with ``resume``, the newest step every rank can
+    restore, applied."""
+    if cfg.checkpoint_dir is None:
+        return None, None
+    from syncd.trainer.ft import FaultTolerance, FTConfig, agree_step, default_node
+
+    node = cfg.node.replace("{rank}", str(dp.rank)) if cfg.node else default_node()
+    nodes = dp.broadcast(dp.gather(node))
+    owners = tuple(f"rank-{r}" for r in range(dp.world))
+    k = min(cfg.replicas, len(set(nodes)) - 1)
+    if k < cfg.replicas and dp.is_main:
+        log.warning("--replicas %d: the %d ranks are on %d node(s); keeping %d replica(s) (a replica on the "
+                    "owner's own node would not survive the node)", cfg.replicas, dp.world, len(set(nodes)), k)
+    ft = FaultTolerance(FTConfig(cfg.checkpoint_dir, owners[dp.rank], owners, tuple(nodes), cfg.store, cfg.run_id,
+                                 replicas=k, keep=cfg.keep_checkpoints, host=cfg.ft_host,
+                                 on_busy=cfg.checkpoint_busy))
+    stack.callback(ft.close)
+    dp.barrier()  # every replica server announced before anyone asks for its replicas
+    if not cfg.resume:
+        taken = dp.gather(ft.checkpointer.durable_step is not None)
+        if dp.broadcast(any(taken) if dp.is_main else None):
+            raise ConfigError(f"--checkpoint-dir: {cfg.checkpoint_dir} holds checkpoints of an earlier run: pass "
+                              "--resume to continue it, or use another folder")
+        return ft, None
+    avail = dp.gather(ft.available())
+    step = dp.broadcast(agree_step(avail) if dp.is_main else None)
+    if step is None:
+        raise ConfigError(f"--resume: no checkpoint step that every rank can restore in {cfg.checkpoint_dir} "
+                          "(nor on the peers' replicas)")
+    ckpt = ft.restore(step=step)
+    ok = dp.gather(ckpt is not None)
+    if dp.broadcast(all(ok) if dp.is_main else None) is not True:
+        raise RuntimeError(f"a rank could not restore step {step} (see its log)")
+    ckpt.apply(model, opt)
+    log.warning("rank %d: resumed at step %d", dp.rank, step)
+    return ft, ckpt
+
+
+@contextmanager
+def elastic_job(cfg: LoopConfig) -> Iterator[Job]:
+    """Replica group ``cfg.replica_group``'s :class:`~syncd.trainer.loop.Job` of an elastic job (module
+    docstring); its outputs go to ``OUT/group-<i>``; everything it started is closed on exit."""
+    from syncd.trainer.elastic import ElasticDP
+    from syncd.trainer.ft import FaultTolerance, FTConfig
+    from syncd.trainer.heal import VerifiedTransport
+    from syncd.trainer.live import LiveSide
+    from syncd.trainer.plan_log import PlanLog
+    from syncd.trainer.replicas import ReplicaServer
+
+    group, owner = cfg.replica_group, f"group-{cfg.replica_group}"
+    owners = tuple(f"group-{i}" for i in range(cfg.replica_groups))
+    out = Path(cfg.out) / owner
+    gcfg = replace(cfg, out=str(out))
+    make_deterministic(cfg.seed, cfg.threads)
+    model = _load_model(cfg, torch.device("cpu"))
+    opt = build_optimizer(model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    out.mkdir(parents=True, exist_ok=True)
+    with ExitStack() as stack:
+        attempts = MetricsLog(out / "ft.jsonl")
+        stack.callback(attempts.close)
+        ft = None
+        if cfg.checkpoint_dir:
+            ft = FaultTolerance(FTConfig(cfg.checkpoint_dir, owner, owners, owners, cfg.store, cfg.run_id,
+                                         replicas=min(cfg.replicas, len(owners) - 1), keep=cfg.keep_checkpoints,
+                                         host=cfg.ft_host, on_busy=cfg.checkpoint_busy))
+            stack.callback(ft.close)
+            server = ft.server
+        else:  # no checkpoints: a replica server all the same, to serve the live state a healing peer asks for
+            heal_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"heal-{owner}-"))
+            server = ReplicaServer(heal_dir, host=cfg.ft_host)
+            stack.callback(server.close)
+        restored = ft.restore() if ft is not None else None
+        if restored is not None:
+            restored.apply(model, opt)
+        attempts.write("restored", step=restored.step if restored else 0,
+                       source=None if restored is None else restored.source)
+
+        def state_dict():
+            return {"model": model.state_dict(), "optim": opt.state_dict(), "rng": capture_rng()}
+
+        def load_state_dict(sd):
+            model.load_state_dict(sd["model"])
+            opt.load_state_dict(sd["optim"])
+            restore_rng(sd["rng"])
+
+        dp = ElasticDP(group=group, groups=cfg.replica_groups, lighthouse=cfg.lighthouse,
+                       min_replicas=cfg.min_replicas, state_dict=state_dict, load_state_dict=load_state_dict,
+                       transport=VerifiedTransport(server, owner), timeout_s=cfg.ft_timeout_s, host=cfg.ft_host)
+        stack.callback(dp.close)
+        start = restored.step if restored is not None else 0
+        if start:
+            dp.set_step(start)
+        live = None
+        if group == 0 and not cfg.plans:
+            live = LiveSide(gcfg, model, resume_step=start if restored is not None else None,
+                            commit_gate=ft.durable if ft is not None else None)
+            stack.callback(live.abort)
+            live.start(restored.state if restored is not None else None)
+        yield Job(gcfg, dp, model, opt, LoggedPlans(gcfg, live, PlanLog(cfg.store, cfg.run_id), start), live=live,
+                  checkpoints=StepCheckpoints(ft) if ft is not None else None, attempts=attempts,
+                  weights_file=out / "weights.safetensors")
