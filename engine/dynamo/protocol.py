@@ -78,6 +78,10 @@ def _token_list(v, what: str) -> tuple[int, ...]:
     return tuple(v)
 
 
+#: what a client calls an option whose name the frontend changed on its way to the worker
+_CLIENT_NAMES = {"guided_decoding": " (asked for by response_format, text.format or a guided_* option)"}
+
+
 def _check_unsupported(sampling: Mapping[str, Any], stop: Mapping[str, Any]) -> None:
     problems = []
     for key, neutral in (("n", (None, 1)), ("best_of", (None, 1)), ("use_beam_search", (None, False)),
@@ -85,7 +89,7 @@ def _check_unsupported(sampling: Mapping[str, Any], stop: Mapping[str, Any]) -> 
                          ("repetition_penalty", (None, 1, 1.0)), ("min_p", (None, 0, 0.0)),
                          ("guided_decoding", (None,)), ("length_penalty", (None, 1, 1.0))):
         if sampling.get(key) not in neutral:
-            problems.append(f"{key}={sampling.get(key)!r}")
+            problems.append(f"{key}={sampling.get(key)!r}{_CLIENT_NAMES.get(key, '')}")
     if stop.get("min_tokens") not in (None, 0):
         problems.append(f"min_tokens={stop.get('min_tokens')!r}")
     if problems:

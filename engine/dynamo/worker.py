@@ -19,8 +19,9 @@ replies HTTP 500 with
 system server fixes that shape; the exception class is kept in the message).
 
 Requests: see :mod:`syncd.engine.dynamo.protocol` -- per-request ``max_tokens``, stop tokens, temperature/top-k/
-top-p/seed; a prompt that already holds generated tokens (a migrated request) simply continues. Every chunk
-carries the engine's request id, token ids, log-probabilities and the weight version of each token in
+top-p/seed; a request it refuses (an option the engine cannot honour, a malformed member) reaches the client
+as HTTP 400 with the reason; a prompt that already holds generated tokens (a migrated request) simply continues.
+Every chunk carries the engine's request id, token ids, log-probabilities and the weight version of each token in
 ``engine_data``. A client that goes away (the frontend stops the request) aborts the engine request.
 
 Stopping: on SIGTERM (or SIGINT) the worker leaves discovery at once (no new requests reach it), lets
@@ -126,9 +127,9 @@ class DynamoWorker:
             return
         try:
             greq = protocol.to_generation_request(request, rid, default_max_tokens=self.default_max_tokens)
-        except ValueError as exc:
+        except ValueError as exc:  # BadRequest, UnsupportedRequest: the reason goes back to the client
             log.warning("request %s refused: %s", rid, exc)
-            raise
+            raise _refusal(exc) from None
         logprobs = protocol.wants_logprobs(request)
         self._live.add(rid)
         stream = self.engine.generate(greq)
@@ -257,6 +258,15 @@ class DynamoWorker:
                 log.error("replay records not flushed: %s", exc)
         logging.shutdown()
         os._exit(0)
+
+
+def _refusal(exc: ValueError) -> Exception:
+    """A refused request as Dynamo's ``InvalidArgument``: the frontend answers the client HTTP 400 (or, on a
+    stream, an error event with code 400) with this message; any other exception reaches the client as
+    "Invalid request" only."""
+    from dynamo.llm.exceptions import InvalidArgument
+
+    return InvalidArgument(str(exc))
 
 
 # ---------------------------------------------------------------------------------------------- engines

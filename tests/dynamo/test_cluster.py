@@ -152,9 +152,9 @@ def test_max_tokens_stop_tokens_and_unsupported_options(cluster):
     i = next(i for i in range(1, len(greedy)) if greedy[i] not in greedy[:i])
     _, _, events = post_stream(f"{c.frontend}/v1/completions", {**base, "max_tokens": 10, "stop_token_ids": [greedy[i]]})
     assert _ids(events) == greedy[:i + 1] and finish_reason(events) == "stop"
-    # options the engine cannot honour are refused, never ignored
+    # options the engine cannot honour are refused, never ignored, and the client is told which
     status, _, reply = post_json(f"{c.frontend}/v1/completions", {**base, "max_tokens": 4, "presence_penalty": 1.5})
-    assert status != 200 or "error" in reply
+    assert status == 400 and reply["message"] == "this engine does not support presence_penalty=1.5", reply
 
 
 def test_sigkill_mid_stream_migrates_and_matches_the_undisturbed_run(cluster):

@@ -48,7 +48,7 @@ def test_defaults_ignore_eos_and_derived_seed():
     ({"sampling_options": {"presence_penalty": 0.5}}, "presence_penalty"),
     ({"sampling_options": {"repetition_penalty": 1.2}}, "repetition_penalty"),
     ({"sampling_options": {"use_beam_search": True}}, "use_beam_search"),
-    ({"sampling_options": {"guided_decoding": {"json": {}}}}, "guided_decoding"),
+    ({"sampling_options": {"guided_decoding": {"json": {}}}}, r"guided_decoding=\{'json': \{\}\} \(asked for by response_format"),
     ({"stop_conditions": {"min_tokens": 4}}, "min_tokens"),
 ])
 def test_options_the_engine_cannot_honour_are_refused(over, what):
