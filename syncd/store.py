@@ -7,8 +7,8 @@
 * retries with exponential backoff and jitter: obstore retries HTTP requests itself (5xx, dropped
   connections, timeouts; configured by :class:`RetryPolicy`), and ``Store`` retries a whole operation that
   still failed with a transient error,
-* create-if-absent puts (``put(..., create=True)``, S3 ``If-None-Match: *``, GCS generation 0, an atomic
-  hard link on local disk) that stay correct when a retried attempt finds its own earlier write,
+* create-if-absent puts (``put(..., create=True)``, S3 and Azure ``If-None-Match: *``, GCS generation 0, an
+  atomic hard link on local disk) that stay correct when a retried attempt finds its own earlier write,
 * conditional GET for cheap polling (``get_if_changed``),
 * errors mapped to :mod:`syncd.errors` (``ObjectNotFound``, ``ObjectExists``, ``StoreError``), each naming
   the store and the key.
@@ -19,6 +19,13 @@ Where the store is (see :func:`resolve_url`): an explicit URL or path, else ``SY
 embedded default ``file://$XDG_DATA_HOME/syncd/store`` (``~/.local/share/syncd/store``). S3 endpoint,
 region and credentials come from the usual ``AWS_*`` variables (read by obstore) unless given as
 ``endpoint=`` / ``options=``; GCS and Azure read ``GOOGLE_*`` / ``AZURE_*`` the same way.
+
+``endpoint=`` (``--endpoint``, ``SYNCD_STORE_ENDPOINT``) points a cloud store elsewhere, e.g. at an emulator:
+for ``s3://`` the S3 endpoint (path-style requests), for ``gs://`` the GCS base URL (obstore's ``base_url``),
+for ``az://`` the account URL (obstore's ``endpoint``; Azurite: ``http://127.0.0.1:10000/devstoreaccount1``
+with options ``account_name`` / ``access_key``). ``http://`` allows plain HTTP. An emulator still needs
+credentials for obstore: GCS any ``bearer_token`` (else obstore asks the cloud metadata server for one).
+``docs/layout.md`` ("Stores") has the emulators the tests use and what each lacks.
 """
 
 from __future__ import annotations
@@ -120,8 +127,9 @@ class Store:
     """A connection to one object store location. See the module docstring for the contract.
 
     ``url``: store URL or path (None: :func:`resolve_url`); or pass an obstore store object.
-    ``endpoint``: S3-compatible endpoint URL overriding ``SYNCD_STORE_ENDPOINT`` / ``AWS_ENDPOINT_URL``;
-    ``http://`` endpoints are allowed. ``options``: extra obstore configuration for the backend (e.g.
+    ``endpoint``: where a cloud store is (see the module docstring: the S3 endpoint, the GCS base URL or the
+    Azure account URL), overriding ``SYNCD_STORE_ENDPOINT`` (and, for S3, ``AWS_ENDPOINT_URL``); ``http://``
+    endpoints are allowed. ``options``: extra obstore configuration for the backend (e.g.
     ``region``, ``conditional_put``). ``part_bytes``: part size of multipart uploads and ranged downloads.
     ``concurrency``: parallel parts per object. ``create``: make a local store's directory if it is missing
     (False: a missing directory is a ``ValueError``, for read-only tools where it is likely a typo).
@@ -171,17 +179,17 @@ class Store:
                 raise ValueError(f"unsupported store URL scheme {scheme!r} in {url!r} "
                                  "(use file://, memory://, s3://, gs:// or az://)")
             client = {"timeout": timedelta(seconds=120), "connect_timeout": timedelta(seconds=10)}
-            if scheme in ("s3", "s3a"):
-                endpoint = endpoint or os.environ.get(ENV_ENDPOINT) or next(
-                    (os.environ[v] for v in _AWS_ENDPOINT_VARS if os.environ.get(v)), None)
-                if endpoint:
-                    check_endpoint(endpoint)
+            endpoint = endpoint or os.environ.get(ENV_ENDPOINT) or next(
+                (os.environ[v] for v in _AWS_ENDPOINT_VARS if os.environ.get(v) and scheme in ("s3", "s3a")), None)
+            if endpoint:
+                check_endpoint(endpoint)
+                if endpoint.startswith("http://"):
+                    client["allow_http"] = True
+                if scheme in ("s3", "s3a"):
                     options.setdefault("endpoint", endpoint)
                     options.setdefault("virtual_hosted_style_request", False)
-                    if endpoint.startswith("http://"):
-                        client["allow_http"] = True
-            elif endpoint:
-                raise ValueError(f"endpoint= is only meaningful for s3:// stores, not {scheme}://")
+                else:
+                    options.setdefault("base_url" if scheme == "gs" else "endpoint", endpoint)
             return from_url(url, client_options=client, retry_config=self.retry.obstore_config(), **options)
         except obx.BaseError as exc:
             raise ValueError(f"cannot open store {url!r}: {exc}") from None
@@ -411,8 +419,9 @@ def check_endpoint(endpoint: str) -> str:
     flag and the variables it may come from (obstore would otherwise fail deep inside with a panic)."""
     u = urlsplit(endpoint)
     if u.scheme not in ("http", "https") or not u.hostname:
-        raise ValueError(f"S3 endpoint {endpoint!r} (--endpoint, {ENV_ENDPOINT} or {'/'.join(_AWS_ENDPOINT_VARS)}) "
-                         "must be a URL with a scheme, e.g. http://127.0.0.1:9000 or https://s3.example.com")
+        raise ValueError(f"store endpoint {endpoint!r} (--endpoint, {ENV_ENDPOINT} or, for S3, "
+                         f"{'/'.join(_AWS_ENDPOINT_VARS)}) must be a URL with a scheme, e.g. http://127.0.0.1:9000 "
+                         "or https://s3.example.com")
     return endpoint
 
 

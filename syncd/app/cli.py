@@ -75,7 +75,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="store URL or path (file://, memory://, s3://, gs://, az://) [SYNCD_STORE]")
     p.add_argument("--run-id", default=s, metavar="RUN", help="run id [SYNCD_RUN_ID]")
     p.add_argument("--endpoint", default=s, metavar="URL",
-                   help="S3-compatible endpoint, overrides AWS_ENDPOINT_URL [SYNCD_STORE_ENDPOINT]")
+                   help="where the cloud store is: an S3-compatible endpoint (overrides AWS_ENDPOINT_URL), a GCS "
+                        "base URL or an Azure account URL, e.g. an emulator's [SYNCD_STORE_ENDPOINT]")
     p.add_argument("--store-option", default=s, action="append", metavar="KEY=VALUE",
                    help="extra obstore option, repeatable (e.g. region=eu-west-1) "
                         "[SYNCD_STORE_OPTIONS, comma-separated]")

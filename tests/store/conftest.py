@@ -1,5 +1,6 @@
-"""Fixtures: real stores. A local file store in a temp dir, an in-memory store, and an S3-compatible server
-(moto's server mode) started on a free loopback port by the tests themselves."""
+"""Fixtures: real stores. A local file store in a temp dir, an in-memory store, and three servers started on
+free loopback ports by the tests themselves: S3 (moto's server mode), Azure Blob (Azurite) and GCS
+(fake-gcs-server; see ``_emulators`` for what it lacks and how obstore's uploads reach it)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,10 @@ import pytest
 
 from syncd.store import RetryPolicy, Store
 
+from . import _emulators
+from ._emulators import free_port
+
 KEY = "test-signing-key-0123456789abcdef"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -47,15 +45,62 @@ def s3_url(s3_endpoint, monkeypatch):
     return f"s3://{bucket}/prefix"
 
 
-@pytest.fixture(params=["file", "memory", "s3"])
+@pytest.fixture(scope="session")
+def azurite():
+    """Azurite's blob service on 127.0.0.1 for the whole session (skipped where it is not installed)."""
+    if not _emulators.AZURITE.exists():
+        pytest.skip(f"Azurite is not installed ({_emulators.SETUP_HINT})")
+    emulator = _emulators.start_azurite()
+    yield emulator
+    emulator.stop()
+
+
+@pytest.fixture(scope="session")
+def fake_gcs():
+    """fake-gcs-server on 127.0.0.1 and the front obstore talks to, for the whole session: ``(emulator, front)``."""
+    if _emulators.fake_gcs_binary() is None:
+        pytest.skip(f"fake-gcs-server is not installed ({_emulators.SETUP_HINT})")
+    emulator = _emulators.start_fake_gcs()
+    front = _emulators.GcsUploadFront(emulator.port)
+    yield emulator, front
+    front.close()
+    emulator.stop()
+
+
+def azure_store(azurite, **kwargs) -> Store:
+    """A :class:`Store` on a fresh, empty container of ``azurite``, reached through ``endpoint=``."""
+    container = _emulators.azure_container(azurite.port)
+    return Store(f"az://{container}/prefix", endpoint=f"http://127.0.0.1:{azurite.port}/{_emulators.AZURITE_ACCOUNT}",
+                 options={"account_name": _emulators.AZURITE_ACCOUNT, "access_key": _emulators.AZURITE_KEY},
+                 **kwargs)
+
+
+def gcs_store(fake_gcs, **kwargs) -> Store:
+    """A :class:`Store` on a fresh, empty bucket of ``fake_gcs``, reached through ``endpoint=``. Its credential is
+    a static token: without one obstore would ask the cloud metadata server for a token."""
+    emulator, front = fake_gcs
+    return Store(f"gs://{_emulators.gcs_bucket(emulator.port)}/prefix", endpoint=front.url,
+                 options={"bearer_token": "emulator"}, **kwargs)
+
+
+#: emulators without conditional GET (``If-None-Match``): a ``get_if_changed`` there always returns the body
+NO_CONDITIONAL_GET = {"gcs"}
+
+
+@pytest.fixture(params=["file", "memory", "s3", "gcs", "azure"])
 def any_store(request, tmp_path):
     """The same tests on every backend the suite can run here."""
+    small = {"part_bytes": 1 << 16}
+    quick = RetryPolicy(attempts=2, http_retries=2, retry_timeout_s=10)
     if request.param == "file":
-        return Store(tmp_path / "store", part_bytes=1 << 16)
+        return Store(tmp_path / "store", **small)
     if request.param == "memory":
-        return Store(f"memory://{uuid.uuid4().hex}", part_bytes=1 << 16)
-    url = request.getfixturevalue("s3_url")
-    return Store(url, part_bytes=1 << 16, retry=RetryPolicy(attempts=2, http_retries=2, retry_timeout_s=10))
+        return Store(f"memory://{uuid.uuid4().hex}", **small)
+    if request.param == "s3":
+        return Store(request.getfixturevalue("s3_url"), retry=quick, **small)
+    if request.param == "gcs":
+        return gcs_store(request.getfixturevalue("fake_gcs"), retry=quick, **small)
+    return azure_store(request.getfixturevalue("azurite"), retry=quick, **small)
 
 
 class FlakyProxy:

@@ -1,4 +1,5 @@
-"""syncd.store on real backends: local files, memory, and an S3 server on loopback."""
+"""syncd.store on real backends: local files, memory, and S3, GCS and Azure servers on loopback (moto,
+fake-gcs-server, Azurite)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from syncd.errors import IntegrityError, ObjectExists, ObjectNotFound, StoreError
 from syncd.store import RetryPolicy, Store, default_url, resolve_url
 
-from .conftest import FlakyProxy
+from .conftest import NO_CONDITIONAL_GET, FlakyProxy, gcs_store
 
 
 def test_put_get_roundtrip_and_listing(any_store):
@@ -76,7 +77,9 @@ def test_create_if_absent_race_has_exactly_one_winner(any_store):
     assert any_store.get("race/manifest.json") == f"writer {results.index('won')}".encode()
 
 
-def test_conditional_get_returns_none_until_the_object_changes(any_store):
+def test_conditional_get_returns_none_until_the_object_changes(any_store, request):
+    if request.node.callspec.params["any_store"] in NO_CONDITIONAL_GET:
+        pytest.skip("this emulator ignores If-None-Match (test_a_store_without_conditional_get_returns_the_body)")
     any_store.put("runs/r/latest.json", b'{"version": 1}')
     body, etag = any_store.get_if_changed("runs/r/latest.json", None)
     assert body == b'{"version": 1}' and etag
@@ -84,6 +87,18 @@ def test_conditional_get_returns_none_until_the_object_changes(any_store):
     any_store.put("runs/r/latest.json", b'{"version": 2, "x": 0}')
     changed = any_store.get_if_changed("runs/r/latest.json", etag)
     assert changed is not None and changed[0] == b'{"version": 2, "x": 0}' and changed[1] != etag
+
+
+@pytest.mark.integration
+def test_a_store_without_conditional_get_returns_the_body(fake_gcs):
+    """fake-gcs-server ignores If-None-Match: get_if_changed then returns the object every time (a poll costs
+    the hint's body, never a missed change)."""
+    store = gcs_store(fake_gcs)
+    store.put("runs/r/latest.json", b'{"version": 1}')
+    body, etag = store.get_if_changed("runs/r/latest.json", None)
+    assert store.get_if_changed("runs/r/latest.json", etag) == (body, etag)
+    store.put("runs/r/latest.json", b'{"version": 2}')
+    assert store.get_if_changed("runs/r/latest.json", etag)[0] == b'{"version": 2}'
 
 
 def test_reads_can_be_bounded_against_hostile_objects(any_store):
@@ -124,8 +139,8 @@ def test_memory_urls_name_one_store_per_process():
 def test_bad_urls_and_options_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="unsupported store URL scheme 'ftp'"):
         Store("ftp://host/x")
-    with pytest.raises(ValueError, match="only meaningful for s3"):
-        Store("gs://bucket/x", endpoint="http://127.0.0.1:1")
+    with pytest.raises(ValueError, match="store endpoint 'localhost:4443' .* must be a URL with a scheme"):
+        Store("gs://bucket/x", endpoint="localhost:4443")
     with pytest.raises(ValueError, match="cannot open store"):
         Store("s3://bucket/x", options={"no_such_option": "1"})
 
@@ -180,7 +195,7 @@ def test_unreachable_store_fails_with_store_error_after_retries(s3_url):
 
 
 def test_gcs_and_azure_urls_open_through_obstore():
-    # no emulator for these here: check that the URLs reach obstore's GCS and Azure stores (no request made)
+    # the URLs reach obstore's GCS and Azure stores (no request made; the emulators: any_store)
     gs = Store("gs://bucket/prefix", options={"skip_signature": True})
     az = Store("az://container/prefix", options={"account_name": "acct", "skip_signature": True})
     assert type(gs.raw).__name__ == "GCSStore" and type(az.raw).__name__ == "AzureStore"
@@ -197,3 +212,36 @@ def test_get_bounded_refuses_a_large_object_without_reading_it(any_store):
         any_store.get_bounded("large", 1000)
     with pytest.raises(ObjectNotFound):
         any_store.get_bounded("missing", 10)
+
+
+@pytest.mark.integration
+def test_azurite_at_its_own_address_through_use_emulator(azurite, monkeypatch):
+    from . import _emulators
+
+    container = _emulators.azure_container(azurite.port)
+    monkeypatch.setenv("AZURITE_BLOB_STORAGE_URL", f"http://127.0.0.1:{azurite.port}")  # read by obstore
+    store = Store(f"az://{container}/p", options={"use_emulator": "true"})
+    store.put("k", b"v", create=True)
+    assert store.get("k") == b"v" and [o.key for o in store.list("")] == ["k"]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("backend", ["gcs", "azure"])
+def test_the_cli_reaches_an_emulator_with_endpoint_and_store_options(backend, request, capsys):
+    from syncd.app.cli import main as cli
+
+    from . import _emulators
+    from .conftest import azure_store
+
+    if backend == "gcs":
+        store = gcs_store(request.getfixturevalue("fake_gcs"))
+        endpoint, options = request.getfixturevalue("fake_gcs")[1].url, ["bearer_token=emulator"]
+    else:
+        azurite = request.getfixturevalue("azurite")
+        store = azure_store(azurite)
+        endpoint = f"http://127.0.0.1:{azurite.port}/{_emulators.AZURITE_ACCOUNT}"
+        options = [f"account_name={_emulators.AZURITE_ACCOUNT}", f"access_key={_emulators.AZURITE_KEY}"]
+    store.put("runs/r1/versions/000000000000/manifest.json", b"{}")
+    argv = ["ls", "--store", store.url, "--endpoint", endpoint] + [f"--store-option={o}" for o in options]
+    assert cli(argv) == 0
+    assert capsys.readouterr().out == "r1\n"
