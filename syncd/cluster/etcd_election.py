@@ -23,7 +23,8 @@ which is later). It steps down at that deadline (etcd unreachable: a controller 
 cluster stops before etcd can elect another), when a keepalive finds the lease gone, when etcd names another
 leader, or when a peer shows a higher term. A process stalled between its check and its send (SIGSTOP, a long
 pause) can still send a plan of its old term: the receivers' fencing is what refuses it. A node that lost its
-lease revokes it when it can (its keys go at once), takes a new one and stands again.
+lease revokes it as soon as etcd answers (its keys go at once: an etcd that restarts would keep it alive for
+another TTL), takes a new one and stands again.
 
 While etcd cannot be reached nobody becomes controller; followers keep the controller they last knew. etcd's
 data must persist across its restarts: its revisions are the terms (an etcd that restarts empty starts its
@@ -77,6 +78,7 @@ class EtcdElection:
         self.term = 0
         self.max_term = 0
         self.lease: Lease | None = None
+        self._orphans: list[int] = []  # leases lost but maybe alive at etcd: revoked when it answers
         self._leading: LeaderKey | None = None
         self._won_at = 0  # the store revision at which the lead was confirmed
         self._reported = True
@@ -161,13 +163,22 @@ class EtcdElection:
             node.events("etcd_lease_lost", lease=format(lease.id, "x"), why=why[:200])
             log.warning("node %d: etcd lease %x lost: %s", self.me, lease.id, why)
             self.lease = None
+            self._orphans.append(lease.id)
+            await self._revoke_orphans()
+
+    async def _revoke_orphans(self) -> None:
+        """Revoke the leases this node lost (best effort, until etcd answers): an etcd that restarts keeps its
+        leases alive for another TTL, and an old candidacy would hold the lead that long."""
+        for lease_id in list(self._orphans):
             try:
-                await self.client.revoke(lease.id, timeout_s=1.0)
+                await self.client.revoke(lease_id, timeout_s=1.0)
             except EtcdError:
-                pass  # expired already, or etcd unreachable (it expires on its own)
+                return  # unreachable: again before the next lease
+            self._orphans.remove(lease_id)
 
     async def _open_lease(self) -> Lease:
         node = self.node
+        await self._revoke_orphans()
         sent = time.monotonic()
         lease = await self.client.grant(self.ttl_s)
         self._deadline = sent + lease.ttl
@@ -278,9 +289,12 @@ class EtcdElection:
     # ------------------------------------------------------------------------------------- watching
 
     async def watch_loop(self) -> None:
-        """Supervised: every heartbeat, read the election's leader and the member records."""
+        """Supervised: every heartbeat, read the election's leader and the member records (and revoke the leases
+        this node lost, while any is left)."""
         node = self.node
         while node.running:
+            if self._orphans:
+                await self._revoke_orphans()
             try:
                 kv, rev = await self.client.leader(self.election_name)
                 self._new_cluster_check()
