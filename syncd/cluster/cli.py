@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--cluster-secret-file", default=_env("secret_file"),
       help="file holding the cluster secret (or set SYNCD_CLUSTER_SECRET)")
     a("--signing-key-file", default=os.environ.get("SYNCD_SIGNING_KEY_FILE"),
-      help="manifest signing key file (or SYNCD_SIGNING_KEY)")
+      help="manifest key file: a public key, or a legacy HMAC secret (or SYNCD_SIGNING_KEY; more public keys: "
+           "SYNCD_VERIFY_KEYS)")
     for name, typ in (("heartbeat-s", float), ("dead-after-s", float), ("poll-s", float), ("discover-s", float),
                       ("fanout", int), ("chunk-bytes", int), ("store-streams", int), ("pull-window", int),
                       ("stall-s", float), ("store-fallback-s", float), ("pace-timeout-s", float),
@@ -87,9 +88,10 @@ async def _amain(args) -> int:
         raise ValueError("no cluster secret: set SYNCD_CLUSTER_SECRET or --cluster-secret-file")
     key = None
     if args.signing_key_file:
-        from syncd.signing import key_from_env
+        from syncd.signing import ENV_VERIFY_KEYS, key_from_env
 
-        key = key_from_env({"SYNCD_SIGNING_KEY_FILE": args.signing_key_file})
+        key = key_from_env({"SYNCD_SIGNING_KEY_FILE": args.signing_key_file,
+                            ENV_VERIFY_KEYS: os.environ.get(ENV_VERIFY_KEYS, "")})
     options = dict(o.split("=", 1) for o in (args.store_option or []))
     store = Store(args.store, endpoint=args.endpoint, options=options or None)
     if not args.run_id or not args.cache_root:
