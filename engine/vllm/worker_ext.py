@@ -15,8 +15,7 @@ The weights syncd writes are vLLM's own parameters in their logical (loader) lay
 :class:`syncd.engines.WeightUpdater` per worker over their bf16 words (the fp32 parameters hold bf16-exact
 values, as the reference engine's). What vLLM's CPU kernels compute with is derived from them and kept in step
 by :mod:`syncd.engine.vllm.cpu_copies` (packed while staging, swapped in by the updater's hook for written
-parameters). On a GPU vLLM computes with
-the parameters themselves and nothing is derived.
+parameters). On a GPU vLLM computes with the parameters themselves and nothing is derived.
 
 Everything here runs on the worker's thread between scheduler steps, except staging, which runs on a thread
 of its own while vLLM keeps serving (:meth:`SyncdWorkerExtension.syncd_stage`); results cross the RPC as plain
