@@ -1,6 +1,7 @@
 """``checksum``: the 64-bit content checksum of a tensor's bytes, identical on every backend and device.
 
-The definition is in ``syncd/ops/reference/checksum.py`` and ``docs/delta-format.md``. It covers the raw
+The definition is in ``syncd/ops/reference/checksum.py`` (the ``reference`` backend, registered by
+``syncd/ops/reference/backend.py``) and ``docs/delta-format.md``. It covers the raw
 bytes in row-major order (a non-contiguous tensor has its contiguous copy's checksum; the CPU backend reads one
 whose elements are evenly spaced, such as the bf16 halves of fp32 weights, in place), not the dtype or shape.
 Thread-safe.
@@ -14,14 +15,8 @@ import numpy as np
 import torch
 
 from syncd.ops import _backend
-from syncd.ops._dispatch import dispatch, kernel, register, resolve
+from syncd.ops._dispatch import dispatch, kernel, kernel_of, register, resolve
 from syncd.ops._tensors import byte_view, even_stride, nbytes_of, raw_ptr
-from syncd.ops.reference import checksum as ref
-
-
-@kernel("checksum", "reference")
-def _checksum_reference(tensor: torch.Tensor) -> int:
-    return ref.checksum_bytes(byte_view(tensor.cpu()))
 
 
 @kernel("checksum", "cpu")
@@ -34,6 +29,11 @@ def _checksum_cpu(tensor: torch.Tensor) -> int:
         return int(_backend.native().checksum_strided_ptr(tensor.data_ptr(), tensor.numel(), tensor.element_size(),
                                                           stride, _backend.threads()))
     return int(_backend.native().checksum(byte_view(tensor), _backend.threads()))
+
+
+@kernel("checksum_bytes", "cpu")  # a 1-d uint8 array
+def _checksum_bytes_cpu(arr: np.ndarray) -> int:
+    return int(_backend.native().checksum(arr, _backend.threads()))
 
 
 def _checksum_gpu(name: str, tensor: torch.Tensor) -> int:
@@ -66,6 +66,5 @@ def checksum_many(tensors, *, backend: str = "auto") -> list[int]:
 def checksum_bytes(data, *, backend: str = "auto") -> int:
     """The same checksum over a bytes-like object (``bytes``, ``memoryview``, a NumPy array's buffer)."""
     arr = np.frombuffer(data, np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1).view(np.uint8)
-    if resolve("checksum", backend, "cpu") == "cpu":
-        return int(_backend.native().checksum(arr, _backend.threads()))
-    return ref.checksum_bytes(arr)
+    name = resolve("checksum", backend, "cpu")  # the bytes are on the host: a GPU backend hashes them as the spec
+    return kernel_of("checksum_bytes", "cpu" if name == "cpu" else "reference")(arr)

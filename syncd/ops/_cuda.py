@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from syncd.ops import _backend
+from syncd.ops import _checksum_math as ck
 from syncd.ops._tensors import int_view
-from syncd.ops.reference import checksum as ck
 
 
 

@@ -8,7 +8,10 @@ by ``bench/gpu_check.sh``), else ``cuda`` then ``triton``. Naming a backend that
 :class:`~syncd.errors.BackendUnavailable` with the reason: the device's own (a CPU tensor on ``cuda``, a module
 not built), else that the op has no kernel there, else what the kernel itself needs (``requires``).
 
-Registration happens when an op's module is imported; the table is read-only afterwards (thread-safe).
+Registration happens when an op's module is imported; the table is read-only afterwards (thread-safe). The
+``reference`` entries are the specification's (``syncd/ops/reference/``), registered by the reference backend
+(``syncd/ops/reference/backend.py``) when this module is imported: the table is the only way production code
+reaches the specification (``tests/ops/test_spec_boundary.py``).
 """
 
 from __future__ import annotations
@@ -109,3 +112,7 @@ def kernel_of(op: str, name: str) -> Callable:
     if name not in kernels:
         raise ValueError(f"{op} has no {name} kernel (its backends: {', '.join(kernels)})")
     return kernels[name].fn
+
+
+# Last, once register() exists: the reference backend registers every op's ``reference`` entry.
+from syncd.ops.reference import backend as _reference_backend  # noqa: E402,F401

@@ -1,7 +1,7 @@
 """Constants and header layout of the delta blob format, versions 1 and 2 (see ``docs/delta-format.md``).
 
 This module is the single Python statement of the format's fixed parts; the reference codec, the
-``inspect`` op and the tests use it. The native code in ``csrc/`` states the same numbers and the tests
+ops and the tests use it. The native code in ``csrc/`` states the same numbers and the tests
 check that both agree.
 """
 
@@ -59,6 +59,8 @@ CONTEXT_MIN_CHANGES_PER_GROUP = 128
 ELEMENTS_PER_GROUP = 1 << 16
 CHANGES_PER_GROUP = 2048
 ENCODER_MAX_GROUPS = 4
+#: a context payload's first fields: mode, e_top, position groups, value groups
+CONTEXT_FIXED = struct.Struct("<BHBB")
 
 # header: magic, version u16, dtype u8, ndim u8, numel u64, block_log2 u8, 3 reserved, n_blocks u32,
 # n_changed u64, base checksum u64, new checksum u64; then ndim u64 dims, n_blocks block entries, and a
@@ -150,6 +152,14 @@ class Header:
         """First element and element count of block ``b``."""
         start = b << self.block_log2
         return start, min(self.block_elems, self.numel - start)
+
+
+def check_target(h: Header, dtype: DType, shape) -> None:
+    """Raise ``DeltaError`` unless the blob of header ``h`` is for elements of ``dtype`` in ``shape``."""
+    if h.dtype.code != dtype.code:
+        raise DeltaError(f"blob is for dtype {h.dtype.name}, target is {dtype.name}")
+    if tuple(h.shape) != tuple(shape):
+        raise DeltaError(f"blob is for shape {tuple(h.shape)}, target has shape {tuple(shape)}")
 
 
 def header_size(ndim: int, n_blocks: int) -> int:

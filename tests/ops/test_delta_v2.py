@@ -354,19 +354,19 @@ def test_every_simd_level_writes_and_reads_the_same_bytes():
 def test_decoding_with_classes_from_a_gpu_matches_decoding_with_the_base(block_log2):
     """A GPU base is not copied to the host: its classes are computed on the device for the blob's e_tops
     (``_context.class_nibbles``) and the host decodes with them. Same positions and values as with the base."""
-    from syncd.ops import _backend
+    from syncd.ops import _backend, _blob
 
     old, new = weight_pair(300_001, 1e-5)
     blob = delta.encode(old, new, version=2, block_log2=block_log2)
     assert delta.inspect(blob)["context_blocks"] >= 1
     dt = fmt.dtype_of(old.dtype)
-    e_tops = torch.tensor([max(0, e) for e in delta._block_e_tops(blob)], dtype=torch.int64)
+    e_tops = torch.tensor([max(0, e) for e in _blob.block_e_tops(blob)], dtype=torch.int64)
     nib = _context.class_nibbles(old, dt, block_log2, e_tops)[0].numpy()
     native = _backend.native()
     with_base = native.unpack(blob, dt.code, [old.numel()], 2, old.data_ptr(), None)
     with_nibbles = native.unpack(blob, dt.code, [old.numel()], 2, 0, nib)
     assert np.array_equal(with_base[0], with_nibbles[0]) and np.array_equal(with_base[1], with_nibbles[1])
-    assert delta._block_e_tops(blob) == native.block_e_tops(blob)
+    assert _blob.block_e_tops(blob) == native.block_e_tops(blob)
     # and the GPU encoder's route: changes and classes found elsewhere, entropy-coded by the host
     nib_enc, e_tops_enc = _context.class_nibbles(old, dt, block_log2)
     h = fmt.parse_header(blob, ref_ck.checksum_bytes)

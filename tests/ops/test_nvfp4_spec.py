@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from syncd.ops import _nvfp4_format as layout
 from syncd.ops import nvfp4
 from syncd.ops.reference import nvfp4 as ref
 from tests.ops.test_nvfp4_helpers import E2M1_GRID, KINDS, e2m1_brute, e4m3_brute, e4m3_grid, near_boundaries, sample
@@ -106,8 +107,8 @@ def test_swizzle_follows_the_cublas_128x4_layout():
     g = torch.Generator().manual_seed(3)
     for m, s in [(1, 1), (130, 7), (256, 8), (5, 4)]:
         lin = torch.randint(0, 127, (m, s), dtype=torch.uint8, generator=g)
-        sw = ref.swizzle(lin)
-        mp, sp = ref.swizzled_shape(m, s)
+        sw = layout.swizzle(lin)
+        mp, sp = layout.swizzled_shape(m, s)
         assert sw.shape == (mp, sp)
         flat = sw.reshape(-1)
         for r in range(m):
@@ -116,11 +117,11 @@ def test_swizzle_follows_the_cublas_128x4_layout():
                 off = tile * 512 + (r % 32) * 16 + ((r // 32) % 4) * 4 + c % 4
                 assert flat[off] == lin[r, c]
         assert int(flat.sum()) == int(lin.sum())  # the padding is zero
-        assert torch.equal(ref.unswizzle(sw, m, s), lin)
+        assert torch.equal(layout.unswizzle(sw, m, s), lin)
 
 
 def test_swizzle_keeps_leading_dimensions_per_matrix():
     lin = torch.arange(2 * 3 * 200 * 5, dtype=torch.int64).reshape(2, 3, 200, 5) % 127
-    sw = ref.swizzle(lin.to(torch.uint8))
+    sw = layout.swizzle(lin.to(torch.uint8))
     assert sw.shape == (2, 3, 256, 8)
-    assert torch.equal(sw[1, 2], ref.swizzle(lin[1, 2].to(torch.uint8)))
+    assert torch.equal(sw[1, 2], layout.swizzle(lin[1, 2].to(torch.uint8)))

@@ -1,5 +1,6 @@
 """``quantize`` / ``dequantize`` / ``per_tensor_scale`` with backend dispatch. The arithmetic is specified by
-``syncd/ops/reference/nvfp4.py``; every backend writes the same bits."""
+``syncd/ops/reference/nvfp4.py`` (the ``reference`` backend, registered by ``syncd/ops/reference/backend.py``);
+every backend writes the same bits."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ import torch
 
 from syncd.ops import _backend
 from syncd.ops._dispatch import dispatch, kernel, kernel_of, register, resolve
+from syncd.ops._nvfp4_format import AMAX_PER_SCALE, INPUT_DTYPES, OUTPUT_DTYPES, PTS_MAX, PTS_MIN
 from syncd.ops._tensors import raw_ptr
 from syncd.ops.nvfp4._tensor import BLOCK, NVFP4Tensor
-from syncd.ops.reference import nvfp4 as ref
 
 _CODE = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 _NONFINITE = "NVFP4 quantize: the input holds NaN or infinite values, which NVFP4 cannot represent"
@@ -22,7 +23,7 @@ _NONFINITE = "NVFP4 quantize: the input holds NaN or infinite values, which NVFP
 def _check_input(x) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"NVFP4 quantize takes a torch.Tensor, not {type(x).__name__}")
-    if x.dtype not in ref.INPUT_DTYPES:
+    if x.dtype not in INPUT_DTYPES:
         raise ValueError(f"NVFP4 quantize takes bfloat16, float16 or float32 tensors, not {x.dtype}")
     if x.dim() < 1 or x.shape[-1] % BLOCK:
         raise ValueError(f"NVFP4 quantize needs a last dimension that is a multiple of {BLOCK}; got shape "
@@ -38,16 +39,12 @@ def _gpu_kernels(name: str):
 
 
 def _from_amax(amax: torch.Tensor) -> torch.Tensor:
-    return torch.clamp(amax.float().reshape(()) / ref.AMAX_PER_SCALE, ref.PTS_MIN, ref.PTS_MAX)
+    return torch.clamp(amax.float().reshape(()) / AMAX_PER_SCALE, PTS_MIN, PTS_MAX)
 
 
 # ---------------------------------------------------------------------------------------------- kernels
-# Each op's kernels by backend (syncd.ops._dispatch). The per-tensor scale runs on the backend quantize picked.
-
-
-@kernel("nvfp4_scale", "reference")
-def _scale_reference(x: torch.Tensor) -> torch.Tensor:
-    return ref.per_tensor_scale(x.cpu()).to(x.device)
+# Each op's kernels by backend (syncd.ops._dispatch; the reference ones: syncd/ops/reference/backend.py). The
+# per-tensor scale runs on the backend quantize picked.
 
 
 @kernel("nvfp4_scale", "cpu")
@@ -67,13 +64,6 @@ def _scale_gpu(x: torch.Tensor) -> torch.Tensor:
     return _from_amax(torch.linalg.vector_norm(x.detach(), float("inf"), dtype=torch.float32))
 
 
-@kernel("nvfp4_quantize", "reference")
-def _quantize_reference(x: torch.Tensor, pts: torch.Tensor):
-    ref.check_finite(x)
-    qdata, scales = ref.quantize(x, pts)
-    return qdata.to(x.device), scales.to(x.device)
-
-
 def _quantize_into(name: str, x: torch.Tensor, pts: torch.Tensor):
     xc = x.detach().contiguous()
     k = x.shape[-1]
@@ -88,12 +78,6 @@ def _quantize_into(name: str, x: torch.Tensor, pts: torch.Tensor):
     if bad:
         raise ValueError(_NONFINITE)
     return qdata, scales
-
-
-@kernel("nvfp4_dequantize", "reference")
-def _dequantize_reference(q: NVFP4Tensor, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor:
-    values = ref.dequantize(q.qdata, q.scales, q.per_tensor_scale, dtype).to(q.device)
-    return values if out is None else out.copy_(values)
 
 
 def _dequantize_into(name: str, q: NVFP4Tensor, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor:
@@ -133,7 +117,7 @@ def _given_scale(pts, device: torch.device) -> torch.Tensor:
         raise ValueError(f"per_tensor_scale must be one value, got shape {tuple(t.shape)}")
     t = t.reshape(()).to(device)
     v = float(t)
-    if not (math.isfinite(v) and ref.PTS_MIN <= v <= ref.PTS_MAX):
+    if not (math.isfinite(v) and PTS_MIN <= v <= PTS_MAX):
         raise ValueError(f"per_tensor_scale must be a finite float32 in [2**-100, 2**100] (decode convention, "
                          f"amax / 2688); got {v!r}")
     return t
@@ -170,7 +154,7 @@ def dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16, *, out: torc
     does not fit, ``BackendUnavailable``."""
     if not isinstance(q, NVFP4Tensor):
         raise TypeError(f"dequantize takes an NVFP4Tensor, not {type(q).__name__}")
-    if dtype not in ref.OUTPUT_DTYPES:
+    if dtype not in OUTPUT_DTYPES:
         raise ValueError(f"NVFP4 dequantize produces bfloat16, float16 or float32, not {dtype}")
     if out is not None and (out.shape != q.shape or out.dtype != dtype or out.device != q.device
                             or not out.is_contiguous()):

@@ -7,9 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from syncd.ops.reference import nvfp4 as ref
-
-BLOCK = ref.BLOCK
+from syncd.ops._nvfp4_format import BLOCK, swizzle, swizzled_shape, unswizzle
 
 
 @dataclass(frozen=True, eq=False)
@@ -71,7 +69,7 @@ class NVFP4Tensor:
             return (*shape[:-1], cols)
         rows = shape[-2] if len(shape) >= 2 else 1
         lead = tuple(shape[:-2])
-        return (*lead, *ref.swizzled_shape(rows, cols))
+        return (*lead, *swizzled_shape(rows, cols))
 
     def to_swizzled(self) -> "NVFP4Tensor":
         """The same tensor with swizzled scales (itself if they already are)."""
@@ -107,7 +105,7 @@ def swizzle_scales(scales: torch.Tensor) -> torch.Tensor:
     if scales.dim() < 1:
         raise ValueError("block scales need at least one dimension")
     u8 = _as_matrix(scales.view(torch.uint8))
-    return ref.swizzle(u8).view(scales.dtype)
+    return swizzle(u8).view(scales.dtype)
 
 
 def unswizzle_scales(swizzled: torch.Tensor, shape) -> torch.Tensor:
@@ -115,9 +113,9 @@ def unswizzle_scales(swizzled: torch.Tensor, shape) -> torch.Tensor:
     shape = tuple(shape)
     cols = shape[-1] // BLOCK
     rows = shape[-2] if len(shape) >= 2 else 1
-    want = (*shape[:-2], *ref.swizzled_shape(rows, cols))
+    want = (*shape[:-2], *swizzled_shape(rows, cols))
     if tuple(swizzled.shape) != want:
         raise ValueError(f"swizzled scales of shape {tuple(swizzled.shape)} do not fit values of shape {shape} "
                          f"(expected {want})")
-    lin = ref.unswizzle(swizzled.view(torch.uint8), rows, cols).contiguous()
+    lin = unswizzle(swizzled.view(torch.uint8), rows, cols).contiguous()
     return lin.reshape(*shape[:-1], cols).view(swizzled.dtype)

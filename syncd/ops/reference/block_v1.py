@@ -9,6 +9,7 @@ import numpy as np
 
 from syncd.errors import DeltaError
 from syncd.ops import _format as fmt
+from syncd.ops._sections import Reader, read_table
 from syncd.ops.reference import entropy as ent
 
 
@@ -38,8 +39,8 @@ def encode_block(pos: np.ndarray, v: np.ndarray) -> bytes:
 
 def decode_block(payload: bytes, n_changed: int, span: int, dtype: fmt.DType, what: str):
     """Inverse of ``encode_block``: block-relative positions and values, fully validated."""
-    r = ent.Reader(payload, what)
-    models = [ent.read_table(r), ent.read_table(r)]
+    r = Reader(payload, what)
+    models = [read_table(r), read_table(r)]
     (raw_len,) = struct.unpack("<I", r.take(4))
     bits = ent.BitReader(r.take(raw_len), what)
     vmax = (1 << dtype.bits) - 2
@@ -65,16 +66,3 @@ def decode_block(payload: bytes, n_changed: int, span: int, dtype: fmt.DType, wh
     bits.finish()
     return pos, vals
 
-
-SECTIONS = ("tables", "lengths", "raw_bits", "rans")
-
-
-def sections(payload: bytes, what: str) -> dict:
-    """Bytes of each section of a payload: frequency tables, the raw-bits length field, raw bits, rANS."""
-    r = ent.Reader(payload, what)
-    ent.read_table(r)
-    ent.read_table(r)
-    tables = r.pos
-    (raw_len,) = struct.unpack("<I", r.take(4))
-    r.take(raw_len)
-    return {"tables": tables, "lengths": 4, "raw_bits": raw_len, "rans": len(payload) - r.pos}

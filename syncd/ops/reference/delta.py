@@ -4,6 +4,7 @@ Works on NumPy views of raw element bits. ``encode`` and ``decode_into`` are wha
 match: the native and GPU encoders produce the same bytes for the same input, and every decoder accepts
 every encoder's blobs. This module holds the header-level codec and the format-1 block payload;
 ``delta_v2`` holds format 2's payloads, whose context blocks need the old values (``context``) to decode.
+An element's coded change is ``syncd/ops/_bits.py`` (``changes`` here finds it with the same key).
 """
 
 from __future__ import annotations
@@ -12,39 +13,20 @@ import numpy as np
 
 from syncd.errors import DeltaError
 from syncd.ops import _format as fmt
+from syncd.ops._bits import apply_values, to_key
+from syncd.ops._checksum_math import raw_after
 from syncd.ops.reference import checksum as ck
 from syncd.ops.reference import context as v2ctx
 from syncd.ops.reference import delta_v2 as v2
 from syncd.ops.reference.block_v1 import decode_block, encode_block
 
-__all__ = ["to_key", "from_key", "changes", "apply_values", "encode_block", "decode_block", "bits_view", "encode",
-           "checksum_of", "pack", "unpack", "check_target", "decode_into"]
-
-
-def to_key(bits: np.ndarray, dtype: fmt.DType) -> np.ndarray:
-    """Order-preserving unsigned key of raw element bits: for floats, a negative (sign set) flips every bit
-    and a positive flips the sign bit, so adjacent floats have adjacent keys and -0.0/+0.0 differ by one.
-    Integers are keyed by their bits (differences are taken modulo 2**bits)."""
-    if not dtype.is_float:
-        return bits
-    u = dtype.np_uint
-    sign = u(1 << (dtype.bits - 1))
-    neg = (bits & sign) != 0
-    return np.where(neg, ~bits, bits | sign).astype(u)
-
-
-def from_key(key: np.ndarray, dtype: fmt.DType) -> np.ndarray:
-    if not dtype.is_float:
-        return key
-    u = dtype.np_uint
-    sign = u(1 << (dtype.bits - 1))
-    pos = (key & sign) != 0
-    return np.where(pos, key ^ sign, ~key).astype(u)
+__all__ = ["changes", "bits_view", "encode", "checksum_of", "pack", "unpack", "decode_into", "changed_words"]
 
 
 def changes(old_bits: np.ndarray, new_bits: np.ndarray, dtype: fmt.DType) -> tuple[np.ndarray, np.ndarray]:
     """Positions (int64, ascending) of changed elements and their values ``v = zigzag(delta) - 1`` (uint64),
-    where ``delta`` is the key difference as a signed ``bits``-wide integer."""
+    where ``delta`` is the key difference (``_bits.to_key``) as a signed ``bits``-wide integer; ``apply_values``
+    inverts it."""
     pos = np.flatnonzero(old_bits != new_bits)
     w = dtype.bits
     mask = (1 << w) - 1
@@ -54,16 +36,6 @@ def changes(old_bits: np.ndarray, new_bits: np.ndarray, dtype: fmt.DType) -> tup
     sign = (d >> np.uint64(w - 1)) & np.uint64(1)
     u = ((d << np.uint64(1)) & np.uint64(mask)) ^ (np.uint64(0) - sign) & np.uint64(mask)
     return pos.astype(np.int64), u - np.uint64(1)
-
-
-def apply_values(old_bits: np.ndarray, v: np.ndarray, dtype: fmt.DType) -> np.ndarray:
-    """New element bits from old bits and coded values ``v`` (inverse of ``changes``)."""
-    w = dtype.bits
-    mask = np.uint64((1 << w) - 1)
-    u = v.astype(np.uint64) + np.uint64(1)
-    d = (u >> np.uint64(1)) ^ (np.uint64(0) - (u & np.uint64(1)))
-    key = (to_key(old_bits, dtype).astype(np.uint64) + d) & mask
-    return from_key(key.astype(dtype.np_uint), dtype)
 
 
 def bits_view(arr: np.ndarray, dtype: fmt.DType) -> np.ndarray:
@@ -151,18 +123,11 @@ def unpack(blob, base_classes=None) -> tuple[fmt.Header, np.ndarray, np.ndarray]
     return h, pos, v
 
 
-def check_target(h: fmt.Header, dtype: fmt.DType, shape) -> None:
-    if h.dtype.code != dtype.code:
-        raise DeltaError(f"blob is for dtype {h.dtype.name}, target is {dtype.name}")
-    if tuple(h.shape) != tuple(shape):
-        raise DeltaError(f"blob is for shape {tuple(h.shape)}, target has shape {tuple(shape)}")
-
-
 def decode_into(target: np.ndarray, blob, dtype: fmt.DType, shape, verify_base: bool = True) -> None:
     """Apply ``blob`` to ``target`` (raw bytes, modified in place). Everything is checked first; on any
     error ``target`` is unchanged and ``DeltaError`` says what is wrong."""
     h = fmt.parse_header(blob, ck.checksum_bytes)
-    check_target(h, dtype, shape)
+    fmt.check_target(h, dtype, shape)
     tb = bits_view(target, dtype)
     if verify_base:  # first: with a wrong base, format 2's context blocks would fail to decode
         have = checksum_of(tb)
@@ -175,3 +140,23 @@ def decode_into(target: np.ndarray, blob, dtype: fmt.DType, shape, verify_base: 
     if verify_base and checksum_of(result) != h.new_checksum:
         raise DeltaError("result checksum mismatch: the decoded tensor differs from the encoder's")
     tb[pos] = result[pos]
+
+
+def changed_words(dtype: fmt.DType, words: np.ndarray, old_w: np.ndarray, pos: np.ndarray, values: np.ndarray,
+                  first: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """What the native ``changed_words`` computes (``csrc/cpu/changed_words.h``): the element bits at ``pos``
+    (uint64 positions, ascending) before and after the coded ``values``, read from the changed 64-bit words
+    ``old_w`` at word indices ``words`` (``first`` marks each position that opens a new word), and what the
+    checksum's raw sum gains when those words change. ``DeltaError`` for positions that do not ascend or a value
+    too wide for the dtype."""
+    if pos.size and np.any(pos[1:] <= pos[:-1]):
+        raise DeltaError("change positions must ascend")
+    if values.size and int(values.max()) > (1 << dtype.bits) - 2:
+        raise DeltaError(f"value change {int(values.max())} too wide for the dtype")
+    per_word = 64 // dtype.bits
+    at = (np.cumsum(first) - 1) * per_word + (pos % np.uint64(per_word)).astype(np.int64)  # element in old_w
+    old = old_w.view(dtype.np_uint)[at]
+    new = np.ascontiguousarray(apply_values(old, values, dtype))
+    new_w = old_w.copy()
+    new_w.view(dtype.np_uint)[at] = new
+    return old, new, raw_after(0, words, old_w, new_w)

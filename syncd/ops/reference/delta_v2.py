@@ -18,13 +18,11 @@ import numpy as np
 
 from syncd.errors import DeltaError
 from syncd.ops import _format as fmt
+from syncd.ops._sections import Reader
 from syncd.ops.reference import binary_rans as br
 from syncd.ops.reference import block_v1 as v1
 from syncd.ops.reference import context as ctx
 from syncd.ops.reference import entropy as ent
-
-_MODE1_FIXED = struct.Struct("<BHBB")  # mode, e_top, position groups, value groups
-
 
 def bit_length(m: np.ndarray) -> np.ndarray:
     """Bit length of each uint64 (0 for 0), exactly."""
@@ -190,7 +188,7 @@ def encode_block(pos: np.ndarray, v: np.ndarray, classes: np.ndarray, e_top: int
         if ni >= 2:
             mant.write(mi - (1 << (ni - 1)), ni - 1)
     mant_bytes = mant.getvalue()
-    out = bytearray(_MODE1_FIXED.pack(mode, e_top, gp, gv))
+    out = bytearray(fmt.CONTEXT_FIXED.pack(mode, e_top, gp, gv))
     out += struct.pack("<H", sum(1 << c for c in range(fmt.CLASSES) if p1[c]))
     out += b"".join(struct.pack("<H", int(p1[c])) for c in range(fmt.CLASSES) if p1[c])
     out += struct.pack("<H", sum(1 << c for c in range(fmt.CLASSES) if trees[c]))
@@ -208,13 +206,6 @@ def encode_block(pos: np.ndarray, v: np.ndarray, classes: np.ndarray, e_top: int
 # ------------------------------------------------------------------------------------------- decode
 
 
-def read_e_top(payload: bytes) -> int | None:
-    """The ``e_top`` of a context payload (mode 1 or 2), None for mode 0 (does not validate the rest)."""
-    if payload and payload[0] in fmt.CONTEXT_MODES and len(payload) >= _MODE1_FIXED.size:
-        return _MODE1_FIXED.unpack_from(payload)[1]
-    return None
-
-
 def decode_block(payload: bytes, n_changed: int, classes_for, span: int, dtype: fmt.DType, what: str):
     """Inverse of ``encode_block``: block-relative positions (int64) and values (uint64), fully validated.
     ``classes_for(e_top)`` returns the classes of the block's old elements (only called for modes 1 and 2)."""
@@ -224,8 +215,8 @@ def decode_block(payload: bytes, n_changed: int, classes_for, span: int, dtype: 
         return v1.decode_block(payload[1:], n_changed, span, dtype, what)
     if payload[0] not in fmt.CONTEXT_MODES:
         raise DeltaError(f"{what}: unknown block mode {payload[0]}")
-    r = ent.Reader(payload, what)
-    mode, e_top, gp, gv = _MODE1_FIXED.unpack(r.take(_MODE1_FIXED.size))
+    r = Reader(payload, what)
+    mode, e_top, gp, gv = fmt.CONTEXT_FIXED.unpack(r.take(fmt.CONTEXT_FIXED.size))
     if dtype.exp_bits and e_top >= 1 << dtype.exp_bits or not dtype.exp_bits and e_top:
         raise DeltaError(f"{what}: class origin {e_top} outside the exponent range of {dtype.name}")
     if not 1 <= gp <= fmt.MAX_GROUPS or gv > fmt.MAX_GROUPS:
@@ -303,28 +294,3 @@ def decode_block(payload: bytes, n_changed: int, classes_for, span: int, dtype: 
         raise DeltaError(f"{what}: value change {int(v.max())} too wide for {dtype.name}")
     return pos.astype(np.int64), v
 
-
-SECTIONS = ("modes", "tables", "lengths", "raw_bits", "rans", "params", "positions", "values", "mantissa", "signs")
-
-
-def sections(payload: bytes, n_changed: int, what: str) -> dict:
-    """Bytes of each section of a payload: its mode byte, then mode 0's format-1 sections, or a context mode's
-    parameters (with the stream lengths), position and value streams, mantissa bits and sign bits."""
-    if not payload:
-        raise DeltaError(f"{what}: empty payload")
-    if payload[0] == fmt.MODE_ORDER0:
-        return {"modes": 1, **v1.sections(payload[1:], what)}
-    r = ent.Reader(payload, what)
-    _, _, gp, gv = _MODE1_FIXED.unpack(r.take(_MODE1_FIXED.size))
-    (mask_p,) = struct.unpack("<H", r.take(2))
-    r.take(2 * bin(mask_p).count("1"))
-    (mask_v,) = struct.unpack("<H", r.take(2))
-    for _ in range(bin(mask_v).count("1")):
-        r.take(2 * ((1 << r.take(1)[0]) - 1))
-    lens = [r.varint() for _ in range(gp + gv + 1)]
-    params = r.pos - 1
-    signs = (n_changed + 7) // 8
-    if params + 1 + sum(lens) + signs != len(payload):
-        raise DeltaError(f"{what}: section lengths do not add up to the payload")
-    return {"modes": 1, "params": params, "positions": sum(lens[:gp]), "values": sum(lens[gp : gp + gv]),
-            "mantissa": lens[-1], "signs": signs}

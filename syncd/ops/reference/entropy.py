@@ -1,5 +1,6 @@
 """Reference entropy coding of a block's changes: symbol bucketing, frequency tables, interleaved rANS,
-and the raw-bits stream. Pure Python; the spec that ``csrc/cpu/entropy.h`` implements.
+and the raw-bits stream. Pure Python; the spec that ``csrc/cpu/entropy.h`` implements. Decoders read with the
+ops' bounds-checked cursor and table reader (``syncd/ops/_sections.py``).
 """
 
 from __future__ import annotations
@@ -7,7 +8,8 @@ from __future__ import annotations
 import struct
 
 from syncd.errors import DeltaError
-from syncd.ops._format import ALPHABET, DIRECT_SYMBOLS, PROB_BITS, PROB_SCALE, RANS_L
+from syncd.ops._format import DIRECT_SYMBOLS, PROB_BITS, PROB_SCALE, RANS_L
+from syncd.ops._sections import Reader
 
 
 def bucket(v: int) -> tuple[int, int, int]:
@@ -77,51 +79,6 @@ def write_table(out: bytearray, freqs: list[int]) -> None:
     for s in range(span):
         if freqs[s]:
             write_varint(out, freqs[s])
-
-
-class Reader:
-    """Bounds-checked cursor over a payload; every read past the end raises ``DeltaError``."""
-
-    def __init__(self, data: bytes, what: str):
-        self.data, self.pos, self.what = data, 0, what
-
-    def take(self, n: int) -> bytes:
-        if n < 0 or self.pos + n > len(self.data):
-            raise DeltaError(f"{self.what}: truncated (needs {n} bytes at offset {self.pos} of {len(self.data)})")
-        b = self.data[self.pos : self.pos + n]
-        self.pos += n
-        return b
-
-    def varint(self) -> int:
-        v = shift = 0
-        while True:
-            (byte,) = self.take(1)
-            v |= (byte & 0x7F) << shift
-            if not byte & 0x80:
-                return v
-            shift += 7
-            if shift > 28:
-                raise DeltaError(f"{self.what}: varint too long")
-
-
-def read_table(r: Reader) -> list[int]:
-    """Read a frequency table written by ``write_table``; validates the bitmap and the sum."""
-    span = r.take(1)[0] + 1
-    bitmap = r.take((span + 7) // 8)
-    freqs = [0] * ALPHABET
-    for s in range(span):
-        if bitmap[s >> 3] >> (s & 7) & 1:
-            f = r.varint()
-            if f == 0 or f > PROB_SCALE:
-                raise DeltaError(f"{r.what}: frequency {f} of symbol {s} out of range")
-            freqs[s] = f
-    if span % 8 and bitmap[-1] >> (span % 8):
-        raise DeltaError(f"{r.what}: frequency table bitmap has bits past its span")
-    if not freqs[span - 1]:
-        raise DeltaError(f"{r.what}: frequency table span ends on an absent symbol")
-    if sum(freqs) != PROB_SCALE:
-        raise DeltaError(f"{r.what}: frequencies sum to {sum(freqs)}, expected {PROB_SCALE}")
-    return freqs
 
 
 def cumulative(freqs: list[int]) -> list[int]:

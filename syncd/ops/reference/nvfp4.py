@@ -21,26 +21,21 @@ Edge cases (see ``docs/nvfp4.md``): an all-zero block (or one whose scale underf
 codes of magnitude 0 with each input's sign (-0.0 and negative values that round to zero give code 8);
 ``per_tensor_scale`` computed from a tensor is ``amax / 2688`` clamped to [2**-100, 2**100] (so an all-zero
 tensor gets 2**-100, zero scales and zero codes); NaN or infinite inputs raise ``ValueError``.
+
+The constants (block size, maxima, scale range) and the swizzled scale layout are ``syncd/ops/_nvfp4_format.py``.
 """
 
 from __future__ import annotations
 
 import torch
 
-BLOCK = 16
-E2M1_MAX = 6.0
-E4M3_MAX = 448.0
-#: the largest amax a per-tensor scale of 1 can represent (448 * 6)
-AMAX_PER_SCALE = E4M3_MAX * E2M1_MAX
-PTS_MIN = 2.0 ** -100
-PTS_MAX = 2.0 ** 100
+from syncd.ops._nvfp4_format import AMAX_PER_SCALE, BLOCK, E4M3_MAX, PTS_MAX, PTS_MIN
+
 #: value of each 4-bit code: index 0-7 the magnitudes, 8-15 their negatives (8 is -0.0)
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 #: round to nearest even: a magnitude ``a`` gets index sum(a > t or a >= t) over these (threshold, inclusive)
 E2M1_THRESHOLDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True),
                    (5.0, False))
-INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-OUTPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def check_finite(x: torch.Tensor) -> None:
@@ -109,32 +104,3 @@ def dequantize(qdata: torch.Tensor, scales: torch.Tensor, pts: torch.Tensor,
     values = torch.tensor(E2M1_VALUES, dtype=torch.float32)[codes.long()].reshape(-1, k // BLOCK, BLOCK)
     block = scales.cpu().reshape(-1, k // BLOCK).float() * pts.cpu().float().reshape(())
     return (values * block.unsqueeze(-1)).reshape(codes.shape).to(dtype)
-
-
-def swizzled_shape(rows: int, cols: int) -> tuple[int, int]:
-    """(rows rounded up to 128, cols rounded up to 4): the padded size of the 128x4 swizzled layout."""
-    return (rows + 127) // 128 * 128, (cols + 3) // 4 * 4
-
-
-def swizzle(scales: torch.Tensor) -> torch.Tensor:
-    """The 128x4 tiled layout GEMMs read (cuBLAS' block-scaling-factor layout, FlashInfer/vLLM
-    ``swizzle_blockscale``): per matrix [M, S] (leading dimensions are kept), zero-padded to
-    [Mp, Sp] = [ceil(M/128)*128, ceil(S/4)*4]; scale (r, c) goes to tile (r // 128, c // 4), in row-major
-    tile order, at offset (r % 32) * 16 + ((r // 32) % 4) * 4 + c % 4 within the tile's 512 bytes."""
-    *lead, m, s = scales.shape
-    mp, sp = swizzled_shape(m, s)
-    padded = torch.zeros((*lead, mp, sp), dtype=scales.dtype, device=scales.device)
-    padded[..., :m, :s] = scales
-    n = len(lead)
-    t = padded.reshape(*lead, mp // 128, 4, 32, sp // 4, 4)
-    t = t.permute(*range(n), n, n + 3, n + 2, n + 1, n + 4)
-    return t.reshape(*lead, mp, sp)
-
-
-def unswizzle(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """Inverse of :func:`swizzle`: the linear [..., rows, cols] scales (the padding is dropped)."""
-    *lead, mp, sp = swizzled.shape
-    n = len(lead)
-    t = swizzled.reshape(*lead, mp // 128, sp // 4, 32, 4, 4)
-    t = t.permute(*range(n), n, n + 3, n + 2, n + 1, n + 4)
-    return t.reshape(*lead, mp, sp)[..., :rows, :cols]

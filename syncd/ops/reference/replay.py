@@ -17,22 +17,19 @@
   whether the first ``j + 1`` ids stay the first ``j + 1`` under a perturbation of the logits.
 * **kept-set fingerprint**: ``sum(mix32(id ^ 0x9E3779B9) for id in set) mod 2**32``, ``mix32`` the bijective
   "lowbias32" integer hash (C. Wellons): independent of order; two sets that differ by one id never collide.
+
+The layout helpers (a CSR entry's row, an expert id's width, the fingerprint's salt) are
+``syncd/ops/_replay_layout.py``.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["kept_rows", "kept_logprobs", "kept_logprobs_backward", "bits_per_id", "pack_routes", "unpack_routes",
-           "gather_routed", "gather_routed_backward", "kept_set_row", "kept_fingerprint", "FINGERPRINT_SALT"]
+from syncd.ops._replay_layout import FINGERPRINT_SALT, bits_per_id, kept_rows
 
-FINGERPRINT_SALT = 0x9E3779B9
-
-
-def kept_rows(offsets: torch.Tensor) -> torch.Tensor:
-    """The row of every kept entry (int64, ``[offsets[-1]]``)."""
-    sizes = (offsets[1:] - offsets[:-1]).to(torch.int64)
-    return torch.repeat_interleave(torch.arange(sizes.numel(), device=offsets.device), sizes)
+__all__ = ["kept_logprobs", "kept_logprobs_backward", "pack_routes", "unpack_routes", "gather_routed",
+           "gather_routed_backward", "kept_set_row", "kept_fingerprint"]
 
 
 def kept_logprobs(logits: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, targets: torch.Tensor,
@@ -62,11 +59,6 @@ def kept_logprobs_backward(grad: torch.Tensor, zk: torch.Tensor, ids: torch.Tens
     out = torch.zeros(tuple(shape), dtype=dtype, device=grad.device)
     out[rows, ids] = g.to(dtype)
     return out
-
-
-def bits_per_id(num_experts: int) -> int:
-    """Bits of one expert id: ``max(1, ceil(log2 num_experts))``."""
-    return max(1, (int(num_experts) - 1).bit_length())
 
 
 def pack_routes(ids: torch.Tensor, num_experts: int) -> torch.Tensor:

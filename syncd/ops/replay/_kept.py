@@ -1,5 +1,6 @@
 """``kept_logprobs``: log-probabilities renormalised over the kept set the sampler drew from, with backend dispatch
-and autograd. The arithmetic is specified by ``syncd/ops/reference/replay.py``."""
+and autograd. The arithmetic is specified by ``syncd/ops/reference/replay.py`` (the ``reference`` backend, registered
+by ``syncd/ops/reference/backend.py``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from syncd.ops import _backend
 from syncd.ops._dispatch import kernel_of, register, resolve
-from syncd.ops.reference import replay as ref
+from syncd.ops._replay_layout import kept_rows
 
 __all__ = ["kept_logprobs", "check_kept", "check_csr", "kept_backend"]
 
@@ -95,15 +96,6 @@ def _first_missing(found: torch.Tensor) -> int:
     return int(torch.nonzero(found == 0)[0]) if bool((found == 0).any()) else -1
 
 
-def _forward_reference(logits, ids, offsets, targets, temperature):
-    with torch.no_grad():
-        out, lse, zk = ref.kept_logprobs(logits, ids, offsets, targets, temperature)
-        rows = ref.kept_rows(offsets)
-        found = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device).index_add_(
-            0, rows, (ids == targets[rows]).to(torch.int64))
-    return out, lse, zk, _first_missing(found)
-
-
 def _forward_cpu(logits, ids, offsets, targets, temperature):
     T = logits.shape[0]
     out = torch.empty(T, dtype=torch.float32)
@@ -129,7 +121,6 @@ def _backward_cpu(grad, zk, ids, offsets, targets, lse, temperature, shape, dtyp
     return out
 
 
-register("kept_logprobs", "reference", (_forward_reference, ref.kept_logprobs_backward))
 register("kept_logprobs", "cpu", (_forward_cpu, _backward_cpu), requires=_native_kept)
 register("kept_logprobs", "triton", (_forward_triton, lambda *a: _triton().kept_backward(*a)))
 
@@ -146,7 +137,7 @@ def _forward(name: str, logits, ids, offsets, targets, temperature):
 
 def _sparse_backward(grad, zk, ids, offsets, targets, lse, temperature, shape, dtype) -> torch.Tensor:
     """The gradient as a coalesced sparse COO tensor: its entries are the kept ones (row-major, already sorted)."""
-    rows = ref.kept_rows(offsets)
+    rows = kept_rows(offsets)
     hit = (ids == targets[rows]).float()
     vals = grad.detach().float()[rows] * (hit - torch.exp(zk - lse[rows])) / temperature
     return torch.sparse_coo_tensor(torch.stack([rows, ids]), vals.to(dtype), tuple(shape), is_coalesced=True,

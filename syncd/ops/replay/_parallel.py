@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from syncd.ops.reference import replay as ref
+from syncd.ops._replay_layout import kept_rows
 from syncd.ops.replay._kept import check_csr
 
 __all__ = ["kept_logprobs_vocab_parallel"]
@@ -24,7 +24,7 @@ class _VocabParallel(torch.autograd.Function):
     def forward(ctx, local_logits, ids, offsets, targets, vocab_start, temperature, group):
         T, Vp = local_logits.shape
         dev = local_logits.device
-        rows = ref.kept_rows(offsets)
+        rows = kept_rows(offsets)
         own = (ids >= vocab_start) & (ids < vocab_start + Vp)
         lrows, lids = rows[own], ids[own] - vocab_start
         z = local_logits[lrows, lids].float() / temperature
@@ -68,7 +68,7 @@ def kept_logprobs_vocab_parallel(local_logits: torch.Tensor, ids, offsets, targe
         raise ValueError(f"kept_logprobs_vocab_parallel: columns {vocab_start}..{vocab_start + Vp - 1} do not fit "
                          f"in a vocabulary of {vocab_size}")
     ids, offsets, targets = check_csr(T, vocab_size, local_logits.device, ids, offsets, targets, temperature)
-    rows = ref.kept_rows(offsets)
+    rows = kept_rows(offsets)
     found = torch.zeros(T, dtype=torch.int64, device=ids.device).index_add_(0, rows, (ids == targets[rows]).long())
     if T and bool((found == 0).any()):
         bad = int(torch.nonzero(found == 0)[0])

@@ -1,6 +1,7 @@
 """MoE routes: bit packing at ``ceil(log2 E)`` bits per expert id, the compact dtype routes are held in, and the
 routed gather (combine weights of recorded experts, with autograd). Backends ``reference`` (vectorised PyTorch,
-what ``auto`` picks on the CPU) and ``triton``; every backend gives the same bits."""
+what ``auto`` picks on the CPU; registered by ``syncd/ops/reference/backend.py``) and ``triton``; every backend
+gives the same bits."""
 
 from __future__ import annotations
 
@@ -10,15 +11,13 @@ import torch
 
 from syncd.ops import _backend
 from syncd.ops._dispatch import dispatch, kernel_of, register, resolve
-from syncd.ops.reference import replay as ref
+from syncd.ops._replay_layout import bits_per_id
 
-__all__ = ["NO_ROUTE", "route_dtype", "routes_backend", "pack_routes", "unpack_routes", "gather_routed",
-           "bits_per_id"]
+__all__ = ["NO_ROUTE", "route_dtype", "routes_backend", "pack_routes", "unpack_routes", "gather_routed"]
 
 #: the route of a position the engine never routed (padding, the sequence's last token): never an expert id
 NO_ROUTE = -1
 MAX_EXPERTS = 1 << 16
-bits_per_id = ref.bits_per_id
 
 
 def route_dtype(num_experts: int) -> torch.dtype:
@@ -45,23 +44,21 @@ def _check_experts(num_experts) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- kernels
-# reference: vectorised PyTorch (what ``auto`` picks on the CPU; there is no native route kernel); triton on GPUs
+# reference (syncd/ops/reference/backend.py): vectorised PyTorch, what ``auto`` picks on the CPU (there is no
+# native route kernel); triton on GPUs
 
 
-register("pack_routes", "reference", lambda ids, E: ref.pack_routes(ids, E))
 register("pack_routes", "triton", lambda ids, E: _triton().pack_routes(ids.to(torch.int64).contiguous(),
-                                                                    ref.bits_per_id(E)))
+                                                                    bits_per_id(E)))
 
 
 def _unpack_triton(packed, count, E):
-    vals = _triton().unpack_routes(packed, count, ref.bits_per_id(E))
-    tail = count * ref.bits_per_id(E)
+    vals = _triton().unpack_routes(packed, count, bits_per_id(E))
+    tail = count * bits_per_id(E)
     return vals, tail % 8 == 0 or not int(packed[-1]) >> (tail % 8)
 
 
-register("unpack_routes", "reference", lambda packed, count, E: ref.unpack_routes(packed, count, E))
 register("unpack_routes", "triton", _unpack_triton)
-register("gather_routed", "reference", (ref.gather_routed, ref.gather_routed_backward))
 register("gather_routed", "triton", (lambda probs, routes: _triton().gather_routed(probs, routes),
                                      lambda grad, routes, E: _triton().gather_routed_backward(grad, routes, E)))
 
@@ -82,7 +79,7 @@ def unpack_routes(packed: torch.Tensor, count: int, num_experts: int, *, backend
     """The ``count`` int64 ids of :func:`pack_routes` bytes (uint8, exactly ``ceil(count * b / 8)`` of them).
     Raises ``ValueError`` for another length, a set padding bit, or an id ``>= num_experts``."""
     E = _check_experts(num_experts)
-    b = ref.bits_per_id(E)
+    b = bits_per_id(E)
     if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8:
         raise ValueError("unpack_routes takes a uint8 tensor")
     if count < 0 or packed.numel() != (count * b + 7) // 8:

@@ -4,9 +4,10 @@ set from the trainer's own logits (:func:`rebuild_kept`). The rules are specifie
 ``syncd/ops/reference/replay.py`` (``kept_set_row``, ``kept_fingerprint``); here they run vectorised over rows.
 
 Backends (the op ``kept_sets`` of :mod:`syncd.ops._dispatch`; :func:`rebuild_kept` ranks through it):
-``reference`` is the per-row specification; ``cpu``, ``cuda`` and ``triton`` all run the one vectorised PyTorch
-implementation on the logits' device (torch's own kernels: ranking is a ``topk``/``sort``, there is no kernel of
-ours to write), so ``auto`` takes it on every device. Pure functions; thread-safe.
+``reference`` is the per-row specification (its entry: ``syncd/ops/reference/backend.py``); ``cpu``, ``cuda`` and
+``triton`` all run the one vectorised PyTorch implementation on the logits' device (torch's own kernels: ranking is
+a ``topk``/``sort``, there is no kernel of ours to write), so ``auto`` takes it on every device. Pure functions;
+thread-safe.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import NamedTuple
 import torch
 
 from syncd.ops._dispatch import kernel, kernel_of, resolve
-from syncd.ops.reference import replay as ref
+from syncd.ops._replay_layout import FINGERPRINT_SALT, kept_rows
 
 __all__ = ["KeptSets", "RebuiltKept", "kept_sets", "kept_fingerprint", "rebuild_kept", "REBUILD_OK",
            "REBUILD_OVERLAP", "REBUILD_FINGERPRINT"]
@@ -158,21 +159,12 @@ def kept_sets(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0, *, size
         sizes = _per_row(sizes, T, torch.int64, "sizes", dev)
         if T and (int(sizes.min()) < 1 or int(sizes.max()) > V):
             raise ValueError(f"kept_sets: sizes must be in 1..{V}")
-    return kernel_of("kept_sets", name)(logits, temp, k, p, sizes)
+    return KeptSets(*kernel_of("kept_sets", name)(logits, temp, k, p, sizes))
 
 
 # ---------------------------------------------------------------------------------------------- kernels
-# kept_sets(logits [T, V], temperature [T] (0: greedy), top_k [T] (1..V), top_p [T], sizes [T] or None) by backend
-
-
-@kernel("kept_sets", "reference")
-def _sets_reference(logits, temp, k, p, sizes) -> KeptSets:
-    rows = [ref.kept_set_row(logits[t], float(temp[t]), int(k[t]), float(p[t]), None if sizes is None else
-                             int(sizes[t])) for t in range(logits.shape[0])]
-    parts = [torch.cat([r[i] for r in rows]) if rows else torch.zeros(0, dtype=torch.int64 if i == 0 else
-                                                                       torch.float32) for i in range(4)]
-    n = torch.tensor([r[0].numel() for r in rows], dtype=torch.int64)
-    return KeptSets(parts[0], torch.cat([n.new_zeros(1), n.cumsum(0)]), *parts[1:])
+# kept_sets(logits [T, V], temperature [T] (0: greedy), top_k [T] (1..V), top_p [T], sizes [T] or None) by backend:
+# the fields of KeptSets, in order (the reference one, per row: syncd/ops/reference/backend.py)
 
 
 @kernel("kept_sets", "cpu", "cuda", "triton")
@@ -268,8 +260,8 @@ def kept_fingerprint(ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     offsets = torch.as_tensor(offsets).to(torch.int64)
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) > _M32):
         raise ValueError("kept_fingerprint: ids must be in [0, 2**32)")
-    h = _mix32(ids ^ ref.FINGERPRINT_SALT)
-    rows = ref.kept_rows(offsets)
+    h = _mix32(ids ^ FINGERPRINT_SALT)
+    rows = kept_rows(offsets)
     return torch.zeros(offsets.numel() - 1, dtype=torch.int64, device=ids.device).index_add_(0, rows, h) & _M32
 
 
@@ -304,7 +296,7 @@ def rebuild_kept(logits: torch.Tensor, top, extra_ids, extra_offsets, fingerprin
         raise ValueError(f"rebuild_kept: tops must be in 1..{V}")
     ks = kept_sets(logits, temperature, sizes=top, backend=backend)
     margin = ks.gaps[ks.offsets[1:] - 1] if R else torch.zeros(0, device=dev)
-    rows = torch.cat([ref.kept_rows(ks.offsets), ref.kept_rows(extra_offsets)])
+    rows = torch.cat([kept_rows(ks.offsets), kept_rows(extra_offsets)])
     key, _ = torch.sort(rows * V + torch.cat([ks.ids, extra_ids]))
     ids = key % V
     counts = top + (extra_offsets[1:] - extra_offsets[:-1])
