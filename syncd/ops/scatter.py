@@ -2,9 +2,10 @@
 before it is written -- what an engine's in-place apply and rollback do (``syncd.engine.WeightUpdater``).
 
 Backends: ``cpu`` (native, ``csrc/cpu/scatter.cpp``: every array cut into runs of 8192 words written on every
-core while their cache lines are hot; a failure undoes every run already written) and ``reference`` (NumPy:
-every check first, then every write). Both leave the same words for every input, and the same arrays untouched
-on a failure. Thread-safety: calls are independent; don't scatter into one array from two threads.
+core while their cache lines are hot; a failure undoes every run already written) and ``reference``
+(``syncd/ops/reference/scatter.py``, NumPy: every check first, then every write). Both leave the same words for
+every input, and the same arrays untouched on a failure. Thread-safety: calls are independent; don't scatter into
+one array from two threads.
 """
 
 from __future__ import annotations
@@ -42,20 +43,6 @@ def scatter_words_(items: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, np.
         if index.dtype != np.int64 or not (index.size == before.size == after.size):
             raise ValueError("scatter_words_: index must be int64, with as many before and after words")
     return dispatch("scatter_words", backend, "cpu")(items, verify)
-
-
-@kernel("scatter_words", "reference")
-def _scatter_reference(items, verify: bool):
-    for i, (target, index, before, after) in enumerate(items):
-        if index.size and (int(index.min()) < 0 or int(index.max()) >= target.size):
-            return i, -1
-        if verify:
-            bad = int(np.count_nonzero(target[index] != before.view(target.dtype)))
-            if bad:
-                return i, bad
-    for target, index, _, after in items:
-        target[index] = after.view(target.dtype)
-    return None
 
 
 @kernel("scatter_words", "cpu")

@@ -17,7 +17,7 @@ import torch
 from syncd.ops._dispatch import kernel, register
 from syncd.ops._replay_layout import kept_rows
 from syncd.ops._tensors import byte_view
-from syncd.ops.reference import checksum, context, delta, nvfp4, replay
+from syncd.ops.reference import checksum, context, delta, nvfp4, replay, scatter
 
 # ---------------------------------------------------------------------------------------------- checksum
 
@@ -28,6 +28,7 @@ def _checksum(tensor: torch.Tensor) -> int:
 
 
 register("checksum_bytes", "reference", checksum.checksum_bytes)
+register("scatter_words", "reference", scatter.scatter_words)
 
 # ---------------------------------------------------------------------------------------------- delta codec
 
