@@ -7,13 +7,14 @@ and the share of training samples that are prefix-consistent (goal 100%).
 The model: a tiny Qwen2 (``syncd.engine.reference.make_tiny`` sizes, ``max_position_embeddings = --window``) trained
 for ``--train-steps`` real AdamW steps on the ``repeat`` task's language (a letter, ``:``, then that letter, with a
 ``:`` here and there), so that it can solve the task -- the figure is then whether the context lets it. The task:
-``syncd.trainer.tasks`` ``repeat`` with ``--length`` answer tokens (longer than the window), scored by its own reward.
+``syncd.trainer.rl.tasks`` ``repeat`` with ``--length`` answer tokens (longer than the window), scored by its
+own reward.
 One node (the Dynamo frontend and a reference-engine worker recording replay records) serves two sandbox proxies
 in this process, one without compaction (the baseline: the window cuts the answer) and one with
 (``syncd.engine.proxy.compaction``; summary, resume and continue prompts of one ``:`` each, ``--summary-tokens``);
 every request is one trajectory, finished with its reward. The compacted trajectories are read back
-(``syncd.trainer.rollouts`` + ``syncd.trainer.compaction.training_samples``) and every sample is checked against its record
-(``prefix_consistent``).
+(``syncd.trainer.rl.rollouts`` + ``syncd.trainer.rl.compaction.training_samples``) and every sample is checked
+against its record (``prefix_consistent``).
 
 Figures (JSON; ``--plot`` draws them): per arm ``success`` (share of requests whose reward is at least
 ``--success-at``), ``complete`` (share whose answer has every one of the task's tokens), ``reward_mean``, tokens
@@ -107,7 +108,7 @@ async def _arm(node, compaction, sandbox: str, task, args) -> list[dict]:
     import aiohttp
 
     from syncd.engine.proxy.server import Proxy, ProxyConfig
-    from syncd.trainer.tasks import Sample
+    from syncd.trainer.rl.tasks import Sample
 
     proxy = Proxy(ProxyConfig(upstream=node.frontend_url, run_id=RUN, sandbox_id=sandbox, compaction=compaction),
                   node.store_url)
@@ -149,8 +150,8 @@ def _summary(rows: list[dict], length: int, success_at: float) -> dict:
 
 def _samples(store_url: str, sandbox: str) -> dict:
     from syncd.records.trajectory import read_record
-    from syncd.trainer.compaction import prefix_consistent, training_samples
-    from syncd.trainer.rollouts import MissingReplayError, read_rollouts
+    from syncd.trainer.rl.compaction import prefix_consistent, training_samples
+    from syncd.trainer.rl.rollouts import MissingReplayError, read_rollouts
 
     deadline = time.monotonic() + 120
     while True:
@@ -185,7 +186,7 @@ class _Node:
 def run(args) -> dict:
     from syncd.engine.dynamo.serve import Node, NodeConfig
     from syncd.engine.proxy.compaction import CompactionConfig
-    from syncd.trainer.tasks import get_task
+    from syncd.trainer.rl.tasks import get_task
 
     if args.length <= args.window:
         raise ValueError(f"--length {args.length} fits the --window {args.window}: nothing to show")

@@ -3,8 +3,8 @@ costs, and what the records cost on the wire. Everything is measured in one run,
 
 1. **Mismatch table** (``bench.rollouts``: reference-engine workers under Dynamo, the sandbox proxy, real AdamW
    updates published and applied mid-trajectory; fp32 on CPU; dense Qwen2, Qwen3-MoE and an NVFP4-QAT Qwen2).
-   The trainer reads the rollouts back (``syncd.trainer.rollouts``) and recomputes every token's log-prob on the
-   weight versions the engine used (``syncd.trainer.logprobs.sampler_logprobs``): without replay, with kept-set
+   The trainer reads the rollouts back (``syncd.trainer.rl.rollouts``) and recomputes every token's log-prob on the
+   weight versions the engine used (``syncd.trainer.rl.logprobs.sampler_logprobs``): without replay, with kept-set
    replay, with kept-set + routing replay; the NVFP4 model with its QAT trainer. Per row: IS ratio mean, share
    of tokens outside [0.9, 1.1], max |d log p|, mismatch KL (k3; k1), routing disagreement (share of token-layer
    routes the trainer's forward used that differ from the engine's, measured at the experts). Context rows: the
@@ -87,7 +87,7 @@ def _used_route_disagreement(model, seq, fn):
 
 
 def _row(name, trainer_lp, engine_lp, disagreement) -> dict:
-    from syncd.trainer.correction import ratio_stats
+    from syncd.trainer.rl.correction import ratio_stats
 
     s = ratio_stats(trainer_lp, engine_lp)
     return {"row": name, "tokens": s.tokens, "is_mean": s.mean, "outside_pct": 100 * s.outside,
@@ -96,9 +96,9 @@ def _row(name, trainer_lp, engine_lp, disagreement) -> dict:
 
 def mismatch(name: str, cfg: dict, workdir: Path) -> dict:
     from bench.rollouts import RolloutConfig, generate
-    from syncd.trainer.correction import mismatch_by_source
-    from syncd.trainer.logprobs import resolve_kept, sampler_logprobs
-    from syncd.trainer.rollouts import read_rollouts
+    from syncd.trainer.rl.correction import mismatch_by_source
+    from syncd.trainer.rl.logprobs import resolve_kept, sampler_logprobs
+    from syncd.trainer.rl.rollouts import read_rollouts
 
     rc = RolloutConfig(**MODELS[name], **{k: cfg[k] for k in ("requests", "max_tokens", "concurrency", "updates",
                                                               "update_every", "pretrain_steps", "hidden")},

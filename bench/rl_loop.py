@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _generation_ceiling(stack, requests: int, tokens: int, repeats: int = 3) -> float:
     """Tokens per second of ``requests`` completions of ``tokens`` tokens sent at once through the proxy."""
-    from syncd.trainer.rollout_workers import complete, proxy_models
+    from syncd.trainer.rl.rollout_workers import complete, proxy_models
 
     body = {"model": proxy_models(stack.proxy_url)[0], "prompt": "a:", "max_tokens": tokens, "ignore_eos": True,
             "temperature": 1.0}
@@ -75,7 +75,7 @@ def _modes(text: str) -> list[tuple[str, str, int]]:
 
 def run_mode(name: str, kind: str, eta: int, args, workdir: Path, *, ceiling: bool) -> dict:
     from syncd.app.rl_stack import RLStack, StackConfig
-    from syncd.trainer.metrics import publish_to_serving, read_metrics, summarize
+    from syncd.trainer.rl.metrics import publish_to_serving, read_metrics, summarize
 
     mode = name
     stack = RLStack(StackConfig(workdir / mode, run_id=f"rl-{mode}", engines=args.engines, seed=args.seed)).start()

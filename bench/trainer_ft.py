@@ -5,12 +5,12 @@ failures. Each figure next to its baseline, measured in the same process, median
                                [--sections stall,rebuild,goodput] [--json ft.json] [--plot ft.png]
 
 * **stall**: a real AdamW training step of an MLP, three ways in interleaved rounds: no checkpoint, the per-step
-  asynchronous :class:`syncd.trainer.checkpoint.Checkpointer` (stall = the time the training thread spends in ``save``
-  and ``before_update``), and a synchronous ``torch.save`` of the same state (model, optimizer, RNG) plus fsync.
-  Figures: the stall as a share of the no-checkpoint step, and sync stall / async stall. The physical floor of a
+  asynchronous :class:`syncd.trainer.ft.checkpoint.Checkpointer` (stall = the time the training thread spends in
+  ``save`` and ``before_update``), and a synchronous ``torch.save`` of the same state (model, optimizer, RNG) plus
+  fsync. Figures: the stall as a share of the no-checkpoint step, and sync stall / async stall. The physical floor of a
   non-overlapped snapshot is one memcpy of the state (measured).
 * **rebuild**: the checkpoint of a ~``--rebuild-params`` model with its AdamW state, rebuilt by a new process's
-  worth of work from a peer's replica (:func:`syncd.trainer.replicas.fetch_checkpoint` from a :class:`ReplicaServer`
+  worth of work from a peer's replica (:func:`syncd.trainer.ft.replicas.fetch_checkpoint` from a :class:`ReplicaServer`
   in another process, over loopback, verified and parsed in memory as ``FaultTolerance.restore`` does; the copy to
   local disk happens afterwards, in the background) against the same bundle from the object store (``--store``,
   default a ``file://`` store in the work folder: a local disk, faster than any cloud object store), verified and
@@ -62,7 +62,7 @@ def _state_bytes(model, opt) -> int:
 def bench_stall(args, work: Path) -> dict:
     import torch
 
-    from syncd.trainer.checkpoint import Checkpointer, capture_rng
+    from syncd.trainer.ft.checkpoint import Checkpointer, capture_rng
 
     torch.manual_seed(0)
     model = _mlp(args.stall_params, args.width)
@@ -133,7 +133,7 @@ def bench_stall(args, work: Path) -> dict:
 
 SERVER = r"""
 import sys, time
-from syncd.trainer.replicas import ReplicaServer
+from syncd.trainer.ft.replicas import ReplicaServer
 s = ReplicaServer(sys.argv[1], keep=2)
 print(s.url, flush=True)
 sys.stdin.readline()
@@ -145,9 +145,9 @@ def bench_rebuild(args, work: Path) -> dict:
     import torch
 
     from syncd.store import Store
-    from syncd.trainer.checkpoint import Checkpointer, parse_checkpoint, step_dir
-    from syncd.trainer.ckpt_format import MANIFEST, Bundle, parse_manifest
-    from syncd.trainer.replicas import fetch_checkpoint, push_replica
+    from syncd.trainer.ft.checkpoint import Checkpointer, parse_checkpoint, step_dir
+    from syncd.trainer.ft.ckpt_format import MANIFEST, Bundle, parse_manifest
+    from syncd.trainer.ft.replicas import fetch_checkpoint, push_replica
 
     torch.manual_seed(0)
     model = _mlp(args.rebuild_params, args.width)

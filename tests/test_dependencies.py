@@ -18,7 +18,7 @@ def test_zstandard_is_only_the_benchmarks():
     code = """
 import sys, torch
 import syncd, syncd.app.cli, syncd.daemon, syncd.cluster, syncd.versions, syncd.model_folder
-import syncd.engine, syncd.engine.control_server, syncd.engine.proxy.server, syncd.engine.reference.engine, syncd.publish.publisher, syncd.trainer.loop
+import syncd.engine, syncd.engine.control_server, syncd.engine.proxy.server, syncd.engine.reference.engine, syncd.publish.publisher, syncd.trainer.rl.loop
 from syncd.ops import delta
 old = torch.zeros(1000, dtype=torch.bfloat16); new = old.clone(); new[::7] = 1
 assert torch.equal(delta.decode(old, delta.encode(old, new)), new)
@@ -45,7 +45,7 @@ def test_what_a_module_imports_is_declared_by_its_extra():
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     declared = {extra: {d.split(">")[0].split("=")[0].split("[")[0].strip() for d in deps}
                 for extra, deps in extras.items()}
-    for module, package, extra in [("trainer/curation.py", "mpmath", "trainer"),
+    for module, package, extra in [("trainer/rl/curation.py", "mpmath", "trainer"),
                                    ("engine/proxy/compaction.py", "tokenizers", "dynamo")]:
         assert package in _imports(ROOT / module), (module, package)  # the module does import it
         assert package in declared[extra], f"{module} imports {package}: declare it in the {extra} extra"

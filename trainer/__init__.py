@@ -1,21 +1,24 @@
-"""Trainer-side library of syncd: publishing weights, rewards, and numerics shared with the engines."""
+"""Trainer side of syncd: the thin trainer, its fault tolerance, rewards, and the numerics shared with the engines.
+
+Sub-packages by subject, each listing its public names: ``rl`` (the asynchronous RL side: the step loop, the live
+side, rollouts, the loss), ``ft`` (fault tolerance: checkpoints, peer replicas, healing, elastic data parallelism
+on torchft) and ``rewards`` (reward functions). The modules here wire them or stand apart: ``run`` (the command
+line, ``python -m syncd.trainer.run``), ``config`` (:class:`~syncd.trainer.config.LoopConfig`, a run's settings),
+``jobs`` (a run as the plain data-parallel job or the elastic one, both the one step loop), ``dist``
+(``torch.distributed`` data parallelism and determinism), ``optim`` (AdamW, Muon), ``qat`` (quantisation-aware
+training for NVFP4 serving) and ``trl_callback`` (publishing from a TRL trainer).
+
+:class:`WeightPublisher` (``syncd.publish.publisher``) is imported here on first use: the name a trainer imports.
+"""
 
 from __future__ import annotations
 
-import importlib
+from syncd.lazy import lazy_names
 
 _LAZY = {
-    "WeightPublisher": ("syncd.publish.publisher", "WeightPublisher"),
+    "WeightPublisher": "syncd.publish.publisher",
 }
 
 __all__ = sorted(_LAZY)
 
-
-def __getattr__(name: str):
-    try:
-        module, attr = _LAZY[name]
-    except KeyError:
-        raise AttributeError(f"module 'syncd.trainer' has no attribute {name!r}") from None
-    value = getattr(importlib.import_module(module), attr)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names("syncd.trainer", _LAZY)

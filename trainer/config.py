@@ -74,14 +74,14 @@ class LoopConfig:
     replica_groups: int = 1
     min_replicas: int = 1
     ft_timeout_s: float = 30.0
-    curation: object | None = None  # a syncd.trainer.curation.CurationConfig: the difficulty filter on the task sampler
+    curation: object | None = None  # a syncd.trainer.rl.curation.CurationConfig: the task sampler's difficulty filter
 
     def check(self) -> None:
         """Raise :class:`ConfigError` naming the flag of the first bad setting."""
         from syncd.publish.shard_writer import delta_formats
-        from syncd.trainer.objective import LossConfig
+        from syncd.trainer.rl.objective import LossConfig
         from syncd.trainer.optim import OPTIMIZERS
-        from syncd.trainer.tasks import get_task
+        from syncd.trainer.rl.tasks import get_task
 
         rules = [(self.every_k >= 1, "--every-k", f"K must be >= 1, got {self.every_k}"),
                  (self.max_lag >= 0, "--max-lag", f"the staleness bound eta must be >= 0, got {self.max_lag}"),

@@ -7,8 +7,8 @@ takes the same optimizer steps; :meth:`DataParallel.all_reduce_grads` sums the g
 flat buffer in the model's parameter order (its layout never changes), one all-reduce, copied back. Losses are
 normalised by the step's global token count, so the sum is the gradient of the whole step.
 
-The step loop (:func:`syncd.trainer.loop.train`) drives it as it drives the elastic
-:class:`syncd.trainer.elastic.ElasticDP`: :meth:`DataParallel.begin_step` gives this rank's share of the next step,
+The step loop (:func:`syncd.trainer.rl.loop.train`) drives it as it drives the elastic
+:class:`syncd.trainer.ft.elastic.ElasticDP`: :meth:`DataParallel.begin_step` gives this rank's share of the next step,
 :meth:`DataParallel.commit` is always True here (a rank that fails stops the whole job: the others' collectives
 fail), and :attr:`DataParallel.step` counts the committed steps.
 
@@ -66,7 +66,7 @@ def weights_digest(model: torch.nn.Module) -> str:
 
 def flat_grads(params) -> torch.Tensor:
     """Every parameter's gradient in one float32 buffer, in parameter order (a missing one as zeros): the fixed
-    reduction layout both data-parallel engines (``DataParallel``, ``syncd.trainer.elastic.ElasticDP``) sum."""
+    reduction layout both data-parallel engines (``DataParallel``, ``syncd.trainer.ft.elastic.ElasticDP``) sum."""
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params])
 
 

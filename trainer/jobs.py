@@ -1,25 +1,25 @@
 """A run of the thin trainer: the plain data-parallel job or the elastic job, each the one step loop
-(:func:`syncd.trainer.loop.train`) over its own data-parallel object and collaborators.
+(:func:`syncd.trainer.rl.loop.train`) over its own data-parallel object and collaborators.
 
     summary = run_job(cfg)        # what every rank, or every replica group, of a run calls
 
 **Plain** (:func:`plain_job`): ranks of one ``torch.distributed`` group (:class:`syncd.trainer.dist.DataParallel`).
-Rank 0 runs the live side and broadcasts each step's plan (:class:`syncd.trainer.plans.BroadcastPlans`). With
+Rank 0 runs the live side and broadcasts each step's plan (:class:`syncd.trainer.rl.plans.BroadcastPlans`). With
 ``checkpoint_dir`` every rank checkpoints each step (``rank-<r>``, replicated to peers on other nodes), and with
 ``resume`` the ranks restore the newest step every one of them can (its own checkpoint, else its peers' replicas);
 a failed rank stops the job, which is restarted as a whole.
 
 **Elastic** (``lighthouse``, :func:`elastic_job`): one process per replica group on torchft
-(:class:`syncd.trainer.elastic.ElasticDP`), for example
+(:class:`syncd.trainer.ft.elastic.ElasticDP`), for example
 
     torchft_lighthouse --min_replicas 1 --bind HOST:PORT --join_timeout_ms 1000 --heartbeat_timeout_ms 5000
     python -m syncd.trainer.run ... --lighthouse http://HOST:PORT --replica-groups 3 --replica-group I \\
         --min-replicas 2 --checkpoint-dir /local/ckpt --out OUT       # for I = 0, 1, 2; restart a dead one as is
 
 Group 0 runs the live side and writes each step's plan to the store's plan log before anyone trains it; the
-others read it there (:class:`syncd.trainer.plans.LoggedPlans`; with ``--plans`` every group reads the recorded
+others read it there (:class:`syncd.trainer.rl.plans.LoggedPlans`; with ``--plans`` every group reads the recorded
 plans). A group joins each step's quorum (one behind the others heals there from a live peer,
-:class:`syncd.trainer.heal.VerifiedTransport`, served from its replica server), trains its share, and steps only
+:class:`syncd.trainer.ft.heal.VerifiedTransport`, served from its replica server), trains its share, and steps only
 if every participant voted the step whole; otherwise it retries the same plan on the next quorum. After a commit
 it checkpoints (``group-<i>``; group 0's checkpoint holds the RL state) and replicates to ``--replicas`` other
 groups. A group that dies is restarted with the same command line (by whatever runs the job): it restores its
@@ -42,14 +42,14 @@ from typing import Iterator
 
 import torch
 
-from syncd.trainer.checkpoint import capture_rng, restore_rng
+from syncd.trainer.ft.checkpoint import capture_rng, restore_rng
 from syncd.trainer.config import ConfigError, LoopConfig
 from syncd.trainer.dist import DataParallel, make_deterministic
-from syncd.trainer.loop import Job, train
-from syncd.trainer.metrics import MetricsLog
+from syncd.trainer.rl.loop import Job, train
+from syncd.trainer.rl.metrics import MetricsLog
 from syncd.trainer.optim import build_optimizer
-from syncd.trainer.plans import BroadcastPlans, LoggedPlans
-from syncd.trainer.step_checkpoints import StepCheckpoints
+from syncd.trainer.rl.plans import BroadcastPlans, LoggedPlans
+from syncd.trainer.ft.step_checkpoints import StepCheckpoints
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +76,9 @@ def _load_model(cfg: LoopConfig, device) -> torch.nn.Module:
 
 @contextmanager
 def plain_job(cfg: LoopConfig) -> Iterator[Job]:
-    """This rank's :class:`~syncd.trainer.loop.Job` of a plain data-parallel job (module docstring); everything
+    """This rank's :class:`~syncd.trainer.rl.loop.Job` of a plain data-parallel job (module docstring); everything
     it started is closed on exit."""
-    from syncd.trainer.live import LiveSide
+    from syncd.trainer.rl.live import LiveSide
 
     with ExitStack() as stack:
         dp = DataParallel()
@@ -107,7 +107,7 @@ def _rank_checkpoints(cfg: LoopConfig, dp: DataParallel, model, opt, stack: Exit
     restore, applied."""
     if cfg.checkpoint_dir is None:
         return None, None
-    from syncd.trainer.ft import FaultTolerance, FTConfig, agree_step, default_node
+    from syncd.trainer.ft.fault_tolerance import FaultTolerance, FTConfig, agree_step, default_node
 
     node = cfg.node.replace("{rank}", str(dp.rank)) if cfg.node else default_node()
     nodes = dp.broadcast(dp.gather(node))
@@ -143,14 +143,14 @@ def _rank_checkpoints(cfg: LoopConfig, dp: DataParallel, model, opt, stack: Exit
 
 @contextmanager
 def elastic_job(cfg: LoopConfig) -> Iterator[Job]:
-    """Replica group ``cfg.replica_group``'s :class:`~syncd.trainer.loop.Job` of an elastic job (module
+    """Replica group ``cfg.replica_group``'s :class:`~syncd.trainer.rl.loop.Job` of an elastic job (module
     docstring); its outputs go to ``OUT/group-<i>``; everything it started is closed on exit."""
-    from syncd.trainer.elastic import ElasticDP
-    from syncd.trainer.ft import FaultTolerance, FTConfig
-    from syncd.trainer.heal import VerifiedTransport
-    from syncd.trainer.live import LiveSide
-    from syncd.trainer.plan_log import PlanLog
-    from syncd.trainer.replicas import ReplicaServer
+    from syncd.trainer.ft.elastic import ElasticDP
+    from syncd.trainer.ft.fault_tolerance import FaultTolerance, FTConfig
+    from syncd.trainer.ft.heal import VerifiedTransport
+    from syncd.trainer.rl.live import LiveSide
+    from syncd.trainer.ft.plan_log import PlanLog
+    from syncd.trainer.ft.replicas import ReplicaServer
 
     group, owner = cfg.replica_group, f"group-{cfg.replica_group}"
     owners = tuple(f"group-{i}" for i in range(cfg.replica_groups))

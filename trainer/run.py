@@ -43,7 +43,7 @@ def _band(text: str) -> tuple[float, float]:
 
 
 def parser() -> argparse.ArgumentParser:
-    from syncd.trainer.tasks import DEFAULT_TASK, TASKS
+    from syncd.trainer.rl.tasks import DEFAULT_TASK, TASKS
 
     env = os.environ.get
     p = argparse.ArgumentParser(prog="python -m syncd.trainer.run", description=__doc__.split("\n\n")[0])
@@ -53,10 +53,10 @@ def parser() -> argparse.ArgumentParser:
     a("--run-id", default=env("SYNCD_RUN_ID"), help="run id of versions, replay and trajectory records [SYNCD_RUN_ID]")
     a("--proxy", action="append", default=[], metavar="URL", help="sandbox proxy in front of the frontend (repeat)")
     a("--out", required=True, help="folder for metrics.jsonl, plans.jsonl, summary.json, run.png")
-    a("--task", default=DEFAULT_TASK, help=f"one of {', '.join(sorted(TASKS))} (syncd.trainer.tasks)")
+    a("--task", default=DEFAULT_TASK, help=f"one of {', '.join(sorted(TASKS))} (syncd.trainer.rl.tasks)")
     a("--task-length", type=int, default=8, help="answer length in tokens")
     a("--reward", default=None, metavar="MODULE:ATTR",
-      help="reward function replacing the task's (syncd.trainer.tasks.Sample -> float)")
+      help="reward function replacing the task's (syncd.trainer.rl.tasks.Sample -> float)")
     a("--steps", type=int, default=30, help="optimizer steps")
     a("--group-size", type=int, default=8, help="G: samples per prompt")
     a("--groups-per-step", type=int, default=4, help="prompts (groups) per step")
@@ -76,7 +76,7 @@ def parser() -> argparse.ArgumentParser:
     a("--is-band", type=_band, default=None, metavar="LOW,HIGH", help="mask tokens whose IS ratio is outside")
     a("--is-seq-band", type=_band, default=None, metavar="LOW,HIGH", help="reject sequences by geometric-mean ratio")
     a("--curate", type=_band, default=None, metavar="LOW,HIGH",
-      help="difficulty filter: keep task items whose solve rate is inside LOW,HIGH (syncd.trainer.curation)")
+      help="difficulty filter: keep task items whose solve rate is inside LOW,HIGH (syncd.trainer.rl.curation)")
     a("--curate-pool", type=int, default=64, help="task items the filter estimates (with --curate)")
     a("--curate-confidence", type=float, default=0.9,
       help="posterior mass outside the band that drops an item (with --curate)")
@@ -126,7 +126,7 @@ def parser() -> argparse.ArgumentParser:
 def _curation(args):
     if args.curate is None:
         return None
-    from syncd.trainer.curation import CurationConfig
+    from syncd.trainer.rl.curation import CurationConfig
     from syncd.trainer.config import ConfigError
 
     try:
@@ -174,7 +174,7 @@ def _preflight(cfg) -> None:
     cfg.check()
     if cfg.plans:
         return
-    from syncd.trainer.rollout_workers import ProxyError, Sampling, proxy_models
+    from syncd.trainer.rl.rollout_workers import ProxyError, Sampling, proxy_models
 
     try:
         Sampling(cfg.temperature, cfg.top_p, cfg.top_k)

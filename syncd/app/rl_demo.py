@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=60, help="optimizer steps (a version each)")
     p.add_argument("--nproc", type=int, default=2, help="data-parallel trainer ranks")
     p.add_argument("--engines", type=int, default=2, help="reference-engine workers under the Dynamo frontend")
-    p.add_argument("--task", default="repeat", help="syncd.trainer.tasks task the policy learns")
+    p.add_argument("--task", default="repeat", help="syncd.trainer.rl.tasks task the policy learns")
     p.add_argument("--every-k", type=int, default=1, help="publish a version every K steps")
     p.add_argument("--max-lag", type=int, default=2, help="staleness bound eta: versions a trained token may lag")
     p.add_argument("--top-p", type=float, default=0.95, help="the engines sample from the top-p kept set")
@@ -73,7 +73,7 @@ def _progress_line(step_line: dict | None, steps: int, engines: dict) -> str:
 
 
 def _watch(proc: subprocess.Popen, metrics: Path, stack, args, display) -> None:
-    from syncd.trainer.metrics import read_metrics
+    from syncd.trainer.rl.metrics import read_metrics
 
     t0 = time.monotonic()
     deadline = t0 + args.timeout

@@ -1,6 +1,6 @@
 """Replay records (``docs/replay-format.md`` is the specification): their binary encodings. Part of the syncd
-core, so that ``syncd.engine.replay`` (the recorder) and ``syncd.trainer.rollouts`` (the reader) share it without importing
-each other.
+core, so that ``syncd.engine.replay`` (the recorder) and ``syncd.trainer.rl.rollouts`` (the reader) share it without
+importing each other.
 
 * **kept set** (the token ids top-k/top-p sampling could have chosen at one step; :mod:`syncd.records.replay_kept`):
   explicit (a sorted id list, a bitmap, the whole vocabulary, the sampled token alone) or, in format 2, to be

@@ -1,5 +1,5 @@
 """Kept-set encodings of the replay records (``docs/replay-format.md``, "Kept set"). Part of the core, shared by
-the recorder (``syncd.engine.replay``) and the reader (``syncd.trainer.rollouts``).
+the recorder (``syncd.engine.replay``) and the reader (``syncd.trainer.rl.rollouts``).
 
 * **version 1** (chunks of format 1; :func:`encode_kept`): the ids, as the smaller of a sorted id list (gaps as
   LEB128 varints) and a bitmap over the vocabulary, or nothing when the whole vocabulary was kept.

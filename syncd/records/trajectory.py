@@ -1,6 +1,6 @@
 """Trajectory records, the reading half: what ``syncd.engine.proxy`` writes to the object store for every agent
 trajectory, checked as hostile input. Part of the syncd core, so that the proxy (which writes them,
-``syncd.engine.proxy.record``) and the trainer (which reads them, ``syncd.trainer.rollouts``) share one schema.
+``syncd.engine.proxy.record``) and the trainer (which reads them, ``syncd.trainer.rl.rollouts``) share one schema.
 
 Key (create-if-absent, never overwritten)::
 

@@ -1,6 +1,6 @@
 """``syncd.engine.proxy.compaction`` without an engine: the policy (when a request is compacted, the room it leaves), the
 configuration checks, and the record members that mark the segments (the end-to-end path through a real engine is
-tests/trainer/test_compaction.py)."""
+tests/trainer/rl/test_compaction.py)."""
 
 from __future__ import annotations
 

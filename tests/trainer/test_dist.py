@@ -1,6 +1,6 @@
 """The trainer's process groups release their native threads at ``close()``, not at interpreter exit:
 ``syncd.trainer.dist.DataParallel`` on a real two-rank gloo group (two processes on loopback) and
-``syncd.trainer.elastic.ElasticDP`` on torchft with a real lighthouse."""
+``syncd.trainer.ft.elastic.ElasticDP`` on torchft with a real lighthouse."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def thread_names():
     return sorted(names)
 """
 
-# One rank: join, make the run deterministic (the order ``syncd.trainer.loop`` uses), a step's collectives, close;
+# One rank: join, make the run deterministic (the order ``syncd.trainer.rl.loop`` uses), a step's collectives, close;
 # then the names of this process's native threads.
 _RANK = """
 import json, os
@@ -46,7 +46,7 @@ print(json.dumps({"total": total, "box": box, "gathered": gathered, "threads": n
 _GROUP = """
 import json, os
 """ + _THREAD_NAMES + """
-from syncd.trainer.elastic import ElasticDP, start_lighthouse
+from syncd.trainer.ft.elastic import ElasticDP, start_lighthouse
 lh, url = start_lighthouse(1, timeout_s=120)
 try:
     dp = ElasticDP(group=0, groups=1, lighthouse=url, min_replicas=1, state_dict=dict,

@@ -16,7 +16,7 @@ Pure Python and numpy; every function is exact (no sampling) and validates its i
   trajectory record's tool calls (hidden tests and grader files, git history, network access from a restricted
   sandbox, writes to the grading path); a hit zeroes the reward (:func:`zero_if_cheating`).
 * :mod:`~syncd.trainer.rewards.swe`: :class:`SWECheckReward`, all of the above behind the thin trainer's reward
-  interface (``syncd.trainer.tasks.RewardFn``: a ``Sample`` in, a float out).
+  interface (``syncd.trainer.rl.tasks.RewardFn``: a ``Sample`` in, a float out).
 """
 
 from __future__ import annotations

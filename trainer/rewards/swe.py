@@ -1,6 +1,7 @@
-"""The SWE-check bug-detection reward behind the thin trainer's reward interface (:data:`syncd.trainer.tasks.RewardFn`).
+"""The SWE-check bug-detection reward behind the thin trainer's reward interface
+(:data:`syncd.trainer.rl.tasks.RewardFn`).
 
-:class:`SWECheckReward` turns one :class:`syncd.trainer.tasks.Sample` into a float, the seed's recipe end to end:
+:class:`SWECheckReward` turns one :class:`syncd.trainer.rl.tasks.Sample` into a float, the seed's recipe end to end:
 
 1. ``parse(sample.completion)`` -> the predicted bugs (your parser of the model's report);
 2. the ground truth is ``sample.item.meta[truth_key]`` (the task item carries it; it is recorded with every

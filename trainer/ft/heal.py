@@ -1,0 +1,108 @@
+"""``VerifiedTransport``: torchft's checkpoint transport for live recovery, carrying only verified bytes.
+
+When a replica group joins a quorum behind the others, torchft's Manager has a healthy peer call
+``send_checkpoint(dst_ranks, step, state_dict)`` and the joiner ``recv_checkpoint(src_rank, metadata, step)``
+(``torchft.checkpointing.CheckpointTransport``). torchft's own transports pickle the state (HTTPTransport
+``torch.load(weights_only=False)``, PGTransport ``pickle.loads`` of its metadata): a peer could make the receiver
+run code. This one implements the same interface with the :mod:`syncd.trainer.ft.ckpt_format` bundle: the state is
+flattened into safetensors bytes plus a JSON skeleton, framed behind a manifest with every file's SHA-256 (HMAC-
+signed with the run's key when one is set), staged on this owner's :class:`syncd.trainer.ft.replicas.ReplicaServer`
+(``GET /v1/heal/<step>``); the receiver checks size, signature, owner and step, and hashes before the safetensors
+library or the bounded JSON reader sees a byte. ``metadata()`` is the server's URL.
+
+The sender serializes the state when asked (the Manager calls it inside the quorum, before the step may change
+anything) and keeps the bytes until ``disallow_checkpoint()``, which waits for transfers in progress.
+Thread-safety: the Manager calls it from its quorum thread; one transfer staged at a time.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from datetime import timedelta
+
+from syncd.trainer.ft.ckpt_format import (StateError, encode_manifest, flatten, frame_prefix, load_bundle, read_frame,
+                                          unflatten, write_safetensors)
+from syncd.trainer.ft.replicas import ReplicaError, ReplicaServer, _conn
+
+log = logging.getLogger(__name__)
+
+__all__ = ["VerifiedTransport", "encode_state", "decode_state"]
+
+
+def encode_state(owner: str, step: int, state, *, signing_key=None) -> bytes:
+    """``state`` (any :func:`syncd.trainer.ft.ckpt_format.flatten`-able object) as one framed bundle."""
+    tensors, skeleton = flatten(state, "s")
+    buf = io.BytesIO()
+    tfile = write_safetensors(buf, tensors)
+    doc = json.dumps(skeleton, allow_nan=False).encode()
+    import hashlib
+
+    files = {"state.json": {"bytes": len(doc), "sha256": hashlib.sha256(doc).hexdigest()},
+             "tensors.safetensors": tfile}
+    raw = encode_manifest(owner, step, files, signing_key=signing_key)
+    return frame_prefix(raw) + raw + doc + buf.getvalue()
+
+
+def decode_state(frame_read, total: int | None, *, where: str, step: int | None = None, signing_key=None,
+                 max_bytes: int = 1 << 40):
+    """The state a framed bundle holds, after every check; StateError otherwise."""
+    bundle = read_frame(frame_read, total, where=where, signing_key=signing_key, step=step, max_bytes=max_bytes)
+    tensors, skeleton = load_bundle(bundle, where=where)
+    return unflatten(skeleton, tensors.get("tensors.safetensors", {}), where=where)
+
+
+def _transport_base():
+    from torchft.checkpointing.transport import CheckpointTransport
+
+    return CheckpointTransport
+
+
+class VerifiedTransport(_transport_base()):
+    """See the module docstring. ``server``: this owner's replica server; ``owner``: its name."""
+
+    def __init__(self, server: ReplicaServer, owner: str, *, signing_key=None, timeout_s: float = 120.0,
+                 max_bytes: int = 1 << 40):
+        self.server, self.owner, self.signing_key = server, owner, signing_key
+        self.timeout_s, self.max_bytes = timeout_s, max_bytes
+        self.sent = self.received = 0
+
+    def metadata(self) -> str:
+        return self.server.url
+
+    def send_checkpoint(self, dst_ranks, step: int, state_dict, timeout: timedelta) -> None:
+        frame = encode_state(self.owner, step, state_dict, signing_key=self.signing_key)
+        self.server.stage_heal(step, frame)
+        self.sent += 1
+        log.info("%s: live state of step %d staged for %s (%d bytes)", self.owner, step, dst_ranks, len(frame))
+
+    def disallow_checkpoint(self) -> None:
+        self.server.unstage_heal(self.timeout_s)
+
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta):
+        url = str(metadata)
+        t = max(1.0, timeout.total_seconds()) if timeout else self.timeout_s
+        conn = _conn(url, t)
+        try:
+            conn.request("GET", f"/v1/heal/{int(step)}")
+            resp = conn.getresponse()
+            if resp.status != 200:
+                raise ReplicaError(f"{url}: HTTP {resp.status} for the live state of step {step}: "
+                                   f"{resp.read(2000).decode('utf-8', 'replace')}")
+            length = resp.headers.get("Content-Length")
+            state = decode_state(resp.read, int(length) if length and length.isdigit() else None,
+                                 where=f"live state of step {step} from {url}", step=step,
+                                 signing_key=self.signing_key, max_bytes=self.max_bytes)
+        except OSError as exc:
+            raise ReplicaError(f"{url}: live state of step {step}: {type(exc).__name__}: {exc}") from None
+        finally:
+            conn.close()
+        if not isinstance(state, dict) or "user" not in state or "torchft" not in state:
+            raise StateError(f"live state of step {step} from {url}: not a torchft state (user, torchft)")
+        self.received += 1
+        log.warning("%s: healed: received the live state of step %d from %s", self.owner, step, url)
+        return state
+
+    def shutdown(self, wait: bool = True) -> None:
+        self.server.unstage_heal(1.0 if not wait else self.timeout_s)

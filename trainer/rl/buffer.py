@@ -1,0 +1,214 @@
+"""The rollout buffer: finished groups wait here until a training step takes them, unless they grew too stale.
+
+A :class:`Group` is the ``G`` completions of one task item, as read back from the store, with their rewards.
+Its **lag** at trainer version ``v`` is ``v - (the oldest weight version of any generated token in it)``: the
+largest version lag of any token of any of its samples. :meth:`RolloutBuffer.take` hands out the oldest groups
+whose lag is at most the staleness bound ``eta`` (``max_lag``) and drops the others, counting them
+(``dropped_stale``, and ``on_drop(n)`` is called, so that a producer can replace them): ``eta = 0`` trains
+on-policy only, larger values let generation run ahead of training. Groups are dropped whole, since their
+advantages are normalised within the group.
+
+:func:`group_advantages`: ``(r - mean) / (std + eps)`` within each group (population std), or ``r - mean``
+with ``scale=False``; a group whose rewards are all equal has advantages 0 (it carries no signal).
+
+The buffer also keeps the run's :class:`syncd.trainer.rl.rl_state.PromptLedger` under its lock (which prompt is fresh,
+in flight, buffered, planned, consumed or to be regenerated): producers ask it for the next prompt
+(:meth:`RolloutBuffer.next_prompt`), report a failure (:meth:`failed`), and a stale drop sends the prompt back
+to be regenerated, so that no prompt is lost. :meth:`snapshot` is the buffer's part of the RL-state checkpoint
+(the ledger and every buffered group with its per-token versions), taken atomically between two steps;
+:meth:`restore` puts back what :func:`syncd.trainer.rl.rl_state.restore_groups` kept.
+
+Thread-safety: every :class:`RolloutBuffer` method may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from syncd.trainer.rl.rl_state import PromptLedger
+from syncd.trainer.rl.tasks import TaskItem
+
+__all__ = ["Group", "RolloutBuffer", "group_advantages", "BufferClosed"]
+
+
+class BufferClosed(RuntimeError):
+    """The buffer was closed while a caller waited for groups."""
+
+
+@dataclass
+class Group:
+    """One task item's ``G`` samples. ``trajectories``: ``(sandbox_id, trajectory_id)`` per sample, in sample
+    order; ``rewards``: one per sample; ``rollouts``: the :class:`syncd.trainer.rl.rollouts.Rollout` s read back (None
+    once dropped from memory, e.g. on ranks that read them themselves); ``versions``: ``{version: tokens}`` over
+    the generated tokens; ``tokens``: generated tokens; ``requested_version``: the trainer's version when the
+    group was requested; times are ``time.time()``; ``token_versions``: per sample, the version of each generated
+    token; ``attempt``: how many times this prompt was requested before (regenerations)."""
+
+    gid: int
+    item: TaskItem
+    trajectories: list[tuple[str, str]]
+    rewards: list[float]
+    rollouts: list | None = None
+    versions: dict[int, int] = field(default_factory=dict)
+    tokens: int = 0
+    requested_version: int = 0
+    requested_at: float = 0.0
+    finished_at: float = 0.0
+    token_versions: list | None = None
+    attempt: int = 0
+
+    @property
+    def oldest_version(self) -> int:
+        return min(self.versions) if self.versions else self.requested_version
+
+    def lag(self, version: int) -> int:
+        return version - self.oldest_version
+
+    def plan(self) -> dict:
+        """The JSON-able description a training step records and sends to the other ranks."""
+        return {"gid": self.gid, "item": {"index": self.item.index, "prompt": self.item.prompt,
+                                          "target": self.item.target, "meta": self.item.meta},
+                "trajectories": [list(t) for t in self.trajectories], "rewards": list(self.rewards),
+                "versions": {str(k): v for k, v in sorted(self.versions.items())}, "tokens": self.tokens,
+                "requested_version": self.requested_version, "requested_at": self.requested_at,
+                "finished_at": self.finished_at}
+
+
+def group_advantages(rewards, *, scale: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """Advantages of one group's rewards (float64 in, float32 out; see the module docstring)."""
+    r = torch.as_tensor(rewards, dtype=torch.float64)
+    if r.ndim != 1 or r.numel() < 1:
+        raise ValueError("a group needs a 1-D list of at least one reward")
+    if not bool(torch.isfinite(r).all()):
+        raise ValueError(f"rewards must be finite, got {r.tolist()}")
+    a = r - r.mean()
+    std = r.std(unbiased=False)
+    if float(std) <= eps:
+        return torch.zeros_like(r, dtype=torch.float32)
+    return (a / (std + eps) if scale else a).to(torch.float32)
+
+
+class RolloutBuffer:
+    """Groups waiting for a training step (see the module docstring). ``max_lag``: the staleness bound eta;
+    ``on_drop(n)``: called (under the buffer's lock: it must not call back into the buffer) when ``n`` stale
+    groups were dropped."""
+
+    def __init__(self, max_lag: int, *, on_drop=None):
+        if max_lag < 0:
+            raise ValueError(f"the staleness bound must be >= 0, got {max_lag}")
+        self.max_lag = max_lag
+        self.on_drop = on_drop
+        self._groups: deque[Group] = deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self.ledger = PromptLedger()
+        self.added = 0
+        self.taken = 0
+        self.dropped_stale = 0
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._groups)
+
+    def next_prompt(self, entry_of=None) -> tuple[int, int]:
+        """``(index, attempt)`` of the prompt to generate next, registered as in flight (``entry_of(index,
+        attempt)`` -> the ledger entry: trajectory ids, proxy, requested version)."""
+        with self._cond:
+            index, attempt = self.ledger.next_prompt()
+            self.ledger.started(index, entry_of(index, attempt) if entry_of is not None else {})
+            return index, attempt
+
+    def record_written(self, index: int, sandbox: str) -> None:
+        with self._cond:
+            self.ledger.finished(index, sandbox)
+
+    def failed(self, index: int) -> None:
+        """The in-flight group of ``index`` failed: its prompt is regenerated."""
+        with self._cond:
+            self.ledger.failed(index)
+
+    def put(self, group: Group) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._groups.append(group)
+            self.ledger.landed(group.item.index)
+            self.added += 1
+            self._cond.notify_all()
+
+    def consume(self, indices) -> None:
+        """The step that trained the prompts ``indices`` committed."""
+        with self._cond:
+            self.ledger.consume(indices)
+
+    def remove(self, indices) -> int:
+        """Take the groups of ``indices`` out (a plan already made for them, e.g. logged by an earlier life);
+        returns how many were here."""
+        want = set(indices)
+        with self._cond:
+            keep = deque(g for g in self._groups if g.item.index not in want)
+            n = len(self._groups) - len(keep)
+            self._groups = keep
+            self.ledger.planned_for(want)
+            return n
+
+    def snapshot(self) -> dict:
+        """The ledger and every buffered group (its plan and per-token versions), atomically."""
+        with self._cond:
+            return {"ledger": self.ledger.snapshot(),
+                    "groups": [{**g.plan(), "token_versions": g.token_versions, "attempt": g.attempt}
+                               for g in self._groups],
+                    "dropped_stale": self.dropped_stale}
+
+    def restore(self, ledger: PromptLedger, groups: list[Group], dropped_stale: int = 0) -> None:
+        """Replace the ledger and the buffered groups with a restored run's
+        (:func:`syncd.trainer.rl.rl_state.restore_groups`)."""
+        with self._cond:
+            self.ledger = ledger
+            self._groups = deque(sorted(groups, key=lambda g: g.finished_at))
+            self.dropped_stale = dropped_stale
+            self._cond.notify_all()
+
+    def prune(self, version: int) -> int:
+        """Drop every group whose lag at ``version`` exceeds the bound (their prompts are regenerated);
+        returns how many."""
+        with self._cond:
+            keep = deque(g for g in self._groups if g.lag(version) <= self.max_lag)
+            n = len(self._groups) - len(keep)
+            for g in self._groups:
+                if g.lag(version) > self.max_lag:
+                    self.ledger.dropped(g.item.index)
+            self._groups = keep
+            self.dropped_stale += n
+            if n and self.on_drop is not None:
+                self.on_drop(n)
+            return n
+
+    def take(self, n: int, version: int, *, timeout_s: float | None = None) -> list[Group]:
+        """The ``n`` oldest groups within the bound at trainer ``version``, waiting for them as long as needed
+        (at most ``timeout_s``: TimeoutError). Raises :class:`BufferClosed` once :meth:`close` was called."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                if self._closed:
+                    raise BufferClosed("the rollout buffer was closed")
+                self.prune(version)
+                if len(self._groups) >= n:
+                    out = [self._groups.popleft() for _ in range(n)]
+                    self.ledger.planned_for(g.item.index for g in out)
+                    self.taken += n
+                    return out
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"{len(self._groups)} of {n} rollout groups after {timeout_s:.0f} s")
+                self._cond.wait(0.5 if left is None else min(0.5, left))
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()

@@ -1,0 +1,425 @@
+"""Rollout workers: each task item's prompt goes ``G`` times to the engines through a sandbox proxy (HTTP, the
+OpenAI completions route, in front of the Dynamo frontend); the records come back through the store.
+
+For item ``i`` a worker thread sends ``G`` requests at once to proxy ``i % len(proxies)``, each its own
+trajectory (``X-Syncd-Trajectory``), with the sampling of the config (temperature, top-p, top-k) and a seed made
+of the run's seed, ``i`` and the sample number. It scores each completion text with the reward function (the
+sandbox's view of the answer), finishes each trajectory with ``{"task", "item", "sample", "reward", ...}`` as
+its metadata (so the store holds the reward with the record), and reads the group back with
+:func:`syncd.trainer.rl.rollouts.read_rollouts`, waiting up to ``record_timeout_s`` for the engines' replay records,
+which they write in the background once a request ends. The group (rewards, versions of its tokens) goes into the
+:class:`~syncd.trainer.rl.buffer.RolloutBuffer`.
+
+Which prompt comes next is the buffer's prompt ledger's answer (:meth:`RolloutBuffer.next_prompt`): a prompt
+whose group was dropped (stale or failed) is regenerated before a fresh one, as attempt 1, 2, ... (its
+trajectory ids ``<life>-g<index>r<attempt>-s<j>``, unique per trainer life). After a restart,
+:meth:`RolloutWorkers.reread` and :meth:`RolloutWorkers.recover` rebuild the buffered and in-flight groups of
+the checkpointed RL state from the store, and :meth:`close_open` finishes an earlier life's trajectories still
+open in the proxy.
+
+Production is paced by credit: :meth:`RolloutWorkers.allow` lets ``n`` more groups start. The asynchronous loop
+keeps a look-ahead of credit; the synchronous baseline allows one step's groups once the engines serve the
+trainer's newest version.
+
+Failures (HTTP errors, a record not written or incomplete, records that do not join) never reach the buffer:
+the group is dropped whole (its trajectories still open in the proxy are finished with ``{"dropped": reason}``),
+logged, counted by kind in :attr:`RolloutWorkers.failures`, its prompt queued to be regenerated and its credit
+given back, and the worker goes on after a backoff -- except for an error marked ``fatal`` (an exhausted curation
+pool), which stops the workers and closes the buffer, so the trainer's wait ends with the cause in
+:meth:`RolloutWorkers.stats`. A task with an ``observe`` method (:class:`syncd.trainer.rl.curation.CuratedTask`) is told
+each group's rewards once the group is in the buffer. Records are trusted only after ``read_rollouts`` checked them.
+
+Thread-safety: :meth:`allow`, :meth:`stats` and :meth:`stop` from any thread; ``reward`` is called from the worker
+threads (one call at a time per worker).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+import logging
+import secrets
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Callable
+from urllib.parse import urlsplit
+
+from syncd.errors import ObjectNotFound
+from syncd.store import Store
+from syncd.supervise import Failures
+from syncd.trainer.rl.buffer import Group, RolloutBuffer
+from syncd.trainer.rl.rollouts import MissingReplayError, RolloutError, read_rollouts
+from syncd.trainer.rl.tasks import RewardFn, Sample, Task, TaskItem
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Sampling", "RolloutWorkers", "ProxyError", "proxy_models", "complete", "FAILURE_KINDS"]
+
+TRAJECTORY_HEADER = "X-Syncd-Trajectory"
+FAILURE_KINDS = ("request", "record", "replay", "reward", "task")
+
+
+class ProxyError(RuntimeError):
+    """A proxy answered with an error, or could not be reached."""
+
+    kind = "request"
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """What every request asks for: ``top_k`` 0 and ``top_p`` 1.0 are off."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self):
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0: off), got {self.top_k}")
+
+
+def _http(url: str, method: str, path: str, body: dict | None = None, headers: dict | None = None,
+          timeout_s: float = 30.0) -> tuple[int, object]:
+    u = urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout_s)
+    try:
+        conn.request(method, path, body=None if body is None else json.dumps(body),
+                     headers={"Content-Type": "application/json", **(headers or {})})
+        resp = conn.getresponse()
+        raw = resp.read()
+        try:
+            return resp.status, json.loads(raw) if raw else None
+        except ValueError:
+            return resp.status, raw[:300].decode("utf-8", "replace")
+    except OSError as exc:
+        raise ProxyError(f"{url}{path}: {type(exc).__name__}: {exc}") from None
+    finally:
+        conn.close()
+
+
+def proxy_models(url: str, timeout_s: float = 10.0) -> list[str]:
+    """The model names the proxy's frontend serves; :class:`ProxyError` when it answers none or fails."""
+    status, body = _http(url, "GET", "/v1/models", timeout_s=timeout_s)
+    if status != 200 or not isinstance(body, dict):
+        raise ProxyError(f"{url}/v1/models answered HTTP {status}: {body}")
+    names = [m.get("id") for m in body.get("data") or [] if isinstance(m, dict) and m.get("id")]
+    if not names:
+        raise ProxyError(f"{url}: the frontend behind it lists no model (no engine serving)")
+    return names
+
+
+def complete(url: str, body: dict, trajectory_id: str, *, timeout_s: float = 120.0) -> dict:
+    """One non-streamed ``/v1/completions`` request through the proxy at ``url`` as trajectory
+    ``trajectory_id``; the response, or :class:`ProxyError` (unreachable, an error status, no choices)."""
+    status, out = _http(url, "POST", "/v1/completions", body, {TRAJECTORY_HEADER: trajectory_id}, timeout_s=timeout_s)
+    if status != 200 or not isinstance(out, dict) or not out.get("choices"):
+        raise ProxyError(f"trajectory {trajectory_id}: HTTP {status}: {str(out)[:300]}")
+    return out
+
+
+def _seed(seed: int, index: int, sample: int, attempt: int = 0) -> int:
+    key = f"{seed}:{index}:{sample}" if attempt == 0 else f"{seed}:{index}.{attempt}:{sample}"
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "little") >> 1
+
+
+def _tids(life: str, index: int, attempt: int, group_size: int) -> list[str]:
+    again = f"r{attempt}" if attempt else ""
+    return [f"{life}-g{index:06d}{again}-s{j:02d}" for j in range(group_size)]
+
+
+class RolloutWorkers:
+    """See the module docstring. ``version()``/``step()``: the trainer's current version and step (recorded with
+    each group, and given to the reward). ``workers``: groups produced at once."""
+
+    def __init__(self, *, proxies: list[str], model_name: str, task: Task, reward: RewardFn, group_size: int,
+                 sampling: Sampling, store, run_id: str, buffer: RolloutBuffer, version: Callable[[], int],
+                 step: Callable[[], int], workers: int = 4, seed: int = 0, vocab_size: int | None = None,
+                 request_timeout_s: float = 120.0, record_timeout_s: float = 60.0):
+        if not proxies:
+            raise ValueError("rollout workers need at least one proxy URL")
+        if group_size < 2:
+            raise ValueError(f"a group needs at least 2 samples to normalise advantages, got {group_size}")
+        self.proxies, self.model_name, self.task, self.reward = list(proxies), model_name, task, reward
+        self.group_size, self.sampling, self.run_id, self.buffer = group_size, sampling, run_id, buffer
+        self.store = Store.open(store)
+        self.version, self.step, self.seed, self.vocab_size = version, step, seed, vocab_size
+        self.request_timeout_s, self.record_timeout_s = request_timeout_s, record_timeout_s
+        self.life = secrets.token_hex(3)  # trajectory ids unique to this trainer life
+        self.failures = Failures(FAILURE_KINDS)
+        self.last_error: str | None = None
+        self.groups = self.requests = self.tokens = 0
+        self._credit = 0
+        self._inflight = 0
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._pool = ThreadPoolExecutor(workers * group_size, thread_name_prefix="rollout-request")
+        self._threads = [threading.Thread(target=self._loop, name=f"rollout-worker-{i}", daemon=True)
+                         for i in range(workers)]
+
+    # ------------------------------------------------------------------------------------ control
+
+    def start(self) -> "RolloutWorkers":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def allow(self, n: int) -> None:
+        """Let ``n`` more groups start."""
+        with self._cond:
+            self._credit += n
+            self._cond.notify_all()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        deadline = time.monotonic() + timeout_s
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def stats(self) -> dict:
+        with self._cond:
+            return {"groups": self.groups, "requests": self.requests, "tokens": self.tokens,
+                    "inflight": self._inflight, "credit": self._credit, "failures": self.failures.totals,
+                    "last_error": self.last_error}
+
+    # ------------------------------------------------------------------------------------ work
+
+    def _loop(self) -> None:
+        backoff = 0.2
+        while not self._stop.is_set():
+            with self._cond:
+                while self._credit <= 0 and not self._stop.is_set():
+                    self._cond.wait(0.5)
+                if self._stop.is_set():
+                    return
+                self._credit -= 1
+                self._inflight += 1
+            index, attempt = self.buffer.next_prompt(self._entry)
+            try:
+                group = self._group(index, attempt)
+            except Exception as exc:  # noqa: BLE001 -- counted, logged, the credit given back, the worker goes on
+                kind = getattr(exc, "kind", "task")
+                self.failures(kind)
+                self.last_error = f"group {index}: {type(exc).__name__}: {exc}"
+                if getattr(exc, "fatal", False):  # no retry can succeed (syncd.trainer.rl.curation.CurationExhausted)
+                    log.error("rollout %s failure, the workers stop: %s", kind, self.last_error)
+                    self._stop.set()
+                    self.buffer.close()  # the trainer's take() raises BufferClosed; stats() name the cause
+                    return
+                log.warning("rollout %s failure: %s", kind, self.last_error)
+                self.buffer.failed(index)
+                with self._cond:
+                    self._inflight -= 1
+                    self._credit += 1
+                self._stop.wait(backoff)
+                backoff = min(5.0, backoff * 2)
+                continue
+            backoff = 0.2
+            with self._cond:
+                self._inflight -= 1
+                self.groups += 1
+                self.tokens += group.tokens
+            self.buffer.put(group)
+            observe = getattr(self.task, "observe", None)  # syncd.trainer.rl.curation.CuratedTask: only groups buffered
+            if observe is not None:
+                try:
+                    observe(group.item, group.rewards)
+                except Exception as exc:  # noqa: BLE001 -- the group is buffered; only its estimate is lost
+                    self.failures("task")
+                    self.last_error = f"group {index}: observe: {type(exc).__name__}: {exc}"
+                    log.warning("rollout task failure: %s", self.last_error)
+
+    def _complete(self, proxy: str, tid: str, prompt: str, seed: int) -> dict:
+        body = {"model": self.model_name, "prompt": prompt, "max_tokens": self.task.max_tokens,
+                "temperature": self.sampling.temperature, "top_p": self.sampling.top_p,
+                "top_k": self.sampling.top_k, "seed": seed, "ignore_eos": self.task.ignore_eos}
+        with self._cond:
+            self.requests += 1
+        return complete(proxy, body, tid, timeout_s=self.request_timeout_s)
+
+    def _entry(self, index: int, attempt: int) -> dict:
+        """The ledger's record of a group being requested."""
+        return {"attempt": attempt, "life": self.life, "proxy": self.proxies[index % len(self.proxies)],
+                "trajectories": _tids(self.life, index, attempt, self.group_size), "requested_version": self.version()}
+
+    def _group(self, index: int, attempt: int = 0) -> Group:
+        item = self.task.item(index, self.seed)
+        proxy = self.proxies[index % len(self.proxies)]
+        requested_at, version, step = time.time(), self.version(), self.step()
+        tids = _tids(self.life, index, attempt, self.group_size)
+        futures = [self._pool.submit(self._complete, proxy, tid, item.prompt, _seed(self.seed, index, j, attempt))
+                   for j, tid in enumerate(tids)]
+        finished: set[str] = set()
+        try:
+            group = self._score_and_read(index, item, proxy, tids, [f.result() for f in futures], finished,
+                                         requested_at, version, step)
+            group.attempt = attempt
+            return group
+        except BaseException as exc:
+            wait(futures)
+            for tid in tids:  # the proxy holds open trajectories until finished: close the group's, marked dropped
+                if tid not in finished:
+                    try:
+                        _http(proxy, "POST", f"/syncd/trajectories/{tid}/finish",
+                              {"metadata": {"dropped": f"{type(exc).__name__}: {exc}"[:500]}}, timeout_s=30)
+                    except ProxyError:
+                        pass
+            raise
+
+    def _score_and_read(self, index, item, proxy, tids, outs, finished, requested_at, version, step) -> Group:
+        rewards = []
+        for out in outs:
+            ch = out["choices"][0]
+            sample = Sample(item, ch.get("text") or "", ch.get("finish_reason"),
+                            int((out.get("usage") or {}).get("completion_tokens") or 0), step)
+            try:
+                r = float(self.reward(sample))
+            except Exception as exc:  # noqa: BLE001 -- a reward function's failure is the group's
+                raise _Failed("reward", f"item {index}: the reward raised {type(exc).__name__}: {exc}") from exc
+            if r != r or r in (float("inf"), float("-inf")):
+                raise _Failed("reward", f"item {index}: the reward returned {r}")
+            rewards.append(r)
+        ids = []
+        for j, (tid, r) in enumerate(zip(tids, rewards)):
+            meta = {"task": self.task.name, "item": index, "sample": j, "reward": r, "prompt": item.prompt,
+                    "requested_version": version, "step": step}
+            status, reply = _http(proxy, "POST", f"/syncd/trajectories/{tid}/finish", {"metadata": meta},
+                                  timeout_s=self.request_timeout_s)
+            finished.add(tid)
+            if status != 200 or not isinstance(reply, dict) or not reply.get("written") \
+                    or reply.get("status") != "complete":
+                raise _Failed("record", f"trajectory {tid}: the proxy did not write a complete record: "
+                                        f"HTTP {status} {reply}")
+            ids.append(_ids_of(reply, self.run_id))
+            if j == 0:
+                self.buffer.record_written(index, ids[0][0])
+        rollouts = self._read(ids)
+        counted = [int((out.get("usage") or {}).get("completion_tokens") or -1) for out in outs]
+        return _make_group(index, item, ids, rewards, rollouts, counted, version, requested_at, time.time())
+
+    # ------------------------------------------------------------------------------------ after a restart
+
+    def reread(self, doc: dict) -> Group:
+        """A buffered group of a checkpointed RL state (its plan with ``token_versions``), read back from the
+        store; ``_Failed`` when the records are gone or no longer carry the recorded per-token versions."""
+        ids = [tuple(t) for t in doc["trajectories"]]
+        rollouts = self._read(ids)
+        want = doc.get("token_versions")
+        got = [_token_versions(ro) for ro in rollouts]
+        if want is not None and got != want:
+            raise _Failed("record", f"group of prompt {doc['item']['index']}: the records' token versions differ "
+                                    "from the checkpoint's")
+        it = doc["item"]
+        item = TaskItem(int(it["index"]), str(it["prompt"]), it.get("target"), dict(it.get("meta") or {}))
+        g = _make_group(item.index, item, ids, [float(r) for r in doc["rewards"]], rollouts, None,
+                        int(doc["requested_version"]), float(doc["requested_at"]), float(doc["finished_at"]))
+        g.attempt = int(doc.get("attempt") or 0)
+        return g
+
+    def recover(self, index: int, entry: dict) -> Group | None:
+        """An in-flight group of an earlier life, if every one of its trajectories was written complete, with its
+        reward, before the crash; else None (it is regenerated)."""
+        sandbox = entry.get("sandbox")
+        if not sandbox:
+            return None
+        from syncd.records.trajectory import read_record
+
+        ids, rewards = [(sandbox, t) for t in entry["trajectories"]], []
+        for sb, tid in ids:
+            try:
+                doc = read_record(self.store, self.run_id, sb, tid)
+            except ObjectNotFound:
+                return None
+            reward = (doc.get("metadata") or {}).get("reward")
+            if doc["status"] != "complete" or not isinstance(reward, (int, float)) or isinstance(reward, bool) \
+                    or reward != reward or abs(reward) == float("inf"):
+                return None
+            rewards.append(float(reward))
+        item = self.task.item(index, self.seed)
+        g = _make_group(index, item, ids, rewards, self._read(ids), None, int(entry.get("requested_version", 0)),
+                        time.time(), time.time())
+        g.attempt = int(entry.get("attempt") or 0)
+        return g
+
+    def close_open(self, entry: dict, reason: str = "the trainer restarted") -> None:
+        """Finish an earlier life's trajectories that the proxy may still hold open, marked dropped (best effort)."""
+        for tid in entry.get("trajectories") or []:
+            try:
+                _http(str(entry.get("proxy")), "POST", f"/syncd/trajectories/{tid}/finish",
+                      {"metadata": {"dropped": reason}}, timeout_s=10)
+            except (ProxyError, ValueError):
+                pass
+
+
+    def _read(self, ids: list[tuple[str, str]]) -> list:
+        """The group's rollouts, once every replay record is in the store (the engines write them just after a
+        request ends)."""
+        deadline = time.monotonic() + self.record_timeout_s
+        wait = 0.02
+        while True:
+            try:
+                rs = read_rollouts(self.store, self.run_id, trajectories=ids, vocab_size=self.vocab_size)
+                break
+            except (MissingReplayError, ObjectNotFound) as exc:
+                if time.monotonic() > deadline:
+                    raise _Failed("replay", f"records still incomplete after {self.record_timeout_s:.0f} s: "
+                                            f"{exc}") from exc
+                time.sleep(wait)
+                wait = min(0.5, wait * 2)
+            except (RolloutError, ValueError) as exc:  # mismatched or corrupt records, malformed trajectories
+                raise _Failed("replay", f"{type(exc).__name__}: {exc}") from exc
+        if len(rs.rollouts) != len(ids) or rs.skipped_failed:
+            raise _Failed("record", f"{len(rs.rollouts)} of {len(ids)} trajectories complete")
+        return rs.rollouts
+
+
+def _token_versions(ro) -> list[int]:
+    """The weight version of each generated token of a rollout, over its sequences (a compacted request has one
+    per context window, its summaries too)."""
+    return [int(v) for seq in ro.sequences for v in seq.versions[seq.loss_mask].tolist()]
+
+
+def _make_group(index, item, ids, rewards, rollouts, counted, version, requested_at, finished_at) -> Group:
+    """A group from its read-back rollouts (one sequence each, or one per context window for a compacted request,
+    ``syncd.engine.proxy.compaction``; ``counted``: the token counts the responses reported, checked when given: equal,
+    or at most the recorded ones when compacted)."""
+    versions: dict[int, int] = {}
+    tokens, per_token = 0, []
+    for j, ro in enumerate(rollouts):
+        if len(ro.sequences) != 1 and not (ro.compaction and ro.sequences):
+            raise _Failed("record", f"trajectory {ro.trajectory_id}: {len(ro.sequences)} sequences, want 1")
+        vs = _token_versions(ro)
+        n = len(vs)
+        if counted is not None and counted[j] >= 0 and (n < counted[j] if ro.compaction else n != counted[j]):
+            raise _Failed("record", f"trajectory {ro.trajectory_id}: {n} recorded tokens, the response "
+                                    f"counted {counted[j]}")
+        per_token.append(vs)
+        for v in vs:
+            versions[v] = versions.get(v, 0) + 1
+        tokens += n
+    return Group(index, item, list(ids), list(rewards), rollouts, versions, tokens, version, requested_at,
+                 finished_at, per_token)
+
+
+class _Failed(RuntimeError):
+    def __init__(self, kind: str, msg: str):
+        super().__init__(msg)
+        self.kind = kind
+
+
+def _ids_of(reply: dict, run_id: str) -> tuple[str, str]:
+    """``(sandbox_id, trajectory_id)`` of a written record, from the key the proxy answered."""
+    key = str(reply.get("key") or "")
+    parts = key.split("/")
+    if len(parts) < 4 or parts[-3] != "trajectories" or not key.endswith(".json") or f"/{run_id}/" not in f"/{key}":
+        raise _Failed("record", f"the proxy wrote the record to {key!r}, not under run {run_id}'s trajectories")
+    return parts[-2], str(reply.get("trajectory_id") or parts[-1][:-5])
