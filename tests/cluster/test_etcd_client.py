@@ -147,7 +147,8 @@ HOSTILE = [
     (http(b"ffffff\r\n", headers="Transfer-Encoding: chunked\r\n"), EtcdProtocolError, "a chunk of"),
     (http(b"5\r\n{}", headers="Transfer-Encoding: chunked\r\n"), EtcdUnavailable, "cut short"),
     (http(b'{"ID": "12"', headers="Content-Length: 40\r\n"), EtcdUnavailable, "cut short"),
-    (http(b'{"error":"etcdserver: too many requests","code":8}', status="429 Too Many"), EtcdError, "too many requests"),
+    (http(b'{"error":"etcdserver: too many requests","code":8}', status="429 Too Many"), EtcdError,
+     "too many requests"),
     (http(b'{"error":"etcdserver: request timed out","code":14}', status="503 X"), EtcdUnavailable, "timed out"),
     (None, EtcdUnavailable, "no answer within"),
 ]

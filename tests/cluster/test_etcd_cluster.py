@@ -55,6 +55,7 @@ def test_etcd_killed_and_restarted_mid_run(tmp_path, states, make_cluster, etcd)
     etcd.kill()  # SIGKILL while version 1 is being distributed
     down = c.wait(lambda: [e for r in range(n) for e in c.events(r, "step_down")], WAIT,
                   "the controller to step down once its lease may have expired")
+    assert "etcd unreachable" in down[0]["why"] and down[0]["t"] > t_kill
     v2 = pub.next()  # published while etcd is down
     etcd.start()
     t_back = time.time()

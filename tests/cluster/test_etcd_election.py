@@ -149,7 +149,8 @@ def test_stale_plans_and_claims_are_refused(tmp_path, etcd, states):
             assert follower.heartbeats.election.max_term == term2
             before = follower.stats["stale_refused"]
             held = follower.plans[v0].plan
-            msg = {"plan": {**old_plan.plan.to_json(), "seq": held.seq + 1000}, "manifest": old_plan.raw.decode("ascii")}
+            msg = {"plan": {**old_plan.plan.to_json(), "seq": held.seq + 1000},
+                   "manifest": old_plan.raw.decode("ascii")}
             assert msg["plan"]["term"] == term < term2
             await follower.on_plan(ctrl, msg)  # what the old controller would send after a stall
             assert follower.stats["stale_refused"] == before + 1
