@@ -94,14 +94,61 @@ def _record(ks, t: int, token: int, V: int, delta: float) -> bytes:
     return encode_kept_record(ks.ids[a:b].numpy(), token, V, margins=ks.gaps[a:b].numpy(), tolerance=delta)
 
 
+def _tolerance_pass(acc: dict, logits: torch.Tensor, ks, tokens: list[int], V: int, d: float,
+                    gen: torch.Generator) -> None:
+    """One batch at tolerance ``d``: every row's record written (bytes, form, fragile boundary), and the rows
+    recorded to rebuild rebuilt from logits moved within the tolerance (must give the same set) and beyond it (must
+    be refused or still give it); counts added to ``acc``."""
+    from syncd.records.replay import KeptToRebuild, decode_kept
+    from syncd.records.replay_kept import kept_form
+
+    noise = (torch.rand(logits.shape, generator=gen) * 2 - 1) * 0.9 * d  # within the tolerance (T = 1)
+    beyond = torch.randn(logits.shape, generator=gen) * 10 * d
+    pend = []
+    for t in range(logits.shape[0]):
+        blob = _record(ks, t, tokens[t], V, d)
+        acc["bytes"] += len(blob)
+        form = kept_form(blob)
+        acc["forms"][form] = acc["forms"].get(form, 0) + 1
+        a, b = int(ks.offsets[t]), int(ks.offsets[t + 1])
+        acc["fragile"] += int(b - a > 1 and not bool(ks.gaps[b - 1] > 2 * d))
+        k = decode_kept(blob, V, token_id=tokens[t], tolerance=d)
+        if isinstance(k, KeptToRebuild):
+            pend.append((t, k))
+    if not pend:
+        return
+    for name, x in (("within", logits + noise), ("beyond", logits + beyond)):
+        rb = _rebuild(x, pend)
+        for j, (t, k) in enumerate(pend):
+            same = torch.equal(rb.ids[rb.offsets[j]:rb.offsets[j + 1]],
+                               ks.ids[ks.offsets[t]:ks.offsets[t + 1]].sort().values)
+            ok = int(rb.status[j]) == 0
+            if name == "within":
+                acc["rebuilt"] += 1
+                acc["rebuilt_ok"] += int(ok and same)
+            else:
+                acc["beyond_ok"] += int(ok and same)
+                acc["beyond_caught"] += int(not ok)
+                acc["beyond_wrong"] += int(ok and not same)
+
+
+def _tolerance_figures(acc: dict, rows: int) -> dict:
+    """The JSON figures of one tolerance's counts over ``rows`` tokens."""
+    return {"per_token": acc["bytes"] / rows, "forms_pct": {k: 100 * v / rows for k, v in acc["forms"].items()},
+            "fragile_pct": 100 * acc["fragile"] / rows,
+            "listed_pct": 100 * sum(acc["forms"].get(k, 0) for k in ("list", "bitmap")) / rows,
+            "rebuilt_within": acc["rebuilt"], "rebuilt_within_exact": acc["rebuilt_ok"],
+            "beyond_verified": acc["beyond_ok"], "beyond_refused": acc["beyond_caught"],
+            "beyond_wrong": acc["beyond_wrong"]}
+
+
 def public_kept(rows: int, V: int, seed: int, deltas=(1e-3, 1e-2, 1e-1), *, batch: int = 32, op_rows: int = 0,
                 repeats: int = 3) -> dict:
     """Bytes per token of kept sets on synthetic logits with the public size distribution, each next to the
     listed encodings on the same sets; rebuild exactness within and beyond the tolerance; and, on the first
     ``op_rows`` rows, the rebuild's time next to ``kept_logprobs``."""
     from syncd.ops.replay import kept_sets
-    from syncd.records.replay import KeptToRebuild, decode_kept, encode_kept
-    from syncd.records.replay_kept import kept_form
+    from syncd.records.replay import encode_kept
 
     src = ZipfLogits(V, seed)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -130,34 +177,7 @@ def public_kept(rows: int, V: int, seed: int, deltas=(1e-3, 1e-2, 1e-1), *, batc
         sizes.append(n)
         targets.append(torch.tensor(tokens))
         for d, acc in per.items():
-            noise = (torch.rand(logits.shape, generator=gen) * 2 - 1) * 0.9 * d  # within the tolerance (T = 1)
-            beyond = torch.randn(logits.shape, generator=gen) * 10 * d
-            pend = []
-            for t in range(B):
-                blob = _record(ks, t, tokens[t], V, d)
-                acc["bytes"] += len(blob)
-                form = kept_form(blob)
-                acc["forms"][form] = acc["forms"].get(form, 0) + 1
-                a, b = int(ks.offsets[t]), int(ks.offsets[t + 1])
-                acc["fragile"] += int(b - a > 1 and not bool(ks.gaps[b - 1] > 2 * d))
-                k = decode_kept(blob, V, token_id=tokens[t], tolerance=d)
-                if isinstance(k, KeptToRebuild):
-                    pend.append((t, k))
-            if pend:
-                for name, x in (("within", logits + noise), ("beyond", logits + beyond)):
-                    rb = _rebuild(x, pend)
-                    for j, (t, k) in enumerate(pend):
-                        same = torch.equal(rb.ids[rb.offsets[j]:rb.offsets[j + 1]],
-                                           ks.ids[ks.offsets[t]:ks.offsets[t + 1]].sort().values)
-                        ok = int(rb.status[j]) == 0
-                        if name == "within":
-                            acc["rebuilt"] += 1
-                            acc["rebuilt_ok"] += int(ok and same)
-                        else:
-                            acc["beyond_ok"] += int(ok and same)
-                            acc["beyond_caught"] += int(not ok)
-                            acc["beyond_wrong"] += int(ok and not same)
-            del noise, beyond
+            _tolerance_pass(acc, logits, ks, tokens, V, d, gen)
         if sum(x.shape[0] for x in keep_logits) < op_rows:
             keep_logits.append(logits[:op_rows - sum(x.shape[0] for x in keep_logits)])
             kept_s.append(ks)
@@ -167,15 +187,8 @@ def public_kept(rows: int, V: int, seed: int, deltas=(1e-3, 1e-2, 1e-1), *, batc
            "kept_size": {"median": float(n.median()), "p99": float(n.quantile(0.99)), "mean": float(n.mean()),
                          "single_pct": float(100 * (n == 1).double().mean())},
            "listed_v1_per_token": v1 / rows, "int32_ids_per_token": int32 / rows,
-           "listed_bound_per_token": bound / rows, "by_tolerance": {}}
-    for d, acc in per.items():
-        out["by_tolerance"][repr(d)] = {
-            "per_token": acc["bytes"] / rows, "forms_pct": {k: 100 * v / rows for k, v in acc["forms"].items()},
-            "fragile_pct": 100 * acc["fragile"] / rows,
-            "listed_pct": 100 * sum(acc["forms"].get(k, 0) for k in ("list", "bitmap")) / rows,
-            "rebuilt_within": acc["rebuilt"], "rebuilt_within_exact": acc["rebuilt_ok"],
-            "beyond_verified": acc["beyond_ok"], "beyond_refused": acc["beyond_caught"],
-            "beyond_wrong": acc["beyond_wrong"]}
+           "listed_bound_per_token": bound / rows,
+           "by_tolerance": {repr(d): _tolerance_figures(acc, rows) for d, acc in per.items()}}
     if op_rows:
         out["op"] = rebuild_cost(torch.cat(keep_logits), _cat_sets(kept_s, op_rows), torch.cat(targets)[:op_rows],
                                  deltas[0], repeats)

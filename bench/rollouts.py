@@ -221,21 +221,11 @@ def _start_proxy(workdir: Path, upstream: str, store_url: str, run_id: str):
 
     return start_proxy(workdir, upstream, store_url, run_id, SANDBOX)
 
-def generate(workdir: Path, store_url: str, cfg: RolloutConfig, *, run_id: str | None = None) -> RolloutRun:
-    """Run the rollouts (see the module docstring). ``store_url``: where versions, replay records and trajectory
-    records go (file or S3 URL). Raises RuntimeError when a stream, an update or a process fails."""
-    from syncd.engine.dynamo.procs import stop_process
-    from syncd.engine.dynamo.serve import Node, NodeConfig
-    from syncd.engine.reference.make_tiny import model_config, random_model
-    from syncd.engines.update import Update
-    from syncd.trainer import WeightPublisher
+def _pretrained(cfg: RolloutConfig, mcfg):
+    """Step 1: the trainer model (NVFP4 QAT when ``cfg.nvfp4``) after ``cfg.pretrain_steps`` AdamW steps on text;
+    returns it with its optimizer (now at ``cfg.update_lr``), the token data and the generator for later steps."""
+    from syncd.engine.reference.make_tiny import random_model
 
-    workdir = Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    run_id = run_id or f"replay-{cfg.arch}{'-nvfp4' if cfg.nvfp4 else ''}"
-    t0 = Stopwatch()
-    mcfg = model_config(cfg.arch, hidden=cfg.hidden, layers=cfg.layers, intermediate=2 * cfg.hidden,
-                        experts=cfg.experts, top_k=cfg.experts_top_k)
     model = random_model(mcfg, cfg.seed)
     if cfg.nvfp4:
         from syncd.trainer.qat import enable_qat
@@ -248,75 +238,116 @@ def generate(workdir: Path, store_url: str, cfg: RolloutConfig, *, run_id: str |
         train_step(model, opt, data, gen)
     for group in opt.param_groups:
         group["lr"] = cfg.update_lr
-    state0 = _published(model, cfg.nvfp4)
-    model_dir = _write_folder(workdir / "model", mcfg, model, state0)
-    weights = {0: _served(model)}
+    return model, opt, data, gen
+
+
+def _start_streams(node, proxy_url: str, cfg: RolloutConfig, tids: list[str], progress: list[int]):
+    """Step 4: one thread per trajectory streaming its completion through the proxy (``progress[k]``: tokens so
+    far); returns the threads and the list their errors are appended to."""
+    errors: list = []
+    lines = [ln for ln in (Path(__file__).resolve().parents[1] / "README.md").read_text().splitlines()
+             if len(ln) > 20] or [FALLBACK_TEXT]
+
+    def run(k: int) -> None:
+        body = {"model": node.config.model_name, "prompt": lines[k % len(lines)][:80], "max_tokens": cfg.max_tokens,
+                "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k, "seed": cfg.seed + k,
+                "ignore_eos": True, "nvext": {"extra_fields": ["engine_data"]}}
+        try:
+            _stream(proxy_url, body, tids[k], progress, k)
+        except Exception as exc:  # noqa: BLE001 -- reported by generate
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(k,), daemon=True) for k in range(cfg.requests)]
+    for t in threads:
+        t.start()
+    return threads, errors
+
+
+def _update_mid_trajectory(node, trainer, pub, version: int, progress: list[int], store_url: str, run_id: str,
+                           workdir: Path, nvfp4: bool) -> tuple[dict, list[int]]:
+    """Step 4, one version: every worker paused (the streams held mid-trajectory) while the trainer (model, opt,
+    data, gen) steps and publishes ``version``, which every worker stages and applies through its admin routes, as
+    a node daemon does; resumed. Returns the served weights of ``version`` and the streams' tokens while paused.
+    RuntimeError when a worker is not at ``version`` after applying it."""
+    from syncd.engines.update import Update
+
+    model, opt, data, gen = trainer
+    engines = _workers(node)
+    for e in engines:
+        e.pause()
+    try:
+        at = list(progress)
+        train_step(model, opt, data, gen)
+        pub.publish(_published(model, nvfp4), version)
+        pub.flush()
+        served = _served(model)
+        raw = _cache_version(store_url, run_id, version, workdir / "cache")
+        for e in engines:
+            e.stage(Update.from_cache(raw, workdir / "cache"))
+            e.apply()
+            if e.version != version:
+                raise RuntimeError(f"a worker is at version {e.version} after applying {version}")
+    finally:
+        for e in engines:
+            e.resume()
+            e.release()  # the next round's clients are other lease holders
+    return served, at
+
+
+def _finish_trajectories(proxy_url: str, tids: list[str]) -> None:
+    """Step 5: every trajectory finished at the proxy; RuntimeError for one not written complete."""
+    for tid in tids:
+        reply = _post(proxy_url, f"/syncd/trajectories/{tid}/finish", {})
+        if not reply.get("written") or reply.get("status") != "complete":
+            raise RuntimeError(f"trajectory {tid}: {reply}")
+
+
+def generate(workdir: Path, store_url: str, cfg: RolloutConfig, *, run_id: str | None = None) -> RolloutRun:
+    """Run the rollouts (see the module docstring) in the steps above. ``store_url``: where versions, replay records
+    and trajectory records go (file or S3 URL). Raises RuntimeError when a stream, an update or a process fails."""
+    from syncd.engine.dynamo.procs import stop_process
+    from syncd.engine.dynamo.serve import Node, NodeConfig
+    from syncd.engine.reference.make_tiny import model_config
+    from syncd.trainer import WeightPublisher
+
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    run_id = run_id or f"replay-{cfg.arch}{'-nvfp4' if cfg.nvfp4 else ''}"
+    t0 = Stopwatch()
+    mcfg = model_config(cfg.arch, hidden=cfg.hidden, layers=cfg.layers, intermediate=2 * cfg.hidden,
+                        experts=cfg.experts, top_k=cfg.experts_top_k)
+    trainer = _pretrained(cfg, mcfg)
+    state0 = _published(trainer[0], cfg.nvfp4)  # step 2: version 0, and the folder the node serves
+    model_dir = _write_folder(workdir / "model", mcfg, trainer[0], state0)
+    weights = {0: _served(trainer[0])}
     pub = WeightPublisher(store_url, run_id, signing_key=False, full_every=1000,
                           dtype=None if cfg.nvfp4 else torch.bfloat16)
     pub.publish(state0, 0)
     pub.flush()
-
-    node = Node(NodeConfig.recording(
+    node = Node(NodeConfig.recording(  # step 3
         model_dir, workdir, store_url=store_url, run_id=run_id, prefix="r",
         worker_args=("--max-batch", str(cfg.concurrency),
                      *(() if cfg.kept_tolerance is None else ("--replay-kept-tolerance", repr(cfg.kept_tolerance))))))
     proxy = None
     applied: dict[int, list[int]] = {}
     tids = [f"traj-{k:03d}" for k in range(cfg.requests)]
+    progress = [0] * cfg.requests
     try:
         node.start()
         node.supervise(background=True)
         proxy, proxy_url = _start_proxy(workdir, node.frontend_url, store_url, run_id)
-        progress = [0] * cfg.requests
-        results: list = [None] * cfg.requests
-        errors: list = []
-        lines = [ln for ln in (Path(__file__).resolve().parents[1] / "README.md").read_text().splitlines()
-                 if len(ln) > 20] or [FALLBACK_TEXT]
-
-        def run(k: int) -> None:
-            body = {"model": node.config.model_name, "prompt": lines[k % len(lines)][:80], "max_tokens": cfg.max_tokens,
-                    "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k, "seed": cfg.seed + k,
-                    "ignore_eos": True, "nvext": {"extra_fields": ["engine_data"]}}
-            try:
-                results[k] = _stream(proxy_url, body, tids[k], progress, k)
-            except Exception as exc:  # noqa: BLE001 -- reported below
-                errors.append(exc)
-
-        threads = [threading.Thread(target=run, args=(k,), daemon=True) for k in range(cfg.requests)]
-        for t in threads:
-            t.start()
+        threads, errors = _start_streams(node, proxy_url, cfg, tids, progress)
         for version in range(1, cfg.updates + 1):
-            want = version * cfg.update_every
-            while min(progress) < want and any(t.is_alive() for t in threads):
+            while min(progress) < version * cfg.update_every and any(t.is_alive() for t in threads):
                 time.sleep(0.002)
-            engines = _workers(node)
-            for e in engines:  # hold the streams mid-trajectory while the trainer makes the next version
-                e.pause()
-            try:
-                applied[version] = list(progress)
-                train_step(model, opt, data, gen)
-                pub.publish(_published(model, cfg.nvfp4), version)
-                pub.flush()
-                weights[version] = _served(model)
-                raw = _cache_version(store_url, run_id, version, workdir / "cache")
-                for e in engines:  # through the workers' admin routes, as a node daemon does
-                    e.stage(Update.from_cache(raw, workdir / "cache"))
-                    e.apply()
-                    if e.version != version:
-                        raise RuntimeError(f"a worker is at version {e.version} after applying {version}")
-            finally:
-                for e in engines:
-                    e.resume()
-                    e.release()  # the next round's clients are other lease holders
+            weights[version], applied[version] = _update_mid_trajectory(node, trainer, pub, version, progress,
+                                                                        store_url, run_id, workdir, cfg.nvfp4)
             log.info("version %d applied with %s tokens per stream", version, applied[version])
         for t in threads:
             t.join(600)
         if errors:
             raise RuntimeError(f"{len(errors)} stream(s) failed: {errors[0]}")
-        for tid in tids:
-            reply = _post(proxy_url, f"/syncd/trajectories/{tid}/finish", {})
-            if not reply.get("written") or reply.get("status") != "complete":
-                raise RuntimeError(f"trajectory {tid}: {reply}")
+        _finish_trajectories(proxy_url, tids)
     finally:
         pub.close()
         if proxy is not None:
