@@ -1,6 +1,7 @@
 """matplotlib for the benchmarks' ``--plot`` PNGs: :func:`pyplot` (the Agg backend, no display needed) and
 :func:`save` (the folder made, the figure closed). matplotlib is in the ``bench`` and ``test`` extras; without it
-:func:`pyplot` raises ImportError naming the extra."""
+:func:`pyplot` raises ImportError naming the extra. Routines draw through these two and are called by the one
+epilogue (``bench._report.finish``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 from syncd.plotting import pyplot as _pyplot
 from syncd.plotting import save_figure
 
-__all__ = ["pyplot", "save", "write_results"]
+__all__ = ["pyplot", "save"]
 
 
 def pyplot():
@@ -18,15 +19,3 @@ def pyplot():
 
 def save(fig, path, *, dpi: int = 110) -> Path:
     return save_figure(fig, path, dpi=dpi)
-
-
-def write_results(out: dict, json_path, plot_path, plot) -> None:
-    """A benchmark's epilogue: ``out`` as JSON at ``json_path`` (folder made) and ``plot(out, Path)`` at
-    ``plot_path``; either is skipped when its path is falsy."""
-    import json
-
-    if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(out, indent=1))
-    if plot_path:
-        plot(out, Path(plot_path))

@@ -21,13 +21,12 @@ once), and completion over the single transfer (goal: at most 1.3 for every N, n
     python -m bench.broadcast                            # N = 2, 4, 8, 16; shaped and unshaped
     python -m bench.broadcast --nodes 2 --size-mib 2 --repeats 1 --mode unshaped   # what the test runs
 
-Writes JSON to ``--out`` (default ``bench/results/broadcast-<time>.json``).
+Writes JSON (``--json``); ``--plot`` draws completion against N with the baselines.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import platform
@@ -40,6 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench._report import Row, finish, output_flags
 from bench._timing import Stopwatch
 
 log = logging.getLogger("bench.broadcast")
@@ -317,7 +317,7 @@ def print_mode(mode: str, r: dict, args) -> None:
               f"{row['store_over_S']:>16.3f} {row['detect_s']:>6.2f}s")
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.broadcast", description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4, 8, 16])
     p.add_argument("--size-mib", type=float, default=16.0, help="version size S (bf16 weights)")
@@ -330,19 +330,27 @@ def main(argv=None) -> int:
     p.add_argument("--store-streams", type=int, default=0, help="pacing of store reads (0: none)")
     p.add_argument("--fsync", action="store_true", help="fsync every shard (off: measure the network)")
     p.add_argument("--mode", choices=["shaped", "unshaped", "both"], default="both")
-    p.add_argument("--out", default=None)
     p.add_argument("--workdir", default=None, help="keep the cluster's files (event logs) here")
-    p.add_argument("--plot", metavar="PNG", help="also draw completion against N with the baselines (matplotlib)")
-    args = p.parse_args(argv)
+    output_flags(p, "broadcast")
+    return p
+
+
+def rows(res: dict) -> list[Row]:
+    """The shared columns: per mode and N, the completion against one point-to-point TCP transfer of S."""
+    out = []
+    for mode, r in res["modes"].items():
+        device = f"netns {res['args']['rate_mbit']:g} Mbit/s" if mode == "shaped" else "loopback"
+        for row in r["rows"]:
+            out.append(Row(f"tree broadcast ({mode})", row["completion_s"], 1 / row["ratio_single"],
+                           "one TCP transfer of S", f"N={row['nodes']} S={r['S_bytes'] / 2**20:.1f} MiB", device))
+    return out
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     res = run(args)
-    out = Path(args.out or f"bench/results/broadcast-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1))
-    print(f"wrote {out}")
-    if args.plot:
-        print(f"plot written to {plot(res, args.plot)}")
-    return 0
+    return finish("broadcast", args, res, rows(res), lambda path: plot(res, path))
 
 
 def plot(res: dict, path):

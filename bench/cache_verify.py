@@ -18,14 +18,13 @@ daemon verified them are refused, and the daemon re-fetches them. This benchmark
     python -m bench.cache_verify                  # 512 MiB of shards; a ~30M-parameter model's delta
     python -m bench.cache_verify --preset tiny    # seconds; what the test runs
 
-Writes JSON (``--out``, ``SYNCD_BENCH_OUT``); ``--png PATH`` draws the throughputs (matplotlib).
+Writes JSON (``--json``, ``SYNCD_BENCH_OUT``); ``--plot PNG`` draws the throughputs (matplotlib).
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import platform
 import statistics
@@ -33,6 +32,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench._report import Row, finish, output_flags
 from bench._timing import Stopwatch
 
 PRESETS = {
@@ -133,17 +133,42 @@ def update_cost(cfg: dict, work: Path) -> dict:
             "added_s": verified - plain, "added_pct": 100 * (verified - plain) / plain}
 
 
-def parse_args(argv=None):
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.cache_verify", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="default")
     p.add_argument("--rounds", type=int, help="timing rounds (medians are reported)")
-    p.add_argument("--out", default=os.environ.get("SYNCD_BENCH_OUT", "bench/results/cache_verify.json"))
-    p.add_argument("--png", default=None, help="draw the throughputs to this PNG (needs matplotlib)")
-    return p.parse_args(argv)
+    output_flags(p, "cache_verify")
+    return p
+
+
+def rows(tp: dict, up: dict) -> list[Row]:
+    """The shared columns: reading and hashing against the read pass of the same files, and an update from the
+    cache with its shards verified against the same update unverified."""
+    sizes = f"{tp['shards']} shards {tp['bytes'] / 2**20:.0f} MiB"
+    secs = lambda name: tp["bytes"] / (tp["gbps"][name] * 1e9)  # noqa: E731
+    return [Row("read + SHA-256, one thread", secs("read_sha256"), tp["vs_read"]["read_sha256"], "read pass", sizes),
+            Row("read_shards verified, 4 threads", secs("parallel_verified"), tp["vs_read"]["parallel_verified"],
+                "read pass", sizes),
+            Row("stage+apply, shards verified", up["stage_apply_verified_s"],
+                up["stage_apply_s"] / up["stage_apply_verified_s"], "stage+apply, unverified",
+                f"{up['params'] / 1e6:.1f}M params delta")]
+
+
+def plot(tp: dict, path) -> None:
+    """The three throughputs as bars (GB/s, warm page cache)."""
+    from bench._plot import pyplot, save
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3))
+    names = ["read", "read_sha256", "parallel_verified"]
+    ax.barh(["read pass", "read + SHA-256", "verified (4 threads)"], [tp["gbps"][n] for n in names])
+    ax.set_xlabel("GB/s (warm page cache)")
+    ax.set_title("node cache: re-hash on read")
+    save(fig, path, dpi=120)
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    args = parser().parse_args(argv)
     cfg = dict(PRESETS[args.preset])
     if args.rounds:
         cfg["rounds"] = cfg["update_rounds"] = args.rounds
@@ -164,26 +189,9 @@ def main(argv=None) -> int:
           f"re-hashed shards {up['stage_apply_verified_s'] * 1e3:.1f} ms: {up['added_s'] * 1e3:+.2f} ms "
           f"({up['added_pct']:+.1f}%; the hash alone at the rate above: {up['hash_s_expected'] * 1e3:.2f} ms = "
           f"{100 * up['hash_s_expected'] / up['stage_apply_s']:.1f}% of the update)")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"bench": "cache_verify", "preset": args.preset, "config": cfg, "cpus": os.cpu_count(),
-                               "python": sys.version.split()[0], "throughput": tp, "update": up}, indent=1))
-    print(f"results written to {out}")
-    if args.png:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 3))
-        names = ["read", "read_sha256", "parallel_verified"]
-        ax.barh(["read pass", "read + SHA-256", "verified (4 threads)"], [g[n] for n in names])
-        ax.set_xlabel("GB/s (warm page cache)")
-        ax.set_title("node cache: re-hash on read")
-        fig.tight_layout()
-        fig.savefig(args.png, dpi=120)
-        print(f"plot written to {args.png}")
-    return 0
+    out = {"bench": "cache_verify", "preset": args.preset, "config": cfg, "cpus": os.cpu_count(),
+           "python": sys.version.split()[0], "throughput": tp, "update": up}
+    return finish("cache_verify", args, out, rows(tp, up), lambda path: plot(tp, path))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,9 @@ engine call). The read pass, both formats' encode and apply and the checksum tak
 round and the ratios to the read pass are the medians of the per-round ratios, so a noisy neighbour moves
 numerator and denominator together. Physical limits, measured in the same rounds: encode reads old and new
 (2 bytes per full-weight byte) and apply at least the target, so their ratios cannot pass a read of those
-bytes with both cores (timed with our memory-speed checksum). Writes JSON; ``--plot`` draws a PNG.
+bytes with both cores (timed with our memory-speed checksum). ``--refcheck`` also decodes every blob with the
+``reference`` backend (the plain-PyTorch spec) and compares it with the new weights, bit for bit (slow: seconds per
+million words for format 2). Writes JSON (``--json``); ``--plot`` draws a PNG.
 
     python -m bench.codec                 # ~110M parameters, lr 1e-6/3e-6/1e-5, K = 1, 2, 4, 8
     python -m bench.codec --preset tiny   # seconds; what the test runs
@@ -20,18 +22,16 @@ bytes with both cores (timed with our memory-speed checksum). Writes JSON; ``--p
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
 import platform
 import statistics
 import sys
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from bench._codec_refs import baselines, entropy_bound
+from bench._report import Row, finish, output_flags
 from bench._timing import Stopwatch, median_time
 from syncd.ops import checksum_many, delta, native_features, threads
 
@@ -102,17 +102,24 @@ def numpy_read_pass(tensors: dict, repeats: int, warm: bool = False):
 VERSIONS = (1, 2)
 
 
-def measure_case(old: dict, new: dict, repeats: int, block_log2: int) -> dict:
+def round_trips(olds: list, news: list, blobs: list, backend: str) -> bool:
+    """Whether every blob decoded by ``backend`` onto its old tensor gives the new one, bit for bit."""
+    return all(torch.equal(delta.decode(o, b, backend=backend).view(torch.int16), n.view(torch.int16))
+               for o, n, b in zip(olds, news, blobs))
+
+
+def measure_case(old: dict, new: dict, repeats: int, block_log2: int, refcheck: bool = False) -> dict:
     """Sizes and throughputs of both formats on one delta (``old`` -> ``new``, dicts of bf16 tensors), timed in
-    shared rounds with the read pass and the bandwidth limits; per format under ``result["formats"]``."""
+    shared rounds with the read pass and the bandwidth limits; per format under ``result["formats"]`` (with
+    ``refcheck``, its ``"refcheck"``: the reference backend's decode round trip). AssertionError when the CPU
+    backend's own round trip fails."""
     nbytes = sum(t.numel() * t.element_size() for t in old.values())
     names = list(old)
     olds, news = [old[k] for k in names], [new[k] for k in names]
     blobs = {v: delta.encode_many(olds, news, backend="cpu", block_log2=block_log2, version=v) for v in VERSIONS}
     for v in VERSIONS:  # correctness, on every case
-        for k, o, n, b in zip(names, olds, news, blobs[v]):
-            if not torch.equal(delta.decode(o, b, backend="cpu").view(torch.int16), n.view(torch.int16)):
-                raise AssertionError(f"format {v} round trip failed for {k}")
+        if not round_trips(olds, news, blobs[v], "cpu"):
+            raise AssertionError(f"format {v} round trip failed")
     work = [o.clone() for o in olds]
 
     def reset():
@@ -159,6 +166,8 @@ def measure_case(old: dict, new: dict, repeats: int, block_log2: int) -> dict:
             "encode_vs_v1": statistics.median(x["enc1"] / x[f"enc{v}"] for x in rounds),
             "apply_vs_v1": statistics.median(x["app1"] / x[f"app{v}"] for x in rounds),
         }
+        if refcheck:
+            formats[str(v)]["refcheck"] = round_trips(olds, news, blobs[v], "reference")
     smallest = min(f["encoded_bytes"] for f in formats.values())
     return {
         "bytes_bf16": nbytes, "numel": bound["numel"], "changed": bound["changed"],
@@ -174,18 +183,18 @@ def measure_case(old: dict, new: dict, repeats: int, block_log2: int) -> dict:
     }
 
 
-def measure_case_quiet(old: dict, new: dict, repeats: int, block_log2: int) -> dict:
+def measure_case_quiet(old: dict, new: dict, repeats: int, block_log2: int, refcheck: bool = False) -> dict:
     """``measure_case`` with torch's intra-op pool at one thread: the harness's own torch calls (copies,
     comparisons) otherwise leave OpenMP workers spinning on the two cores the codec is being timed on."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return measure_case(old, new, repeats, block_log2)
+        return measure_case(old, new, repeats, block_log2, refcheck)
     finally:
         torch.set_num_threads(before)
 
 
-def parse_args(argv):
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.codec", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="default")
     p.add_argument("--lrs", default="1e-6,3e-6,1e-5", help="comma-separated learning rates")
@@ -193,9 +202,9 @@ def parse_args(argv):
     p.add_argument("--repeats", type=int, help="timing rounds (medians of per-round ratios are reported)")
     p.add_argument("--block-log2", type=int, default=delta.DEFAULT_BLOCK_LOG2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=os.environ.get("SYNCD_BENCH_OUT", "bench/results/codec.json"))
-    p.add_argument("--plot", metavar="PNG", help="also draw size/bound and speed/read against density")
-    return p.parse_args(argv)
+    output_flags(p, "codec", refcheck="also decode every blob with the reference backend and compare it with the "
+                                      "new weights bit for bit (slow)")
+    return p
 
 
 HEADER = (f"{'lr':>7} {'K':>2} {'density':>8} {'bound%':>7} | {'v1%':>7} {'v2%':>7} {'v1/bnd':>6} {'v2/bnd':>6} | "
@@ -211,7 +220,7 @@ def row_text(r: dict) -> str:
             f"{b['zstd_xor']['pct']:8.3f}% {b['idx32_bf16_zstd']['pct']:8.3f}% {b['gapvarint_zigzag_zstd']['pct']:11.3f}%")
 
 
-def plot(results: list[dict], path: str) -> None:
+def plot(results: list[dict], path) -> None:
     """Size against density on log scales (both formats, the order-0 entropy bound, the zstd baselines) and speed
     against density (encode and apply over a NumPy read pass)."""
     from matplotlib.ticker import NullFormatter, ScalarFormatter
@@ -242,8 +251,21 @@ def plot(results: list[dict], path: str) -> None:
     save(fig, path)
 
 
+def rows(results: list[dict]) -> list[Row]:
+    """The shared columns: encode and apply of each format in each case, against the NumPy read pass of the
+    same bytes (ratio: the median of per-round ratios)."""
+    out = []
+    for r in results:
+        sizes = f"{r['params'] / 1e6:.1f}M bf16 lr {r['lr']:g} K={r['k']} {100 * r['density']:.2f}%"
+        for v, f in r["formats"].items():
+            for op in ("encode", "apply"):
+                out.append(Row(f"format {v} {op}", r["bytes_bf16"] / (f[f"{op}_gbps"] * 1e9), f[f"{op}_vs_read"],
+                               "NumPy read pass", sizes, refcheck=f.get("refcheck")))
+    return out
+
+
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cfg = dict(PRESETS[args.preset])
     if args.repeats:
@@ -261,7 +283,7 @@ def main(argv=None) -> int:
               f"{t0.elapsed:.1f}s")
         print(HEADER)
         for k in ks:
-            r = measure_case_quiet(snaps[0], snaps[k], cfg["repeats"], args.block_log2)
+            r = measure_case_quiet(snaps[0], snaps[k], cfg["repeats"], args.block_log2, args.refcheck)
             r.update(lr=lr, k=k, params=nparams)
             results.append(r)
             print(row_text(r))
@@ -274,20 +296,14 @@ def main(argv=None) -> int:
           f"encode {med('2', 'encode_vs_v1'):.2f}x as fast, apply {med('2', 'apply_vs_v1'):.2f}x; checksum/read "
           f"{statistics.median(r['checksum_vs_read'] for r in results):.2f} (NumPy read "
           f"{statistics.median(r['numpy_read_gbps'] for r in results):.1f} GB/s)")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"bench": "codec", "preset": args.preset, "config": cfg, "threads": threads(),
-                               "simd": native_features()["codec_simd"], "python": sys.version.split()[0],
-                               "torch": torch.__version__, "results": results}, indent=1))
     first = results[0]
     print(f"lr {first['lr']:g} K={first['k']}: format 2 encoded {first['formats']['2']['encoded_pct']:.3f}% of bf16 "
           f"({first['formats']['2']['ratio_to_bound']:.3f}x the bound; format 1 {first['formats']['1']['ratio_to_bound']:.3f}x); "
           f"bandwidth limits: encode/read {first['encode_vs_read_limit']:.2f}, apply/read {first['apply_vs_read_limit']:.2f}")
-    if args.plot:
-        plot(results, args.plot)
-        print(f"plot written to {args.plot}")
-    print(f"results written to {out}")
-    return 0
+    out = {"bench": "codec", "preset": args.preset, "config": cfg, "threads": threads(),
+           "simd": native_features()["codec_simd"], "python": sys.version.split()[0], "torch": torch.__version__,
+           "results": results}
+    return finish("codec", args, out, rows(results), lambda path: plot(results, path))
 
 
 if __name__ == "__main__":

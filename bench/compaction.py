@@ -35,7 +35,8 @@ from pathlib import Path
 
 import torch
 
-from bench._plot import write_results
+from bench._report import Row, finish, output_flags
+from bench._timing import Stopwatch
 
 log = logging.getLogger("bench.compaction")
 
@@ -56,8 +57,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--success-at", type=float, default=0.9, help="the reward that counts as solved")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, metavar="PATH", help="write the figures here")
-    p.add_argument("--plot", default=None, metavar="PNG", help="also draw them (matplotlib)")
+    output_flags(p, "compaction")
     return p
 
 
@@ -190,7 +190,7 @@ def run(args) -> dict:
 
     if args.length <= args.window:
         raise ValueError(f"--length {args.length} fits the --window {args.window}: nothing to show")
-    t0 = time.perf_counter()
+    sw = Stopwatch()
     task = get_task("repeat", length=args.length)
     with tempfile.TemporaryDirectory(prefix="bench-compaction-") as tmp:
         root = Path(tmp)
@@ -215,16 +215,21 @@ def run(args) -> dict:
             "success_ratio": a["success"] / b["success"] if b["success"] else None,
             "reward_ratio": a["reward_mean"] / b["reward_mean"] if b["reward_mean"] else None,
             "prefix_consistent": samples, "rows": {"with": with_, "without": without},
-            "wall_s": time.perf_counter() - t0, "python": sys.version.split()[0], "torch": torch.__version__,
+            "wall_s": sw.elapsed, "python": sys.version.split()[0], "torch": torch.__version__,
             "machine": platform.machine()}
 
 
+def rows(out: dict) -> list[Row]:
+    """The shared columns: the mean reward with compaction against the run without it (no time: seconds '-')."""
+    c = out["config"]
+    return [Row("with compaction (reward)", None, out["reward_ratio"], "without compaction",
+                f"{c['requests']} req x {c['length']} tok, window {c['window']}")]
+
+
 def plot(out: dict, path: Path) -> None:
-    import matplotlib
+    from bench._plot import pyplot, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     keys = ["success", "complete", "reward_mean"]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     x = range(len(keys))
@@ -237,9 +242,7 @@ def plot(out: dict, path: Path) -> None:
     ax.set_title(f"repeat task of {c['length']} tokens, {c['window']}-token window; prefix-consistent samples "
                  f"{100 * (frac or 0):.0f}%", fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path, dpi=120)
 
 
 def main(argv=None) -> int:
@@ -261,8 +264,7 @@ def main(argv=None) -> int:
     print(f"reward ratio with/without: {ratio:.2f}x" if ratio else "reward ratio: without compaction scored 0")
     print(f"prefix-consistent samples: {s['consistent']} of {s['samples']} ({100 * (s['fraction'] or 0):.1f}%; goal "
           f"100%), summaries {100 * (s['summary_token_share'] or 0):.1f}% of trained tokens")
-    write_results(out, args.json, args.plot, plot)
-    return 0
+    return finish("compaction", args, out, rows(out), lambda path: plot(out, path))
 
 
 if __name__ == "__main__":

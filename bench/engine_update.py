@@ -28,7 +28,7 @@ the GPU. The physical limit there comes from copy rates measured in the same run
 reload moves every byte over PCIe, an apply moves the staged delta over PCIe and rewrites the touched lines
 in device memory. ``--device cuda`` without CUDA is an error (exit status 2), never a CPU run.
 
-Writes JSON (``--out``).
+Writes JSON (``--json``); ``--plot`` draws each pause against the full reloads.
 
     python -m bench.engine_update                  # ~110M parameters, lr 1e-6, 5 updates
     python -m bench.engine_update --preset tiny    # seconds; what the test runs
@@ -39,19 +39,17 @@ Writes JSON (``--out``).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
 import platform
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
+from bench._engine_load import LINE, Load, qwen2_config, tokens_during, touched_lines
+from bench._report import Row, finish, output_flags
 from bench._timing import Stopwatch, median
 from bench import _gpu_reload as gpu
 
@@ -65,128 +63,63 @@ PRESETS = {
                  warmup=1, updates=3, clients=2, prompt=8, max_tokens=6, window=1.0, interval=0.2,
                  reload_repeats=2),
 }
-LINE = 64  # bytes per cache line
-
-
-def qwen2_config(cfg: dict):
-    from transformers import Qwen2Config
-
-    return Qwen2Config(hidden_size=cfg["hidden"], num_hidden_layers=cfg["layers"],
-                       num_attention_heads=cfg["heads"], num_key_value_heads=cfg["kv_heads"],
-                       intermediate_size=cfg["intermediate"], vocab_size=cfg["vocab"],
-                       max_position_embeddings=max(128, cfg["seq"], cfg["prompt"] + cfg["max_tokens"] + 8),
-                       tie_word_embeddings=False)
-
-
-def client_request(cfg: dict, g: np.random.Generator, client: int, n: int):
-    """Client ``client``'s ``n``-th request of the load: a random prompt of ``cfg["prompt"]`` tokens below
-    ``cfg["vocab"]``, ``cfg["max_tokens"]`` sampled at temperature 1, top-p 0.95, seeded by ``n``."""
-    from syncd.engines.protocol import GenerationRequest, SamplingParams
-
-    prompt = tuple(int(x) for x in g.integers(0, cfg["vocab"], cfg["prompt"]))
-    return GenerationRequest(f"c{client}-{n}", prompt, SamplingParams(max_tokens=cfg["max_tokens"], temperature=1.0,
-                                                                      top_p=0.95, seed=n))
-
-
-class Load:
-    """``clients`` threads, each keeping one request running on the engine until stopped."""
-
-    def __init__(self, engine, cfg: dict, seed: int):
-        self.engine, self.cfg = engine, cfg
-        self.stop = threading.Event()
-        self.submitted = self.completed = 0
-        self.failures: list[str] = []
-        self._lock = threading.Lock()
-        self.threads = [threading.Thread(target=self._client, args=(i, seed), daemon=True)
-                        for i in range(cfg["clients"])]
-
-    def start(self):
-        for t in self.threads:
-            t.start()
-
-    def _client(self, i: int, seed: int):
-        g = np.random.default_rng(seed + i)
-        n = 0
-        while not self.stop.is_set():
-            req = client_request(self.cfg, g, i, n)
-            n += 1
-            with self._lock:
-                self.submitted += 1
-            try:
-                events = self.engine.generate_sync(req, timeout=600)
-            except Exception as exc:  # noqa: BLE001 - counted as a lost request
-                with self._lock:
-                    self.failures.append(f"{req.request_id}: {exc}")
-                continue
-            ok = (events and events[-1].finish_reason in ("length", "stop")
-                  and [e.index for e in events] == list(range(len(events))))
-            with self._lock:
-                if ok:
-                    self.completed += 1
-                else:
-                    self.failures.append(f"{req.request_id}: ended {events[-1].finish_reason if events else None}")
-
-    def finish(self, timeout: float = 600):
-        self.stop.set()
-        for t in self.threads:
-            t.join(timeout)
-
-
-def tokens_during(engine, seconds: float, stop: threading.Event | None = None) -> tuple[int, float]:
-    sw, n0 = Stopwatch(), engine.stats.tokens
-    (stop or threading.Event()).wait(seconds)
-    return engine.stats.tokens - n0, sw.elapsed
-
-
-def touched_lines(updater, staged) -> int:
-    """Cache lines (of the engine's storage) holding at least one changed word of ``staged``."""
-    lines = 0
-    for p in staged.params:
-        t = updater.tensors()[p.name]
-        base = t.data_ptr()
-        stride = t.view(-1).stride(0) * t.element_size()
-        addr = base + p.index.numpy().astype(np.int64) * stride  # int32 positions on GPUs
-        lines += int(np.unique(addr // LINE).size)
-    return lines
-
-
-
-def run(cfg: dict, lr: float, seed: int, workdir: Path, verify_apply: bool = True, device: str = "cpu",
-        delta_format: int = 1) -> dict:
-    """The measurements described in the module docstring, on ``device`` ("cpu" or "cuda", already resolved
-    by ``_gpu_reload.resolve_device``); returns the ``result`` dict of the JSON. Raises RuntimeError if the
-    engine's checksums differ from a manifest's after an apply."""
-    from transformers import AutoModelForCausalLM
-
+def publish_versions(cfg: dict, lr: float, seed: int, store, delta_format: int) -> list[dict]:
+    """Step 1: the trainer side. ``cfg["updates"]`` AdamW steps (``bench.codec.snapshots``) published to ``store``
+    as run "bench" (version 0 full, one delta per step); returns the bf16 snapshots (trainer names)."""
     from bench.codec import snapshots
-    from syncd.engine.reference import ReferenceEngine
-    from syncd.engines.update import Update
-    from syncd.lazy import quiet_optional_imports
-    from syncd.ops import delta
-    from syncd.store import Store
-    from syncd.versions import fetch_shards, read_manifest
     from syncd.trainer import WeightPublisher
-
-    quiet_optional_imports()
 
     sw = Stopwatch()
     snaps = snapshots(cfg, lr, cfg["updates"], seed)
     nparams = sum(t.numel() for t in snaps[0].values())
-    weight_bytes = sum(t.numel() * t.element_size() for t in snaps[0].values())
     print(f"{nparams / 1e6:.1f}M parameters, {cfg['warmup'] + cfg['updates']} AdamW steps (lr {lr:g}) in "
           f"{sw.lap():.1f}s")
-    store = Store(workdir / "store")
-    sw.lap()
     with WeightPublisher(store, "bench", signing_key=False, full_every=10**6, delta_format=delta_format) as pub:
         for step, snap in enumerate(snaps):
             pub.publish(snap, step)
     print(f"published 1 full + {cfg['updates']} delta versions in {sw.lap():.1f}s")
+    return snaps
 
-    config = qwen2_config(cfg)
-    engine = ReferenceEngine.from_store(store, "bench", 0, config=config, signing_key=False,
-                                        max_batch=cfg["clients"], verify_apply=verify_apply, device=device)
-    sync = gpu.synchronizer(device)  # no-op on the CPU; on CUDA, no clock stops before the device is done
-    cuda = device == "cuda"
+
+def _read_update(store, version: int):
+    from syncd.engines.update import Update
+    from syncd.versions import fetch_shards, read_manifest
+
+    m = read_manifest(store, "bench", version, signing_key=False)
+    return m, Update.from_shards(m, fetch_shards(store, "bench", m))
+
+
+def update_while_serving(engine, store, version: int, sync, cuda: bool) -> dict:
+    """Step 2, one version: stage it while serving, pause, apply, resume, verify the checksums after resuming
+    (RuntimeError if they differ from the manifest's); the seconds of each part and the staged delta's size."""
+    m, update = _read_update(store, version)
+    sw = Stopwatch()
+    engine.stage(update)
+    stage_s = sw.lap()
+    engine.pause()
+    sync()  # the last step's device work belongs to the pause wait, not to the stall
+    pause_wait_s = sw.lap()
+    engine.apply()
+    sync()  # the scatter is launched asynchronously: the stall ends when it has run
+    apply_s = sw.lap()
+    engine.resume()
+    stall_s = apply_s + sw.lap()
+    got = engine.checksum()
+    verify_s = sw.lap()
+    if got != {t.name: t.checksum for t in m.tensors}:
+        raise RuntimeError(f"version {version}: engine checksums differ from the manifest's after apply")
+    staged = engine.updater.last_applied
+    row = dict(version=version, stage_s=stage_s, pause_wait_s=pause_wait_s, apply_s=apply_s, stall_s=stall_s,
+               verify_s=verify_s, changed=staged.changed, staged_bytes=staged.nbytes,
+               lines=touched_lines(engine.updater, staged))
+    if cuda:  # what apply copies host -> device: positions and new words (old ones by fingerprint)
+        row["h2d_bytes"] = sum(p.index.nbytes + p.new.nbytes for p in staged.params)
+    return row
+
+
+def serve_and_update(engine, store, cfg: dict, seed: int, sync, cuda: bool) -> dict:
+    """Step 2: client threads keep the engine busy; tokens/s over ``cfg["window"]`` without updates, then every
+    version applied while serving (:func:`update_while_serving`) and tokens/s meanwhile; the requests' counts."""
     load = Load(engine, cfg, seed)
     updates = []
     try:
@@ -197,103 +130,127 @@ def run(cfg: dict, lr: float, seed: int, workdir: Path, verify_apply: bool = Tru
         phase, n_phase = Stopwatch(), engine.stats.tokens
         for v in range(1, cfg["updates"] + 1):
             time.sleep(cfg["interval"])
-            m = read_manifest(store, "bench", v, signing_key=False)
-            shards = fetch_shards(store, "bench", m)
-            sw = Stopwatch()
-            engine.stage(Update.from_shards(m, shards))
-            stage_s = sw.lap()
-            engine.pause()
-            sync()  # the last step's device work belongs to the pause wait, not to the stall
-            pause_wait_s = sw.lap()
-            engine.apply()
-            sync()  # the scatter is launched asynchronously: the stall ends when it has run
-            apply_s = sw.lap()
-            engine.resume()
-            stall_s = apply_s + sw.lap()
-            got = engine.checksum()
-            verify_s = sw.lap()
-            want = {t.name: t.checksum for t in m.tensors}
-            if got != want:
-                raise RuntimeError(f"version {v}: engine checksums differ from the manifest's after apply")
-            staged = engine.updater.last_applied
-            updates.append(dict(version=v, stage_s=stage_s, pause_wait_s=pause_wait_s, apply_s=apply_s,
-                                stall_s=stall_s, verify_s=verify_s, changed=staged.changed,
-                                staged_bytes=staged.nbytes, lines=touched_lines(engine.updater, staged)))
-            if cuda:  # what apply copies host -> device: positions and new words (old ones by fingerprint)
-                updates[-1]["h2d_bytes"] = sum(p.index.nbytes + p.new.nbytes for p in staged.params)
+            updates.append(update_while_serving(engine, store, v, sync, cuda))
         tokens_upd, secs_upd = engine.stats.tokens - n_phase, phase.elapsed
     finally:
         load.finish()
-    lost = load.submitted - load.completed
+    return dict(updates=updates, tokens_per_s_baseline=tokens_base / secs_base,
+                tokens_per_s_with_updates=tokens_upd / secs_upd, requests_submitted=load.submitted,
+                requests_completed=load.completed, requests_lost=load.submitted - load.completed,
+                failures=load.failures[:10])
 
-    # the same in-place apply without serving load (like the reloads below): rollback, stage again, apply
+
+def quiet_rounds(engine, store, before_last: dict, cfg: dict, sync) -> dict:
+    """Step 3: the last version's in-place apply without serving load, like the reloads: rollback, a decode of its
+    change lists (``delta.changes``, the least any stage does; ``before_last``: the weights it applies to), stage,
+    apply; seconds of each, ``cfg["reload_repeats"]`` rounds. The engine is left paused with that version."""
+    from syncd.ops import delta
+
     engine.pause()
     sync()
-    quiet_apply, quiet_rollback, quiet_stage, decode_only = [], [], [], []
-    last = read_manifest(store, "bench", cfg["updates"], signing_key=False)
-    last_update = Update.from_shards(last, fetch_shards(store, "bench", last))
-    before_last = snaps[cfg["updates"] - 1]  # the weights the last delta applies to, in the trainer's names
+    times = {"rollback": [], "decode": [], "stage": [], "apply": []}
+    _, last_update = _read_update(store, cfg["updates"])
     for _ in range(cfg["reload_repeats"]):
         sw = Stopwatch()
         engine.rollback()
         sync()
-        quiet_rollback.append(sw.lap())
-        # the least any stage does: decode every blob's change list (delta.changes, with its base for format 2)
+        times["rollback"].append(sw.lap())
         for name, blob in last_update.tensors.items():
             delta.changes(blob, base=before_last[name])
-        decode_only.append(sw.lap())
+        times["decode"].append(sw.lap())
         engine.stage(last_update)
         sync()
-        quiet_stage.append(sw.lap())
+        times["stage"].append(sw.lap())
         engine.apply()
         sync()
-        quiet_apply.append(sw.lap())
-    engine.resume()
+        times["apply"].append(sw.lap())
+    return times
 
-    # full-weight reloads of the same model, same run
-    if cuda:  # into the model on the GPU, in the dtype the engine serves in; from host and device memory
+
+def full_reloads(config, engine, snaps: list, cfg: dict, device: str) -> tuple[list[float], dict | None]:
+    """Step 4: the baseline, full-weight reloads of the same model in the same run. On the CPU
+    ``model.load_state_dict`` of each snapshot into an fp32 model; on CUDA into the model on the GPU in the engine's
+    dtype, from host and device memory (``_gpu_reload.reload_baselines``, also returned). Seconds per reload."""
+    from transformers import AutoModelForCausalLM
+
+    if device == "cuda":
         model = AutoModelForCausalLM.from_config(config, dtype=engine.runner.compute_dtype)
         model = model.to(device).eval().requires_grad_(False)
         gpu_reload = gpu.reload_baselines(model, snaps, cfg["reload_repeats"], device)
-        reload = gpu_reload["host_pageable_s"]
-    else:
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().requires_grad_(False)
-        reload = []
-        for i in range(cfg["reload_repeats"]):
-            sd = snaps[i % len(snaps)]
-            sw = Stopwatch()
-            model.load_state_dict(sd, strict=True)
-            reload.append(sw.elapsed)
-    del model
+        return list(gpu_reload["host_pageable_s"]), gpu_reload
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().requires_grad_(False)
+    reload = []
+    for i in range(cfg["reload_repeats"]):
+        sw = Stopwatch()
+        model.load_state_dict(snaps[i % len(snaps)], strict=True)
+        reload.append(sw.elapsed)
+    return reload, None
+
+
+def engine_load_full(engine, snaps: list, cfg: dict, sync) -> list[float]:
+    """Step 5: the engine's own full reload (``load_full``), paused; seconds per call."""
     from syncd.engines.update import Update
+
     engine.pause()
-    load_full = []
+    times = []
     for i in range(max(1, cfg["reload_repeats"] // 2)):
         upd = Update(100 + i, "full", snaps[(i + 1) % len(snaps)])
         sync()
         sw = Stopwatch()
         engine.load_full(upd)
         sync()
-        load_full.append(sw.elapsed)
-    engine.close()
+        times.append(sw.elapsed)
+    return times
 
+
+def run(cfg: dict, lr: float, seed: int, workdir: Path, verify_apply: bool = True, device: str = "cpu",
+        delta_format: int = 1) -> dict:
+    """The measurements described in the module docstring, on ``device`` ("cpu" or "cuda", already resolved
+    by ``_gpu_reload.resolve_device``), in the steps above; returns the ``result`` dict of the JSON. Raises
+    RuntimeError if the engine's checksums differ from a manifest's after an apply."""
+    from syncd.engine.reference import ReferenceEngine
+    from syncd.lazy import quiet_optional_imports
+    from syncd.store import Store
+
+    quiet_optional_imports()
+    store = Store(workdir / "store")
+    snaps = publish_versions(cfg, lr, seed, store, delta_format)
+    config = qwen2_config(cfg)
+    engine = ReferenceEngine.from_store(store, "bench", 0, config=config, signing_key=False,
+                                        max_batch=cfg["clients"], verify_apply=verify_apply, device=device)
+    sync = gpu.synchronizer(device)  # no-op on the CPU; on CUDA, no clock stops before the device is done
+    served = serve_and_update(engine, store, cfg, seed, sync, device == "cuda")
+    quiet = quiet_rounds(engine, store, snaps[cfg["updates"] - 1], cfg, sync)
+    engine.resume()
+    reload, gpu_reload = full_reloads(config, engine, snaps, cfg, device)
+    load_full = engine_load_full(engine, snaps, cfg, sync)
+    engine.close()
     storage_bytes = sum(t.numel() * t.element_size() for t in engine.runner.model.state_dict().values())
-    lines_total = storage_bytes // LINE
+    return summarize(snaps, storage_bytes, served, quiet, reload, load_full, gpu_reload, lr=lr, device=device,
+                     delta_format=delta_format)
+
+
+def summarize(snaps: list, storage_bytes: int, served: dict, quiet: dict, reload: list, load_full: list,
+              gpu_reload: dict | None, *, lr: float, device: str, delta_format: int) -> dict:
+    """Step 6: the ``result`` dict from the steps' measurements, with the memory-traffic limit of the ratio: a full
+    reload reads the bf16 source and writes every line of the storage, each write first reading its line
+    (write-allocate: converting stores are not streaming); an in-place apply must at least read and write back
+    each touched line. On CUDA the limit comes from copy rates measured now (``_gpu_reload.figures``)."""
+    updates = served["updates"]
+    nparams = sum(t.numel() for t in snaps[0].values())
+    weight_bytes = sum(t.numel() * t.element_size() for t in snaps[0].values())
     med_lines = median([u["lines"] for u in updates])
-    # memory traffic: a full reload reads the bf16 source and writes every line of the storage, each write
-    # first reading its line (write-allocate: converting stores are not streaming); an in-place apply must at
-    # least read and write back each touched line
     limit_ratio = (weight_bytes + 2 * storage_bytes) / (2 * med_lines * LINE) if med_lines else float("inf")
     stall = [u["stall_s"] for u in updates]
     extra = dict(device=device, gpu_name=gpu.gpu_name(device), physical_limit_basis="cpu cache lines")
-    if cuda:
+    if gpu_reload is not None:
         extra.update(gpu.figures(gpu_reload, storage_bytes, weight_bytes, med_lines * LINE, updates, median(stall),
-                                 median(quiet_apply), device))
+                                 median(quiet["apply"]), device))
         limit_ratio = extra.pop("physical_limit_ratio")
     return dict(
         params=nparams, weight_bytes=weight_bytes, storage_bytes=storage_bytes, lr=lr,
         density=median([u["changed"] / nparams for u in updates]),
-        lines_touched_fraction=med_lines / lines_total,
+        lines_touched_fraction=med_lines / (storage_bytes // LINE),
         updates=updates, stall_median_s=median(stall), stall_max_s=max(stall),
         apply_median_s=median([u["apply_s"] for u in updates]),
         pause_wait_median_s=median([u["pause_wait_s"] for u in updates]),
@@ -301,18 +258,18 @@ def run(cfg: dict, lr: float, seed: int, workdir: Path, verify_apply: bool = Tru
         verify_median_s=median([u["verify_s"] for u in updates]),
         reload_load_state_dict_median_s=median(reload), engine_load_full_median_s=median(load_full),
         ratio_reload_to_stall=median(reload) / median(stall), physical_limit_ratio=limit_ratio,
-        quiet_apply_median_s=median(quiet_apply), quiet_rollback_median_s=median(quiet_rollback),
-        quiet_stage_median_s=median(quiet_stage), decode_changes_median_s=median(decode_only),
-        ratio_stage_to_decode=median(quiet_stage) / median(decode_only), delta_format=delta_format,
-        reload_s=list(reload), load_full_s=list(load_full), quiet_apply_s=list(quiet_apply),
-        ratio_reload_to_quiet_apply=median(reload) / median(quiet_apply),
-        tokens_per_s_baseline=tokens_base / secs_base, tokens_per_s_with_updates=tokens_upd / secs_upd,
-        requests_submitted=load.submitted, requests_completed=load.completed, requests_lost=lost,
-        failures=load.failures[:10], **extra,
+        quiet_apply_median_s=median(quiet["apply"]), quiet_rollback_median_s=median(quiet["rollback"]),
+        quiet_stage_median_s=median(quiet["stage"]), decode_changes_median_s=median(quiet["decode"]),
+        ratio_stage_to_decode=median(quiet["stage"]) / median(quiet["decode"]), delta_format=delta_format,
+        reload_s=list(reload), load_full_s=list(load_full), quiet_apply_s=list(quiet["apply"]),
+        ratio_reload_to_quiet_apply=median(reload) / median(quiet["apply"]),
+        **{k: served[k] for k in ("tokens_per_s_baseline", "tokens_per_s_with_updates", "requests_submitted",
+                                  "requests_completed", "requests_lost", "failures")},
+        **extra,
     )
 
 
-def parse_args(argv):
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.engine_update", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="default")
     p.add_argument("--engine", choices=("reference", "vllm"), default="reference",
@@ -332,14 +289,39 @@ def parse_args(argv):
                         "available)")
     p.add_argument("--no-verify-apply", action="store_true",
                    help="apply without comparing the staged old words (the checksum after resume still verifies)")
-    p.add_argument("--out", default=os.environ.get("SYNCD_BENCH_OUT", "bench/results/engine_update.json"))
-    p.add_argument("--plot", metavar="PNG", help="also draw each pause against the full reloads (matplotlib)")
+    output_flags(p, "engine_update")
+    return p
+
+
+def parse_args(argv):
+    """The parsed command line, ``--device`` resolved (``_gpu_reload.resolve_device``; SystemExit 2 for cuda
+    without CUDA)."""
+    p = parser()
     args = p.parse_args(argv)
     try:
         args.device = gpu.resolve_device(args.device)
     except ValueError as exc:
         p.error(str(exc))  # exits with status 2 and the message on stderr
     return args
+
+
+def rows(r: dict, engine: str = "reference") -> list[Row]:
+    """The shared columns: the pause per update while serving and the apply alone, against the full reload of the
+    same weights, and staging against a decode of the change lists. The reference engine's checksums are compared
+    with the manifest's after every apply (a difference raises): refcheck ok."""
+    sizes = f"{r['params'] / 1e6:.1f}M params {100 * r['density']:.2f}%"
+    dev = r["device"]
+    if engine == "vllm":
+        return [Row("vllm in place: pause", r["pause_median_s"], r["ratio_reload_to_pause"],
+                    "vLLM reload_weights (pause)", sizes, dev, True),
+                Row("vllm in place: stall", r["stall_median_s"], r["ratio_reload_stall_to_stall"],
+                    "vLLM reload_weights (stall)", sizes, dev, True)]
+    return [Row("reference: pause while serving", r["stall_median_s"], r["ratio_reload_to_stall"],
+                "full reload (load_state_dict)", sizes, dev, True),
+            Row("reference: apply, no load", r["quiet_apply_median_s"], r["ratio_reload_to_quiet_apply"],
+                "full reload (load_state_dict)", sizes, dev, True),
+            Row(f"reference: stage, format {r['delta_format']}", r["quiet_stage_median_s"],
+                1 / r["ratio_stage_to_decode"], "decode of the change lists", sizes, dev)]
 
 
 def print_gpu_reloads(r: dict, ms) -> None:
@@ -386,12 +368,21 @@ def main(argv=None) -> int:
         r = run(cfg, args.lr, args.seed, Path(tmp), verify_apply=not args.no_verify_apply, device=args.device,
                 delta_format=args.delta_format)
     r["verify_apply"] = not args.no_verify_apply
+    report(r)
+    out = {"bench": "engine_update", "preset": args.preset, "config": cfg, "python": sys.version.split()[0],
+           "torch": torch.__version__, "device": args.device, "gpu": r["gpu_name"], "result": r}
+    rc = finish("engine_update", args, out, rows(r), lambda path: plot(r, path, args.preset))
+    return rc or (0 if r["requests_lost"] == 0 else 1)
+
+
+def report(r: dict) -> None:
+    """Print ``run``'s result ``r`` (a reference-engine run) as text."""
     ms = lambda s: f"{1e3 * s:8.2f} ms"  # noqa: E731
     print(f"\ndensity {100 * r['density']:.3f}% of {r['params'] / 1e6:.1f}M words per update; "
           f"{100 * r['lines_touched_fraction']:.1f}% of the engine's cache lines hold a changed word")
     print(f"stall per update (pause returned -> resume returned): median {ms(r['stall_median_s'])}, "
           f"max {ms(r['stall_max_s'])}  (apply {ms(r['apply_median_s'])})")
-    if args.device == "cuda":
+    if r["device"] == "cuda":
         print_gpu_reloads(r, ms)
     else:
         print(f"full reload, model.load_state_dict:                    median {ms(r['reload_load_state_dict_median_s'])}"
@@ -409,16 +400,6 @@ def main(argv=None) -> int:
           f"updating (ratio {r['tokens_per_s_with_updates'] / r['tokens_per_s_baseline']:.2f})")
     print(f"requests: {r['requests_submitted']} submitted, {r['requests_completed']} completed, "
           f"{r['requests_lost']} lost")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"bench": "engine_update", "preset": args.preset, "config": cfg,
-                               "python": sys.version.split()[0], "torch": torch.__version__,
-                               "device": args.device, "gpu": r["gpu_name"], "result": r},
-                              indent=1))
-    print(f"results written to {out}")
-    if args.plot:
-        print(f"plot written to {plot(r, args.plot, args.preset)}")
-    return 0 if r["requests_lost"] == 0 else 1
 
 
 def plot(r: dict, path, preset: str):

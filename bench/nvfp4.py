@@ -14,7 +14,8 @@ against the reference. GPU backends are timed by ``bench/gpu_nvfp4.py`` (in ``be
 Delta sizes: real AdamW steps of a Qwen2-style model on a policy-gradient loss (``bench.codec``), the linear
 weights exported to NVFP4 (``syncd.ops.nvfp4.quantize_state_dict``) K steps apart and encoded with
 ``syncd.ops.delta``: bytes as % of the packed NVFP4 bytes (codes + scales + per-tensor scales), with the
-fraction of changed codes and scales, and the bf16 delta of the same weights for comparison. Writes JSON.
+fraction of changed codes and scales, and the bf16 delta of the same weights for comparison. Writes JSON
+(``--json``); the bit-for-bit check of every backend is the shared refcheck column (exit status 1 when it fails).
 
     python -m bench.nvfp4                  # 32 Mi-element matrix; ~110M-parameter model, lr 1e-6/1e-5, K=1,4
     python -m bench.nvfp4 --preset tiny    # seconds; what the test runs
@@ -23,16 +24,15 @@ fraction of changed codes and scales, and the bf16 delta of the same weights for
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import platform
 import sys
 import warnings
-from pathlib import Path
 
 import numpy as np
 import torch
 
+from bench._report import Row, finish, output_flags
 from bench._timing import Stopwatch
 from bench import _timing
 from syncd.ops import delta, native_features, nvfp4, threads
@@ -174,7 +174,7 @@ def delta_sizes(cfg: dict, lrs: list[float], ks: list[int], seed: int) -> list[d
     return rows
 
 
-def parse_args(argv):
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.nvfp4", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="default")
     p.add_argument("--rows", type=int, help="rows of the timed bf16 matrix")
@@ -183,12 +183,29 @@ def parse_args(argv):
     p.add_argument("--lrs", help="comma-separated learning rates for the delta sizes")
     p.add_argument("--ks", help="comma-separated step distances for the delta sizes")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="bench/results/nvfp4.json")
-    return p.parse_args(argv)
+    output_flags(p, "nvfp4")
+    return p
+
+
+def rows(tp: dict) -> list[Row]:
+    """The shared columns: every backend's quantize and dequantize against the NumPy read pass of the same bf16
+    bytes, refcheck: bit for bit against the reference backend; torchao's CPU quantizer where installed."""
+    nbytes = tp["bytes_bf16"]
+    sizes = f"{tp['shape'][0]}x{tp['shape'][1]} bf16"
+    out = []
+    for name, r in tp["backends"].items():
+        for op in ("quantize", "quantize_pts", "dequantize", "dequantize_out"):
+            out.append(Row(f"{name} {op}", nbytes / (r[f"{op}_gbps"] * 1e9), r[f"{op}_vs_read"], "NumPy read pass",
+                           sizes, refcheck=r["bit_exact"]))
+    for op in ("quantize_pts", "dequantize") if "torchao" in tp else ():
+        ao = tp["torchao"]
+        out.append(Row(f"torchao {op}", nbytes / (ao[f"{op}_gbps"] * 1e9), ao[f"{op}_vs_read"], "NumPy read pass",
+                       sizes))
+    return out
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cfg = dict(PRESETS[args.preset])
     for key in ("rows", "cols", "repeats", "lrs", "ks"):
@@ -218,26 +235,23 @@ def main(argv=None) -> int:
     model = dict(MODEL_PRESETS[cfg["model"]])
     lrs = [float(v) for v in str(cfg["lrs"]).split(",")]
     ks = sorted(int(v) for v in str(cfg["ks"]).split(","))
-    rows = delta_sizes(model, lrs, ks, args.seed)
-    r0 = rows[0]
+    deltas = delta_sizes(model, lrs, ks, args.seed)
+    r0 = deltas[0]
     print(f"\nNVFP4 updates from real AdamW steps ({r0['tensors']} linear weights, {r0['params'] / 1e6:.1f}M "
           f"parameters, {r0['packed_bytes'] / 2**20:.1f} MiB packed): delta as % of the packed NVFP4 bytes")
     print(f"{'lr':>7} {'K':>2} {'delta%':>8} {'codes chg%':>10} {'scales chg%':>11} {'pts chg':>7} | "
           f"{'bf16 delta%':>11} {'bf16 chg%':>9}")
-    for r in rows:
+    for r in deltas:
         print(f"{r['lr']:7.0e} {r['k']:2d} {r['delta_pct_of_packed']:7.3f}% {r['codes_changed_pct']:9.3f}% "
               f"{r['scales_changed_pct']:10.3f}% {r['per_tensor_scales_changed']:4d}/{r['tensors']:<3d}| "
               f"{r['bf16_delta_pct']:10.3f}% {r['bf16_changed_pct']:8.3f}%")
     cpu = tp["backends"]["cpu"]
     print(f"\nnative CPU quantize: {cpu['quantize_vs_read']:.2f}x the read pass (target >= 0.25), "
           f"{cpu['quantize_pts_vs_read']:.2f}x with the per-tensor scale given")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"bench": "nvfp4", "preset": args.preset, "config": cfg, "threads": threads(),
-                               "native_simd": native_features()["nvfp4_simd"], "python": sys.version.split()[0],
-                               "torch": torch.__version__, "throughput": tp, "deltas": rows}, indent=1))
-    print(f"results written to {out}")
-    return 0 if all(r["bit_exact"] for r in tp["backends"].values()) else 2
+    out = {"bench": "nvfp4", "preset": args.preset, "config": cfg, "threads": threads(),
+           "native_simd": native_features()["nvfp4_simd"], "python": sys.version.split()[0],
+           "torch": torch.__version__, "throughput": tp, "deltas": deltas}
+    return finish("nvfp4", args, out, rows(tp))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ GPU copies and checksums its base and result at HBM rate) and ``pause``
 write of a 32-byte sector each). An engine on CPUs would stage with the apply and checksum rates against
 its weights in host memory instead (in the JSON, ``stage_cpu_engine_s``). Sequential is the sum;
 pipelined assumes shards flow through the stages concurrently (the longest stage plus one shard's time
-through each of the others). Writes JSON; ``--plot`` draws a PNG.
+through each of the others). Writes JSON (``--json``); ``--plot`` draws a PNG.
 
     python -m bench.projection                         # the notes' densities, 1T parameters, 10 Gb/s long link
     python -m bench.projection --sample-mib 4 --densities 0.01 --hop-overhead-s 0.006   # seconds
@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from bench._report import Row, finish, output_flags
 from bench._timing import Stopwatch, median_time
 from syncd.ops import checksum_many, delta, nvfp4
 
@@ -152,7 +153,7 @@ def hop_overhead(repeats: int) -> dict:
         out = Path(tmp) / "broadcast.json"
         with contextlib.redirect_stdout(io.StringIO()):  # its own table: the JSON below keeps what we use
             broadcast.main(["--nodes", "2,4", "--size-mib", "1", "--repeats", str(max(1, repeats)), "--mode",
-                            "unshaped", "--out", str(out)])
+                            "unshaped", "--json", str(out)])
         res = json.loads(out.read_text())["modes"]["unshaped"]
     comp = {r["nodes"]: r["completion_s"] for r in res["rows"]}
     return {"completion_s": comp, "shard_bytes": res["S_bytes"], "per_hop_s": max(0.0, comp[4] - comp[2])}
@@ -251,7 +252,7 @@ ASSUMPTIONS = (  # flag, default, meaning
 )
 
 
-def parse_args(argv):
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.projection", description=__doc__.split("\n\n")[0])
     for flag, default, meaning in ASSUMPTIONS:
         p.add_argument(f"--{flag}", type=type(default), default=default, help=f"assumption: {meaning}")
@@ -261,17 +262,22 @@ def parse_args(argv):
     p.add_argument("--hop-overhead-s", type=float, help="skip the broadcast measurement and assume this per hop")
     p.add_argument("--goal-s", type=float, default=60.0)
     p.add_argument("--pause-goal-s", type=float, default=1.0)
-    p.add_argument("--out", default=os.environ.get("SYNCD_BENCH_OUT", "bench/results/projection.json"))
-    p.add_argument("--plot", metavar="PNG", help="draw the stages per density (bf16 and NVFP4, format 2)")
-    return p.parse_args(argv)
+    output_flags(p, "projection")
+    return p
 
 
-def plot(projections: list[dict], a, path: str) -> None:
-    import matplotlib
+def rows(projections: list[dict], params: float) -> list[Row]:
+    """The shared columns: per kind, format and density, the projected seconds from publish() to every engine
+    serving, pipelined, against the same stages one after another (projected from rates measured here)."""
+    return [Row(f"{q['kind']} format {q['format']} (projected)", q["pipelined_s"], q["sequential_s"] / q["pipelined_s"],
+                "stages one after another", f"{params:.0e} params {100 * q['density']:.3g}%", "-")
+            for q in projections]
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
+def plot(projections: list[dict], a, path) -> None:
+    from bench._plot import pyplot, save
+
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, kind in zip(axes, ("bf16", "nvfp4")):
         ps = [q for q in projections if q["kind"] == kind and q["format"] == 2]
@@ -287,19 +293,17 @@ def plot(projections: list[dict], a, path: str) -> None:
         ax.set(title=f"{a.params:.0e} parameters, {kind}, format 2", xlabel="changed bf16 words",
                ylabel="seconds from publish() to serving")
     axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path, dpi=120)
 
 
 def main(argv=None) -> int:
-    a = parse_args(argv)
+    a = parser().parse_args(argv)
     if not 0.0 <= a.sliced_fraction <= 1.0:
         print(f"bench.projection: --sliced-fraction must be in [0, 1], got {a.sliced_fraction}", file=sys.stderr)
         return 2
     densities = [float(x) for x in a.densities.split(",")]
     t0 = Stopwatch()
-    rows = measure_codecs(densities, a.sample_mib, a.repeats)
+    measured = measure_codecs(densities, a.sample_mib, a.repeats)
     ck_bps = checksum_rate(a.sample_mib, a.repeats)
     hop = {"per_hop_s": a.hop_overhead_s, "assumed": True} if a.hop_overhead_s is not None else hop_overhead(a.repeats)
     assumptions = {flag: getattr(a, flag.replace("-", "_")) for flag, _, _ in ASSUMPTIONS}
@@ -307,12 +311,12 @@ def main(argv=None) -> int:
           f"{ck_bps / 1e9:.2f} GB/s; broadcast hop {1e3 * hop['per_hop_s']:.1f} ms"
           f"{' (assumed)' if hop.get('assumed') else ' (bench.broadcast, loopback, N=2 vs 4)'}")
     print("assumptions: " + ", ".join(f"{k} {v:g}" for k, v in assumptions.items()))
-    projections = [project(r, kind, v, a, ck_bps, hop["per_hop_s"]) for r in rows for kind in ("bf16", "nvfp4")
+    projections = [project(r, kind, v, a, ck_bps, hop["per_hop_s"]) for r in measured for kind in ("bf16", "nvfp4")
                    for v in ("1", "2")]
     stages = list(projections[0]["stages_s"])
     print(f"\n{'kind':>5} {'fmt':>3} {'density':>7} {'delta':>9} {'enc GB/s/core':>13} " +
           " ".join(f"{s:>9}" for s in stages) + f" {'sequential':>10} {'pipelined':>9}  dominant")
-    for r, q in zip([r for r in rows for _ in range(4)], projections):
+    for r, q in zip([r for r in measured for _ in range(4)], projections):
         m = rates_of(r[q["kind"]], str(q["format"]), a.sliced_fraction)
         print(f"{q['kind']:>5} {q['format']:>3} {100 * q['density']:6.2f}% {q['delta_bytes'] / 1e9:7.2f}GB "
               f"{r[q['kind']]['weight_bytes'] / m['encode_s'] / 1e9:13.2f} " +
@@ -327,16 +331,10 @@ def main(argv=None) -> int:
           f"pause {goal['pause_s']:.3f}s per engine (goal {a.pause_goal_s:g}s): {'met' if ok else 'NOT met'}; "
           f"dominant stage: {goal['dominant']} ({goal['stages_s'][goal['dominant']]:.1f}s); format 1: "
           f"{v1['pipelined_s']:.1f}s ({v1['dominant']} {v1['stages_s'][v1['dominant']]:.1f}s)")
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"bench": "projection", "assumptions": assumptions, "checksum_bytes_per_s": ck_bps,
-                               "broadcast": hop, "measured": rows, "projections": projections,
-                               "goal": {"case": goal, "met": ok}}, indent=1))
-    if a.plot:
-        plot(projections, a, a.plot)
-        print(f"plot written to {a.plot}")
-    print(f"results written to {out}")
-    return 0
+    out = {"bench": "projection", "assumptions": assumptions, "checksum_bytes_per_s": ck_bps, "broadcast": hop,
+           "measured": measured, "projections": projections, "goal": {"case": goal, "met": ok}}
+    return finish("projection", args=a, out=out, rows=rows(projections, a.params),
+                  draw=lambda path: plot(projections, a, path))
 
 
 if __name__ == "__main__":

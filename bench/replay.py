@@ -34,7 +34,6 @@ costs, and what the records cost on the wire. Everything is measured in one run,
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -44,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from bench._report import Row, finish, output_flags
 from bench._timing import Stopwatch, time_and_peak
 from bench.replay_bytes import kept_sizes_public, print_bytes, random_sets, recorded_bytes, route_bytes
 from bench.replay_kept import public_kept
@@ -94,10 +94,72 @@ def _row(name, trainer_lp, engine_lp, disagreement) -> dict:
             "max_abs_dlogp": s.max_abs_log_ratio, "kl_k3": s.kl_k3, "kl_k1": s.kl_k1, "routing_disagreement": disagreement}
 
 
+def _recomputed(model, seq, used: list, **kw):
+    """``sampler_logprobs(model, seq, **kw)``; appends to ``used`` the share of the routes its forward used that
+    differ from the engine's (None for a dense model)."""
+    from syncd.trainer.rl.logprobs import sampler_logprobs
+
+    box = {}
+    used.append(_used_route_disagreement(model, seq, lambda: box.update(r=sampler_logprobs(model, seq, **kw))))
+    return box["r"]
+
+
+def _variants(name: str, arch: str) -> tuple[dict, dict]:
+    """The table's replay rows (name -> ``sampler_logprobs`` keywords) and the bf16-trainer context rows (MoE only:
+    other numerics than the fp32 engine, where routing replay matters)."""
+    variants = {"no replay": dict(kept=False, routing=False), "kept-set replay": dict(kept=True, routing=False),
+                "kept-set + routing replay": dict(kept=True, routing=True)}
+    if name == "nvfp4":
+        variants = {"no replay (NVFP4 QAT trainer)": variants["no replay"],
+                    "full replay (NVFP4 QAT trainer)": variants["kept-set + routing replay"]}
+    bf16 = {}
+    if arch != "qwen2":
+        bf16 = {"bf16 trainer, kept-set replay": dict(routing=False), "bf16 trainer, kept-set + routing replay": {}}
+    return variants, bf16
+
+
+def recompute(run, rs, resolved, model, variants: dict, bf16: dict) -> dict:
+    """Every sequence's log-probs recomputed per row: the replay ``variants`` on the sets as recorded (rebuilt from
+    each recomputation's logits), the context rows on the resolved sets (bf16 or newer logits cannot rebuild every
+    set); the engine's log-probs, the routes each row used, and the rebuild counts."""
+    from syncd.trainer.rl.logprobs import sampler_logprobs
+
+    newest = max(run.weights)
+    model16 = run.trainer_model().to(torch.bfloat16) if bf16 else None
+    rebuild = {"pending": sum(len(q.kept_pending) for q in rs.sequences if q.kept_pending is not None),
+               "rebuilt": 0, "mismatches": 0, "newest_own_verified": 0, "newest_own_refused": 0}
+    lps = {k: [] for k in variants}
+    extra = {k: [] for k in ("newest weights, no replay", "newest weights, full replay", "engine shapes (stepwise)",
+                             *bf16)}
+    used = {k: [] for k in [*variants, *extra]}
+    engine = []
+    for recorded, seq in zip(rs.sequences, resolved):
+        engine.append(seq.logprobs[seq.positions])
+        for k, kw in variants.items():
+            r = _recomputed(model, recorded, used[k], weights_of=run.weights_of, **kw)
+            lps[k].append(r.logprobs)
+            if r.kept is not None and k == list(variants)[-1]:
+                rebuild["rebuilt"] += r.kept.rebuilt
+                rebuild["mismatches"] += r.kept.mismatches
+        extra["engine shapes (stepwise)"].append(sampler_logprobs(model, seq, weights_of=run.weights_of,
+                                                                  stepwise=True).logprobs)
+        for k, kw in bf16.items():
+            extra[k].append(_recomputed(model16, seq, used[k], weights_of=run.weights_of, **kw).logprobs)
+        model.load_state_dict(run.weights_of(newest))
+        own = sampler_logprobs(model, recorded, on_mismatch="drop").kept  # a trainer a version ahead rebuilding
+        rebuild["newest_own_verified"] += own.rebuilt
+        rebuild["newest_own_refused"] += own.mismatches
+        for k, kw in (("newest weights, no replay", dict(kept=False, routing=False)), ("newest weights, full replay", {})):
+            extra[k].append(_recomputed(model, seq, used[k], **kw).logprobs)
+    return {"lps": lps, "extra": extra, "used": used, "engine": torch.cat(engine), "rebuild": rebuild}
+
+
 def mismatch(name: str, cfg: dict, workdir: Path) -> dict:
+    """The mismatch table of one model (``MODELS[name]``) on rollouts generated in ``workdir``; RuntimeError when a
+    recorded kept set does not rebuild from the sampled versions' logits."""
     from bench.rollouts import RolloutConfig, generate
     from syncd.trainer.rl.correction import mismatch_by_source
-    from syncd.trainer.rl.logprobs import resolve_kept, sampler_logprobs
+    from syncd.trainer.rl.logprobs import resolve_kept
     from syncd.trainer.rl.rollouts import read_rollouts
 
     rc = RolloutConfig(**MODELS[name], **{k: cfg[k] for k in ("requests", "max_tokens", "concurrency", "updates",
@@ -106,56 +168,13 @@ def mismatch(name: str, cfg: dict, workdir: Path) -> dict:
     run = generate(workdir / name, (workdir / name / "store").resolve().as_uri(), rc)
     rs = read_rollouts(run.store_url, run.run_id)
     model = run.trainer_model()
-    newest = max(run.weights)
     t0 = Stopwatch()  # every set rebuilt once from the sampled versions, for the rows that need them listed
     resolved = resolve_kept(model, rs.sequences, weights_of=run.weights_of)
-    resolve_s = t0.elapsed
-    rebuild = {"pending": sum(len(q.kept_pending) for q in rs.sequences if q.kept_pending is not None),
-               "rebuilt": 0, "mismatches": 0, "newest_own_verified": 0, "newest_own_refused": 0}
-    variants = {"no replay": dict(kept=False, routing=False), "kept-set replay": dict(kept=True, routing=False),
-                "kept-set + routing replay": dict(kept=True, routing=True)}
-    if name == "nvfp4":
-        variants = {"no replay (NVFP4 QAT trainer)": variants["no replay"],
-                    "full replay (NVFP4 QAT trainer)": variants["kept-set + routing replay"]}
-    lps = {k: [] for k in variants}
-    extra = {"newest weights, no replay": [], "newest weights, full replay": [], "engine shapes (stepwise)": []}
-    bf16 = {}
-    if rc.arch != "qwen2":  # a bf16 trainer (other numerics than the fp32 engine): where routing replay matters
-        bf16 = {"bf16 trainer, kept-set replay": dict(routing=False), "bf16 trainer, kept-set + routing replay": {}}
-        model16 = run.trainer_model().to(torch.bfloat16)
-        extra.update({k: [] for k in bf16})
-    used = {k: [] for k in [*variants, *extra]}
-    engine = []
-    t0 = Stopwatch()
-    for recorded, seq in zip(rs.sequences, resolved):
-        engine.append(seq.logprobs[seq.positions])
-        for k, kw in variants.items():  # on the sets as recorded: rebuilt from each recomputation's logits
-            box = {}
-            used[k].append(_used_route_disagreement(model, recorded, lambda: box.update(
-                r=sampler_logprobs(model, recorded, weights_of=run.weights_of, **kw))))
-            lps[k].append(box["r"].logprobs)
-            if box["r"].kept is not None and k == list(variants)[-1]:
-                rebuild["rebuilt"] += box["r"].kept.rebuilt
-                rebuild["mismatches"] += box["r"].kept.mismatches
-        # context rows: bf16 or newer logits cannot rebuild every set; they replay the resolved (rebuilt) ones
-        extra["engine shapes (stepwise)"].append(sampler_logprobs(model, seq, weights_of=run.weights_of,
-                                                                  stepwise=True).logprobs)
-        for k, kw in bf16.items():
-            box = {}
-            used[k].append(_used_route_disagreement(model16, seq, lambda: box.update(
-                r=sampler_logprobs(model16, seq, weights_of=run.weights_of, **kw))))
-            extra[k].append(box["r"].logprobs)
-        model.load_state_dict(run.weights_of(newest))
-        own = sampler_logprobs(model, recorded, on_mismatch="drop").kept  # a trainer a version ahead rebuilding
-        rebuild["newest_own_verified"] += own.rebuilt
-        rebuild["newest_own_refused"] += own.mismatches
-        for k, kw in (("newest weights, no replay", dict(kept=False, routing=False)), ("newest weights, full replay", {})):
-            box = {}
-            used[k].append(_used_route_disagreement(model, seq, lambda: box.update(
-                r=sampler_logprobs(model, seq, **kw))))
-            extra[k].append(box["r"].logprobs)
-    recompute_s = t0.elapsed
-    engine = torch.cat(engine)
+    resolve_s = t0.lap()
+    variants, bf16 = _variants(name, rc.arch)
+    rec = recompute(run, rs, resolved, model, variants, bf16)
+    recompute_s = t0.lap()
+    engine, rebuild, used = rec["engine"], rec["rebuild"], rec["used"]
     if rebuild["mismatches"] or rebuild["rebuilt"] != rebuild["pending"]:
         raise RuntimeError(f"{name}: {rebuild} (every recorded set must rebuild from the sampled versions' logits)")
 
@@ -163,14 +182,13 @@ def mismatch(name: str, cfg: dict, workdir: Path) -> dict:
         vals = [u for u in used[k] if u is not None]
         return statistics.fmean(vals) if vals else None
 
-    rows = [_row(k, torch.cat(v), engine, dis(k)) for k, v in lps.items()]
-    rows += [_row(k, torch.cat(v), engine, dis(k)) for k, v in extra.items()]
-    cat = {k: torch.cat(v) for k, v in lps.items()}
+    rows = [_row(k, torch.cat(v), engine, dis(k)) for part in ("lps", "extra") for k, v in rec[part].items()]
+    cat = {k: torch.cat(v) for k, v in rec["lps"].items()}
     keys = list(cat)
     versions = torch.cat([s.versions[s.positions] for s in rs.sequences])
     split = mismatch_by_source(engine, cat[keys[-1]], own_routing=cat.get("kept-set replay"), full_vocab=cat[keys[0]],
-                               current=torch.cat(extra["newest weights, no replay"]), versions=versions,
-                               current_version=newest)
+                               current=torch.cat(rec["extra"]["newest weights, no replay"]), versions=versions,
+                               current_version=max(run.weights))
     kept_sizes = torch.cat([s.kept_offsets[1:] - s.kept_offsets[:-1] for s in resolved]).double()
     return {"model": name, "arch": rc.arch, "nvfp4": rc.nvfp4, "tokens": int(engine.numel()),
             "trajectories": len(rs.rollouts), "versions": sorted(run.weights), "applied_at": run.applied_at,
@@ -308,9 +326,21 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--mem-budget-gib", type=float, default=None,
                    help="memory the op benchmark may use (default: 70%% of MemAvailable)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=os.environ.get("SYNCD_BENCH_OUT", "bench/results/replay.json"))
-    p.add_argument("--plot", default=None, help="also draw the results to this PNG (matplotlib)")
+    output_flags(p, "replay")
     return p
+
+
+def rows(results: dict) -> list[Row]:
+    """The shared columns: every kept_logprobs method (forward + backward) at every T against the naive masked
+    log-softmax ('-' where the naive one did not fit the memory budget)."""
+    out = []
+    for o in results["op"]:
+        for part, what in (("op", ""), ("with_lm_head", " + lm_head")):
+            for name, r in o.get(part, {}).items():
+                if name != "naive" and "s" in r:
+                    out.append(Row(f"kept_logprobs {name}{what}", r["s"], r.get("speedup"),
+                                   "naive masked log-softmax", f"T={o['rows']} V={o['vocab']}"))
+    return out
 
 
 def _available() -> int:
@@ -351,22 +381,13 @@ def main(argv=None) -> int:
     print_bytes(results, cfg["tolerance"])
     results.update(python=sys.version.split()[0], torch=torch.__version__, machine=platform.machine(),
                    cpus=os.cpu_count())
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1))
-    print(f"results written to {out}")
-    if args.plot:
-        plot(results, Path(args.plot))
-        print(f"plot written to {args.plot}")
-    return 0
+    return finish("replay", args, results, rows(results), lambda path: plot(results, path))
 
 
 def plot(results: dict, path: Path) -> None:
-    import matplotlib
+    from bench._plot import pyplot, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(19, 4.5))
     ax = axes[0]
     labels, values = [], []
@@ -399,9 +420,7 @@ def plot(results: dict, path: Path) -> None:
     ax.set_title(f"kept sets at V={pk['vocab']:,} (synthetic, public size distribution)")
     ax.tick_params(axis="x", labelsize=7, rotation=20)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 if __name__ == "__main__":

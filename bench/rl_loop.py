@@ -35,7 +35,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench._plot import pyplot, save, write_results
+from bench._plot import pyplot, save
+from bench._report import Row, finish, output_flags
 from bench._timing import Stopwatch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -154,9 +155,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=1, help="runs of every mode, interleaved; figures are medians")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per trainer run")
     p.add_argument("--workdir", default=None, help="keep the runs here (default: a temporary folder)")
-    p.add_argument("--json", default=None, metavar="PATH")
-    p.add_argument("--plot", default=None, metavar="PNG")
+    output_flags(p, "rl_loop")
     return p
+
+
+def rows(out: dict) -> list[Row]:
+    """The shared columns: every mode's loop wall time, the asynchronous ones against the synchronous loop (ratio:
+    trained tokens per second over the synchronous loop's)."""
+    c = out["config"]
+    sizes = f"{c['steps']} steps x {c['groups_per_step']}x{c['group_size']}"
+    return [Row(f"{name} loop", r["loop_wall_s"], r.get("over_sync_trained_tokens_per_s"),
+                "synchronous loop" if "over_sync_trained_tokens_per_s" in r else "", sizes)
+            for name, r in out["runs"].items()]
 
 
 def _fmt(x, spec=".1f"):
@@ -204,8 +214,7 @@ def main(argv=None) -> int:
         if "over_sync_trained_tokens_per_s" in r:
             print(f"{m} / sync trained tokens per second: {r['over_sync_trained_tokens_per_s']:.2f}x; "
                   f"final reward {m} - sync: {r['minus_sync_final_reward']:+.3f}")
-    write_results(out, args.json, args.plot, plot)
-    return 0
+    return finish("rl_loop", args, out, rows(out), lambda path: plot(out, path))
 
 
 def plot(out: dict, path: Path) -> None:

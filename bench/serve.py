@@ -35,6 +35,7 @@ import time
 import uuid
 from pathlib import Path
 
+from bench._report import Row, finish, output_flags
 from bench._timing import Stopwatch
 
 log = logging.getLogger("bench.serve")
@@ -227,9 +228,21 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--" + k.replace("_", "-"), type=int, default=None)
     p.add_argument("--discovery", choices=("etcd", "file"), default="etcd",
                    help="etcd: etcd + NATS started for the run (the production path); file: file discovery")
-    p.add_argument("--out", default=os.environ.get("SYNCD_BENCH_OUT", "bench/results/serve.json"))
     p.add_argument("--log-level", default="WARNING")
+    output_flags(p, "serve")
     return p
+
+
+def rows(results: dict, cfg: dict) -> list[Row]:
+    """The shared columns: every path's median request latency (ratio: its tokens/s over the direct client's), and
+    the extra seconds of a stream whose worker is killed (against the undisturbed stream)."""
+    d = results["direct"]["tokens_per_s"]
+    sizes = f"{cfg['requests']} req x {cfg['tokens']} tok, {cfg['concurrency']} at once"
+    table = [Row(f"{name} (latency p50)", results[name]["latency_median_s"], results[name]["tokens_per_s"] / d,
+                 "direct to the workers (tok/s)", sizes) for name in ("direct", "frontend", "proxy")]
+    m = results["migration"]
+    table.append(Row("migration (extra seconds)", m["extra_median_s"], None, "", f"{m['tokens']} tok stream"))
+    return table
 
 
 def main(argv=None) -> int:
@@ -288,14 +301,9 @@ def _main(argv=None) -> int:
     print(f"migration: a {m['tokens']}-token stream whose worker is SIGKILLed after {m['kill_after']} tokens takes "
           f"{1000 * m['extra_median_s']:.0f} ms longer than undisturbed ({1000 * m['undisturbed_median_s']:.0f} ms), "
           f"median of {len(m['pairs'])}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"bench": "serve", "preset": args.preset, "config": cfg, "discovery": args.discovery,
-                               "results": results,
-                               "python": sys.version.split()[0], "machine": platform.machine(),
-                               "cpus": os.cpu_count()}, indent=2))
-    print(f"results written to {out}")
-    return 0
+    out = {"bench": "serve", "preset": args.preset, "config": cfg, "discovery": args.discovery, "results": results,
+           "python": sys.version.split()[0], "machine": platform.machine(), "cpus": os.cpu_count()}
+    return finish("serve", args, out, rows(results, cfg))
 
 
 def _start_proxy(tmp: Path, upstream: str, store_url: str):

@@ -33,7 +33,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench._plot import pyplot, save, write_results
+from bench._plot import pyplot, save
+from bench._report import Row, finish, output_flags
 from bench.ft_goodput import bench_goodput
 from bench._timing import clock, median
 
@@ -243,9 +244,28 @@ def parser() -> argparse.ArgumentParser:
       help="the trainer's --checkpoint-busy in the goodput runs (wait, its default: every step checkpointed; "
            "skip: no stall)")
     a("--workdir", default=None, help="keep the files here (default: a temporary folder)")
-    a("--json", default=None, metavar="PATH")
-    a("--plot", default=None, metavar="PNG")
+    output_flags(p, "trainer_ft")
     return p
+
+
+def rows(out: dict) -> list[Row]:
+    """The shared columns: the asynchronous checkpoint's stall against a synchronous torch.save, the rebuild from a
+    peer against the object store (refcheck: the rebuilt state bit-exact), and goodput under failures (seconds per
+    step) against the failure-free run."""
+    table = []
+    if "stall" in out:
+        s = out["stall"]
+        table.append(Row("async checkpoint stall", s["async_stall_s"], s["sync_over_async_stall"],
+                         "torch.save + fsync", f"{s['params'] / 1e6:.1f}M params"))
+    if "rebuild" in out:
+        r = out["rebuild"]
+        table.append(Row("rebuild from a peer replica", r["peer_s"], r["store_over_peer"], "from the object store",
+                         f"{r['params'] / 1e6:.0f}M params + AdamW", refcheck=r["bit_exact"]))
+    if "goodput" in out:
+        g = out["goodput"]
+        table.append(Row(f"kill -9 every {g['fail_every']} steps", 1 / g["goodput_failing"], g["goodput_ratio"],
+                         "failure-free run", f"{g['steps']} steps"))
+    return table
 
 
 def main(argv=None) -> int:
@@ -272,8 +292,7 @@ def main(argv=None) -> int:
         if tmp is not None:
             tmp.cleanup()
     _report(out)
-    write_results(out, args.json, args.plot, plot)
-    return 0
+    return finish("trainer_ft", args, out, rows(out), lambda path: plot(out, path))
 
 
 def _report(out: dict) -> None:

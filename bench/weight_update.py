@@ -5,7 +5,7 @@ policy-gradient loss), publishes every K-th step with ``syncd.trainer.WeightPubl
 reads every version back the way a recovering node does (full version, then one delta at a time). In the
 same run and over the same weights it measures the baseline: uploading, downloading and loading each
 version as a full safetensors file. Prints, per version, bytes uploaded against the full safetensors bytes
-and the time of each stage; writes JSON under ``bench/results/``.
+and the time of each stage; writes JSON (``--json``).
 
     python -m bench.weight_update                       # ~100M parameters, 8 versions, local store
     python -m bench.weight_update --model tiny          # seconds; what the test runs
@@ -28,7 +28,6 @@ baseline runs the same with a full safetensors version every time (``full_every=
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import platform
@@ -42,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from bench._report import Row, finish, output_flags
 from bench._timing import Stopwatch
 
 log = logging.getLogger("bench.weight_update")
@@ -89,25 +89,18 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run(args) -> dict:
-    from safetensors.torch import load as st_load
-    from safetensors.torch import save as st_save
-
-    import syncd
-    from syncd.store import Store
-    from syncd.versions import apply_delta, fetch_shards, list_versions, load_full
+def train_and_publish(args, store, run_id: str) -> dict:
+    """Step 1: warm-up steps with no publisher (the steps' baseline), then ``args.versions * args.every_k`` steps,
+    each offered to ``WeightPublisher.publish``; the publisher drained. Returns the seconds of each step and publish
+    call, the publisher's history, the trainer's final bf16 weights and, for ``--e2e``, the weights published."""
     from syncd.publish.publisher import WeightPublisher
 
-    torch.set_flush_denormal(True)
-    store = Store(args.store or Path(tempfile.mkdtemp(prefix="syncd-bench-")))
-    run_id = args.run_id or f"bench-{uuid.uuid4().hex[:8]}"
     model = build_model(args.model, args.seed, args.device)
     n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(args.seed)
     log.info("model %s: %.1fM parameters on %s; store %s run %s", args.model, n_params / 1e6, args.device,
              store.url, run_id)
-
     alone_s = []  # training steps with no publisher: what the background work is compared against
     for _ in range(args.warmup):
         sw = Stopwatch()
@@ -129,14 +122,23 @@ def run(args) -> dict:
             snapshots.append({k: v.detach().to(torch.bfloat16).cpu().clone() for k, v in model.state_dict().items()})
     sw = Stopwatch()
     pub.close()
-    drain_s = sw.elapsed
-    final = {k: v.detach().to(torch.bfloat16).cpu() for k, v in model.state_dict().items()}
-    versions = {s.version: s for s in pub.history}
+    return dict(params=n_params, step_s=step_s, step_alone_s=alone_s, publish_s=publish_s, drain_s=sw.elapsed,
+                history={s.version: s for s in pub.history}, snapshots=snapshots,
+                final={k: v.detach().to(torch.bfloat16).cpu() for k, v in model.state_dict().items()})
 
-    # read side, version by version, and the baseline over the very same weights
+
+def read_back(args, store, run_id: str, history: dict) -> list[dict]:
+    """Step 2: every version read back as a recovering node does (full, then one delta at a time), and the
+    baseline over the very same weights: each version saved, uploaded, downloaded and loaded as one safetensors
+    file (AssertionError if its round trip differs). Per version: bytes and seconds of every stage."""
+    from safetensors.torch import load as st_load
+    from safetensors.torch import save as st_save
+
+    from syncd.versions import apply_delta, fetch_shards, list_versions, load_full
+
     rows, weights, prev = [], None, None
     for info in list_versions(store, run_id, signing_key=args.signing_key or False):
-        m, st = info.manifest, versions[info.version]
+        m, st = info.manifest, history[info.version]
         sw = Stopwatch()
         shards = fetch_shards(store, run_id, m)
         fetch_s = sw.lap()
@@ -164,25 +166,42 @@ def run(args) -> dict:
                          fetch=fetch_s, apply=apply_s, base_save=save_s, base_upload=upload_s,
                          base_fetch=download_s, base_load=load_s))
     store.delete([o.key for o in store.list(f"baseline/{run_id}/")])
+    return rows
+
+
+def _bit_exact(a: dict, b: dict) -> bool:
+    """Every tensor of ``b`` equal in ``a``, bf16 compared as words."""
+    word = lambda t: t.view(torch.int16) if t.dtype == torch.bfloat16 else t  # noqa: E731
+    return all(torch.equal(word(a[k]), word(b[k])) for k in b)
+
+
+def run(args) -> dict:
+    """The measurements of the module docstring, in the steps above (the end-to-end case last); the JSON's dict."""
+    import syncd
+    from syncd.store import Store
+
+    torch.set_flush_denormal(True)
+    store = Store(args.store or Path(tempfile.mkdtemp(prefix="syncd-bench-")))
+    run_id = args.run_id or f"bench-{uuid.uuid4().hex[:8]}"
+    trained = train_and_publish(args, store, run_id)
+    rows = read_back(args, store, run_id, trained["history"])
     sw = Stopwatch()
     latest = syncd.materialize(store, run_id, signing_key=args.signing_key or False)
     cold_s = sw.elapsed
-    exact = all(torch.equal(latest[k].view(torch.int16) if latest[k].dtype == torch.bfloat16 else latest[k],
-                            final[k].view(torch.int16) if final[k].dtype == torch.bfloat16 else final[k])
-                for k in final)
-    del model, opt
+    exact = _bit_exact(latest, trained["final"])
     e2e = None
     if args.e2e:
         e2e = {"engines": args.engines, "poll_interval_s": args.poll_interval,
-               "delta": run_e2e(args, store, f"{run_id}-e2e", snapshots, args.full_every),
-               "full": run_e2e(args, store, f"{run_id}-e2e-full", snapshots, 1)}
-    return dict(model=args.model, params=n_params, device=args.device, store=store.url, lr=args.lr,
+               "delta": run_e2e(args, store, f"{run_id}-e2e", trained["snapshots"], args.full_every),
+               "full": run_e2e(args, store, f"{run_id}-e2e-full", trained["snapshots"], 1)}
+    return dict(model=args.model, params=trained["params"], device=args.device, store=store.url, lr=args.lr,
                 every_k=args.every_k, full_every=args.full_every, shard_mb=args.shard_mb,
                 delta_format=args.delta_format,
                 machine=dict(python=platform.python_version(), torch=torch.__version__, cpus=os.cpu_count(),
                              torch_threads=torch.get_num_threads()),
-                step_s=step_s, step_alone_s=alone_s, publish_s=publish_s, drain_s=drain_s, versions=rows,
-                materialize_latest_s=cold_s, latest_bit_exact=exact, e2e=e2e)
+                step_s=trained["step_s"], step_alone_s=trained["step_alone_s"], publish_s=trained["publish_s"],
+                drain_s=trained["drain_s"], versions=rows, materialize_latest_s=cold_s, latest_bit_exact=exact,
+                e2e=e2e)
 
 
 def run_e2e(args, store, run_id: str, snapshots: list, full_every: int) -> dict:
@@ -325,7 +344,7 @@ def report(res: dict, out=None) -> None:
       f"{res['latest_bit_exact']}\n")
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.weight_update", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=sorted(MODELS), default="100m")
     p.add_argument("--versions", type=int, default=8, help="versions to publish")
@@ -346,7 +365,34 @@ def main(argv=None) -> int:
                    help="end-to-end case: a node daemon keeping engines current (default on)")
     p.add_argument("--engines", type=int, default=2, help="engines the daemon keeps current (e2e)")
     p.add_argument("--poll-interval", type=float, default=0.5, help="the daemon's poll interval (e2e)")
-    p.add_argument("--out", default=None, help="JSON path (default bench/results/weight_update-<time>.json)")
+    output_flags(p, "weight_update")
+    return p
+
+
+def rows(res: dict) -> list[Row]:
+    """The shared columns: the delta versions' background encode+upload and read fetch+apply against the same
+    weights as full safetensors files (refcheck: the materialized latest version bit-exact with the trainer's), and
+    the end-to-end lag against a full version every time (refcheck: the engines bit-exact). Medians over the delta
+    versions (over all versions when there are none)."""
+    med = statistics.median
+    vs = [r for r in res["versions"] if r["kind"] == "delta"] or res["versions"]
+    sizes, dev = f"{res['params'] / 1e6:.1f}M params lr {res['lr']:g}", res["device"]
+    pub, base_pub = med(r["encode"] + r["upload"] for r in vs), med(r["base_save"] + r["base_upload"] for r in vs)
+    read, base_read = med(r["fetch"] + r["apply"] for r in vs), med(r["base_fetch"] + r["base_load"] for r in vs)
+    table = [Row("publish: encode+upload", pub, base_pub / pub, "safetensors save+upload", sizes, dev),
+             Row("read: fetch+apply", read, base_read / read, "safetensors fetch+load", sizes, dev,
+                 res["latest_bit_exact"])]
+    if res["e2e"]:
+        e = res["e2e"]
+        d = [r for r in e["delta"]["versions"] if r["kind"] == "delta"] or e["delta"]["versions"]
+        lag, full = med(r["e2e"] for r in d), med(r["e2e"] for r in e["full"]["versions"])
+        table.append(Row(f"e2e lag, {e['engines']} engines", lag, full / lag, "full safetensors every version",
+                         sizes, "cpu", e["delta"]["engines_bit_exact"] and e["full"]["engines_bit_exact"]))
+    return table
+
+
+def main(argv=None) -> int:
+    p = parser()
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.versions < 1 or args.every_k < 1:
@@ -355,13 +401,7 @@ def main(argv=None) -> int:
     report(res)
     if res["e2e"]:
         report_e2e(res["e2e"])
-    out = Path(args.out) if args.out else Path(__file__).parent / "results" / \
-        f"weight_update-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1))
-    print(f"results: {out}")
-    e2e_ok = not res["e2e"] or (res["e2e"]["delta"]["engines_bit_exact"] and res["e2e"]["full"]["engines_bit_exact"])
-    return 0 if res["latest_bit_exact"] and e2e_ok else 1
+    return finish("weight_update", args, res, rows(res))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ def test_broadcast_bench_tiny(tmp_path, capsys):
     out = tmp_path / "res.json"
     mode = "both" if sim.netns_available() is None else "unshaped"
     rc = broadcast.main(["--nodes", "2,3", "--size-mib", "1", "--repeats", "1", "--rate-mbit", "40",
-                         "--chunk-kib", "64", "--mode", mode, "--out", str(out), "--plot", str(tmp_path / "b.png")])
+                         "--chunk-kib", "64", "--mode", mode, "--json", str(out), "--plot", str(tmp_path / "b.png")])
     assert rc == 0
     res = json.loads(out.read_text())
     assert set(res["modes"]) == ({"shaped", "unshaped"} if mode == "both" else {"unshaped"})

@@ -9,7 +9,7 @@ from bench import cache_verify
 
 def test_cache_verify_benchmark_tiny(tmp_path, capsys):
     out = tmp_path / "cache_verify.json"
-    assert cache_verify.main(["--preset", "tiny", "--rounds", "1", "--out", str(out)]) == 0
+    assert cache_verify.main(["--preset", "tiny", "--rounds", "1", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "read pass (the limit)" in printed and "with re-hashed shards" in printed
     data = json.loads(out.read_text())

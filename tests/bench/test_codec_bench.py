@@ -9,7 +9,7 @@ from bench import codec
 
 def test_codec_benchmark_tiny(tmp_path, capsys):
     out, png = tmp_path / "codec.json", tmp_path / "codec.png"
-    assert codec.main(["--preset", "tiny", "--lrs", "1e-5", "--ks", "1,2", "--repeats", "1", "--out", str(out),
+    assert codec.main(["--preset", "tiny", "--lrs", "1e-5", "--ks", "1,2", "--repeats", "1", "--json", str(out),
                        "--plot", str(png)]) == 0
     printed = capsys.readouterr().out
     assert "v2/bnd" in printed and "zstd xor%" in printed and "format 2 against format 1" in printed

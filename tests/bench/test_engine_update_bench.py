@@ -14,7 +14,7 @@ from bench import engine_update
 def test_engine_update_benchmark_tiny(tmp_path, capsys):
     out = tmp_path / "engine_update.json"
     png = tmp_path / "engine_update.png"
-    assert engine_update.main(["--preset", "tiny", "--updates", "2", "--window", "0.5", "--out", str(out),
+    assert engine_update.main(["--preset", "tiny", "--updates", "2", "--window", "0.5", "--json", str(out),
                                "--plot", str(png), "--delta-format", "2"]) == 0
     printed = capsys.readouterr().out
     assert "reload / stall" in printed and "physical limit" in printed and "0 lost" in printed
@@ -40,7 +40,7 @@ def test_engine_update_benchmark_cuda_without_cuda_fails_clearly(tmp_path, capsy
         pytest.skip("CUDA is available: --device cuda runs (test_engine_update_benchmark_tiny_on_the_gpu)")
     out = tmp_path / "engine_update.json"
     with pytest.raises(SystemExit) as exc:
-        engine_update.main(["--preset", "tiny", "--device", "cuda", "--out", str(out)])
+        engine_update.main(["--preset", "tiny", "--device", "cuda", "--json", str(out)])
     assert exc.value.code not in (0, None)
     err = capsys.readouterr().err
     assert "--device cuda: CUDA is not available" in err
@@ -54,7 +54,7 @@ def test_engine_update_benchmark_tiny_on_the_gpu(tmp_path, capsys):
 
     out = tmp_path / "engine_update_gpu.json"
     assert engine_update.main(["--preset", "tiny", "--updates", "2", "--window", "0.5", "--device", "cuda",
-                               "--out", str(out)]) == 0
+                               "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "reload / stall" in printed and "physical limit" in printed and "0 lost" in printed
     assert "pinned" in printed and "already on the GPU" in printed

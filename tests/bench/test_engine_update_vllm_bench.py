@@ -18,7 +18,7 @@ def test_engine_update_benchmark_on_vllm_tiny(tmp_path, capsys):
         pytest.skip("SYNCD_VLLM=off: the vllm extra is not installed on this machine")
     out = tmp_path / "engine_update.json"
     assert engine_update.main(["--engine", "vllm", "--preset", "tiny", "--updates", "2", "--window", "1",
-                               "--out", str(out), "--plot", str(tmp_path / "vllm.png")]) == 0
+                               "--json", str(out), "--plot", str(tmp_path / "vllm.png")]) == 0
     printed = capsys.readouterr().out
     assert "reload / pause" in printed and "physical limit" in printed and "0 lost" in printed
     data = json.loads(out.read_text())

@@ -9,7 +9,7 @@ from bench import nvfp4
 
 def test_nvfp4_benchmark_tiny(tmp_path, capsys):
     out = tmp_path / "nvfp4.json"
-    assert nvfp4.main(["--preset", "tiny", "--repeats", "1", "--out", str(out)]) == 0
+    assert nvfp4.main(["--preset", "tiny", "--repeats", "1", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "quantize(pts)" in printed and "delta as % of the packed NVFP4 bytes" in printed
     data = json.loads(out.read_text())

@@ -12,7 +12,7 @@ from bench import projection
 
 def _run(tmp_path, capsys, *extra):
     out, png = tmp_path / "projection.json", tmp_path / "projection.png"
-    assert projection.main(["--sample-mib", "2", "--densities", "0.01,0.1", "--repeats", "1", "--out", str(out),
+    assert projection.main(["--sample-mib", "2", "--densities", "0.01,0.1", "--repeats", "1", "--json", str(out),
                             "--plot", str(png), *extra]) == 0
     return json.loads(out.read_text()), capsys.readouterr().out, png
 
@@ -63,7 +63,7 @@ def test_format2_leaves_the_sliced_share_in_format1(tmp_path, capsys):
     scale = by[("bf16", 1)]["delta_bytes"] / row["1"]["bytes"]
     mixed = 0.25 * row["1"]["bytes"] + 0.75 * row["2"]["bytes"]
     assert by[("bf16", 2)]["delta_bytes"] == pytest.approx(scale * mixed)
-    assert projection.main(["--sliced-fraction", "1.5", "--out", str(tmp_path / "x.json")]) == 2
+    assert projection.main(["--sliced-fraction", "1.5", "--json", str(tmp_path / "x.json")]) == 2
     assert "--sliced-fraction must be in [0, 1]" in capsys.readouterr().err
 
 

@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 def test_replay_benchmark_tiny(tmp_path, capsys):
     out, png = tmp_path / "replay.json", tmp_path / "replay.png"
-    assert replay.main(["--preset", "tiny", "--models", "moe,nvfp4", "--out", str(out), "--plot", str(png)]) == 0
+    assert replay.main(["--preset", "tiny", "--models", "moe,nvfp4", "--json", str(out), "--plot", str(png)]) == 0
     printed = capsys.readouterr().out
     assert "kept-set + routing replay" in printed and "the lm_head forward matmul alone" in printed and "bytes per token of kept sets" in printed
     data = json.loads(out.read_text())

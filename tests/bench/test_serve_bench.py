@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 def test_serve_benchmark_tiny(tmp_path, capsys):
     out = tmp_path / "serve.json"
-    assert serve.main(["--preset", "tiny", "--out", str(out)]) == 0
+    assert serve.main(["--preset", "tiny", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "x direct" in printed and "migration:" in printed
     data = json.loads(out.read_text())
