@@ -1,11 +1,13 @@
 """The cluster layer of syncd: many nodes behind one long link to the object store.
 
-One controller (elected among the live nodes) plans each new version; each shard is read from the store
-by one node (its root) and spread to the others by a pipelined tree broadcast over authenticated TCP,
+One controller (elected among the live nodes, or through etcd) plans each new version; each shard is read from
+the store by one node (its root) and spread to the others by a pipelined tree broadcast over authenticated TCP,
 into each node's local disk cache. See ``docs/cluster.md``.
 
 Modules: :mod:`~syncd.cluster.membership` (who is in the cluster, who is alive),
-:mod:`~syncd.cluster.election` (the controller), :mod:`~syncd.cluster.planner` (roots and trees),
+:mod:`~syncd.cluster.election` (the embedded election of the controller), :mod:`~syncd.cluster.etcd_election`
+(membership and the controller through etcd, with fencing by term; its client :mod:`~syncd.cluster.etcd` and
+:mod:`~syncd.cluster.etcd_gateway`), :mod:`~syncd.cluster.planner` (roots and trees),
 :mod:`~syncd.cluster.wire` (frames), :mod:`~syncd.cluster.auth` (the cluster secret, handshake),
 :mod:`~syncd.cluster.partials` (partial shards and their chunk tags, on the node cache),
 :mod:`~syncd.cluster.transfer` (pulls, store reads), :mod:`~syncd.cluster.node` (:class:`ClusterNode`) and its

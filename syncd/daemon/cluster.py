@@ -54,6 +54,8 @@ _HELP = {  # where the node's own parser has none (its defaults: syncd.cluster.C
     "slow-fraction": "a node its children receive from below this fraction of the median rate is moved to the "
                      "leaves (default 0.2)",
     "throttle-bps": "cap this node's upload to peers (tests, benchmarks)",
+    "etcd-ttl-s": "this node's etcd lease in whole seconds, with --cluster-etcd (default 5, at least 2): a dead "
+                  "controller is replaced about that long after its last keepalive",
     "no-fsync": "do not fsync shards before they enter the cache (tests)",
 }
 DEST_PREFIX = "cluster__"
