@@ -15,12 +15,12 @@ Commands (README.md has the full table of flags and their environment variables)
     syncd keygen --out PREFIX            an Ed25519 key pair: PREFIX.key (the publisher's, mode 0600) and
                                          PREFIX.pub (for daemons, engines, readers); prints the key id
 
-Every flag has a ``SYNCD_*`` environment variable; a flag given on the command line wins. Keys are read
-from files (``--signing-key-file``: the publisher's private key, or a legacy HMAC secret; ``--verify-key``,
-repeatable: the public keys a verifier accepts) or ``SYNCD_SIGNING_KEY``, never from a flag's value, so
-that no secret shows up in process listings (:mod:`syncd.signing`). Exit status: 0 fine, 1 verification found a problem, 2 usage or
-configuration error, 3 store unreachable or other runtime error. The daemon exits 0 after SIGTERM/SIGINT.
-The commands that read and report (status, ls, verify, gc) are :mod:`syncd.app.commands`.
+Every flag has a ``SYNCD_*`` environment variable; a flag given on the command line wins. Keys are read from
+files (``--signing-key-file``: the publisher's private key, or a legacy HMAC secret; ``--verify-key``,
+repeatable: the public keys a verifier accepts) or ``SYNCD_SIGNING_KEY``, never from a flag's value, so that
+no secret shows up in process listings (:mod:`syncd.signing`). Exit status: 0 fine, 1 verification found a
+problem, 2 usage or configuration error, 3 store unreachable or other runtime error. The daemon exits 0 after
+SIGTERM/SIGINT. The commands that read and report (status, ls, verify, gc) are :mod:`syncd.app.commands`.
 """
 
 from __future__ import annotations
@@ -205,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest safetensors file; more weights than that are split into model-0000N-of-0000M "
                         "files with an index (default: %(default)s)")
     p = sub.add_parser("keygen", help="make an Ed25519 key pair for signing manifests",
+                       usage="syncd keygen --out PREFIX",
                        description="Write PREFIX.key (the private key: only the publisher gets it, mode 0600) and "
                                    "PREFIX.pub (the public key: daemons, engines and readers get it, --verify-key) "
                                    "and print the key id. Existing files are never overwritten.")

@@ -151,7 +151,8 @@ def test_a_party_holding_every_public_key_cannot_forge_a_manifest(tmp_path):
                 mac = hmac.new(secret, message(alg, key_id), hashlib.sha256).hexdigest()
                 attempts.append(doc({"alg": alg, "key_id": key_id, "mac": mac}))
         other = PrivateKey.generate()  # a key of its own, claiming a real key id
-        attempts.append(doc({"alg": "ed25519", "key_id": pub.key_id, "sig": other.sign(message("ed25519", pub.key_id))}))
+        sig = other.sign(message("ed25519", pub.key_id))
+        attempts.append(doc({"alg": "ed25519", "key_id": pub.key_id, "sig": sig}))
         attempts.append(doc({"alg": "ed25519", "key_id": pub.key_id, "sig": "00" * 64}))
     readers = [forger, read_public_key_file(public_a, "t"), Keyring(None, [read_public_key_file(public_b, "t")]),
                key_from_env({"SYNCD_SIGNING_KEY_FILE": str(private_a)})]
