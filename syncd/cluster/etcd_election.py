@@ -154,7 +154,7 @@ class EtcdElection:
             except EtcdError as exc:
                 self._etcd_failed("lease grant", exc)
                 await asyncio.sleep(backoff)
-                backoff = min(float(self.ttl_s), 2 * backoff)
+                backoff = min(self.ttl_s / 2, 2 * backoff)
                 continue
             backoff = 0.25
             why = await self._hold(lease)
@@ -182,10 +182,14 @@ class EtcdElection:
         sent = time.monotonic()
         lease = await self.client.grant(self.ttl_s)
         self._deadline = sent + lease.ttl
-        self.lease = lease
         me = node.heartbeats.membership.members[self.me]
-        await self.client.put(self._member_key(self.me), membership.record(me, node.inc, node.secret),
-                              lease=lease.id)
+        try:
+            await self.client.put(self._member_key(self.me), membership.record(me, node.inc, node.secret),
+                                  lease=lease.id)
+        except EtcdError:
+            self._orphans.append(lease.id)
+            raise
+        self.lease = lease
         self._etcd_ok("lease grant")
         node.events("etcd_lease", lease=format(lease.id, "x"), ttl=lease.ttl)
         return lease
@@ -318,8 +322,7 @@ class EtcdElection:
             return  # an answer from before this node's own win
         if kv is None:
             self._step_down("etcd says nobody leads (this node's candidacy is gone)")
-            if self._leading is None:
-                self.controller = None
+            self.controller = None
             return
         if self._leading is not None and kv.key != self._leading.key:
             self._step_down(f"etcd names another leader (term {kv.create_revision})")
@@ -327,8 +330,8 @@ class EtcdElection:
         if who is None or kv.create_revision < self.max_term:
             return
         self.seen_term(kv.create_revision)
-        if self._leading is None:
-            self.controller = who
+        if self._leading is None:  # (this node's own key, before its campaign returns: it does not lead yet)
+            self.controller = None if who == self.me else who
 
     def _on_members(self, kvs) -> None:
         found = {}
