@@ -170,3 +170,55 @@ def test_stale_plans_and_claims_are_refused(tmp_path, etcd, states):
                 await n.stop()
 
     run(main())
+
+
+def test_hostile_etcd_contents_and_replies_are_counted_not_followed(tmp_path, etcd):
+    """A candidate and a member record in etcd not signed with the cluster secret are ignored (the forged
+    candidate, oldest in the queue, holds etcd's lead: nobody follows it, nobody controls until it goes); a fake
+    etcd answering garbage costs counted failures, never a task."""
+    store = tmp_path / "store"
+    store.mkdir()
+
+    async def main():
+        client = EtcdClient(etcd.url)
+        forged = await client.grant(60)
+        await client.campaign(key_prefix(RUN) + b"controller", forged.id, b'{"rank": 0, "inc": "x", "mac": "00"}')
+        await client.put(key_prefix(RUN) + b"members/000007", b'{"rank": 7, "host": "10.6.6.6", "port": 1}',
+                         lease=forged.id)
+        nodes = make_nodes(tmp_path, store, etcd, 2)
+        for n in nodes:
+            await n.start()
+        try:
+            await until(lambda: all(n.summary()["live"] == [0, 1] for n in nodes), 10 * TTL, "both nodes live")
+            await asyncio.sleep(2 * TTL)
+            assert not any(n.is_controller for n in nodes) and all(n.summary()["controller"] is None for n in nodes)
+            assert all(7 not in n.summary()["members"] for n in nodes), "an unsigned member record is ignored"
+            await client.revoke(forged.id)
+            await until(lambda: agreed(nodes), 10 * TTL, "a controller once the forged candidate is gone")
+            for n in nodes:
+                assert not n.supervisor.died(), n.supervisor.health()
+        finally:
+            for n in nodes:
+                await n.stop()
+
+    async def garbage():
+        from tests.cluster.test_etcd_client import FakeEtcd, http
+
+        async with FakeEtcd(http(b'{"ID": "1", "TTL": 1.5, "kvs": "x"}')) as fake:
+            (tmp_path / "fake").mkdir()
+            nodes = make_nodes(tmp_path / "fake", store, fake, 2)
+            for n in nodes:
+                await n.start()
+            try:
+                await until(lambda: all(n.stats["failures"].get("etcd", 0) >= 3 for n in nodes), 10 * TTL,
+                            "failed etcd calls counted")
+                assert not any(n.is_controller for n in nodes)
+                for n in nodes:
+                    assert not n.supervisor.died(), n.supervisor.health()
+                    assert events(tmp_path / "fake", n.rank, "etcd_error")
+            finally:
+                for n in nodes:
+                    await n.stop()
+
+    run(main())
+    run(garbage())
