@@ -3,8 +3,8 @@
 ``python -m syncd.engine.dynamo.frontend --http-port P [--migration-limit N] ...`` runs the same Rust HTTP
 frontend as ``python -m dynamo.frontend`` (``dynamo.llm.make_engine`` + ``run_input``: model discovery,
 tokenization and chat templates, routing, request migration), without the ``ai-dynamo`` package and its
-heavier dependencies. It serves ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/health``
-for every model the workers of ``--namespace`` register.
+heavier dependencies. It serves ``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses``, ``/v1/models``
+(and ``/v1/models/<id>``), ``/health`` for every model the workers of ``--namespace`` register.
 
 ``--migration-limit N`` (default 3): when a worker dies mid-stream, the frontend re-sends the prompt plus
 the tokens generated so far to another worker, up to N times per request (0 disables migration).
