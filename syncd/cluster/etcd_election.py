@@ -78,7 +78,7 @@ class EtcdElection:
         self.term = 0
         self.max_term = 0
         self.lease: Lease | None = None
-        self._orphans: list[int] = []  # leases lost but maybe alive at etcd: revoked when it answers
+        self._orphans: set[int] = set()  # leases lost but maybe alive at etcd: revoked when it answers
         self._leading: LeaderKey | None = None
         self._won_at = 0  # the store revision at which the lead was confirmed
         self._reported = True
@@ -163,18 +163,19 @@ class EtcdElection:
             node.events("etcd_lease_lost", lease=format(lease.id, "x"), why=why[:200])
             log.warning("node %d: etcd lease %x lost: %s", self.me, lease.id, why)
             self.lease = None
-            self._orphans.append(lease.id)
+            self._orphans.add(lease.id)
             await self._revoke_orphans()
 
     async def _revoke_orphans(self) -> None:
         """Revoke the leases this node lost (best effort, until etcd answers): an etcd that restarts keeps its
-        leases alive for another TTL, and an old candidacy would hold the lead that long."""
-        for lease_id in list(self._orphans):
+        leases alive for another TTL, and an old candidacy would hold the lead that long. The session and
+        the watch both call it (one may find a lease the other revoked meanwhile)."""
+        for lease_id in sorted(self._orphans):
             try:
                 await self.client.revoke(lease_id, timeout_s=1.0)
             except EtcdError:
                 return  # unreachable: again before the next lease
-            self._orphans.remove(lease_id)
+            self._orphans.discard(lease_id)
 
     async def _open_lease(self) -> Lease:
         node = self.node
@@ -187,7 +188,7 @@ class EtcdElection:
             await self.client.put(self._member_key(self.me), membership.record(me, node.inc, node.secret),
                                   lease=lease.id)
         except EtcdError:
-            self._orphans.append(lease.id)
+            self._orphans.add(lease.id)
             raise
         self.lease = lease
         self._etcd_ok("lease grant")
