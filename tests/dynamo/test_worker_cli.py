@@ -56,6 +56,8 @@ def test_a_migration_with_no_tokens_left_ends_at_once(model_dir):
     token had arrived). Other requests are served as before."""
     import asyncio
 
+    from dynamo.llm.exceptions import InvalidArgument
+
     from syncd.engine.dynamo import protocol
     from syncd.engine.proxy.record import Turn
     from syncd.engine.proxy.turn import TurnState
@@ -75,8 +77,12 @@ def test_a_migration_with_no_tokens_left_ends_at_once(model_dir):
         assert state.tokens == 0
         fresh = asyncio.run(run({"token_ids": [5, 6, 7, 8], "stop_conditions": {"max_tokens": 3}}))
         assert [len(c["token_ids"]) for c in fresh] == [1, 1, 1] and fresh[-1]["finish_reason"] == "length"
-        with pytest.raises(protocol.BadRequest, match="non-empty"):  # not a migration: no prompt to continue
+        # not a migration: no prompt to continue; refused as Dynamo's InvalidArgument, whose message the frontend
+        # gives the client (a plain exception reaches it as "Invalid request")
+        with pytest.raises(InvalidArgument, match="non-empty"):
             asyncio.run(run({"token_ids": [], "stop_conditions": {"max_tokens": 0}}))
+        with pytest.raises(InvalidArgument, match="does not support presence_penalty=0.5"):
+            asyncio.run(run({"token_ids": [5], "sampling_options": {"presence_penalty": 0.5}}))
         assert not protocol.nothing_left({"token_ids": [1], "stop_conditions": {"max_tokens": False}})
         assert not protocol.nothing_left({"token_ids": "1", "stop_conditions": {"max_tokens": 0}})
     finally:
