@@ -52,7 +52,7 @@ async def respond_once(session, upstream: str, state: TurnState, up_body: dict, 
             if resp.content_type != "text/event-stream":
                 raw = await read_head(resp.content, MAX_RESPONSE_BYTES + 1)
                 if len(raw) > MAX_RESPONSE_BYTES:
-                    raise Retryable(f"the upstream response is over {MAX_RESPONSE_BYTES} bytes")
+                    raise Broken(f"the upstream response is over {MAX_RESPONSE_BYTES} bytes")
                 _record(turn, _parse(raw.decode("utf-8", errors="replace"), out))
                 state.body = raw
                 return
@@ -83,7 +83,7 @@ async def finish(state: TurnState, out: ClientStream) -> web.StreamResponse:
         turn.fail(f"no token record: the frontend's /v1/{ENDPOINT} sends no per-token engine_data, so the "
                   f"{n if n is not None else 'unknown number of'} output tokens (ids, weight versions, "
                   "log-probabilities) are not recorded; the text and usage are")
-    if turn.stream:
+    if state.body is None:  # a stream: its events went out as they came
         return await out.end()
     return web.Response(status=200, body=state.body, content_type="application/json", headers=out.headers)
 
@@ -105,18 +105,20 @@ def _record(turn, final) -> None:
         raise Broken(f"the upstream's final response is not a JSON object: {str(final)[:200]}")
     turn.response_id = final.get("id") if isinstance(final.get("id"), str) else None
     turn.usage = final.get("usage") if isinstance(final.get("usage"), dict) else None
-    items = [i for i in final.get("output") or [] if isinstance(i, dict)] if isinstance(final.get("output"),
-                                                                                          list) else []
-    turn.text = "".join(p["text"] for i in items if i.get("type") == "message" and isinstance(i.get("content"), list)
-                        for p in i["content"] if isinstance(p, dict) and p.get("type") == "output_text"
-                        and isinstance(p.get("text"), str))
+    items = [i for i in _list(final.get("output")) if isinstance(i, dict)]
+    parts = [p for i in items if i.get("type") == "message" for p in _list(i.get("content")) if isinstance(p, dict)]
+    turn.text = "".join(p["text"] for p in parts if p.get("type") == "output_text" and isinstance(p.get("text"), str))
     status = final.get("status")
     if status == "completed":
         turn.finish_reason = "tool_calls" if any(i.get("type") == "function_call" for i in items) else "stop"
     elif status == "incomplete":
-        reason = (final.get("incomplete_details") or {}).get("reason") if isinstance(
-            final.get("incomplete_details"), dict) else None
+        details = final.get("incomplete_details")
+        reason = details.get("reason") if isinstance(details, dict) else None
         turn.finish_reason = "length" if reason == "max_output_tokens" else str(reason or "incomplete")
     else:
         err = final.get("error") if isinstance(final.get("error"), dict) else {}
         turn.fail(f"the frontend's response {status or 'without a status'}: {str(err.get('message') or err)[:500]}")
+
+
+def _list(v) -> list:
+    return v if isinstance(v, list) else []
