@@ -28,8 +28,8 @@ from syncd.engine.proxy.turn import (Broken, ClientGone, ClientStream, Rejected,
 
 log = logging.getLogger("syncd.engine.proxy.server")
 
-__all__ = ["with_retries", "stream_once", "refusal", "refused_on_stream", "upstream_failed", "serves_models", "read_head",
-           "MAX_ERROR_BODY_BYTES"]
+__all__ = ["with_retries", "stream_once", "refusal", "refused_on_stream", "upstream_failed", "serves_models",
+           "read_head", "MAX_ERROR_BODY_BYTES"]
 
 MAX_ERROR_BODY_BYTES = 4096  # of a non-200 reply: what goes into the retry log, the turn's error and the record
 MAX_MODELS_BYTES = 1 << 20  # of the frontend's model list, read to tell a wrong model name from discovery catching up
