@@ -1,12 +1,12 @@
 """Trainer side of syncd: the thin trainer, its fault tolerance, rewards, and the numerics shared with the engines.
 
-Sub-packages by subject, each listing its public names: ``rl`` (the asynchronous RL side: the step loop, the live
-side, rollouts, the loss), ``ft`` (fault tolerance: checkpoints, peer replicas, healing, elastic data parallelism
-on torchft) and ``rewards`` (reward functions). The modules here wire them or stand apart: ``run`` (the command
-line, ``python -m syncd.trainer.run``), ``config`` (:class:`~syncd.trainer.config.LoopConfig`, a run's settings),
-``jobs`` (a run as the plain data-parallel job or the elastic one, both the one step loop), ``dist``
-(``torch.distributed`` data parallelism and determinism), ``optim`` (AdamW, Muon), ``qat`` (quantisation-aware
-training for NVFP4 serving) and ``trl_callback`` (publishing from a TRL trainer).
+Sub-packages by subject, each listing its public names: ``rl`` (the asynchronous RL side: a run's settings, the
+step loop, the live side, rollouts, the loss), ``ft`` (fault tolerance: checkpoints, peer replicas, healing, elastic
+data parallelism on torchft) and ``rewards`` (reward functions); ``rl`` and ``ft`` do not import each other. The
+modules here either wire them -- ``run`` (the command line, ``python -m syncd.trainer.run``) and ``jobs`` (a run as
+the plain data-parallel job or the elastic one, both the one step loop) -- or sit below them and import neither:
+``dist`` (``torch.distributed`` data parallelism and determinism), ``optim`` (AdamW, Muon), ``qat``
+(quantisation-aware training for NVFP4 serving) and ``trl_callback`` (publishing from a TRL trainer).
 
 :class:`WeightPublisher` (``syncd.publish.publisher``) is imported here on first use: the name a trainer imports.
 """

@@ -42,14 +42,14 @@ from typing import Iterator
 
 import torch
 
-from syncd.trainer.ft.checkpoint import capture_rng, restore_rng
-from syncd.trainer.config import ConfigError, LoopConfig
 from syncd.trainer.dist import DataParallel, make_deterministic
+from syncd.trainer.ft.ckpt_dir import capture_rng, restore_rng
+from syncd.trainer.ft.step_checkpoints import StepCheckpoints
+from syncd.trainer.optim import build_optimizer
+from syncd.trainer.rl.config import ConfigError, LoopConfig
 from syncd.trainer.rl.loop import Job, train
 from syncd.trainer.rl.metrics import MetricsLog
-from syncd.trainer.optim import build_optimizer
 from syncd.trainer.rl.plans import BroadcastPlans, LoggedPlans
-from syncd.trainer.ft.step_checkpoints import StepCheckpoints
 
 log = logging.getLogger(__name__)
 
@@ -148,9 +148,9 @@ def elastic_job(cfg: LoopConfig) -> Iterator[Job]:
     from syncd.trainer.ft.elastic import ElasticDP
     from syncd.trainer.ft.fault_tolerance import FaultTolerance, FTConfig
     from syncd.trainer.ft.heal import VerifiedTransport
-    from syncd.trainer.rl.live import LiveSide
     from syncd.trainer.ft.plan_log import PlanLog
     from syncd.trainer.ft.replicas import ReplicaServer
+    from syncd.trainer.rl.live import LiveSide
 
     group, owner = cfg.replica_group, f"group-{cfg.replica_group}"
     owners = tuple(f"group-{i}" for i in range(cfg.replica_groups))

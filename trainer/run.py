@@ -127,7 +127,7 @@ def _curation(args):
     if args.curate is None:
         return None
     from syncd.trainer.rl.curation import CurationConfig
-    from syncd.trainer.config import ConfigError
+    from syncd.trainer.rl.config import ConfigError
 
     try:
         return CurationConfig(band=args.curate, pool=args.curate_pool, confidence=args.curate_confidence)
@@ -136,7 +136,7 @@ def _curation(args):
 
 
 def _delta_format(text: str) -> int:
-    from syncd.trainer.config import ConfigError
+    from syncd.trainer.rl.config import ConfigError
 
     if text.strip() not in ("1", "2"):
         raise ConfigError(f"--delta-format (or SYNCD_DELTA_FORMAT): must be 1 or 2, got {text!r}")
@@ -144,8 +144,8 @@ def _delta_format(text: str) -> int:
 
 
 def config_from_args(args):
-    """The :class:`~syncd.trainer.config.LoopConfig` of parsed flags. Raises ConfigError naming a bad flag."""
-    from syncd.trainer.config import LoopConfig
+    """The :class:`~syncd.trainer.rl.config.LoopConfig` of parsed flags. Raises ConfigError naming a bad flag."""
+    from syncd.trainer.rl.config import LoopConfig
 
     return LoopConfig(
         model=args.model, store=args.store, run_id=args.run_id, out=args.out, proxies=tuple(args.proxy),
@@ -166,7 +166,7 @@ def config_from_args(args):
 
 def _preflight(cfg) -> None:
     """What rank 0 checks before any rank starts (ConfigError naming the flag)."""
-    from syncd.trainer.config import ConfigError
+    from syncd.trainer.rl.config import ConfigError
 
     for flag, var, value in (("--store", "SYNCD_STORE", cfg.store), ("--run-id", "SYNCD_RUN_ID", cfg.run_id)):
         if not value:
@@ -248,7 +248,7 @@ def _exit_status(returncode: int) -> str:
 
 def _run_rank(argv: list[str]) -> int:
     from syncd.errors import SyncdError
-    from syncd.trainer.config import ConfigError
+    from syncd.trainer.rl.config import ConfigError
     from syncd.trainer.jobs import run_job
 
     args = parser().parse_args(argv)
@@ -274,7 +274,7 @@ def main(argv=None) -> int:
     if logging.getLogger().level > logging.INFO:  # torchft logs every quorum (Rust, at info) and warns on each
         os.environ.setdefault("RUST_LOG", "warn")  # reconfiguration that it cannot reset NCCL's flight recorder
         logging.getLogger("torchft").setLevel(logging.ERROR)
-    from syncd.trainer.config import ConfigError
+    from syncd.trainer.rl.config import ConfigError
 
     if args.nproc < 1:
         print("syncd.trainer.run: --nproc: must be >= 1", file=sys.stderr)

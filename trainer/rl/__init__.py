@@ -1,7 +1,8 @@
 """The thin trainer's asynchronous RL side: rollouts in, a policy-gradient step out (``docs/trainer.md``,
 ``docs/trainer-replay.md``).
 
-Modules, one concept each. The step: ``loop`` (:func:`train`, the step loop written once over a data-parallel
+Modules, one concept each. ``config`` (:class:`LoopConfig`, a run's settings, and :class:`ConfigError`). The
+step: ``loop`` (:func:`train`, the step loop written once over a data-parallel
 object), ``plans`` (where a step's plan comes from), ``objective`` (the loss), ``correction`` (importance
 correction), ``logprobs`` (the trainer's log-probabilities, with kept-set and routing replay: ``kept``, ``replay``),
 ``batch`` (collation). The live side: ``live`` (:class:`LiveSide`: publishing, rollout workers, buffer, plans,
@@ -22,6 +23,7 @@ _MODULES = {
     "batch": ("RolloutBatch", "collate"),
     "buffer": ("BufferClosed", "Group", "RolloutBuffer", "group_advantages"),
     "compaction": ("TrainingSample", "prefix_consistent", "sequence_rewards", "training_samples"),
+    "config": ("ConfigError", "LoopConfig"),
     "correction": ("Correction", "RatioStats", "SourceSplit", "band_mask", "correct", "effective_sample_size",
                    "mismatch_by_source", "ratio_stats", "select_by_version", "sequence_rejection", "staleness",
                    "truncated_is"),

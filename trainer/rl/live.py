@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from syncd.trainer.rl.buffer import BufferClosed, RolloutBuffer
-from syncd.trainer.config import ConfigError
+from syncd.trainer.rl.config import ConfigError
 from syncd.trainer.rl.metrics import EngineWatcher, MetricsLog, read_metrics, summarize
 from syncd.trainer.rl.objective import LossConfig, TokenRecord, step_diagnostics
 

@@ -57,7 +57,7 @@ import torch
 from syncd.store import Store
 from syncd.trainer.rl.buffer import group_advantages
 from syncd.trainer.rl.compaction import sequence_rewards
-from syncd.trainer.config import LoopConfig
+from syncd.trainer.rl.config import LoopConfig
 from syncd.trainer.rl.objective import LossConfig, policy_gradient_loss
 from syncd.trainer.rl.rollouts import read_rollouts
 

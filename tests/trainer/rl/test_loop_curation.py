@@ -11,7 +11,7 @@ from syncd.engine.reference.make_tiny import write_model
 from tests.trainer._fake_proxy import FakeProxy
 from syncd.trainer.rl.curation import CuratedTask, CurationConfig
 from syncd.trainer.rl.live import LiveSide
-from syncd.trainer.config import LoopConfig
+from syncd.trainer.rl.config import LoopConfig
 
 
 def test_the_loops_task_sampler_is_curated(tmp_path):
