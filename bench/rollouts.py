@@ -305,7 +305,7 @@ def _finish_trajectories(proxy_url: str, tids: list[str]) -> None:
 def generate(workdir: Path, store_url: str, cfg: RolloutConfig, *, run_id: str | None = None) -> RolloutRun:
     """Run the rollouts (see the module docstring) in the steps above. ``store_url``: where versions, replay records
     and trajectory records go (file or S3 URL). Raises RuntimeError when a stream, an update or a process fails."""
-    from syncd.engine.dynamo.procs import stop_process
+    from syncd.procs import stop_process
     from syncd.engine.dynamo.serve import Node, NodeConfig
     from syncd.engine.reference.make_tiny import model_config
     from syncd.trainer import WeightPublisher

@@ -284,7 +284,7 @@ def _main(argv=None) -> int:
             results = asyncio.run(_measure(node, proxy[1], cfg, _prompt_ids(node.frontend_url, model), model))
         finally:
             if proxy is not None:
-                from syncd.engine.dynamo.procs import stop_process
+                from syncd.procs import stop_process
 
                 stop_process(proxy[0], 30)
             node.close()
@@ -309,7 +309,7 @@ def _main(argv=None) -> int:
 def _start_proxy(tmp: Path, upstream: str, store_url: str):
     import subprocess
 
-    from syncd.engine.dynamo.procs import wait_until
+    from syncd.procs import wait_until
 
     ready = tmp / "proxy.json"
     proc = subprocess.Popen([sys.executable, "-m", "syncd.engine.proxy", "--upstream", upstream, "--store", store_url,

@@ -37,7 +37,8 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from syncd.engine.dynamo.procs import MAX_SYSTEM_PORT, free_port, http_json, stop_process, wait_until
+from syncd.engine.dynamo.procs import MAX_SYSTEM_PORT
+from syncd.procs import free_port, http_json, stop_process, wait_until
 from syncd.engine.dynamo.settings import DynamoSettings, add_arguments, add_frontend_arguments, env_int, from_args
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from syncd.engine.dynamo.procs import free_port, http_json, stop_process, wait_port, wait_until
+from syncd.procs import free_port, http_json, stop_process, wait_port, wait_until
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from syncd.engine.dynamo.procs import stop_process, wait_until
+from syncd.procs import stop_process, wait_until
 
 __all__ = ["start_proxy"]
 

@@ -31,7 +31,7 @@ merged (:mod:`syncd.engine.vllm.ranks`). An apply that fails on some ranks is un
 gets an equal share of the allowed cores, or of the one core list ``VLLM_CPU_OMP_THREADS_BIND`` names.
 
 A process killed with SIGKILL leaves the others running: run a serving process in its own session and kill its
-group (``syncd.engine.dynamo.procs`` does).
+group (``syncd.procs`` does).
 """
 
 from __future__ import annotations

@@ -123,7 +123,7 @@ class RLStack:
 
     def _start_daemon(self) -> subprocess.Popen:
         from syncd.engines.client import RemoteAdapter
-        from syncd.engine.dynamo.procs import wait_until
+        from syncd.procs import wait_until
 
         argv = ["-m", "syncd.app.cli", "--run-id", self.run_id, "--store", self.store_url, "--cache-dir",
                 str(self.workdir / "cache"), "--status-file", str(self.status_file), "--poll-interval",
@@ -155,7 +155,7 @@ class RLStack:
     def proxy_health(self) -> dict:
         """The proxy's ``/health`` (open trajectories, pending writes, failure counts); raises RuntimeError when it
         does not answer."""
-        from syncd.engine.dynamo.procs import http_json
+        from syncd.procs import http_json
 
         status, body = http_json("GET", f"{self.proxy_url}/health", timeout_s=10)
         if status != 200 or not isinstance(body, dict):
@@ -170,7 +170,7 @@ class RLStack:
 
     def wait_engines_at(self, version: int, timeout_s: float = 120.0) -> None:
         """Until every worker serves ``version`` (TimeoutError otherwise)."""
-        from syncd.engine.dynamo.procs import wait_until
+        from syncd.procs import wait_until
 
         wait_until(lambda: all(v == version for v in self.engine_versions().values()), timeout_s,
                    f"every engine at version {version}", interval_s=0.2, alive=self.dead)
@@ -213,7 +213,7 @@ class RLStack:
             return self.daemon.wait()
 
     def close(self) -> None:
-        from syncd.engine.dynamo.procs import stop_process
+        from syncd.procs import stop_process
 
         self.stop_daemon()
         if self.proxy is not None:

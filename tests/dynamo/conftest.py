@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from syncd.engine.dynamo.procs import stop_process
+from syncd.procs import stop_process
 from syncd.engine.proxy import procs as proxy_procs
 
 RUN_ID = "dyn-run"

@@ -23,7 +23,7 @@ import time
 import uuid
 from pathlib import Path
 
-from syncd.engine.dynamo.procs import wait_until
+from syncd.procs import wait_until
 from syncd.engine.dynamo.serve import Node, NodeConfig
 from syncd.engine.dynamo.settings import DynamoSettings
 from tests.dynamo._client import post_json, post_stream

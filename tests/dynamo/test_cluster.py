@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from syncd.engine.dynamo.procs import free_port, http_json, stop_process, wait_until
+from syncd.procs import free_port, http_json, stop_process, wait_until
 from syncd.engine.dynamo.serve import Node, NodeConfig
 from syncd.engine.dynamo.settings import DynamoSettings
 from syncd.records.trajectory import read_record, replay_tokens

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from syncd.engines.client import RemoteAdapter
-from syncd.engine.dynamo.procs import stop_process, wait_until
+from syncd.procs import stop_process, wait_until
 from syncd.engine.dynamo.services import find_binary
 from syncd.records.trajectory import read_record
 from tests.dynamo._client import finish_reason, post_json, post_stream, stream_text

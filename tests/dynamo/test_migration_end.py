@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from syncd.engine.dynamo.procs import wait_until
+from syncd.procs import wait_until
 from syncd.engine.dynamo.serve import Node, NodeConfig
 from syncd.engine.dynamo.settings import DynamoSettings
 from tests.dynamo._client import finish_reason, post_stream

@@ -23,7 +23,8 @@ import uuid
 
 import pytest
 
-from syncd.engine.dynamo.procs import MAX_SYSTEM_PORT, wait_until
+from syncd.engine.dynamo.procs import MAX_SYSTEM_PORT
+from syncd.procs import wait_until
 from syncd.engine.dynamo.serve import Node, NodeConfig
 from syncd.engine.dynamo.settings import DynamoSettings
 from syncd.engines.client import RemoteAdapter

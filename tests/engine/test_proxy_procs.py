@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from syncd.engine.dynamo.procs import http_json, stop_process
+from syncd.procs import http_json, stop_process
 from syncd.engine.proxy.procs import start_proxy
 
 

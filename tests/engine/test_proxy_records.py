@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from syncd.engine.dynamo.procs import wait_until
+from syncd.procs import wait_until
 from syncd.records.trajectory import list_records, parse, read_record
 from tests.dynamo._client import get_json, post_json
 from tests.dynamo.conftest import RUN_ID, start_proxy

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from bench.ft_data import write_offline_plans
-from syncd.engine.dynamo.procs import free_port
+from syncd.procs import free_port
 from syncd.engine.reference.make_tiny import write_model
 from tests.trainer._fake_proxy import FakeProxy
 from syncd.trainer.run import main
