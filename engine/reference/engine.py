@@ -144,6 +144,20 @@ class ReferenceEngine(InPlaceAdapter):
             self._pause_requested = False
             self._cv.notify_all()
 
+    def checksum(self, names=None) -> dict[str, int]:
+        """The Adapter's checksums over the whole words the engine computes with. A bf16 weight held in an
+        fp32 parameter (float32 compute, the runner's ``fp32_words``) must have all-zero low halves; the checksum
+        of its bf16 words is reported as it is when they are, and complemented (so that it equals no manifest's)
+        when any low half is set: weights that differ from the published bf16 values anywhere in their 32 bits
+        never pass as bit-exact. Reading the low halves costs one pass over those tensors."""
+        sums = super().checksum(names)
+        words = getattr(self.runner, "fp32_words", {})
+        for name, value in sums.items():
+            full = words.get(name)
+            if full is not None and bool(full.reshape(-1).view(torch.int16)[0::2].any()):  # little-endian low halves
+                sums[name] = value ^ 0xFFFFFFFFFFFFFFFF
+        return sums
+
     # ------------------------------------------------------------------------------------ Generator
 
     def submit(self, request: GenerationRequest, sink: Sink) -> None:

@@ -5,7 +5,8 @@ A runner owns the model weights and exposes them to :class:`~syncd.engines.updat
 ``compute_dtype``: float32 on CPU (a request's numbers then barely depend on how they are computed, which
 keeps sampling reproducible), the weights' dtype on a GPU. With fp32 compute and bf16 weights the fp32
 parameters hold bf16-exact values and the updater writes the bf16 words in place
-(:func:`syncd.engines.params.bf16_view_of_fp32`); nothing is stored twice.
+(:func:`syncd.engines.params.bf16_view_of_fp32`); nothing is stored twice. Such a runner lists those fp32
+parameters in ``fp32_words`` (local name -> tensor), so that the engine's checksum covers their whole words.
 
 NVFP4 weights (a state dict with ``<name>.qdata/.scales/.per_tensor_scale`` triples, ``docs/nvfp4.md``) are
 detected and held by :class:`~syncd.engine.reference.nvfp4_weights.NVFP4Weights`: the packed parts are the
@@ -111,6 +112,7 @@ class HFRunner:
                              f"unexpected {extra[:4]}")
         self.specs: list[ParamSpec] = []
         self.local_tensors: dict[str, torch.Tensor] = {}
+        self.fp32_words: dict[str, torch.Tensor] = {}  # local name -> the fp32 parameter of a bf16 view
         self.aliases: list[str] = []  # tied names: the same storage under a second name
         seen: dict[int, str] = {}
         with torch.no_grad():
@@ -135,6 +137,8 @@ class HFRunner:
                 continue
             p = state[name]
             self.local_tensors[name] = local_view(p, self.weights_dtype)
+            if p.dtype != self.weights_dtype:
+                self.fp32_words[name] = p.detach()
             self.specs.append(ParamSpec(name, self.weights_dtype, tuple(p.shape), str(self.device),
                                         (ParamPiece(name, tuple(p.shape)),)))
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

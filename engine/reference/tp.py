@@ -69,6 +69,7 @@ class TPRunner:
         self.num_experts = 0
         self.specs: list[ParamSpec] = []
         self.local_tensors: dict[str, torch.Tensor] = {}
+        self.fp32_words: dict[str, torch.Tensor] = {}  # as HFRunner's: the fp32 tensors of bf16 views
         self._rank_specs: list[list[ParamSpec]] = []
         self._w: list[dict[str, torch.Tensor]] = []  # per rank: plain local name -> compute tensor
         for r in range(W):
@@ -82,6 +83,8 @@ class TPRunner:
                 name = f"tp{r}.{s.name}"
                 self.specs.append(replace(s, name=name))
                 self.local_tensors[name] = local_view(t, self.weights_dtype)
+                if t.dtype != self.weights_dtype:
+                    self.fp32_words[name] = t
             self._w.append(w)
         theta = float(rope["rope_theta"])
         d = self.head_dim
