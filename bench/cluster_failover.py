@@ -117,11 +117,11 @@ def failover_once(workdir: Path, states, election: str, n: int, heartbeat_s: flo
 class NetLab:
     """The store (a simulated S3 endpoint over ``store_dir``), etcd and ``n`` node processes, each in its own
     network namespace on one bridge (:class:`bench.netsim.Netns`); :meth:`cut` and :meth:`heal` a partition
-    between node halves, the store reachable from both. Hosts: ``st``, ``et``, ``n0``.. Needs root. A context
-    manager: every process and namespace is gone on exit."""
+    between node halves, the store reachable from both. Hosts: ``st``, ``et``, ``n0``.. ``args``: more flags for
+    every node. Needs root. A context manager: every process and namespace is gone on exit."""
 
     def __init__(self, workdir, store_dir, n: int, *, run_id: str, signing_key: str, election: str = "etcd",
-                 heartbeat_s: float = 0.25, ttl_s: int = 2, secret: str | None = None):
+                 heartbeat_s: float = 0.25, ttl_s: int = 2, secret: str | None = None, args=()):
         from bench import netsim as sim
         from bench.netsim.etcd import EtcdServer
 
@@ -139,7 +139,7 @@ class NetLab:
             secret=secret or "hex:" + secrets.token_hex(32), signing_key=signing_key, addrs={r: (self.net.ip(f"n{r}"), 7400) for r in range(n)},
             prefix={r: self.net.exec_prefix(f"n{r}") for r in range(n)},
             env={**sim.s3_env(), "AWS_ENDPOINT_URL": f"http://{self.net.ip('st')}:8080"},
-            args=node_args(election, self.etcd and self.etcd.url, heartbeat_s, ttl_s))
+            args=[*node_args(election, self.etcd and self.etcd.url, heartbeat_s, ttl_s), *args])
         self.srv: subprocess.Popen | None = None
         self.routes: list[tuple[str, str]] = []
 

@@ -45,7 +45,9 @@ def test_etcd_killed_and_restarted_mid_run(tmp_path, states, make_cluster, etcd)
     store = tmp_path / "store"
     store.mkdir()
     n = 4
-    c = make_cluster(n, store, "--etcd", etcd.url, "--etcd-ttl-s", str(TTL))
+    # dead after 3 s, not 3 heartbeats: on a starved machine a controller that missed its peers' heartbeats would
+    # root every shard itself, and the exactly-once reads below would not hold
+    c = make_cluster(n, store, "--etcd", etcd.url, "--etcd-ttl-s", str(TTL), "--dead-after-s", "3")
     pub = Publisher(store, states)
     started(c, n)
     v0 = pub.next()

@@ -40,8 +40,10 @@ def test_partition_minority_never_controls_and_every_node_converges(tmp_path, st
     pub = Publisher(store, states)
     n = 5
     try:
+        # dead after 3 s, not 3 heartbeats: on a starved machine a controller that missed its peers' heartbeats
+        # would root every shard itself (a cut-off node leaves the live set with its lease anyway)
         with NetLab(tmp_path / "lab", store, n, run_id=RUN, signing_key=KEY, secret=SECRET, heartbeat_s=0.25,
-                    ttl_s=TTL) as lab:
+                    ttl_s=TTL, args=["--dead-after-s", "3"]) as lab:
             res = partition_run(lab, pub.next, wait_s=WAIT)
             reads = lab.store_reads()
             c = lab.nodes
