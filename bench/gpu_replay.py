@@ -56,7 +56,7 @@ def kept_inputs(T: int, V: int):
 def time_op(args, x, ids, offsets, targets) -> dict:
     """``kept_logprobs`` forward + backward on Triton against the naive masked log-softmax, with peak memory, and
     the lm_head matmul of the same rows."""
-    from syncd.ops.reference.replay import kept_rows
+    from syncd.ops.replay import kept_rows
     from syncd.ops.replay import kept_logprobs
 
     T, V, dt = args.rows, args.vocab, getattr(torch, args.dtype)

@@ -209,7 +209,7 @@ OP_METHODS = {"cpu": dict(backend="cpu"), "reference": dict(backend="reference")
 def op_bench(T: int, V: int, H: int, repeats: int, seed: int, budget: int) -> dict:
     """The op alone (forward + backward into the logits), then the lm_head and the op together (forward and
     backward through ``linear(hidden [T, H], weight [V, H])``), each against the naive masked log-softmax."""
-    from syncd.ops.reference.replay import kept_rows
+    from syncd.ops.replay import kept_rows
     from syncd.ops.replay import kept_logprobs
 
     gen = torch.Generator().manual_seed(seed)

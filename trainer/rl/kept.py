@@ -16,8 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from syncd.ops.reference.replay import kept_rows
-from syncd.ops.replay import REBUILD_OK, REBUILD_OVERLAP, rebuild_kept
+from syncd.ops.replay import REBUILD_OK, REBUILD_OVERLAP, kept_rows, rebuild_kept
 from syncd.trainer.rl.rollouts import KeptSetError, PendingKept, RolloutError
 
 __all__ = ["KeptRebuildError", "FilledKept", "fill_kept"]

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from bench.rollouts import RolloutConfig, generate
-from syncd.ops.reference.replay import kept_rows
+from syncd.ops.replay import kept_rows
 from tests.store.conftest import s3_endpoint  # noqa: F401 -- the loopback S3 server
 from syncd.trainer.rl import correction as C
 from syncd.trainer.rl.batch import collate
