@@ -171,11 +171,9 @@ def _cache_version(store_url: str, run_id: str, version: int, cache_root: Path) 
 
 
 def _stream(url: str, body: dict, tid: str, progress: list, k: int) -> dict:
-    import http.client
-    from urllib.parse import urlsplit
+    from syncd import http_client
 
-    u = urlsplit(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
+    conn = http_client.connect(url, timeout_s=600)
     try:
         conn.request("POST", "/v1/completions", body=json.dumps({**body, "stream": True}),
                      headers={"Content-Type": "application/json", "X-Syncd-Trajectory": tid})
@@ -200,20 +198,12 @@ def _stream(url: str, body: dict, tid: str, progress: list, k: int) -> dict:
 
 
 def _post(url: str, path: str, body: dict) -> dict:
-    import http.client
-    from urllib.parse import urlsplit
+    from syncd import http_client
 
-    u = urlsplit(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=120)
-    try:
-        conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        out = json.loads(resp.read() or b"{}")
-        if resp.status != 200:
-            raise RuntimeError(f"{path}: HTTP {resp.status}: {out}")
-        return out
-    finally:
-        conn.close()
+    status, out = http_client.request_json("POST", url, path, body, timeout_s=120)
+    if status != 200:
+        raise RuntimeError(f"{path}: HTTP {status}: {out}")
+    return out or {}
 
 
 def _start_proxy(workdir: Path, upstream: str, store_url: str, run_id: str):

@@ -205,16 +205,12 @@ async def _wait_routable(session, node, model: str, timeout_s: float = 60.0) -> 
 
 def _prompt_ids(frontend: str, model: str) -> list[int]:
     """The token ids the frontend makes of the benchmark prompt (so direct requests see the same prompt)."""
-    import http.client
-    from urllib.parse import urlsplit
+    from syncd import http_client
 
-    u = urlsplit(frontend)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
-    conn.request("POST", "/v1/completions", body=json.dumps({
+    text = http_client.request("POST", frontend, "/v1/completions", body=json.dumps({
         "model": model, "prompt": "benchmark prompt", "max_tokens": 1, "stream": True,
-        "nvext": {"annotations": ["token_ids"]}}), headers={"Content-Type": "application/json"})
-    text = conn.getresponse().read().decode()
-    conn.close()
+        "nvext": {"annotations": ["token_ids"]}}).encode(), headers={"Content-Type": "application/json"},
+        timeout_s=60).body.decode()
     for block in text.split("\n\n"):
         if block.startswith("event: token_ids"):
             return json.loads(json.loads(block.split("\n", 1)[1].lstrip(":").strip()))

@@ -64,7 +64,7 @@ def split_url(url: str, what: str = "URL") -> Url:
     ``what`` and the value otherwise."""
     u = urlsplit(url) if isinstance(url, str) else None
     if u is None or u.scheme not in ("http", "https") or not u.hostname or u.query or u.fragment:
-        raise ValueError(f"{what} must be http(s)://host[:port][/path], got {str(url)[:200]!r}")
+        raise ValueError(f"{what} must be http://host[:port][/path] (or https://), got {str(url)[:200]!r}")
     try:
         port = u.port or (443 if u.scheme == "https" else 80)
     except ValueError:

@@ -12,16 +12,11 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 
+from syncd.procs import free_port
+
 __all__ = ["Netns", "netns_available", "free_port"]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def netns_available() -> str | None:

@@ -4,14 +4,12 @@ format: :mod:`syncd.engines.wire`)."""
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import uuid
 from typing import Sequence
-from urllib.parse import urlsplit
 
-from syncd import jsonsafe
+from syncd import http_client, jsonsafe
 from syncd.engines import wire
 from syncd.engines.errors import EngineUnreachable, RemoteEngineError
 from syncd.engines.update import Update
@@ -37,14 +35,10 @@ class RemoteAdapter:
 
     def __init__(self, base_url: str, *, timeout_s: float = 600.0, connect_timeout_s: float = 5.0,
                  token: str | None = None, token_file=None, run_id: str | None = None, lease_s: float = 10.0):
-        u = urlsplit(base_url)
-        if u.scheme != "http" or not u.hostname:
-            raise ValueError(f"engine control URL must be http://host:port, got {base_url!r}")
+        self._url = http_client.split_url(base_url, "engine control URL")
         if not 0.1 <= lease_s <= wire.MAX_LEASE_S:
             raise ValueError(f"lease_s must be in 0.1..{wire.MAX_LEASE_S:g} seconds")
         self.base_url = base_url.rstrip("/")
-        self.host, self.port = u.hostname, u.port or 80
-        self.prefix = u.path.rstrip("/")
         self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
         self._token, self._token_file = token, token_file
         self.holder = uuid.uuid4().hex
@@ -75,29 +69,23 @@ class RemoteAdapter:
             timeout_s = wire.QUICK_TIMEOUT_S if route is not None and route.quick else self.timeout_s
         creds = self.credentials()
         data = json.dumps({**(body or {}), **creds}).encode()
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=self.connect_timeout_s)
         try:
-            try:
-                conn.connect()
-            except OSError as exc:
-                raise EngineUnreachable(f"engine at {self.base_url} is not answering: {exc}") from None
-            conn.sock.settimeout(timeout_s)
-            try:
-                conn.request("POST", f"{self.prefix}{wire.ROUTE_PREFIX}{op}", body=data,
-                             headers={"Content-Type": "application/json", "Authorization": f"Bearer {creds['auth']}"})
-                resp = conn.getresponse()
-                raw = resp.read(wire.MAX_BODY_BYTES + 1)
-            except (ConnectionError, http.client.HTTPException) as exc:
-                raise EngineUnreachable(f"engine at {self.base_url} dropped the {op} call: {exc}") from None
-        finally:
-            conn.close()
+            got = http_client.request(
+                "POST", self._url, f"{wire.ROUTE_PREFIX}{op}", body=data,
+                headers={"Content-Type": "application/json", "Authorization": f"Bearer {creds['auth']}"},
+                connect_timeout_s=self.connect_timeout_s, timeout_s=timeout_s, max_reply_bytes=wire.MAX_BODY_BYTES)
+        except http_client.Unreachable as exc:
+            raise EngineUnreachable(f"engine at {self.base_url}: {op}: {exc}") from None
+        except http_client.ReplyTooLarge:
+            raise RemoteEngineError(f"engine at {self.base_url}: {op} replied over {wire.MAX_BODY_BYTES} bytes") from None
+        raw, status = got.body, got.status
         try:
             reply = jsonsafe.loads(raw, what=f"{op} reply", max_bytes=wire.MAX_BODY_BYTES, max_depth=8) if raw else {}
         except jsonsafe.JSONError:
-            raise RemoteEngineError(f"engine at {self.base_url}: {op} replied {resp.status} with non-JSON "
+            raise RemoteEngineError(f"engine at {self.base_url}: {op} replied {status} with non-JSON "
                                     f"{raw[:200]!r}") from None
-        if resp.status != 200:
-            wire.raise_error(resp.status, reply, f"engine at {self.base_url}: {op}")
+        if status != 200:
+            wire.raise_error(status, reply, f"engine at {self.base_url}: {op}")
         if not isinstance(reply, dict):
             raise RemoteEngineError(f"engine at {self.base_url}: {op} replied {str(reply)[:200]}, not a JSON object")
         if route is not None and route.writes and isinstance(reply.get("writes"), int):

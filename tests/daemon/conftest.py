@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
@@ -13,14 +12,10 @@ from tests.daemon._fixtures import model_dir, procs  # noqa: F401  (fixtures sha
 from tests.store._models import trajectory
 from syncd.publish.publisher import WeightPublisher
 
+from syncd.procs import free_port  # noqa: F401 -- the tests import it from here
+
 KEY = "daemon-test-key-0123456789abcdef"
 RUN = "r"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Published:

@@ -30,6 +30,7 @@ import urllib.parse
 import uuid
 from email.utils import formatdate
 from pathlib import Path
+from syncd.procs import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 AZURITE = ROOT / ".cache" / "azurite" / "node_modules" / ".bin" / "azurite-blob"
@@ -46,12 +47,6 @@ def fake_gcs_binary() -> Path | None:
         return None
     found = sorted((Path(w.__file__).parent / "vendor" / "fake-gcs-server" / "bin").glob("fake-gcs-server-linux-*"))
     return found[0] if found else None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Emulator:
