@@ -86,10 +86,10 @@ def test_names_units_docs_and_dashboard(tmp_path, published):
     applied = s[("syncd_versions_applied_total", (("engine", "e0"),))]
     assert rebuilds == 1 and s[("syncd_rebuild_seconds_count", ())] == 1
     assert s[("syncd_pause_seconds_count", ())] == s[("syncd_update_lag_seconds_count", ())] == applied - rebuilds > 0
-    # every series the dashboard queries is exported here (or is the cluster layer's, named in the README)
+    # every series the dashboard queries is exported here (or is the cluster layer's, named in docs/cli.md)
     dash = json.loads((DOCS / "grafana-syncd.json").read_text())
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
     queried = {re.sub(r"_(bucket)$", "", m) for e in exprs for m in re.findall(r"\bsyncd_[a-z0-9_]+", e)}
-    readme = (DOCS.parent / "README.md").read_text()
+    readme = (DOCS / "cli.md").read_text()
     for name in queried:
         assert name in exported or (name.startswith("syncd_cluster_") and name in readme), name
