@@ -30,6 +30,14 @@ own slices; with ``W > 1`` the engine's parameters are named ``tp<rank>.<vLLM na
 merged (:mod:`syncd.engine.vllm.ranks`). An apply that fails on some ranks is undone on the others. On CPU each rank
 gets an equal share of the allowed cores, or of the one core list ``VLLM_CPU_OMP_THREADS_BIND`` names.
 
+Replay records (``replay=ReplayConfig(store, run_id, ...)``): every request (unless ``generate(..., replay=False)``)
+is sampled with syncd's logits processor (:mod:`syncd.engine.vllm.kept`: kept sets by construction) and recorded
+inside the worker (:mod:`syncd.engine.vllm.recording`: tokens, kept sets, log-probs, versions, MoE routes) by a
+:class:`syncd.engine.replay.ReplayRecorder` there. Recording turns off vLLM's asynchronous scheduling and, for a
+MoE model, its prefix cache (a cached position is never run, so it would have no routes), and streams every
+token's log-probability under the distribution it was sampled from (vLLM's ``processed_logprobs``; 0 for a
+greedy replay request), as its record holds it.
+
 A process killed with SIGKILL leaves the others running: run a serving process in its own session and kill its
 group (``syncd.procs`` does).
 """
@@ -41,16 +49,18 @@ import logging
 import os
 import threading
 import time
+from dataclasses import asdict
 from typing import AsyncIterator, Sequence
 
 from syncd.engine.vllm import ranks
+from syncd.engine.vllm.replay_config import ReplayConfig, WorkerRecorders, model_facts
 from syncd.engines.params import ParamSpec
 from syncd.engines.protocol import GenerationRequest, TokenEvent
 from syncd.engines.update import Update
 
 log = logging.getLogger(__name__)
 
-__all__ = ["VLLMEngine", "WORKER_EXTENSION"]
+__all__ = ["VLLMEngine", "ReplayConfig", "WORKER_EXTENSION"]
 
 WORKER_EXTENSION = "syncd.engine.vllm.worker_ext.SyncdWorkerExtension"
 
@@ -74,12 +84,14 @@ class VLLMEngine:
     ``AsyncEngineArgs``) configure vLLM; it always runs in float32 (the parameters hold the trainer's bf16
     words exactly) with eager execution. ``cpu_gemm``: how CPU linear layers compute, ``"onednn"`` (vLLM's packed
     copies, packed for the touched layers while staging; the default) or ``"torch"`` (``F.linear`` over the
-    written weights; ``SYNCD_VLLM_CPU_GEMM``). Starting takes 20-60 s on a small CPU machine. Raises what vLLM
-    raises when it cannot start, and ``ValueError`` for a model whose layout syncd cannot map."""
+    written weights; ``SYNCD_VLLM_CPU_GEMM``). ``replay``: record replay records (module docstring). Starting
+    takes 20-60 s on a small CPU machine. Raises what vLLM raises when it cannot start, and ``ValueError`` for a
+    model whose layout syncd cannot map."""
 
     def __init__(self, model_dir, *, version: int | None = 0, max_model_len: int | None = 512, max_num_seqs: int = 8,
                  block_size: int | None = 32, kv_cache_gib: float = 1, engine_kwargs: dict | None = None,
-                 cpu_gemm: str | None = None, name: str = "vllm", start_timeout: float = 900.0):
+                 cpu_gemm: str | None = None, name: str = "vllm", start_timeout: float = 900.0,
+                 replay: ReplayConfig | None = None):
         self.world_size = int((engine_kwargs or {}).get("tensor_parallel_size", 1))
         if self.world_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.world_size}")
@@ -89,6 +101,8 @@ class VLLMEngine:
         self._paused = False
         self.last_write: dict = {}  # what the workers reported for the last apply/rollback/load_full (merged)
         self._staged_version: int | None = None
+        self.replay = replay
+        self.vocab_size, self.num_experts = model_facts(self.model_dir)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"{name}-loop", daemon=True)
         self._thread.start()
@@ -106,11 +120,20 @@ class VLLMEngine:
             args["max_model_len"] = max_model_len
         if block_size:
             args["block_size"] = block_size
+        if replay is not None:
+            from syncd.engine.vllm.kept import PROCESSOR
+
+            # processed log-probs: a token's is under the distribution it was sampled from, as its record's
+            args.update(logits_processors=[PROCESSOR], async_scheduling=False, logprobs_mode="processed_logprobs")
+            if self.num_experts:
+                args["enable_prefix_caching"] = False
         args.update(engine_kwargs or {})
         try:
             self.llm = self._run(self._start(args), start_timeout)
             self._run(self._init(version), start_timeout)
             self._specs = ranks.merge_specs([[self._spec(d) for d in r] for r in self._rpc_sync("syncd_specs")])
+            if replay is not None:
+                self.writer = self._rpc_sync("syncd_replay_start", **asdict(replay))[0]["writer"]
         except BaseException:
             self.close()
             raise
@@ -258,10 +281,35 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------------------------ Generator
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+    def check_request(self, request: GenerationRequest, replay: bool | None = None) -> bool:
+        """Whether ``request`` is recorded (``replay``: True/False, or None for the engine's default: recorded
+        when the engine has a replay store). Raises ValueError naming the field for a request that cannot be:
+        ``replay`` asked of an engine without a replay store, ``temperature``, ``top_k`` (beyond the
+        vocabulary), ``top_p`` (outside (0, 1])."""
+        from syncd.engine.vllm.replay_config import check_request
+
+        return check_request(request, replay, has_store=self.replay is not None, vocab_size=self.vocab_size)
+
+    @property
+    def recorder(self):
+        """The replay recorders in the workers, as far as a caller flushes them (``flush(timeout)``); None
+        without a replay store."""
+        return None if self.replay is None else WorkerRecorders(self)
+
+    def flush_replay(self, timeout: float = 60.0) -> dict:
+        """Write every buffered replay record (running requests' too) and wait for the store; the recording
+        worker's counters (``tokens``, ``missing``, ``recomputed``, ``route_conflicts``, ``written``...). Raises
+        ``ReplayUploadError`` while the store refuses (the chunks stay queued), RuntimeError without a replay
+        store."""
+        if self.replay is None:
+            raise RuntimeError("this engine records no replay records (start it with replay=ReplayConfig(...))")
+        return next(r for r in self._rpc_sync("syncd_replay_flush", timeout=timeout) if r)
+
+    async def generate(self, request: GenerationRequest, *, replay: bool | None = None) -> AsyncIterator[TokenEvent]:
         """The request's tokens as vLLM streams them (usable from any event loop); each carries the weight
-        version vLLM sampled it with. Closing the iterator early aborts the request. Raises ValueError for a
-        request vLLM refuses."""
+        version vLLM sampled it with. ``replay``: see :meth:`check_request`. Closing the iterator early aborts
+        the request. Raises ValueError for a request vLLM or :meth:`check_request` refuses."""
+        record = self.check_request(request, replay)
         caller = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -271,7 +319,7 @@ class VLLMEngine:
             except RuntimeError:  # the caller's loop is gone: nobody reads this stream
                 self.abort(request.request_id)
 
-        fut = asyncio.run_coroutine_threadsafe(self._pump(request, put), self._loop)
+        fut = asyncio.run_coroutine_threadsafe(self._pump(request, put, record), self._loop)
         finished = False
         try:
             while True:
@@ -289,14 +337,16 @@ class VLLMEngine:
                 self.abort(request.request_id)
             fut.cancel()
 
-    async def _pump(self, request: GenerationRequest, put) -> None:
+    async def _pump(self, request: GenerationRequest, put, record: bool) -> None:
         """On the engine's loop: stream the request from vLLM, hand TokenEvents to ``put`` (then None)."""
+        from syncd.engine.vllm.kept import GREEDY_BELOW
         from syncd.engine.vllm.outputs import sampling_params, token_versions
 
         rid = request.request_id
         n = 0
         try:
-            sp = sampling_params(request.sampling)
+            sp = sampling_params(request.sampling, replay_id=rid if record else None)
+            point_mass = record and request.sampling.temperature < GREEDY_BELOW  # a greedy token's, as recorded
             prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
             async for out in self.llm.generate(prompt, sp, request_id=rid):
                 c = out.outputs[0]
@@ -305,7 +355,7 @@ class VLLMEngine:
                 lps = c.logprobs or [None] * len(ids)
                 for i, (tok, lp) in enumerate(zip(ids, lps)):
                     last = out.finished and i == len(ids) - 1
-                    logprob = float(lp[tok].logprob) if lp and tok in lp else 0.0
+                    logprob = 0.0 if point_mass else float(lp[tok].logprob) if lp and tok in lp else 0.0
                     put(TokenEvent(rid, n, int(tok), logprob, versions[i], _finish(c.finish_reason) if last else None))
                     n += 1
                 if out.finished:
@@ -328,9 +378,15 @@ class VLLMEngine:
             asyncio.run_coroutine_threadsafe(self.llm.abort(request_id), self._loop)
 
     def close(self) -> None:
-        """Shut vLLM down (its processes end; about 5 s) and stop the loop thread."""
+        """Write the replay records still buffered, shut vLLM down (its processes end; about 5 s) and stop the
+        loop thread."""
         llm = getattr(self, "llm", None)
         if llm is not None and self._loop.is_running():
+            if self.replay is not None:
+                try:
+                    self._rpc_sync("syncd_replay_stop", timeout=60.0)
+                except Exception:  # noqa: BLE001 -- the chunks stay spilled, where a spill directory was given
+                    log.exception("replay records not all written at close")
             try:
                 self._loop.call_soon_threadsafe(llm.shutdown)
                 self._run(asyncio.sleep(0), 60)

@@ -1,5 +1,6 @@
-"""vLLM's request side in syncd's terms: :func:`sampling_params` (our ``SamplingParams`` as vLLM's) and
-:func:`token_versions` (the weight version of each streamed token).
+"""vLLM's request side in syncd's terms: :func:`sampling_params` (our ``SamplingParams`` as vLLM's, for a replay
+request with top-k/top-p left to syncd's logits processor) and :func:`token_versions` (the weight version of each
+streamed token).
 
 vLLM labels tokens with its weight version per engine step, but hands the spans
 (``CompletionOutput.weight_versions``, ``[WeightVersionSpan(version, start, end)]``) out only on a request's
@@ -19,16 +20,24 @@ from syncd.engines.protocol import SamplingParams
 __all__ = ["sampling_params", "token_versions", "spans_to_versions"]
 
 
-def sampling_params(sp: SamplingParams):
+def sampling_params(sp: SamplingParams, *, replay_id: str | None = None):
     """vLLM's ``SamplingParams`` for ours: the same temperature/top-p/top-k/seed, stop only at
     ``stop_token_ids`` (EOS is not special, as in the reference engine), the sampled token's logprob, token
-    deltas (no detokenization)."""
+    deltas (no detokenization). With ``replay_id`` (the request's syncd id) the request is recorded: vLLM's
+    top-p/top-k are off and ours travel in ``extra_args`` to :class:`syncd.engine.vllm.kept.SyncdKeptSets`, which
+    applies them (the shared rule) and masks the rest."""
     from vllm import SamplingParams as VSP
     from vllm.sampling_params import RequestOutputKind
 
-    return VSP(n=1, max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p,
-               top_k=sp.top_k if sp.top_k > 0 else 0, seed=sp.seed, stop_token_ids=list(sp.stop_token_ids),
-               ignore_eos=True, logprobs=0, output_kind=RequestOutputKind.DELTA, detokenize=False)
+    top_p, top_k, extra = sp.top_p, sp.top_k if sp.top_k > 0 else 0, None
+    if replay_id is not None:
+        from syncd.engine.vllm.kept import EXTRA_KEY, ReplayArgs
+
+        extra = {EXTRA_KEY: ReplayArgs(replay_id, float(sp.temperature), top_k, float(top_p)).to_extra()}
+        top_p, top_k = 1.0, 0
+    return VSP(n=1, max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=top_p, top_k=top_k, seed=sp.seed,
+               stop_token_ids=list(sp.stop_token_ids), ignore_eos=True, logprobs=0,
+               output_kind=RequestOutputKind.DELTA, detokenize=False, extra_args=extra)
 
 
 def spans_to_versions(spans, n: int) -> list[int | None]:

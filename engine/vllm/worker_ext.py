@@ -268,6 +268,60 @@ class SyncdWorkerExtension:
     def syncd_version(self):
         return self._syncd().updater.version
 
+    # -- replay records (syncd.engine.vllm.recording) ------------------------------------------------------------
+
+    def syncd_replay_start(self, store: str, run_id: str, kept_tolerance=None, chunk_tokens: int = 1024,
+                           spill_dir=None, retry_s: float = 5.0) -> dict:
+        """Record the replay requests of this worker into ``store`` (a URL or path) under ``run_id`` with a
+        :class:`syncd.engine.replay.ReplayRecorder` of its own. Only the first tensor-parallel rank records (every
+        rank samples the same tokens). Returns ``{"recording": bool, "writer": str | None}``."""
+        try:
+            from vllm.distributed import get_tensor_model_parallel_rank
+
+            if getattr(self, "_syncd_tap", None) is not None:
+                raise RuntimeError("replay recording already started")
+            if get_tensor_model_parallel_rank() != 0:
+                return {"recording": False, "writer": None}
+            from syncd.engine.replay import ReplayRecorder
+            from syncd.engine.vllm.recording import ReplayTap
+
+            state = self._syncd()
+            recorder = ReplayRecorder(store, run_id, kept_tolerance=kept_tolerance, chunk_tokens=chunk_tokens,
+                                      spill_dir=spill_dir, retry_s=retry_s)
+            try:
+                self._syncd_tap = ReplayTap(self.model_runner, recorder, lambda: state.updater.version)
+            except BaseException:
+                recorder.close(timeout=5)
+                raise
+            return {"recording": True, "writer": recorder.writer}
+        except BaseException as exc:
+            return _error(exc)
+
+    def syncd_replay_flush(self, timeout: float = 60.0) -> dict:
+        """Write every buffered record (running requests' too) and wait for the store; this rank's tap counters
+        (``{}`` where it does not record). A store that still refuses raises ``ReplayUploadError`` at the front end
+        (the chunks stay queued, spilled where a spill directory was given)."""
+        tap = getattr(self, "_syncd_tap", None)
+        if tap is None:
+            return {}
+        try:
+            tap.recorder.flush(timeout)
+            return tap.stats() | {"written": len(tap.recorder.written)}
+        except BaseException as exc:
+            return _error(exc)
+
+    def syncd_replay_stop(self, timeout: float = 60.0) -> dict:
+        """Stop recording: unwrap vLLM's runner and close the recorder (flushing it)."""
+        tap, self._syncd_tap = getattr(self, "_syncd_tap", None), None
+        if tap is None:
+            return {}
+        try:
+            tap.close()
+            tap.recorder.close(timeout)
+            return tap.stats()
+        except BaseException as exc:
+            return _error(exc)
+
     def syncd_moe_consistent(self) -> bool:
         """Whether every packed expert copy equals vLLM's own packing of its logical tensor (diagnostics)."""
         for m in self._syncd().derived.moe.values():

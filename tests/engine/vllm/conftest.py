@@ -27,17 +27,19 @@ def pytest_collection_modifyitems(config, items):
 
 
 def engine_and_trainer(tmp_path_factory, arch: str, seed: int, cpu_gemm: str = "onednn", tensor_parallel: int = 1,
-                       publisher=None):
+                       publisher=None, replay=None, engine_kwargs=None):
     """A tiny model of ``arch``, its trainer (version 0 published; ``publisher``: more WeightPublisher arguments)
-    and a VLLMEngine serving version 0 with CPU linear layers ``cpu_gemm`` on ``tensor_parallel`` ranks (a
-    generator for module-scoped fixtures: the engine is closed after the module)."""
+    and a VLLMEngine serving version 0 with CPU linear layers ``cpu_gemm`` on ``tensor_parallel`` ranks, recording
+    replay records where ``replay`` (a ``ReplayConfig``) says (a generator for module-scoped fixtures: the engine
+    is closed after the module)."""
     from syncd.engine.vllm import VLLMEngine
     from syncd.store import Store
 
     model_dir = write_tiny(tmp_path_factory, arch, seed)
     trainer = Trainer(model_dir, Store(tmp_path_factory.mktemp(f"vllm-{arch}-store")), publisher=publisher)
+    kwargs = dict(engine_kwargs or {}, **({"tensor_parallel_size": tensor_parallel} if tensor_parallel > 1 else {}))
     eng = VLLMEngine(model_dir, version=0, max_model_len=512, max_num_seqs=8, cpu_gemm=cpu_gemm,
-                     engine_kwargs={"tensor_parallel_size": tensor_parallel} if tensor_parallel > 1 else None)
+                     engine_kwargs=kwargs or None, replay=replay)
     try:
         yield eng, trainer
     finally:
