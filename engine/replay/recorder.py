@@ -20,9 +20,12 @@ the weights that sampled them (``docs/trainer-replay.md``).
 
 A request's records are buffered in memory and written as one chunk when it finishes, or every
 ``chunk_tokens`` tokens while it runs. Writes run on one background thread, so the engine never waits for
-the store. A write that fails is kept and tried again (on the next write and in :meth:`flush`); nothing is
-dropped. :meth:`flush` waits for every buffered and queued chunk and raises :class:`ReplayUploadError` if any
-still cannot be written (they stay queued).
+the store. A write that fails is kept and tried again (after ``retry_s``, on the next successful write and in
+:meth:`flush`); nothing is dropped. With a ``spill_dir`` a chunk the store refused is also written at once to
+``<spill_dir>/<key>`` (create-if-absent, whole file or nothing) and removed once the store has it, so a process
+killed before the store comes back loses nothing: a recorder started on the same spill directory queues every
+chunk it finds there (any writer's; each keeps its key). :meth:`flush` waits for every buffered and queued chunk
+and raises :class:`ReplayUploadError` if any still cannot be written (they stay queued, and spilled).
 
 Thread-safety: every method may be called from any thread.
 """
@@ -30,11 +33,13 @@ Thread-safety: every method may be called from any thread.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import secrets
 import threading
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -42,7 +47,7 @@ from syncd import manifest as mf
 from syncd.errors import ObjectExists, SyncdError
 from syncd.records.replay import ReplayChunk, TokenRecord, encode_chunk
 from syncd.records.replay_kept import MAX_TOLERANCE
-from syncd.records.replay_store import chunk_key
+from syncd.records.replay_store import SUFFIX, chunk_key, replay_prefix
 from syncd.store import Store
 
 log = logging.getLogger(__name__)
@@ -66,12 +71,16 @@ class ReplayRecorder:
     """Records of one run. ``store``: URL, path or :class:`~syncd.store.Store`. ``vocab_size`` and
     ``num_experts`` (0: dense) describe the model; an engine fills them in with :meth:`configure` when they
     are not given. ``chunk_tokens``: a running request is written every that many tokens. ``kept_tolerance``
-    (``delta`` > 0, in scaled-logit units, or None): see the module docstring."""
+    (``delta`` > 0, in scaled-logit units, or None), ``spill_dir`` (a local folder, or None) and ``retry_s`` (how
+    long a refused chunk waits before the next try): see the module docstring."""
 
     def __init__(self, store, run_id: str, *, vocab_size: int | None = None, num_experts: int = 0,
-                 chunk_tokens: int = 1024, writer: str | None = None, kept_tolerance: float | None = None):
+                 chunk_tokens: int = 1024, writer: str | None = None, kept_tolerance: float | None = None,
+                 spill_dir: str | os.PathLike | None = None, retry_s: float = 5.0):
         if chunk_tokens < 1:
             raise ValueError("chunk_tokens must be at least 1")
+        if not (isinstance(retry_s, (int, float)) and retry_s > 0):
+            raise ValueError(f"retry_s must be a number > 0, got {retry_s!r}")
         if kept_tolerance is not None and not (isinstance(kept_tolerance, (int, float)) and
                                                0 < kept_tolerance <= MAX_TOLERANCE):
             raise ValueError(f"kept_tolerance must be a number in (0, {MAX_TOLERANCE}] or None, got {kept_tolerance!r}")
@@ -84,6 +93,9 @@ class ReplayRecorder:
         if not re.fullmatch(r"[0-9a-f]{16}", self.writer):
             raise ValueError("writer must be 16 lower-case hex digits")
         self.written: list[str] = []  # keys written, in order
+        self.spill_dir = None if spill_dir is None else Path(spill_dir)
+        self.retry_s = float(retry_s)
+        self.spilled: dict[str, Path] = {}  # key -> its spill file, until the store has it
         self._lock = threading.Condition()
         self._pending: dict[str, _Pending] = {}
         self._queue: deque[tuple[str, bytes]] = deque()
@@ -91,6 +103,8 @@ class ReplayRecorder:
         self._inflight = 0
         self._closed = False
         self._last_error: BaseException | None = None
+        if self.spill_dir is not None:
+            self._queue.extend(self._spilled_earlier())
         self._thread = threading.Thread(target=self._worker, name=f"replay-{run_id}", daemon=True)
         self._thread.start()
 
@@ -152,12 +166,18 @@ class ReplayRecorder:
         while True:
             with self._lock:
                 while not self._queue and not self._closed:
-                    self._lock.wait()
+                    if not self._lock.wait(self.retry_s if self._failed else None) and self._failed:
+                        self._queue.extend(self._failed)  # retry_s passed: try the refused chunks again
+                        self._failed.clear()
                 if not self._queue:
                     return
                 item = self._queue.popleft()
                 self._inflight += 1
             ok = self._put(*item)
+            if ok:
+                self._unspill(item[0])
+            elif self.spill_dir is not None and item[0] not in self.spilled:
+                self._spill(*item)
             with self._lock:
                 self._inflight -= 1
                 if ok:
@@ -184,6 +204,57 @@ class ReplayRecorder:
             self._last_error = exc
         log.warning("replay chunk %s not written (%s); kept for retry", key, self._last_error)
         return False
+
+    # ------------------------------------------------------------------------------------ spilling
+
+    def _spill(self, key: str, data: bytes) -> None:
+        """Write a refused chunk to ``<spill_dir>/<key>`` (create-if-absent via a temporary file and a link);
+        logged if the disk refuses too."""
+        path = self.spill_dir / key
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "xb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                if path.read_bytes() != data:
+                    log.error("replay chunk %s: %s holds other bytes; not spilled", key, path)
+                    return
+            self.spilled[key] = path
+            log.warning("replay chunk %s kept in %s until the store takes it", key, path)
+        except OSError as exc:
+            log.error("replay chunk %s could not be spilled to %s: %s", key, self.spill_dir, exc)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _unspill(self, key: str) -> None:
+        path = self.spilled.pop(key, None)
+        if path is not None:
+            try:
+                path.unlink()
+            except OSError as exc:
+                log.warning("replay chunk %s is in the store; its spill file %s stays: %s", key, path, exc)
+
+    def _spilled_earlier(self) -> list[tuple[str, bytes]]:
+        """The chunks an earlier recorder spilled under this run (queued again, keys unchanged)."""
+        root = self.spill_dir / replay_prefix(self.run_id)
+        found = []
+        for path in sorted(root.rglob(f"*{SUFFIX}")) if root.is_dir() else ():
+            key = path.relative_to(self.spill_dir).as_posix()
+            try:
+                found.append((key, path.read_bytes()))
+                self.spilled[key] = path
+            except OSError as exc:
+                log.error("spilled replay chunk %s cannot be read: %s", path, exc)
+        if found:
+            log.warning("%d spilled replay chunk(s) found in %s; writing them", len(found), self.spill_dir)
+        return found
+
+    # ------------------------------------------------------------------------------------ waiting
 
     def flush(self, timeout: float | None = 60.0) -> None:
         """Write every buffered request's records (running ones too) and wait until everything queued is
