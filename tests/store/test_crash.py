@@ -1,5 +1,9 @@
 """A publisher process killed with SIGKILL at random points of its upload: no reader ever sees a partial
-version, and the next publisher carries on."""
+version, and the next publisher carries on. The first three kills land on a shard write, the manifest write and the
+hint write (in a random order, each at a random occurrence, before or after the write), and each is checked: the
+child says where it died, and the store shows exactly what that point implies (a version whose manifest was not
+written is not there; one whose manifest was is there whole, and the newest version is found even when the hint
+was not updated)."""
 
 from __future__ import annotations
 
@@ -29,14 +33,21 @@ SEED = int(os.environ.get("SYNCD_TEST_SEED", "20261130"))
 
 
 def child(store: Path, states: Path, start: int, count: int, kill_at: int = 0, after: bool = False,
-          step_s: float = 0.0):
+          step_s: float = 0.0, kind: str | None = None):
     cmd = [sys.executable, "-m", "tests.store._publisher_child", str(store), RUN, str(states), str(start),
            str(count), "--step-s", str(step_s)]
     if kill_at:
         cmd += ["--kill-at", str(kill_at)] + (["--kill-after"] if after else [])
+        cmd += ["--kill-kind", kind] if kind else []
     env = dict(os.environ, SYNCD_SIGNING_KEY=KEY,
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _version_in(key: str) -> int | None:
+    """The version whose directory ``key`` is in (None for the run's hint)."""
+    parts = key.split("/")
+    return int(parts[parts.index("versions") + 1]) if "versions" in parts else None
 
 
 def check_store(store: Store, states) -> int | None:
@@ -63,17 +74,30 @@ def test_sigkill_during_upload_never_exposes_a_partial_version(tmp_path):
     store = Store(root)
     next_step, kills, first_versions = 0, [], []
 
-    # rounds 1-3: the child kills itself at a random store write (a shard, the manifest, or the hint)
-    for _ in range(3):
-        kill_at, after = rng.randint(1, 24), rng.random() < 0.5
+    # rounds 1-3: the child kills itself at a shard write, at the manifest write and at the hint write
+    kinds = ["shard", "manifest", "hint"]
+    rng.shuffle(kinds)
+    for kind in kinds:
+        kill_at, after = rng.randint(1, 6 if kind == "shard" else 3), rng.random() < 0.5
         before = syncd.latest_version(store, RUN, signing_key=KEY)
-        p = child(root, states_file, next_step, 10, kill_at, after)
+        p = child(root, states_file, next_step, 10, kill_at, after, kind=kind)
         _, err = p.communicate(timeout=120)
         assert p.returncode == -signal.SIGKILL, err.decode()[-2000:]
-        kills.append((kill_at, after))
+        said = [ln.split() for ln in err.decode().splitlines() if ln.startswith("KILL ")]
+        assert said and said[-1][:4] == ["KILL", kind, str(kill_at), "after" if after else "before"], said
+        kills.append((kind, kill_at, after, said[-1][4]))
         newest = check_store(store, states)
+        listed = {i.version for i in list_versions(store, RUN, signing_key=KEY) if i.manifest is not None}
+        killed_version = _version_in(said[-1][4])
+        if kind == "shard" or (kind == "manifest" and not after):
+            assert killed_version not in listed, (kills[-1], listed)  # never visible without its manifest
+        else:  # the manifest was written: the version is there, whole, and found even under a stale hint
+            killed_version = killed_version if kind == "manifest" else max(listed)
+            assert killed_version in listed, (kills[-1], listed)
+            assert syncd.latest_version(store, RUN, signing_key=KEY) == killed_version == max(listed)
         first_versions.append(None if before is None else before + 1)
         next_step = 0 if newest is None else newest + 1
+    assert sorted(k[0] for k in kills) == ["hint", "manifest", "shard"], kills
 
     # round 5: killed from outside at a random moment while a reader polls the run
     seen, problems, stop = [], [], threading.Event()
