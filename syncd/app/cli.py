@@ -12,6 +12,7 @@ Commands (README.md has the full table of flags and their environment variables)
     syncd gc --run-id RUN [--dry-run]    apply the retention policy
     syncd materialize --run-id RUN --out DIR [--version V] [--config-from MODEL_DIR]
                                          a version as a Hugging Face folder (from_pretrained, SGLang, evals)
+    syncd tasks qa [--out PATH]          the agent task family's verifier QA (syncd tasks --help)
     syncd keygen --out PREFIX            an Ed25519 key pair: PREFIX.key (the publisher's, mode 0600) and
                                          PREFIX.pub (for daemons, engines, readers); prints the key id
 
@@ -175,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(--weights-only: the weight-sync demo; syncd demo --help)")
     sub.add_parser("train", add_help=False,
                    help="the thin RL trainer (python -m syncd.trainer.run; syncd train --help)")
+    sub.add_parser("tasks", add_help=False, help="the agent task family and its verifier QA (syncd tasks --help)")
     sub.add_parser("serve", add_help=False,
                    help="start and supervise this node's Dynamo engine workers and frontend "
                         "(python -m syncd.engine.dynamo.serve; syncd serve --help)")
@@ -307,7 +309,7 @@ def _setup_logging(level: int, fmt: str) -> None:
     logging.basicConfig(level=level, handlers=[handler])
 
 
-_PROGRAMS = ("serve", "demo", "train")  # commands that are programs of their own, with their own flags
+_PROGRAMS = ("serve", "demo", "train", "tasks")  # commands that are programs of their own, with their own flags
 
 
 def _program_first(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
@@ -340,6 +342,10 @@ def main(argv=None) -> int:
         from syncd.trainer.run import main as train_main
 
         return train_main(argv[1:])
+    if argv[:1] == ["tasks"]:  # its own flags (syncd.app.tasks_cli)
+        from syncd.app.tasks_cli import main as tasks_main
+
+        return tasks_main(argv[1:])
     args = _resolve(parser.parse_args(argv))
     commands = {"ls": ls, "verify": verify, "gc": gc, "status": status, "daemon": _run_daemon,
                 "materialize": materialize, "keygen": _keygen}
