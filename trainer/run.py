@@ -166,20 +166,14 @@ def config_from_args(args):
 
 def _preflight(cfg) -> None:
     """What rank 0 checks before any rank starts (ConfigError naming the flag)."""
+    from syncd.errors import StoreError
     from syncd.trainer.rl.config import ConfigError
 
-    for flag, var, value in (("--store", "SYNCD_STORE", cfg.store), ("--run-id", "SYNCD_RUN_ID", cfg.run_id)):
-        if not value:
-            raise ConfigError(f"{flag} is required (or its variable, {var})")
     cfg.check()
     if cfg.plans:
         return
-    from syncd.trainer.rl.rollout_workers import ProxyError, Sampling, proxy_models
+    from syncd.trainer.rl.rollout_workers import ProxyError, proxy_models
 
-    try:
-        Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
-    except ValueError as exc:
-        raise ConfigError(f"--temperature/--top-p/--top-k: {exc}") from None
     for url in cfg.proxies:
         try:
             proxy_models(url)
@@ -187,7 +181,11 @@ def _preflight(cfg) -> None:
             raise ConfigError(f"--proxy: no engines reachable through {url}: {exc}") from None
     from syncd.versions import has_versions
 
-    if not cfg.resume and cfg.lighthouse is None and has_versions(cfg.store, cfg.run_id):
+    try:
+        taken = not cfg.resume and cfg.lighthouse is None and has_versions(cfg.store, cfg.run_id)
+    except StoreError as exc:
+        raise ConfigError(f"--store (or SYNCD_STORE): cannot list run {cfg.run_id} in {cfg.store}: {exc}") from None
+    if taken:
         raise ConfigError(f"--run-id: run {cfg.run_id} already has versions in {cfg.store}; the engines start "
                           "from version 0: use a new run id (or --resume with its --checkpoint-dir)")
 
