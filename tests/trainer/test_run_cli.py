@@ -40,14 +40,31 @@ def _run(capsys, model_dir, tmp_path, *flags, proxy=None, store=None):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--task", "bogus"], "--task: unknown task 'bogus'; choose one of letters, repeat, reverse"),
+    (["--task", "bogus"], "--task: unknown task 'bogus'; choose one of "),
     (["--max-lag", "-1"], "--max-lag: the staleness bound eta must be >= 0, got -1"),
     (["--every-k", "0"], "--every-k: K must be >= 1, got 0"),
     (["--group-size", "1"], "--group-size: a group needs >= 2 samples"),
     (["--optimizer", "sgd"], "--optimizer: unknown optimizer 'sgd'; choose one of adamw, muon"),
     (["--sync"], "--daemon-status: the synchronous baseline (--sync) waits"),
     (["--lookahead", "1"], "--lookahead: must be >= --groups-per-step (4)"),
-    (["--top-p", "0"], "--temperature/--top-p/--top-k: top_p must be in (0, 1]"),
+    (["--top-p", "0"], "--top-p: must be in (0, 1], got 0.0"),
+    (["--top-p", "nan"], "--top-p: must be in (0, 1], got nan"),
+    (["--top-k", "-1"], "--top-k: must be >= 0 (0: off), got -1"),
+    # non-finite hyper-parameters: before, --lr/--weight-decay 1e999 published NaN weights, --grad-clip nan turned
+    # clipping off, --temperature inf failed after 300 s and a negative --rollout-timeout was taken
+    (["--lr", "1e999"], "--lr: must be a finite number > 0, got inf"),
+    (["--lr", "nan"], "--lr: must be a finite number > 0, got nan"),
+    (["--weight-decay", "1e999"], "--weight-decay: must be a finite number >= 0, got inf"),
+    (["--weight-decay", "-0.1"], "--weight-decay: must be a finite number >= 0, got -0.1"),
+    (["--grad-clip", "nan"], "--grad-clip: must be a finite number >= 0 (0: off), got nan"),
+    (["--temperature", "inf"], "--temperature: must be a finite number > 0, got inf"),
+    (["--rollout-timeout", "-1"], "--rollout-timeout: must be a finite number of seconds > 0, got -1.0"),
+    (["--rollout-timeout", "nan"], "--rollout-timeout: must be a finite number of seconds > 0, got nan"),
+    (["--ft-timeout", "-5"], "--ft-timeout: must be a finite number of seconds > 0, got -5.0"),
+    # operator mistakes that ended in a traceback
+    (["--full-every", "0"], "--full-every: must be >= 1 (1: every version full), got 0"),
+    (["--run-id", "../x"], "--run-id: invalid run id '../x'"),
+    (["--proxy", "127.0.0.1:8000"], "--proxy '127.0.0.1:8000' has no scheme (did you mean http://127.0.0.1:8000?)"),
     (["--curate", "0.5,0.2"], "--curate/--curate-pool/--curate-confidence: curation band must be 0 <= low < high"),
     (["--curate", "0.05,0.5", "--curate-confidence", "0.3"], "curation confidence must be in (0.5, 1), got 0.3"),
     (["--is-band", "1.5,2"], "--is-cap/--is-band/--is-seq-band/--micro-batch: is_band must be (low, high)"),
@@ -58,6 +75,36 @@ def test_bad_settings_exit_2_naming_the_flag(capsys, model_dir, tmp_path, fronte
     rc, err = _run(capsys, model_dir, tmp_path, *flags, proxy=frontend.url)
     assert rc == 2 and message in err, err
     assert not (tmp_path / "store").exists() or not any((tmp_path / "store").rglob("manifest*"))
+
+
+@pytest.mark.parametrize("store, message", [
+    ("s4://bucket/rl", "--store (or SYNCD_STORE): unsupported store URL scheme 's4'"),
+    ("htps://bucket/rl", "--store (or SYNCD_STORE): unsupported store URL scheme 'htps'"),
+    ("s3:/bucket/rl", "--store (or SYNCD_STORE): 's3:/bucket/rl' looks like a URL missing the '//' after its scheme"),
+])
+def test_a_mistyped_store_url_exits_2_naming_the_flag(capsys, model_dir, tmp_path, frontend, store, message):
+    rc, err = _run(capsys, model_dir, tmp_path, proxy=frontend.url, store=store)
+    assert rc == 2 and message in err, err
+    assert "Traceback" not in err and not (Path.cwd() / "s3:").exists()
+
+
+def test_a_new_local_store_folder_is_created_the_publisher_owns_the_run(model_dir, tmp_path, frontend):
+    """Before, ``has_versions`` opened the store as a reader (never creating it): a brand-new ``file://`` store could
+    not be started at all. An offline run (``--plans``) reads records that must be there: its store is not created."""
+    from syncd.trainer.rl.config import ConfigError
+    from syncd.trainer.run import _preflight, config_from_args, parser
+
+    store = tmp_path / "new" / "store"
+    base = ["--model", str(model_dir), "--run-id", "rl", "--out", str(tmp_path / "out")]
+    _preflight(config_from_args(parser().parse_args([*base, "--store", store.as_uri(), "--proxy", frontend.url])))
+    assert store.is_dir()
+    plans = tmp_path / "plans.jsonl"
+    plans.write_text("{}\n")
+    missing = tmp_path / "missing"
+    with pytest.raises(ConfigError, match=r"--store \(or SYNCD_STORE\): .* does not exist"):
+        _preflight(config_from_args(parser().parse_args([*base, "--store", missing.as_uri(), "--plans", str(plans),
+                                                         "--steps", "1"])))
+    assert not missing.exists()
 
 
 def test_no_engines_reachable(capsys, model_dir, tmp_path):

@@ -6,6 +6,8 @@ Light to import (no torch): :meth:`LoopConfig.check` imports what it checks agai
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,20 +79,38 @@ class LoopConfig:
     curation: object | None = None  # a syncd.trainer.rl.curation.CurationConfig: the task sampler's difficulty filter
 
     def check(self) -> None:
-        """Raise :class:`ConfigError` naming the flag of the first bad setting."""
+        """Raise :class:`ConfigError` naming the flag of the first bad setting: a number out of range (NaN and
+        +-inf are out of every range), a run id that is not one, a proxy that is not an ``http(s)://`` URL, a store
+        URL that cannot be opened (:meth:`open_store`)."""
         from syncd.publish.shard_writer import delta_formats
         from syncd.trainer.rl.objective import LossConfig
         from syncd.trainer.optim import OPTIMIZERS
         from syncd.trainer.rl.tasks import get_task
 
+        for flag, var, value in (("--store", "SYNCD_STORE", self.store), ("--run-id", "SYNCD_RUN_ID", self.run_id)):
+            if not value:
+                raise ConfigError(f"{flag} is required (or its variable, {var})")
         rules = [(self.every_k >= 1, "--every-k", f"K must be >= 1, got {self.every_k}"),
+                 (self.full_every >= 1, "--full-every", f"must be >= 1 (1: every version full), got {self.full_every}"),
+                 (_finite(self.temperature) and self.temperature > 0, "--temperature",
+                  f"must be a finite number > 0, got {self.temperature}"),
+                 (0 < self.top_p <= 1, "--top-p", f"must be in (0, 1], got {self.top_p}"),
+                 (self.top_k >= 0, "--top-k", f"must be >= 0 (0: off), got {self.top_k}"),
+                 (_finite(self.weight_decay) and self.weight_decay >= 0, "--weight-decay",
+                  f"must be a finite number >= 0, got {self.weight_decay}"),
+                 (_finite(self.grad_clip) and self.grad_clip >= 0, "--grad-clip",
+                  f"must be a finite number >= 0 (0: off), got {self.grad_clip}"),
+                 (_finite(self.rollout_timeout_s) and self.rollout_timeout_s > 0, "--rollout-timeout",
+                  f"must be a finite number of seconds > 0, got {self.rollout_timeout_s}"),
+                 (_finite(self.ft_timeout_s) and self.ft_timeout_s > 0, "--ft-timeout",
+                  f"must be a finite number of seconds > 0, got {self.ft_timeout_s}"),
                  (self.max_lag >= 0, "--max-lag", f"the staleness bound eta must be >= 0, got {self.max_lag}"),
                  (self.steps >= 1, "--steps", f"must be >= 1, got {self.steps}"),
                  (self.group_size >= 2, "--group-size", f"a group needs >= 2 samples, got {self.group_size}"),
                  (self.groups_per_step >= 1, "--groups-per-step", f"must be >= 1, got {self.groups_per_step}"),
                  (self.lookahead is None or self.lookahead >= self.groups_per_step, "--lookahead",
                   f"must be >= --groups-per-step ({self.groups_per_step}), got {self.lookahead}"),
-                 (self.lr > 0, "--lr", f"must be > 0, got {self.lr}"),
+                 (_finite(self.lr) and self.lr > 0, "--lr", f"must be a finite number > 0, got {self.lr}"),
                  (self.threads >= 1, "--threads", f"must be >= 1, got {self.threads}"),
                  (self.optimizer in OPTIMIZERS, "--optimizer",
                   f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}"),
@@ -114,6 +134,16 @@ class LoopConfig:
         for ok, flag, msg in rules:
             if not ok:
                 raise ConfigError(f"{flag}: {msg}")
+        from syncd import manifest as mf
+        from syncd.urls import check_http_url
+
+        for flag, check in (("--run-id", lambda: mf.check_run_id(self.run_id)),
+                            ("--proxy", lambda: [check_http_url(u, "--proxy") for u in self.proxies])):
+            try:
+                check()
+            except ValueError as exc:
+                raise ConfigError(str(exc) if str(exc).startswith(flag) else f"{flag}: {exc}") from None
+        self.open_store()
         try:
             delta_formats(self.delta_format, self.sliced_tensors)
         except ValueError as exc:
@@ -135,3 +165,23 @@ class LoopConfig:
                 raise ConfigError(f"--plans: cannot read {self.plans}: {exc}") from None
             if n < self.steps:
                 raise ConfigError(f"--plans: {self.plans} holds {n} steps, --steps asks for {self.steps}")
+
+    def open_store(self):
+        """The run's :class:`~syncd.store.Store`, or :class:`ConfigError` naming ``--store``: a URL of an unknown
+        scheme, a path that looks like a mistyped URL (``s3:/bucket``), a cloud URL its client refuses. A live run
+        owns its store: a local folder not there yet is created (the publisher writes the run's first version);
+        an offline run (``plans``) reads records that must already be there."""
+        from syncd.store import Store
+
+        flag = "--store (or SYNCD_STORE)"
+        if "://" not in self.store and re.match(r"[A-Za-z][A-Za-z0-9+.-]*:", self.store):
+            raise ConfigError(f"{flag}: {self.store!r} looks like a URL missing the '//' after its scheme (use "
+                              "file://, memory://, s3://, gs:// or az://, or a plain path)")
+        try:
+            return Store.open(self.store, create=self.plans is None)
+        except (ValueError, OSError) as exc:
+            raise ConfigError(f"{flag}: {exc}") from None
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
