@@ -23,6 +23,7 @@ Contract:
 * A failure in the background is raised, as :class:`~syncd.errors.PublishError`, by the next call to
   ``publish``/``flush``/``close``; the publisher then carries on from the last committed version. A
   :class:`~syncd.errors.VersionConflict` (another publisher wrote a *valid* manifest at the same number) is final.
+  A snapshot holding NaN or +-inf is such a failure, and nothing of it is published (:mod:`syncd.publish.finite`).
 * Numbering: a publisher's first version follows the run's newest *valid* version (read, parsed and, with a key,
   verified: :func:`syncd.versions.latest_version`), never a high-water mark of manifest names, so a garbage
   manifest far ahead (``versions/999999999998/``) changes nothing; a number already taken by an unusable
@@ -52,6 +53,7 @@ import torch
 
 from syncd import manifest as mf
 from syncd.errors import ObjectExists, ObjectNotFound, PublishError, StoreError, VersionConflict
+from syncd.publish.finite import check_finite
 from syncd.publish.shard_writer import ShardWriter, delta_formats
 from syncd.publish.version_numbers import Squatted, free_number, newest_valid, usable
 from syncd.retention import RetentionPolicy, apply_retention
@@ -288,6 +290,7 @@ class WeightPublisher:
             try:
                 for ev in job.events:
                     ev.synchronize()
+                check_finite(job.snap, what=f"the weights of step {job.step}")
                 self._publish_version(job)
             except BaseException as exc:  # noqa: BLE001 -- surfaced to the trainer on its next call
                 log.error("run %s step %d: publishing failed: %s", self.run_id, job.step, exc)
@@ -421,9 +424,7 @@ def _batches(tensors: dict, elems: int):
 def _device(spec) -> torch.device:
     """``spec`` as a device with an explicit index (so that buffer layouts compare equal)."""
     dev = torch.device(spec)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    return dev
+    return torch.device("cuda", torch.cuda.current_device()) if dev.type == "cuda" and dev.index is None else dev
 
 
 def _pin(dev: torch.device, src: torch.Tensor) -> bool:

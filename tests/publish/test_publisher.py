@@ -304,3 +304,63 @@ def test_cuda_weights_are_snapshotted_and_encoded_on_the_gpu(tmp_path):
     on_gpu = syncd.materialize(tmp_path, "r", 3, signing_key=KEY, device="cuda")
     assert all(t.is_cuda for t in on_gpu.values())
     assert_same({k: v.cpu() for k, v in on_gpu.items()}, expected[3])
+
+
+@pytest.mark.parametrize("poison", ["nan", "inf", "-inf", "bf16 overflow"])
+def test_non_finite_weights_are_never_published_and_the_last_good_version_stays_newest(tmp_path, poison):
+    """A diverged trainer's weights (a real publish of a tiny Qwen2 with one poisoned value) are refused by name,
+    nothing of them reaches the store (no shard, no manifest, the hint unchanged), so an engine following the store
+    keeps the last good version; the next finite weights go out as a delta on it. Before, they were published. A
+    float32 value past bfloat16's range is refused too: the version would hold the inf the cast makes of it."""
+    from syncd.publish.finite import NonFiniteWeights
+    from syncd.versions import latest_version
+
+    model = tiny_qwen2()
+    store = Store(tmp_path)
+    pub = WeightPublisher(store, "r", signing_key=KEY, full_every=100)
+    pub.publish(model, 0)
+    good = bf16(model.state_dict())
+    pub.flush()
+    keys = sorted(o.key for o in store.list("runs/r/"))
+    name = "model.layers.1.mlp.down_proj.weight"
+    with torch.no_grad():
+        saved = model.state_dict()[name][3, 5].item()
+        model.state_dict()[name][3, 5] = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf"),
+                                          "bf16 overflow": 3.4e38}[poison]
+    assert pub.publish(model, 1)  # the snapshot is taken; the check runs before anything is encoded
+    with pytest.raises(PublishError, match=rf"non-finite weights in the weights of step 1: tensor '{name}' "
+                                           r"\(bfloat16\[\d+, \d+\]\) has 1 of \d+ values NaN or \+-inf") as err:
+        pub.flush()
+    assert isinstance(err.value.__cause__, NonFiniteWeights)
+    assert "the engines keep serving the last good version" in str(err.value)
+    assert sorted(o.key for o in store.list("runs/r/")) == keys  # nothing written, the hint included
+    assert latest_version(store, "r", signing_key=KEY) == 0
+    assert json.loads(store.get(mf.latest_hint_key("r")))["version"] == 0
+    with torch.no_grad():
+        model.state_dict()[name][3, 5] = saved
+    train_steps(model, 1)
+    assert pub.publish(model, 2)
+    pub.close()
+    assert versions(store) == [(0, "full", 0), (1, "delta", 2)]
+    assert_same(syncd.materialize(store, "r", 0, signing_key=KEY), good)
+    assert_same(syncd.materialize(store, "r", 1, signing_key=KEY), bf16(model.state_dict()))
+
+
+def test_check_finite_counts_every_slice_and_names_the_first(monkeypatch):
+    """Tensors are checked in slices (a small mask); the count and the first index span the slices; integer and
+    boolean tensors are always finite; float8 kinds without an isfinite kernel are checked too."""
+    from syncd.publish import finite
+    from syncd.publish.finite import NonFiniteWeights, check_finite
+
+    monkeypatch.setattr(finite, "SLICE_ELEMS", 7)
+    w = torch.zeros(5, 6)
+    w[2, 4], w[4, 1] = float("inf"), float("nan")
+    ok = {"i": torch.arange(10), "b": torch.ones(3, dtype=torch.bool), "e": torch.zeros(0)}
+    check_finite(ok)
+    with pytest.raises(NonFiniteWeights, match=r"tensor 'w' \(float32\[5, 6\]\) has 2 of 30 values NaN or \+-inf "
+                                               r"\(the first at flat index 16: inf\), and 1 more tensor"):
+        check_finite({**ok, "w": w, "v": torch.tensor([float("nan")])})
+    f8 = torch.zeros(4).to(torch.float8_e4m3fn)
+    check_finite({"f8": f8})
+    with pytest.raises(NonFiniteWeights, match="'f8'"):
+        check_finite({"f8": torch.tensor([0.0, float("nan")]).to(torch.float8_e4m3fn)})
