@@ -41,8 +41,9 @@ _MODULES = {
                "routing_replay"),
     "rl_state": ("LedgerError", "PromptLedger", "RestoreReport", "restore_groups"),
     "rollout_workers": ("FAILURE_KINDS", "ProxyError", "RolloutWorkers", "Sampling", "complete", "proxy_models"),
-    "rollouts": ("KeptSetError", "MissingReplayError", "NO_VERSION", "PendingKept", "RecordMismatchError", "Rollout",
-                 "RolloutError", "RolloutSequence", "RolloutSet", "RouteError", "SegmentGapError", "read_rollouts"),
+    "rollouts": ("KeptSetError", "MissingReplayError", "NO_VERSION", "NonFiniteError", "PendingKept",
+                 "RecordMismatchError", "Rollout", "RolloutError", "RolloutSequence", "RolloutSet", "RouteError",
+                 "SegmentGapError", "read_rollouts"),
     "tasks": ("DEFAULT_TASK", "RewardFn", "Sample", "TASKS", "Task", "TaskItem", "get_task", "load_reward"),
 }
 

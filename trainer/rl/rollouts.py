@@ -11,8 +11,9 @@ A trajectory record lists its turns; each turn names the engine request id of ev
 several writers and segments: a segment's tokens are the records of the engine run that started at that
 segment (``position - index`` equals the segment's first position; a killed worker's extra tokens are ignored).
 Every generated token must have its record, agreeing with the trajectory on token id, weight version and
-log-probability; its kept set must contain it (a set recorded to be rebuilt from the trainer's logits is checked when
-it is rebuilt, :mod:`syncd.trainer.rl.kept`); MoE routes must fit the model (ids ``< E``, distinct per position);
+log-probability (finite in both: a NaN or +-inf log-prob or temperature is a :class:`NonFiniteError`, so one
+poisoned record costs its group, never the run); its kept set must contain it (a set recorded to be rebuilt from the
+trainer's logits is checked when it is rebuilt, :mod:`syncd.trainer.rl.kept`); MoE routes must fit the model (ids ``< E``, distinct per position);
 segments must follow each other without a gap. Otherwise a named :class:`RolloutError` is raised (or, with
 ``on_error="drop"``, the trajectory is dropped and counted by reason): never a silent zero.
 
@@ -31,6 +32,7 @@ Thread-safety: none needed; every call reads the store afresh.
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -47,7 +49,8 @@ from syncd.store import Store
 log = logging.getLogger(__name__)
 
 __all__ = ["read_rollouts", "RolloutSet", "Rollout", "RolloutSequence", "PendingKept", "RolloutError",
-           "SegmentGapError", "MissingReplayError", "RecordMismatchError", "KeptSetError", "RouteError", "NO_VERSION"]
+           "SegmentGapError", "MissingReplayError", "RecordMismatchError", "KeptSetError", "RouteError",
+           "NonFiniteError", "NO_VERSION"]
 
 #: the version of a position that is not a generated token (or was sampled with weights of no published version)
 NO_VERSION = -1
@@ -68,6 +71,10 @@ class MissingReplayError(RolloutError):
 
 class RecordMismatchError(RolloutError):
     """The replay records and the trajectory record disagree (token id, version, log-prob, vocabulary)."""
+
+
+class NonFiniteError(RolloutError):
+    """A record holds a NaN or +-inf where a finite number is needed (a log-prob, a sampling temperature)."""
 
 
 class KeptSetError(RolloutError):
@@ -219,10 +226,12 @@ class _Builder:
         return rows
 
 
-def _temperature(turn: dict) -> float:
+def _temperature(turn: dict, where: str) -> float:
     """The sampling temperature the client asked for (the engines' default 1.0 when absent; greedy turns keep
     one token per kept set, whose log-prob is 0 at any temperature)."""
     t = (turn.get("request") or {}).get("temperature")
+    if isinstance(t, float) and not math.isfinite(t):
+        _fail(NonFiniteError, where, f"turn {turn.get('index')}: the request's temperature is {t}")
     return 1.0 if t is None or not isinstance(t, (int, float)) or t <= 0 else float(t)
 
 
@@ -245,7 +254,7 @@ def _turn(b: _Builder, store, run_id: str, turn: dict, chunks_of, vocab_size, nu
         _fail(SegmentGapError, where, f"segments cover {at} of {len(out)} output tokens")
     b.tokens = prompt + out
     b.turns.append(turn["index"])
-    b.temperature = _temperature(turn)
+    b.temperature = _temperature(turn, b.where)
     for s in segs:
         rid, origin = s["request_id"], p + s["start"]
         recs, prompt_routes = {}, []
@@ -277,6 +286,9 @@ def _turn(b: _Builder, store, run_id: str, turn: dict, chunks_of, vocab_size, nu
                 _fail(RecordMismatchError, where, f"position {pos}: the replay record has token {r.token_id} of "
                       f"version {r.version}, the trajectory token {out[i]} of version {want_v}")
             lp = turn["logprobs"][i] if i < len(turn.get("logprobs") or []) else None
+            if not math.isfinite(r.logprob) or (isinstance(lp, float) and not math.isfinite(lp)):
+                _fail(NonFiniteError, where, f"position {pos}: log-prob {r.logprob} in the replay record, {lp} in "
+                      "the trajectory: a log-prob must be finite")
             if lp is not None and abs(float(lp) - r.logprob) > LOGPROB_TOLERANCE * max(1.0, abs(r.logprob)):
                 _fail(RecordMismatchError, where, f"position {pos}: log-prob {r.logprob} in the replay record, "
                       f"{lp} in the trajectory")
@@ -366,7 +378,7 @@ def _trajectory(store, run_id: str, doc: dict, *, merge_turns: bool, vocab_size,
     for turn in doc["turns"]:
         if turn["status"] != "ok":
             continue
-        if b is None or not (merge_turns and b.extends(list(turn["prompt_token_ids"]), _temperature(turn))):
+        if b is None or not (merge_turns and b.extends(list(turn["prompt_token_ids"]), _temperature(turn, where))):
             if b is not None:
                 seqs.append(_finish(b))
             b = _Builder(where)

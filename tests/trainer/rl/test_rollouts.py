@@ -216,6 +216,35 @@ def test_mismatched_and_hostile_content_is_refused(dense_run):
         read_rollouts(store, "r", vocab_size=256)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_log_prob_or_temperature_is_refused_by_name(dense_run, bad):
+    """One NaN (or +-inf) engine log-prob used to pass every read check and raise ValueError inside the training
+    step: the run died, and every --resume put the same group back. It is refused when the record is read, as a
+    NonFiniteError naming the position (or dropped and counted), in the replay record or the trajectory, and so is a
+    non-finite sampling temperature (which JSON cannot carry: the record reader refuses it first)."""
+    from syncd.records.trajectory import RecordError
+    from syncd.trainer.rl.rollouts import NonFiniteError
+
+    store, out, lps = dense_run
+    keys = _chunk_keys(store)
+    _rewrite_chunk(store, keys[1], lambda c: setattr(c.records[2], "logprob", bad))
+    with pytest.raises(NonFiniteError, match=rf"sb/t1 turn 0: position 14: log-prob {bad} in the replay record"):
+        read_rollouts(store, "r")
+    rs = read_rollouts(store, "r", on_error="drop")
+    assert rs.dropped == {"NonFiniteError": 1} and not rs.rollouts
+    _rewrite_chunk(store, keys[1], lambda c: setattr(c.records[2], "logprob", lps[7]))
+    assert len(read_rollouts(store, "r").sequences) == 1
+    for fn in (lambda d: d["turns"][0]["logprobs"].__setitem__(7, bad),
+               lambda d: d["turns"][0]["request"].__setitem__("temperature", bad)):
+        _rewrite_record(store, fn)  # (the strict JSON reader refuses them before the rollout reader could)
+        with pytest.raises((NonFiniteError, RecordError), match="not a JSON value|overflows|must be finite") as err:
+            read_rollouts(store, "r")
+        assert read_rollouts(store, "r", on_error="drop").dropped == {type(err.value).__name__: 1}
+        _rewrite_record(store, lambda d: (d["turns"][0]["logprobs"].__setitem__(7, lps[7]),
+                                          d["turns"][0]["request"].__setitem__("temperature", 1.0)))
+        assert len(read_rollouts(store, "r").sequences) == 1
+
+
 def test_moe_routes_that_do_not_fit_the_model_are_refused(moe_dir, tmp_path):
     store = Store(tmp_path / "store")
     out, lps = _generate(moe_dir, store, "req-e", PROMPT, SP)
