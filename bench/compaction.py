@@ -184,7 +184,7 @@ class _Node:
 
 
 def run(args) -> dict:
-    from syncd.engine.dynamo.serve import Node, NodeConfig
+    from syncd.engine.dynamo.node import Node, NodeConfig
     from syncd.engine.proxy.compaction import CompactionConfig
     from syncd.trainer.rl.tasks import get_task
 

@@ -296,7 +296,7 @@ def generate(workdir: Path, store_url: str, cfg: RolloutConfig, *, run_id: str |
     """Run the rollouts (see the module docstring) in the steps above. ``store_url``: where versions, replay records
     and trajectory records go (file or S3 URL). Raises RuntimeError when a stream, an update or a process fails."""
     from syncd.procs import stop_process
-    from syncd.engine.dynamo.serve import Node, NodeConfig
+    from syncd.engine.dynamo.node import Node, NodeConfig
     from syncd.engine.reference.make_tiny import model_config
     from syncd.trainer import WeightPublisher
 

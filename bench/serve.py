@@ -256,7 +256,7 @@ def _main(argv=None) -> int:
     cfg = dict(PRESETS[args.preset])
     cfg.update({k: v for k, v in vars(args).items() if k in cfg and v is not None})
 
-    from syncd.engine.dynamo.serve import Node, NodeConfig
+    from syncd.engine.dynamo.node import Node, NodeConfig
     from syncd.engine.dynamo.settings import DynamoSettings
     from syncd.engine.reference.make_tiny import write_model
 

@@ -6,7 +6,8 @@ those variables (:meth:`DynamoSettings.environ`), so the launcher, workers, fron
 agree. Two backends:
 
 * ``file`` (default; no servers): discovery through files in ``file_kv`` (one directory shared by every
-  process of the node); request and response planes over TCP.
+  process of the node, and only by them: ``syncd serve`` gives each node its own); request and response planes
+  over TCP.
 * ``etcd``: discovery in etcd (``etcd_endpoints``), requests over NATS (``nats_server``) -- the
   production-style path across nodes.
 
@@ -123,21 +124,23 @@ class DynamoSettings:
         return out
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Add the discovery/transport flags (defaults from the ``SYNCD_DYNAMO_*`` variables)."""
+def add_arguments(p: argparse.ArgumentParser, *, file_kv_default: str | None = None) -> None:
+    """Add the discovery/transport flags (defaults from the ``SYNCD_DYNAMO_*`` variables). ``file_kv_default``:
+    what the command uses without ``--file-kv`` (shown in the help; default :func:`default_file_kv`)."""
     g = p.add_argument_group("Dynamo discovery and transport")
     g.add_argument("--discovery", choices=DISCOVERY_BACKENDS, default=os.environ.get(ENV["discovery"], "file"),
-                   help="discovery backend: file (no servers, one node) or etcd (+ NATS)")
+                   help="discovery backend: file (no servers, one node) or etcd (+ NATS) [SYNCD_DYNAMO_DISCOVERY]")
     g.add_argument("--file-kv", default=os.environ.get(ENV["file_kv"]),
-                   help=f"directory of file discovery (default {default_file_kv()})")
+                   help="directory of file discovery; processes that share it share a pool of workers "
+                        f"[SYNCD_DYNAMO_FILE_KV; default {file_kv_default or default_file_kv()}]")
     g.add_argument("--etcd-endpoints", default=os.environ.get(ENV["etcd_endpoints"]),
-                   help="etcd client URLs, comma-separated (etcd backend)")
+                   help="etcd client URLs, comma-separated (etcd backend) [SYNCD_DYNAMO_ETCD_ENDPOINTS]")
     g.add_argument("--nats-server", default=os.environ.get(ENV["nats_server"]),
-                   help="NATS server URL, nats://host:port (etcd backend)")
+                   help="NATS server URL, nats://host:port (etcd backend) [SYNCD_DYNAMO_NATS_SERVER]")
     g.add_argument("--host", default=os.environ.get(ENV["host"], "127.0.0.1"),
-                   help="address Dynamo's TCP planes and system server bind to")
+                   help="address Dynamo's TCP planes and system server bind to [SYNCD_DYNAMO_HOST]")
     g.add_argument("--namespace", default=os.environ.get(ENV["namespace"], "syncd"),
-                   help="Dynamo namespace of the workers and the frontend")
+                   help="Dynamo namespace of the workers and the frontend [SYNCD_DYNAMO_NAMESPACE]")
 
 
 def env_int(var: str):

@@ -10,7 +10,7 @@ worker's system port (``DYN_SYSTEM_PORT``)::
 
 so the node daemon drives the engine through ``syncd.engines.RemoteAdapter("http://host:system_port")``.
 The routes go through an :class:`syncd.engines.control.EngineControl`: every call must carry the node's engine
-token (``--token-file`` / ``SYNCD_ENGINE_TOKEN_FILE``) as the body member ``"auth"`` (Dynamo hands a route
+token (``--engine-token-file`` / ``SYNCD_ENGINE_TOKEN_FILE``) as the body member ``"auth"`` (Dynamo hands a route
 only its body), weight ops need the caller's lease, and with ``SYNCD_SIGNING_KEY``/``_FILE`` set the worker
 verifies every manifest's signature itself. Weight ops run one at a time on a worker thread; generation goes
 on meanwhile (``pause`` stops it between two engine steps, as the Adapter contract says). A failed op
@@ -30,17 +30,19 @@ the exit, and a frontend with ``--migration-limit`` moves them to another worker
 once. Killed without a chance to deregister (SIGKILL), the worker stays listed until its discovery lease
 expires (about 10 s with file discovery, 30 s with etcd); the frontend migrates its streams meanwhile.
 
-Registration: with ``wait_for_weights`` (``--wait-for-daemon``) the worker serves its admin routes at once but
-registers with the frontend only after the node daemon has loaded a version into the engine (it starts with
-weights of no version, so the daemon rebuilds it from the newest full version plus the deltas after it, paused
-throughout) and resumed it: a worker restarted after a crash never serves stale weights. The ready file then
-names the ``version`` it registered with.
+Registration: by default the worker starts with weights of no version, serves its admin routes at once and
+registers with the frontend only once the node daemon has loaded the newest version (its rebuild: the newest full
+version plus the deltas after it, paused throughout) and resumed it: a (re)started worker never serves stale
+weights. ``--weights-version V`` opts out: the folder's weights are run version V, registered at once (a node that
+starts with its run; ``syncd serve`` restarts a worker without it). A worker on whom no node daemon took a lease
+within :data:`UNMANAGED_WARNING_S` of registering says so (WARNING). The ready file names the registered version.
 
 Engines: ``--engine reference`` (:class:`syncd.engine.reference.ReferenceEngine`), ``--engine vllm``
 (:class:`syncd.engine.vllm.VLLMEngine`, the ``vllm`` extra; run the worker in its own session and stop it by its
 process group: vLLM's engine-core and worker processes outlive a SIGKILLed parent) or ``MODULE:FACTORY``.
 
-CLI: ``python -m syncd.engine.dynamo.worker --model DIR [--engine reference|vllm|MODULE:FACTORY] ...`` (``--help``).
+CLI: ``syncd-dynamo-worker --model DIR [--engine reference|vllm|MODULE:FACTORY] ...`` (or ``python -m
+syncd.engine.dynamo.worker``; ``--help``). A taken ``--system-port`` is refused (exit 2) before the model loads.
 """
 
 from __future__ import annotations
@@ -56,8 +58,9 @@ import sys
 import uuid
 from pathlib import Path
 
+from syncd.cli_help import HelpFormatter
 from syncd.engine.dynamo import protocol
-from syncd.engine.dynamo.procs import MAX_SYSTEM_PORT
+from syncd.engine.dynamo.procs import MAX_SYSTEM_PORT, port_taken
 from syncd.engine.dynamo.settings import DynamoSettings, add_arguments, from_args
 
 log = logging.getLogger(__name__)
@@ -65,6 +68,8 @@ log = logging.getLogger(__name__)
 __all__ = ["DynamoWorker", "main", "build_engine", "WEIGHT_ROUTE_PREFIX"]
 
 WEIGHT_ROUTE_PREFIX = "weights/"
+#: seconds a registered worker waits for a node daemon's lease before it warns that nobody manages its weights
+UNMANAGED_WARNING_S = 60.0
 
 
 class DynamoWorker:
@@ -73,8 +78,9 @@ class DynamoWorker:
     ``engine``: implements ``syncd.engines.Adapter`` and ``syncd.engines.Generator``. ``model_dir``: the folder the
     frontend reads the tokenizer, chat template and config from. ``served_name``: the OpenAI model name.
     ``default_max_tokens``: for requests without ``max_tokens``. ``drain_timeout_s``: how long a stopping
-    worker lets in-flight requests finish. ``ready_file``: written (atomically, JSON ``{"pid",
-    "system_port", "instance_id", "endpoint"}``) once the worker is reachable through discovery.
+    worker lets in-flight requests finish. ``ready_file``: written (atomically, JSON ``{"pid", "system_port",
+    "instance_id", "endpoint"}``) once the worker is reachable through discovery. ``wait_for_weights``: register
+    once the engine holds a version and is not paused (at once for an engine built with a version).
 
     The instance is used from its runtime's event loop only (:meth:`run`); the engine's own threads are the
     engine's business (its ``generate`` is usable from any loop)."""
@@ -84,7 +90,7 @@ class DynamoWorker:
                  default_max_tokens: int = protocol.DEFAULT_MAX_TOKENS, drain_timeout_s: float = 30.0,
                  ready_file: str | os.PathLike | None = None, context_length: int | None = None,
                  token: str | None = None, run_id: str | None = None, signing_key=None,
-                 wait_for_weights: bool = False):
+                 wait_for_weights: bool = True):
         from syncd.engines.control import EngineControl
         from syncd.engine_token import load_or_create
 
@@ -201,20 +207,32 @@ class DynamoWorker:
                              runtime_config=config)
         runtime.set_health_status(True)
         announce = asyncio.ensure_future(self._announce())
+        watch = asyncio.ensure_future(self._warn_if_unmanaged())
         try:
             await self.endpoint.serve_endpoint(self.generate, graceful_shutdown=True)
         finally:
             announce.cancel()
+            watch.cancel()
         log.info("worker %s stopped after %d requests", self.endpoint_path, self.requests_served)
 
     async def _wait_for_weights(self, interval_s: float = 0.05) -> None:
         """Until the engine holds a version and is not paused (the daemon's rebuild resumes it at its end)."""
-        log.info("holding registration until the node daemon has loaded weights")
+        if self.engine.version is None:
+            log.info("holding registration until the node daemon has loaded weights (give it this worker's "
+                     "admin URL)")
         while self.engine.version is None or getattr(self.engine, "paused", False):
             if self._stopping:
                 return
             await asyncio.sleep(interval_s)
         log.info("engine holds version %s; registering with the frontend", self.engine.version)
+
+    async def _warn_if_unmanaged(self) -> None:
+        """WARNING when no node daemon took a lease within :data:`UNMANAGED_WARNING_S` of the registration."""
+        await asyncio.sleep(UNMANAGED_WARNING_S)
+        if self.control.state()["lease"] is None:
+            log.warning("no node daemon has taken this worker's lease %.0f s after it registered: it serves "
+                        "version %s of the folder's weights and nothing keeps them current", UNMANAGED_WARNING_S,
+                        self.engine.version)
 
     async def _announce(self) -> None:
         """Write the ready file once this instance is visible through discovery."""
@@ -328,8 +346,9 @@ def _context_length(model_dir) -> int | None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m syncd.engine.dynamo.worker",
-                                description="Serve an engine as an NVIDIA Dynamo worker.")
+    p = argparse.ArgumentParser(prog="syncd-dynamo-worker", formatter_class=HelpFormatter,
+                                description="Serve an engine as an NVIDIA Dynamo worker (python -m "
+                                            "syncd.engine.dynamo.worker; syncd serve starts and supervises them).")
     p.add_argument("--model", required=True, help="model folder (config.json, tokenizer, weights)")
     p.add_argument("--served-model-name", default=None, help="OpenAI model name (default: the folder's name)")
     p.add_argument("--engine", default=os.environ.get("SYNCD_DYNAMO_ENGINE", "reference"),
@@ -339,15 +358,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--system-port", type=int, default=None,
                    help="admin/health port (DYN_SYSTEM_PORT; 0 or unset: Dynamo's choice)")
     p.add_argument("--weights-version", type=int, default=None,
-                   help="the run version the folder's weights are (default: none; the daemon loads one)")
+                   help="the run version the folder's weights are: register at once and serve them (a node that "
+                        "starts with its run). Default: start with weights of no version and register only once "
+                        "the node daemon has loaded the newest one")
     p.add_argument("--replay-store", default=None, help="store URL for replay records (needs --run-id)")
     p.add_argument("--run-id", default=os.environ.get("SYNCD_RUN_ID"), help="run id of the replay records")
     p.add_argument("--replay-kept-tolerance", type=float, default=None,
                    help="record kept sets the trainer can rebuild from its logits within this tolerance (scaled "
                         "logits; docs/replay-format.md); default: list every set")
-    p.add_argument("--wait-for-daemon", action="store_true",
-                   help="start with weights of no version and register with the frontend only once the node "
-                        "daemon has loaded one (a restarted worker never serves stale weights)")
     p.add_argument("--max-batch", type=int, default=8, help="requests running at once")
     p.add_argument("--max-model-len", type=int, default=None, help="vLLM's max_model_len (default: the model's)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM's tensor-parallel ranks (--engine vllm)")
@@ -355,10 +373,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--default-max-tokens", type=int, default=protocol.DEFAULT_MAX_TOKENS)
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on stop")
     p.add_argument("--ready-file", default=None, help="write {pid, instance_id, system_port} here when up")
-    p.add_argument("--token-file", default=None,
+    p.add_argument("--engine-token-file", default=None,
                    help="the node's engine control token, created if missing [SYNCD_ENGINE_TOKEN_FILE; "
                         "default ~/.config/syncd/engine-token]")
-    p.add_argument("--log-level", default=os.environ.get("SYNCD_LOG_LEVEL", "WARNING"))
+    p.add_argument("--log-level", default=os.environ.get("SYNCD_LOG_LEVEL", "WARNING"), help="[SYNCD_LOG_LEVEL]")
     add_arguments(p)
     return p
 
@@ -372,13 +390,14 @@ def main(argv=None) -> int:
     except ValueError as exc:
         print(f"syncd.engine.dynamo.worker: {exc}", file=sys.stderr)
         return 2
-    if args.wait_for_daemon and args.weights_version is not None:
-        print("syncd.engine.dynamo.worker: --wait-for-daemon starts with weights of no version; drop --weights-version",
-              file=sys.stderr)
-        return 2
     if args.system_port is not None and not 0 <= args.system_port <= MAX_SYSTEM_PORT:
         print(f"syncd.engine.dynamo.worker: --system-port must be 0..{MAX_SYSTEM_PORT} (Dynamo 1.6 reads it as a "
               "signed 16-bit number)", file=sys.stderr)
+        return 2
+    taken = args.system_port and port_taken(settings.host, args.system_port)
+    if taken:  # before the model loads, which takes long
+        print(f"syncd.engine.dynamo.worker: --system-port {args.system_port}: cannot listen on {settings.host}:"
+              f"{args.system_port} ({taken}); pick another, or 0", file=sys.stderr)
         return 2
     if args.tensor_parallel_size < 1 or (args.tensor_parallel_size > 1 and args.engine != "vllm"):
         print("syncd.engine.dynamo.worker: --tensor-parallel-size must be 1, or more with --engine vllm", file=sys.stderr)
@@ -395,7 +414,7 @@ def main(argv=None) -> int:
     from syncd.signing import key_from_env
 
     try:
-        token, key = load_or_create(args.token_file), key_from_env()
+        token, key = load_or_create(args.engine_token_file), key_from_env()
     except ValueError as exc:
         print(f"syncd.engine.dynamo.worker: {exc}", file=sys.stderr)
         return 2
@@ -408,8 +427,7 @@ def main(argv=None) -> int:
                           default_max_tokens=args.default_max_tokens, drain_timeout_s=args.drain_timeout,
                           ready_file=args.ready_file, context_length=_context_length(args.model),
                           token=token, signing_key=key if key else False,
-                          run_id=args.run_id if args.weights_version is not None else None,
-                          wait_for_weights=args.wait_for_daemon)
+                          run_id=args.run_id if args.weights_version is not None else None)
 
     async def run():
         from dynamo.runtime import DistributedRuntime

@@ -83,7 +83,7 @@ class RLStack:
         say = say or (lambda text: log.info("%s", text))
         say(f"writing a tiny random-init {self.config.arch} model (hidden {self.config.hidden}, "
             f"{self.config.layers} layers) and starting the Dynamo frontend and {self.config.engines} engine workers")
-        from syncd.engine.dynamo.serve import Node, NodeConfig
+        from syncd.engine.dynamo.node import Node, NodeConfig
         from syncd.engine.reference.make_tiny import write_model
 
         cfg = self.config
@@ -189,8 +189,8 @@ class RLStack:
         for name, p in (("proxy", self.proxy), ("daemon", self.daemon)):
             if p is not None and p.poll() is not None:
                 return f"the {name} exited with status {p.returncode}: {self.log_tail(name)}"
-        if self.node is not None and self.node._failed:
-            return f"the node failed: {self.node._failed}"
+        if self.node is not None and self.node.failed:
+            return f"the node failed: {self.node.failed}"
         return None
 
     def trainer_argv(self, *extra: str) -> list[str]:

@@ -24,7 +24,7 @@ import uuid
 from pathlib import Path
 
 from syncd.procs import wait_until
-from syncd.engine.dynamo.serve import Node, NodeConfig
+from syncd.engine.dynamo.node import Node, NodeConfig
 from syncd.engine.dynamo.settings import DynamoSettings
 from tests.dynamo._client import post_json, post_stream
 
@@ -126,7 +126,7 @@ def main(argv=None) -> int:
         cfg = NodeConfig(model=write_model(root / "tiny", arch="qwen2", seed=3), run_dir=root / "node", workers=2,
                          frontend=True, settings=settings,
                          worker_args=("--weights-version", "0", "--drain-timeout", "60"),
-                         restart_limit=2 * args.runs + 2, startup_timeout_s=240)
+                         restart_limit=2 * args.runs + 2, startup_timeout_s=240, managed=False)
         node = Node(cfg).start()
         node.supervise(background=True)
         try:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from syncd.procs import free_port, http_json, stop_process, wait_until
-from syncd.engine.dynamo.serve import Node, NodeConfig
+from syncd.engine.dynamo.node import Node, NodeConfig
 from syncd.engine.dynamo.settings import DynamoSettings
 from syncd.records.trajectory import read_record, replay_tokens
 from syncd.engines.update import Update
@@ -77,7 +77,7 @@ def cluster(model_dir, tmp_path_factory):
                      settings=DynamoSettings(file_kv=root / "kv", namespace=f"t{uuid.uuid4().hex[:8]}"),
                      worker_args=("--weights-version", "0", "--replay-store", store_url, "--run-id", RUN_ID,
                                   "--drain-timeout", "30"),
-                     startup_timeout_s=240)
+                     startup_timeout_s=240, managed=False)  # no daemon here: a restarted worker serves version 0
     node = Node(cfg).start()
     node.supervise(background=True)
     proxy = None

@@ -10,7 +10,7 @@ import uuid
 import pytest
 
 from syncd.procs import wait_until
-from syncd.engine.dynamo.serve import Node, NodeConfig
+from syncd.engine.dynamo.node import Node, NodeConfig
 from syncd.engine.dynamo.settings import DynamoSettings
 from tests.dynamo._client import finish_reason, post_stream
 from tests.dynamo._dying_engine import DIE_SEED
@@ -21,7 +21,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 def test_death_after_the_last_token_ends_the_stream_normally(model_dir, tmp_path):
     cfg = NodeConfig(model=model_dir, run_dir=tmp_path / "node", workers=2, frontend=True, migration_limit=3,
                      settings=DynamoSettings(file_kv=tmp_path / "kv", namespace=f"t{uuid.uuid4().hex[:8]}"),
-                     worker_args=("--engine", "tests.dynamo._dying_engine:make"), startup_timeout_s=240)
+                     worker_args=("--engine", "tests.dynamo._dying_engine:make", "--weights-version", "0"),
+                     startup_timeout_s=240, managed=False)  # no daemon: workers serve the folder's weights
     node = Node(cfg).start()
     node.supervise(background=True)
     try:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import openai  # the official client (the test extra): missing, the test fails rather than skips
 import pytest
 
-from syncd.engine.dynamo.serve import Node, NodeConfig
+from syncd.engine.dynamo.node import Node, NodeConfig
 from syncd.records.trajectory import read_record
 from tests.dynamo._client import get_json, post_json
 from tests.dynamo.conftest import RUN_ID, start_proxy

@@ -1,5 +1,5 @@
 """The recovery path end to end under ``syncd serve``'s node (``syncd.engine.dynamo.serve.Node``): a real frontend, two
-workers (``--wait-for-daemon``) and a real node daemon driving them through their admin routes, following a run a
+workers (started without ``--weights-version``: they wait for the daemon) and a real node daemon driving them through their admin routes, following a run a
 real trainer publishes (AdamW steps, ``WeightPublisher``).
 
 1. The workers come up with weights of no version; the daemon rebuilds each from the newest full version plus
@@ -25,7 +25,7 @@ import pytest
 
 from syncd.engine.dynamo.procs import MAX_SYSTEM_PORT
 from syncd.procs import wait_until
-from syncd.engine.dynamo.serve import Node, NodeConfig
+from syncd.engine.dynamo.node import Node, NodeConfig
 from syncd.engine.dynamo.settings import DynamoSettings
 from syncd.engines.client import RemoteAdapter
 from syncd.engines.params import expected_checksums
@@ -106,7 +106,7 @@ def test_sigkilled_worker_is_restarted_rebuilt_and_routed_to_only_once_current(e
         trainer.step()  # versions 0 (full), 1, 2
     token_file = tmp_path / "engine-token"
     base = _two_free_ports()
-    extra = ("--engine", engine, "--wait-for-daemon", "--token-file", str(token_file), "--drain-timeout", "5")
+    extra = ("--engine", engine, "--engine-token-file", str(token_file), "--drain-timeout", "5")
     if engine == "vllm":
         extra += ("--max-model-len", "1024")
     cfg = NodeConfig(model=model_dir, run_dir=tmp_path / "node", workers=2, frontend=True, migration_limit=3,

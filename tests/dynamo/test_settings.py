@@ -1,4 +1,4 @@
-"""Discovery/transport settings and the launcher's argument checks (no processes)."""
+"""Discovery/transport settings and the launcher's argument checks (no Dynamo processes)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from syncd.engine.dynamo import serve
+from syncd.engine.dynamo.node import Node, NodeConfig
 from syncd.engine.dynamo.settings import DynamoSettings, add_arguments, from_args
 
 
@@ -73,7 +74,7 @@ def test_vllm_workers_get_cores_of_their_own(tmp_path, monkeypatch):
     cores = sorted(os.sched_getaffinity(0))
 
     def envs(workers, args):
-        node = serve.Node(serve.NodeConfig(model=tmp_path, run_dir=tmp_path / "n", workers=workers, worker_args=args))
+        node = Node(NodeConfig(model=tmp_path, run_dir=tmp_path / "n", workers=workers, worker_args=args))
         return [node._worker_env(i) for i in range(workers)]
 
     two = envs(2, ("--engine", "vllm"))
@@ -84,3 +85,61 @@ def test_vllm_workers_get_cores_of_their_own(tmp_path, monkeypatch):
     assert envs(len(cores) + 1, ("--engine", "vllm")) == [{}] * (len(cores) + 1)
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
     assert envs(2, ("--engine", "vllm")) == [{}, {}]
+
+
+@pytest.fixture
+def model_folder(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    return tmp_path / "model"
+
+
+def test_a_taken_http_port_is_refused_at_once_naming_it(model_folder, tmp_path, capsys):
+    """Nothing starts (no worker, no "node up" ready file, no restart loop): the flag and the port are named."""
+    import socket
+    import time
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        t0 = time.monotonic()
+        rc = serve.main(["--model", str(model_folder), "--frontend", "--http-port", str(port), "--run-dir",
+                         str(tmp_path / "run"), "--ready-file", str(tmp_path / "node.json")])
+        took = time.monotonic() - t0
+    err = capsys.readouterr().err
+    assert rc == 2 and f"--http-port {port}" in err and "in use" in err, err
+    assert not (tmp_path / "node.json").exists() and not list((tmp_path / "run").glob("*.log"))
+    assert took < 10, took  # no process was started (a worker alone takes longer to import torch)
+
+
+def test_a_taken_system_port_base_is_refused_naming_it(model_folder, tmp_path, capsys):
+    import socket
+
+    from syncd.engine.dynamo.procs import MAX_SYSTEM_PORT
+    from syncd.procs import free_port
+
+    with socket.socket() as busy:
+        port = free_port(below=MAX_SYSTEM_PORT)
+        busy.bind(("127.0.0.1", port))
+        busy.listen()
+        rc = serve.main(["--model", str(model_folder), "--workers", "1", "--system-port-base", str(port),
+                         "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"--system-port-base {port}" in err, err
+
+
+def test_a_restarted_worker_argv_has_no_weights_version():
+    """(tests/dynamo/test_serve_node.py restarts a real one under a daemon.)"""
+    from syncd.engine.dynamo.node import _without_weights_version
+
+    argv = ["python", "-m", "w", "--weights-version", "3", "--run-id", "r", "--weights-version=4", "--x"]
+    assert _without_weights_version(argv) == ["python", "-m", "w", "--run-id", "r", "--x"]
+
+
+def test_serve_help_shows_defaults_and_its_own_name(capsys):
+    with pytest.raises(SystemExit):
+        serve.main(["--help"])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: syncd serve ") and "python -m" not in out.splitlines()[0]
+    assert "(default: 1)" in out and "(default: 5)" in out and "<run dir>/discovery" in out and "--unmanaged" in out

@@ -39,8 +39,6 @@ def test_bad_arguments_exit_2(model_dir, capsys):
     assert worker.main(["--model", str(model_dir), "--discovery", "etcd"]) == 2
     assert worker.main(["--model", str(model_dir), "--engine", "no.such.module:make"]) == 2
     assert "cannot build the engine" in capsys.readouterr().err
-    assert worker.main(["--model", str(model_dir), "--wait-for-daemon", "--weights-version", "0"]) == 2
-    assert "drop --weights-version" in capsys.readouterr().err
     assert worker.main(["--model", str(model_dir), "--engine", "vllm", "--replay-store", "/tmp/x", "--run-id", "r"]) == 2
     assert "Model Runner V2" in capsys.readouterr().err
     assert worker.main(["--model", str(model_dir), "--tensor-parallel-size", "2"]) == 2  # the reference engine
@@ -87,3 +85,28 @@ def test_a_migration_with_no_tokens_left_ends_at_once(model_dir):
         assert not protocol.nothing_left({"token_ids": "1", "stop_conditions": {"max_tokens": 0}})
     finally:
         ref.close()
+
+
+def test_a_taken_system_port_is_named_before_the_model_loads(capsys, tmp_path):
+    """The worker checks its --system-port before it builds the engine (which would take long): the model folder
+    here does not even exist, and the port is what is refused."""
+    import socket
+
+    from syncd.engine.dynamo.procs import MAX_SYSTEM_PORT
+    from syncd.procs import free_port
+
+    with socket.socket() as busy:
+        port = free_port(below=MAX_SYSTEM_PORT)
+        busy.bind(("127.0.0.1", port))
+        busy.listen()
+        rc = worker.main(["--model", str(tmp_path / "no-model"), "--system-port", str(port)])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"--system-port {port}" in err and "in use" in err, err
+
+
+def test_worker_help_uses_the_installed_name_and_shows_defaults(capsys):
+    with pytest.raises(SystemExit):
+        worker.main(["--help"])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: syncd-dynamo-worker ") and "(default: 8)" in out and "--engine-token-file" in out
+    assert "--wait-for-daemon" not in out and "--token-file " not in out  # the default now; one name each

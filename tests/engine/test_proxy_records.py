@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 @pytest.fixture(scope="module")
 def frontend(tmp_path_factory):
     """``(frontend URL, model name, store URL, workdir)`` of one node: a frontend and one worker."""
-    from syncd.engine.dynamo.serve import Node, NodeConfig
+    from syncd.engine.dynamo.node import Node, NodeConfig
     from syncd.engine.reference.make_tiny import write_model
 
     root = tmp_path_factory.mktemp("proxy-records")

@@ -32,7 +32,7 @@ WINDOW = 128
 @pytest.fixture(scope="module")
 def node(tmp_path_factory):
     """``(frontend URL, model name, model folder, store URL)``: one worker whose model has 128 positions."""
-    from syncd.engine.dynamo.serve import Node, NodeConfig
+    from syncd.engine.dynamo.node import Node, NodeConfig
     from syncd.engine.reference.make_tiny import write_model
 
     root = tmp_path_factory.mktemp("compaction")
