@@ -195,13 +195,18 @@ class NodeDaemon:
         self._stop, self._wake = asyncio.Event(), asyncio.Event()
         if self.newest is not None:
             self._wake.set()
+        self.status.claim(self.cache.root)  # one daemon per cache directory and status file (DaemonLockHeld)
         handlers = threading.current_thread() is threading.main_thread()
         if handlers:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.request_stop)
         self.cache.clean_tmp()
         if self.config.metrics_port is not None:
-            self.metrics_url = self.metrics.serve(self.config.metrics_port, self.config.metrics_addr)
+            try:
+                self.metrics_url = self.metrics.serve(self.config.metrics_port, self.config.metrics_addr)
+            except BaseException:
+                self.status.release()
+                raise
         self.status.set(state="running", metrics_url=self.metrics_url)
         self._write_status(force=True)
         poller = None
@@ -261,6 +266,7 @@ class NodeDaemon:
                 self._status_due.cancel()
                 self._status_due = None
             self._write_status(force=True)
+            self.status.release()
             self.metrics.close()
             log.info("run %s: daemon stopped", self.run_id)
 

@@ -13,11 +13,18 @@ at most every ``StatusBoard.min_interval_s`` (a change inside that interval is w
      "totals": {counter: number}, "updates": [{"version", "kind", "bytes", "download_s", "stage_s",
      "pause_s": {engine: s}, "noticed_at", "done_at", "created_at"}, ...]  (newest last, at most 200)}
 
+One daemon at a time: :meth:`StatusBoard.claim` (the daemon's first act when it runs) takes an exclusive lock on
+its cache directory (``daemon.lock`` in it) and on its status file (``<status file>.lock``), held until
+:meth:`StatusBoard.release` or the process ends; a second daemon on either is refused with
+:class:`DaemonLockHeld` naming the holder (pid, run, since when), instead of the two rewriting one status file in
+turn (``syncd status`` would flip between them) and cleaning each other's cache.
+
 Thread-safe (one lock); writing never raises (a failed write is logged).
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -38,6 +45,10 @@ def default_status_file(cache_dir: Path, run_id: str) -> Path:
     return Path(cache_dir, f"status-{run_id}.json")
 
 
+class DaemonLockHeld(ValueError):
+    """Another daemon holds the cache directory or the status file (the message names it)."""
+
+
 class StatusBoard:
     """The daemon's state, mirrored to ``path``. ``min_interval_s``: the least time between two unforced writes."""
 
@@ -51,6 +62,39 @@ class StatusBoard:
                      "store_error": None, "engines": {}, "totals": {}, **fields}
         self._updates: deque = deque(maxlen=MAX_UPDATES)
         self._last_write = 0.0
+        self._held: list[int] = []  # file descriptors of the locks claim() took
+
+    def claim(self, cache_dir: Path) -> None:
+        """Lock ``cache_dir`` and this status file for this daemon (see the module docstring); raises
+        :class:`DaemonLockHeld` naming the daemon that holds one. Idempotent."""
+        if self._held:
+            return
+        what = {Path(cache_dir, "daemon.lock"): f"the cache directory {cache_dir}",
+                self.path.with_name(self.path.name + ".lock"): f"the status file {self.path}"}
+        holder = json.dumps({"pid": os.getpid(), "run_id": self._doc.get("run_id"), "status_file": str(self.path),
+                             "since": time.time()})
+        try:
+            for path, name in what.items():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    os.close(fd)
+                    raise DaemonLockHeld(f"{name} is in use by another syncd daemon ({_holder(path)}): one daemon "
+                                         "per cache directory and status file; give this one its own --cache-dir "
+                                         "(and --status-file), or stop that one") from None
+                self._held.append(fd)
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, holder.encode(), 0)
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        """Give up the locks :meth:`claim` took (a later daemon may take them)."""
+        while self._held:
+            os.close(self._held.pop())  # closing the descriptor drops its lock
 
     def set(self, **fields) -> None:
         with self._lock:
@@ -93,6 +137,16 @@ class StatusBoard:
         except OSError as exc:
             log.warning("cannot write status file %s: %s", self.path, exc)
         return True
+
+
+def _holder(lock_file: Path) -> str:
+    """Who holds ``lock_file``, as its holder wrote it: ``pid 123, run r, since 2024-...``."""
+    try:
+        doc = jsonsafe.loads(lock_file.read_bytes(), what=str(lock_file), max_bytes=4096, max_depth=2)
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(doc["since"])))
+        return f"pid {doc['pid']}, run {doc['run_id']}, status file {doc['status_file']}, since {since}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"its lock file {lock_file} names none"
 
 
 def read_status(path: Path) -> dict:
