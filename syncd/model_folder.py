@@ -131,13 +131,17 @@ def write_folder(weights: dict, out, files: dict[str, bytes], *, max_shard_bytes
     folder at ``out``, which must not exist or be empty. One ``model.safetensors`` when the weights fit in
     ``max_shard_bytes``, else ``model-0000N-of-0000M.safetensors`` shards in ``weights`` order with
     ``model.safetensors.index.json``. Written into a sibling temporary folder and renamed into place, so ``out``
-    is either complete or absent. Returns the weight files written. Raises ``ValueError`` (no config, ``out``
-    not empty) and ``OSError``."""
+    is either complete or absent; the folder and its files get the modes a new folder and file get under the
+    process's umask (not the temporary folder's 0700). ``config.json`` is written with the weights' dtype
+    (``torch_dtype``, and ``dtype`` where it has one: a trainer's fp32 config says bfloat16 for the bf16 weights a
+    run publishes). Returns the weight files written. Raises ``ValueError`` (no config, ``out`` not empty) and
+    ``OSError``."""
     from safetensors.torch import save_file
 
     out = Path(out)
     if "config.json" not in files:
         raise ValueError("no config.json for the folder")
+    files = {**files, "config.json": _config_with_dtype(files["config.json"], weights)}
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"--out {out}: exists and is not an empty directory (nothing was written)")
     groups, size = [[]], 0
@@ -162,6 +166,10 @@ def write_folder(weights: dict, out, files: dict[str, bytes], *, max_shard_bytes
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         for name, data in files.items():
             (tmp / name).write_bytes(data)
+        mask = _umask()
+        for f in tmp.iterdir():
+            f.chmod(0o666 & ~mask)
+        tmp.chmod(0o777 & ~mask)
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)
@@ -169,6 +177,40 @@ def write_folder(weights: dict, out, files: dict[str, bytes], *, max_shard_bytes
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return [out / n for n in names]
+
+
+def _config_with_dtype(config: bytes, weights: dict) -> bytes:
+    """``config.json`` naming the dtype most of ``weights``' floating-point bytes are in (unchanged when it is not
+    a JSON object or the weights hold no floating-point tensor)."""
+    sizes: dict = {}
+    for t in weights.values():
+        if t.is_floating_point():
+            sizes[t.dtype] = sizes.get(t.dtype, 0) + t.numel() * t.element_size()
+    try:
+        doc = json.loads(config)
+    except ValueError:
+        return config
+    if not sizes or not isinstance(doc, dict):
+        return config
+    name = str(max(sizes, key=sizes.get)).removeprefix("torch.")
+    keys = [k for k in ("torch_dtype", "dtype") if k in doc] or ["torch_dtype"]
+    if all(doc.get(k) == name for k in keys):
+        return config
+    doc.update({k: name for k in keys})
+    return (json.dumps(doc, indent=2, sort_keys=False) + "\n").encode()
+
+
+def _umask() -> int:
+    """This process's umask (read from /proc where it can be, so no other thread sees it changed)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def materialize_folder(store, run_id: str, version: int | None, out, *, config_from=None, signing_key=None,

@@ -33,7 +33,8 @@ import os
 import sys
 from pathlib import Path
 
-from syncd.app.commands import gc, ls, materialize, need_run, open_store, size, status, value, verify
+from syncd.app.commands import check_writable, gc, ls, materialize, need_run, open_store, size, status, value, verify
+from syncd.engine.dynamo.procs import port_taken
 from syncd.errors import SyncdError
 
 log = logging.getLogger("syncd.app.cli")
@@ -159,9 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Weight versions in object storage, and the node daemon that keeps engines on the newest one "
                     "(run without a command: the daemon). Every flag also reads a SYNCD_* variable (named in "
                     "brackets); a flag given wins.")
+    from syncd import __version__
+
+    parser.add_argument("--version", action="version", version=f"syncd {__version__}",
+                        help="print syncd's version and exit")
     _common(parser)
     _daemon_flags(parser)
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", prog="syncd")
     p = sub.add_parser("daemon", help="the node daemon (the same as giving no command)",
                        usage="syncd daemon --run-id RUN --engine [NAME=]URL ... [options]")
     _common(p)
@@ -241,6 +246,13 @@ def _daemon_config(args):
     specs = tuple(value(args, "engine", lambda _, e=e, i=i: EngineSpec.parse(e, i),
                         f"[NAME=]http://HOST:PORT (in {e!r})") for i, e in enumerate(engines))
     port = str(args.metrics_port).strip()
+    metrics_port = value(args, "metrics_port", int, "a port number") if port else None
+    taken = metrics_port and port_taken(args.metrics_addr, metrics_port)
+    if taken:
+        raise ValueError(f"{args.source_of['metrics_port']}={metrics_port}: the metrics server cannot listen on "
+                         f"{args.metrics_addr}:{metrics_port} ({taken}); pick another port, 0 for a free one")
+    if args.cache_dir:
+        check_writable(args.cache_dir, args.source_of["cache_dir"], folder=True)
     what = "a size (e.g. 16G, 500M, 1073741824)"
     return DaemonConfig(
         run_id=need_run(args), store_url=args.store,
@@ -250,7 +262,7 @@ def _daemon_config(args):
         poll_interval_s=value(args, "poll_interval", float), poll_jitter=value(args, "poll_jitter", float),
         backoff_max_s=value(args, "backoff_max", float), engine_check_s=value(args, "engine_check", float),
         download_concurrency=value(args, "download_concurrency", int, "an integer"),
-        metrics_port=value(args, "metrics_port", int, "a port number") if port else None,
+        metrics_port=metrics_port,
         metrics_addr=args.metrics_addr, status_file=Path(args.status_file) if args.status_file else None,
         engine_lease_s=value(args, "engine_lease", float),
         engine_scrub_bytes=value(args, "engine_scrub_bytes", size, what),

@@ -14,7 +14,7 @@ from pathlib import Path
 from syncd import manifest as mf
 from syncd.errors import SyncdError
 
-__all__ = ["value", "size", "signing", "open_store", "need_run", "status", "cluster_lines", "ls", "verify", "gc",
+__all__ = ["value", "size", "check_writable", "signing", "open_store", "need_run", "status", "cluster_lines", "ls", "verify", "gc",
            "materialize", "unknown_run"]
 
 
@@ -26,6 +26,26 @@ def value(args, dest: str, conv, what: str = "a number"):
     except (TypeError, ValueError):
         where = getattr(args, "source_of", {}).get(dest, "--" + dest.replace("_", "-"))
         raise ValueError(f"{where}={raw!r} is not {what}") from None
+
+
+def check_writable(path, flag: str, *, folder: bool = False) -> Path:
+    """``path`` (a file a flag names, written later; with ``folder``, a folder files are written into) resolved;
+    ``ValueError`` naming ``flag`` and ``path`` at once when it cannot be written: a file that is a folder, or a
+    folder that cannot be made or written to (the work must not be done for nothing, nor end in a hidden temp
+    path's error). Makes the folders on the way."""
+    import tempfile
+
+    out = Path(path).expanduser().resolve()
+    where = out if folder else out.parent
+    try:
+        if not folder and out.is_dir():
+            raise IsADirectoryError(21, "is a folder")
+        where.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=where, prefix=f".{out.name}.", suffix=".check"):
+            pass
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: cannot be written ({exc.strerror or exc})") from None
+    return out
 
 
 def size(text) -> int:
@@ -157,6 +177,24 @@ def need_run(args) -> str:
                                                   "digit)")
 
 
+def _needs_a_key(infos) -> list:
+    """The versions of ``infos`` (:class:`syncd.versions.VersionInfo`) refused only because they are signed and the
+    reader has no key."""
+    from syncd.signing import NO_KEY_HELP
+
+    return [i for i in infos if i.manifest is None and i.error and NO_KEY_HELP in i.error]
+
+
+def _no_key_summary(run: str, refused: list) -> str:
+    """One line for every version of ``run`` refused for lack of a key (instead of one refusal per version)."""
+    import re
+
+    ids = sorted({k for i in refused for k in re.findall(r"key id '([0-9a-f]+)'", i.error)})
+    return (f"run {run}: versions {_ranges(i.version for i in refused)} are signed (key id {', '.join(ids) or '?'}) "
+            "and no key is configured to verify them: give the publisher's public key (--verify-key PREFIX.pub, "
+            "or SYNCD_VERIFY_KEYS), or --allow-unsigned to read them unchecked\n")
+
+
 def ls(args, out) -> int:
     from syncd.versions import list_versions
 
@@ -168,6 +206,12 @@ def ls(args, out) -> int:
     infos = list_versions(store, need_run(args), signing_key=key)
     if not infos:
         return unknown_run(store, args.run_id)
+    refused = _needs_a_key(infos)
+    if refused:  # one summary, not one refusal per version; the versions that could be read are listed
+        infos = [i for i in infos if i not in refused]
+        sys.stderr.write(f"syncd ls: {_no_key_summary(args.run_id, refused)}")
+        if not infos:
+            return 2
     if not args.json:
         out.write(f"{'VERSION':>8} {'KIND':5} {'BASE':>6} {'STEP':>8} {'CREATED (UTC)':26} {'SHARDS':>6} "
                   f"{'BYTES':>12} STATUS\n")
@@ -188,7 +232,7 @@ def ls(args, out) -> int:
         else:
             out.write(f"{i.version:>8} {'-':5} {'-':>6} {'-':>8} {'-':26} {'-':>6} {'-':>12} "
                       f"{i.status}{': ' + i.error if i.error else ''}\n")
-    return 0
+    return 2 if refused else 0
 
 
 def verify(args, out) -> int:
@@ -232,6 +276,12 @@ def gc(args, out) -> int:
     run = need_run(args)
     if not store.list_dirs(mf.versions_prefix(run)):
         return unknown_run(store, run)
+    from syncd.versions import list_versions
+
+    refused = _needs_a_key(list_versions(store, run, signing_key=key))
+    if refused:  # retention cannot tell what a version is built from without reading it: nothing is deleted
+        sys.stderr.write(f"syncd gc: nothing deleted; {_no_key_summary(run, refused)}")
+        return 2
     plan = apply_retention(store, run, policy, signing_key=key, dry_run=args.dry_run)
     verb = "would delete" if args.dry_run else "deleted"
     why = {"newest": f"the newest {policy.keep_last} (--keep-last)",
@@ -252,11 +302,16 @@ def materialize(args, out) -> int:
     """``syncd materialize``: one version of a run as a Hugging Face folder (:mod:`syncd.model_folder`)."""
     from syncd.model_folder import materialize_folder
 
+    folder = Path(args.out)  # checked before the work, which may take long
+    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+        raise ValueError(f"--out {folder}: exists and is not an empty directory (nothing was written)")
+    if not folder.exists():
+        check_writable(folder, "--out")
+    shard = value(args, "max_shard_size", size, "a size (e.g. 5G, 500M)")
     store, key = open_store(args)
     run = need_run(args)
     if not store.list_dirs(mf.versions_prefix(run)):
         return unknown_run(store, run)
-    shard = value(args, "max_shard_size", size, "a size (e.g. 5G, 500M)")
     done = materialize_folder(store, run, args.version, args.out, config_from=args.config_from, signing_key=key,
                               max_shard_bytes=shard)
     out.write(f"run {run} version {done['version']}: {done['tensors']} tensors, {done['bytes'] / 1e6:.1f} MB in "
