@@ -43,7 +43,7 @@ _MODULES = {
     "rollout_workers": ("FAILURE_KINDS", "ProxyError", "RolloutWorkers", "Sampling", "complete", "proxy_models"),
     "rollouts": ("KeptSetError", "MissingReplayError", "NO_VERSION", "NonFiniteError", "PendingKept",
                  "RecordMismatchError", "Rollout", "RolloutError", "RolloutSequence", "RolloutSet", "RouteError",
-                 "SegmentGapError", "read_rollouts"),
+                 "SegmentGapError", "UnpublishedVersionError", "read_rollouts"),
     "tasks": ("DEFAULT_TASK", "RewardFn", "Sample", "TASKS", "Task", "TaskItem", "get_task", "load_reward"),
 }
 

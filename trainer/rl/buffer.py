@@ -13,16 +13,17 @@ with ``scale=False``; a group whose rewards are all equal has advantages 0 (it c
 
 The buffer also keeps the run's :class:`syncd.trainer.rl.rl_state.PromptLedger` under its lock (which prompt is fresh,
 in flight, buffered, planned, consumed or to be regenerated): producers ask it for the next prompt
-(:meth:`RolloutBuffer.next_prompt`), report a failure (:meth:`failed`), and a stale drop sends the prompt back
-to be regenerated, so that no prompt is lost. :meth:`snapshot` is the buffer's part of the RL-state checkpoint
-(the ledger and every buffered group with its per-token versions), taken atomically between two steps;
-:meth:`restore` puts back what :func:`syncd.trainer.rl.rl_state.restore_groups` kept.
+(:meth:`RolloutBuffer.next_prompt`), report a failure (:meth:`failed`), and a stale drop -- or a group the buffer's
+``vet`` refuses -- sends the prompt back to be regenerated, so that no prompt is lost. :meth:`snapshot` is the
+buffer's part of the RL-state checkpoint (the ledger and every buffered group with its per-token versions), taken
+atomically between two steps; :meth:`restore` puts back what :func:`syncd.trainer.rl.rl_state.restore_groups` kept.
 
 Thread-safety: every :class:`RolloutBuffer` method may be called from any thread.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -32,6 +33,8 @@ import torch
 
 from syncd.trainer.rl.rl_state import PromptLedger
 from syncd.trainer.rl.tasks import TaskItem
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Group", "RolloutBuffer", "group_advantages", "BufferClosed"]
 
@@ -95,14 +98,18 @@ def group_advantages(rewards, *, scale: bool = True, eps: float = 1e-6) -> torch
 
 class RolloutBuffer:
     """Groups waiting for a training step (see the module docstring). ``max_lag``: the staleness bound eta;
-    ``on_drop(n)``: called (under the buffer's lock: it must not call back into the buffer) when ``n`` stale
-    groups were dropped."""
+    ``on_drop(n)``: called (under the buffer's lock: it must not call back into the buffer) when ``n`` stale or
+    refused groups were dropped. ``vet(group) -> group``: the last check of a finished group before it may be
+    planned, called by :meth:`put` in the producer's thread (outside the lock); it may return the group changed
+    (e.g. its kept sets resolved) or raise: the group is then **refused** -- counted by error class in
+    :attr:`refused`, logged, its prompt regenerated."""
 
-    def __init__(self, max_lag: int, *, on_drop=None):
+    def __init__(self, max_lag: int, *, on_drop=None, vet=None):
         if max_lag < 0:
             raise ValueError(f"the staleness bound must be >= 0, got {max_lag}")
         self.max_lag = max_lag
-        self.on_drop = on_drop
+        self.on_drop, self.vet = on_drop, vet
+        self.refused: dict[str, int] = {}
         self._groups: deque[Group] = deque()
         self._cond = threading.Condition()
         self._closed = False
@@ -132,14 +139,27 @@ class RolloutBuffer:
         with self._cond:
             self.ledger.failed(index)
 
-    def put(self, group: Group) -> None:
+    def put(self, group: Group) -> bool:
+        """Buffer a finished group, once ``vet`` passed it; False when it was refused (or the buffer is closed)."""
+        if self.vet is not None:
+            try:
+                group = self.vet(group)
+            except Exception as exc:  # noqa: BLE001 -- whatever the check raises, the group is refused and replaced
+                log.warning("rollout group of prompt %d refused: %s: %s", group.item.index, type(exc).__name__, exc)
+                with self._cond:
+                    self.refused[type(exc).__name__] = self.refused.get(type(exc).__name__, 0) + 1
+                    self.ledger.failed(group.item.index)
+                    if self.on_drop is not None:
+                        self.on_drop(1)
+                return False
         with self._cond:
             if self._closed:
-                return
+                return False
             self._groups.append(group)
             self.ledger.landed(group.item.index)
             self.added += 1
             self._cond.notify_all()
+            return True
 
     def consume(self, indices) -> None:
         """The step that trained the prompts ``indices`` committed."""

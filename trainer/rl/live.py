@@ -67,7 +67,7 @@ class LiveSide:
                 _truncate_jsonl(out / "plans.jsonl", lambda d: d["step"] <= resume_step)
         self.metrics = MetricsLog(out / "metrics.jsonl", truncate=resume_step is None)
         self.version, self.step, self.published_step = 0, 0, None
-        self.pub = self.workers = self.watcher = self.buffer = None
+        self.pub = self.workers = self.watcher = self.buffer = self.resolver = None
         self._recorded = None if cfg.plans else open(out / "plans.jsonl", "w" if resume_step is None else "a")
         self._plans = None
         self._live_groups: dict[int, list] = {}
@@ -86,6 +86,7 @@ class LiveSide:
             return
         from syncd.publish.publisher import WeightPublisher
         from syncd.versions import has_versions, latest_version
+        from syncd.trainer.rl.kept_resolver import KeptResolver
         from syncd.trainer.rl.rollout_workers import ProxyError, RolloutWorkers, Sampling, proxy_models
         from syncd.trainer.rl.tasks import get_task, load_reward
 
@@ -106,7 +107,9 @@ class LiveSide:
         self.pub = WeightPublisher(cfg.store, cfg.run_id, every_k=1, full_every=cfg.full_every,
                                    commit_gate=self.commit_gate, delta_format=cfg.delta_format,
                                    sliced_tensors=cfg.sliced_tensors)
-        self.buffer = RolloutBuffer(0 if cfg.sync else cfg.max_lag, on_drop=lambda n: self.workers.allow(n))
+        self.buffer = RolloutBuffer(0 if cfg.sync else cfg.max_lag, on_drop=lambda n: self.workers.allow(n),
+                                    vet=self._vet)
+        self.resolver = KeptResolver(self.model, cfg.store, cfg.run_id)  # kept sets to rebuild, as groups land
         self.workers = RolloutWorkers(
             proxies=list(cfg.proxies), model_name=names[0][0], task=task, reward=reward, group_size=cfg.group_size,
             sampling=Sampling(cfg.temperature, cfg.top_p, cfg.top_k), store=cfg.store, run_id=cfg.run_id,
@@ -135,9 +138,10 @@ class LiveSide:
                         "publishing the restored weights as a full version first", newest, self.step, self.version)
             self.version = -1 if newest is None else newest
             self._publish(self.step)
-        ledger, groups, report = restore_groups(rl["buffer"], version=self.version, max_lag=self.buffer.max_lag,
-                                                newest_published=lineage, reread=self.workers.reread,
-                                                recover=self.workers.recover)
+        ledger, groups, report = restore_groups(
+            rl["buffer"], version=self.version, max_lag=self.buffer.max_lag, newest_published=lineage,
+            reread=lambda doc: self._resolved(self.workers.reread(doc)),
+            recover=lambda index, entry: self._resolved(self.workers.recover(index, entry)))
         for index, entry in rl["buffer"]["ledger"]["inflight"].items():
             if int(index) not in report.recovered:
                 self.workers.close_open(entry)
@@ -149,6 +153,27 @@ class LiveSide:
         log.warning("restore: step %d, version %d, buffer: %s", self.step, self.version, report.counts())
         return len(groups)
 
+    def _vet(self, group):
+        """A finished group, checked before the buffer takes it (``RolloutBuffer(vet=)``; raising refuses it, its
+        prompt is regenerated): every token of a published version -- none newer than the trainer's version, which
+        moves before a version can be visible, none of no version --, then its kept sets to rebuild rebuilt from the
+        versions that sampled them (:mod:`syncd.trainer.rl.kept_resolver`; a set that does not verify refuses it)."""
+        from syncd.trainer.rl.rollouts import NO_VERSION, UnpublishedVersionError
+
+        newest = self.version
+        bad = sorted(v for v in group.versions if v == NO_VERSION or v > newest)
+        if bad:
+            raise UnpublishedVersionError(
+                f"group of prompt {group.item.index}: {sum(group.versions[v] for v in bad)} token(s) claim version "
+                f"{bad[-1] if bad[-1] != NO_VERSION else 'none'}, which the trainer never published (its newest is "
+                f"{newest})")
+        return self._resolved(group)
+
+    def _resolved(self, group):
+        if group is not None and group.rollouts is not None:
+            group.rollouts = self.resolver.rollouts(group.rollouts)
+        return group
+
     def snapshot(self) -> dict:
         """The RL state of this step boundary (JSON-able; module docstring)."""
         curation = self.curated.state_dict() if self.curated is not None else None
@@ -159,8 +184,10 @@ class LiveSide:
     def _publish(self, step: int) -> None:
         t = time.time()
         stall = time.perf_counter()
-        self.pub.publish(self.model, step)
+        # the trainer's version moves before the new one can be visible: a record of a version above it was never
+        # published (the rollout workers refuse it)
         self.version = 0 if step == 0 else self.version + 1
+        self.pub.publish(self.model, step)
         self.published_step = step
         self.metrics.write("publish", version=self.version, step=step, stall_s=time.perf_counter() - stall, t=t)
 
@@ -233,6 +260,7 @@ class LiveSide:
                 "buffer": len(self.buffer) if self.buffer is not None else 0,
                 "dropped_stale": self.buffer.dropped_stale if self.buffer is not None else 0,
                 "rollout_failures": self.workers.failures.totals if self.workers is not None else {},
+                "refused_groups": dict(self.buffer.refused) if self.buffer is not None else {},
                 "published_version": self.version,
                 "curation": self.curated.stats() if self.curated is not None else None, **extra}
         self._last = (now, made)
@@ -247,7 +275,7 @@ class LiveSide:
             self.pub.close()
         if self.workers is not None:
             self.workers.stop()
-            summary["rollouts"] = self.workers.stats()
+            summary["rollouts"] = {**self.workers.stats(), "kept_resolved": self.resolver.stats()}
         if self.watcher is not None:
             if self.pub is not None:
                 self._wait_engines_quietly()  # the engines' last versions belong in the metrics and the plot

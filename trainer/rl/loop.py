@@ -10,7 +10,8 @@ the store), and fills the rollout buffer (``syncd.trainer.rl.buffer``, staleness
    **plan**: the trajectories, their rewards and the weight versions their tokens came from; the plan is recorded
    (``plans.jsonl``) and reaches every process (``syncd.trainer.rl.plans``);
 2. each process takes its share of the groups (group ``i`` to participant ``i % n``), reads their rollouts from
-   the store, and accumulates the policy-gradient loss of ``syncd.trainer.rl.objective`` (replayed log-probs,
+   the store (kept sets recorded to be rebuilt are rebuilt from the versions that sampled them,
+   ``syncd.trainer.rl.kept_resolver``), and accumulates the policy-gradient loss of ``syncd.trainer.rl.objective`` (replayed log-probs,
    importance correction) normalised by the step's global token count;
 3. gradients are summed in a fixed order (one flat buffer), clipped by global norm, and every participant steps
    once the step is committed;
@@ -58,6 +59,7 @@ from syncd.store import Store
 from syncd.trainer.rl.buffer import group_advantages
 from syncd.trainer.rl.compaction import sequence_rewards
 from syncd.trainer.rl.config import LoopConfig
+from syncd.trainer.rl.kept_resolver import KeptResolver
 from syncd.trainer.rl.objective import LossConfig, policy_gradient_loss
 from syncd.trainer.rl.rollouts import read_rollouts
 
@@ -100,6 +102,7 @@ def train(job: Job) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     loss_cfg = LossConfig(cfg.is_cap, cfg.is_band, cfg.is_seq_band, cfg.micro_batch)
     store = Store.open(cfg.store)
+    resolver = KeptResolver(model, store, cfg.run_id)
     while dp.step < cfg.steps:
         step = dp.step + 1
         plan = job.plans.get(step)
@@ -112,7 +115,7 @@ def train(job: Job) -> dict:
                 break
             plan = job.plans.get(step)
         mine = [g for i, g in enumerate(plan["groups"]) if rank >= 0 and i % n == rank]
-        seqs, adv = _sequences(cfg, store, mine, live, model.config.vocab_size)
+        seqs, adv = _sequences(cfg, store, mine, live, model.config.vocab_size, resolver)
         normalizer = max(1, sum(g["tokens"] for g in plan["groups"]))
         loss, rec = policy_gradient_loss(model, seqs, adv, normalizer=normalizer, config=loss_cfg) \
             if seqs else (0.0, None)
@@ -157,9 +160,10 @@ def train(job: Job) -> dict:
     return summary
 
 
-def _sequences(cfg: LoopConfig, store, groups: list[dict], live, vocab_size: int):
-    """This process's sequences and their advantages: the live side has its groups in memory, the other ranks
-    (and offline runs) read them from the store."""
+def _sequences(cfg: LoopConfig, store, groups: list[dict], live, vocab_size: int, resolver: KeptResolver):
+    """This process's sequences and their advantages: the live side has its groups in memory (their kept sets
+    resolved when they were read), the other ranks (and offline runs) read them from the store and resolve the kept
+    sets recorded to be rebuilt (:mod:`syncd.trainer.rl.kept_resolver`)."""
     seqs, adv = [], []
     for g in groups:
         rollouts = live.rollouts_of(g["gid"]) if live is not None else None
@@ -168,6 +172,7 @@ def _sequences(cfg: LoopConfig, store, groups: list[dict], live, vocab_size: int
             rollouts = read_rollouts(store, cfg.run_id, trajectories=ids, vocab_size=vocab_size).rollouts
             if len(rollouts) != len(ids):
                 raise RuntimeError(f"group {g['gid']}: {len(rollouts)} of {len(ids)} trajectories in the store")
+            rollouts = resolver.rollouts(rollouts)
         for ro in rollouts:
             seqs.extend(ro.sequences)
         # one advantage per sequence: a compacted trajectory's sequences (its summaries too) share its reward's

@@ -10,7 +10,8 @@ Kinds (written by rank 0):
   (``is_mean``, ``is_outside``, ``kl_k3``, ``staleness_mean``/``max``/``counts``, ...), ``tokens`` (trained),
   ``trainer_tokens_per_s`` (trained tokens over the step's compute time), ``rollout_tokens_per_s`` (tokens the
   rollout workers produced since the previous step over the time since), ``wait_s`` (waiting for rollouts),
-  ``train_s``, ``buffer``, ``dropped_stale``, ``rollout_failures``;
+  ``train_s``, ``buffer``, ``dropped_stale``, ``rollout_failures``, ``refused_groups`` (finished groups the buffer
+  refused, by error class: records of a version never published, kept sets that could not be rebuilt);
 * ``publish``: ``version``, ``step``, ``stall_s`` (the ``publish()`` call);
 * ``engine``: an engine's version changed, as the node daemon's status file says (``engine``, ``version``);
 * ``end``: the summary.
@@ -180,4 +181,5 @@ def summarize(lines: list[dict], *, window: int = 3) -> dict:
             "publish_to_serving_s_median": statistics.median(serve) if serve else None,
             "versions_published": sum(1 for ln in lines if ln.get("kind") == "publish"),
             "dropped_stale": steps[-1].get("dropped_stale", 0),
-            "rollout_failures": steps[-1].get("rollout_failures", {})}
+            "rollout_failures": steps[-1].get("rollout_failures", {}),
+            "refused_groups": steps[-1].get("refused_groups", {})}

@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["read_rollouts", "RolloutSet", "Rollout", "RolloutSequence", "PendingKept", "RolloutError",
            "SegmentGapError", "MissingReplayError", "RecordMismatchError", "KeptSetError", "RouteError",
-           "NonFiniteError", "NO_VERSION"]
+           "NonFiniteError", "UnpublishedVersionError", "NO_VERSION"]
 
 #: the version of a position that is not a generated token (or was sampled with weights of no published version)
 NO_VERSION = -1
@@ -75,6 +75,11 @@ class RecordMismatchError(RolloutError):
 
 class NonFiniteError(RolloutError):
     """A record holds a NaN or +-inf where a finite number is needed (a log-prob, a sampling temperature)."""
+
+
+class UnpublishedVersionError(RolloutError):
+    """A record claims a weight version that was never published: newer than the trainer's newest, or none at all
+    (:data:`NO_VERSION`: an engine on weights of no version of the run)."""
 
 
 class KeptSetError(RolloutError):

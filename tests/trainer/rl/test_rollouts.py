@@ -370,6 +370,37 @@ def test_logits_of_other_weights_get_a_named_error_never_another_set(migrated):
                            truth[a.kept_offsets[g]:a.kept_offsets[g + 1]])
 
 
+def test_the_kept_resolver_rebuilds_from_the_published_version_whatever_the_trainer_holds(migrated):
+    """A trainer a version ahead cannot rebuild the sets from its own logits (above); the resolver rebuilds them from
+    the published weights of the version that sampled them, read back from the store: exactly the listed sets, while
+    the trainer's own weights are neither read nor changed. A version the store does not hold is a named error."""
+    from syncd.publish.publisher import WeightPublisher
+    from syncd.trainer.rl.kept import KeptRebuildError
+    from syncd.trainer.rl.kept_resolver import KeptResolver
+
+    store, out, kind, folder, rebuild = migrated
+    (a,), pending = read_rollouts(store, "r").sequences, read_rollouts(rebuild, "r").sequences
+    ahead = _model(folder)
+    with WeightPublisher(rebuild, "r", signing_key=False) as pub:  # version 0: the folder the engines served
+        pub.publish(ahead, 0)
+    with torch.no_grad():
+        head = ahead.get_output_embeddings().weight
+        head.add_(torch.randn(head.shape, generator=torch.Generator().manual_seed(0)) * 0.05)
+    before = {n: p.clone() for n, p in ahead.state_dict().items()}
+    resolver = KeptResolver(ahead, rebuild, "r", signing_key=False)
+    (got,) = resolver(pending)
+    assert got.kept_pending is None and torch.equal(got.kept_ids, a.kept_ids) and torch.equal(got.kept_offsets,
+                                                                                             a.kept_offsets)
+    assert all(torch.equal(p, before[n]) for n, p in ahead.state_dict().items())
+    assert resolver.stats() == {"sequences": 1, "versions_loaded": 1}
+    assert resolver([a]) == [a] and resolver.stats()["sequences"] == 1  # listed sets: untouched, no work
+    (ro,) = resolver.rollouts(read_rollouts(rebuild, "r").rollouts)
+    assert torch.equal(ro.sequences[0].kept_ids, a.kept_ids) and resolver.stats()["versions_loaded"] == 1  # cached
+    elsewhere = KeptResolver(ahead, store, "r", signing_key=False)  # no version 0 there
+    with pytest.raises(KeptRebuildError, match="sampled with version 0 cannot be rebuilt: its weights cannot be read"):
+        elsewhere(pending)
+
+
 def test_format_1_chunks_of_the_previous_release_read_back_alike(dense_run):
     store, out, lps = dense_run
     before = read_rollouts(store, "r").sequences[0]

@@ -121,3 +121,25 @@ def test_group_plan_is_json():
     doc = json.loads(json.dumps(g.plan()))
     assert doc["gid"] == 3 and doc["trajectories"] == [["sb", "t3-0"], ["sb", "t3-1"]]
     assert doc["versions"] == {"1": 4, "2": 4} and doc["rewards"] == [0.0, 1.0]
+
+
+def test_a_group_the_buffers_vet_refuses_is_counted_and_its_prompt_regenerated():
+    """The live side's last check of a finished group (records of a version never published, kept sets that cannot
+    be rebuilt): a refused group never reaches a plan, its credit is given back (on_drop), it is counted by error
+    class, and its prompt is the next one requested; what the check returns is what is buffered."""
+    from syncd.trainer.rl.rollouts import UnpublishedVersionError
+
+    def vet(g):
+        if g.gid == 1:
+            raise UnpublishedVersionError("claims version 9")
+        g.rewards = [r + 1 for r in g.rewards]
+        return g
+
+    dropped = []
+    buf = RolloutBuffer(2, on_drop=dropped.append, vet=vet)
+    for _ in range(3):
+        buf.next_prompt()
+    assert buf.put(_group(0, [0])) and not buf.put(_group(1, [0])) and buf.put(_group(2, [0]))
+    assert buf.refused == {"UnpublishedVersionError": 1} and dropped == [1] and len(buf) == 2
+    assert list(buf.ledger.retry) == [1] and 1 not in buf.ledger.inflight and buf.next_prompt() == (1, 1)
+    assert [g.rewards for g in buf.take(2, version=0, timeout_s=1)] == [[1.0, 2.0], [1.0, 2.0]]
