@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 # used here and by syncd.engine.proxy's writer/server (RecordError, check_id): the reading half's names this module keeps
-from syncd.records.trajectory import SCHEMA, SCHEMA_VERSION, RecordError, check_id, record_key  # noqa: F401
+from syncd.records.trajectory import (SCHEMA, SCHEMA_VERSION, RecordError, check_id,  # noqa: F401
+                                     check_tool_call, record_key)
 
 __all__ = ["SCHEMA", "SCHEMA_VERSION", "Turn", "Trajectory", "RecordError", "record_key", "check_id", "now"]
 
@@ -75,10 +76,20 @@ class Trajectory:
     finished_at: str | None = None
     #: the client's id; ``trajectory_id`` differs when the key was taken by an earlier proxy life
     requested_trajectory_id: str | None = None
+    #: the tool calls the agent harness ran (``syncd.records.trajectory``: checked by ``check_tool_call``)
+    tool_calls: list = field(default_factory=list)
 
     def __post_init__(self):
         if self.requested_trajectory_id is None:
             self.requested_trajectory_id = self.trajectory_id
+
+    def add_tool_calls(self, calls) -> None:
+        """Append the tool calls a harness ran (all or none: :class:`RecordError` naming the first bad member)."""
+        if not isinstance(calls, list):
+            raise RecordError("'tool_calls' must be a list")
+        for i, c in enumerate(calls):
+            check_tool_call(c, len(self.turns), where=f"tool call {i}")
+        self.tool_calls.extend(calls)
 
     @property
     def failure(self) -> str | None:
@@ -117,7 +128,8 @@ class Trajectory:
                 "sandbox_id": self.sandbox_id, "trajectory_id": self.trajectory_id,
                 "requested_trajectory_id": self.requested_trajectory_id, "status": self.status,
                 "failure": self.failure, "created_at": self.created_at, "finished_at": self.finished_at,
-                "metadata": self.metadata, "turns": [t.to_json() for t in self.turns]}
+                "metadata": self.metadata, "turns": [t.to_json() for t in self.turns],
+                "tool_calls": list(self.tool_calls)}
 
     def encode(self) -> bytes:
         return json.dumps(self.to_json(), ensure_ascii=True, separators=(",", ":"), allow_nan=False).encode()

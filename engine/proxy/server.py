@@ -40,6 +40,11 @@ Supervision: the retry task runs under a :class:`syncd.supervise.Supervisor`; it
 what it did not expect are logged and counted in ``syncd_failures_total{kind}`` (``GET /metrics``; kinds
 ``store``, ``record``, ``task``, ``request``); ``GET /health`` shows the counts and the task's health.
 
+``POST /syncd/trajectories/<id>/tool_calls`` (``{"tool_calls": [...]}``) appends the tool calls an agent harness
+ran to an open trajectory's record (``syncd.records.trajectory``, schema version 2: each one checked, the whole
+body refused with a 400 naming the bad member, 404 for an unknown trajectory, 409 for a finished one); the
+harness runs the tools, the proxy only records them.
+
 ``POST /v1/responses`` (the Responses API) is passed on as the client sent it and recorded as a turn without a
 token record, which the frontend does not send for it (``syncd.engine.proxy.responses``).
 
@@ -153,6 +158,7 @@ class Proxy:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/syncd/trajectories/{tid}/finish", self._finish_route)
         app.router.add_get("/syncd/trajectories/{tid}", self._show_route)
+        app.router.add_post("/syncd/trajectories/{tid}/tool_calls", self._tool_calls_route)
         return app
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
@@ -356,6 +362,22 @@ class Proxy:
             return error_response(400, str(exc), "invalid_request_error")
         except RecordError as exc:
             return error_response(409, str(exc), "conflict")
+
+    async def _tool_calls_route(self, request: web.Request) -> web.Response:
+        tid = request.match_info["tid"]
+        try:
+            body = parse_body(await request.read(), max_bytes=MAX_REQUEST_BYTES, what="tool calls body")
+        except BadRequest as exc:
+            return error_response(400, str(exc), "invalid_request_error")
+        traj = self.trajectories.get(tid)
+        if traj is None or tid in self._finishing:
+            gone = tid in self.written or tid in self._finishing
+            return error_response(409 if gone else 404, f"no open trajectory {tid!r}", "conflict" if gone else "not_found")
+        try:
+            traj.add_tool_calls(body.get("tool_calls"))
+        except RecordError as exc:
+            return error_response(400, str(exc), "invalid_request_error")
+        return web.json_response({"trajectory_id": tid, "tool_calls": len(traj.tool_calls)})
 
     async def _show_route(self, request: web.Request) -> web.Response:
         traj = self.trajectories.get(request.match_info["tid"])

@@ -6,7 +6,7 @@ Key (create-if-absent, never overwritten)::
 
     runs/<run_id>/trajectories/<sandbox_id>/<trajectory_id>.json
 
-A record is one JSON object (``schema: "syncd.trajectory"``, ``schema_version: 1``)::
+A record is one JSON object (``schema: "syncd.trajectory"``, ``schema_version: 2``)::
 
     {"run_id", "sandbox_id", "trajectory_id", "requested_trajectory_id", "status": "complete" | "failed",
      "failure": null | reason, "created_at", "finished_at", "metadata": {...},
@@ -14,10 +14,21 @@ A record is one JSON object (``schema: "syncd.trajectory"``, ``schema_version: 1
                 "stream", "status": "ok" | "failed", "error": null | reason, "attempts": [...],
                 "response_id", "request_id", "prompt_token_ids", "output_token_ids", "versions",
                 "logprobs", "finish_reason", "text", "usage", "segments": [{"request_id", "start", "count"}],
-                "started_at", "finished_at"}]}
+                "started_at", "finished_at"}],
+     "tool_calls": [{"turn", "id", "name", "arguments", "output", "started_at", "wall_s", "status",
+                     "exit_code", "output_bytes", "truncated"}]}
 
-Self-compaction (``syncd.engine.proxy.compaction``) adds optional members, so records without it are unchanged and
-schema version 1 still holds: a turn that is a segment of a compacted client request carries ``"compaction":
+**Tool calls** (version 2): every tool call the agent harness ran for the trajectory, in the order it ran them
+(``syncd.trainer.agent``; posted to the proxy, ``POST /syncd/trajectories/<id>/tool_calls``): ``turn`` is the
+index of the turn whose output made the call (-1: a call the harness made on its own), ``id`` the call's id
+(the ``tool_call_id`` of the ``tool`` message that answered it in the next turn's request), ``name`` and
+``arguments`` (the raw string the model wrote) what was called, ``output`` what the model was shown (None when
+nothing was), ``wall_s`` the seconds the tool ran, ``status`` how it ended (:data:`TOOL_STATUSES`),
+``exit_code`` a command's exit status (None when killed or not a command), ``output_bytes`` the bytes it wrote
+and ``truncated`` whether ``output`` is cut. Version 1 records (no tool calls member) still read: :func:`parse`
+gives them ``"tool_calls": []``.
+
+Self-compaction (``syncd.engine.proxy.compaction``) adds optional members (records without it are unchanged): a turn that is a segment of a compacted client request carries ``"compaction":
 {"request": <index of the request's first segment>, "segment", "role": "generate" | "summary" | "continuation",
 "client_request"?: <the client's body, on the first segment>}`` (its ``request`` is then the body sent upstream,
 with the prompt as token ids), and the record lists the boundaries, ``"compactions": [{"request", "summary_turn",
@@ -42,11 +53,13 @@ from syncd import jsonsafe
 from syncd import manifest as mf
 from syncd.errors import SyncdError
 
-__all__ = ["SCHEMA", "SCHEMA_VERSION", "MAX_RECORD_BYTES", "RecordError", "check_id", "record_key", "parse",
-           "read_record", "list_records", "replay_tokens"]
+__all__ = ["SCHEMA", "SCHEMA_VERSION", "READABLE_VERSIONS", "TOOL_STATUSES", "MAX_RECORD_BYTES", "RecordError",
+           "check_id", "record_key", "parse", "check_tool_call", "read_record", "list_records", "replay_tokens"]
 
 SCHEMA = "syncd.trajectory"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+TOOL_STATUSES = ("ok", "error", "timeout", "killed", "refused")
 COMPACTION_ROLES = ("generate", "summary", "continuation")
 MAX_RECORD_BYTES = 1 << 30
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -96,8 +109,9 @@ def parse(raw: bytes, *, where: str = "trajectory record") -> dict:
         raise RecordError(f"{where}: not JSON: {exc}") from None
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
         raise RecordError(f"{where}: not a {SCHEMA} record")
-    if doc.get("schema_version") != SCHEMA_VERSION:
-        raise RecordError(f"{where}: schema_version {doc.get('schema_version')!r} is not {SCHEMA_VERSION}")
+    if doc.get("schema_version") not in READABLE_VERSIONS or isinstance(doc.get("schema_version"), bool):
+        raise RecordError(f"{where}: schema_version {doc.get('schema_version')!r} is not one of "
+                          f"{READABLE_VERSIONS}")
     for k in ("run_id", "sandbox_id", "trajectory_id"):
         check_id(doc.get(k), f"{where}: {k}")
     if doc.get("status") not in ("complete", "failed"):
@@ -133,7 +147,34 @@ def parse(raw: bytes, *, where: str = "trajectory record") -> dict:
         raise RecordError(f"{where}: compactions must name summary turns of the record")
     if (doc["status"] == "complete") != all(t["status"] == "ok" for t in turns):
         raise RecordError(f"{where}: status {doc['status']} contradicts its turns")
+    calls = doc.setdefault("tool_calls", []) if doc["schema_version"] == 1 else doc.get("tool_calls")
+    if not isinstance(calls, list):
+        raise RecordError(f"{where}: tool_calls must be a list")
+    for i, c in enumerate(calls):
+        check_tool_call(c, len(turns), where=f"{where}: tool call {i}")
     return doc
+
+
+def check_tool_call(c, turns: int, *, where: str = "tool call") -> dict:
+    """``c`` if it is a well-formed tool call of a record with ``turns`` turns (module docstring), else
+    :class:`RecordError` naming the member."""
+    if not isinstance(c, dict):
+        raise RecordError(f"{where}: not an object")
+    checks = (("turn", _is_int(c.get("turn")) and -1 <= c["turn"] < max(turns, 0)),
+              ("id", isinstance(c.get("id"), str) and 0 < len(c["id"]) <= 256),
+              ("name", isinstance(c.get("name"), str) and 0 < len(c["name"]) <= 256),
+              ("arguments", isinstance(c.get("arguments"), str)),
+              ("output", c.get("output") is None or isinstance(c["output"], str)),
+              ("wall_s", isinstance(c.get("wall_s"), (int, float)) and not isinstance(c["wall_s"], bool)
+               and 0 <= c["wall_s"] < float("inf")),
+              ("status", c.get("status") in TOOL_STATUSES),
+              ("exit_code", c.get("exit_code") is None or _is_int(c["exit_code"])),
+              ("output_bytes", _count(c.get("output_bytes", 0))),
+              ("truncated", isinstance(c.get("truncated", False), bool)))
+    for member, ok in checks:
+        if not ok:
+            raise RecordError(f"{where}: malformed {member} {str(c.get(member))[:100]!r}")
+    return c
 
 
 def read_record(store, run_id: str, sandbox_id: str, trajectory_id: str) -> dict:

@@ -50,7 +50,7 @@ def _mutate(fn) -> bytes:
 
 @pytest.mark.parametrize("fn, what", [
     (lambda d: d.update(schema="other"), "not a syncd.trajectory"),
-    (lambda d: d.update(schema_version=2), "schema_version"),
+    (lambda d: d.update(schema_version=3), "schema_version"),
     (lambda d: d.update(run_id="../x"), "run_id"),
     (lambda d: d.update(status="great"), "status"),
     (lambda d: d["turns"][0].update(versions=[3, 3]), "one version"),
