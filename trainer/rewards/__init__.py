@@ -15,14 +15,20 @@ Pure Python and numpy; every function is exact (no sampling) and validates its i
 * :mod:`~syncd.trainer.rewards.cheating`: :class:`CheatingCheck`, pluggable detectors of cheating attempts over a
   trajectory record's tool calls (hidden tests and grader files, git history, network access from a restricted
   sandbox, writes to the grading path); a hit zeroes the reward (:func:`zero_if_cheating`).
+* :mod:`~syncd.trainer.rewards.exploits`: detectors of the verifier QA's exploits (test tampering, hard-coded
+  outputs) and of sandbox escapes; :func:`agent_detectors`, every detector the agent tasks run.
 * :mod:`~syncd.trainer.rewards.swe`: :class:`SWECheckReward`, all of the above behind the thin trainer's reward
   interface (``syncd.trainer.rl.tasks.RewardFn``: a ``Sample`` in, a float out).
+* :mod:`~syncd.trainer.rewards.record`: rewards on the trajectory record -- :func:`record_cost` (tokens, turns,
+  tool time), :class:`RecordReward` (length penalty, latency phase, cheating around any base reward) and
+  :func:`parse_options` (``--task NAME:OPTIONS``).
 """
 
 from __future__ import annotations
 
 from ._validate import RewardInputError
 from .cheating import CheatingCheck, CheatReport, GitHistory, GradingWrite, HiddenFiles, NetworkAccess
+from .exploits import HardcodedOutputs, SandboxEscape, TestTampering, agent_detectors
 from .fbeta import fbeta, fbeta_from_counts, fbeta_grad, pr_from_counts
 from .latency import LatencyModel, SwitchAwayCDF, latency_penalty
 from .length import AlternatingLengthPenalty, CostWeights, LengthPhase, zero_if_cheating
@@ -30,6 +36,7 @@ from .linearize import LinearizedReward, linearize
 from .matching import SampleScore, max_bipartite_matching, sample_pr, score_sample
 from .phases import Phase, TwoPhaseReward
 from .population import PopulationMetrics, population_metrics
+from .record import RecordReward, parse_options, record_cost
 from .swe import SWECheckReward
 
 __all__ = [
@@ -39,6 +46,7 @@ __all__ = [
     "CostWeights",
     "GitHistory",
     "GradingWrite",
+    "HardcodedOutputs",
     "HiddenFiles",
     "LatencyModel",
     "LengthPhase",
@@ -46,19 +54,25 @@ __all__ = [
     "NetworkAccess",
     "Phase",
     "PopulationMetrics",
+    "RecordReward",
     "RewardInputError",
     "SWECheckReward",
     "SampleScore",
+    "SandboxEscape",
     "SwitchAwayCDF",
+    "TestTampering",
     "TwoPhaseReward",
+    "agent_detectors",
     "fbeta",
     "fbeta_from_counts",
     "fbeta_grad",
     "latency_penalty",
     "linearize",
+    "parse_options",
     "max_bipartite_matching",
     "population_metrics",
     "pr_from_counts",
+    "record_cost",
     "sample_pr",
     "score_sample",
     "zero_if_cheating",

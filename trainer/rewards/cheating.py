@@ -5,8 +5,10 @@ The input is a trajectory record as the sandbox proxy writes it (``syncd.records
 ``read_record``). Every chat turn's request carries the conversation so far, so the agent's tool calls
 (assistant messages' ``tool_calls``: ``{"id", "function": {"name", "arguments"}}``) and their outputs (``role:
 "tool"`` messages, by ``tool_call_id``) are in the record; :func:`tool_calls` extracts each call once, with its
-output when one came back. A harness may add calls the model did not make through the chat (``metadata
-["tool_calls"]``, same shape: ``{"id", "name", "arguments", "output"}``).
+output when one came back; a version 2 record also lists every call the harness ran, with its output and wall
+time (``record["tool_calls"]``). A harness may add calls the model did not make through the chat (``metadata
+["tool_calls"]``, same shape: ``{"id", "name", "arguments", "output"}``). The detectors of the QA's exploits and
+of sandbox escapes are :mod:`syncd.trainer.rewards.exploits`.
 
 A :data:`Detector` is any callable ``(calls, record) -> list[Hit]``; the built-ins catch the seed's signatures:
 
@@ -143,9 +145,20 @@ def _content(v) -> str | None:
 
 
 def tool_calls(record: dict) -> list[ToolCall]:
-    """Every tool call of ``record`` once (by id, else by position in the conversation), with its output."""
+    """Every tool call of ``record`` once (by id, else by position in the conversation), with its output: the
+    record's own ``tool_calls`` (schema version 2, what the harness ran) first, then those the chat requests
+    show, then ``metadata["tool_calls"]``."""
     calls: dict[object, dict] = {}
     outputs: dict[str, str] = {}
+    ran = record.get("tool_calls") if isinstance(record, dict) else None
+    for j, tc in enumerate(ran if isinstance(ran, list) else []):
+        if isinstance(tc, dict):
+            cid = tc.get("id") if isinstance(tc.get("id"), str) else None
+            turn = tc.get("turn") if isinstance(tc.get("turn"), int) and not isinstance(tc.get("turn"), bool) else -1
+            calls.setdefault(cid or ("ran", j), {"turn": turn, "id": cid, "name": str(tc.get("name") or ""),
+                                                 "arguments": _arguments(tc.get("arguments"))})
+            if cid and isinstance(tc.get("output"), str):
+                outputs.setdefault(cid, tc["output"])
     turns = record.get("turns") if isinstance(record, dict) else None
     for turn in turns if isinstance(turns, list) else []:
         request = turn.get("request") if isinstance(turn, dict) else None
