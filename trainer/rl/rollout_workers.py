@@ -29,6 +29,10 @@ pool), which stops the workers and closes the buffer, so the trainer's wait ends
 :meth:`RolloutWorkers.stats`. A task with an ``observe`` method (:class:`syncd.trainer.rl.curation.CuratedTask`) is told
 each group's rewards once the group is in the buffer. Records are trusted only after ``read_rollouts`` checked them.
 
+A ``multi_turn`` task runs an episode per sample (:mod:`syncd.trainer.rl.episodes`: read back as one sequence per run
+of turns that extend each other); its reward, or one with ``needs_record``, gets the open record (``Sample.record``);
+a reward's ``(value, info)`` puts ``info`` in the trajectory's ``metadata["reward_info"]``.
+
 Thread-safety: :meth:`allow`, :meth:`stats` and :meth:`stop` from any thread; ``reward`` is called from the worker
 threads (one call at a time per worker).
 """
@@ -50,6 +54,7 @@ from urllib.parse import urlsplit
 from syncd.errors import ObjectNotFound
 from syncd.store import Store
 from syncd.supervise import Failures
+from syncd.trainer.rl import episodes
 from syncd.trainer.rl.buffer import Group, RolloutBuffer
 from syncd.trainer.rl.rollouts import MissingReplayError, RolloutError, read_rollouts
 from syncd.trainer.rl.tasks import RewardFn, Sample, Task, TaskItem
@@ -77,8 +82,8 @@ class Sampling:
     top_k: int = 0
 
     def __post_init__(self):
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if not 0 < self.temperature < float("inf"):
+            raise ValueError(f"temperature must be finite and > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -152,11 +157,10 @@ class RolloutWorkers:
         self.version, self.step, self.seed, self.vocab_size = version, step, seed, vocab_size
         self.request_timeout_s, self.record_timeout_s = request_timeout_s, record_timeout_s
         self.life = secrets.token_hex(3)  # trajectory ids unique to this trainer life
-        self.failures = Failures(FAILURE_KINDS)
-        self.last_error: str | None = None
-        self.groups = self.requests = self.tokens = 0
-        self._credit = 0
-        self._inflight = 0
+        self.multi_turn = episodes.episodic(task) is not None
+        self.with_record = self.multi_turn or episodes.wants_record(reward)
+        self.failures, self.last_error = Failures(FAILURE_KINDS), None
+        self.groups = self.requests = self.tokens = self._credit = self._inflight = 0
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(workers * group_size, thread_name_prefix="rollout-request")
@@ -238,13 +242,23 @@ class RolloutWorkers:
                     self.last_error = f"group {index}: observe: {type(exc).__name__}: {exc}"
                     log.warning("rollout task failure: %s", self.last_error)
 
-    def _complete(self, proxy: str, tid: str, prompt: str, seed: int) -> dict:
-        body = {"model": self.model_name, "prompt": prompt, "max_tokens": self.task.max_tokens,
-                "temperature": self.sampling.temperature, "top_p": self.sampling.top_p,
-                "top_k": self.sampling.top_k, "seed": seed, "ignore_eos": self.task.ignore_eos}
+    def _body(self) -> dict:
+        return {"model": self.model_name, "max_tokens": self.task.max_tokens, "temperature": self.sampling.temperature,
+                "top_p": self.sampling.top_p, "top_k": self.sampling.top_k, "ignore_eos": self.task.ignore_eos}
+
+    def _complete(self, proxy: str, tid: str, item: TaskItem, seed: int) -> dict:
         with self._cond:
             self.requests += 1
-        return complete(proxy, body, tid, timeout_s=self.request_timeout_s)
+        return complete(proxy, {**self._body(), "prompt": item.prompt, "seed": seed}, tid, timeout_s=self.request_timeout_s)
+
+    def _episode(self, proxy: str, tid: str, item: TaskItem, seed: int) -> dict:
+        out = episodes.run_episode(episodes.episodic(self.task), item, url=proxy, tid=tid, body=self._body(),
+                                   seed=seed, http=_http, error=ProxyError, header=TRAJECTORY_HEADER,
+                                   timeout_s=self.request_timeout_s)
+        with self._cond:
+            self.requests += out["turns"]
+        return out
+
 
     def _entry(self, index: int, attempt: int) -> dict:
         """The ledger's record of a group being requested."""
@@ -256,7 +270,8 @@ class RolloutWorkers:
         proxy = self.proxies[index % len(self.proxies)]
         requested_at, version, step = time.time(), self.version(), self.step()
         tids = _tids(self.life, index, attempt, self.group_size)
-        futures = [self._pool.submit(self._complete, proxy, tid, item.prompt, _seed(self.seed, index, j, attempt))
+        run = self._episode if self.multi_turn else self._complete
+        futures = [self._pool.submit(run, proxy, tid, item, _seed(self.seed, index, j, attempt))
                    for j, tid in enumerate(tids)]
         finished: set[str] = set()
         try:
@@ -276,22 +291,29 @@ class RolloutWorkers:
             raise
 
     def _score_and_read(self, index, item, proxy, tids, outs, finished, requested_at, version, step) -> Group:
-        rewards = []
-        for out in outs:
+        rewards, extra = [], []
+        for tid, out in zip(tids, outs):
             ch = out["choices"][0]
+            more = {"sandbox": out["episode"]["sandbox"]} if (out.get("episode") or {}).get("sandbox") else {}
+            record = episodes.open_record(proxy, tid, more, http=_http, error=ProxyError,
+                                          timeout_s=self.request_timeout_s) if self.with_record else None
             sample = Sample(item, ch.get("text") or "", ch.get("finish_reason"),
-                            int((out.get("usage") or {}).get("completion_tokens") or 0), step)
+                            int((out.get("usage") or {}).get("completion_tokens") or 0), step, record,
+                            out.get("episode"))
             try:
-                r = float(self.reward(sample))
+                got = self.reward(sample)
+                r, info = (float(got[0]), got[1]) if isinstance(got, tuple) else (float(got), None)
             except Exception as exc:  # noqa: BLE001 -- a reward function's failure is the group's
                 raise _Failed("reward", f"item {index}: the reward raised {type(exc).__name__}: {exc}") from exc
             if r != r or r in (float("inf"), float("-inf")):
                 raise _Failed("reward", f"item {index}: the reward returned {r}")
             rewards.append(r)
+            extra.append({**more, **({"turns": out["turns"]} if "turns" in out else {}),
+                          **({"reward_info": info} if info else {})})
         ids = []
         for j, (tid, r) in enumerate(zip(tids, rewards)):
             meta = {"task": self.task.name, "item": index, "sample": j, "reward": r, "prompt": item.prompt,
-                    "requested_version": version, "step": step}
+                    "requested_version": version, "step": step, **extra[j]}
             status, reply = _http(proxy, "POST", f"/syncd/trajectories/{tid}/finish", {"metadata": meta},
                                   timeout_s=self.request_timeout_s)
             finished.add(tid)
@@ -304,7 +326,8 @@ class RolloutWorkers:
                 self.buffer.record_written(index, ids[0][0])
         rollouts = self._read(ids)
         counted = [int((out.get("usage") or {}).get("completion_tokens") or -1) for out in outs]
-        return _make_group(index, item, ids, rewards, rollouts, counted, version, requested_at, time.time())
+        return _make_group(index, item, ids, rewards, rollouts, counted, version, requested_at, time.time(),
+                           multi_turn=self.multi_turn)
 
     # ------------------------------------------------------------------------------------ after a restart
 
@@ -321,7 +344,8 @@ class RolloutWorkers:
         it = doc["item"]
         item = TaskItem(int(it["index"]), str(it["prompt"]), it.get("target"), dict(it.get("meta") or {}))
         g = _make_group(item.index, item, ids, [float(r) for r in doc["rewards"]], rollouts, None,
-                        int(doc["requested_version"]), float(doc["requested_at"]), float(doc["finished_at"]))
+                        int(doc["requested_version"]), float(doc["requested_at"]), float(doc["finished_at"]),
+                        multi_turn=self.multi_turn)
         g.attempt = int(doc.get("attempt") or 0)
         return g
 
@@ -346,7 +370,7 @@ class RolloutWorkers:
             rewards.append(float(reward))
         item = self.task.item(index, self.seed)
         g = _make_group(index, item, ids, rewards, self._read(ids), None, int(entry.get("requested_version", 0)),
-                        time.time(), time.time())
+                        time.time(), time.time(), multi_turn=self.multi_turn)
         g.attempt = int(entry.get("attempt") or 0)
         return g
 
@@ -358,7 +382,6 @@ class RolloutWorkers:
                       {"metadata": {"dropped": reason}}, timeout_s=10)
             except (ProxyError, ValueError):
                 pass
-
 
     def _read(self, ids: list[tuple[str, str]]) -> list:
         """The group's rollouts, once every replay record is in the store (the engines write them just after a
@@ -388,14 +411,16 @@ def _token_versions(ro) -> list[int]:
     return [int(v) for seq in ro.sequences for v in seq.versions[seq.loss_mask].tolist()]
 
 
-def _make_group(index, item, ids, rewards, rollouts, counted, version, requested_at, finished_at) -> Group:
+def _make_group(index, item, ids, rewards, rollouts, counted, version, requested_at, finished_at, *,
+                multi_turn: bool = False) -> Group:
     """A group from its read-back rollouts (one sequence each, or one per context window for a compacted request,
-    ``syncd.engine.proxy.compaction``; ``counted``: the token counts the responses reported, checked when given: equal,
-    or at most the recorded ones when compacted)."""
+    ``syncd.engine.proxy.compaction``, or for a multi-turn episode one per run of turns that extend each other;
+    ``counted``: the token counts the responses reported, checked when given: equal, or at most the recorded ones
+    when compacted)."""
     versions: dict[int, int] = {}
     tokens, per_token = 0, []
     for j, ro in enumerate(rollouts):
-        if len(ro.sequences) != 1 and not (ro.compaction and ro.sequences):
+        if len(ro.sequences) != 1 and not ((ro.compaction or multi_turn) and ro.sequences):
             raise _Failed("record", f"trajectory {ro.trajectory_id}: {len(ro.sequences)} sequences, want 1")
         vs = _token_versions(ro)
         n = len(vs)

@@ -2,10 +2,21 @@
 
 A :class:`Task` makes its items deterministically (:meth:`Task.item` of an index and a seed) and scores a
 completion through its reward function. The reward interface is one callable, :data:`RewardFn`: it gets a
-:class:`Sample` (the item, the completion text the sandbox received, its finish reason and token count, and
-the trainer step the rollout was requested at, for rewards with schedules) and returns a float. The shipped
-tasks' rewards are in [0, 1]; group-normalised advantages make any other scale work too
-(``syncd.trainer.rewards.swe.SWECheckReward`` is the SWE-check reward behind the same interface).
+:class:`Sample` (the item, the completion text the sandbox received -- the last answer of a multi-turn episode --,
+its finish reason and token count, the trainer step the rollout was requested at, for rewards with schedules, and
+the trajectory record as the proxy holds it before the reward is written into it, with every turn and tool call)
+and returns a float, or ``(float, info)`` with a JSON ``info`` recorded with the trajectory
+(``metadata["reward_info"]``). The shipped tasks' rewards are in [0, 1]; group-normalised advantages make any
+other scale work too (``syncd.trainer.rewards.swe.SWECheckReward`` is the SWE-check reward behind the same
+interface; ``syncd.trainer.rewards.record.RecordReward`` the length penalty, latency phase and cheating check
+on the record).
+
+A task named ``NAME:OPTIONS`` (:func:`get_task`) takes options (comma-separated, parsed by
+``syncd.trainer.rewards.record.parse_options``): the reward stack on the record (``cheating``/``nocheating``,
+``length=...``, ``latency=...``) and the task's own (``turns=N``, ``quarantine=PATH`` for the agent tasks).
+The multi-turn agent tasks with tools in sandboxes (``lookup``, ``bugfix``, ``detect``) are
+:mod:`syncd.trainer.rl.agent_tasks`; a task with ``multi_turn`` set runs :meth:`episode` instead of one
+completion.
 
 Shipped tasks (a tiny random-init model over the 320-token byte-level vocabulary of ``make_tiny``; the figures
 are measured by ``python -m bench.rl_loop`` and ``docs/trainer.md``):
@@ -29,7 +40,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable
 
-__all__ = ["TaskItem", "Sample", "RewardFn", "Task", "TASKS", "get_task", "load_reward", "DEFAULT_TASK"]
+__all__ = ["TaskItem", "Sample", "RewardFn", "Task", "TASKS", "get_task", "task_names", "load_reward",
+           "DEFAULT_TASK"]
 
 DEFAULT_TASK = "repeat"
 ALPHABET = "abcd"
@@ -48,16 +60,22 @@ class TaskItem:
 
 @dataclass(frozen=True)
 class Sample:
-    """What a reward function sees: one ``completion`` of ``item`` as the sandbox received it."""
+    """What a reward function sees: one ``completion`` of ``item`` as the sandbox received it (a multi-turn
+    episode's last answer), the tokens every turn generated, the trainer ``step``, the trajectory ``record``
+    (``syncd.records.trajectory``; None where the worker did not fetch it: single-turn tasks whose reward does
+    not declare ``needs_record``) and the ``episode`` (a multi-turn task's outcome, e.g. its grade; None for
+    single-turn tasks)."""
 
     item: TaskItem
     completion: str
     finish_reason: str | None = None
     completion_tokens: int = 0
     step: int = 0
+    record: dict | None = None
+    episode: dict | None = None
 
 
-RewardFn = Callable[[Sample], float]
+RewardFn = Callable[[Sample], "float | tuple[float, dict]"]
 
 
 def _match_score(text: str, target: str, alphabet: str) -> float:
@@ -70,10 +88,12 @@ def _match_score(text: str, target: str, alphabet: str) -> float:
 
 class Task:
     """A task: ``name``, the answer ``length`` in tokens (``max_tokens`` of each request), items and a reward.
-    Subclasses implement :meth:`make` and :meth:`score`; :meth:`reward` is the :data:`RewardFn`."""
+    Subclasses implement :meth:`make` and :meth:`score`; :meth:`reward` is the :data:`RewardFn`. ``multi_turn``
+    tasks implement ``episode`` (:mod:`syncd.trainer.rl.agent_tasks`)."""
 
     name = "task"
     ignore_eos = True
+    multi_turn = False
 
     def __init__(self, length: int = 8):
         if length < 1:
@@ -137,13 +157,39 @@ class ReverseTask(Task):
 TASKS: dict[str, type[Task]] = {t.name: t for t in (RepeatTask, LettersTask, ReverseTask)}
 
 
+def _agent_tasks() -> dict[str, type]:
+    from syncd.trainer.rl.agent_tasks import AGENT_TASKS
+
+    return AGENT_TASKS
+
+
+def task_names() -> list[str]:
+    return sorted([*TASKS, *_agent_tasks()])
+
+
 def get_task(name: str, **kwargs) -> Task:
-    """The shipped task ``name``; ValueError naming the choices for another name."""
-    try:
-        cls = TASKS[name]
-    except KeyError:
-        raise ValueError(f"unknown task {name!r}; choose one of {', '.join(sorted(TASKS))}") from None
-    return cls(**kwargs)
+    """The shipped task ``NAME`` or ``NAME:OPTIONS`` (module docstring); ValueError naming the choices for
+    another name, or the bad option."""
+    from syncd.trainer.rewards.record import RecordReward, parse_options
+    from syncd.trainer.rewards.exploits import agent_detectors
+    from syncd.trainer.rewards.cheating import CheatingCheck
+
+    base, _, options = name.partition(":")
+    agent = _agent_tasks()
+    cls = TASKS.get(base) or agent.get(base)
+    if cls is None:
+        raise ValueError(f"unknown task {base!r}; choose one of {', '.join(sorted(TASKS))} (multi-turn, with tools: "
+                         f"{', '.join(sorted(agent))})")
+    opts = parse_options(options, cheating_default=base in agent)
+    if opts["task"] and base not in agent:
+        raise ValueError(f"task {base!r} takes no options {sorted(opts['task'])}")
+    task = cls(**kwargs, **opts["task"]) if base in agent else cls(**kwargs)
+    if base in agent:
+        task.configure(opts)  # the agent task builds its reward stack (SWECheckReward's phases for detect)
+    elif opts["cheating"] or opts["length_penalty"] or opts["two_phase"]:
+        task.reward = RecordReward(task.reward, cheating=CheatingCheck(agent_detectors()) if opts["cheating"]
+                                   else None, length_penalty=opts["length_penalty"], two_phase=opts["two_phase"])
+    return task
 
 
 def load_reward(spec: str) -> RewardFn:

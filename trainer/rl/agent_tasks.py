@@ -1,0 +1,180 @@
+"""The multi-turn agent tasks of the thin trainer: tools in a sandbox per trajectory, graded outside it.
+
+Each is a :class:`syncd.trainer.rl.tasks.Task` with ``multi_turn`` set: the rollout workers run
+:meth:`AgentTask.episode` for each sample -- a fresh sandbox (``syncd.trainer.agent.sandbox``), the tool-execution
+loop (``syncd.trainer.agent.episode``: chat completions with tools through the proxy, the tool calls posted to the
+trajectory record), the grade of the final state on the grader's copy, the sandbox closed -- and score the
+:class:`~syncd.trainer.rl.tasks.Sample` (its record, its episode) with the task's reward stack
+(``syncd.trainer.rewards.record.RecordReward``: cheating detection on by default, ``--task NAME:OPTIONS`` for
+the length penalty and the latency phase).
+
+* ``lookup`` (the task a tiny model learns on two cores): the answer is a letter of ``abcd`` that only the
+  sandbox's ``secret.txt`` holds; turn 1 is the query, passed to the ``lookup`` tool, turn 2 the answer
+  (``length`` tokens). Reward: the share of the answer's ``length`` characters equal to the letter (a policy that
+  does not read the tool's output scores at most 0.25 on average).
+* ``bugfix``, ``detect`` (``syncd.trainer.agent.repos``): tools ``bash``, ``read_file``, ``write_file``; up to
+  ``turns`` turns (default 8). ``bugfix`` scores 1 when the hidden tests pass on the final state (else 0);
+  ``detect`` scores the final report with :class:`syncd.trainer.rewards.SWECheckReward` (its length penalty and
+  latency phase inside it). ``quarantine=PATH`` (a ``syncd tasks qa --out`` report) skips the quarantined tasks:
+  item ``i`` is the first task from ``i`` on that QA kept.
+
+The curation filter (``syncd.trainer.rl.curation.CuratedTask``) wraps these like any task. Thread-safety: items
+and rewards are pure; each episode owns its sandbox.
+"""
+
+from __future__ import annotations
+
+from syncd.trainer.rl.tasks import Task, TaskItem
+
+__all__ = ["AgentTask", "LookupTask", "RepoAgentTask", "AGENT_TASKS", "LOOKUP_ALPHABET"]
+
+LOOKUP_ALPHABET = "abcd"
+
+
+class AgentTask(Task):
+    """A multi-turn task (module docstring). ``turns``: chat requests per episode at most."""
+
+    multi_turn = True
+    ignore_eos = False
+    default_turns = 8
+
+    def __init__(self, length: int = 8, turns: int | str | None = None, **options):
+        super().__init__(length)
+        self.turns = int(turns) if turns is not None else self.default_turns
+        if self.turns < 1:
+            raise ValueError(f"turns must be >= 1, got {turns}")
+        self.options = dict(options)
+        self.cheating = None
+        self._stack = None
+
+    def configure(self, opts: dict) -> None:
+        """Build the reward stack from ``parse_options``' result."""
+        from syncd.trainer.rewards import CheatingCheck, RecordReward, agent_detectors
+
+        self.cheating = CheatingCheck(agent_detectors()) if opts["cheating"] else None
+        self._stack = RecordReward(self.score_sample, cheating=self.cheating,
+                                   length_penalty=opts["length_penalty"], two_phase=opts["two_phase"])
+
+    @property
+    def needs_record(self) -> bool:
+        return True
+
+    def reward(self, sample):
+        if self._stack is None:
+            self.configure({"cheating": True, "length_penalty": None, "two_phase": None})
+        return self._stack(sample)
+
+    def score(self, item, completion):
+        raise NotImplementedError
+
+    def score_sample(self, sample) -> float:
+        return float(self.score(sample.item, sample.completion))
+
+    def describe(self) -> dict:
+        return {**super().describe(), "turns": self.turns}
+
+    def episode(self, item: TaskItem, chat, post_calls) -> tuple[object, dict]:
+        """Run one episode of ``item``: ``(the agent.episode.Episode, the episode's outcome for the reward)``."""
+        raise NotImplementedError
+
+
+class LookupTask(AgentTask):
+    name = "lookup"
+    default_turns = 2
+
+    def __init__(self, length: int = 4, turns=None, **options):
+        super().__init__(length, turns, **options)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.length
+
+    def make(self, index, rng):
+        return TaskItem(index, "q", rng.choice(LOOKUP_ALPHABET), {"kind": "lookup"})
+
+    def score(self, item, completion):
+        return sum(ch == item.target for ch in completion[:self.length]) / self.length
+
+    def episode(self, item, chat, post_calls, *, answer_of_tool: str | None = None):
+        from syncd.trainer.agent.envs import LookupEnv
+        from syncd.trainer.agent.episode import run_episode
+        from syncd.trainer.agent.sandbox import Limits, Sandbox
+
+        with Sandbox.create({"secret.txt": item.target}, limits=Limits(timeout_s=10)) as sb:
+            env = LookupEnv(item.prompt, sb, answer_of_tool)
+            ep = run_episode(chat, env, max_turns=self.turns, post_calls=post_calls, max_output_chars=64)
+            return ep, {"sandbox": sb.describe(), "turns": ep.turns, "tool_calls": len(ep.tool_calls)}
+
+
+class RepoAgentTask(AgentTask):
+    """``bugfix`` or ``detect`` (module docstring)."""
+
+    kind = "bugfix"
+
+    def __init__(self, length: int = 256, turns=None, quarantine: str | None = None, **options):
+        super().__init__(length, turns, **options)
+        from syncd.trainer.agent.qa import load_quarantine
+
+        self.quarantine = load_quarantine(quarantine) if quarantine else {}
+        self._swe = None
+
+    def task_of(self, index: int, seed: int):
+        from syncd.trainer.agent.repos import make_task
+
+        for k in range(index, index + 10_000):
+            t = make_task(k, seed, self.kind)
+            if t.id not in self.quarantine:
+                return t
+        raise ValueError("every task of the family is quarantined")
+
+    def item(self, index: int, seed: int = 0) -> TaskItem:
+        t = self.task_of(index, seed)
+        return TaskItem(index, t.prompt, None, {**t.meta(), "seed": seed})
+
+    def make(self, index, rng):  # items come from item(); make is not used
+        raise NotImplementedError
+
+    def configure(self, opts: dict) -> None:
+        super().configure(opts)
+        if self.kind == "detect":
+            from syncd.trainer.agent.grader import ReportedFindings
+            from syncd.trainer.rewards import SWECheckReward
+
+            rf = ReportedFindings()
+            base = rf.reward()
+            self._swe = SWECheckReward(parse=base.parse, match=base.match, linearized=base.linearized,
+                                       length_penalty=opts["length_penalty"], two_phase=opts["two_phase"])
+            from syncd.trainer.rewards import RecordReward
+
+            self._stack = RecordReward(self._swe, cheating=self.cheating)
+
+    def score_sample(self, sample) -> float:
+        grade = (sample.episode or {}).get("grade") or {}
+        return 1.0 if grade.get("passed") else 0.0
+
+    def episode(self, item, chat, post_calls):
+        from syncd.trainer.agent.envs import RepoEnv
+        from syncd.trainer.agent.episode import run_episode
+        from syncd.trainer.agent.sandbox import Sandbox
+
+        task = self.task_of(item.index, int(item.meta.get("seed", 0)))
+        with Sandbox.create(task.files) as sb:
+            env = RepoEnv(task, sb)
+            ep = run_episode(chat, env, max_turns=self.turns, post_calls=post_calls)
+            v = env.grade(ep.answer)
+            return ep, {"sandbox": sb.describe(), "grade": {"passed": v.passed, "score": v.score,
+                                                            "detail": v.detail}}
+
+
+class BugfixTask(RepoAgentTask):
+    name = "bugfix"
+    kind = "bugfix"
+
+
+class DetectTask(RepoAgentTask):
+    name = "detect"
+    kind = "detect"
+
+
+AGENT_TASKS: dict[str, type[AgentTask]] = {t.name: t for t in (LookupTask, BugfixTask, DetectTask)}
+
