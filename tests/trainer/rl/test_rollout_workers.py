@@ -142,3 +142,11 @@ def test_curation_sees_only_the_rewards_of_groups_that_reached_the_buffer(tmp_pa
     finally:
         w.stop()
 
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=float("inf")), dict(temperature=float("nan")),
+                                 dict(temperature=0.0), dict(top_p=float("nan")), dict(top_k=-1)])
+def test_sampling_refuses_what_no_engine_can_sample(bad):
+    """An infinite temperature used to be accepted, and the run failed only when the rollouts timed out (300 s)."""
+    with pytest.raises(ValueError, match="must be"):
+        Sampling(**bad)
