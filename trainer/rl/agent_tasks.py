@@ -24,9 +24,12 @@ and rewards are pure; each episode owns its sandbox.
 
 from __future__ import annotations
 
+import itertools
+import json
+
 from syncd.trainer.rl.tasks import Task, TaskItem
 
-__all__ = ["AgentTask", "LookupTask", "RepoAgentTask", "AGENT_TASKS", "LOOKUP_ALPHABET"]
+__all__ = ["AgentTask", "LookupTask", "ScriptedLookup", "RepoAgentTask", "AGENT_TASKS", "LOOKUP_ALPHABET"]
 
 LOOKUP_ALPHABET = "abcd"
 
@@ -104,6 +107,42 @@ class LookupTask(AgentTask):
             env = LookupEnv(item.prompt, sb, answer_of_tool)
             ep = run_episode(chat, env, max_turns=self.turns, post_calls=post_calls, max_output_chars=64)
             return ep, {"sandbox": sb.describe(), "turns": ep.turns, "tool_calls": len(ep.tool_calls)}
+
+
+class ScriptedLookup(LookupTask):
+    """The lookup task whose first turn calls ``bash`` with a scripted command instead of ``lookup`` -- each episode
+    the next of ``commands``, whatever the model wrote: known tool calls (cheating attempts, sandbox escapes, clean
+    work) injected through the whole harness (sandbox, proxy, record, reward stack) for tests and benchmarks.
+    ``results``: each command's whole output (the model is shown 64 characters)."""
+
+    name = "scripted-lookup"
+
+    def __init__(self, commands, length: int = 4, **options):
+        super().__init__(length, **options)
+        self.commands, self.results = list(commands), {}
+        self._next = itertools.count()
+
+    def episode(self, item, chat, post_calls):
+        from syncd.trainer.agent.envs import LookupEnv, tool_run
+        from syncd.trainer.agent.episode import Call, run_episode
+        from syncd.trainer.agent.sandbox import Limits, Sandbox
+
+        command = self.commands[next(self._next) % len(self.commands)]
+        results = self.results
+
+        class Env(LookupEnv):
+            def calls(self, turn, message):
+                return [Call(f"call-{turn}-0", "bash", json.dumps({"command": command}))] if turn == 0 else []
+
+            def run(self, call):
+                r = self.sandbox.run(command)
+                results[command] = r.text()
+                return tool_run(r)
+
+        with Sandbox.create({"secret.txt": item.target}, limits=Limits(timeout_s=3)) as sb:
+            ep = run_episode(chat, Env(item.prompt, sb), max_turns=self.turns, post_calls=post_calls,
+                             max_output_chars=64)
+            return ep, {"sandbox": sb.describe(), "command": command}
 
 
 class RepoAgentTask(AgentTask):

@@ -10,7 +10,6 @@ not taught) and the compact chat template, so that its text round-trips."""
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 
@@ -20,6 +19,7 @@ from syncd.records.trajectory import read_record
 from syncd.trainer.rl.buffer import RolloutBuffer
 from syncd.trainer.rl.compaction import prefix_consistent, training_samples
 from syncd.trainer.rl.rollout_workers import Sampling, RolloutWorkers
+from syncd.trainer.rl.agent_tasks import ScriptedLookup
 from syncd.trainer.rl.tasks import get_task
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow,
@@ -115,47 +115,9 @@ ESCAPES = {  # what a tool tries -> the detector that must name it, and what sho
 }
 
 
-class _Scripted:
-    """The lookup task whose first turn runs a scripted bash command in the sandbox instead of ``lookup``: each
-    episode the next of ``commands``."""
-
-    name, max_tokens, ignore_eos, multi_turn = "scripted", 4, False, True
-
-    def __init__(self, task, commands):
-        self.task, self.commands = task, commands
-        self.results = {}
-        self._next = itertools.count()
-
-    def item(self, index, seed=0):
-        return self.task.item(index, seed)
-
-    def reward(self, sample):
-        return self.task.reward(sample)
-
-    def episode(self, item, chat, post):
-        from syncd.trainer.agent.envs import LookupEnv, tool_run
-        from syncd.trainer.agent.episode import Call, run_episode
-        from syncd.trainer.agent.sandbox import Limits, Sandbox
-
-        command = self.commands[next(self._next) % len(self.commands)]
-        with Sandbox.create({"secret.txt": item.target}, limits=Limits(timeout_s=3)) as sb:
-            env = LookupEnv(item.prompt, sb)
-            env.calls = lambda turn, msg: [Call(f"c{turn}", "bash", json.dumps({"command": command}))] if turn == 0 \
-                else []
-
-            def run(call):
-                res = sb.run(command)
-                self.results[command] = res.text()  # whole: the model is shown 64 characters
-                return tool_run(res)
-
-            env.run = run
-            ep = run_episode(chat, env, max_turns=2, post_calls=post, max_output_chars=64)
-            return ep, {"sandbox": sb.describe()}
-
-
 def test_escape_attempts_are_contained_and_get_reward_zero_with_the_detector_named(stack):
     commands = [c for c, _, _ in ESCAPES.values()]
-    task = _Scripted(get_task("lookup", length=4), commands)
+    task = ScriptedLookup(commands)
     w, buf = _workers(stack, task, group_size=len(commands))
     g = _group(w, buf)
     seen = set()
@@ -171,7 +133,7 @@ def test_escape_attempts_are_contained_and_get_reward_zero_with_the_detector_nam
 
 
 def test_a_clean_tool_call_keeps_its_reward(stack):
-    task = _Scripted(get_task("lookup", length=4), ["cat secret.txt"])
+    task = ScriptedLookup(["cat secret.txt"])
     w, buf = _workers(stack, task)
     g = _group(w, buf)
     assert task.results["cat secret.txt"] == g.item.target
