@@ -1,7 +1,11 @@
 """Names a package imports on first use (so that importing it stays cheap: no torch until an op or an engine is
-used): :func:`lazy_names` makes the package's module ``__getattr__`` (PEP 562) from a table; and
-:func:`quiet_optional_imports`, the one place where the import-time warnings of optional torch extensions are held
-back. Thread-safe (the import system's locks)."""
+used): :func:`lazy_names` makes the package's module ``__getattr__`` (PEP 562) from a table; and the one place
+where the import-time warnings of optional torch extensions are held back: importing this module (``import syncd``
+does) puts filters on their loggers, so that torchao's "Failed to load <its CUDA library>" on a CPU-only torch and
+torch's pytree deprecation about torchao's enums never reach a log, whoever imports torchao and whenever
+(transformers does, lazily, at the first ``from_pretrained``); :func:`quiet_optional_imports` also imports torchao
+at once. Only those messages are dropped: the loggers' other records pass. Thread-safe (the import system's locks;
+adding a filter twice is a no-op)."""
 
 from __future__ import annotations
 
@@ -12,39 +16,43 @@ import sys
 
 __all__ = ["lazy_names", "quiet_optional_imports"]
 
-#: loggers that speak while an optional extension loads: torchao's "Failed to load <its CUDA library>" on a
-#: CPU-only torch (at its import)
-_NOISY_AT_IMPORT = ("torchao",)
-
-
 def _not_torchaos_enum_deprecation(record: logging.LogRecord) -> bool:
     """torch's pytree warns once per Enum that torchao registers (its KernelPreference, ScaleCalculationMode),
     whenever transformers loads those torchao modules; a deprecation aimed at torchao's code, not at ours."""
     return "is an Enum subclass and is now natively supported" not in str(record.msg)
 
 
+def _not_a_missing_cuda_library(record: logging.LogRecord) -> bool:
+    """torchao, at its import, logs one WARNING per CUDA extension it cannot load ("Failed to load
+    <path>.so: ...") on a CPU-only torch: expected there, and said by every process that builds a model."""
+    msg = str(record.msg)
+    return not (msg.startswith("Failed to load") and ".so" in msg)
+
+
+#: logger -> the filter that holds its import-time noise back
+_FILTERS = {"torch.utils._pytree": _not_torchaos_enum_deprecation, "torchao": _not_a_missing_cuda_library}
+
+
+def _hold_back_import_noise() -> None:
+    for name, keep in _FILTERS.items():
+        logger = logging.getLogger(name)
+        if keep not in logger.filters:
+            logger.addFilter(keep)
+
+
 def quiet_optional_imports() -> None:
-    """Import torchao now, if it is installed, with its import-time warnings held back (its logger at ERROR
-    during the import, as it was after), and drop torch's pytree deprecation about torchao's enums. transformers
-    imports torchao lazily, at the first ``from_pretrained`` or ``from_config``, where its warnings would reach
-    every engine and tool log; torchao is only a benchmark baseline and a test reference here. Call it before
-    the first model is built; idempotent."""
-    pytree = logging.getLogger("torch.utils._pytree")
-    if _not_torchaos_enum_deprecation not in pytree.filters:
-        pytree.addFilter(_not_torchaos_enum_deprecation)
+    """Import torchao now, if it is installed (the filters above hold its import-time warnings back). For code
+    that wants the import done before the first model is built; idempotent."""
+    _hold_back_import_noise()
     if "torchao" in sys.modules or importlib.util.find_spec("torchao") is None:
         return
-    loggers = [logging.getLogger(n) for n in _NOISY_AT_IMPORT]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
     try:
         importlib.import_module("torchao")
     except Exception:  # noqa: BLE001 -- a broken optional extension must not stop an engine; transformers says why
         pass
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
+
+
+_hold_back_import_noise()
 
 
 def lazy_names(package: str, table: dict):
