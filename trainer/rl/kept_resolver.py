@@ -20,8 +20,9 @@ The loop uses it twice:
 
 Sequences whose sets are all listed (a recorder without tolerance, vLLM's ids) pass through untouched, at no cost.
 
-Memory: a scratch model of the same architecture (made on first use, from the model's config, on its device) and the
-weights of the last ``cache`` versions used, as stored (bfloat16). Thread-safety: calls are serialised (one lock).
+Memory: a scratch model of the same architecture (made on first use, from the model's config, on its device: the
+sequences it resolves are moved there and their rebuilt sets back to the CPU) and the weights of the last ``cache``
+versions used, as stored (bfloat16). Thread-safety: calls are serialised (one lock).
 """
 
 from __future__ import annotations
@@ -69,8 +70,17 @@ class KeptResolver:
         from syncd.trainer.rl.logprobs import resolve_kept
 
         with self._lock:
-            out = resolve_kept(self._model(), list(sequences), weights_of=self._version_weights)
-            self.sequences += sum(s.kept_pending is not None for s in sequences)
+            model = self._model()
+            dev = next(model.parameters()).device
+            out = []
+            for seq in sequences:
+                if seq.kept_pending is None:
+                    out.append(seq)
+                    continue
+                (got,) = resolve_kept(model, [_moved(seq, dev)], weights_of=self._version_weights)
+                out.append(dataclasses.replace(seq, kept_ids=got.kept_ids.cpu(), kept_offsets=got.kept_offsets.cpu(),
+                                               kept_pending=None))
+                self.sequences += 1
         return out
 
     def rollouts(self, rollouts: list[Rollout]) -> list[Rollout]:
@@ -115,9 +125,19 @@ class KeptResolver:
                 apply_delta(weights, base, m, fetch_shards(self.store, self.run_id, m))
         except SyncdError as exc:
             raise KeptRebuildError(f"the kept sets of tokens sampled with version {version} cannot be rebuilt: its "
-                                   f"weights cannot be read from {self.store.url}: {type(exc).__name__}: {exc}") from exc
+                                   f"weights cannot be read from {self.store.url}: {type(exc).__name__}: {exc}"
+                                   ) from exc
         self.loaded += 1
         self._weights[version] = weights
         while len(self._weights) > self.cache:
             self._weights.popitem(last=False)
         return weights
+
+
+def _moved(seq: RolloutSequence, device) -> RolloutSequence:
+    """``seq`` with its tensors on ``device`` (where the scratch model computes); itself on the CPU."""
+    if torch.device(device).type == "cpu":
+        return seq
+    moved = {f.name: v.to(device) for f in dataclasses.fields(seq)
+             if isinstance(v := getattr(seq, f.name), torch.Tensor)}
+    return dataclasses.replace(seq, **moved, kept_pending=seq.kept_pending.to(device))
