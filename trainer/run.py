@@ -43,7 +43,7 @@ def _band(text: str) -> tuple[float, float]:
 
 
 def parser() -> argparse.ArgumentParser:
-    from syncd.trainer.rl.tasks import DEFAULT_TASK, TASKS
+    from syncd.trainer.rl.tasks import DEFAULT_TASK, task_names
 
     env = os.environ.get
     p = argparse.ArgumentParser(prog="python -m syncd.trainer.run", description=__doc__.split("\n\n")[0])
@@ -53,7 +53,10 @@ def parser() -> argparse.ArgumentParser:
     a("--run-id", default=env("SYNCD_RUN_ID"), help="run id of versions, replay and trajectory records [SYNCD_RUN_ID]")
     a("--proxy", action="append", default=[], metavar="URL", help="sandbox proxy in front of the frontend (repeat)")
     a("--out", required=True, help="folder for metrics.jsonl, plans.jsonl, summary.json, run.png")
-    a("--task", default=DEFAULT_TASK, help=f"one of {', '.join(sorted(TASKS))} (syncd.trainer.rl.tasks)")
+    a("--task", default=DEFAULT_TASK, metavar="NAME[:OPTIONS]",
+      help=f"one of {', '.join(task_names())} (syncd.trainer.rl.tasks; lookup, bugfix and detect are multi-turn, "
+           "with tools in sandboxes: syncd.trainer.rl.agent_tasks); OPTIONS set the reward stack on the trajectory "
+           "record, e.g. lookup:length=50/20/40,latency=100/0.5 (docs/agent-harness.md)")
     a("--task-length", type=int, default=8, help="answer length in tokens")
     a("--reward", default=None, metavar="MODULE:ATTR",
       help="reward function replacing the task's (syncd.trainer.rl.tasks.Sample -> float)")
