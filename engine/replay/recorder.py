@@ -19,8 +19,9 @@ are listed. Without a tolerance (the default) every set is listed: a trainer can
 the weights that sampled them (``docs/trainer-replay.md``).
 
 A request's records are buffered in memory and written as one chunk when it finishes, or every
-``chunk_tokens`` tokens while it runs. Writes run on one background thread, so the engine never waits for
-the store. A write that fails is kept and tried again (after ``retry_s``, on the next successful write and in
+``chunk_tokens`` tokens while it runs. Chunks are encoded and written on one background thread, so the engine
+never waits for either (a chunk whose records cannot be encoded, a bug of its writer, is logged and reported by
+:meth:`flush`). A write that fails is kept and tried again (after ``retry_s``, on the next successful write and in
 :meth:`flush`); nothing is dropped. With a ``spill_dir`` a chunk the store refused is also written at once to
 ``<spill_dir>/<key>`` (create-if-absent, whole file or nothing) and removed once the store has it, so a process
 killed before the store comes back loses nothing: a recorder started on the same spill directory queues every
@@ -98,11 +99,12 @@ class ReplayRecorder:
         self.spilled: dict[str, Path] = {}  # key -> its spill file, until the store has it
         self._lock = threading.Condition()
         self._pending: dict[str, _Pending] = {}
-        self._queue: deque[tuple[str, bytes]] = deque()
+        self._queue: deque[tuple[str, bytes | ReplayChunk]] = deque()  # chunks are encoded by the writer thread
         self._failed: deque[tuple[str, bytes]] = deque()
         self._inflight = 0
         self._closed = False
         self._last_error: BaseException | None = None
+        self.unencodable = 0  # chunks dropped because their records could not be encoded (until flush reports them)
         if self.spill_dir is not None:
             self._queue.extend(self._spilled_earlier())
         self._thread = threading.Thread(target=self._worker, name=f"replay-{run_id}", daemon=True)
@@ -156,7 +158,7 @@ class ReplayRecorder:
         chunk = ReplayChunk(p.request_id, self.vocab_size, p.records, self.num_experts, p.prompt_start,
                             p.prompt_routing, self.kept_tolerance)
         key = chunk_key(self.run_id, p.request_id, self.writer, chunk.first_position)
-        self._queue.append((key, encode_chunk(chunk)))
+        self._queue.append((key, chunk))
         p.records, p.prompt_routing = [], None
         self._lock.notify_all()
 
@@ -173,6 +175,17 @@ class ReplayRecorder:
                     return
                 item = self._queue.popleft()
                 self._inflight += 1
+            if isinstance(item[1], ReplayChunk):
+                try:
+                    item = (item[0], encode_chunk(item[1]))
+                except Exception as exc:  # noqa: BLE001 -- malformed records: reported by flush, never retried
+                    log.error("replay chunk %s cannot be encoded, dropped: %s", item[0], exc)
+                    with self._lock:
+                        self.unencodable += 1
+                        self._last_error = exc
+                        self._inflight -= 1
+                        self._lock.notify_all()
+                    continue
             ok = self._put(*item)
             if ok:
                 self._unspill(item[0])
@@ -272,6 +285,10 @@ class ReplayRecorder:
             if self._failed:
                 raise ReplayUploadError(f"{len(self._failed)} replay chunk(s) could not be written to "
                                         f"{self.store.url}: {self._last_error}")
+            if self.unencodable:  # reported once
+                dropped, self.unencodable = self.unencodable, 0
+                raise ReplayUploadError(f"{dropped} replay chunk(s) could not be encoded and were dropped: "
+                                        f"{self._last_error}")
 
     def close(self, timeout: float | None = 60.0) -> None:
         """:meth:`flush`, then stop the writer thread."""

@@ -23,8 +23,10 @@ Threads: vLLM calls ``update_state``/``apply`` on its worker thread, one batch a
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from vllm.v1.sample.logits_processor.interface import BatchUpdate, LogitsProcessor, MoveDirectionality
@@ -92,15 +94,15 @@ def replay_args_of(params) -> ReplayArgs | None:
 class KeptRow:
     """One sampled row's kept set: ``ids`` in rank order (descending scaled logit, ties by the lower id),
     ``gaps`` (the scaled-logit gap after each rank, ``syncd.ops.replay.KeptSets.gaps``) and ``logprobs`` (of each
-    kept id under the softmax over the set), CPU tensors."""
+    kept id under the softmax over the set), numpy arrays (the recorder reads them without more torch calls)."""
 
-    ids: torch.Tensor
-    gaps: torch.Tensor
-    logprobs: torch.Tensor
+    ids: np.ndarray
+    gaps: np.ndarray
+    logprobs: np.ndarray
 
     def logprob_of(self, token_id: int) -> float | None:
-        hit = (self.ids == token_id).nonzero()
-        return float(self.logprobs[hit[0, 0]]) if hit.numel() else None
+        hit = np.flatnonzero(self.ids == token_id)
+        return float(self.logprobs[hit[0]]) if hit.size else None
 
 
 class SyncdKeptSets(LogitsProcessor):
@@ -111,6 +113,7 @@ class SyncdKeptSets(LogitsProcessor):
         self.rows: dict[int, ReplayArgs] = {}
         self.step: dict[int, KeptRow] = {}
         self.calls = 0
+        self.seconds = 0.0  # spent in apply, in all
 
     @classmethod
     def validate_params(cls, sampling_params) -> None:
@@ -156,6 +159,7 @@ class SyncdKeptSets(LogitsProcessor):
         rows = sorted(i for i, a in self.rows.items() if a.temperature > 0 and i < logits.shape[0])
         if not rows:
             return logits
+        t0 = time.perf_counter()
         index = torch.tensor(rows, device=logits.device)
         z = logits.index_select(0, index)
         args = [self.rows[i] for i in rows]
@@ -164,7 +168,9 @@ class SyncdKeptSets(LogitsProcessor):
         keep = torch.zeros_like(z, dtype=torch.bool)
         keep[torch.repeat_interleave(torch.arange(len(rows), device=z.device), sizes), ks.ids] = True
         logits.index_copy_(0, index, z.masked_fill_(~keep, float("-inf")))
-        ids, gaps, lps, off = ks.ids.cpu(), ks.gaps.cpu(), ks.logprobs.cpu(), ks.offsets.tolist()
+        ids, gaps, lps = (t.cpu().numpy() for t in (ks.ids, ks.gaps, ks.logprobs))
+        off = ks.offsets.tolist()
         self.step = {row: KeptRow(ids[off[j]:off[j + 1]], gaps[off[j]:off[j + 1]], lps[off[j]:off[j + 1]])
                      for j, row in enumerate(rows)}
+        self.seconds += time.perf_counter() - t0
         return logits

@@ -41,6 +41,7 @@ back a step late, is turned off by the engine. Threads: vLLM's worker thread onl
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -64,7 +65,7 @@ class _Request:
     args: ReplayArgs
     routed_from: int = 0
     routed_upto: int = 0
-    routes: list[torch.Tensor] = field(default_factory=list)
+    routes: list[np.ndarray] = field(default_factory=list)
     started: bool = False
 
 
@@ -86,7 +87,8 @@ class ReplayTap:
         recorder.configure(vocab_size=int(hf.vocab_size), num_experts=self.num_experts)
         self.requests: dict[str, _Request] = {}
         self.tokens = self.missing = self.recomputed = self.route_conflicts = 0
-        self._routes: dict[int, torch.Tensor] = {}
+        self.record_s = 0.0  # spent recording, in all (the processor's own time: SyncdKeptSets.seconds)
+        self._routes: dict[int, np.ndarray] = {}  # layer id -> the step's [tokens, top_k] expert ids
         self._layers: list[int] = []
         self._sched = None
         if self.num_experts:
@@ -106,7 +108,8 @@ class ReplayTap:
     def stats(self) -> dict:
         return {"tokens": self.tokens, "missing": self.missing, "recomputed": self.recomputed,
                 "route_conflicts": self.route_conflicts, "requests": len(self.requests),
-                "processor_calls": self.kept.calls, "moe_layers": len(self._layers)}
+                "processor_calls": self.kept.calls, "moe_layers": len(self._layers), "record_s": self.record_s,
+                "processor_s": self.kept.seconds}
 
     # ------------------------------------------------------------------------------------ routes
 
@@ -127,7 +130,7 @@ class ReplayTap:
         return sorted(layers)
 
     def _capture(self, layer_id: int, topk_ids: torch.Tensor) -> None:
-        self._routes[layer_id] = topk_ids.detach().to("cpu", torch.int16, copy=True)
+        self._routes[layer_id] = topk_ids.detach().to("cpu", torch.int16, copy=True).numpy()
 
     # ------------------------------------------------------------------------------------ the step
 
@@ -157,7 +160,9 @@ class ReplayTap:
         out = self._sample(*args, **kwargs)
         kept, self.kept.step = self.kept.step, {}
         if layout:
+            t0 = time.perf_counter()
             self._record(layout, out, kept)
+            self.record_s += time.perf_counter() - t0
         return out
 
     def _request(self, rid: str, state) -> _Request | None:
@@ -178,7 +183,7 @@ class ReplayTap:
             if set(self._routes) != set(self._layers):
                 log.error("replay: the step routed layers %s, expected %s", sorted(self._routes), self._layers)
             else:
-                routes = torch.stack([self._routes[i] for i in self._layers])  # [L, tokens, k]
+                routes = np.stack([self._routes[i] for i in self._layers])  # [L, tokens, k]
         index = out.req_id_to_index
         for row, rid, req, state, at, n, first, out_len in layout:
             sampled = out.sampled_token_ids[index[rid]] if rid in index else []
@@ -211,16 +216,16 @@ class ReplayTap:
             req.routed_upto += new.shape[1]
         return new[:, -1] if sampled and new.shape[1] else None
 
-    def _conflicts(self, req: _Request, again: torch.Tensor, first: int) -> int:
+    def _conflicts(self, req: _Request, again: np.ndarray, first: int) -> int:
         """How many of ``again``'s positions (from ``first``) the recorded routes route otherwise."""
-        held = torch.cat(req.routes, 1)
+        held = np.concatenate(req.routes, 1)
         req.routes = [held]
         lo = max(first, req.routed_from)
         hi = first + again.shape[1]
         if hi <= lo:
             return 0
-        a = again[:, lo - first:].sort(-1).values
-        b = held[:, lo - req.routed_from:hi - req.routed_from].sort(-1).values
+        a = np.sort(again[:, lo - first:], -1)
+        b = np.sort(held[:, lo - req.routed_from:hi - req.routed_from], -1)
         return int((a != b).any(-1).any(0).sum())
 
     def _add(self, req: _Request, row: int, position: int, index: int, token: int, version, kept, route) -> None:
@@ -237,7 +242,7 @@ class ReplayTap:
                 return
             ids, margins = k.ids, k.gaps
         if not req.started and route is not None and req.routed_upto - req.routed_from > 1:
-            req.routes = [torch.cat(req.routes, 1)]
+            req.routes = [np.concatenate(req.routes, 1)]
             self.recorder.add_prompt_routing(rid, req.routed_from, req.routes[0][:, :-1])
         req.started = True
         self.recorder.add(rid, position=position, index=index, version=version, token_id=token, logprob=logprob,

@@ -27,7 +27,8 @@ def setup(tmp_path_factory):
     from syncd.engine.vllm import ReplayConfig
 
     store = tmp_path_factory.mktemp("moe-replay-store")
-    # a 64-token step budget chunks every longer prompt; 17 KV blocks of 32 tokens (one 512-token request) preempt concurrent ones
+    # a 64-token step budget chunks every longer prompt; 17 KV blocks of 32 tokens (one 512-token request) preempt
+    # concurrent ones
     kwargs = dict(max_num_batched_tokens=64, enable_chunked_prefill=True, num_gpu_blocks_override=17)
     for eng, trainer in engine_and_trainer(tmp_path_factory, "qwen3_moe", seed=6, cpu_gemm="torch",
                                            replay=ReplayConfig(str(store), RUN), engine_kwargs=kwargs):
