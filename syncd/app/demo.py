@@ -9,7 +9,13 @@ Progress shows the trainer's step and loss, each engine's version and lag, and e
 at the end a summary table is printed and written as JSON (``--json``): ``versions_applied``,
 ``requests_served``, ``requests_lost`` (must be 0), ``pause_s_median``/``pause_s_max``,
 ``bytes_per_version_median``, ``full_bytes`` and more. Exit status 0 when no request was lost and every
-engine ended bit-exact on the trainer's last version.
+engine ended bit-exact (whole fp32 words) on the trainer's last version.
+
+The run is signed with an Ed25519 key pair made next to the store in the work directory (the trainer gets the
+private key, the daemon and the engines the public one; with ``--keep``/``--dir`` the demo prints how to read the
+store); the timeline picture goes into the work directory too (kept at the end without ``--keep``). Outputs a flag
+names that cannot be written are refused before the run (exit 2); Ctrl-C stops every process and exits 130
+(:mod:`syncd.app.interrupts`).
 
     syncd demo --weights-only [--json PATH] [--versions N] [--every-k K] [--dir DIR]
 """
@@ -20,18 +26,18 @@ import argparse
 import json
 import logging
 import os
-import secrets
-import shutil
 import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from syncd.app.demo_io import (Client, Display, HelpFormatter, delta_sizes, plot_timeline, published_versions, say,
-                               write_summary)
+from syncd.app.commands import check_writable
+from syncd.app.demo_io import (Client, Display, delta_sizes, demo_keys, finish_work_dir, how_to_read,
+                               plot_timeline, published_versions, say, work_dir, write_summary)
+from syncd.app.interrupts import Interrupts
+from syncd.cli_help import HelpFormatter
 
 log = logging.getLogger(__name__)
 RUN = "demo"
@@ -127,43 +133,52 @@ def _wait(cond, what: str, timeout: float, children: dict):
         time.sleep(0.05)
 
 
-def run(args) -> dict:
+def run(args, work: Path, interrupts: Interrupts) -> dict:
+    """Run the demo in ``work``; returns the summary. RuntimeError when a part fails; KeyboardInterrupt (after
+    stopping what it started) when ``interrupts`` says so."""
     from syncd.engines.client import RemoteAdapter
     from syncd.engine.reference.make_tiny import write_model
+    from syncd.signing.keyfiles import read_public_key_file
     from syncd.versions import read_manifest
 
-    work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="syncd-demo-"))
-    work.mkdir(parents=True, exist_ok=True)
+    kept = bool(args.dir or args.keep)
     say(f"weight sync on this machine: a trainer publishing {args.versions} versions (a full one every "
-        f"{args.full_every}, deltas between), {args.engines} engine processes, the syncd daemon and {args.clients} "
+        f"{args.full_every}, deltas between), {args.workers} engine processes, the syncd daemon and {args.clients} "
         f"client threads streaming requests; work dir {work}"
-        f"{'' if args.dir or args.keep else ' (removed at the end; --keep keeps it)'}")
+        f"{'' if kept else ' (removed at the end but for the picture; --keep keeps it)'}")
     store, cache, logs = work / "store", work / "cache", work / "logs"
     logs.mkdir(exist_ok=True)
     store.mkdir(exist_ok=True)  # the daemon is a reader: it never creates a missing store
-    key = "hex:" + secrets.token_hex(32)
+    private, public = work / "signing.key", work / "signing.pub"  # next to the store
+    demo_keys(private, public)
+    key = read_public_key_file(public, "the demo's public key")
     root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, SYNCD_SIGNING_KEY=key, OMP_NUM_THREADS="1", SYNCD_LOG_LEVEL="INFO",
+    env = dict(os.environ, OMP_NUM_THREADS="1", SYNCD_LOG_LEVEL="INFO", SYNCD_VERIFY_KEYS=str(public),
                PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
-    for var in ("SYNCD_TEST_PAUSE_AT", "SYNCD_STORE", "SYNCD_RUN_ID", "SYNCD_ENGINES", "SYNCD_STATUS_FILE"):
+    for var in ("SYNCD_TEST_PAUSE_AT", "SYNCD_STORE", "SYNCD_RUN_ID", "SYNCD_ENGINES", "SYNCD_STATUS_FILE",
+                "SYNCD_SIGNING_KEY", "SYNCD_SIGNING_KEY_FILE"):
         env.pop(var, None)
     t_start = time.time()
-    say("writing a tiny random-init model and starting the engines and the trainer (each loads torch: the slow part)")
-    model = write_model(work / "model", seed=args.seed)
     children: dict[str, subprocess.Popen] = {}
+    interrupts.watch(children.values)
     client = None
     display = None
+    pictures: dict = {}
     try:
-        names = [f"e{i}" for i in range(args.engines)]
+        say("writing a tiny random-init model and starting the engines and the trainer (each loads torch: the slow "
+            "part)")
+        model = write_model(work / "model", seed=args.seed)
+        names = [f"e{i}" for i in range(args.workers)]
         for n in names:
             children[n] = _spawn(["-m", "syncd.engine.control_server", "--model", str(model), "--ready-file",
                                   str(work / f"{n}.ready")], env, logs / f"{n}.log")
         progress = work / "trainer.jsonl"
-        children["trainer"] = _spawn(
+        children["trainer"] = _spawn(  # the publisher alone holds the private key
             ["-m", "syncd.app.demo", "_trainer", "--model", str(model), "--store", str(store), "--progress",
              str(progress), "--versions", str(args.versions), "--every-k", str(args.every_k), "--full-every",
              str(args.full_every), "--lr", str(args.lr), "--interval", str(args.interval), "--delta-format",
-             str(args.delta_format)], env, logs / "trainer.log")
+             str(args.delta_format)], {**env, "SYNCD_SIGNING_KEY_FILE": str(private), "SYNCD_VERIFY_KEYS": ""},
+            logs / "trainer.log")
         urls = [_wait(lambda n=n: json.loads((work / f"{n}.ready").read_text())["url"], f"engine {n}", 180, children)
                 for n in names]
         daemon_args = ["-m", "syncd.app.cli", "--run-id", RUN, "--store", str(store), "--cache-dir", str(cache),
@@ -207,31 +222,35 @@ def run(args) -> dict:
         children["daemon"].wait(timeout=60)
         status = json.loads(status_file.read_text())
         versions = published_versions(store, RUN, key)
-        pictures = {}
-        if args.plot:
+        if args.plot != "":
             try:
-                drawn = plot_timeline(versions, status.get("updates", []), Path(args.plot).resolve(),
+                drawn = plot_timeline(versions, status.get("updates", []),
+                                      Path(args.plot).resolve() if args.plot else work / "syncd-demo-weights.png",
                                       title="syncd demo --weights-only: versions over time")
                 pictures["timeline_png"] = str(drawn)
             except ImportError as exc:
                 pictures["plot_error"] = str(exc)
+        if kept:
+            say(how_to_read(store, RUN, public, private))
         return {**summarize(args, status, history, client, exact, time.time() - t_start, work),
                 **delta_sizes(versions), **pictures}
     finally:
-        if client is not None:
-            client._stop.set()
-        if display is not None:
-            display.close()
-        for p in children.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in children.values():
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        if not args.dir and not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
+        try:
+            if client is not None:
+                client._stop.set()
+            if display is not None:
+                display.close()
+            for p in children.values():
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            for p in children.values():
+                try:
+                    p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait(timeout=10)
+        finally:
+            finish_work_dir(work, kept, [pictures.get("timeline_png")])
 
 
 def summarize(args, status: dict, history: list, client: Client, exact: bool, wall_s: float, work: Path) -> dict:
@@ -326,8 +345,9 @@ def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="syncd demo --weights-only", description=__doc__.split("\n\n")[0].replace(
         "``", ""), add_help=add_help, formatter_class=HelpFormatter)
     p.add_argument("--json", default=None, metavar="PATH", help="also write the summary here")
-    p.add_argument("--plot", default="syncd-demo-weights.png", metavar="PNG",
-                   help="the timeline (trainer's and engines' versions over time, pauses); '' for none")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="the timeline (trainer's and engines' versions over time, pauses); '' for none (default: "
+                        "syncd-demo-weights.png in the work directory)")
     p.add_argument("--versions", type=int, default=16, help="versions the trainer publishes")
     p.add_argument("--every-k", type=int, default=2, help="optimizer steps per version")
     p.add_argument("--full-every", type=int, default=8, help="a full version every that many, deltas between")
@@ -337,11 +357,13 @@ def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--delta-format", type=int, choices=(1, 2), default=2,
                    help="codec format of the deltas (the engines hold every tensor whole, so format 2 decodes)")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between versions (a real RL step's pace)")
-    p.add_argument("--engines", type=int, default=2, help="engine processes (python -m syncd.engine.control_server)")
+    p.add_argument("--workers", type=int, default=2, help="engine processes (python -m syncd.engine.control_server)")
     p.add_argument("--clients", type=int, default=4, help="client threads streaming requests")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens per request")
-    p.add_argument("--dir", default=None, help="work directory, kept (by default a temp dir, removed after)")
-    p.add_argument("--keep", action="store_true", help="keep the temp work directory (logs, store, cache)")
+    p.add_argument("--dir", default=None,
+                   help="work directory, kept (by default a temp dir, removed after but for the picture)")
+    p.add_argument("--keep", action="store_true",
+                   help="keep the temp work directory (logs, store and its signing keys, cache)")
     p.add_argument("--plain", action="store_true", help="plain progress lines even on a terminal")
     p.add_argument("--timeout", type=float, default=300, help="give up after this many seconds")
     return p
@@ -357,17 +379,32 @@ def main(argv=None) -> int:
 
 def run_main(args, p: argparse.ArgumentParser) -> int:
     """Run the demo for parsed ``args``; returns the exit status."""
-    if args.versions < 2 or args.every_k < 1 or args.engines < 1 or args.clients < 1:
-        p.error("--versions >= 2, --every-k >= 1, --engines >= 1, --clients >= 1")
+    if args.versions < 2 or args.every_k < 1 or args.workers < 1 or args.clients < 1:
+        p.error("--versions >= 2, --every-k >= 1, --workers >= 1, --clients >= 1")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        summary = run(args)
-    except RuntimeError as exc:
-        print(exc, file=sys.stderr)
-        return 1
-    print_summary(summary)
-    if args.json:
-        write_summary(summary, args.json)
+    try:  # before the work: an output that cannot be written is refused at once
+        for flag in ("--json", "--plot", "--dir"):
+            if getattr(args, flag[2:]):
+                check_writable(getattr(args, flag[2:]), flag, folder=flag == "--dir")
+    except ValueError as exc:
+        print(f"syncd demo --weights-only: {exc}", file=sys.stderr)
+        return 2
+    with Interrupts() as interrupts:
+        work = None
+        try:
+            work = work_dir(args, "syncd-demo-")
+            summary = run(args, work, interrupts)
+            print_summary(summary)
+            if args.json:
+                write_summary(summary, args.json)
+        except KeyboardInterrupt:
+            interrupts.stop_all()
+            if work is not None:
+                finish_work_dir(work, bool(args.dir or args.keep))
+            return interrupts.report()
+        except RuntimeError as exc:
+            print(exc, file=sys.stderr)
+            return 1
     ok = (summary["requests_lost"] == 0 and summary["engines_bit_exact"]
           and summary["final_version"] == args.versions - 1)
     return 0 if ok else 1

@@ -1,33 +1,81 @@
 """What the demos send and show: :class:`Client` keeps requests streaming to every engine the whole time (and counts
 what was served and lost, ``syncd demo --weights-only``), :class:`Display` shows its progress; for both demos
 :func:`published_versions` reads what the trainer published (kind, size, time) back from the store,
-:func:`delta_sizes` sums it up and :func:`plot_timeline` draws the timeline PNG (matplotlib)."""
+:func:`delta_sizes` sums it up and :func:`plot_timeline` draws the timeline PNG (matplotlib). Their files:
+:func:`demo_keys` makes the Ed25519 key pair the run is signed with (next to the store) and :func:`how_to_read` says
+how to read the store with it; :func:`check_writable` refuses, before the work, an output a flag names that cannot
+be written; :func:`work_dir` and :func:`finish_work_dir` make and clear the work directory (the pictures drawn into
+it stay)."""
 
 from __future__ import annotations
 
-import argparse
 import json
+import shutil
+import tempfile
 import threading
 import time
 import urllib.request
 from pathlib import Path
 
 __all__ = ["Client", "Display", "write_summary", "published_versions", "delta_sizes", "plot_timeline", "say",
-           "HelpFormatter"]
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """``--help`` with each flag's default, except the empty ones (None, False: a switch that is off)."""
-
-    def _get_help_string(self, action):
-        if action.default is None or action.default is False or action.default is argparse.SUPPRESS:
-            return action.help
-        return super()._get_help_string(action)
+           "demo_keys", "how_to_read", "work_dir", "finish_work_dir"]
 
 
 def say(text: str) -> None:
     """One progress line of a demo, flushed at once (a person is watching)."""
     print(f"[demo] {text}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------- files
+
+
+def demo_keys(private: Path, public: Path) -> None:
+    """The demo's Ed25519 key pair at ``private`` (the publisher's, mode 0600) and ``public`` (for the daemon, the
+    engines and readers: ``--verify-key``), as ``syncd keygen`` writes them; a pair already there (a reused
+    ``--dir``, whose store it signed) is kept."""
+    from syncd.signing.keyfiles import write_keypair
+
+    if private.exists() and public.exists():
+        return
+    if private.with_suffix("") != public.with_suffix("") or private.suffix != ".key" or public.suffix != ".pub":
+        raise ValueError(f"a key pair is PREFIX.key and PREFIX.pub, not {private} and {public}")
+    private.unlink(missing_ok=True)
+    public.unlink(missing_ok=True)
+    write_keypair(private.with_suffix(""))
+
+
+def how_to_read(store: Path, run_id: str, public: Path, private: Path) -> str:
+    """What to type to read a kept demo store: its versions are signed with the demo's key."""
+    return (f"the store is signed with the demo's Ed25519 key (public {public}, private {private}); read it with "
+            f"`syncd ls --store {store} --run-id {run_id} --verify-key {public}` (the same --verify-key for "
+            "syncd verify and syncd materialize)")
+
+
+def work_dir(args, prefix: str) -> Path:
+    """``--dir`` (made) or a new temporary folder."""
+    if args.dir:
+        work = Path(args.dir).expanduser().resolve()
+        work.mkdir(parents=True, exist_ok=True)
+        return work
+    return Path(tempfile.mkdtemp(prefix=prefix))
+
+
+def finish_work_dir(work: Path, kept: bool, outputs=()) -> None:
+    """At a demo's end: a kept work dir (``--dir``, ``--keep``) stays whole; a temporary one is removed but for the
+    ``outputs`` directly in it (the pictures drawn there), which stay where the summary says they are."""
+    if kept or not work.exists():
+        return
+    stay = {Path(p).resolve() for p in outputs if p and Path(p).resolve().parent == work.resolve()}
+    if not stay:
+        shutil.rmtree(work, ignore_errors=True)
+        return
+    for entry in work.iterdir():
+        if entry.resolve() in stay:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------------------------------------- client

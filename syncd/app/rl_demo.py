@@ -8,9 +8,16 @@ policy-gradient step and publishes a version every step; the daemon applies it t
 they keep generating. Progress shows the step, the reward, the staleness and each engine's version; the summary
 gives the reward before and after, versions published and applied, pauses, staleness and the trainer/engine
 mismatch, and is written as JSON with ``--json``. Exit status 0 only when no rollout was lost (every request
-answered, every record complete) and every engine ended bit-exact on the trainer's last version.
+answered, every record complete) and every engine ended bit-exact (whole fp32 words) on the trainer's last version.
 
-    syncd demo [--steps 60] [--json PATH] [--plot syncd-demo.png] [--dir DIR] [--keep] [--plain]
+Files: everything goes into the work directory (``--dir``, or a temporary one that is removed at the end but for the
+pictures): the store, signed with an Ed25519 key pair made next to it (``signing.key``, ``signing.pub``; with
+``--keep``/``--dir`` the demo prints how to read the store with ``syncd ls/verify/materialize``), logs, the
+trainer's output and the pictures (``syncd-demo.png``, ``syncd-demo-trainer.png``). An output a flag names that
+cannot be written is refused before the run (exit 2). Ctrl-C (once or more, at any point) stops every process the
+demo started and exits 130 (:mod:`syncd.app.interrupts`).
+
+    syncd demo [--steps 60] [--json PATH] [--plot PNG] [--dir DIR] [--keep] [--plain]
     syncd demo --weights-only [...]     the weight-sync demo (syncd.app.demo: a supervised trainer, a client)
 """
 
@@ -19,15 +26,20 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from syncd.app.demo_io import HelpFormatter, delta_sizes, plot_timeline, published_versions, say, write_summary
+from syncd.app.commands import check_writable
+from syncd.app.demo_io import (delta_sizes, finish_work_dir, how_to_read, plot_timeline,
+                               published_versions, say, work_dir, write_summary)
+from syncd.app.interrupts import Interrupts
+from syncd.cli_help import HelpFormatter
 
 __all__ = ["main", "build_parser", "run"]
 
@@ -41,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights-only", action="store_true", help="run the weight-sync demo (syncd.app.demo) instead")
     p.add_argument("--steps", type=int, default=60, help="optimizer steps (a version each)")
     p.add_argument("--nproc", type=int, default=2, help="data-parallel trainer ranks")
-    p.add_argument("--engines", type=int, default=2, help="reference-engine workers under the Dynamo frontend")
+    p.add_argument("--workers", type=int, default=2, help="reference-engine workers under the Dynamo frontend")
     p.add_argument("--task", default="repeat", help="syncd.trainer.rl.tasks task the policy learns")
     p.add_argument("--every-k", type=int, default=1, help="publish a version every K steps")
     p.add_argument("--max-lag", type=int, default=2, help="staleness bound eta: versions a trained token may lag")
@@ -53,11 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--delta-format", type=int, choices=(1, 2), default=2,
                    help="codec format of the deltas (the engines hold every tensor whole, so format 2 decodes)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the summary here")
-    p.add_argument("--plot", default="syncd-demo.png", metavar="PNG",
+    p.add_argument("--plot", default=None, metavar="PNG",
                    help="the timeline (trainer's and engines' versions over time, pauses); the trainer's own "
-                        "picture (reward, mismatch) goes next to it as <name>-trainer.png; '' for none")
-    p.add_argument("--dir", default=None, help="work directory, kept (by default a temp dir, removed after)")
-    p.add_argument("--keep", action="store_true", help="keep the temp work directory (logs, store, metrics)")
+                        "picture (reward, mismatch) goes next to it as <name>-trainer.png; '' for none (default: "
+                        "syncd-demo.png in the work directory)")
+    p.add_argument("--dir", default=None,
+                   help="work directory, kept (by default a temp dir, removed after but for the pictures)")
+    p.add_argument("--keep", action="store_true",
+                   help="keep the temp work directory (logs, store and its signing keys, metrics)")
     p.add_argument("--plain", action="store_true", help="plain progress lines even on a terminal")
     p.add_argument("--timeout", type=float, default=600, help="give up after this many seconds")
     return p
@@ -104,18 +119,22 @@ def _watch(proc: subprocess.Popen, metrics: Path, stack, args, display) -> None:
         time.sleep(0.25)
 
 
-def run(args) -> dict:
-    """Run the demo (see the module docstring); returns the summary. RuntimeError when a part fails."""
-    work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="syncd-rl-demo-"))
+def run(args, work: Path, interrupts: Interrupts) -> dict:
+    """Run the demo in ``work`` (see the module docstring); returns the summary. RuntimeError when a part fails;
+    KeyboardInterrupt (after stopping what it started) when ``interrupts`` says so."""
+    kept = bool(args.dir or args.keep)
     every = "a version per step" if args.every_k == 1 else f"a version every {args.every_k} steps"
     say(f"an RL run on this machine: the thin trainer ({args.nproc} ranks, {args.steps} steps, {every}), "
-        f"{args.engines} engines under Dynamo, the sandbox proxy and the syncd daemon; work dir "
-        f"{work}{'' if args.dir or args.keep else ' (removed at the end; --keep keeps it)'}")
+        f"{args.workers} engines under Dynamo, the sandbox proxy and the syncd daemon; work dir "
+        f"{work}{'' if kept else ' (removed at the end but for the pictures; --keep keeps it)'}")
     from syncd.app.rl_stack import RLStack, StackConfig
 
     t0 = time.time()
-    stack = RLStack(StackConfig(work, engines=args.engines, seed=args.seed))
-    display = None
+    stack = RLStack(StackConfig(work, engines=args.workers, seed=args.seed))
+    trainer: list[subprocess.Popen] = []
+    interrupts.watch(stack.processes)
+    interrupts.watch(lambda: trainer)
+    display, pictures = None, {}
     try:
         stack.start(say=say)
         out = work / "trainer"
@@ -124,8 +143,10 @@ def run(args) -> dict:
                                   "--top-p", str(args.top_p), "--seed", str(args.seed), "--lr", str(args.lr),
                                   "--delta-format", str(args.delta_format))
         say(f"engines serving version 0 after {time.time() - t0:.0f} s; starting the trainer")
-        with open(stack.logs / "trainer.log", "wb") as err:
-            proc = subprocess.Popen(argv, env=stack.env, cwd=ROOT, stdout=subprocess.PIPE, stderr=err)
+        with open(stack.logs / "trainer.log", "wb") as err:  # its own process group: its ranks stop with it
+            trainer.append(subprocess.Popen(argv, env=stack.env, cwd=ROOT, stdout=subprocess.PIPE, stderr=err,
+                                            stdin=subprocess.DEVNULL, start_new_session=True))
+        proc = trainer[0]
         if not args.plain and sys.stdout.isatty():
             try:
                 from rich.progress import BarColumn, Progress, TextColumn
@@ -152,24 +173,42 @@ def run(args) -> dict:
         proxy = stack.proxy_health()
         stack.stop_daemon()
         status = stack.daemon_status()
-        versions = published_versions(stack.store_url, stack.run_id, stack.env["SYNCD_SIGNING_KEY"])
-        pictures = _pictures(args, versions, status.get("updates", []), out / "run.png")
+        versions = published_versions(stack.store_url, stack.run_id, stack.verify_key)
+        pictures = _pictures(args, work, versions, status.get("updates", []), out / "run.png")
         say("stopping the engines and the proxy (they write their last records)")
+        if kept:
+            say(how_to_read(work / "store", stack.run_id, stack.public_key_file, stack.private_key_file))
         return summarize(args, trained, status, exact, proxy, time.time() - t0, work, versions, pictures)
     finally:
-        if display is not None:
-            display.stop()
-        stack.close()
-        if not args.dir and not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
+        try:
+            if display is not None:
+                display.stop()
+            for p in trainer:
+                _stop_group(p)
+            stack.close()
+        finally:
+            finish_work_dir(work, kept, [v for k, v in pictures.items() if k.endswith("_png")])
 
 
-def _pictures(args, versions: list, updates: list, trainer_png: Path) -> dict:
-    """The timeline at ``--plot`` and the trainer's picture next to it; their paths (None: not drawn, and why)."""
-    if not args.plot:
-        return {}
+def _stop_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM ``proc`` (it leads its own process group), then SIGKILL what is left of its group."""
+    from syncd.procs import stop_process
+
+    stop_process(proc, grace_s)
     try:
-        timeline = plot_timeline(versions, updates, Path(args.plot).resolve(), title="syncd demo: versions over time")
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _pictures(args, work: Path, versions: list, updates: list, trainer_png: Path) -> dict:
+    """The timeline at ``--plot`` (default: ``syncd-demo.png`` in ``work``) and the trainer's picture next to it;
+    their paths (None: not drawn, and why)."""
+    if args.plot == "":
+        return {}
+    path = Path(args.plot).resolve() if args.plot else work / "syncd-demo.png"
+    try:
+        timeline = plot_timeline(versions, updates, path, title="syncd demo: versions over time")
     except ImportError as exc:
         return {"plot_error": str(exc)}
     out = {"timeline_png": str(timeline)}
@@ -270,17 +309,32 @@ def main(argv=None) -> int:
         return demo.main([a for a in argv if a != "--weights-only"])
     p = build_parser()
     args = p.parse_args(argv)
-    if args.steps < 1 or args.nproc < 1 or args.engines < 1 or args.every_k < 1 or args.max_lag < 0:
-        p.error("--steps, --nproc, --engines, --every-k must be >= 1 and --max-lag >= 0")
+    if args.steps < 1 or args.nproc < 1 or args.workers < 1 or args.every_k < 1 or args.max_lag < 0:
+        p.error("--steps, --nproc, --workers, --every-k must be >= 1 and --max-lag >= 0")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        summary = run(args)
-    except (RuntimeError, TimeoutError, OSError) as exc:
-        print(exc, file=sys.stderr)
-        return 1
-    print_summary(summary)
-    if args.json:
-        write_summary(summary, args.json)
+    try:  # before the work: an output that cannot be written is refused at once
+        for flag in ("--json", "--plot", "--dir"):
+            if getattr(args, flag[2:]):
+                check_writable(getattr(args, flag[2:]), flag, folder=flag == "--dir")
+    except ValueError as exc:
+        print(f"syncd demo: {exc}", file=sys.stderr)
+        return 2
+    with Interrupts() as interrupts:
+        work = None
+        try:
+            work = work_dir(args, "syncd-rl-demo-")
+            summary = run(args, work, interrupts)
+            print_summary(summary)
+            if args.json:
+                write_summary(summary, args.json)
+        except KeyboardInterrupt:
+            interrupts.stop_all()
+            if work is not None:
+                finish_work_dir(work, bool(args.dir or args.keep))
+            return interrupts.report()
+        except (RuntimeError, TimeoutError, OSError) as exc:
+            print(exc, file=sys.stderr)
+            return 1
     ok = summary["rollouts_lost"] == 0 and summary["engines_bit_exact"] and summary["final_version"] == \
         -(-args.steps // args.every_k) and summary["ranks_agree"] is not False
     return 0 if ok else 1

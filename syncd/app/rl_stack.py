@@ -2,15 +2,17 @@
 trainer's end-to-end tests run the thin trainer (``python -m syncd.trainer.run``) against.
 
 * a tiny random-init model folder (``syncd.engine.reference.make_tiny``), which the engines serve as version 0;
-* one inference node (``syncd.engine.dynamo.serve.Node``, what ``syncd serve`` runs): the Dynamo frontend and
+* one inference node (``syncd.engine.dynamo.node.Node``, what ``syncd serve`` runs): the Dynamo frontend and
   ``engines`` reference-engine workers, each recording replay records to the store under the run;
 * the sandbox proxy (``python -m syncd.engine.proxy``) in front of the frontend, recording trajectories;
 * the node daemon (``python -m syncd.app.cli``), keeping every worker on the newest version through its admin
   routes and writing its status file (engines' versions, every update with its pauses).
 
 Wiring: it imports ``engine`` and the syncd core, never ``trainer`` (the trainer is a process of its own, whose
-command line :meth:`RLStack.trainer_argv` builds). Versions are signed with a key made for the stack
-(:attr:`RLStack.env` carries it to the trainer and the daemon).
+command line :meth:`RLStack.trainer_argv` builds). Versions are signed with an Ed25519 key pair made for the stack
+next to its store (``signing.key``, ``signing.pub`` in ``workdir``): the trainer's environment (:attr:`RLStack.env`)
+carries the private key, the daemon and the engine workers get the public key only (``SYNCD_VERIFY_KEYS``), and
+:attr:`RLStack.verify_key` reads what the trainer published.
 
 Thread-safety: one owner thread; :meth:`close` is idempotent and stops everything it started.
 """
@@ -20,7 +22,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import secrets
 import signal
 import subprocess
 import sys
@@ -65,11 +66,15 @@ class RLStack:
         self.model_dir = self.workdir / "model"
         self.logs = self.workdir / "logs"
         self.status_file = self.workdir / "daemon-status.json"
-        key = "hex:" + secrets.token_hex(32)
-        self.env = dict(os.environ, SYNCD_SIGNING_KEY=key, OMP_NUM_THREADS="1",
+        self.private_key_file = self.workdir / "signing.key"
+        self.public_key_file = self.workdir / "signing.pub"
+        self.verify_key = None  # the public key (syncd.signing.PublicKey), once start() made the pair
+        self.env = dict(os.environ, OMP_NUM_THREADS="1",
                         PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-        for var in ("SYNCD_STORE", "SYNCD_RUN_ID", "SYNCD_ENGINES", "SYNCD_STATUS_FILE", "SYNCD_TEST_PAUSE_AT"):
+        for var in ("SYNCD_STORE", "SYNCD_RUN_ID", "SYNCD_ENGINES", "SYNCD_STATUS_FILE", "SYNCD_TEST_PAUSE_AT",
+                    "SYNCD_SIGNING_KEY", "SYNCD_SIGNING_KEY_FILE", "SYNCD_VERIFY_KEYS"):
             self.env.pop(var, None)
+        self.reader_env = dict(self.env)  # the daemon's and the proxy's: no private key
         self.node = None
         self.proxy: subprocess.Popen | None = None
         self.proxy_url: str | None = None
@@ -83,11 +88,17 @@ class RLStack:
         say = say or (lambda text: log.info("%s", text))
         say(f"writing a tiny random-init {self.config.arch} model (hidden {self.config.hidden}, "
             f"{self.config.layers} layers) and starting the Dynamo frontend and {self.config.engines} engine workers")
+        from syncd.app.demo_io import demo_keys
         from syncd.engine.dynamo.node import Node, NodeConfig
         from syncd.engine.reference.make_tiny import write_model
+        from syncd.signing.keyfiles import read_public_key_file
 
         cfg = self.config
         self.logs.mkdir(parents=True, exist_ok=True)
+        demo_keys(self.private_key_file, self.public_key_file)
+        self.verify_key = read_public_key_file(self.public_key_file, "the stack's public key")
+        self.env["SYNCD_SIGNING_KEY"] = self.private_key_file.read_text().strip()  # the publisher's alone
+        self.reader_env["SYNCD_VERIFY_KEYS"] = str(self.public_key_file)
         if self.store_url.startswith("file://"):
             Path(self.store_url[len("file://"):]).mkdir(parents=True, exist_ok=True)
         write_model(self.model_dir, arch=cfg.arch, seed=cfg.seed, hidden=cfg.hidden, layers=cfg.layers,
@@ -96,7 +107,9 @@ class RLStack:
             self.node = Node(NodeConfig.recording(
                 self.model_dir, self.workdir, store_url=self.store_url, run_id=self.run_id, prefix="rl",
                 workers=cfg.engines, worker_args=("--max-batch", str(cfg.max_batch), "--threads", "1"),
-                startup_timeout_s=cfg.startup_timeout_s))
+                startup_timeout_s=cfg.startup_timeout_s,
+                worker_env={"SYNCD_SIGNING_KEY": "", "SYNCD_SIGNING_KEY_FILE": "",
+                            "SYNCD_VERIFY_KEYS": str(self.public_key_file)}))
             self.node.start()
             self.node.supervise(background=True)
             self.engines = {w["name"]: w["admin_url"] for w in self.node.workers()}
@@ -110,14 +123,14 @@ class RLStack:
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         with open(self.logs / f"{name}.log", "ab") as fh:
-            return subprocess.Popen([sys.executable, *argv], env=self.env, stdout=fh, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            return subprocess.Popen([sys.executable, *argv], env=self.reader_env, stdout=fh,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
 
     def _start_proxy(self) -> tuple[subprocess.Popen, str]:
         from syncd.engine.proxy.procs import start_proxy
 
         proc, url = start_proxy(self.workdir, self.node.frontend_url, self.store_url, self.run_id,
-                                self.config.sandbox_id, env=self.env, log_path=self.logs / "proxy.log")
+                                self.config.sandbox_id, env=self.reader_env, log_path=self.logs / "proxy.log")
         self.proxy = proc
         return proc, url
 
@@ -180,9 +193,14 @@ class RLStack:
         from syncd.engines.client import RemoteAdapter
         from syncd.versions import read_manifest
 
-        m = read_manifest(self.store_url, self.run_id, version, signing_key=self.env["SYNCD_SIGNING_KEY"])
+        m = read_manifest(self.store_url, self.run_id, version, signing_key=self.verify_key)
         want = {t.name: t.checksum for t in m.tensors}
         return {n: RemoteAdapter(u, timeout_s=60).checksum() == want for n, u in self.engines.items()}
+
+    def processes(self) -> list[subprocess.Popen]:
+        """Every process the stack started (running or not), each the leader of its own process group."""
+        node = [c.proc for c in self.node.children] if self.node is not None else []
+        return [p for p in (*node, self.proxy, self.daemon) if p is not None]
 
     def dead(self) -> str | None:
         """Why the stack cannot serve (a process exited), or None."""

@@ -1,5 +1,7 @@
 """`syncd demo --weights-only` end to end with small settings: real trainer, daemon and engine processes and a
-client (the RL demo, plain `syncd demo`, is tests/app/test_rl_demo.py)."""
+client (the RL demo, plain `syncd demo`, is tests/app/test_rl_demo.py). The kept store is signed with the demo's
+Ed25519 key, whose public half the demo writes next to the store and names in the command it prints: `syncd ls` with
+it lists every version, verified."""
 
 from __future__ import annotations
 
@@ -41,3 +43,22 @@ def test_demo_runs_and_loses_no_request(tmp_path):
     assert str(tmp_path / "work") in p.stdout  # the kept work dir is named
     formats = delta_formats_in(tmp_path / "work" / "store")  # format 2, the matrices' deltas context-coded
     assert s["delta_format"] == 2 and "format 2" in p.stdout and formats.get(-2, 0) > 0 and 1 not in formats, formats
+    assert_kept_store_reads(p.stdout, tmp_path / "work", env, versions=6)
+
+
+def assert_kept_store_reads(stdout: str, work, env, versions: int) -> None:
+    """The demo printed a `syncd ls` command for its kept store; run as printed, it lists every version verified
+    with the public key in the work dir (and the private key, next to it, is the owner's alone)."""
+    import re
+    import shlex
+    import stat
+
+    command = re.search(r"`(syncd ls [^`]+)`", stdout)
+    assert command, stdout[-3000:]
+    argv = shlex.split(command.group(1))
+    assert argv[argv.index("--verify-key") + 1] == str(work / "signing.pub")
+    assert stat.S_IMODE((work / "signing.key").stat().st_mode) == 0o600
+    bare = {k: v for k, v in env.items() if not k.startswith("SYNCD_")}
+    p = subprocess.run([sys.executable, "-m", "syncd.app.cli", *argv[1:]], env=bare, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0 and p.stdout.count("ok (signed ed25519 key") == versions, p.stdout + p.stderr
