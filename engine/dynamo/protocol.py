@@ -10,7 +10,10 @@ Requests (what the frontend sends a ``ModelInput.Tokens`` worker, one JSON objec
 
 :func:`to_generation_request` turns one into an :class:`syncd.engines.GenerationRequest`. Options the
 ``syncd.engines.SamplingParams`` contract cannot honour (``n > 1``, beam search, penalties, ``min_p``, guided
-decoding, ``min_tokens``) raise :class:`UnsupportedRequest` rather than being ignored. Without a ``seed`` the
+decoding, ``min_tokens``) raise :class:`UnsupportedRequest` rather than being ignored, and so does a request for
+more than one log-probability per token (``output_options.logprobs`` above 1: a chat ``top_logprobs`` of 2 or more,
+a completions ``logprobs`` of 2 or more): an engine reports the sampled token's log-probability alone, and the
+frontend would otherwise answer with one entry where the client asked for several. Without a ``seed`` the
 seed is derived from the request id, which Dynamo keeps when it migrates a request: the continuation on
 another worker then draws the same random numbers as an undisturbed run would have.
 
@@ -82,8 +85,12 @@ def _token_list(v, what: str) -> tuple[int, ...]:
 _CLIENT_NAMES = {"guided_decoding": " (asked for by response_format, text.format or a guided_* option)"}
 
 
-def _check_unsupported(sampling: Mapping[str, Any], stop: Mapping[str, Any]) -> None:
+def _check_unsupported(sampling: Mapping[str, Any], stop: Mapping[str, Any], output: Mapping[str, Any]) -> None:
     problems = []
+    wanted = output.get("logprobs")
+    if isinstance(wanted, int) and not isinstance(wanted, bool) and wanted > 1:
+        problems.append(f"top_logprobs={wanted} (completions: logprobs={wanted}; it reports the sampled token's "
+                        "log-probability only, top_logprobs 1 at most)")
     for key, neutral in (("n", (None, 1)), ("best_of", (None, 1)), ("use_beam_search", (None, False)),
                          ("presence_penalty", (None, 0, 0.0)), ("frequency_penalty", (None, 0, 0.0)),
                          ("repetition_penalty", (None, 1, 1.0)), ("min_p", (None, 0, 0.0)),
@@ -112,9 +119,10 @@ def to_generation_request(request: Mapping[str, Any], request_id: str, *,
         raise BadRequest("token_ids (the prompt) must be a non-empty list of integers")
     stop = request.get("stop_conditions") or {}
     sampling = request.get("sampling_options") or {}
-    if not isinstance(stop, Mapping) or not isinstance(sampling, Mapping):
-        raise BadRequest("stop_conditions and sampling_options must be JSON objects")
-    _check_unsupported(sampling, stop)
+    output = request.get("output_options") or {}
+    if not isinstance(stop, Mapping) or not isinstance(sampling, Mapping) or not isinstance(output, Mapping):
+        raise BadRequest("stop_conditions, sampling_options and output_options must be JSON objects")
+    _check_unsupported(sampling, stop, output)
 
     max_tokens = stop.get("max_tokens")
     max_tokens = default_max_tokens if max_tokens is None else _number(max_tokens, "max_tokens", int)

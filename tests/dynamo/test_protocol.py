@@ -50,6 +50,7 @@ def test_defaults_ignore_eos_and_derived_seed():
     ({"sampling_options": {"use_beam_search": True}}, "use_beam_search"),
     ({"sampling_options": {"guided_decoding": {"json": {}}}}, r"guided_decoding=\{'json': \{\}\} \(asked for by response_format"),
     ({"stop_conditions": {"min_tokens": 4}}, "min_tokens"),
+    ({"output_options": {"logprobs": 3}}, r"top_logprobs=3 \(completions: logprobs=3"),
 ])
 def test_options_the_engine_cannot_honour_are_refused(over, what):
     with pytest.raises(UnsupportedRequest, match=what):
@@ -85,3 +86,10 @@ def test_chunks_carry_token_version_and_finish():
     with pytest.raises(ValueError, match="abort"):
         to_chunk(TokenEvent("rid", 5, -1, 0.0, 1, "abort"))
     assert wants_logprobs({"output_options": {"logprobs": 2}}) and not wants_logprobs({"output_options": {}})
+
+
+def test_one_logprob_per_token_is_what_the_engine_reports():
+    """Chat ``logprobs=True`` and ``top_logprobs=1`` reach the worker as logprobs 1, completions ``logprobs=N`` as N:
+    1 or less is served (the sampled token's), more is refused above."""
+    for n in (None, 0, 1, False, True):
+        to_generation_request(_req(output_options={"logprobs": n}), "r")

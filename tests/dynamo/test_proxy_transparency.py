@@ -78,12 +78,12 @@ def _both(paths, call):
 
 
 CASES = {
-    "completions, logprobs=2": lambda c, m: c.completions.create(
-        model=m, prompt="the cat sat on", max_tokens=6, logprobs=2, seed=11, temperature=0.8),
+    "completions, logprobs=1": lambda c, m: c.completions.create(
+        model=m, prompt="the cat sat on", max_tokens=6, logprobs=1, seed=11, temperature=0.8),
     "completions, no logprobs": lambda c, m: c.completions.create(
         model=m, prompt="once upon", max_tokens=5, seed=3, temperature=1.0),
-    "chat, logprobs and top_logprobs=2": lambda c, m: c.chat.completions.create(
-        model=m, messages=[{"role": "user", "content": "hello there"}], max_tokens=6, logprobs=True, top_logprobs=2,
+    "chat, logprobs and top_logprobs=1": lambda c, m: c.chat.completions.create(
+        model=m, messages=[{"role": "user", "content": "hello there"}], max_tokens=6, logprobs=True, top_logprobs=1,
         seed=11, temperature=0.8),
     "chat, stop on a token": lambda c, m: c.chat.completions.create(
         model=m, messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
@@ -101,16 +101,16 @@ def test_whole_responses_are_the_frontends(paths, case):
         assert lp is not None
         n = a["usage"]["completion_tokens"]
         assert len(lp["content"] if "content" in lp else lp["token_logprobs"]) == n
-        if "top_logprobs=2" in case:
-            assert all(entry["top_logprobs"] for entry in lp["content"])
+        if "top_logprobs=1" in case:
+            assert all(len(entry["top_logprobs"]) == 1 for entry in lp["content"])
 
 
 STREAMS = {
-    "completions, logprobs=2, usage": lambda c, m: c.completions.create(
-        model=m, prompt="the cat sat on", max_tokens=5, logprobs=2, seed=11, stream=True,
+    "completions, logprobs=1, usage": lambda c, m: c.completions.create(
+        model=m, prompt="the cat sat on", max_tokens=5, logprobs=1, seed=11, stream=True,
         stream_options={"include_usage": True}),
-    "chat, top_logprobs=2": lambda c, m: c.chat.completions.create(
-        model=m, messages=[{"role": "user", "content": "hello there"}], max_tokens=5, logprobs=True, top_logprobs=2,
+    "chat, top_logprobs=1": lambda c, m: c.chat.completions.create(
+        model=m, messages=[{"role": "user", "content": "hello there"}], max_tokens=5, logprobs=True, top_logprobs=1,
         seed=11, stream=True),
     "chat, usage": lambda c, m: c.chat.completions.create(
         model=m, messages=[{"role": "user", "content": "hello"}], max_tokens=4, seed=2, stream=True,
@@ -144,6 +144,7 @@ REFUSALS = {  # what the client sends -> what the reason names
     "n=2": (dict(n=2), 400, "does not support n=2"),
     "presence_penalty": (dict(presence_penalty=0.5), 400, "does not support presence_penalty=0.5"),
     "response_format": (dict(response_format={"type": "json_object"}), 400, "(asked for by response_format"),
+    "top_logprobs=3": (dict(logprobs=True, top_logprobs=3), 400, "does not support top_logprobs=3"),
 }
 
 
