@@ -2,7 +2,8 @@
 
 Sub-packages by subject, each listing its public names: ``rl`` (the asynchronous RL side: a run's settings, the
 step loop, the live side, rollouts, the loss), ``ft`` (fault tolerance: checkpoints, peer replicas, healing, elastic
-data parallelism on torchft) and ``rewards`` (reward functions); ``rl`` and ``ft`` do not import each other. The
+data parallelism on torchft), ``agent`` (multi-turn tool use: sandboxes, the agent tasks and their verifier QA,
+rewards on the trajectory record) and ``rewards`` (reward functions); ``rl`` and ``ft`` do not import each other. The
 modules here either wire them -- ``run`` (the command line, ``python -m syncd.trainer.run``) and ``jobs`` (a run as
 the plain data-parallel job or the elastic one, both the one step loop) -- or sit below them and import neither:
 ``dist`` (``torch.distributed`` data parallelism and determinism), ``optim`` (AdamW, Muon), ``qat``
