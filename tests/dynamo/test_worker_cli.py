@@ -110,3 +110,25 @@ def test_worker_help_uses_the_installed_name_and_shows_defaults(capsys):
     out = capsys.readouterr().out
     assert out.startswith("usage: syncd-dynamo-worker ") and "(default: 8)" in out and "--engine-token-file" in out
     assert "--wait-for-daemon" not in out and "--token-file " not in out  # the default now; one name each
+
+
+def test_a_worker_no_daemon_manages_says_so(model_dir, monkeypatch, caplog):
+    """A registered worker on whom no node daemon took a lease warns that nothing keeps its weights current (never
+    routed to silently); one a daemon leases does not."""
+    import asyncio
+    import logging
+
+    monkeypatch.setattr(worker, "UNMANAGED_WARNING_S", 0.01)
+    ref = worker.build_engine(worker.parser().parse_args(["--model", str(model_dir), "--weights-version", "0"]))
+    try:
+        w = worker.DynamoWorker(ref, model_dir=model_dir, served_name="tiny", token="t" * 32)
+        with caplog.at_level(logging.WARNING, logger="syncd.engine.dynamo.worker"):
+            asyncio.run(w._warn_if_unmanaged())
+        assert any("no node daemon has taken this worker's lease" in r.getMessage() for r in caplog.records)
+        caplog.clear()
+        w.control.call("lease", {"lease": {"holder": "daemon-0001", "run_id": "r", "pid": 1, "ttl_s": 30}}, "t" * 32)
+        with caplog.at_level(logging.WARNING, logger="syncd.engine.dynamo.worker"):
+            asyncio.run(w._warn_if_unmanaged())
+        assert not caplog.records
+    finally:
+        ref.close()
