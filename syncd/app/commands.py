@@ -14,8 +14,8 @@ from pathlib import Path
 from syncd import manifest as mf
 from syncd.errors import SyncdError
 
-__all__ = ["value", "size", "check_writable", "signing", "open_store", "need_run", "status", "cluster_lines", "ls", "verify", "gc",
-           "materialize", "unknown_run"]
+__all__ = ["value", "size", "check_writable", "signing", "open_store", "need_run", "status", "cluster_lines", "ls",
+           "verify", "gc", "materialize", "unknown_run"]
 
 
 def value(args, dest: str, conv, what: str = "a number"):
