@@ -191,7 +191,7 @@ def run(args) -> dict:
     exact = _bit_exact(latest, trained["final"])
     e2e = None
     if args.e2e:
-        e2e = {"engines": args.engines, "poll_interval_s": args.poll_interval,
+        e2e = {"engines": args.engines, "poll_interval_s": args.poll_interval_s,
                "delta": run_e2e(args, store, f"{run_id}-e2e", trained["snapshots"], args.full_every),
                "full": run_e2e(args, store, f"{run_id}-e2e-full", trained["snapshots"], 1)}
     return dict(model=args.model, params=trained["params"], device=args.device, store=store.url, lr=args.lr,
@@ -220,7 +220,7 @@ def run_e2e(args, store, run_id: str, snapshots: list, full_every: int) -> dict:
     engines = {f"e{i}": engine.StateDictEngine({k: torch.zeros_like(v) for k, v in snapshots[0].items()}, None)
                for i in range(args.engines)}
     records: queue.Queue = queue.Queue()
-    config = DaemonConfig(run_id=run_id, cache_dir=cache_dir, poll_interval_s=args.poll_interval)
+    config = DaemonConfig(run_id=run_id, cache_dir=cache_dir, poll_interval_s=args.poll_interval_s)
     daemon = NodeDaemon(config, adapters=engines, store=store, signing_key=key, on_update=records.put)
     ready = threading.Event()
     loop_box = {}
@@ -242,7 +242,7 @@ def run_e2e(args, store, run_id: str, snapshots: list, full_every: int) -> dict:
     try:
         for i, snap in enumerate(snapshots):
             # a trainer is not in step with the daemon's polls: publish at a random point of the poll cycle
-            time.sleep(phase.uniform(0, args.poll_interval))
+            time.sleep(phase.uniform(0, args.poll_interval_s))
             pub.publish(snap, i)
             t_ret = time.time()
             pause, got = {}, None
@@ -364,7 +364,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--e2e", action=argparse.BooleanOptionalAction, default=True,
                    help="end-to-end case: a node daemon keeping engines current (default on)")
     p.add_argument("--engines", type=int, default=2, help="engines the daemon keeps current (e2e)")
-    p.add_argument("--poll-interval", type=float, default=0.5, help="the daemon's poll interval (e2e)")
+    p.add_argument("--poll-interval-s", type=float, default=0.5, help="the daemon's poll interval (e2e)")
     output_flags(p, "weight_update")
     return p
 

@@ -56,16 +56,16 @@ ENV = {
     "engine": ("SYNCD_ENGINES", ""),
     "cache_dir": ("SYNCD_CACHE_DIR", None),
     "cache_max_bytes": ("SYNCD_CACHE_MAX_BYTES", "16G"),
-    "poll_interval": ("SYNCD_POLL_INTERVAL_S", "0.5"),
+    "poll_interval_s": ("SYNCD_POLL_INTERVAL_S", "0.5"),
     "poll_jitter": ("SYNCD_POLL_JITTER", "0.2"),
-    "backoff_max": ("SYNCD_BACKOFF_MAX_S", "10"),
-    "engine_check": ("SYNCD_ENGINE_CHECK_S", "1"),
+    "backoff_max_s": ("SYNCD_BACKOFF_MAX_S", "10"),
+    "engine_check_s": ("SYNCD_ENGINE_CHECK_S", "1"),
     "download_concurrency": ("SYNCD_DOWNLOAD_CONCURRENCY", "8"),
     "metrics_port": ("SYNCD_METRICS_PORT", ""),
     "metrics_addr": ("SYNCD_METRICS_ADDR", "127.0.0.1"),
     "status_file": ("SYNCD_STATUS_FILE", None),
     "allow_unsigned": ("SYNCD_ALLOW_UNSIGNED", ""),
-    "engine_lease": ("SYNCD_ENGINE_LEASE_S", "10"),
+    "engine_lease_s": ("SYNCD_ENGINE_LEASE_S", "10"),
     "engine_scrub_bytes": ("SYNCD_ENGINE_SCRUB_BYTES", "64M"),
     "engine_token_file": ("SYNCD_ENGINE_TOKEN_FILE", None),
 }
@@ -105,13 +105,13 @@ def _daemon_flags(p: argparse.ArgumentParser) -> None:
                    help="node shard cache [SYNCD_CACHE_DIR; default $XDG_CACHE_HOME/syncd]")
     p.add_argument("--cache-max-bytes", default=s, metavar="N",
                    help="cache bound, e.g. 16G (what a restart needs is kept beyond it) [SYNCD_CACHE_MAX_BYTES]")
-    p.add_argument("--poll-interval", default=s, type=float, metavar="S",
+    p.add_argument("--poll-interval-s", default=s, type=float, metavar="S",
                    help="seconds between polls of the run's newest version [SYNCD_POLL_INTERVAL_S]")
     p.add_argument("--poll-jitter", default=s, type=float, metavar="F",
                    help="random spread of the poll interval, a fraction [SYNCD_POLL_JITTER]")
-    p.add_argument("--backoff-max", default=s, type=float, metavar="S",
+    p.add_argument("--backoff-max-s", default=s, type=float, metavar="S",
                    help="longest wait between polls while the store fails [SYNCD_BACKOFF_MAX_S]")
-    p.add_argument("--engine-check", default=s, type=float, metavar="S",
+    p.add_argument("--engine-check-s", default=s, type=float, metavar="S",
                    help="seconds between checks of the engines' versions [SYNCD_ENGINE_CHECK_S]")
     p.add_argument("--download-concurrency", default=s, type=int, metavar="N",
                    help="shards downloaded at once [SYNCD_DOWNLOAD_CONCURRENCY]")
@@ -120,7 +120,7 @@ def _daemon_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-addr", default=s, metavar="ADDR", help="metrics bind address [SYNCD_METRICS_ADDR]")
     p.add_argument("--status-file", default=s, metavar="PATH",
                    help="the daemon's state file [SYNCD_STATUS_FILE; default <cache-dir>/status-<run>.json]")
-    p.add_argument("--engine-lease", default=s, type=float, metavar="S",
+    p.add_argument("--engine-lease-s", default=s, type=float, metavar="S",
                    help="seconds this daemon's lease on each engine lasts without renewal [SYNCD_ENGINE_LEASE_S]")
     p.add_argument("--engine-scrub-bytes", default=s, metavar="N",
                    help="engine weight bytes checksummed per engine check, e.g. 64M (0: off) "
@@ -259,12 +259,12 @@ def _daemon_config(args):
         engines=specs,
         cache_dir=Path(args.cache_dir) if args.cache_dir else None,
         cache_max_bytes=value(args, "cache_max_bytes", size, what),
-        poll_interval_s=value(args, "poll_interval", float), poll_jitter=value(args, "poll_jitter", float),
-        backoff_max_s=value(args, "backoff_max", float), engine_check_s=value(args, "engine_check", float),
+        poll_interval_s=value(args, "poll_interval_s", float), poll_jitter=value(args, "poll_jitter", float),
+        backoff_max_s=value(args, "backoff_max_s", float), engine_check_s=value(args, "engine_check_s", float),
         download_concurrency=value(args, "download_concurrency", int, "an integer"),
         metrics_port=metrics_port,
         metrics_addr=args.metrics_addr, status_file=Path(args.status_file) if args.status_file else None,
-        engine_lease_s=value(args, "engine_lease", float),
+        engine_lease_s=value(args, "engine_lease_s", float),
         engine_scrub_bytes=value(args, "engine_scrub_bytes", size, what),
         engine_token_file=Path(args.engine_token_file) if args.engine_token_file else None)
 

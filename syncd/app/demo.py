@@ -182,7 +182,7 @@ def run(args, work: Path, interrupts: Interrupts) -> dict:
         urls = [_wait(lambda n=n: json.loads((work / f"{n}.ready").read_text())["url"], f"engine {n}", 180, children)
                 for n in names]
         daemon_args = ["-m", "syncd.app.cli", "--run-id", RUN, "--store", str(store), "--cache-dir", str(cache),
-                       "--poll-interval", "0.2", "--engine-check", "0.5", "--metrics-port", "0"]
+                       "--poll-interval-s", "0.2", "--engine-check-s", "0.5", "--metrics-port", "0"]
         for n, u in zip(names, urls):
             daemon_args += ["--engine", f"{n}={u}"]
         say(f"engines up after {time.time() - t_start:.0f} s; starting the syncd daemon")

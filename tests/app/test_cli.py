@@ -35,7 +35,7 @@ def test_flags_override_environment(monkeypatch):
     assert c.run_id == "from-env" and c.poll_interval_s == 2.5 and c.cache_max_bytes == 2 << 30
     assert [(e.name, e.url) for e in c.engines] == [("a", "http://127.0.0.1:1"), ("engine1", "http://127.0.0.1:2")]
     assert c.metrics_port == 9464
-    c = config(["--run-id", "flag", "--poll-interval", "0.25", "--engine", "x=http://127.0.0.1:3",
+    c = config(["--run-id", "flag", "--poll-interval-s", "0.25", "--engine", "x=http://127.0.0.1:3",
                 "--cache-max-bytes", "500M", "--metrics-port", ""], monkeypatch, env)
     assert c.run_id == "flag" and c.poll_interval_s == 0.25 and c.cache_max_bytes == 500 << 20
     assert [e.name for e in c.engines] == ["x"] and c.metrics_port is None

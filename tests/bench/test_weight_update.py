@@ -11,7 +11,7 @@ def test_weight_update_bench_tiny(tmp_path, capsys):
     out = tmp_path / "res.json"
     rc = weight_update.main(["--model", "tiny", "--versions", "4", "--full-every", "3", "--lr", "1e-5",
                              "--store", str(tmp_path / "store"), "--json", str(out), "--signing-key",
-                             "bench-key-0123456789abcdef", "--poll-interval", "0.1", "--delta-format", "2"])
+                             "bench-key-0123456789abcdef", "--poll-interval-s", "0.1", "--delta-format", "2"])
     assert rc == 0
     res = json.loads(out.read_text())
     assert res["latest_bit_exact"] is True and res["delta_format"] == 2

@@ -204,7 +204,7 @@ def test_daemons_with_engines_relay_and_controller_killed_nodes_restarted(tmp_pa
         throttle = "40000" if r == 3 else "150000"  # rank 3 relays slowly: its children are mid-shard when it dies
         daemon[r] = procs.spawn(f"daemon{r}", [
             "-m", "syncd.app.cli", "--run-id", RUN, "--store", "s3://simstore", "--endpoint", endpoint,
-            "--cache-dir", str(cache[r]), "--engine", f"e{r}={url[r]}", "--engine-check", "0.2",
+            "--cache-dir", str(cache[r]), "--engine", f"e{r}={url[r]}", "--engine-check-s", "0.2",
             "--metrics-port", "0", "--cluster-rank", str(r), "--cluster-heartbeat-s", "0.3",
             "--cluster-dead-after-s", "1.5", "--cluster-poll-s", "0.2", "--cluster-no-fsync",
             "--cluster-chunk-bytes", "4096", "--cluster-stall-s", "1.5", "--cluster-throttle-bps", throttle,

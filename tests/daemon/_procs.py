@@ -86,7 +86,7 @@ class Procs:
                env: dict | None = None) -> subprocess.Popen:
         module = "tests.daemon._hooks" if hooks else "syncd.app.cli"  # the hooks hold the daemon at a point
         args = ["-m", module, "--run-id", run_id, "--store", str(store), "--cache-dir", str(cache),
-                "--poll-interval", "0.1", "--backoff-max", "0.5", "--engine-check", "0.2", "--metrics-port", "0",
+                "--poll-interval-s", "0.1", "--backoff-max-s", "0.5", "--engine-check-s", "0.2", "--metrics-port", "0",
                 *extra]
         for i, u in enumerate(urls):
             args += ["--engine", f"e{i}={u}"]

@@ -77,7 +77,7 @@ def test_case5_engine_control_needs_the_token_the_lease_and_a_valid_signature(tm
     run.publish(2)  # 0F 1
     _, url = procs.engine(model_dir, headless=True)
     cache = tmp_path / "cache"
-    daemon = procs.daemon(run.root, cache, [url], extra=["--engine-lease", "1"])
+    daemon = procs.daemon(run.root, cache, [url], extra=["--engine-lease-s", "1"])
     procs.wait(lambda: engine_version(url) == 1, "version 1")
     writes = RemoteAdapter(url).state()["writes"]
     host, port = url.removeprefix("http://").split(":")
@@ -112,10 +112,10 @@ def test_case6_one_controller_per_engine(tmp_path, procs, model_dir, run):
     other.close()
     _, url = procs.engine(model_dir, headless=True)
     # A's lease outlasts a starved machine's pauses: B must not see it lapse while A lives
-    a = procs.daemon(run.root, tmp_path / "cache-a", [url], extra=["--engine-lease", "10"])
+    a = procs.daemon(run.root, tmp_path / "cache-a", [url], extra=["--engine-lease-s", "10"])
     procs.wait(lambda: engine_version(url) == 2, "daemon A's run at version 2")
     b_cache = tmp_path / "cache-b"
-    procs.daemon(run.root, b_cache, [url], run_id="run-b", extra=["--engine-lease", "2"])
+    procs.daemon(run.root, b_cache, [url], run_id="run-b", extra=["--engine-lease-s", "2"])
     held = lambda: status(b_cache, "run-b")["engines"]["e0"]  # noqa: E731
     procs.wait(lambda: held()["state"] == "held by another controller", "daemon B to be refused")
     assert f"run '{RUN}' (pid {a.pid})" in held()["error"]
@@ -137,7 +137,7 @@ def test_weights_changed_behind_the_daemons_back_are_found_and_repaired(tmp_path
     eng, url = procs.engine(model_dir, headless=True, module="tests.daemon._corruptible_engine")
     cache = tmp_path / "cache"
     check_s = 0.2
-    procs.daemon(run.root, cache, [url], extra=["--engine-check", str(check_s)])
+    procs.daemon(run.root, cache, [url], extra=["--engine-check-s", str(check_s)])
     procs.wait(lambda: engine_version(url) == 1 and status(cache)["engines"]["e0"]["state"] == "serving",
                "version 1")
     t0 = time.monotonic()
@@ -151,14 +151,14 @@ def test_weights_changed_behind_the_daemons_back_are_found_and_repaired(tmp_path
     procs.wait(lambda: status(cache)["engines"]["e0"]["state"] == "serving", "the engine shown serving")
     with capsys.disabled():
         print(f"\nweights changed behind the daemon's back: found after {found:.3f}s, repaired after "
-              f"{repaired:.3f}s (--engine-check {check_s}s; goal: found within it, repaired one apply later)")
+              f"{repaired:.3f}s (--engine-check-s {check_s}s; goal: found within it, repaired one apply later)")
 
 
 def test_a_write_made_while_the_daemons_lease_lapsed_is_noticed(tmp_path, procs, model_dir, run):
     run.publish(3)  # 0F 1 2
     _, url = procs.engine(model_dir, headless=True)
     cache = tmp_path / "cache"
-    daemon = procs.daemon(run.root, cache, [url], extra=["--engine-lease", "2"])
+    daemon = procs.daemon(run.root, cache, [url], extra=["--engine-lease-s", "2"])
     procs.wait(lambda: engine_version(url) == 2 and status(cache)["engines"]["e0"]["state"] == "serving",
                "version 2")
     daemon.send_signal(signal.SIGSTOP)  # hung: its lease lapses

@@ -132,7 +132,7 @@ def test_case11_a_full_cache_disk_is_counted_and_shown_then_recovered(tmp_path, 
               "0", "--ready-file", str(ready)]
     daemon = [sys.executable, "-m", "syncd.app.cli", "--run-id", RUN, "--store", str(run.root),
               "--cache-dir", str(cache),
-              "--status-file", str(status_file), "--poll-interval", "0.1", "--engine-check", "0.2",
+              "--status-file", str(status_file), "--poll-interval-s", "0.1", "--engine-check-s", "0.2",
               "--metrics-port", "0", "--engine", "e0={url}"]
     procs.spawn("smalldisk", ["-c", "import os,sys; os.execvp('unshare', ['unshare', '-rm', sys.executable, '-m', "
                               "'tests.daemon._small_disk'] + sys.argv[1:])",

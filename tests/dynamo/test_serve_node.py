@@ -113,7 +113,7 @@ def test_a_sigkilled_worker_takes_traffic_only_once_it_holds_the_newest_version(
         desc = node.wait()
         urls = {w["name"]: w["admin_url"] for w in desc["workers"]}
         argv = [sys.executable, "-m", "syncd.app.cli", "--run-id", RUN, "--store", str(tmp_path / "store"),
-                "--cache-dir", str(tmp_path / "cache"), "--poll-interval", "0.2", "--engine-check", "3"]
+                "--cache-dir", str(tmp_path / "cache"), "--poll-interval-s", "0.2", "--engine-check-s", "3"]
         for name, url in urls.items():
             argv += ["--engine", f"{name}={url}"]
         with open(tmp_path / "daemon.log", "wb") as log:
