@@ -233,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--headless", action="store_true", help="weights only (syncd.engine.StateDictEngine), no generation")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--max-batch", type=int, default=8, help="requests running at once (reference engine)")
-    p.add_argument("--token-file", default=None,
+    p.add_argument("--engine-token-file", default=None,
                    help="the node's engine control token, created if missing [SYNCD_ENGINE_TOKEN_FILE; "
                         "default ~/.config/syncd/engine-token]")
     p.add_argument("--read-timeout", type=float, default=10.0,
@@ -249,13 +249,19 @@ def main(argv=None) -> int:
     import torch
 
     from syncd.engine_token import load_or_create
+    from syncd.procs import port_taken
     from syncd.signing import key_from_env
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        token, key = load_or_create(args.token_file), key_from_env()
+        token, key = load_or_create(args.engine_token_file), key_from_env()
     except ValueError as exc:
         print(f"syncd.engine.control_server: {exc}", file=sys.stderr)
+        return 2
+    taken = port_taken(args.host, args.port)  # named now, not after the model has loaded
+    if taken:
+        print(f"syncd.engine.control_server: --port {args.port} on {args.host} cannot be used: {taken}",
+              file=sys.stderr)
         return 2
     torch.set_num_threads(max(1, args.threads))
     adapter, generator = _build_engine(args)

@@ -1,5 +1,5 @@
 """Process helpers shared by the launchers, the service starters, the trainer, tests and benchmarks: a free port,
-bounded waits, stopping a process, and a JSON call that can be polled (over :mod:`syncd.http_client`).
+whether a port given on a command line is free (before anything slow starts), bounded waits, stopping a process, and a JSON call that can be polled (over :mod:`syncd.http_client`).
 
 Everything here is bounded: every wait has a timeout and raises :class:`TimeoutError` saying what it was
 waiting for; processes are stopped by their own pid (SIGTERM, then SIGKILL after a grace period).
@@ -18,7 +18,7 @@ from typing import Callable
 
 from syncd import http_client
 
-__all__ = ["free_port", "wait_until", "http_json", "stop_process", "wait_port"]
+__all__ = ["free_port", "port_taken", "wait_until", "http_json", "stop_process", "wait_port"]
 
 
 def free_port(host: str = "127.0.0.1", *, below: int | None = None) -> int:
@@ -38,6 +38,21 @@ def free_port(host: str = "127.0.0.1", *, below: int | None = None) -> int:
                 continue
             return port
     raise RuntimeError(f"no free port found in 10000..{below} on {host}")
+
+
+def port_taken(host: str, port: int) -> str | None:
+    """Why a server could not listen on ``host:port`` now (the OS's reason, e.g. "[Errno 98] Address already in
+    use"), or None when it can. Port 0 (any free port) is never taken. A moment later another process may take
+    the port: this lets a command name its flag at once instead of failing after a slow start."""
+    if not port:
+        return None
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: TIME_WAIT is no conflict
+            s.bind((host, port))
+    except OSError as exc:
+        return str(exc)
+    return None
 
 
 def wait_until(predicate: Callable[[], object], timeout_s: float, what: str, *, interval_s: float = 0.1,

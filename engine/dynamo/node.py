@@ -30,9 +30,9 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from syncd.engine.dynamo.procs import MAX_SYSTEM_PORT, port_taken
+from syncd.engine.dynamo.procs import MAX_SYSTEM_PORT
 from syncd.engine.dynamo.settings import DynamoSettings
-from syncd.procs import free_port, http_json, stop_process, wait_until
+from syncd.procs import free_port, http_json, port_taken, stop_process, wait_until
 
 log = logging.getLogger(__name__)
 

@@ -60,7 +60,8 @@ from pathlib import Path
 
 from syncd.cli_help import HelpFormatter
 from syncd.engine.dynamo import protocol
-from syncd.engine.dynamo.procs import MAX_SYSTEM_PORT, port_taken
+from syncd.engine.dynamo.procs import MAX_SYSTEM_PORT
+from syncd.procs import port_taken
 from syncd.engine.dynamo.settings import DynamoSettings, add_arguments, from_args
 
 log = logging.getLogger(__name__)

@@ -34,8 +34,8 @@ import sys
 from pathlib import Path
 
 from syncd.app.commands import check_writable, gc, ls, materialize, need_run, open_store, size, status, value, verify
-from syncd.engine.dynamo.procs import port_taken
 from syncd.errors import SyncdError
+from syncd.procs import port_taken
 
 log = logging.getLogger("syncd.app.cli")
 
