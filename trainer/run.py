@@ -23,11 +23,15 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
+
+from syncd.cli_help import HelpFormatter
+from syncd.procs import free_port
 
 __all__ = ["main", "parser", "config_from_args"]
 
@@ -46,7 +50,7 @@ def parser() -> argparse.ArgumentParser:
     from syncd.trainer.rl.tasks import DEFAULT_TASK, task_names
 
     env = os.environ.get
-    p = argparse.ArgumentParser(prog="python -m syncd.trainer.run", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="syncd train", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     a = p.add_argument
     a("--model", required=True, help="the model folder the engines serve as version 0 (config.json, weights)")
     a("--store", default=env("SYNCD_STORE"), help="store URL for versions and records [SYNCD_STORE]")
@@ -167,12 +171,25 @@ def config_from_args(args):
         replica_groups=args.replica_groups, min_replicas=args.min_replicas, ft_timeout_s=args.ft_timeout)
 
 
+def _check_writable(folder, flag: str) -> None:
+    """ConfigError naming ``flag`` unless ``folder`` can be created and written now (not after the run)."""
+    from syncd.trainer.rl.config import ConfigError
+
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-check-"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{flag}: cannot write to {folder}: {exc.strerror or exc}") from None
+
+
 def _preflight(cfg) -> None:
     """What rank 0 checks before any rank starts (ConfigError naming the flag)."""
     from syncd.errors import StoreError
     from syncd.trainer.rl.config import ConfigError
 
     cfg.check()
+    _check_writable(cfg.out, "--out")
     if cfg.plans:
         return
     from syncd.trainer.rl.rollout_workers import ProxyError, proxy_models
@@ -193,15 +210,10 @@ def _preflight(cfg) -> None:
                           "from version 0: use a new run id (or --resume with its --checkpoint-dir)")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _launch(argv: list[str], nproc: int) -> int:
     """Rank 0 here, ranks 1..N-1 as processes of this module; a rank that fails stops the others."""
-    port = str(_free_port())
+    port = str(free_port())
     base = dict(os.environ, WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     children = [subprocess.Popen([sys.executable, "-m", "syncd.trainer.run", *argv],
                                  env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}, start_new_session=True)

@@ -193,3 +193,19 @@ def test_a_rank_killed_stops_the_run_and_is_named(tmp_path):
             p.wait()
     assert p.returncode == 1, err[-3000:]
     assert "syncd.trainer.run: rank 1 exited with signal SIGKILL; stopping the run" in err, err[-3000:]
+
+
+def test_an_out_folder_that_cannot_be_written_is_named_before_the_run(capsys, model_dir, tmp_path, frontend):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    rc = main(["--model", str(model_dir), "--store", (tmp_path / "store").as_uri(), "--run-id", "rl",
+               "--out", str(blocker / "out"), "--proxy", frontend.url])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"--out: cannot write to {blocker / 'out'}" in err, err
+
+
+def test_help_names_the_command_and_shows_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: syncd train ") and "(default: 8)" in out  # --task-length
