@@ -134,7 +134,7 @@ def bench_stall(args, work: Path) -> dict:
 
 SERVER = r"""
 import sys, time
-from syncd.trainer.ft.replicas import ReplicaServer
+from syncd.trainer.ft.replica_server import ReplicaServer
 s = ReplicaServer(sys.argv[1], keep=2)
 print(s.url, flush=True)
 sys.stdin.readline()

@@ -5,9 +5,12 @@
 
 **Plain** (:func:`plain_job`): ranks of one ``torch.distributed`` group (:class:`syncd.trainer.dist.DataParallel`).
 Rank 0 runs the live side and broadcasts each step's plan (:class:`syncd.trainer.rl.plans.BroadcastPlans`). With
-``checkpoint_dir`` every rank checkpoints each step (``rank-<r>``, replicated to peers on other nodes), and with
-``resume`` the ranks restore the newest step every one of them can (its own checkpoint, else its peers' replicas);
-a failed rank stops the job, which is restarted as a whole.
+``checkpoint_dir`` every rank checkpoints each step (``rank-<r>``, replicated to peers on other nodes; the job's
+replica secret is rank 0's, :mod:`syncd.trainer.ft.replica_secret`, handed to every rank over the process group),
+and with ``resume`` the ranks restore the newest step every one of them can actually load (its own checkpoint, else
+its peers' replicas; :func:`syncd.trainer.ft.fault_tolerance.restore_together`). Checkpoints of another run in the
+folder are refused (exit 2, both run ids named). At a clean end every rank's last checkpoint reaches its holders
+before any rank closes its replica server. A failed rank stops the job, which is restarted as a whole.
 
 **Elastic** (``lighthouse``, :func:`elastic_job`): one process per replica group on torchft
 (:class:`syncd.trainer.ft.elastic.ElasticDP`), for example
@@ -107,7 +110,7 @@ def _rank_checkpoints(cfg: LoopConfig, dp: DataParallel, model, opt, stack: Exit
     restore, applied."""
     if cfg.checkpoint_dir is None:
         return None, None
-    from syncd.trainer.ft.fault_tolerance import FaultTolerance, FTConfig, agree_step, default_node
+    from syncd.trainer.ft.fault_tolerance import FaultTolerance, FTConfig, default_node, restore_together
 
     node = cfg.node.replace("{rank}", str(dp.rank)) if cfg.node else default_node()
     nodes = dp.broadcast(dp.gather(node))
@@ -116,29 +119,70 @@ def _rank_checkpoints(cfg: LoopConfig, dp: DataParallel, model, opt, stack: Exit
     if k < cfg.replicas and dp.is_main:
         log.warning("--replicas %d: the %d ranks are on %d node(s); keeping %d replica(s) (a replica on the "
                     "owner's own node would not survive the node)", cfg.replicas, dp.world, len(set(nodes)), k)
+    secret, problem = dp.broadcast(_main_secret(cfg) if dp.is_main else None)
+    if problem:
+        raise ConfigError(problem)
     ft = FaultTolerance(FTConfig(cfg.checkpoint_dir, owners[dp.rank], owners, tuple(nodes), cfg.store, cfg.run_id,
                                  replicas=k, keep=cfg.keep_checkpoints, host=cfg.ft_host,
-                                 on_busy=cfg.checkpoint_busy))
-    stack.callback(ft.close)
+                                 on_busy=cfg.checkpoint_busy, secret=secret))
+    stack.push(_shut_down_in_order(ft, dp))
     dp.barrier()  # every replica server announced before anyone asks for its replicas
+    problems = dp.gather(_run_problem(ft))
+    problem = dp.broadcast(next((p for p in problems if p), None) if dp.is_main else None)
+    if problem:
+        raise ConfigError(problem)
     if not cfg.resume:
         taken = dp.gather(ft.checkpointer.durable_step is not None)
         if dp.broadcast(any(taken) if dp.is_main else None):
-            raise ConfigError(f"--checkpoint-dir: {cfg.checkpoint_dir} holds checkpoints of an earlier run: pass "
-                              "--resume to continue it, or use another folder")
+            raise ConfigError(f"--checkpoint-dir: {cfg.checkpoint_dir} holds checkpoints of an earlier life of run "
+                              f"{cfg.run_id}: pass --resume to continue it, or use another folder")
         return ft, None
-    avail = dp.gather(ft.available())
-    step = dp.broadcast(agree_step(avail) if dp.is_main else None)
-    if step is None:
+    ckpt = restore_together(ft, dp)
+    if ckpt is None:
         raise ConfigError(f"--resume: no checkpoint step that every rank can restore in {cfg.checkpoint_dir} "
                           "(nor on the peers' replicas)")
-    ckpt = ft.restore(step=step)
-    ok = dp.gather(ckpt is not None)
-    if dp.broadcast(all(ok) if dp.is_main else None) is not True:
-        raise RuntimeError(f"a rank could not restore step {step} (see its log)")
     ckpt.apply(model, opt)
-    log.warning("rank %d: resumed at step %d", dp.rank, step)
+    log.warning("rank %d: resumed at step %d", dp.rank, ckpt.step)
     return ft, ckpt
+
+
+def _main_secret(cfg: LoopConfig) -> tuple[str | None, str | None]:
+    """``(the job's replica secret, None)``, or ``(None, the reason it is unusable)`` (rank 0 reads it; every
+    rank hears either)."""
+    from syncd.trainer.ft.replica_secret import job_secret
+
+    try:
+        return job_secret(cfg.checkpoint_dir), None
+    except ValueError as exc:
+        return None, f"--checkpoint-dir: {exc}"
+
+
+def _run_problem(ft) -> str | None:
+    """Why this owner's checkpoint folder cannot serve this run (another run's checkpoints in it), or None."""
+    from syncd.trainer.ft.ckpt_format import RunMismatch
+
+    try:
+        ft.check_run()
+    except RunMismatch as exc:
+        return f"--checkpoint-dir: {exc}"
+    return None
+
+
+def _shut_down_in_order(ft, dp):
+    """The exit callback of a rank's fault tolerance: on a clean end, its last checkpoint written and offered to
+    its holders, then every rank's (a barrier), before its replica server closes -- a rank that closed first
+    would refuse the other's last push; after a failure, closed at once."""
+    def close(exc_type, exc, tb) -> bool:
+        try:
+            if exc_type is None:
+                if not ft.drain():
+                    log.warning("%s: the last checkpoint did not reach every holder", ft.cfg.owner)
+                dp.barrier()
+        finally:
+            ft.close()
+        return False
+
+    return close
 
 
 @contextmanager
@@ -149,7 +193,7 @@ def elastic_job(cfg: LoopConfig) -> Iterator[Job]:
     from syncd.trainer.ft.fault_tolerance import FaultTolerance, FTConfig
     from syncd.trainer.ft.heal import VerifiedTransport
     from syncd.trainer.ft.plan_log import PlanLog
-    from syncd.trainer.ft.replicas import ReplicaServer
+    from syncd.trainer.ft.replica_server import ReplicaServer
     from syncd.trainer.rl.live import LiveSide
 
     group, owner = cfg.replica_group, f"group-{cfg.replica_group}"
@@ -163,16 +207,19 @@ def elastic_job(cfg: LoopConfig) -> Iterator[Job]:
     with ExitStack() as stack:
         attempts = MetricsLog(out / "ft.jsonl")
         stack.callback(attempts.close)
-        ft = None
+        ft, token = None, _group_token(cfg)
         if cfg.checkpoint_dir:
             ft = FaultTolerance(FTConfig(cfg.checkpoint_dir, owner, owners, owners, cfg.store, cfg.run_id,
                                          replicas=min(cfg.replicas, len(owners) - 1), keep=cfg.keep_checkpoints,
                                          host=cfg.ft_host, on_busy=cfg.checkpoint_busy))
-            stack.callback(ft.close)
-            server = ft.server
+            stack.push(_drain_then_close(ft))
+            server, token = ft.server, ft.token
+            problem = _run_problem(ft)
+            if problem:
+                raise ConfigError(problem)
         else:  # no checkpoints: a replica server all the same, to serve the live state a healing peer asks for
             heal_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"heal-{owner}-"))
-            server = ReplicaServer(heal_dir, host=cfg.ft_host)
+            server = ReplicaServer(heal_dir, host=cfg.ft_host, token=token, run_id=cfg.run_id)
             stack.callback(server.close)
         restored = ft.restore() if ft is not None else None
         if restored is not None:
@@ -190,7 +237,8 @@ def elastic_job(cfg: LoopConfig) -> Iterator[Job]:
 
         dp = ElasticDP(group=group, groups=cfg.replica_groups, lighthouse=cfg.lighthouse,
                        min_replicas=cfg.min_replicas, state_dict=state_dict, load_state_dict=load_state_dict,
-                       transport=VerifiedTransport(server, owner), timeout_s=cfg.ft_timeout_s, host=cfg.ft_host)
+                       transport=VerifiedTransport(server, owner, token=token, run_id=cfg.run_id),
+                       timeout_s=cfg.ft_timeout_s, host=cfg.ft_host)
         stack.callback(dp.close)
         start = restored.step if restored is not None else 0
         if start:
@@ -204,3 +252,37 @@ def elastic_job(cfg: LoopConfig) -> Iterator[Job]:
         yield Job(gcfg, dp, model, opt, LoggedPlans(gcfg, live, PlanLog(cfg.store, cfg.run_id), start), live=live,
                   checkpoints=StepCheckpoints(ft) if ft is not None else None, attempts=attempts,
                   weights_file=out / "weights.safetensors")
+
+
+def _group_token(cfg: LoopConfig) -> str | None:
+    """A replica group's token for live healing without checkpoints: from ``SYNCD_REPLICA_SECRET_FILE`` when set
+    (else None: the live state is served unauthenticated, with a warning). With checkpoints, the group's
+    :class:`~syncd.trainer.ft.fault_tolerance.FaultTolerance` has it."""
+    import os
+
+    from syncd.trainer.ft.replica_secret import ENV_SECRET_FILE, job_secret
+    from syncd.trainer.ft.replica_wire import replica_token
+
+    if cfg.checkpoint_dir:
+        return None
+    if not os.environ.get(ENV_SECRET_FILE):
+        log.warning("group %d: live healing without the job's replica token (no --checkpoint-dir, no %s)",
+                    cfg.replica_group, ENV_SECRET_FILE)
+        return None
+    try:
+        return replica_token(job_secret(None), cfg.run_id)
+    except ValueError as exc:
+        raise ConfigError(f"{ENV_SECRET_FILE}: {exc}") from None
+
+
+def _drain_then_close(ft):
+    """A replica group's exit callback: on a clean end its last checkpoint is offered to its holders first."""
+    def close(exc_type, exc, tb) -> bool:
+        try:
+            if exc_type is None and not ft.drain():
+                log.warning("%s: the last checkpoint did not reach every holder", ft.cfg.owner)
+        finally:
+            ft.close()
+        return False
+
+    return close

@@ -4,25 +4,29 @@ live state a healing replica group receives. Nothing from a peer or a disk is ev
 A **bundle** is a few named files and a manifest written last::
 
     MANIFEST.json       {"format": "syncd.trainer-state", "format_version": 1, "owner": "rank-0", "step": 12,
-                         "created_at": ..., "files": {"model.safetensors": {"bytes": N, "sha256": HEX}, ...},
+                         "run_id": "run-42", "created_at": ...,
+                         "files": {"model.safetensors": {"bytes": N, "sha256": HEX}, ...},
                          "signature": {"alg", "key_id", "mac"}}   (signature: only with a signing key)
     model.safetensors   the model's state dict under its own names (any safetensors tool reads it)
     optim.safetensors   the optimizer state's tensors, named by their path ("0/state/3/exp_avg")
     state.json          everything else: the skeleton that puts the optimizer state back together (its
                         hyperparameters, step counters, structure), RNG states, the loop's own state
 
-:func:`flatten` turns any nesting of dicts (str or int keys), lists, tuples, tensors, numpy arrays and JSON
-scalars into ``(tensors, skeleton)``: the tensors by path, and a JSON skeleton in which a tensor is
-``{"t": path}``, a float ``{"f": float.hex()}`` (exact, no NaN/inf trouble), a dict ``{"d": [[key, value],
-...]}``, a list ``{"l": [...]}``, a tuple ``{"u": [...]}``, a numpy array ``{"n": path}``; :func:`unflatten`
-inverts it and refuses any other shape.
+The state's nesting of dicts, lists and tensors is flattened into ``optim.safetensors`` and ``state.json`` by
+:mod:`syncd.trainer.ft.state_tree` (:func:`~syncd.trainer.ft.state_tree.flatten`).
+
+The **run id** in the manifest binds a bundle to the run that wrote it: a reader that names its run
+(``run_id=``) refuses a bundle of another run, or one that names none, with :class:`RunMismatch` naming both ids
+-- a new run never continues an old one's state, and a replica of another run sharing the key is never taken.
 
 On the wire a bundle is **framed**: 8 bytes (little endian) of manifest length, the manifest, then the files in
 the manifest's (sorted) order. :func:`read_frame` checks everything against the manifest before a byte is
 believed -- bounded sizes, the signature when a key is configured, every file's length and SHA-256 -- and only
-then may a caller parse the files (:func:`load_bundle`). The signature is the run's HMAC key
-(``SYNCD_SIGNING_KEY``, :mod:`syncd.signing`): with it a replica is authenticated, without it the hashes only
-prove the bytes arrived as they were sent.
+then may a caller parse the files (:func:`load_bundle`); with ``manifest_sha256`` the manifest must also be the one
+its owner recorded (a replica is trusted only as what its owner wrote). The signature is the run's HMAC key
+(``SYNCD_SIGNING_KEY``, :mod:`syncd.signing`): with it a bundle is authenticated by its signature; without it the
+hashes prove only that the bytes are the ones the manifest describes, and a replica is authenticated by its
+manifest's digest, which its owner recorded (``manifest_sha256``).
 
 Pure functions and immutable values; thread-safe.
 """
@@ -45,9 +49,9 @@ from syncd.manifest import now_rfc3339
 from syncd.signing import check_signature, resolve_key, signature_for
 from syncd.trainer.ft.safetensors_view import SAFETENSORS_DTYPES, view_safetensors
 
-__all__ = ["StateError", "FORMAT", "MANIFEST", "flatten", "unflatten", "safetensors_header", "write_safetensors",
+__all__ = ["StateError", "RunMismatch", "FORMAT", "MANIFEST", "safetensors_header", "write_safetensors",
            "Bundle", "encode_manifest", "parse_manifest", "read_frame", "frame_prefix", "load_bundle",
-           "read_dir", "check_owner", "MAX_MANIFEST_BYTES"]
+           "read_dir", "check_owner", "MAX_MANIFEST_BYTES", "manifest_digest"]
 
 FORMAT = "syncd.trainer-state"
 FORMAT_VERSION = 1
@@ -67,92 +71,15 @@ class StateError(SyncdError, ValueError):
     file or member and what is wrong. Nothing of it was loaded."""
 
 
+class RunMismatch(StateError):
+    """A bundle of another run (or of no named run) where this run's was expected; the message names both ids."""
+
+
 def check_owner(owner) -> str:
     """``owner`` if it names a state owner (``rank-0``, ``group-2``: 1-64 of ``[A-Za-z0-9._-]``), else StateError."""
     if not isinstance(owner, str) or not _OWNER.match(owner) or ".." in owner:
         raise StateError(f"invalid state owner {owner!r}: use 1-64 characters of [A-Za-z0-9._-]")
     return owner
-
-
-# ---------------------------------------------------------------------------------------------- flatten
-
-
-def _escape(key) -> str:
-    return str(key).replace("%", "%25").replace("/", "%2F")
-
-
-def flatten(obj, prefix: str = "") -> tuple[dict[str, torch.Tensor], object]:
-    """``(tensors by path, JSON skeleton)`` of ``obj`` (see the module docstring). TypeError for anything else."""
-    tensors: dict[str, torch.Tensor] = {}
-
-    def walk(x, path):
-        if isinstance(x, torch.Tensor):
-            tensors[path] = x.detach()
-            return {"t": path}
-        if isinstance(x, np.ndarray):
-            tensors[path] = torch.from_numpy(np.ascontiguousarray(x))
-            return {"n": path}
-        if isinstance(x, bool) or x is None or isinstance(x, str):
-            return x
-        if isinstance(x, int):
-            return int(x)
-        if isinstance(x, float):
-            return {"f": float(x).hex()}
-        if isinstance(x, dict):
-            items = []
-            for k, v in x.items():
-                if isinstance(k, bool) or not isinstance(k, (str, int)):
-                    raise TypeError(f"{path or '<root>'}: dict key {k!r} is neither str nor int")
-                items.append([k, walk(v, f"{path}/{_escape(k)}" if path else _escape(k))])
-            return {"d": items}
-        if isinstance(x, (list, tuple)):
-            body = [walk(v, f"{path}/{i}" if path else str(i)) for i, v in enumerate(x)]
-            return {"l" if isinstance(x, list) else "u": body}
-        if isinstance(x, (np.integer, np.floating)):
-            return walk(x.item(), path)
-        raise TypeError(f"{path or '<root>'}: cannot store a {type(x).__name__}")
-
-    skeleton = walk(obj, prefix)
-    return tensors, skeleton
-
-
-def unflatten(skeleton, tensors: dict[str, torch.Tensor], *, where: str = "state", max_depth: int = 48):
-    """The object :func:`flatten` was given. StateError for a node of another shape or a missing tensor."""
-
-    def bad(msg):
-        raise StateError(f"{where}: {msg}")
-
-    def walk(x, depth):
-        if depth > max_depth:
-            bad(f"nested deeper than {max_depth}")
-        if x is None or isinstance(x, (bool, str)) or (isinstance(x, int) and not isinstance(x, bool)):
-            return x
-        if not isinstance(x, dict) or len(x) != 1:
-            bad(f"malformed node {str(x)[:80]!r}")
-        (tag, v), = x.items()
-        if tag in ("t", "n"):
-            if not isinstance(v, str) or v not in tensors:
-                bad(f"tensor {str(v)[:80]!r} is missing")
-            return tensors[v] if tag == "t" else tensors[v].numpy()
-        if tag == "f":
-            try:
-                return float.fromhex(v)
-            except (TypeError, ValueError):
-                bad(f"float {str(v)[:40]!r} is not a hex float")
-        if tag == "d" and isinstance(v, list):
-            out = {}
-            for item in v:
-                if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], (str, int))
-                        and not isinstance(item[0], bool)):
-                    bad("malformed dict item")
-                out[item[0]] = walk(item[1], depth + 1)
-            return out
-        if tag in ("l", "u") and isinstance(v, list):
-            body = [walk(i, depth + 1) for i in v]
-            return body if tag == "l" else tuple(body)
-        bad(f"unknown node {tag!r}")
-
-    return walk(skeleton, 0)
 
 
 # ---------------------------------------------------------------------------------------------- safetensors
@@ -223,22 +150,31 @@ def _message(doc: dict):
     return message_for
 
 
-def encode_manifest(owner: str, step: int, files: dict[str, dict], *, signing_key=None, extra: dict | None = None
-                    ) -> bytes:
-    """The manifest of a bundle (``files``: name -> ``{"bytes", "sha256"}``), signed when a key is configured
-    (``signing_key`` as in :func:`syncd.signing.resolve_key`)."""
+def encode_manifest(owner: str, step: int, files: dict[str, dict], *, signing_key=None, extra: dict | None = None,
+                    run_id: str | None = None) -> bytes:
+    """The manifest of a bundle (``files``: name -> ``{"bytes", "sha256"}``) of run ``run_id`` (None: no run named,
+    which a reader that names its run refuses), signed when a key is configured (``signing_key`` as in
+    :func:`syncd.signing.resolve_key`)."""
     doc = {"format": FORMAT, "format_version": FORMAT_VERSION, "owner": check_owner(owner), "step": int(step),
            "created_at": now_rfc3339(), "files": {k: dict(files[k]) for k in sorted(files)}, **(extra or {})}
+    if run_id is not None:
+        doc["run_id"] = str(run_id)
     key = resolve_key(signing_key)
     if key is not None:
         doc["signature"] = signature_for(_message(doc), key)
     return json.dumps(doc, sort_keys=True, allow_nan=False).encode()
 
 
+def manifest_digest(raw: bytes) -> str:
+    """The SHA-256 (hex) of a raw manifest: what an owner records of each checkpoint it replicates."""
+    return hashlib.sha256(raw).hexdigest()
+
+
 def parse_manifest(raw: bytes, *, where: str, signing_key=None, owner: str | None = None,
-                   step: int | None = None) -> dict:
-    """The checked manifest in ``raw``: bounded strict JSON, the format, owner and step (each equal to what the
-    caller expects, when given), sane file entries, and the signature under the reader's policy. StateError."""
+                   step: int | None = None, run_id: str | None = None) -> dict:
+    """The checked manifest in ``raw``: bounded strict JSON, the format, owner, step and run id (each equal to what
+    the caller expects, when given), sane file entries, and the signature under the reader's policy. StateError;
+    :class:`RunMismatch` for a bundle of another run (or of none) when ``run_id`` is given."""
     doc = jsonsafe.loads(raw, what=where, max_bytes=MAX_MANIFEST_BYTES, max_depth=8, floats=False,
                          unique_members=True, error=StateError)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("format_version") != FORMAT_VERSION:
@@ -252,6 +188,13 @@ def parse_manifest(raw: bytes, *, where: str, signing_key=None, owner: str | Non
         raise StateError(f"{where}: step {s!r} is malformed")
     if step is not None and s != step:
         raise StateError(f"{where}: the state of step {s}, expected step {step}")
+    theirs = doc.get("run_id")
+    if theirs is not None and (not isinstance(theirs, str) or not 0 < len(theirs) <= 256):
+        raise StateError(f"{where}: run_id {str(theirs)[:64]!r} is malformed")
+    if run_id is not None and theirs != run_id:
+        raise RunMismatch(f"{where}: written by run {theirs!r}, not by this run {run_id!r}" if theirs is not None
+                          else f"{where}: names no run id (written before run ids were recorded), not this run "
+                               f"{run_id!r}")
     files = doc.get("files")
     if not isinstance(files, dict) or not files or len(files) > 16:
         raise StateError(f"{where}: files must name 1-16 files")
@@ -306,9 +249,11 @@ def _read_exact(read, n: int, what: str) -> bytes:
 
 
 def read_frame(read, total: int | None, *, where: str, signing_key=None, owner: str | None = None,
-               step: int | None = None, max_bytes: int = 1 << 40, sink=None, readinto=None) -> Bundle:
+               step: int | None = None, run_id: str | None = None, manifest_sha256: str | None = None,
+               max_bytes: int = 1 << 40, sink=None, readinto=None) -> Bundle:
     """Read one framed bundle with ``read(n) -> bytes`` (``total``: the frame's length when known, e.g. an HTTP
-    Content-Length, which must match the manifest exactly). With ``sink(name, chunk)`` the files are handed over
+    Content-Length, which must match the manifest exactly; ``manifest_sha256``: the manifest must be this one,
+    checked before it is parsed). With ``sink(name, chunk)`` the files are handed over
     chunk by chunk (and :attr:`Bundle.files` is empty); otherwise each is kept in memory of its own, a
     writable memoryview (filled by ``readinto(memoryview) -> int`` when given: no chunk is allocated or joined,
     and the hash runs on a second thread behind the reads). Every file is hash-checked; StateError for anything wrong."""
@@ -317,7 +262,10 @@ def read_frame(read, total: int | None, *, where: str, signing_key=None, owner: 
     if mlen > MAX_MANIFEST_BYTES:
         raise StateError(f"{where}: manifest of {mlen} bytes (at most {MAX_MANIFEST_BYTES})")
     raw = _read_exact(read, mlen, f"{where}: manifest")
-    m = parse_manifest(raw, where=where, signing_key=signing_key, owner=owner, step=step)
+    if manifest_sha256 is not None and manifest_digest(raw) != manifest_sha256:
+        raise StateError(f"{where}: the manifest is not the one its owner recorded (SHA-256 "
+                         f"{manifest_digest(raw)[:16]}..., recorded {manifest_sha256[:16]}...)")
+    m = parse_manifest(raw, where=where, signing_key=signing_key, owner=owner, step=step, run_id=run_id)
     size = 8 + mlen + sum(e["bytes"] for e in m["files"].values())
     if size > max_bytes:
         raise StateError(f"{where}: {size} bytes, more than the {max_bytes} allowed")
@@ -389,8 +337,10 @@ def load_bundle(bundle: Bundle, *, where: str) -> tuple[dict[str, dict[str, torc
     return tensors, state
 
 
-def read_dir(path, *, signing_key=None, owner: str | None = None) -> Bundle:
-    """The verified bundle in folder ``path`` (manifest first, then every file against it). StateError."""
+def read_dir(path, *, signing_key=None, owner: str | None = None, step: int | None = None,
+             run_id: str | None = None) -> Bundle:
+    """The verified bundle in folder ``path`` (manifest first -- its owner, step and run id as expected, when
+    given -- then every file against it). StateError (:class:`RunMismatch` for another run's)."""
     where = str(path)
     try:
         raw = open(os.path.join(path, MANIFEST), "rb").read(MAX_MANIFEST_BYTES + 1)
@@ -398,7 +348,7 @@ def read_dir(path, *, signing_key=None, owner: str | None = None) -> Bundle:
         raise StateError(f"{where}: no {MANIFEST} (torn: the write never finished)") from None
     except OSError as exc:
         raise StateError(f"{where}: {MANIFEST} unreadable: {exc}") from None
-    m = parse_manifest(raw, where=where, signing_key=signing_key, owner=owner)
+    m = parse_manifest(raw, where=where, signing_key=signing_key, owner=owner, step=step, run_id=run_id)
     files = {}
     for name, ent in sorted(m["files"].items()):
         try:

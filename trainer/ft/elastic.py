@@ -38,7 +38,19 @@ healed this group (what torchft's ``OptimizerWrapper`` does in ``zero_grad`` and
 
 :meth:`set_step` tells torchft the step a group restored from its checkpoint (or its peers' replicas), so that a
 group at the others' step does not heal at all and one behind heals from a live peer.
-Thread-safety: the training thread only.
+
+**A lighthouse that restarts** (killed and started again on the same address) loses every member; torchft 0.2.0's
+manager then never answers the quorum it had asked for, and the new lighthouse numbers its quorums from 1 again, so
+a manager that kept its old quorum id may skip reconfiguring its process group and hang. :meth:`begin_step`
+therefore asks for each quorum with a bounded wait (:data:`QUORUM_ATTEMPT_S`, at most ``timeout_s``) and, on a
+failed attempt, tries again -- as a
+**new member** (a fresh manager, store and process group, the same step; :attr:`ElasticDP.rejoins`) whenever the
+lighthouse was seen unreachable since this group last joined (a thread polls its status page every
+:data:`WATCH_INTERVAL_S`), or after :data:`REJOIN_AFTER_FAILED_COMMITS` steps in a row failed to commit. Every
+failed attempt and rejoin is logged and counted; a group that gets no quorum for ``quorum_timeout_s`` raises
+RuntimeError naming the lighthouse (the process exits 1 and is restarted by whatever runs it, as after any
+failure). The job goes on as soon as the lighthouse answers again.
+Thread-safety: the training thread only (the watcher thread only records when the lighthouse did not answer).
 """
 
 from __future__ import annotations
@@ -48,6 +60,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from datetime import timedelta
@@ -56,7 +69,15 @@ import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ElasticDP", "start_lighthouse"]
+__all__ = ["ElasticDP", "start_lighthouse", "WATCH_INTERVAL_S", "REJOIN_AFTER_FAILED_COMMITS", "QUORUM_ATTEMPT_S"]
+
+#: the longest one quorum attempt waits for the lighthouse's answer before it is asked again (seconds): a lighthouse
+#: that died while the attempt was pending never answers it
+QUORUM_ATTEMPT_S = 5.0
+#: how often each group checks that the lighthouse answers (seconds)
+WATCH_INTERVAL_S = 0.25
+#: steps in a row that failed to commit before a group rejoins the lighthouse as a new member
+REJOIN_AFTER_FAILED_COMMITS = 3
 
 
 def start_lighthouse(min_replicas: int, *, bind: str = "127.0.0.1:0", join_timeout_ms: int = 1000,
@@ -67,7 +88,6 @@ def start_lighthouse(min_replicas: int, *, bind: str = "127.0.0.1:0", join_timeo
     its "listening on" line) goes to ``log_file`` if given. RuntimeError if it exits or does not answer within
     ``timeout_s``."""
     import queue
-    import threading
 
     exe = os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")
     argv = [exe if os.path.exists(exe) else "torchft_lighthouse", "--min_replicas", str(min_replicas), "--bind",
@@ -117,6 +137,33 @@ def start_lighthouse(min_replicas: int, *, bind: str = "127.0.0.1:0", join_timeo
     return proc, url
 
 
+class _LighthouseWatch:
+    """Polls the lighthouse's status page every :data:`WATCH_INTERVAL_S` on its own thread; ``down_at``: when it
+    last did not answer (monotonic seconds; None: never)."""
+
+    def __init__(self, url: str):
+        self.url, self.down_at = url, None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lighthouse-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from syncd import http_client
+
+        while not self._stop.wait(WATCH_INTERVAL_S):
+            try:
+                http_client.request("GET", self.url, "/status", connect_timeout_s=1.0, timeout_s=2.0,
+                                    max_reply_bytes=1 << 20)
+            except Exception:  # noqa: BLE001 -- unreachable, dropped, garbage: all "did not answer"
+                if self.down_at is None or time.monotonic() - self.down_at > 1.0:
+                    log.warning("the lighthouse at %s does not answer", self.url)
+                self.down_at = time.monotonic()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5.0)
+
+
 class ElasticDP:
     """One replica group (see the module docstring). ``group``: its index (``0..groups-1``, its identity
     across restarts); ``min_replicas``: fewer participants than that never commit a step; ``timeout_s``: how
@@ -125,34 +172,56 @@ class ElasticDP:
 
     def __init__(self, *, group: int, groups: int, lighthouse: str, min_replicas: int, state_dict, load_state_dict,
                  transport, timeout_s: float = 30.0, quorum_timeout_s: float = 600.0, host: str = "127.0.0.1"):
-        from torch.distributed import TCPStore
-        from torchft import Manager, ProcessGroupGloo
-
         if not 0 <= group < groups:
             raise ValueError(f"replica group {group} is not in [0, {groups})")
         if not 1 <= min_replicas <= groups:
             raise ValueError(f"min_replicas must be in [1, {groups}], got {min_replicas}")
         self.group, self.groups, self.min_replicas = group, groups, min_replicas
+        self.lighthouse, self.host, self.timeout_s, self.quorum_timeout_s = lighthouse, host, timeout_s, quorum_timeout_s
         self.is_main = group == 0
         self.healed = False  # this step's quorum loaded a live peer's state (set in begin_step)
         self.restored_step = 0
+        self.device = torch.device("cpu")
+        self._user = (state_dict, load_state_dict, transport)
+        self.rank: int | None = None
+        self.world = 0
+        self.quorums = self.failed_commits = self.failed_quorums = self.rejoins = 0
+        self._failed_in_a_row = 0
+        self._join()
+        self._watch = _LighthouseWatch(lighthouse)
+
+    def _join(self) -> None:
+        """A manager of this group's own (with its store and process group): a new member of the lighthouse."""
+        from torch.distributed import TCPStore
+        from torchft import Manager, ProcessGroupGloo
+
+        state_dict, load_state_dict, transport = self._user
 
         def heal(state) -> None:
             load_state_dict(state)
             self.healed = True
-        self.device = torch.device("cpu")
-        self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
-        timeout = timedelta(seconds=timeout_s)
+
+        timeout = timedelta(seconds=self.timeout_s)
+        self._store = TCPStore(self.host, 0, is_master=True, wait_for_workers=False)
         self._pg = ProcessGroupGloo(timeout=timeout)
         self.manager = Manager(
-            pg=self._pg, load_state_dict=heal, state_dict=state_dict, min_replica_size=min_replicas,
-            use_async_quorum=False, init_sync=False, replica_id=f"group_{group}", store_addr=host,
-            store_port=self._store.port, rank=0, world_size=1, lighthouse_addr=lighthouse, hostname=host,
-            timeout=timeout, quorum_timeout=timedelta(seconds=quorum_timeout_s),
-            connect_timeout=timedelta(seconds=max(10.0, timeout_s)), checkpoint_transport=transport)
-        self.rank: int | None = None
-        self.world = 0
-        self.quorums = self.failed_commits = 0
+            pg=self._pg, load_state_dict=heal, state_dict=state_dict, min_replica_size=self.min_replicas,
+            use_async_quorum=False, init_sync=False, replica_id=f"group_{self.group}", store_addr=self.host,
+            store_port=self._store.port, rank=0, world_size=1, lighthouse_addr=self.lighthouse, hostname=self.host,
+            timeout=timeout, quorum_timeout=timedelta(seconds=self.quorum_timeout_s),
+            connect_timeout=timedelta(seconds=max(10.0, self.timeout_s)), checkpoint_transport=transport)
+        self._joined_at = time.monotonic()
+
+    def _rejoin(self, why: str) -> None:
+        """Leave torchft as this member and join again as a new one, at the same step (module docstring)."""
+        state = self.manager.state_dict()
+        log.warning("group %d: rejoining the lighthouse at %s as a new member at step %d (%s)", self.group,
+                    self.lighthouse, state["step"], why)
+        self._leave()
+        self._join()
+        self.manager.load_state_dict(state)
+        self.rejoins += 1
+        self._failed_in_a_row = 0
 
     @property
     def step(self) -> int:
@@ -166,9 +235,32 @@ class ElasticDP:
 
     def begin_step(self) -> tuple[int, int]:
         """Join this step's quorum (healing first if behind: :attr:`step` then moved on, :attr:`healed` is
-        True); ``(participant index, participants)``, the index -1 if this group does not take part."""
+        True); ``(participant index, participants)``, the index -1 if this group does not take part. A failed
+        attempt is tried again (as a new member after the lighthouse was lost; module docstring); RuntimeError
+        after ``quorum_timeout_s`` without a quorum."""
         self.healed = False
-        self.manager.start_quorum()
+        deadline = time.monotonic() + self.quorum_timeout_s
+        attempt = timedelta(seconds=max(1.0, min(QUORUM_ATTEMPT_S, self.timeout_s, self.quorum_timeout_s)))
+        while True:
+            lost = self._watch.down_at is not None and self._watch.down_at >= self._joined_at
+            try:
+                if lost or self._failed_in_a_row >= REJOIN_AFTER_FAILED_COMMITS:
+                    self._rejoin("the lighthouse did not answer" if lost
+                                 else f"{self._failed_in_a_row} steps in a row failed to commit")
+                self.manager.start_quorum(timeout=attempt)
+                break
+            except Exception as exc:  # noqa: BLE001 -- torchft raises what its Rust side reports
+                self.failed_quorums += 1
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(f"group {self.group}: no quorum from the lighthouse at {self.lighthouse} for "
+                                       f"{self.quorum_timeout_s:.0f} s (last: {type(exc).__name__}: {exc}); this "
+                                       "group stops: restart it with the same command line") from None
+                log.warning("group %d: no quorum for step %d within %.0f s (%s: %s); trying again", self.group,
+                            self.step + 1, attempt.total_seconds(), type(exc).__name__, str(exc)[:300])
+                # torchft keeps the failed quorum and raises it again on the next start_quorum: forget it
+                # (torchft 0.2.0, pinned)
+                self.manager._quorum_future = None
+                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
         self.quorums += 1
         rank, self.world = self.manager.participating_rank(), self.manager.num_participants()
         if rank is None:  # not expected with the synchronous quorum; train nothing, still vote
@@ -202,22 +294,31 @@ class ElasticDP:
     def summary(self, model: torch.nn.Module) -> dict:
         """What this group reports at the end of a run: ``digest`` (its weights,
         :func:`syncd.trainer.dist.weights_digest`), ``group``, ``steps`` committed, ``quorums`` joined,
-        ``failed_commits`` and ``restored_step`` (0: started afresh)."""
+        ``failed_commits``, ``failed_quorums`` (attempts that got no quorum), ``rejoins`` (as a new member) and
+        ``restored_step`` (0: started afresh)."""
         from syncd.trainer.dist import weights_digest
 
         return {"digest": weights_digest(model), "group": self.group, "steps": self.step, "quorums": self.quorums,
-                "failed_commits": self.failed_commits, "restored_step": self.restored_step}
+                "failed_commits": self.failed_commits, "failed_quorums": self.failed_quorums,
+                "rejoins": self.rejoins, "restored_step": self.restored_step}
 
     def commit(self) -> bool:
         """torchft's vote: True if every participant finished the step (then step the optimizer)."""
         ok = self.manager.should_commit()
         if not ok:
             self.failed_commits += 1
+            self._failed_in_a_row += 1
+        else:
+            self._failed_in_a_row = 0
         return ok
 
-    def close(self) -> None:
+    def _leave(self) -> None:
         try:
             self.manager.shutdown(wait=False)
         except Exception as exc:  # noqa: BLE001 -- shutting down
             log.debug("torchft manager shutdown: %s", exc)
         self._pg.shutdown()  # drops the gloo group: its threads are joined now, not at interpreter exit
+
+    def close(self) -> None:
+        self._watch.close()
+        self._leave()

@@ -6,9 +6,11 @@ When a replica group joins a quorum behind the others, torchft's Manager has a h
 ``torch.load(weights_only=False)``, PGTransport ``pickle.loads`` of its metadata): a peer could make the receiver
 run code. This one implements the same interface with the :mod:`syncd.trainer.ft.ckpt_format` bundle: the state is
 flattened into safetensors bytes plus a JSON skeleton, framed behind a manifest with every file's SHA-256 (HMAC-
-signed with the run's key when one is set), staged on this owner's :class:`syncd.trainer.ft.replicas.ReplicaServer`
-(``GET /v1/heal/<step>``); the receiver checks size, signature, owner and step, and hashes before the safetensors
-library or the bounded JSON reader sees a byte. ``metadata()`` is the server's URL.
+signed with the run's key when one is set, naming the run), staged on this owner's
+:class:`syncd.trainer.ft.replica_server.ReplicaServer` (``GET /v1/heal/<step>``, which asks for the job's token like
+every replica route; the receiver presents it); the receiver checks size, signature, owner, step and run, and hashes
+before the safetensors library or the bounded JSON reader sees a byte, all within the transfer's deadline
+(:mod:`syncd.trainer.ft.replica_wire`). ``metadata()`` is the server's URL.
 
 The sender serializes the state when asked (the Manager calls it inside the quorum, before the step may change
 anything) and keeps the bytes until ``disallow_checkpoint()``, which waits for transfers in progress.
@@ -17,38 +19,42 @@ Thread-safety: the Manager calls it from its quorum thread; one transfer staged 
 
 from __future__ import annotations
 
+import hashlib
+import http.client
 import io
 import json
 import logging
 from datetime import timedelta
 
-from syncd.trainer.ft.ckpt_format import (StateError, encode_manifest, flatten, frame_prefix, load_bundle, read_frame,
-                                          unflatten, write_safetensors)
-from syncd.trainer.ft.replicas import ReplicaError, ReplicaServer, _conn
+from syncd.trainer.ft.ckpt_format import (StateError, encode_manifest, frame_prefix, load_bundle, read_frame,
+                                          write_safetensors)
+from syncd.trainer.ft.state_tree import flatten, unflatten
+from syncd.trainer.ft.replica_server import ReplicaServer
+from syncd.trainer.ft.replica_wire import MIN_RATE, Deadline, ReplicaError, auth_header, connect, transfer_deadline
 
 log = logging.getLogger(__name__)
 
 __all__ = ["VerifiedTransport", "encode_state", "decode_state"]
 
 
-def encode_state(owner: str, step: int, state, *, signing_key=None) -> bytes:
-    """``state`` (any :func:`syncd.trainer.ft.ckpt_format.flatten`-able object) as one framed bundle."""
+def encode_state(owner: str, step: int, state, *, signing_key=None, run_id: str | None = None) -> bytes:
+    """``state`` (any :func:`syncd.trainer.ft.state_tree.flatten`-able object) of run ``run_id`` as one framed
+    bundle."""
     tensors, skeleton = flatten(state, "s")
     buf = io.BytesIO()
     tfile = write_safetensors(buf, tensors)
     doc = json.dumps(skeleton, allow_nan=False).encode()
-    import hashlib
-
     files = {"state.json": {"bytes": len(doc), "sha256": hashlib.sha256(doc).hexdigest()},
              "tensors.safetensors": tfile}
-    raw = encode_manifest(owner, step, files, signing_key=signing_key)
+    raw = encode_manifest(owner, step, files, signing_key=signing_key, run_id=run_id)
     return frame_prefix(raw) + raw + doc + buf.getvalue()
 
 
 def decode_state(frame_read, total: int | None, *, where: str, step: int | None = None, signing_key=None,
-                 max_bytes: int = 1 << 40):
-    """The state a framed bundle holds, after every check; StateError otherwise."""
-    bundle = read_frame(frame_read, total, where=where, signing_key=signing_key, step=step, max_bytes=max_bytes)
+                 max_bytes: int = 1 << 40, run_id: str | None = None):
+    """The state a framed bundle holds, after every check (its run ``run_id`` when given); StateError otherwise."""
+    bundle = read_frame(frame_read, total, where=where, signing_key=signing_key, step=step, max_bytes=max_bytes,
+                        run_id=run_id)
     tensors, skeleton = load_bundle(bundle, where=where)
     return unflatten(skeleton, tensors.get("tensors.safetensors", {}), where=where)
 
@@ -60,19 +66,22 @@ def _transport_base():
 
 
 class VerifiedTransport(_transport_base()):
-    """See the module docstring. ``server``: this owner's replica server; ``owner``: its name."""
+    """See the module docstring. ``server``: this owner's replica server; ``owner``: its name; ``token``: the job's
+    replica token (what the peers' servers ask for); ``run_id``: the run, named in and checked on every state."""
 
     def __init__(self, server: ReplicaServer, owner: str, *, signing_key=None, timeout_s: float = 120.0,
-                 max_bytes: int = 1 << 40):
+                 max_bytes: int = 1 << 40, token: str | None = None, run_id: str | None = None,
+                 min_rate: float = MIN_RATE):
         self.server, self.owner, self.signing_key = server, owner, signing_key
-        self.timeout_s, self.max_bytes = timeout_s, max_bytes
+        self.timeout_s, self.max_bytes, self.min_rate = timeout_s, max_bytes, min_rate
+        self.token, self.run_id = token, run_id
         self.sent = self.received = 0
 
     def metadata(self) -> str:
         return self.server.url
 
     def send_checkpoint(self, dst_ranks, step: int, state_dict, timeout: timedelta) -> None:
-        frame = encode_state(self.owner, step, state_dict, signing_key=self.signing_key)
+        frame = encode_state(self.owner, step, state_dict, signing_key=self.signing_key, run_id=self.run_id)
         self.server.stage_heal(step, frame)
         self.sent += 1
         log.info("%s: live state of step %d staged for %s (%d bytes)", self.owner, step, dst_ranks, len(frame))
@@ -83,19 +92,29 @@ class VerifiedTransport(_transport_base()):
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta):
         url = str(metadata)
         t = max(1.0, timeout.total_seconds()) if timeout else self.timeout_s
-        conn = _conn(url, t)
+        conn = connect(url, t)
         try:
-            conn.request("GET", f"/v1/heal/{int(step)}")
-            resp = conn.getresponse()
-            if resp.status != 200:
-                raise ReplicaError(f"{url}: HTTP {resp.status} for the live state of step {step}: "
-                                   f"{resp.read(2000).decode('utf-8', 'replace')}")
-            length = resp.headers.get("Content-Length")
-            state = decode_state(resp.read, int(length) if length and length.isdigit() else None,
-                                 where=f"live state of step {step} from {url}", step=step,
-                                 signing_key=self.signing_key, max_bytes=self.max_bytes)
-        except OSError as exc:
-            raise ReplicaError(f"{url}: live state of step {step}: {type(exc).__name__}: {exc}") from None
+            with Deadline(conn.sock, 2 * t) as dl:  # the peer may first wait up to its timeout to stage the state
+                try:
+                    conn.request("GET", f"/v1/heal/{int(step)}", headers=auth_header(self.token))
+                    resp = conn.getresponse()
+                    if resp.status != 200:
+                        raise ReplicaError(f"{url}: HTTP {resp.status} for the live state of step {step}: "
+                                           f"{resp.read(2000).decode('utf-8', 'replace')}")
+                    length = resp.headers.get("Content-Length")
+                    if not (length and length.isdigit()):
+                        raise ReplicaError(f"{url}: the live state of step {step} has no Content-Length")
+                    dl.reset(transfer_deadline(int(length), t, self.min_rate))
+                    state = decode_state(resp.read, int(length), where=f"live state of step {step} from {url}",
+                                         step=step, signing_key=self.signing_key, max_bytes=self.max_bytes,
+                                         run_id=self.run_id)
+                except (OSError, http.client.HTTPException, StateError) as exc:
+                    if dl.fired:
+                        raise ReplicaError(f"{url}: live state of step {step}: not received within its deadline "
+                                           f"of {dl.seconds:.0f} s") from None
+                    if isinstance(exc, StateError):
+                        raise
+                    raise ReplicaError(f"{url}: live state of step {step}: {type(exc).__name__}: {exc}") from None
         finally:
             conn.close()
         if not isinstance(state, dict) or "user" not in state or "torchft" not in state:

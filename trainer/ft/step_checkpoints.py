@@ -63,11 +63,16 @@ class StepCheckpoints:
         return self.checkpointer.save(step, model, optimizer, state=state, wait=must, skip=skip)
 
     def flush(self) -> dict:
-        """Wait for the checkpoint in flight; what checkpointing did over the run (``saved``, ``skipped``,
-        ``failures``, ``stall_s`` seconds the training thread waited, ``durable_step``, ``replica_failures``)."""
-        self.checkpointer.flush()
+        """Wait for the checkpoint in flight (one that failed and waits for disk room: at most the publish gate's
+        ``gate_timeout_s``); what checkpointing did over the run: ``saved``, ``skipped``, ``failures`` (failed write
+        attempts), ``retried`` (written on a retry), ``abandoned`` (failed, then replaced by a newer one),
+        ``last_error``, ``stall_s`` seconds the training thread waited, ``durable_step``, ``replica_failures``."""
+        if not self.checkpointer.flush(room_timeout=self.ft.cfg.gate_timeout_s):
+            log.warning("%s: the last checkpoint is still not written: %s", self.ft.cfg.owner,
+                        self.checkpointer.stats.last_error)
         st = self.checkpointer.stats
         replicator = self.ft.replicator
-        return {"saved": st.saved, "skipped": st.skipped, "failures": st.failures, "stall_s": st.stall_s,
+        return {"saved": st.saved, "skipped": st.skipped, "failures": st.failures, "retried": st.retried,
+                "abandoned": st.abandoned, "last_error": st.last_error, "stall_s": st.stall_s,
                 "durable_step": self.checkpointer.durable_step,
                 "replica_failures": replicator.failures if replicator is not None else 0}

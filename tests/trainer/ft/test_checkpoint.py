@@ -212,9 +212,10 @@ def test_agreed_step_only_when_every_rank_wrote_the_same_step():
 
 def test_a_rank_whose_writes_fail_keeps_a_step_in_common_with_the_others(tmp_path):
     """Two ranks checkpoint every step (``keep=2``) and agree, with each step's all-reduce, on the newest step
-    both hold. Rank 1's writes fail for real for three steps (its folder is replaced by a file): rank 0 keeps the
-    agreed step next to its newest two, so a restart still finds a step both ranks hold;
-    once rank 1 writes again, a newer step is agreed and the old ones go."""
+    both hold. Rank 1's writes fail for real for three steps (its folder is replaced by a file): each failed write
+    is retried until a newer step replaces it, and training is never held up by it; rank 0 keeps the agreed step
+    next to its newest two, so a restart still finds a step both ranks hold. Once the folder is back, rank 1's
+    pending write of the last step lands on its own retry; a newer step is agreed and the old ones go."""
     torch.manual_seed(0)
     m = Net()
     opt = torch.optim.AdamW(m.parameters(), lr=0.1, foreach=False)
@@ -247,12 +248,15 @@ def test_a_rank_whose_writes_fail_keeps_a_step_in_common_with_the_others(tmp_pat
     for s in range(5, 8):
         step(s)
     for ck in cks:
-        ck.flush()
+        ck.flush(room_timeout=0)  # rank 1's write of step 7 is still being retried: not waited for
+    assert cks[1].retrying and cks[1].last_attempt == (7, False) and cks[0].common_step == 4
+    assert cks[1].stats.failures >= 3 and cks[1].stats.abandoned == 2  # steps 5 and 6: replaced by a newer one
+    assert list_steps(aside) == [4, 3] and list_steps(roots[0]) == [7, 6, 4]
+    assert max(set(list_steps(roots[0])) & set(list_steps(aside))) == 4
     roots[1].unlink()
     aside.rename(roots[1])
-    assert cks[1].stats.failures == 3 and cks[1].last_attempt == (7, False) and cks[0].common_step == 4
-    assert list_steps(roots[1]) == [4, 3] and list_steps(roots[0]) == [7, 6, 4]
-    assert max(set(list_steps(roots[0])) & set(list_steps(roots[1]))) == 4
+    assert cks[1].flush(timeout=60)  # the retry lands once the folder is back
+    assert cks[1].stats.retried == 1 and cks[1].last_attempt == (7, True) and list_steps(roots[1]) == [7, 4]
     for s in range(8, 11):
         step(s)
     for ck in cks:

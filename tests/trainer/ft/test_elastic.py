@@ -8,7 +8,10 @@ replica its peer holds, then heal to the live step from that peer (``syncd.train
   group is back; the committed loss curve and the final weights are bit-identical to an uninterrupted run;
 * shrink (``--min-replicas 1``): the survivor carries on alone within :data:`SHRINK_BOUND_S` of the kill (the
   lighthouse's heartbeat timeout plus its join timeout plus a few steps, with room for a busy machine), the
-  restarted group rejoins, and both end with the same weights having committed every step exactly once.
+  restarted group rejoins, and both end with the same weights having committed every step exactly once;
+* the lighthouse itself killed with SIGKILL mid-run and started again on the same address (issue 40, A.3): both
+  groups rejoin it and the job goes on, every step committed once and the weights bit-identical to an
+  uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -101,8 +104,26 @@ class Job:
         life = self.lives[group] = self.lives.get(group, -1) + 1
         out = open(self.dir / f"g{group}.{life}.out", "w")
         err = open(self.dir / f"g{group}.{life}.err", "w")
-        self.procs[group] = subprocess.Popen(self.argv(group), cwd=ROOT, stdout=out, stderr=err,
-                                             env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+        self.procs[group] = subprocess.Popen(self.argv(group), cwd=ROOT, stdout=out, stderr=err, env=self.env(),
+                                             start_new_session=True)
+
+    def env(self) -> dict:
+        # the groups' checkpoint folders are on different "nodes": the job's replica secret is one file for all
+        return {**os.environ, "OMP_NUM_THREADS": "1", "SYNCD_REPLICA_SECRET_FILE": str(self.dir / "replica-secret")}
+
+    def restart_lighthouse(self, down_s: float) -> float:
+        """kill -9 the lighthouse, keep it down ``down_s`` seconds, start it again on the same address; the time
+        it answers again."""
+        from syncd.trainer.ft.elastic import start_lighthouse
+
+        self.lh.send_signal(signal.SIGKILL)
+        self.lh.wait()
+        time.sleep(down_s)
+        self.lh, url = start_lighthouse(self.min_replicas, bind=self.url.removeprefix("http://"),
+                                        heartbeat_timeout_ms=HEARTBEAT_MS, join_timeout_ms=JOIN_MS,
+                                        log_file=self.lh_log)
+        assert url == self.url
+        return time.time()
 
     def spare(self, group: int) -> None:
         """A warm spare for ``group``: a new process that has done its imports (the seconds of a restart here)
@@ -112,7 +133,7 @@ class Job:
         err = open(self.dir / f"g{group}.{life}.err", "w")
         self._spare = (group, subprocess.Popen([sys.executable, "-c", SPARE, json.dumps(self.argv(group)[3:])],
                                                cwd=ROOT, stdin=subprocess.PIPE, stdout=out, stderr=err, text=True,
-                                               env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True))
+                                               env=self.env(), start_new_session=True))
         deadline = time.monotonic() + 300
         while "ready" not in (self.dir / f"g{group}.{life}.err").read_text():
             assert self._spare[1].poll() is None and time.monotonic() < deadline, "the spare did not start"
@@ -258,3 +279,31 @@ def test_kill_9_with_shrink_survivor_continues_and_the_rank_rejoins_from_replica
     assert any(e["kind"] == "attempt" and e["healed"] for e in j.events(1) if e["t"] > restored["t"])  # ... live
     assert summary[0]["digest"] == summary[1]["digest"]  # one model again
     assert summary[0]["steps"] == summary[1]["steps"] == SHRINK_STEPS
+
+
+#: the first commit after the lighthouse is back: one quorum attempt left unanswered by the dead lighthouse, the
+#: lighthouse's join timeout and heartbeat timeout, and a retried step, with 30 s of room for a loaded machine
+RELIGHT_BOUND_S = 5.0 + (HEARTBEAT_MS + JOIN_MS) / 1000 + 30
+
+
+def test_the_job_goes_on_when_the_lighthouse_is_killed_and_restarted(job):
+    ref = job("ref-lh", min_replicas=2)
+    for g in (0, 1):
+        ref.start(g)
+    ref_summary = ref.finish()
+
+    j = job("lh", min_replicas=2)
+    for g in (0, 1):
+        j.start(g)
+    j.wait_committed(0, 2)
+    t_back = j.restart_lighthouse(down_s=1.0)
+    summary = j.finish()
+
+    for g in (0, 1):
+        steps = [e["step"] for e in committed(j.events(g))]
+        assert steps == list(range(1, STEPS + 1)), (g, steps)  # every step once: none lost, none doubled
+        assert j.lives[g] == 0  # nobody had to restart a group: they rejoined the lighthouse themselves
+    after = [e["t"] for e in committed(j.events(0)) if e["t"] > t_back]
+    assert after and after[0] - t_back < RELIGHT_BOUND_S, (after[:1], t_back)
+    assert summary[0]["digest"] == summary[1]["digest"] == ref_summary[0]["digest"]  # the same training
+    assert summary[0]["rejoins"] + summary[1]["rejoins"] >= 1, summary

@@ -14,11 +14,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from syncd.trainer.ft.checkpoint import Checkpointer, list_steps, newest_checkpoint, step_dir
-from syncd.trainer.ft.ckpt_format import StateError
+from syncd.trainer.ft.ckpt_dir import write_bundle
+from syncd.trainer.ft.ckpt_format import MANIFEST, StateError, manifest_digest
 from syncd.trainer.ft.fault_tolerance import FaultTolerance, FTConfig, agree_step
 from syncd.trainer.ft.peers import PeerDirectory, rebuild_from_peers
-from syncd.trainer.ft.replicas import (ReplicaError, ReplicaServer, fetch_replica, place_replicas, push_replica,
-                                       write_bundle)
+from syncd.trainer.ft.replica_server import ReplicaServer
+from syncd.trainer.ft.replica_wire import ReplicaError
+from syncd.trainer.ft.replicas import fetch_replica, place_replicas, push_replica
+
+SECRET = "5e" * 32  # the job's replica secret (what rank 0 hands every rank)
 
 
 @settings(max_examples=200, deadline=None)
@@ -88,6 +92,7 @@ def test_a_replica_round_trips_and_a_corrupt_one_is_skipped_for_the_next_holder(
     d = PeerDirectory(f"file://{tmp_path / 'store'}", "run")
     d.announce("a", a.url, "n1")
     d.announce("b", b.url, "n2")
+    d.record("rank-0", {s: manifest_digest((step_dir(own, s) / MANIFEST).read_bytes()) for s in list_steps(own)})
     _flip(step_dir(a.root / "rank-0", 2) / "model.safetensors")  # bit rot at the first holder
     with caplog.at_level(logging.WARNING, "syncd.trainer.ft.replicas"):
         bundle, c, holder = rebuild_from_peers("rank-0", ["a", "b"], d)
@@ -128,7 +133,7 @@ def test_a_lost_node_rebuilds_from_its_peers_and_the_gate_counts_holders(tmp_pat
     store = f"file://{tmp_path / 'store'}"
     owners, nodes = ("rank-0", "rank-1", "rank-2"), ("n0", "n1", "n2")
     fts = [FaultTolerance(FTConfig(str(tmp_path / n), o, owners, nodes, store, "run", replicas=2, keep=2,
-                                   on_busy="wait", gate_timeout_s=30)) for o, n in zip(owners, nodes)]
+                                   on_busy="wait", gate_timeout_s=30, secret=SECRET)) for o, n in zip(owners, nodes)]
     try:
         models = []
         for ft in fts:
@@ -144,7 +149,7 @@ def test_a_lost_node_rebuilds_from_its_peers_and_the_gate_counts_holders(tmp_pat
         fts[1].close()
         shutil.rmtree(tmp_path / "n1")  # node n1 is gone, disk and all; its owner comes back elsewhere
         fts[1] = FaultTolerance(FTConfig(str(tmp_path / "n1-new"), "rank-1", owners, nodes, store, "run",
-                                         replicas=2, keep=2, on_busy="wait", gate_timeout_s=30))
+                                         replicas=2, keep=2, on_busy="wait", gate_timeout_s=30, secret=SECRET))
         assert fts[1].available() == [1]  # only its peers have it
         c = fts[1].restore(step=1)
         assert c is not None and c.step == 1 and c.source in ("rank-0", "rank-2")
@@ -186,7 +191,7 @@ def test_the_live_heal_state_is_verified_before_it_is_parsed(tmp_path):
 
 def test_restoring_an_older_step_drops_the_later_ones_and_their_durability(tmp_path):
     ft = FaultTolerance(FTConfig(str(tmp_path / "n0"), "rank-0", ("rank-0",), ("n0",), f"file://{tmp_path / 's'}",
-                                 "run", replicas=0, keep=3, on_busy="wait"))
+                                 "run", replicas=0, keep=3, on_busy="wait", secret=SECRET))
     try:
         m = torch.nn.Linear(4, 2)
         for s in (1, 2):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -143,3 +144,46 @@ def test_in_skip_mode_every_rank_skips_the_same_steps(data, tmp_path):
     assert steps[0][0] == STEPS  # the last step is always checkpointed
     skipped = json.loads(p.stdout)["checkpoints"]["skipped"]
     assert skipped == STEPS - len(steps[0]), (skipped, steps[0])
+
+
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _steps(out: Path) -> list[int]:
+    return [json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines()
+            if json.loads(ln)["kind"] == "step"]
+
+
+def test_a_poisoned_replica_costs_a_step_not_the_resume_and_a_new_run_id_is_refused(data, tmp_path):
+    """Issue 40: (A.11) at a clean end of a 2-rank job each rank's last checkpoint is on its holder (no rank closes
+    its replica server before the other's last push); (A.2) rank 1's disk is lost and its newest replica, on rank 0,
+    has one flipped bit: ``--resume`` agrees on the newest step every rank can actually load -- the step before --
+    and the run goes on; (A.6) the same checkpoint folder under another run id is refused, naming both ids, with
+    or without ``--resume``."""
+    from syncd.trainer.ft.checkpoint import list_steps, step_dir
+
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    first = subprocess.run(_argv(data, out, ckpt, "--steps", "6"), cwd=ROOT, env=ENV, capture_output=True, text=True,
+                           timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    for owner, holder in (("rank-0", "rank-1"), ("rank-1", "rank-0")):
+        assert list_steps(ckpt / holder / "held" / owner) == [6, 5], (owner, first.stderr[-3000:])
+
+    shutil.rmtree(ckpt / "rank-1")  # rank 1's node-local disk is gone ...
+    _flip(step_dir(ckpt / "rank-0" / "held" / "rank-1", 6) / "model.safetensors")  # ... its newest replica rotted
+    again = subprocess.run(_argv(data, out, ckpt, "--steps", "8", "--resume"), cwd=ROOT, env=ENV,
+                           capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "rank 0: resumed at step 5" in again.stderr and "rank 1: resumed at step 5" in again.stderr
+    assert "step 6 cannot be restored on every rank; trying an older step" in again.stderr
+    assert _steps(out) == list(range(1, 9))  # step 6 trained again, once
+
+    for extra in ((), ("--resume",)):
+        other = _argv(data, tmp_path / "other", ckpt, *extra)
+        other[other.index("--run-id") + 1] = "rs-new"
+        p = subprocess.run(other, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+        assert p.returncode == 2, p.stderr[-3000:]
+        assert "of run 'rs', not of this run 'rs-new'" in p.stderr, p.stderr[-3000:]
