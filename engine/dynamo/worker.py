@@ -19,8 +19,10 @@ replies HTTP 500 with
 system server fixes that shape; the exception class is kept in the message).
 
 Requests: see :mod:`syncd.engine.dynamo.protocol` -- per-request ``max_tokens``, stop tokens, temperature/top-k/
-top-p/seed; a request it refuses (an option the engine cannot honour, a malformed member) reaches the client
-as HTTP 400 with the reason; a prompt that already holds generated tokens (a migrated request) simply continues.
+top-p/seed; a request it refuses (an option the engine cannot honour, a malformed member, settings the engine
+cannot record replay with, replay asked of a worker without ``--replay-store``: :mod:`syncd.engine.dynamo.engines`)
+reaches the client as HTTP 400 with the reason; a prompt that already holds generated tokens (a migrated request)
+simply continues.
 Every chunk carries the engine's request id, token ids, log-probabilities and the weight version of each token in
 ``engine_data``. A client that goes away (the frontend stops the request) aborts the engine request.
 
@@ -37,9 +39,10 @@ weights. ``--weights-version V`` opts out: the folder's weights are run version 
 starts with its run; ``syncd serve`` restarts a worker without it). A worker on whom no node daemon took a lease
 within :data:`UNMANAGED_WARNING_S` of registering says so (WARNING). The ready file names the registered version.
 
-Engines: ``--engine reference`` (:class:`syncd.engine.reference.ReferenceEngine`), ``--engine vllm``
-(:class:`syncd.engine.vllm.VLLMEngine`, the ``vllm`` extra; run the worker in its own session and stop it by its
-process group: vLLM's engine-core and worker processes outlive a SIGKILLed parent) or ``MODULE:FACTORY``.
+Engines (:mod:`syncd.engine.dynamo.engines`): ``--engine reference`` (:class:`syncd.engine.reference.ReferenceEngine`),
+``--engine vllm`` (:class:`syncd.engine.vllm.VLLMEngine`, the ``vllm`` extra; run the worker in its own session and stop
+it by its process group: vLLM's engine-core and worker processes outlive a SIGKILLed parent) or ``MODULE:FACTORY``;
+with ``--replay-store`` either records every request.
 
 CLI: ``syncd-dynamo-worker --model DIR [--engine reference|vllm|MODULE:FACTORY] ...`` (or ``python -m
 syncd.engine.dynamo.worker``; ``--help``). A taken ``--system-port`` is refused (exit 2) before the model loads.
@@ -49,7 +52,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
 import json
 import logging
 import os
@@ -60,6 +62,7 @@ from pathlib import Path
 
 from syncd.cli_help import HelpFormatter
 from syncd.engine.dynamo import protocol
+from syncd.engine.dynamo.engines import build_engine, check_replay
 from syncd.engine.dynamo.procs import MAX_SYSTEM_PORT
 from syncd.procs import port_taken
 from syncd.engine.dynamo.settings import DynamoSettings, add_arguments, from_args
@@ -134,6 +137,7 @@ class DynamoWorker:
             return
         try:
             greq = protocol.to_generation_request(request, rid, default_max_tokens=self.default_max_tokens)
+            check_replay(self.engine, request, greq)
         except ValueError as exc:  # BadRequest, UnsupportedRequest: the reason goes back to the client
             log.warning("request %s refused: %s", rid, exc)
             raise _refusal(exc) from None
@@ -288,57 +292,6 @@ def _refusal(exc: ValueError) -> Exception:
     return InvalidArgument(str(exc))
 
 
-# ---------------------------------------------------------------------------------------------- engines
-
-
-def _reference_engine(args):
-    """The reference engine on ``args.model`` (its weights are version ``args.weights_version``)."""
-    from syncd.engine.reference import ReferenceEngine
-
-    recorder = None
-    if args.replay_store:
-        from syncd.engine.replay import ReplayRecorder
-
-        if not args.run_id:
-            raise ValueError("--replay-store needs --run-id")
-        recorder = ReplayRecorder(args.replay_store, args.run_id, kept_tolerance=args.replay_kept_tolerance)
-    return ReferenceEngine.from_pretrained(args.model, version=args.weights_version, max_batch=args.max_batch,
-                                           recorder=recorder)
-
-
-def _vllm_engine(args):
-    """vLLM (:class:`syncd.engine.vllm.VLLMEngine`) on ``args.model``; its weights are version ``args.weights_version``."""
-    if args.replay_store:
-        raise ValueError("--replay-store with --engine vllm: vLLM returns kept sets and routes only with Model "
-                         "Runner V2 (a GPU); syncd.engine.vllm.replay maps them, the worker does not record them yet")
-    from syncd.engine.vllm import VLLMEngine
-
-    tp = args.tensor_parallel_size
-    return VLLMEngine(args.model, version=args.weights_version, max_num_seqs=args.max_batch,
-                      max_model_len=args.max_model_len,
-                      engine_kwargs={"tensor_parallel_size": tp} if tp > 1 else None)
-
-
-def build_engine(args):
-    """The engine ``--engine`` names: ``reference``, ``vllm``, or ``MODULE:FACTORY`` where ``FACTORY(args)``
-    returns an object implementing ``syncd.engines.Adapter`` and ``syncd.engines.Generator``. Raises ValueError/TypeError."""
-    spec = args.engine
-    if spec in ("reference", "vllm"):
-        factory = _reference_engine if spec == "reference" else _vllm_engine
-    else:
-        mod, sep, name = spec.partition(":")
-        if not sep or not mod or not name:
-            raise ValueError(f"--engine must be 'reference', 'vllm' or MODULE:FACTORY, got {spec!r}")
-        factory = getattr(importlib.import_module(mod), name)
-    engine = factory(args)
-    from syncd.engines.protocol import Adapter, Generator
-
-    missing = [p.__name__ for p in (Adapter, Generator) if not isinstance(engine, p)]
-    if missing:
-        raise TypeError(f"--engine {spec}: {type(engine).__name__} does not implement engine.{', '.join(missing)}")
-    return engine
-
-
 def _context_length(model_dir) -> int | None:
     try:
         return int(json.loads(Path(model_dir, "config.json").read_text()).get("max_position_embeddings") or 0) or None
@@ -367,6 +320,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--replay-kept-tolerance", type=float, default=None,
                    help="record kept sets the trainer can rebuild from its logits within this tolerance (scaled "
                         "logits; docs/replay-format.md); default: list every set")
+    p.add_argument("--replay-spill-dir", default=os.environ.get("SYNCD_REPLAY_SPILL_DIR"),
+                   help="keep replay records the store refuses in this folder until it takes them (a restarted "
+                        "worker writes what it finds there) [SYNCD_REPLAY_SPILL_DIR]")
     p.add_argument("--max-batch", type=int, default=8, help="requests running at once")
     p.add_argument("--max-model-len", type=int, default=None, help="vLLM's max_model_len (default: the model's)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM's tensor-parallel ranks (--engine vllm)")
