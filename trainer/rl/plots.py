@@ -1,5 +1,7 @@
 """The end-of-run picture of a thin-trainer run (matplotlib, Agg backend): reward over steps, the trainer/engine
-mismatch over steps, and each engine's weight version against the trainer's over wall time. Needs matplotlib
+mismatch over steps (the share of tokens whose IS ratio is outside [0.9, 1.1] on one axis, the KL estimate in nats
+on a twin axis), the staleness of the trained tokens in versions, and each engine's weight version against the
+trainer's over wall time: one unit per axis. Needs matplotlib
 (the ``bench`` and ``test`` extras); :func:`plot_run` raises ImportError naming it otherwise."""
 
 from __future__ import annotations
@@ -21,22 +23,28 @@ def plot_run(lines: list[dict], path, *, title: str = "syncd thin trainer", runs
     of other runs (a baseline) in the first panel. Returns the path."""
     plt = pyplot("plotting")
     t0 = min((ln["t"] for ln in lines), default=0.0)
-    fig, axes = plt.subplots(3, 1, figsize=(8, 10))
+    fig, axes = plt.subplots(4, 1, figsize=(8, 13))
     ax = axes[0]
     for label, ls in {"this run": lines, **(runs or {})}.items():
         s, r = _steps(ls, "reward_mean")
         ax.plot(s, r, marker=".", label=label)
-    s, sd = _steps(lines, "reward_std")
     ax.set(xlabel="step", ylabel="reward (group mean)", title=title, ylim=(-0.02, 1.02))
     ax.legend(loc="lower right")
     ax = axes[1]
-    for key, label in (("is_outside", "share of tokens with IS ratio outside [0.9, 1.1]"),
-                       ("kl_k3", "mismatch KL(mu || pi), k3"), ("staleness_mean", "staleness (versions behind)")):
-        s, v = _steps(lines, key)
-        ax.plot(s, v, marker=".", label=label)
-    ax.set(xlabel="step", ylabel="mismatch", yscale="symlog", title="trainer vs engine")
-    ax.legend(loc="upper right", fontsize=8)
+    s, v = _steps(lines, "is_outside")
+    ax.plot(s, v, marker=".", color="C0")
+    ax.set(xlabel="step", ylim=(-0.02, 1.02), title="trainer vs engine")
+    ax.set_ylabel("share of tokens, IS ratio outside [0.9, 1.1]", color="C0", fontsize=8)
+    kl = ax.twinx()
+    s, v = _steps(lines, "kl_k3")
+    kl.plot(s, v, marker=".", color="C1")
+    kl.set_yscale("symlog", linthresh=1e-6)
+    kl.set_ylabel("KL(mu || pi), k3 estimate (nats)", color="C1", fontsize=8)
     ax = axes[2]
+    s, v = _steps(lines, "staleness_mean")
+    ax.plot(s, v, marker=".", color="C2")
+    ax.set(xlabel="step", ylabel="staleness (versions behind)", title="staleness of the trained tokens")
+    ax = axes[3]
     pubs = [ln for ln in lines if ln.get("kind") == "publish"]
     if pubs:
         ax.step([p["t"] - t0 for p in pubs], [p["version"] for p in pubs], where="post", label="trainer (publish)",
