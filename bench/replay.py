@@ -29,6 +29,7 @@ costs, and what the records cost on the wire. Everything is measured in one run,
     python -m bench.replay                          # 3 models x 8 streams x 512 tokens; T=1024, V=151,936
     python -m bench.replay --rows 2048,8192         # the op at several T (the naive baseline where it fits)
     python -m bench.replay --preset tiny --plot replay.png
+    python -m bench.replay --engine vllm --json OUT  # vLLM beside the reference engine (bench/_replay_engines.py)
 """
 
 from __future__ import annotations
@@ -326,6 +327,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--mem-budget-gib", type=float, default=None,
                    help="memory the op benchmark may use (default: 70%% of MemAvailable)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engine", choices=("reference", "vllm"), default="reference",
+                   help="vllm: only the engines' mismatch table, vLLM beside the reference engine on the same streams "
+                        "and updates, with vLLM's recording cost (bench/_replay_engines.py; dense and moe)")
     output_flags(p, "replay")
     return p
 
@@ -350,6 +354,10 @@ def _available() -> int:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
+    if args.engine == "vllm":
+        from bench._replay_engines import main_with
+
+        return main_with(args, models_given=args.models != parser().get_default("models"))
     cfg = dict(PRESETS[args.preset])
     cfg.update({k: v for k, v in vars(args).items() if k in cfg and v is not None})
     models = [m for m in args.models.split(",") if m]
