@@ -33,9 +33,8 @@ import sys
 import time
 from pathlib import Path
 
-from syncd.app.commands import check_writable
 from syncd.app.demo_io import (Client, Display, delta_sizes, demo_keys, finish_work_dir, how_to_read,
-                               plot_timeline, published_versions, say, work_dir, write_summary)
+                               plot_timeline, published_versions, run_demo, say)
 from syncd.app.interrupts import Interrupts
 from syncd.cli_help import HelpFormatter
 
@@ -382,29 +381,10 @@ def run_main(args, p: argparse.ArgumentParser) -> int:
     if args.versions < 2 or args.every_k < 1 or args.workers < 1 or args.clients < 1:
         p.error("--versions >= 2, --every-k >= 1, --workers >= 1, --clients >= 1")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    try:  # before the work: an output that cannot be written is refused at once
-        for flag in ("--json", "--plot", "--dir"):
-            if getattr(args, flag[2:]):
-                check_writable(getattr(args, flag[2:]), flag, folder=flag == "--dir")
-    except ValueError as exc:
-        print(f"syncd demo --weights-only: {exc}", file=sys.stderr)
-        return 2
-    with Interrupts() as interrupts:
-        work = None
-        try:
-            work = work_dir(args, "syncd-demo-")
-            summary = run(args, work, interrupts)
-            print_summary(summary)
-            if args.json:
-                write_summary(summary, args.json)
-        except KeyboardInterrupt:
-            interrupts.stop_all()
-            if work is not None:
-                finish_work_dir(work, bool(args.dir or args.keep))
-            return interrupts.report()
-        except RuntimeError as exc:
-            print(exc, file=sys.stderr)
-            return 1
+    summary, status = run_demo(args, name="syncd demo --weights-only", prefix="syncd-demo-", run=run,
+                               print_summary=print_summary)
+    if summary is None:
+        return status
     ok = (summary["requests_lost"] == 0 and summary["engines_bit_exact"]
           and summary["final_version"] == args.versions - 1)
     return 0 if ok else 1

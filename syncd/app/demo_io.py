@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -49,6 +50,41 @@ def how_to_read(store: Path, run_id: str, public: Path, private: Path) -> str:
     return (f"the store is signed with the demo's Ed25519 key (public {public}, private {private}); read it with "
             f"`syncd ls --store {store} --run-id {run_id} --verify-key {public}` (the same --verify-key for "
             "syncd verify and syncd materialize)")
+
+
+def run_demo(args, *, name: str, prefix: str, run, print_summary, failures=(RuntimeError,)):
+    """The frame both demos run in: an output flag that cannot be written (``--json``, ``--plot``, ``--dir``) is
+    refused before the work; ``run(args, work, interrupts)`` runs in a work folder (``prefix``) with every child
+    stopped on Ctrl-C; its summary is printed (``print_summary``) and written to ``--json``. Returns
+    ``(summary, None)``, or ``(None, exit status)``: 2 for an output that cannot be written, 130 after Ctrl-C, 1 for
+    one of ``failures`` (its message printed after ``name``'s)."""
+    from syncd.app.commands import check_writable
+    from syncd.app.interrupts import Interrupts
+
+    try:
+        for flag in ("--json", "--plot", "--dir"):
+            if getattr(args, flag[2:]):
+                check_writable(getattr(args, flag[2:]), flag, folder=flag == "--dir")
+    except ValueError as exc:
+        print(f"{name}: {exc}", file=sys.stderr)
+        return None, 2
+    with Interrupts() as interrupts:
+        work = None
+        try:
+            work = work_dir(args, prefix)
+            summary = run(args, work, interrupts)
+            print_summary(summary)
+            if args.json:
+                write_summary(summary, args.json)
+            return summary, None
+        except KeyboardInterrupt:
+            interrupts.stop_all()
+            if work is not None:
+                finish_work_dir(work, bool(args.dir or args.keep))
+            return None, interrupts.report()
+        except failures as exc:
+            print(exc, file=sys.stderr)
+            return None, 1
 
 
 def work_dir(args, prefix: str) -> Path:

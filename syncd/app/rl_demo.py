@@ -35,9 +35,8 @@ import sys
 import time
 from pathlib import Path
 
-from syncd.app.commands import check_writable
 from syncd.app.demo_io import (delta_sizes, finish_work_dir, how_to_read, plot_timeline,
-                               published_versions, say, work_dir, write_summary)
+                               published_versions, run_demo, say)
 from syncd.app.interrupts import Interrupts
 from syncd.cli_help import HelpFormatter
 
@@ -312,29 +311,10 @@ def main(argv=None) -> int:
     if args.steps < 1 or args.nproc < 1 or args.workers < 1 or args.every_k < 1 or args.max_lag < 0:
         p.error("--steps, --nproc, --workers, --every-k must be >= 1 and --max-lag >= 0")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    try:  # before the work: an output that cannot be written is refused at once
-        for flag in ("--json", "--plot", "--dir"):
-            if getattr(args, flag[2:]):
-                check_writable(getattr(args, flag[2:]), flag, folder=flag == "--dir")
-    except ValueError as exc:
-        print(f"syncd demo: {exc}", file=sys.stderr)
-        return 2
-    with Interrupts() as interrupts:
-        work = None
-        try:
-            work = work_dir(args, "syncd-rl-demo-")
-            summary = run(args, work, interrupts)
-            print_summary(summary)
-            if args.json:
-                write_summary(summary, args.json)
-        except KeyboardInterrupt:
-            interrupts.stop_all()
-            if work is not None:
-                finish_work_dir(work, bool(args.dir or args.keep))
-            return interrupts.report()
-        except (RuntimeError, TimeoutError, OSError) as exc:
-            print(exc, file=sys.stderr)
-            return 1
+    summary, status = run_demo(args, name="syncd demo", prefix="syncd-rl-demo-", run=run,
+                               print_summary=print_summary, failures=(RuntimeError, TimeoutError, OSError))
+    if summary is None:
+        return status
     ok = summary["rollouts_lost"] == 0 and summary["engines_bit_exact"] and summary["final_version"] == \
         -(-args.steps // args.every_k) and summary["ranks_agree"] is not False
     return 0 if ok else 1
