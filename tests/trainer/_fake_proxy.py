@@ -10,24 +10,45 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
+class ProxyHandler(BaseHTTPRequestHandler):
+    """What the proxy stand-ins share: JSON replies (:meth:`_reply`), ``GET /v1/models`` listing
+    :meth:`model_ids`, no request log."""
+
+    def model_ids(self):
+        return ["tiny"]
+
+    def _reply(self, code, obj):
+        raw = json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def do_GET(self):
+        if self.path != "/v1/models":
+            return self._reply(404, {"error": "not found"})
+        self._reply(200, {"object": "list", "data": [{"id": m} for m in self.model_ids()]})
+
+    def log_message(self, *a):
+        pass
+
+
+def serve(handler: type[BaseHTTPRequestHandler]) -> tuple[ThreadingHTTPServer, str]:
+    """A threading server for ``handler`` on a free local port, serving in a daemon thread; (server, its URL)."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
 class FakeProxy:
     def __init__(self, status: int = 200, models=("tiny",)):
         self.status, self.models, self.finished, self.requests = status, list(models), {}, []
         outer = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def _reply(self, code, obj):
-                raw = json.dumps(obj).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(raw)))
-                self.end_headers()
-                self.wfile.write(raw)
-
-            def do_GET(self):
-                if self.path != "/v1/models":
-                    return self._reply(404, {"error": "not found"})
-                self._reply(200, {"object": "list", "data": [{"id": m} for m in outer.models]})
+        class Handler(ProxyHandler):
+            def model_ids(self):
+                return outer.models
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
@@ -42,12 +63,7 @@ class FakeProxy:
                 self._reply(200, {"key": f"runs/rl/trajectories/sb/{tid}.json", "trajectory_id": tid,
                                   "status": "complete", "written": True})
 
-            def log_message(self, *a):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.server, self.url = serve(Handler)
 
     def close(self) -> None:
         self.server.shutdown()

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import math
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from syncd.engine.proxy.record import Trajectory, Turn, now
 from syncd.engine.reference import ReferenceEngine
@@ -31,6 +30,7 @@ from syncd.engine.replay import ReplayRecorder
 from syncd.engines.protocol import GenerationRequest, SamplingParams
 from syncd.store import Store
 from syncd.versions import latest_version
+from tests.trainer._fake_proxy import ProxyHandler, serve
 
 
 class _Lying:
@@ -68,20 +68,7 @@ class RecordingStandIn:
         self._lock = threading.Lock()
         outer = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def _reply(self, code, obj):
-                raw = json.dumps(obj).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(raw)))
-                self.end_headers()
-                self.wfile.write(raw)
-
-            def do_GET(self):
-                if self.path != "/v1/models":
-                    return self._reply(404, {"error": "not found"})
-                self._reply(200, {"object": "list", "data": [{"id": "tiny"}]})
-
+        class Handler(ProxyHandler):
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
                 try:
@@ -91,12 +78,7 @@ class RecordingStandIn:
                 except Exception as exc:  # noqa: BLE001 -- the trainer sees an error status, as from a proxy
                     return self._reply(502, {"error": f"{type(exc).__name__}: {exc}"})
 
-            def log_message(self, *a):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.server, self.url = serve(Handler)
 
     def _engine(self) -> tuple[int, ReferenceEngine]:
         with self._lock:
