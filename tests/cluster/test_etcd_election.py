@@ -6,6 +6,7 @@ controller heartbeat of an older term than the newest a node has seen is refused
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 
@@ -39,6 +40,19 @@ def make_nodes(tmp_path, store, etcd, n):
             for r in range(n)]
 
 
+@contextlib.asynccontextmanager
+async def running_nodes(tmp_path, store, etcd, n):
+    """:func:`make_nodes`' ``n`` nodes, started, and stopped after."""
+    nodes = make_nodes(tmp_path, store, etcd, n)
+    for node in nodes:
+        await node.start()
+    try:
+        yield nodes
+    finally:
+        for node in nodes:
+            await node.stop()
+
+
 def events(tmp_path, rank, ev):
     with open(tmp_path / f"node{rank}.events") as fh:
         return [e for e in map(json.loads, fh) if e["ev"] == ev]
@@ -68,10 +82,7 @@ def test_one_controller_term_is_the_etcd_revision_and_a_takeover_raises_it(tmp_p
     store.mkdir()
 
     async def main():
-        nodes = make_nodes(tmp_path, store, etcd, 3)
-        for n in nodes:
-            await n.start()
-        try:
+        async with running_nodes(tmp_path, store, etcd, 3) as nodes:
             ctrl, term = await until(lambda: agreed(nodes), 10 * TTL, "one controller all nodes agree on")
             client = EtcdClient(etcd.url)
             kv, _ = await client.leader(key_prefix(RUN) + b"controller")
@@ -93,9 +104,6 @@ def test_one_controller_term_is_the_etcd_revision_and_a_takeover_raises_it(tmp_p
                         10 * TTL, "the stopped node out of the live set")
             for n in nodes:
                 assert not n.supervisor.died(), n.supervisor.health()
-        finally:
-            for n in nodes:
-                await n.stop()
 
     run(main())
 
@@ -105,10 +113,7 @@ def test_a_controller_cut_off_from_etcd_steps_down_before_another_leads(tmp_path
     store.mkdir()
 
     async def main():
-        nodes = make_nodes(tmp_path, store, etcd, 2)
-        for n in nodes:
-            await n.start()
-        try:
+        async with running_nodes(tmp_path, store, etcd, 2) as nodes:
             ctrl, term = await until(lambda: agreed(nodes), 10 * TTL, "a controller")
             cut = nodes[ctrl].heartbeats.election
             cut.client.endpoints = parse_endpoints(f"http://127.0.0.1:{free_port()}")  # etcd unreachable from it
@@ -121,9 +126,6 @@ def test_a_controller_cut_off_from_etcd_steps_down_before_another_leads(tmp_path
                 "the cut-off controller stopped acting before etcd let another lead")
             assert "TTL" in down[0]["why"]
             assert other.heartbeats.election.term > term
-        finally:
-            for n in nodes:
-                await n.stop()
 
     run(main())
 
@@ -136,10 +138,7 @@ def test_stale_plans_and_claims_are_refused(tmp_path, etcd, states):
     pub.close()
 
     async def main():
-        nodes = make_nodes(tmp_path, store, etcd, 3)
-        for n in nodes:
-            await n.start()
-        try:
+        async with running_nodes(tmp_path, store, etcd, 3) as nodes:
             ctrl, term = await until(lambda: agreed(nodes), 10 * TTL, "a controller")
             await until(lambda: all(n.delivered == v0 for n in nodes), 30, f"version {v0} everywhere")
             old_plan = nodes[ctrl].plans[v0]
@@ -165,9 +164,6 @@ def test_stale_plans_and_claims_are_refused(tmp_path, etcd, states):
             msg["plan"]["term"] = term2
             await follower.on_plan(ctrl2, msg)  # the same plan under the current term is taken
             assert follower.plans[v0].plan.term == term2 and follower.stats["stale_refused"] == before + 2
-        finally:
-            for n in nodes:
-                await n.stop()
 
     run(main())
 
@@ -185,10 +181,7 @@ def test_hostile_etcd_contents_and_replies_are_counted_not_followed(tmp_path, et
         await client.campaign(key_prefix(RUN) + b"controller", forged.id, b'{"rank": 0, "inc": "x", "mac": "00"}')
         await client.put(key_prefix(RUN) + b"members/000007", b'{"rank": 7, "host": "10.6.6.6", "port": 1}',
                          lease=forged.id)
-        nodes = make_nodes(tmp_path, store, etcd, 2)
-        for n in nodes:
-            await n.start()
-        try:
+        async with running_nodes(tmp_path, store, etcd, 2) as nodes:
             await until(lambda: all(n.summary()["live"] == [0, 1] for n in nodes), 10 * TTL, "both nodes live")
             await asyncio.sleep(2 * TTL)
             assert not any(n.is_controller for n in nodes) and all(n.summary()["controller"] is None for n in nodes)
@@ -197,28 +190,19 @@ def test_hostile_etcd_contents_and_replies_are_counted_not_followed(tmp_path, et
             await until(lambda: agreed(nodes), 10 * TTL, "a controller once the forged candidate is gone")
             for n in nodes:
                 assert not n.supervisor.died(), n.supervisor.health()
-        finally:
-            for n in nodes:
-                await n.stop()
 
     async def garbage():
         from tests.cluster.test_etcd_client import FakeEtcd, http
 
         async with FakeEtcd(http(b'{"ID": "1", "TTL": 1.5, "kvs": "x"}')) as fake:
             (tmp_path / "fake").mkdir()
-            nodes = make_nodes(tmp_path / "fake", store, fake, 2)
-            for n in nodes:
-                await n.start()
-            try:
+            async with running_nodes(tmp_path / "fake", store, fake, 2) as nodes:
                 await until(lambda: all(n.stats["failures"].get("etcd", 0) >= 3 for n in nodes), 10 * TTL,
                             "failed etcd calls counted")
                 assert not any(n.is_controller for n in nodes)
                 for n in nodes:
                     assert not n.supervisor.died(), n.supervisor.health()
                     assert events(tmp_path / "fake", n.rank, "etcd_error")
-            finally:
-                for n in nodes:
-                    await n.stop()
 
     run(main())
     run(garbage())
