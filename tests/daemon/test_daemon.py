@@ -75,6 +75,26 @@ class FaultyEngine:
         self.inner.rollback()
 
 
+def run_a_faulty_update(tmp_path, published, then, **faults):
+    """A daemon on one :class:`FaultyEngine` (``faults``) around a StateDictEngine: versions 0 and 1 published, the
+    engine at version 1, version 2 published; ``await then(inner, daemon)``, then the daemon stopped. Returns
+    ``(inner, daemon)``."""
+    published.publish(2)
+    inner = engine.StateDictEngine(published.zeros(), None)
+    d = make_daemon(tmp_path, published, {"e": FaultyEngine(inner, **faults)})
+
+    async def main():
+        task = asyncio.ensure_future(d.run())
+        await wait_until(lambda: inner.version == 1, "version 1")
+        await asyncio.to_thread(published.publish, 1)
+        await then(inner, d)
+        d.request_stop()
+        await task
+
+    asyncio.run(main())
+    return inner, d
+
+
 def test_rebuilds_follows_and_skips_ahead(tmp_path, published):
     published.publish(3)  # 0F 1 2
     engines = {f"e{i}": engine.StateDictEngine(published.zeros(), None) for i in range(2)}
@@ -121,23 +141,13 @@ def test_rebuilds_follows_and_skips_ahead(tmp_path, published):
 
 
 def test_checksum_mismatch_rolls_back_then_retries(tmp_path, published):
-    published.publish(2)
-    inner = engine.StateDictEngine(published.zeros(), None)
-    eng = FaultyEngine(inner, corrupt_after_apply=2)
-    d = make_daemon(tmp_path, published, {"e": eng})
-
-    async def main():
-        task = asyncio.ensure_future(d.run())
-        await wait_until(lambda: inner.version == 1, "version 1")
-        await asyncio.to_thread(published.publish, 1)
+    async def then(inner, d):
         await wait_until(lambda: ("rollback", 1) in inner.events, "the rollback")
         await wait_until(lambda: not inner.paused, "resume after the rollback")
         assert inner.version == 1  # serving the verified previous version
         await wait_until(lambda: inner.version == 2, "version 2 on the retry")
-        d.request_stop()
-        await task
 
-    asyncio.run(main())
+    inner, d = run_a_faulty_update(tmp_path, published, then, corrupt_after_apply=2)
     assert_same(inner.state_dict(), published.states[2])
     assert d.metrics.totals["failures:checksum"] == 1
     ops = [op for op, _ in inner.events]
@@ -146,20 +156,10 @@ def test_checksum_mismatch_rolls_back_then_retries(tmp_path, published):
 
 
 def test_rollback_failure_rebuilds_and_never_serves_bad_weights(tmp_path, published):
-    published.publish(2)
-    inner = engine.StateDictEngine(published.zeros(), None)
-    eng = FaultyEngine(inner, corrupt_after_apply=2, fail_rollback=True)
-    d = make_daemon(tmp_path, published, {"e": eng})
-
-    async def main():
-        task = asyncio.ensure_future(d.run())
-        await wait_until(lambda: inner.version == 1, "version 1")
-        await asyncio.to_thread(published.publish, 1)
+    async def then(inner, d):
         await wait_until(lambda: d.metrics.totals["rebuilds:e"] >= 2 and inner.version == 2, "the rebuild")
-        d.request_stop()
-        await task
 
-    asyncio.run(main())
+    inner, d = run_a_faulty_update(tmp_path, published, then, corrupt_after_apply=2, fail_rollback=True)
     assert_same(inner.state_dict(), published.states[2])
     ops = inner.events
     bad = next(i for i, (op, v) in enumerate(ops) if op == "apply" and v == 2)
@@ -169,23 +169,13 @@ def test_rollback_failure_rebuilds_and_never_serves_bad_weights(tmp_path, publis
 
 
 def test_apply_error_keeps_the_previous_version_serving(tmp_path, published):
-    published.publish(2)
-    inner = engine.StateDictEngine(published.zeros(), None)
-    eng = FaultyEngine(inner, fail_apply=2)
-    d = make_daemon(tmp_path, published, {"e": eng})
-
-    async def main():
-        task = asyncio.ensure_future(d.run())
-        await wait_until(lambda: inner.version == 1, "version 1")
-        await asyncio.to_thread(published.publish, 1)
+    async def then(inner, d):
         await wait_until(lambda: d.metrics.totals["failures:apply"] == 1, "the failed apply")
         await wait_until(lambda: not inner.paused, "resume on version 1")
         assert inner.version == 1
         await wait_until(lambda: inner.version == 2, "version 2 on the retry")
-        d.request_stop()
-        await task
 
-    asyncio.run(main())
+    inner, d = run_a_faulty_update(tmp_path, published, then, fail_apply=2)
     assert_same(inner.state_dict(), published.states[2])
 
 
