@@ -272,10 +272,10 @@ class Checkpointer:
                 self._failed(step, exc)
                 log.exception("%s: checkpoint of step %d failed", self.owner, step)
             finally:
-                self._copied.set()
                 with self._cond:
                     self._current, self._retrying = None, False
-                    if self._job is None:
+                    if self._job is None:  # else the next one's snapshot is not taken yet: before_update waits
+                        self._copied.set()
                         self._idle.set()
                     self._cond.notify_all()
 

@@ -297,3 +297,29 @@ def test_kill_9_while_writing_never_leaves_a_torn_checkpoint_to_load(tmp_path):
         w = c.model["w"]
         assert c.state == {"step": c.step} and bool((w == float(c.step)).all()), "a torn or mixed checkpoint loaded"
     assert newest_checkpoint(root) is not None
+
+
+def test_a_step_that_replaces_a_failed_write_is_snapshotted_before_the_weights_change(tmp_path):
+    """A write that failed is retried until a newer step replaces it; that newer step's snapshot must still hold
+    its own step boundary: ``before_update`` waits for it, however the failed one ended."""
+    root = tmp_path / "ckpt"
+    ck = Checkpointer(root, owner="rank-0", keep=1, on_busy="wait")
+    w = {"w": torch.zeros(16 << 20)}  # 64 MB: the snapshot takes a while
+    root.rename(tmp_path / "aside")
+    root.write_text("not a folder")  # every write fails, for real
+    ck.save(1, w, None, rng=False)
+    deadline = time.monotonic() + 60
+    while not ck.retrying:
+        assert time.monotonic() < deadline, "the failed write is not being retried"
+        time.sleep(0.01)
+    w["w"].fill_(2.0)
+    ck.save(2, w, None, rng=False)  # replaces step 1's retry
+    ck.before_update()
+    w["w"].fill_(3.0)  # the optimizer step right after
+    root.unlink()
+    (tmp_path / "aside").rename(root)
+    assert ck.flush(timeout=60)
+    ck.close()
+    c = newest_checkpoint(root, owner="rank-0")
+    assert c.step == 2 and bool((c.model["w"] == 2.0).all())
+    assert ck.stats.abandoned == 1 and ck.stats.retried == 1
