@@ -19,6 +19,9 @@ before any rank closes its replica server. A failed rank stops the job, which is
     python -m syncd.trainer.run ... --lighthouse http://HOST:PORT --replica-groups 3 --replica-group I \\
         --min-replicas 2 --checkpoint-dir /local/ckpt --out OUT       # for I = 0, 1, 2; restart a dead one as is
 
+(groups on several nodes: the same replica secret on each, ``SYNCD_REPLICA_SECRET_FILE``,
+:mod:`syncd.trainer.ft.replica_secret`; a group's own checkpoints of another run are refused, exit 2).
+
 Group 0 runs the live side and writes each step's plan to the store's plan log before anyone trains it; the
 others read it there (:class:`syncd.trainer.rl.plans.LoggedPlans`; with ``--plans`` every group reads the recorded
 plans). A group joins each step's quorum (one behind the others heals there from a live peer,
@@ -29,9 +32,10 @@ groups. A group that dies is restarted with the same command line (by whatever r
 newest checkpoint (local, else rebuilt from the replicas its peers hold), tells torchft its step, and joins; if
 the others went on without it, it heals to their step, and group 0 first accounts for the plans trained while it
 was away. A dead group 0 pauses the pipeline -- the others wait for the next plan -- but nobody restarts; the job
-never restarts as a whole. Each group writes ``OUT/group-<i>/ft.jsonl``: ``restored`` (step, source), one
-``attempt`` line per try of a step (``step``, ``committed``, ``participants``, ``rank``, ``loss``, ``healed``,
-``quorum_s``, ``step_s``), ``end``; group 0 also the live side's files there.
+never restarts as a whole, nor when the lighthouse restarts (the groups rejoin it). Each group writes
+``OUT/group-<i>/ft.jsonl``: ``restored`` (step, source), one ``attempt`` line per try of a step (``step``,
+``committed``, ``participants``, ``rank``, ``loss``, ``healed``, ``quorum_s``, ``step_s``), ``end``; group 0 also
+the live side's files there.
 """
 
 from __future__ import annotations
