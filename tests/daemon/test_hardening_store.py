@@ -22,12 +22,19 @@ def log_of(procs, name: str) -> str:
     return "\n".join(p[2].read_text(errors="replace") for p in procs.children if p[0] == name and p[2].exists())
 
 
-def test_case1_a_forged_nested_hint_does_not_stop_updates(tmp_path, procs, model_dir, run):
+def serving_version_1(tmp_path, procs, model_dir, run):
+    """Versions 0 and 1 published, a headless engine and a daemon (cache ``tmp_path/cache``) on it, the engine at
+    version 1: (the engine's URL, the cache)."""
     run.publish(2)
     _, url = procs.engine(model_dir, headless=True)
     cache = tmp_path / "cache"
     procs.daemon(run.root, cache, [url])
     procs.wait(lambda: engine_version(url) == 1, "version 1")
+    return url, cache
+
+
+def test_case1_a_forged_nested_hint_does_not_stop_updates(tmp_path, procs, model_dir, run):
+    url, cache = serving_version_1(tmp_path, procs, model_dir, run)
     write_atomic(run.hint_path(), NESTED_HINT)  # "[" * 4096: RecursionError in the old poller, which then died
     procs.wait(lambda: "latest.json hint is unusable" in log_of(procs, "daemon"),  # read as bad data, said so
                "the daemon to read the forged hint")
@@ -40,11 +47,7 @@ def test_case1_a_forged_nested_hint_does_not_stop_updates(tmp_path, procs, model
 
 
 def test_case2_far_future_garbage_does_not_freeze_the_daemon(tmp_path, procs, model_dir, run):
-    run.publish(2)
-    _, url = procs.engine(model_dir, headless=True)
-    cache = tmp_path / "cache"
-    procs.daemon(run.root, cache, [url])
-    procs.wait(lambda: engine_version(url) == 1, "version 1")
+    url, cache = serving_version_1(tmp_path, procs, model_dir, run)
     write_atomic(run.manifest_path(FAR_FUTURE), b"not a manifest")
     write_atomic(run.hint_path(), hint(FAR_FUTURE))
     procs.wait(lambda: metric(cache, 'syncd_rejected_versions_total{reason="manifest"}') >= 1,
