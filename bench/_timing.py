@@ -6,8 +6,10 @@ back, which move together when a neighbour takes the CPU.
   starts and before it stops, so device work is inside the measurement;
 * :func:`best_time`: the shortest of those (a bandwidth ceiling);
 * :func:`paired`: ``fn`` and a baseline back to back in each round: the median of ``fn`` and the median of the
-  per-round ratios baseline / ``fn``;
+  per-round ratios baseline / ``fn`` (:func:`paired_rounds`: every round's);
 * :func:`cuda_time`: median seconds between two CUDA events around ``fn`` (its host work included);
+* :func:`device_copy`: :func:`cuda_time` of a device copy of a tensor, the GPU benchmarks' yardstick
+  (:func:`have_cuda`: whether there is a GPU to time, said when not);
 * :func:`time_and_peak`: median seconds and the peak resident memory above the start (Linux ``/proc``);
 * :class:`Stopwatch`: elapsed seconds of the phases of a longer run (``lap()``).
 """
@@ -20,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["median_time", "times", "best_time", "paired", "cuda_time", "time_and_peak", "Stopwatch", "median"]
+__all__ = ["median_time", "times", "best_time", "paired", "paired_rounds", "cuda_time", "have_cuda", "device_copy", "time_and_peak", "Stopwatch", "median"]
 
 clock = time.perf_counter
 
@@ -63,10 +65,17 @@ def paired(fn: Callable[[], object], base: Callable[[], object], repeats: int, *
            warmup: int = 1) -> tuple[float, float]:
     """``(median seconds of fn, median over rounds of base seconds / fn seconds)``, ``base`` run right before
     ``fn`` in every round."""
+    ts, _, ratios = paired_rounds(fn, base, repeats, warmup=warmup)
+    return statistics.median(ts), statistics.median(ratios)
+
+
+def paired_rounds(fn: Callable[[], object], base: Callable[[], object], repeats: int, *,
+                  warmup: int = 0) -> tuple[list[float], list[float], list[float]]:
+    """:func:`paired`'s rounds, each: (seconds of ``fn``, seconds of ``base`` run right before it, base / fn)."""
     for _ in range(warmup):
         fn()
         base()
-    ts, ratios = [], []
+    ts, base_ts, ratios = [], [], []
     for _ in range(repeats):
         t0 = clock()
         base()
@@ -74,8 +83,9 @@ def paired(fn: Callable[[], object], base: Callable[[], object], repeats: int, *
         fn()
         t2 = clock()
         ts.append(t2 - t1)
+        base_ts.append(t1 - t0)
         ratios.append((t1 - t0) / (t2 - t1))
-    return statistics.median(ts), statistics.median(ratios)
+    return ts, base_ts, ratios
 
 
 def cuda_time(fn: Callable[[], object], repeats: int) -> float:
@@ -94,6 +104,23 @@ def cuda_time(fn: Callable[[], object], repeats: int) -> float:
         torch.cuda.synchronize()
         ts.append(a.elapsed_time(b) / 1e3)
     return statistics.median(ts)
+
+
+def have_cuda() -> bool:
+    """Whether a CUDA GPU is there to time; prints that there is nothing to time when not."""
+    import torch
+
+    if torch.cuda.is_available():
+        return True
+    print("no CUDA GPU: nothing to time")
+    return False
+
+
+def device_copy(x, repeats: int) -> tuple[float, float]:
+    """(median seconds, GB/s read + write) of a device copy of tensor ``x`` (:func:`cuda_time`)."""
+    nbytes = x.numel() * x.element_size()
+    copy_s = cuda_time(lambda: x.clone(), repeats)
+    return copy_s, 2 * nbytes / copy_s / 1e9
 
 
 def _rss() -> tuple[int, int]:

@@ -16,7 +16,7 @@ import sys
 import torch
 
 from bench._report import Row, finish, output_flags
-from bench._timing import cuda_time
+from bench._timing import cuda_time, device_copy, have_cuda
 from syncd.ops import available, checksum, delta
 
 
@@ -100,13 +100,11 @@ def rows(results: dict) -> list[Row]:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    if not torch.cuda.is_available():
-        print("no CUDA GPU: nothing to time")
+    if not have_cuda():
         return 1
     old, new = weight_delta(args.gib, args.density)
     nbytes = old.numel() * 2
-    copy_s = cuda_time(lambda: old.clone(), args.repeats)
-    copy_gbps = 2 * nbytes / copy_s / 1e9  # read + write
+    copy_s, copy_gbps = device_copy(old, args.repeats)  # read + write
     print(f"{torch.cuda.get_device_name()}: {args.gib:g} GiB bf16, density {args.density:g}; "
           f"device copy {copy_gbps:.0f} GB/s (read+write) is the yardstick")
     results = {"device": torch.cuda.get_device_name(), "bytes": nbytes, "density": args.density,

@@ -14,7 +14,7 @@ import sys
 import torch
 
 from bench._report import Row, finish, output_flags
-from bench._timing import cuda_time
+from bench._timing import cuda_time, device_copy, have_cuda
 from syncd.ops import available, nvfp4
 
 
@@ -69,15 +69,13 @@ def rows(results: dict) -> list[Row]:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    if not torch.cuda.is_available():
-        print("no CUDA GPU: nothing to time")
+    if not have_cuda():
         return 1
     n_rows = max(1, int(args.gib * (1 << 30)) // 2 // args.cols)
     g = torch.Generator(device="cuda").manual_seed(0)
     x = (torch.randn(n_rows, args.cols, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
     nbytes = x.numel() * 2
-    copy_s = cuda_time(lambda: x.clone(), args.repeats)
-    copy_gbps = 2 * nbytes / copy_s / 1e9
+    copy_s, copy_gbps = device_copy(x, args.repeats)  # read + write
     print(f"{torch.cuda.get_device_name()}: {n_rows}x{args.cols} bf16 ({nbytes / 2**30:.2f} GiB); device copy "
           f"{copy_gbps:.0f} GB/s (read+write) is the yardstick")
     want = nvfp4.quantize(x.cpu(), backend="cpu")

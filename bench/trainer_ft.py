@@ -36,7 +36,7 @@ from pathlib import Path
 from bench._plot import pyplot, save
 from bench._report import Row, finish, output_flags
 from bench.ft_goodput import bench_goodput
-from bench._timing import clock, median
+from bench._timing import clock, median, paired_rounds
 
 __all__ = ["main"]
 
@@ -188,16 +188,7 @@ def bench_rebuild(args, work: Path) -> dict:
                 files[name] = memoryview(buf)
             parse_checkpoint(Bundle(m, files, raw), "object store").apply(fresh, fresh_opt)
 
-        peer, obj, ratios = [], [], []
-        for _ in range(args.rounds):
-            t0 = clock()
-            from_store()
-            t1 = clock()
-            from_peer()
-            t2 = clock()
-            obj.append(t1 - t0)
-            peer.append(t2 - t1)
-            ratios.append((t1 - t0) / (t2 - t1))
+        peer, obj, ratios = paired_rounds(from_peer, from_store, args.rounds)
         same = all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
     finally:
         server.stdin.close()
