@@ -9,16 +9,18 @@ it stay)."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import shutil
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
-__all__ = ["Client", "Display", "write_summary", "published_versions", "delta_sizes", "plot_timeline", "say",
+from syncd import http_client
+
+__all__ = ["Client", "Display", "write_summary", "published_versions", "delta_sizes", "plot_timeline", "say", "run_demo",
            "demo_keys", "how_to_read", "work_dir", "finish_work_dir"]
 
 
@@ -149,14 +151,17 @@ class Client:
                                "max_tokens": self.max_tokens, "temperature": 0.8, "seed": n}).encode()
             finish, versions, count = None, {}, 0
             try:
-                req = urllib.request.Request(url + "/generate", data=body, method="POST")
-                with urllib.request.urlopen(req, timeout=120) as resp:
-                    for line in resp:
+                conn = http_client.connect(url, timeout_s=120)
+                try:
+                    conn.request("POST", "/generate", body=body, headers={"Content-Type": "application/json"})
+                    for line in conn.getresponse():
                         ev = json.loads(line)
                         count += 1
                         versions[ev["version"]] = versions.get(ev["version"], 0) + 1
                         finish = ev["finish_reason"]
-            except (OSError, ValueError) as exc:
+                finally:
+                    conn.close()
+            except (OSError, ValueError, http.client.HTTPException) as exc:
                 with self._lock:
                     self.errors.append(f"{url}: {exc}")
             with self._lock:

@@ -40,8 +40,6 @@ threads (one call at a time per worker).
 from __future__ import annotations
 
 import hashlib
-import http.client
-import json
 import logging
 import secrets
 import threading
@@ -49,8 +47,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Callable
-from urllib.parse import urlsplit
 
+from syncd import http_client
 from syncd.errors import ObjectNotFound
 from syncd.store import Store
 from syncd.supervise import Failures
@@ -92,21 +90,12 @@ class Sampling:
 
 def _http(url: str, method: str, path: str, body: dict | None = None, headers: dict | None = None,
           timeout_s: float = 30.0) -> tuple[int, object]:
-    u = urlsplit(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout_s)
+    """One JSON exchange with the proxy (syncd.http_client): ``(status, reply)``; ProxyError when unreachable."""
     try:
-        conn.request(method, path, body=None if body is None else json.dumps(body),
-                     headers={"Content-Type": "application/json", **(headers or {})})
-        resp = conn.getresponse()
-        raw = resp.read()
-        try:
-            return resp.status, json.loads(raw) if raw else None
-        except ValueError:
-            return resp.status, raw[:300].decode("utf-8", "replace")
-    except OSError as exc:
+        return http_client.request_json(method, url, path, body, headers=headers, connect_timeout_s=timeout_s,
+                                        timeout_s=timeout_s)
+    except (http_client.Unreachable, http_client.ReplyTooLarge, ValueError) as exc:
         raise ProxyError(f"{url}{path}: {type(exc).__name__}: {exc}") from None
-    finally:
-        conn.close()
 
 
 def proxy_models(url: str, timeout_s: float = 10.0) -> list[str]:
