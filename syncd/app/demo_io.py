@@ -20,7 +20,8 @@ from pathlib import Path
 
 from syncd import http_client
 
-__all__ = ["Client", "Display", "write_summary", "published_versions", "delta_sizes", "plot_timeline", "say", "run_demo",
+__all__ = ["Client", "Display", "write_summary", "published_versions", "delta_sizes", "plot_timeline", "say",
+           "run_demo",
            "demo_keys", "how_to_read", "work_dir", "finish_work_dir"]
 
 
