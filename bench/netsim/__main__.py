@@ -1,5 +1,6 @@
-"""``python -m bench.netsim s3serve ROOT [--host H] [--port P] [--bucket B] [--log PATH] [--ready PATH]``: serve a
-file store directory as a read-only S3 bucket (:class:`bench.netsim.s3.S3FileServer`)."""
+"""``python -m bench.netsim s3serve ROOT [--host H] [--port P] [--bucket B] [--log PATH] [--ready PATH]
+[--writable]``: serve a file store directory as an S3 bucket, read-only unless ``--writable``
+(:class:`bench.netsim.s3.S3FileServer`)."""
 
 from __future__ import annotations
 
@@ -16,15 +17,16 @@ from bench.netsim.s3 import S3FileServer
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.netsim")
     sub = p.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("s3serve", help="serve a file store directory as a read-only S3 bucket")
+    s = sub.add_parser("s3serve", help="serve a file store directory as an S3 bucket")
     s.add_argument("root")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=0)
     s.add_argument("--bucket", default="simstore")
     s.add_argument("--log", default=None, help="append a JSON line per object body sent")
     s.add_argument("--ready", default=None, help="write the bound port here once listening")
+    s.add_argument("--writable", action="store_true", help="accept PUT and DELETE (a publisher writes here)")
     a = p.parse_args(argv)
-    srv = S3FileServer(a.root, a.host, a.port, bucket=a.bucket, log_path=a.log)
+    srv = S3FileServer(a.root, a.host, a.port, bucket=a.bucket, log_path=a.log, writable=a.writable)
     if a.ready:
         tmp = a.ready + ".tmp"
         Path(tmp).write_text(str(srv.server_address[1]))

@@ -91,11 +91,15 @@ class Netns:
             _run("ip", "-n", self.switch, "link", "set", f"p{i}", "master", "br0")
             _run("ip", "-n", self.switch, "link", "set", f"p{i}", "up")
 
-    def shape(self, host: str, rate_bps: float, *, up: bool = True, down: bool = True) -> None:
-        """A ``tbf`` of ``rate_bps`` bits/s on the host's upload and/or download."""
+    def shape(self, host: str, rate_bps: float, *, up: bool = True, down: bool = True,
+              burst_bytes: int | None = None, queue_ms: int = 200) -> None:
+        """A ``tbf`` of ``rate_bps`` bits/s on the host's upload and/or download. ``burst_bytes``: what the link
+        sends at once after an idle moment (default: one 64 KiB GSO packet or 10 ms of traffic, whichever is more;
+        a smaller one -- down to a few packets -- keeps short transfers at the link's rate, and ``tbf`` splits
+        bigger GSO packets). ``queue_ms``: the longest a packet waits in the link's queue before it is dropped."""
         rate = int(rate_bps)
-        burst = max(64 << 10, rate // 8 // 100)  # >= one GSO packet, ~10 ms of traffic
-        spec = ["root", "tbf", "rate", f"{rate}bit", "burst", str(burst), "latency", "200ms"]
+        burst = burst_bytes if burst_bytes is not None else max(64 << 10, rate // 8 // 100)
+        spec = ["root", "handle", "1:", "tbf", "rate", f"{rate}bit", "burst", str(burst), "latency", f"{queue_ms}ms"]
         i = self.names.index(host)
         if up:
             _run("ip", "netns", "exec", self.ns(host), "tc", "qdisc", "replace", "dev", "eth0", *spec)

@@ -1,7 +1,10 @@
-"""A read-only S3 endpoint over a ``file://`` store directory (:class:`S3FileServer`, ``python -m bench.netsim
+"""An S3 endpoint over a ``file://`` store directory (:class:`S3FileServer`, ``python -m bench.netsim
 s3serve``): path-style GET with ranges, HEAD, conditional GET, ListObjectsV2; it logs the bytes of every object
-it sends -- the store reads that crossed the long link, counted at the store (:func:`read_store_log`). Each
-request is handled on its own thread.
+it sends -- the store reads that crossed the long link, counted at the store (:func:`read_store_log`). Read-only
+unless made ``writable``: then single-request PUT (``If-None-Match: *`` for create-if-absent, 412 when the key
+exists) and DELETE too, so a publisher can write to it over a shaped link; multipart uploads are refused (501:
+give the writer's ``Store`` a ``part_bytes`` above its largest object). Writes are atomic (a hidden temporary
+file renamed or linked into place) and not logged. Each request is handled on its own thread.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
-from xml.sax.saxutils import escape
+from xml.sax.saxutils import escape, unescape
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +29,7 @@ __all__ = ["S3FileServer", "read_store_log", "s3_env"]
 
 class _S3Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers then sendfile: no 40 ms wait for the reader's delayed ACK
     server: "S3FileServer"
 
     def log_message(self, fmt, *args):  # quiet
@@ -36,7 +40,7 @@ class _S3Handler(BaseHTTPRequestHandler):
         segs = unquote(parts.path).lstrip("/").split("/", 1)
         bucket = segs[0]
         key = segs[1] if len(segs) > 1 else ""
-        return bucket, key, parse_qs(parts.query)
+        return bucket, key, parse_qs(parts.query, keep_blank_values=True)
 
     def _file(self, key: str) -> Path | None:
         if not key or ".." in key.split("/") or key.startswith("/"):
@@ -54,6 +58,9 @@ class _S3Handler(BaseHTTPRequestHandler):
         self.send_response(code)
         self.send_header("Content-Type", "application/xml")
         self.send_header("Content-Length", str(len(body)))
+        if self.command in ("PUT", "POST"):  # a request body we may not have read: no reuse of the connection
+            self.send_header("Connection", "close")
+            self.close_connection = True
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(body)
@@ -62,10 +69,65 @@ class _S3Handler(BaseHTTPRequestHandler):
         self.do_GET()
 
     def do_PUT(self):
-        self._error(403, "AccessDenied")
+        bucket, key, q = self._path()
+        if not self.server.writable:
+            return self._error(403, "AccessDenied")
+        if bucket != self.server.bucket:
+            return self._error(404, "NoSuchBucket")
+        if "uploadId" in q or "partNumber" in q:
+            return self._error(501, "NotImplemented")
+        dest = self._target(key)
+        if dest is None:
+            return self._error(400, "InvalidArgument")
+        n = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(n) if n else b""
+        if len(body) != n:
+            return self._error(400, "IncompleteBody")
+        create = self.headers.get("If-None-Match", "").strip() == "*"
+        if not self.server.write(dest, body, create=create):
+            return self._error(412, "PreconditionFailed")
+        self.send_response(200)
+        self.send_header("ETag", self._etag(dest.stat()))
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def do_POST(self):
+        """DeleteObjects (``POST /bucket?delete``); multipart uploads are not implemented (501)."""
+        bucket, _, q = self._path()
+        if not self.server.writable:
+            return self._error(403, "AccessDenied")
+        if bucket != self.server.bucket or "delete" not in q:
+            return self._error(501, "NotImplemented")
+        n = int(self.headers.get("Content-Length") or 0)
+        keys = [unescape(k) for k in re.findall(r"<Key>(.*?)</Key>", self.rfile.read(n).decode())]
+        for key in keys:
+            dest = self._target(key)
+            if dest is not None:
+                dest.unlink(missing_ok=True)
+        body = ('<?xml version="1.0" encoding="UTF-8"?><DeleteResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
+                + "".join(f"<Deleted><Key>{escape(k)}</Key></Deleted>" for k in keys) + "</DeleteResult>").encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/xml")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
 
     def do_DELETE(self):
-        self._error(403, "AccessDenied")
+        bucket, key, _ = self._path()
+        if not self.server.writable:
+            return self._error(403, "AccessDenied")
+        dest = self._target(key) if bucket == self.server.bucket else None
+        if dest is not None:
+            dest.unlink(missing_ok=True)
+        self.send_response(204)
+        self.end_headers()
+
+    def _target(self, key: str) -> Path | None:
+        """Where object ``key`` is written: under the root, no ``..``, no hidden path part."""
+        parts = key.split("/")
+        if not key or key.startswith("/") or any(p in ("", ".", "..") or p.startswith(".") for p in parts):
+            return None
+        return self.server.root.joinpath(*parts)
 
     def do_GET(self):
         bucket, key, q = self._path()
@@ -157,15 +219,34 @@ class S3FileServer(ThreadingHTTPServer):
     """Serves directory ``root`` as bucket ``bucket`` on ``(host, port)``. Every object body sent is
     appended to ``log_path`` as ``{"key", "bytes", "peer", "t"}`` (a JSON line) when given; ``bytes`` counts
     what was handed to the kernel, also when the reader went away before the end (then some of it may never
-    have left this host); ``peer`` is the reader's address."""
+    have left this host); ``peer`` is the reader's address. ``writable``: accept PUT and DELETE (see the
+    module docstring)."""
 
     daemon_threads = True
 
-    def __init__(self, root, host: str, port: int, *, bucket: str = "simstore", log_path=None):
-        self.root, self.bucket = Path(root).resolve(), bucket
+    def __init__(self, root, host: str, port: int, *, bucket: str = "simstore", log_path=None,
+                 writable: bool = False):
+        self.root, self.bucket, self.writable = Path(root).resolve(), bucket, writable
         self._log = open(log_path, "a", buffering=1) if log_path else None
         self._lock = threading.Lock()
         super().__init__((host, port), _S3Handler)
+
+    def write(self, dest: Path, body: bytes, *, create: bool) -> bool:
+        """Put ``body`` at ``dest`` atomically; with ``create`` only if nothing is there (False then)."""
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.parent / f".put-{os.getpid()}-{threading.get_ident()}-{time.monotonic_ns()}"
+        tmp.write_bytes(body)
+        try:
+            if not create:
+                os.replace(tmp, dest)
+                return True
+            try:
+                os.link(tmp, dest)  # fails if dest exists: create-if-absent without a race
+            except FileExistsError:
+                return False
+            return True
+        finally:
+            tmp.unlink(missing_ok=True)
 
     def handle_error(self, request, client_address) -> None:
         if isinstance(sys.exc_info()[1], ConnectionError):  # a reader killed mid-request: not a server error
