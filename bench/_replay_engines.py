@@ -298,6 +298,9 @@ def _throughput(eng, cfg: dict, rounds: int = 2) -> dict:
     out = {label: {"tokens": tokens[label], "tokens_per_s": statistics.median(r), "rounds": r}
            for label, r in rates.items()}
     out["ratio"] = out["on"]["tokens_per_s"] / out["off"]["tokens_per_s"]
+    w = eng.flush_replay()  # the worker's own account: seconds in the processor and the tap, per sampling step
+    out["worker"] = dict(w, processor_ms_per_step=1e3 * w["processor_s"] / max(w["processor_calls"], 1),
+                         record_ms_per_step=1e3 * w["record_s"] / max(w["processor_calls"], 1))
     return out
 
 
@@ -340,7 +343,9 @@ def print_rows(results: dict) -> None:
                   f"{r['is_outside_frac']:>8.4f} {r['max_abs_dlogp']:>11.3e} {rd:>8} {r['kept_mass_gap']:>9.4f}")
         s = m["recording"]
         print(f"  {m['model']}: vLLM {s['off']['tokens_per_s']:.1f} tokens/s with recording off, "
-              f"{s['on']['tokens_per_s']:.1f} with (ratio {s['ratio']:.3f}); bytes per token: "
+              f"{s['on']['tokens_per_s']:.1f} with (ratio {s['ratio']:.3f}; the processor "
+              f"{s['worker']['processor_ms_per_step']:.2f} ms and the tap {s['worker']['record_ms_per_step']:.2f} ms "
+              "per step); bytes per token: "
               + ", ".join(f"{k} {b['bytes_per_token']:.1f}" for k, b in m["bytes"].items()))
 
 

@@ -38,6 +38,9 @@ MoE model, its prefix cache (a cached position is never run, so it would have no
 token's log-probability under the distribution it was sampled from (vLLM's ``processed_logprobs``; 0 for a
 greedy replay request), as its record holds it.
 
+On CPU a seeded request whose prefill vLLM chunks would end the engine (vLLM 0.32 rewinds its generator, which a
+CPU generator cannot do): :mod:`syncd.engine.vllm.cpu_seeded_chunks` works around it in every worker.
+
 A process killed with SIGKILL leaves the others running: run a serving process in its own session and kill its
 group (``syncd.procs`` does).
 """
@@ -132,6 +135,8 @@ class VLLMEngine:
             self.llm = self._run(self._start(args), start_timeout)
             self._run(self._init(version), start_timeout)
             self._specs = ranks.merge_specs([[self._spec(d) for d in r] for r in self._rpc_sync("syncd_specs")])
+            if _on_cpu():
+                self._rpc_sync("syncd_seeded_chunks_fix")
             if replay is not None:
                 self.writer = self._rpc_sync("syncd_replay_start", **asdict(replay))[0]["writer"]
         except BaseException:

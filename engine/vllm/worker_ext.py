@@ -268,6 +268,13 @@ class SyncdWorkerExtension:
     def syncd_version(self):
         return self._syncd().updater.version
 
+    def syncd_seeded_chunks_fix(self) -> bool:
+        """Install :mod:`syncd.engine.vllm.cpu_seeded_chunks` (CPU: a seeded request's chunked prefill would kill
+        the engine); whether it was installed now."""
+        from syncd.engine.vllm.cpu_seeded_chunks import install
+
+        return install(self.model_runner)
+
     # -- replay records (syncd.engine.vllm.recording) ------------------------------------------------------------
 
     def syncd_replay_start(self, store: str, run_id: str, kept_tolerance=None, chunk_tokens: int = 1024,

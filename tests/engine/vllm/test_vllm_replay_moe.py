@@ -64,11 +64,11 @@ def _kept_ok(recs, logits, sp):
 
 def test_routes_replay_with_chunked_prefill_and_preemption(setup):
     eng, trainer, store = setup
-    # no seed: vLLM 0.32 on CPU fails a seeded request whose prefill is chunked (its discarded sample rewinds the
-    # request's generator, which a CPU generator cannot do: "CPU Generator does not use offset")
-    sp = SamplingParams(max_tokens=120, temperature=1.0, top_p=0.9, top_k=30)
+    # seeded, as the Dynamo worker seeds every request: vLLM 0.32 alone would die on the chunked prompt (see
+    # syncd.engine.vllm.cpu_seeded_chunks)
     prompts = [tuple((5 * i + 3 * j) % 250 + 1 for j in range(150 if i == 0 else 40)) for i in range(4)]
-    reqs = [GenerationRequest(f"moe{i}", p, sp) for i, p in enumerate(prompts)]
+    reqs = [GenerationRequest(f"moe{i}", p, SamplingParams(max_tokens=120, temperature=1.0, top_p=0.9, top_k=30,
+                                                           seed=i)) for i, p in enumerate(prompts)]
 
     async def run():
         async def one(r):
@@ -96,7 +96,7 @@ def test_routes_of_a_request_spanning_an_update(setup):
     new = trainer.step()
     eng.stage(trainer.update(new))
     req = GenerationRequest("moe-span", tuple((7 * j) % 250 + 2 for j in range(70)),
-                            SamplingParams(max_tokens=60, temperature=0.8, top_p=0.8))  # unseeded: chunked
+                            SamplingParams(max_tokens=60, temperature=0.8, top_p=0.8, seed=11))
 
     async def run():
         evs = []
