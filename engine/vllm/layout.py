@@ -12,6 +12,9 @@ vLLM parameter (rank ``r`` of ``W``)             trainer tensors                
 ``...mlp.experts.routed_experts.w13_weight``     ``...mlp.experts.gate_up_proj``       ``[E, 2I, H]``: gate then
                                                  (transformers 5 fuses the experts)    up rows of the rank (dim 1)
 ``...mlp.experts.routed_experts.w2_weight``      ``...mlp.experts.down_proj``          ``[E, H, I]``: dim 2
+(expert parallel: ``expert_parallel=True``)      the same                              the rank's experts (dim 0),
+                                                                                       whole; vLLM's linear
+                                                                                       placement
 ``model.embed_tokens.weight``, ``lm_head.weight``  same                                vocabulary rows (dim 0)
 everything else (norms, ``mlp.gate`` router)     same name, same shape                 1:1
 ===============================================  ====================================  =========================
@@ -19,7 +22,13 @@ everything else (norms, ``mlp.gate`` router)     same name, same shape          
 The specs describe the *logical* layout (what vLLM's loader writes before its CPU backend repacks weights for
 its kernels): ``syncd.engine.vllm.worker_ext`` keeps those tensors and rebuilds the packed copies after each write.
 Padded layouts (a vocabulary or MoE intermediate size vLLM pads for its kernels) have no exact tiling and are
-refused with ``ValueError``, as is a parameter this table does not know. Pure functions; thread-safe.
+refused with ``ValueError``, as is a parameter this table does not know.
+
+Expert parallelism (vLLM's ``enable_expert_parallel``, experts split across the ``W`` ranks instead of sliced): rank
+``r`` holds ``E // W`` experts (one more on the first ``E % W`` ranks) from ``r * (E // W) + min(r, E % W)`` on,
+whole (vLLM's default ``linear`` placement; ``round_robin`` strides the experts, which a piece cannot describe, and
+is refused by the worker). Attention, dense MLPs and the vocabulary stay tensor-parallel. Pure functions;
+thread-safe.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ import torch
 
 from syncd.engines.params import ParamPiece, ParamSpec, check_spec
 
-__all__ = ["ModelShape", "vllm_specs", "trainer_name"]
+__all__ = ["ModelShape", "vllm_specs", "trainer_name", "expert_slice"]
 
 _QKV = re.compile(r"^(?P<pre>.*\.self_attn)\.qkv_proj\.(?P<kind>weight|bias)$")
 _GATE_UP = re.compile(r"^(?P<pre>.*\.mlp)\.gate_up_proj\.weight$")
@@ -53,6 +62,7 @@ class ModelShape:
     vocab: int
     intermediate: int = 0
     moe_intermediate: int = 0
+    num_experts: int = 0
 
     @classmethod
     def from_config(cls, cfg) -> "ModelShape":
@@ -60,7 +70,8 @@ class ModelShape:
         heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         return cls(heads, getattr(cfg, "num_key_value_heads", heads), head_dim, cfg.hidden_size, cfg.vocab_size,
-                   getattr(cfg, "intermediate_size", 0) or 0, getattr(cfg, "moe_intermediate_size", 0) or 0)
+                   getattr(cfg, "intermediate_size", 0) or 0, getattr(cfg, "moe_intermediate_size", 0) or 0,
+                   getattr(cfg, "num_experts", 0) or 0)
 
 
 def trainer_name(vllm_name: str) -> str:
@@ -77,10 +88,19 @@ def _split(n: int, world: int, what: str) -> int:
     return n // world
 
 
+def expert_slice(num_experts: int, rank: int, world_size: int) -> tuple[int, int]:
+    """``(first, count)``: the experts rank ``rank`` of ``world_size`` holds under expert parallelism (vLLM's linear
+    placement: evenly, the first ``num_experts % world_size`` ranks one more)."""
+    base, rem = divmod(num_experts, world_size)
+    return rank * base + min(rank, rem), base + (1 if rank < rem else 0)
+
+
 def vllm_specs(params: Iterable[tuple[str, Sequence[int]]], shape: ModelShape, *, rank: int = 0,
-               world_size: int = 1, dtype: torch.dtype = torch.bfloat16, device: str = "cpu") -> list[ParamSpec]:
+               world_size: int = 1, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
+               expert_parallel: bool = False) -> list[ParamSpec]:
     """The ParamSpecs of vLLM parameters ``params`` (``(name, local shape)`` pairs, as the worker's model has
-    them) of tensor-parallel rank ``rank`` of ``world_size``, in the trainer's names (module docstring).
+    them) of tensor-parallel rank ``rank`` of ``world_size`` (``expert_parallel``: the experts split across the
+    ranks, not sliced), in the trainer's names (module docstring).
     ``dtype``: the words the trainer publishes (bf16). Each spec is checked to tile its local shape; a
     parameter whose local shape does not fit the config raises ``ValueError`` naming it."""
     if not 0 <= rank < world_size:
@@ -89,7 +109,7 @@ def vllm_specs(params: Iterable[tuple[str, Sequence[int]]], shape: ModelShape, *
     specs = []
     for name, local in params:
         local = tuple(int(x) for x in local)
-        pieces = _pieces(name, local, s, r, W)
+        pieces = _pieces(name, local, s, r, W, expert_parallel)
         spec = ParamSpec(name, dtype, local, device, pieces)
         try:
             check_spec(spec)
@@ -100,7 +120,7 @@ def vllm_specs(params: Iterable[tuple[str, Sequence[int]]], shape: ModelShape, *
     return specs
 
 
-def _pieces(name: str, local: tuple[int, ...], s: ModelShape, r: int, W: int) -> tuple[ParamPiece, ...]:
+def _pieces(name: str, local: tuple[int, ...], s: ModelShape, r: int, W: int, ep: bool) -> tuple[ParamPiece, ...]:
     m = _QKV.match(name)
     if m:
         pre, kind = m["pre"], m["kind"]
@@ -122,6 +142,11 @@ def _pieces(name: str, local: tuple[int, ...], s: ModelShape, r: int, W: int) ->
         return (ParamPiece(f"{m['pre']}.gate_proj.weight", (s.intermediate, s.hidden), 0, r * n, (r + 1) * n, 0),
                 ParamPiece(f"{m['pre']}.up_proj.weight", (s.intermediate, s.hidden), 0, r * n, (r + 1) * n, n))
     m = _EXPERTS.match(name)
+    if m and ep and W > 1:
+        E = s.num_experts or local[0] * W
+        first, count = expert_slice(E, r, W)
+        full = (E,) + local[1:]
+        return (ParamPiece(trainer_name(name), full, 0, first, first + count),)
     if m:
         src, E, n = trainer_name(name), local[0], _split(s.moe_intermediate, W, "MoE intermediate size")
         if m["which"] == "w13":

@@ -46,7 +46,7 @@ def _error(exc: BaseException) -> dict:
 class _WorkerState:
     """The syncd state of one worker: its updater over the model's parameters and the derived copies."""
 
-    def __init__(self, model, model_config, *, version, rank: int, world_size: int):
+    def __init__(self, model, model_config, *, version, rank: int, world_size: int, expert_parallel: bool = False):
         from syncd.engines.params import bf16_view_of_fp32
         from syncd.engines.updater import WeightUpdater
         from syncd.engine.vllm.layout import ModelShape, vllm_specs
@@ -62,7 +62,8 @@ class _WorkerState:
                              f"{params[bad[0]].dtype}")
         shape = ModelShape.from_config(model_config.hf_text_config)
         self.rank = rank
-        self.specs = vllm_specs([(n, p.shape) for n, p in params.items()], shape, rank=rank, world_size=world_size)
+        self.specs = vllm_specs([(n, p.shape) for n, p in params.items()], shape, rank=rank, world_size=world_size,
+                                expert_parallel=expert_parallel)
         self.derived = _Derived(model, params)
         tensors = {s.name: bf16_view_of_fp32(self.derived.tensor(s.name, params[s.name].data)) for s in self.specs}
         self.derive_s = 0.0  # how long the last refresh of the derived copies took
@@ -167,8 +168,15 @@ class SyncdWeightTransfer(WeightTransferEngine[SyncdInitInfo, SyncdUpdateInfo]):
         pc = self.vllm_config.parallel_config
         from vllm.distributed import get_tensor_model_parallel_rank
 
+        ep = bool(pc.enable_expert_parallel)
+        if ep and (pc.data_parallel_size != 1 or pc.expert_placement_strategy != "linear" or pc.enable_eplb):
+            raise ValueError("syncd maps expert parallelism with one data-parallel rank, vLLM's linear expert "
+                             f"placement and no EPLB (got data_parallel_size={pc.data_parallel_size}, "
+                             f"expert_placement_strategy={pc.expert_placement_strategy!r}, "
+                             f"enable_eplb={pc.enable_eplb})")
         self.state = _WorkerState(self.model, self.vllm_config.model_config, version=init_info.version,
-                                  rank=get_tensor_model_parallel_rank(), world_size=pc.tensor_parallel_size)
+                                  rank=get_tensor_model_parallel_rank(), world_size=pc.tensor_parallel_size,
+                                  expert_parallel=ep)
 
     def start_weight_update(self) -> None:
         self._need_state()

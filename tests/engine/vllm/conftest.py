@@ -53,22 +53,26 @@ def write_tiny(tmp_path_factory, arch: str, seed: int):
     return write_model(tmp_path_factory.mktemp(f"vllm-{arch}"), arch=arch, seed=seed, **SIZES)
 
 
-async def collect(eng, rid, prompt, **sp) -> list:
-    """Every TokenEvent of one request to ``eng`` with SamplingParams ``sp``."""
+async def collect(eng, rid, prompt, replay=None, **sp) -> list:
+    """Every TokenEvent of one request to ``eng`` with SamplingParams ``sp`` (``replay``: as ``VLLMEngine.generate``
+    takes it; None: the engine's default)."""
     from syncd.engines.protocol import GenerationRequest, SamplingParams
 
-    return [ev async for ev in eng.generate(GenerationRequest(rid, tuple(prompt), SamplingParams(**sp)))]
+    req = GenerationRequest(rid, tuple(prompt), SamplingParams(**sp))
+    return [ev async for ev in (eng.generate(req) if replay is None else eng.generate(req, replay=replay))]
 
 
 def matches_transformers(eng, trainer, version, prompt, n=10) -> float:
     """The largest difference between vLLM's logprobs of ``n`` greedy tokens after ``prompt`` (which must all
-    carry ``version``) and transformers' on the trainer's weights of ``version``, teacher-forced on vLLM's tokens."""
+    carry ``version``) and transformers' on the trainer's weights of ``version``, teacher-forced on vLLM's tokens
+    (a recording engine is asked without replay: a greedy replay token's log-prob is 0, its sampling
+    distribution's)."""
     import asyncio
 
     import torch
 
     evs = asyncio.run(collect(eng, f"check{version}-{len(prompt)}-{prompt[0]}", prompt, max_tokens=n,
-                              temperature=0.0))
+                              temperature=0.0, replay=False if getattr(eng, "replay", None) else None))
     assert {e.version for e in evs} == {version}
     seq = torch.tensor([prompt + [e.token_id for e in evs]])
     with torch.no_grad():

@@ -89,6 +89,28 @@ def test_moe_experts_map_onto_w13_and_w2(world):
             assert w13.pieces[0].dim is None and w2.pieces[0].dim is None  # 1:1: base checksums are checked
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_expert_parallel_ranks_hold_whole_experts(world):
+    """Expert parallelism: each rank holds whole experts, vLLM's linear placement (8 over 3 ranks: 3, 3, 2)."""
+    from syncd.engine.vllm.layout import expert_slice
+
+    cfg, hf = _hf("qwen3_moe")
+    shape = ModelShape.from_config(cfg)
+    assert shape.num_experts == 8
+    pre = "model.layers.0.mlp.experts"
+    gu, down = hf[f"{pre}.gate_up_proj"], hf[f"{pre}.down_proj"]
+    seen = []
+    for rank in range(world):
+        first, count = expert_slice(8, rank, world)
+        seen += list(range(first, first + count))
+        params = [(f"{pre}.routed_experts.w13_weight", (count,) + tuple(gu.shape[1:])),
+                  (f"{pre}.routed_experts.w2_weight", (count,) + tuple(down.shape[1:]))]
+        by = {s.name: s for s in vllm_specs(params, shape, rank=rank, world_size=world, expert_parallel=True)}
+        assert torch.equal(build_local(by[f"{pre}.routed_experts.w13_weight"], hf), gu[first:first + count])
+        assert torch.equal(build_local(by[f"{pre}.routed_experts.w2_weight"], hf), down[first:first + count])
+    assert seen == list(range(8)) and [expert_slice(8, r, 3)[1] for r in range(3)] == [3, 3, 2]
+
+
 def test_a_padded_parameter_is_refused_by_name():
     cfg, hf = _hf("qwen2")
     shape = ModelShape.from_config(cfg)
