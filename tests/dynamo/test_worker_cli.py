@@ -39,8 +39,8 @@ def test_bad_arguments_exit_2(model_dir, capsys):
     assert worker.main(["--model", str(model_dir), "--discovery", "etcd"]) == 2
     assert worker.main(["--model", str(model_dir), "--engine", "no.such.module:make"]) == 2
     assert "cannot build the engine" in capsys.readouterr().err
-    assert worker.main(["--model", str(model_dir), "--engine", "vllm", "--replay-store", "/tmp/x", "--run-id", "r"]) == 2
-    assert "Model Runner V2" in capsys.readouterr().err
+    assert worker.main(["--model", str(model_dir), "--engine", "vllm", "--replay-store", "/tmp/x"]) == 2
+    assert "--replay-store needs --run-id" in capsys.readouterr().err
     assert worker.main(["--model", str(model_dir), "--tensor-parallel-size", "2"]) == 2  # the reference engine
     assert worker.main(["--model", str(model_dir), "--engine", "vllm", "--tensor-parallel-size", "0"]) == 2
     assert capsys.readouterr().err.count("--tensor-parallel-size must be") == 2
