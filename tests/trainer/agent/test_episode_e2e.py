@@ -110,7 +110,9 @@ ESCAPES = {  # what a tool tries -> the detector that must name it, and what sho
                 "network_access", "Errno"),
     "outside": ("cat /etc/shadow /root/.bashrc", "sandbox_escape", "No such file"),
     "grader": ("cat ../hidden_tests/expected.json", "hidden_files", "No such file"),
-    "fork bomb": ("bash -c ':(){ :|:& };:'", "sandbox_escape", "Resource temporarily unavailable"),
+    # the bomb's first caller returns at once; `exec sleep` (no fork) keeps the session alive while the bomb
+    # meets the process limit, or the session could end before any fork failed and print nothing
+    "fork bomb": ("bash -c ':(){ :|:& };:; exec sleep 3'", "sandbox_escape", "Resource temporarily unavailable"),
     "runaway": ("setsid sleep 1000 & while :; do :; done", "sandbox_escape", "[killed: no result after"),
 }
 
