@@ -45,6 +45,14 @@ void block_classes(const ClassSource& cs, const DTypeInfo& dt, int e_top, uint64
   }
 }
 
+// Row t's classes from the classes of every element of a block (0 past its end); returns its live lanes.
+int row_classes_of(const uint8_t* all, uint64_t span, uint64_t t, uint8_t* cls) {
+  const uint64_t lo = t * kLanes;
+  const int live = int(std::min<uint64_t>(kLanes, span - lo));
+  for (int l = 0; l < kLanes; ++l) cls[l] = l < live ? all[lo + l] : 0;
+  return live;
+}
+
 // round(num / den), den > 0, clamped to 1..65535 (the reference's integer rule)
 uint32_t rounded_probability(unsigned __int128 num, unsigned __int128 den) {
   unsigned __int128 q = (2 * num + den) / (2 * den);
@@ -158,6 +166,8 @@ void BlockChanges::reset(uint64_t span_, bool wide_, uint64_t n_max) {
   wide = wide_;
   n = 0;
   has_old_sum = false;
+  has_rows = false;
+  nrows = 0;
   const size_t words = size_t(span / kLanes + 2);
   bitmap.reserve(words);
   std::memset(bitmap.data(), 0, words * sizeof(uint16_t));
@@ -215,8 +225,16 @@ void V2BlockEncoder::scan16(const uint16_t* old, const uint16_t* nw, uint64_t sp
   e_top_ = dt.exp_bits ? std::max(0, sample_max_exponent16(classes16(cs, dt, span, 0, nullptr), simd_level())) : 0;
   ch_.reset(span, false, span);
   const Classes16 c = classes16(cs, dt, span, e_top_, nullptr);
+  const uint64_t rows = (span + kLanes - 1) / kLanes;
+  ex_ = ScanExtras{};
+  if (dt.exp_bits) {  // a float block may end in mode 3: its row contexts and changed rows, while they pass by
+    ctx_.reserve(size_t(rows) + 64);
+    row_words_.reserve(size_t(rows + 2) * kLanes);
+    ex_.ctx = ctx_.data();
+    ex_.words = row_words_.data();
+  }
   n_ = ch_.n = syncd::scan16(c, nw, first_word, dt.is_float, ch_.bitmap.data(), ch_.v16.data(), ch_.cls.data(),
-                             sum_old, adj, simd_level());
+                             sum_old, adj, dt.exp_bits ? &ex_ : nullptr, simd_level());
   scanned_ = true;
 }
 
@@ -224,6 +242,7 @@ void V2BlockEncoder::reset(uint64_t span, const DTypeInfo&) {
   span_ = span;
   n_ = 0;
   scanned_ = false;
+  ex_ = ScanExtras{};
 }
 
 void V2BlockEncoder::add(const uint32_t* pos, const uint64_t* v, size_t n) {
@@ -270,7 +289,9 @@ void V2BlockEncoder::finish_context(std::vector<uint8_t>& out, const DTypeInfo& 
   const uint8_t* cch = ch_.cls.data();
   // the sample's class counts, the changes' classes and bit lengths
   uint64_t sampled[kClasses] = {}, sample_size = 0;
-  if (fast16(cs, dt) && cs.old) {
+  if (ex_.counts_done) {
+    std::memcpy(sampled, ex_.counts, sizeof sampled);
+  } else if (fast16(cs, dt) && cs.old) {
     sample_class_counts16(classes16(cs, dt, span, e_top_, nullptr), sampled, simd_level());
   } else {
     uint8_t run[kSampleRun];
@@ -318,22 +339,44 @@ void V2BlockEncoder::finish_context(std::vector<uint8_t>& out, const DTypeInfo& 
   }
   const int gp = position_groups(span);
   const int gv = nj ? groups_for(nj) : 0;
+  const uint8_t mode = context_mode(n, span);
 
-  // position groups, backwards
-  const uint64_t vectors = (span + kLanes - 1) / kLanes;
-  const size_t pos_region = size_t(2 * (vectors / gp + 1) * kLanes + 4 * kLanes + 32);
+  // position groups, backwards (at most a word per coded lane of a row: mode 3 adds a flag row per 16 rows)
+  const uint64_t vectors = (span + kLanes - 1) / kLanes, supers = (vectors + kLanes - 1) / kLanes;
+  const size_t pos_region = size_t(mode == kModeRowFlags ? 2 * 17 * kLanes * (supers / gp + 1) : 2 * (vectors / gp + 1) * kLanes) +
+                            4 * kLanes + 32;
   const size_t val_region = gv ? size_t(2 * decisions + 4 * kLanes + 32) : 0;
   words_.reserve(gp * pos_region + gv * val_region);
   uint8_t* wbase = words_.data();
   BinGroupEncoder enc[kMaxGroups];
   for (int g = 0; g < gp; ++g) enc[g] = BinGroupEncoder(wbase + (g + 1) * pos_region);
-  if (fast16(cs, dt)) {
-    encode_positions16(classes16(cs, dt, span, e_top_, p1), ch_.bitmap.data(), enc, gp, simd);
-  } else {
+  const bool fast = fast16(cs, dt);
+  if (!fast) {
     all_cls_.reserve(size_t(span) + kLanes);
     block_classes(cs, dt, e_top_, 0, size_t(span), all_cls_.data());
     std::memset(all_cls_.data() + span, 0, kLanes);
-    encode_rows_generic(all_cls_.data(), span, p1, ch_.bitmap.data(), enc, gp);
+  }
+  const uint8_t* all_cls = all_cls_.data();
+  auto generic_row = [&](uint64_t t, uint8_t* cls) { return row_classes_of(all_cls, span, t, cls); };
+  uint32_t pa[kClasses] = {};
+  if (mode == kModeRowFlags) {  // the row contexts and their flag probabilities, then the streams
+    uint8_t* ctx = ex_.rows_done ? ex_.ctx : nullptr;  // the scan's
+    if (!ctx) {
+      ctx_.reserve(size_t(vectors) + 64);
+      ctx = ctx_.data();
+      if (fast) row_contexts16(classes16(cs, dt, span, e_top_, p1), ctx, simd);
+      else row_contexts_scalar(generic_row, span, ctx);
+    }
+    uint64_t rows[kClasses] = {}, hit[kClasses] = {};
+    const uint16_t* bm = ch_.bitmap.data();
+    context_counts16(ctx, bm, vectors, rows, hit, simd);
+    flag_probabilities(rows, hit, pa);
+    if (fast) encode_rows16(classes16(cs, dt, span, e_top_, p1), bm, ctx, pa, ex_.rows_done ? ex_.words : nullptr, enc, gp, simd);
+    else encode_rows_scalar(generic_row, span, p1, bm, ctx, pa, enc, gp);
+  } else if (fast) {
+    encode_positions16(classes16(cs, dt, span, e_top_, p1), ch_.bitmap.data(), enc, gp, simd);
+  } else {
+    encode_rows_generic(all_cls, span, p1, ch_.bitmap.data(), enc, gp);
   }
   const uint8_t* pstart[kMaxGroups];
   for (int g = 0; g < gp; ++g) pstart[g] = enc[g].finish();
@@ -356,7 +399,7 @@ void V2BlockEncoder::finish_context(std::vector<uint8_t>& out, const DTypeInfo& 
   for (int g = 0; g < gp; ++g) streams += size_t(wbase + (g + 1) * pos_region - pstart[g]);
   for (int g = 0; g < gv; ++g) streams += size_t(vbase + (g + 1) * val_region - vstart[g]);
   out.reserve(out.size() + 4096 + streams);  // parameters: under 2.2 KiB with 16 trees of 6 levels, and varints
-  out.push_back(kModeContextByDepth);
+  out.push_back(mode);
   put_u16(out, uint32_t(e_top_));
   out.push_back(uint8_t(gp));
   out.push_back(uint8_t(gv));
@@ -368,6 +411,13 @@ void V2BlockEncoder::finish_context(std::vector<uint8_t>& out, const DTypeInfo& 
   put_u16(out, mask_p);
   for (int c = 0; c < kClasses; ++c)
     if (p1[c]) put_u16(out, p1[c]);
+  if (mode == kModeRowFlags) {
+    uint32_t mask_r = 0;
+    for (int c = 0; c < kClasses; ++c) mask_r |= uint32_t(pa[c] != 0) << c;
+    put_u16(out, mask_r);
+    for (int c = 0; c < kClasses; ++c)
+      if (pa[c]) put_u16(out, pa[c]);
+  }
   put_u16(out, mask_v);
   for (int c = 0; c < kClasses; ++c)
     if (lv.depth[c]) {
@@ -397,7 +447,8 @@ void V2BlockDecoder::parse(const uint8_t* payload, size_t len, uint32_t n, uint6
   ByteReader r(payload, len, what_);
   mode_ = r.u8();
   if (mode_ == kModeOrder0) return;
-  if (mode_ != kModeContext && mode_ != kModeContextByDepth) r.fail("unknown block mode " + std::to_string(mode_));
+  if (mode_ != kModeContext && mode_ != kModeContextByDepth && mode_ != kModeRowFlags)
+    r.fail("unknown block mode " + std::to_string(mode_));
   const uint8_t* f = r.take(4);
   e_top_ = load_le16(f);
   gp_ = f[2];
@@ -412,10 +463,16 @@ void V2BlockDecoder::parse(const uint8_t* payload, size_t len, uint32_t n, uint6
     p1_[c] = (mask_p >> c & 1) ? load_le16(r.take(2)) : 0;
     if ((mask_p >> c & 1) && !p1_[c]) r.fail("class " + std::to_string(c) + " listed with a zero change probability");
   }
+  const uint32_t mask_r = mode_ == kModeRowFlags ? load_le16(r.take(2)) : 0;
+  if (!dt.exp_bits && (mask_r & ~1u)) r.fail("row contexts other than 0 for a dtype without an exponent");
+  for (int c = 0; c < kClasses; ++c) {
+    pa_[c] = (mask_r >> c & 1) ? load_le16(r.take(2)) : 0;
+    if ((mask_r >> c & 1) && !pa_[c]) r.fail("row context " + std::to_string(c) + " listed with a zero flag probability");
+  }
   const uint32_t mask_v = load_le16(r.take(2));
   if (mask_v & ~mask_p) r.fail("a value tree for a class that never changes");
   trees_ = ValueTrees{};
-  trees_.by_depth = mode_ == kModeContextByDepth;
+  trees_.by_depth = mode_ != kModeContext;
   const int max_depth = 32 - __builtin_clz(uint32_t(dt.bits - 1));  // nb <= bits - 1
   for (int c = 0; c < kClasses; ++c) {
     if (!(mask_v >> c & 1)) continue;
@@ -464,13 +521,31 @@ void V2BlockDecoder::decode(const ClassSource& cs, BlockChanges& out) {
   for (int g = 0; g < gp_; ++g) dec[g].init(streams_[g], stream_len_[g], what_ + " position group " + std::to_string(g));
   size_t found;
   if (fast16(cs, dt_)) {
-    found = decode_positions16(classes16(cs, dt_, span_, e_top_, p1_), dec, gp_, out.bitmap.data(), out.cls.data(),
-                               n_, what_, cs.first_word, &out.old_sum, simd_level());
+    const Classes16 c = classes16(cs, dt_, span_, e_top_, p1_);
+    if (mode_ == kModeRowFlags) {  // the flagged rows' old words are kept for apply when they come from the target
+      const size_t most = size_t(std::min<uint64_t>(n_, (span_ + kLanes - 1) / kLanes));
+      out.rows.reserve(most + 32);
+      if (cs.old) out.row_words.reserve((most + 18) * kLanes);
+      FlaggedRows fr{out.rows.data(), cs.old ? out.row_words.data() : nullptr, 0};
+      found = decode_rows16(c, pa_, dec, gp_, out.bitmap.data(), out.cls.data(), n_, what_, cs.first_word,
+                            &out.old_sum, &fr, simd_level());
+      out.nrows = fr.n;
+      out.has_rows = cs.old != nullptr;
+    } else {
+      found = decode_positions16(c, dec, gp_, out.bitmap.data(), out.cls.data(), n_, what_, cs.first_word,
+                                 &out.old_sum, simd_level());
+    }
     out.has_old_sum = cs.old != nullptr;
   } else {
     std::vector<uint8_t> cls(size_t(span_) + kLanes, 0);
     block_classes(cs, dt_, e_top_, 0, size_t(span_), cls.data());
-    found = decode_rows_generic(cls.data(), span_, p1_, dec, gp_, out.bitmap.data(), out.cls.data(), n_, what_);
+    const uint8_t* all = cls.data();
+    if (mode_ == kModeRowFlags)
+      found = decode_rows_scalar([&](uint64_t t, uint8_t* out_cls) { return row_classes_of(all, span_, t, out_cls); },
+                                 span_, p1_, pa_, dec, gp_, out.bitmap.data(), out.cls.data(), n_, what_,
+                                 flagged_rows_scratch((span_ + kLanes - 1) / kLanes), nullptr);
+    else
+      found = decode_rows_generic(all, span_, p1_, dec, gp_, out.bitmap.data(), out.cls.data(), n_, what_);
   }
   for (int g = 0; g < gp_; ++g) dec[g].finish();
   if (found != n_)
@@ -496,6 +571,9 @@ void V2BlockDecoder::decode_values(BlockChanges& out) {
 
 uint64_t apply_changes(uint8_t* target, const BlockChanges& ch, const DTypeInfo& dt, uint64_t first_word,
                        bool forward, bool with_old_sum) {
+  if (dt.bits == 16 && ch.has_rows)
+    return apply_rows16(reinterpret_cast<uint16_t*>(target), first_word, ch.rows.data(), ch.row_words.data(), ch.nrows,
+                        ch.bitmap.data(), ch.v16.data(), dt.is_float, forward, simd_level());
   if (dt.bits == 16)
     return apply16(reinterpret_cast<uint16_t*>(target), ch.span, first_word, ch.bitmap.data(), ch.v16.data(), ch.n,
                    dt.is_float, forward, with_old_sum && ch.has_old_sum ? &ch.old_sum : nullptr, simd_level());

@@ -1,7 +1,7 @@
-// Format 2 block payloads (spec: syncd/ops/reference/delta_v2.py, context.py): mode 0 is the format-1
-// payload behind a mode byte; mode 1 codes every element's "changed" decision with the probability of its
+// Format 2 block payloads (spec: syncd/ops/reference/delta_v2.py, context.py, rows.py): mode 0 is the format-1
+// payload behind a mode byte; modes 1 and 2 code every element's "changed" decision with the probability of its
 // context class (from the old value's exponent) and each change's value by its bit length, in binary rANS
-// group streams. Torch-free. Thread-safe: each object is used by one thread at a time; buffers keep their
+// group streams; mode 3 is mode 2 whose positions are coded by row flags first (v2_rows.h). Torch-free. Thread-safe: each object is used by one thread at a time; buffers keep their
 // capacity between blocks.
 #pragma once
 
@@ -15,12 +15,14 @@
 #include "block_coder.h"
 #include "delta_format.h"
 #include "v2_kernels.h"
+#include "v2_rows.h"
 
 namespace syncd {
 
 constexpr int kClasses = 16;
-// payload modes: 0 the format-1 payload; 1 and 2 context blocks (2: J by tree depth; encoders write 2)
-constexpr uint8_t kModeOrder0 = 0, kModeContext = 1, kModeContextByDepth = 2;
+// payload modes: 0 the format-1 payload; 1, 2 and 3 context blocks (2: J by tree depth; 3: 2 with row flags;
+// encoders write 2 and 3, see context_mode)
+constexpr uint8_t kModeOrder0 = 0, kModeContext = 1, kModeContextByDepth = 2, kModeRowFlags = 3;
 constexpr uint64_t kSamplePeriod = 1 << 14, kSampleRun = 1 << 10;
 constexpr uint64_t kContextMinChanges = 256, kContextMinSpan = 4096, kContextMinChangesPerGroup = 128;
 constexpr uint64_t kElementsPerGroup = 1 << 16, kChangesPerGroup = 2048;
@@ -36,6 +38,12 @@ inline int position_groups(uint64_t span) {
 inline bool use_context(uint64_t n, uint64_t span, const DTypeInfo& dt) {
   return dt.exp_bits > 0 && dt.bits >= 16 && span >= kContextMinSpan &&
          n >= std::max<uint64_t>(kContextMinChanges, kContextMinChangesPerGroup * uint64_t(position_groups(span)));
+}
+
+// The mode encoders write a context block of n changes in `span` elements in: 3 when at most 1 / kRowFlagsDensity
+// of its elements change, else 2.
+inline uint8_t context_mode(uint64_t n, uint64_t span) {
+  return n * kRowFlagsDensity <= span ? kModeRowFlags : kModeContextByDepth;
 }
 
 // Where the classes of a block's old elements come from: the old elements themselves (`old`, the block's
@@ -62,12 +70,26 @@ struct BlockChanges {
   PodBuffer<uint8_t> cls;
   PodBuffer<uint16_t> v16;
   PodBuffer<uint64_t> v64;
+  // mode 3 (16-bit dtypes, from the old words): the flagged rows and a copy of each one's 16 old words, which
+  // apply writes from (the old words are not read again) and undo restores
+  bool has_rows = false;
+  uint64_t nrows = 0;
+  PodBuffer<uint32_t> rows;
+  PodBuffer<uint16_t> row_words;
   void reset(uint64_t span_, bool wide_, uint64_t n_max);
   uint64_t value(uint64_t i) const { return wide ? v64.data()[i] : v16.data()[i]; }
   // Block-relative positions and values (for mode 0 and for unpack), in position order; `pos` must have room
   // for n + 8 entries (the ones past n are scratch).
   void list(uint32_t* pos, uint64_t* v) const;
 };
+
+// About the bytes a BlockChanges holds for a block of `span` elements with n changes (BlockChanges::reset and a
+// mode-3 decode): what a pooled buffer for it should have, so that it is not grown (fresh pages fault).
+inline size_t decoded_bytes(uint64_t span, uint64_t n, const DTypeInfo& dt) {
+  const uint64_t words = span / kLanes + 2, wide = dt.bits == 16 ? 2 : 8;
+  const uint64_t rows = dt.bits == 16 ? std::min<uint64_t>(n, (span + kLanes - 1) / kLanes) : 0;
+  return size_t(2 * words + (1 + wide) * (n + 64) + (rows ? 4 * (rows + 32) + 2 * kLanes * (rows + 18) : 0));
+}
 
 // Accumulates one block's changes and writes its format-2 payload.
 class V2BlockEncoder {
@@ -89,7 +111,9 @@ class V2BlockEncoder {
   BlockChanges ch_;
   PodBuffer<uint32_t> pos_;
   PodBuffer<uint64_t> v_;
-  PodBuffer<uint8_t> all_cls_, words_, signs_;
+  PodBuffer<uint8_t> all_cls_, words_, signs_, ctx_;
+  PodBuffer<uint16_t> row_words_;  // a 16-bit scan's copies of the rows with a change
+  ScanExtras ex_;
   std::vector<uint8_t> mant_;
   uint64_t n_ = 0, span_ = 0;
   bool scanned_ = false;  // scan16 filled ch_ (else pos_/v_ hold the changes)
@@ -119,6 +143,7 @@ class V2BlockDecoder {
   uint8_t mode_ = 0;
   int e_top_ = 0, gp_ = 0, gv_ = 0;
   uint32_t p1_[kClasses] = {};
+  uint32_t pa_[kClasses] = {};  // mode 3: the row contexts' flag probabilities
   ValueTrees trees_{};
   const uint8_t* streams_[2 * kMaxGroups] = {};
   size_t stream_len_[2 * kMaxGroups] = {};

@@ -8,7 +8,8 @@ namespace {
 
 size_t capacity_bytes(const BlockChanges& c) {
   return c.bitmap.capacity() * sizeof(uint16_t) + c.cls.capacity() + c.v16.capacity() * sizeof(uint16_t) +
-         c.v64.capacity() * sizeof(uint64_t);
+         c.v64.capacity() * sizeof(uint64_t) + c.rows.capacity() * sizeof(uint32_t) +
+         c.row_words.capacity() * sizeof(uint16_t);
 }
 
 struct Pool {

@@ -325,8 +325,7 @@ void apply_item(ApplyTask& t, const ApplyJob& j, size_t b, bool verify) {
     ClassSource cs;
     cs.old = j.target + lo;
     cs.first_word = lo / 8;
-    const uint64_t words = h.block_span(b) / 16 + 2, wide = h.dtype.bits == 16 ? 2 : 8;  // BlockChanges::reset
-    t.decoded[b] = take_changes(size_t(2 * words + (1 + wide) * (uint64_t(e.n_changed) + 64)));
+    t.decoded[b] = take_changes(decoded_bytes(h.block_span(b), e.n_changed, h.dtype));
     BlockChanges& d = *t.decoded[b];
     dec.decode(cs, d);
     if (verify) t.sums[b] = d.has_old_sum ? d.old_sum : checksum_raw_range(j.target, lo, hi);
@@ -593,8 +592,7 @@ void delta_unpack_into(const Header& h, const uint8_t* blob, uint64_t* pos, uint
         }
       }
       // pooled buffers: fresh ones cost a page fault per 4 KiB on every block
-      const uint64_t words = h.block_span(b) / 16 + 2, wide = h.dtype.bits == 16 ? 2 : 8;  // BlockChanges::reset
-      PooledChanges ch = take_changes(size_t(2 * words + (1 + wide) * (uint64_t(e.n_changed) + 64)));
+      PooledChanges ch = take_changes(decoded_bytes(h.block_span(b), e.n_changed, h.dtype));
       dec.decode(cs, *ch);
       thread_local PodBuffer<uint32_t> rel;
       uint32_t* r = rel.scratch(e.n_changed + 8);
@@ -624,7 +622,7 @@ std::vector<int> delta_block_e_tops(const Header& h, const uint8_t* blob) {
   for (size_t b = 0; b < h.blocks.size(); ++b) {
     const BlockEntry& e = h.blocks[b];
     const uint8_t* p = blob + h.payload_offset[b];
-    if (e.payload_bytes >= 3 && (p[0] == kModeContext || p[0] == kModeContextByDepth)) out[b] = int(p[1] | p[2] << 8);
+    if (e.payload_bytes >= 3 && p[0] >= kModeContext && p[0] <= kModeRowFlags) out[b] = int(p[1] | p[2] << 8);
   }
   return out;
 }

@@ -7,6 +7,7 @@
 #include "checksum.h"
 #include "simd_scan.h"
 #include "codec_core.h"
+#include "v2_rows.h"
 
 namespace syncd {
 
@@ -140,6 +141,13 @@ uint64_t scan(const Classes16& c, const uint16_t* nw, uint64_t first_word, bool 
   *sum_old += so;
   *adj += ad;
   return k;
+}
+
+int row_classes(const Classes16& c, uint64_t t, uint8_t* cls) {
+  const uint64_t lo = t * kLanes;
+  const int live = int(std::min<uint64_t>(kLanes, c.span - lo));
+  for (int l = 0; l < kLanes; ++l) cls[l] = l < live ? uint8_t(class_at(c, lo + l)) : 0;
+  return live;
 }
 
 uint64_t apply(uint16_t* target, uint64_t span, uint64_t first_word, const uint16_t* bitmap, const uint16_t* v16,
@@ -318,6 +326,10 @@ void encode_values(const uint8_t*, const uint16_t*, size_t, const ValueTrees&, B
                    std::vector<uint8_t>&, uint8_t*);
 void decode_values(const uint8_t*, size_t, const uint8_t*, const ValueTrees&, BinGroupDecoder*, int, const uint8_t*,
                    size_t, uint16_t*, const std::string&);
+void row_contexts(const Classes16&, uint8_t*);
+void encode_rows(const Classes16&, const uint16_t*, const uint8_t*, const uint32_t*, BinGroupEncoder*, int);
+size_t decode_rows(const Classes16&, const uint32_t*, BinGroupDecoder*, int, uint16_t*, uint8_t*, size_t,
+                   const std::string&, uint64_t, uint64_t*, uint32_t*, size_t*);
 }  // namespace avx2_16
 namespace avx512_16 {
 int sample_max_exponent(const Classes16&);
@@ -326,13 +338,97 @@ size_t decode_positions(const Classes16&, BinGroupDecoder*, int, uint16_t*, uint
                         uint64_t, uint64_t*);
 void encode_positions(const Classes16&, const uint16_t*, BinGroupEncoder*, int);
 uint64_t scan(const Classes16&, const uint16_t*, uint64_t, bool, uint16_t*, uint16_t*, uint8_t*, uint64_t*, uint64_t*);
+uint64_t scan_extras(const Classes16&, const uint16_t*, uint64_t, bool, uint16_t*, uint16_t*, uint8_t*, uint64_t*,
+                     uint64_t*, ScanExtras*);
 uint64_t apply(uint16_t*, uint64_t, uint64_t, const uint16_t*, const uint16_t*, bool, bool, const uint64_t*);
 void value_stats(const uint8_t*, const uint16_t*, size_t, uint64_t[16], uint64_t[16][65]);
 void encode_values(const uint8_t*, const uint16_t*, size_t, const ValueTrees&, BinGroupEncoder*, int,
                    std::vector<uint8_t>&, uint8_t*);
 void decode_values(const uint8_t*, size_t, const uint8_t*, const ValueTrees&, BinGroupDecoder*, int, const uint8_t*,
                    size_t, uint16_t*, const std::string&);
+void row_contexts(const Classes16&, uint8_t*);
+void context_counts(const uint8_t*, const uint16_t*, uint64_t, uint64_t[16], uint64_t[16]);
+void encode_rows(const Classes16&, const uint16_t*, const uint8_t*, const uint32_t*, const uint16_t*,
+                 BinGroupEncoder*, int);
+size_t decode_rows(const Classes16&, const uint32_t*, BinGroupDecoder*, int, uint16_t*, uint8_t*, size_t,
+                   const std::string&, uint64_t, uint64_t*, FlaggedRows*);
+uint64_t apply_rows(uint16_t*, uint64_t, const uint32_t*, const uint16_t*, uint64_t, const uint16_t*, const uint16_t*,
+                    bool, bool);
 }  // namespace avx512_16
+
+uint32_t* flagged_rows_scratch(uint64_t rows) {
+  thread_local PodBuffer<uint32_t> buf;
+  return buf.scratch(size_t(rows) + 16);
+}
+
+void context_counts16(const uint8_t* ctx, const uint16_t* bitmap, uint64_t nrows, uint64_t rows[16], uint64_t hit[16],
+                      Simd s) {
+  if constexpr (kX86) if (s == Simd::kAvx512) return avx512_16::context_counts(ctx, bitmap, nrows, rows, hit);
+  context_counts_scalar(ctx, bitmap, 0, nrows, rows, hit);
+}
+
+void row_contexts16(const Classes16& c, uint8_t* ctx, Simd s) {
+  if constexpr (kX86) if (s == Simd::kAvx512) return avx512_16::row_contexts(c, ctx);
+  if constexpr (kX86) if (s == Simd::kAvx2 && !c.nibbles) return avx2_16::row_contexts(c, ctx);
+  row_contexts_scalar([&](uint64_t t, uint8_t* cls) { return scalar16::row_classes(c, t, cls); }, c.span, ctx);
+}
+
+void encode_rows16(const Classes16& c, const uint16_t* bitmap, const uint8_t* ctx, const uint32_t* pa,
+                   const uint16_t* words, BinGroupEncoder* enc, int gp, Simd s) {
+  if constexpr (kX86) if (s == Simd::kAvx512) return avx512_16::encode_rows(c, bitmap, ctx, pa, words, enc, gp);
+  if constexpr (kX86) if (s == Simd::kAvx2 && !c.nibbles) return avx2_16::encode_rows(c, bitmap, ctx, pa, enc, gp);
+  encode_rows_scalar([&](uint64_t t, uint8_t* cls) { return scalar16::row_classes(c, t, cls); }, c.span, c.p1, bitmap,
+                     ctx, pa, enc, gp);
+}
+
+size_t decode_rows16(const Classes16& c, const uint32_t* pa, BinGroupDecoder* dec, int gp, uint16_t* bitmap,
+                     uint8_t* cls_ch, size_t n_max, const std::string& what, uint64_t first_word, uint64_t* old_sum,
+                     FlaggedRows* fr, Simd s) {
+  if constexpr (kX86) if (s == Simd::kAvx512)
+    return avx512_16::decode_rows(c, pa, dec, gp, bitmap, cls_ch, n_max, what, first_word, old_sum, fr);
+  size_t found = 0;
+  bool done = false;
+  if constexpr (kX86) if (s == Simd::kAvx2 && !c.nibbles) {
+    found = avx2_16::decode_rows(c, pa, dec, gp, bitmap, cls_ch, n_max, what, first_word, old_sum, fr->rows, &fr->n);
+    done = true;
+  }
+  if (!done) {
+    if (!c.nibbles) *old_sum = scalar16::checksum(c.old, c.span, first_word, 0);
+    found = decode_rows_scalar([&](uint64_t t, uint8_t* cls) { return scalar16::row_classes(c, t, cls); }, c.span,
+                               c.p1, pa, dec, gp, bitmap, cls_ch, n_max, what, fr->rows, &fr->n);
+  }
+  for (size_t r = 0; fr->words && r < fr->n; ++r) {  // the flagged rows' old words, for apply
+    const uint64_t t = fr->rows[r];
+    std::memset(fr->words + r * kLanes, 0, 2 * kLanes);
+    std::memcpy(fr->words + r * kLanes, c.old + t * kLanes, 2 * size_t(std::min<uint64_t>(kLanes, c.span - t * kLanes)));
+  }
+  return found;
+}
+
+uint64_t apply_rows16(uint16_t* target, uint64_t first_word, const uint32_t* rows, const uint16_t* words, uint64_t n,
+                      const uint16_t* bitmap, const uint16_t* v16, bool is_float, bool forward, Simd s) {
+  if constexpr (kX86) if (s == Simd::kAvx512)
+    return avx512_16::apply_rows(target, first_word, rows, words, n, bitmap, v16, is_float, forward);
+  uint64_t ad = 0, k = 0;
+  for (uint64_t r = 0; r < n; ++r) {
+    const uint64_t t = rows[r];
+    const uint16_t* old = words + r * kLanes;
+    uint16_t nw[kLanes];
+    std::memcpy(nw, old, sizeof nw);
+    for (uint32_t bits = bitmap[t]; bits; bits &= bits - 1) {
+      const int l = __builtin_ctz(bits);
+      nw[l] = forward ? core::apply_value<uint16_t>(old[l], v16[k++], is_float) : old[l];
+      target[t * kLanes + l] = nw[l];
+    }
+    for (int w = 0; w < 4 && forward; ++w) {
+      uint64_t a, b;
+      std::memcpy(&a, old + 4 * w, 8);
+      std::memcpy(&b, nw + 4 * w, 8);
+      ad += checksum_term(b, first_word + 4 * t + w) - checksum_term(a, first_word + 4 * t + w);
+    }
+  }
+  return ad;
+}
 
 int sample_max_exponent16(const Classes16& c, Simd s) {
   if constexpr (kX86) if (s == Simd::kAvx512) return avx512_16::sample_max_exponent(c);
@@ -361,8 +457,9 @@ void encode_positions16(const Classes16& c, const uint16_t* bitmap, BinGroupEnco
 }
 
 uint64_t scan16(const Classes16& c, const uint16_t* nw, uint64_t first_word, bool is_float, uint16_t* bitmap,
-                uint16_t* v16, uint8_t* cls_ch, uint64_t* sum_old, uint64_t* adj, Simd s) {
+                uint16_t* v16, uint8_t* cls_ch, uint64_t* sum_old, uint64_t* adj, ScanExtras* ex, Simd s) {
   if constexpr (kX86) {
+    if (s == Simd::kAvx512 && ex) return avx512_16::scan_extras(c, nw, first_word, is_float, bitmap, v16, cls_ch, sum_old, adj, ex);
     if (s == Simd::kAvx512) return avx512_16::scan(c, nw, first_word, is_float, bitmap, v16, cls_ch, sum_old, adj);
     if (s == Simd::kAvx2) return avx2_16::scan(c, nw, first_word, is_float, bitmap, v16, cls_ch, sum_old, adj);
   }

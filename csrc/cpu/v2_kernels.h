@@ -55,12 +55,23 @@ void sample_class_counts16(const Classes16& c, uint64_t counts[16], Simd s);
 // Encodes the position rows of a block backwards into enc[0..gp) from its bitmap.
 void encode_positions16(const Classes16& c, const uint16_t* bitmap, BinGroupEncoder* enc, int gp, Simd s);
 
+// What a scan may also collect while the old words pass through: the class counts of the encoder's sample
+// (counts_done), and, for mode 3, each row's context (ctx: a byte per row) and a copy of the 16 old words of each row
+// with a change, in order (words: room for every row and 2 more; zero past the block's end) (rows_done). A kernel
+// may leave either to the caller (the flags stay false).
+struct ScanExtras {
+  uint8_t* ctx = nullptr;
+  uint16_t* words = nullptr;
+  uint64_t counts[16] = {};
+  bool counts_done = false, rows_done = false;
+};
+
 // The encoder's scan of a 16-bit block: the bitmap, each change's value v (zigzag of the key delta, minus one)
 // and class (v16, cls_ch: room for span + 64 entries), and the checksum terms of the old words (*sum_old) and
 // their change to the new ones (*adj); words are indexed from first_word, the block's last word may be
-// partial (zero-padded). Returns the number of changes.
+// partial (zero-padded). With `ex`, also its extras. Returns the number of changes.
 uint64_t scan16(const Classes16& c, const uint16_t* nw, uint64_t first_word, bool is_float, uint16_t* bitmap,
-                uint16_t* v16, uint8_t* cls_ch, uint64_t* sum_old, uint64_t* adj, Simd s);
+                uint16_t* v16, uint8_t* cls_ch, uint64_t* sum_old, uint64_t* adj, ScanExtras* ex, Simd s);
 
 // Applies (forward) or undoes the n changes of a 16-bit block in place: target[16t + l] for each bitmap bit,
 // values v16 in order (readable 16 entries past the last change). Returns the checksum change of the words it
@@ -161,6 +172,8 @@ void encode_positions(const Classes16& c, const uint16_t* bitmap, BinGroupEncode
 // from: the first element (a multiple of 16) to scan; k: the changes found before it; returns the total.
 uint64_t scan(const Classes16& c, const uint16_t* nw, uint64_t first_word, bool is_float, uint16_t* bitmap,
               uint16_t* v16, uint8_t* cls_ch, uint64_t* sum_old, uint64_t* adj, uint64_t from, uint64_t k);
+// Row t's classes into cls[0..16) (0 past the block's end); returns its live lanes.
+int row_classes(const Classes16& c, uint64_t t, uint8_t* cls);
 // from: the first element (a multiple of 16); v16 + k holds its first change's value.
 uint64_t apply(uint16_t* target, uint64_t span, uint64_t first_word, const uint16_t* bitmap, const uint16_t* v16,
                bool is_float, bool forward, uint64_t from, uint64_t k);

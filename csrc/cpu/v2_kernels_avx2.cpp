@@ -13,6 +13,7 @@
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include "v2_avx2.h"
+#include "v2_rows_avx2.h"
 
 namespace syncd {
 namespace avx2_16 {
@@ -349,6 +350,20 @@ SYNCD_256 uint64_t apply(uint16_t* target, uint64_t span, uint64_t first_word, c
   const uint64_t tail = scalar16::apply(target, span, first_word, bitmap, v16, is_float, forward, vecs * 16, k);
   if (every_word) return ad + scalar16::checksum(target, span, first_word, vecs * 16) - *old_sum;
   return ad + tail;
+}
+
+SYNCD_256 void row_contexts(const Classes16& c, uint8_t* ctx) { rows::contexts(c, ctx); }
+
+SYNCD_256 void encode_rows(const Classes16& c, const uint16_t* bitmap, const uint8_t* ctx, const uint32_t* pa,
+                           BinGroupEncoder* enc, int gp) {
+  rows::encode(c, bitmap, ctx, pa, enc, gp);
+}
+
+SYNCD_256 size_t decode_rows(const Classes16& c, const uint32_t* pa, BinGroupDecoder* dec, int gp, uint16_t* bitmap,
+                             uint8_t* cls_ch, size_t n_max, const std::string& what, uint64_t first_word,
+                             uint64_t* old_sum, uint32_t* flagged, size_t* nflagged) {
+  *old_sum = scalar16::checksum(c.old, c.span, first_word, 0);
+  return rows::decode(c, pa, dec, gp, bitmap, cls_ch, n_max, what, flagged, nflagged);
 }
 
 }  // namespace avx2_16

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 #include "block_coder.h"
 #include "checksum.h"
@@ -13,6 +14,7 @@
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include "simd_mix.h"
 #include "v2_avx512.h"
+#include "v2_rows_avx512.h"
 
 namespace syncd {
 namespace avx512_16 {
@@ -347,6 +349,90 @@ SYNCD_512 uint64_t scan(const Classes16& c, const uint16_t* nw, uint64_t first_w
   return scalar16::scan(c, nw, first_word, is_float, bitmap, v16, cls_ch, sum_old, adj, vecs * 32, k);
 }
 
+// scan(), super-row by super-row (256 elements), with the extras: the sample's class counts (super-rows u with
+// u % 64 < 4) and, while at most twice as many changes as a mode-3 block may have went by, the row contexts (a tree
+// of minima) and copies of the old words of the rows with a change (past that the block will hardly be coded in
+// mode 3, and these would cost a dense scan time for nothing).
+SYNCD_512 uint64_t scan_extras(const Classes16& c, const uint16_t* nw, uint64_t first_word, bool is_float,
+                               uint16_t* bitmap, uint16_t* v16, uint8_t* cls_ch, uint64_t* sum_old, uint64_t* adj,
+                               ScanExtras* ex) {
+  const Keys16 kk;
+  const rows::ContextTree tree(c);
+  const __m512i etop = _mm512_set1_epi16(int16_t(c.e_top)), emask = _mm512_set1_epi16(int16_t(c.emask));
+  const __m512i zero = _mm512_setzero_si512(), fifteen = _mm512_set1_epi16(15);
+  const __m128i shift = _mm_cvtsi32_si128(c.shift);
+  const __m512i step8 = _mm512_set1_epi64(int64_t(8 * core::kGolden));
+  __m512i key = word_keys512(first_word), acc_old = zero, acc_adj = zero;
+  const uint64_t whole = c.span / rows::kSuper;
+  uint64_t k = 0, nrows = 0;
+  uint16_t* words = ex->words;
+  bool rows = ex->ctx && words;
+  for (uint64_t u = 0; u < whole; ++u) {
+    __m512i leaf[8];
+    const bool sampled = u % 64 < 4;  // elements i % 16384 < 1024
+    __m512i cls8[4];                  // the sampled classes as bytes
+    for (int i = 0; i < 8; ++i) {
+      const uint64_t j = 8 * u + i;
+      prefetch_ahead(c.old + 32 * j, 64);
+      prefetch_ahead(nw + 32 * j, 64);
+      const __m512i a = _mm512_loadu_si512(c.old + 32 * j), b = _mm512_loadu_si512(nw + 32 * j);
+      const __m512i kj = key;
+      const __m512i ma = mix512(_mm512_xor_si512(a, kj));
+      key = _mm512_add_epi64(key, step8);
+      acc_old = _mm512_add_epi64(acc_old, ma);
+      if (rows) leaf[i] = tree.leaf(a);
+      const __mmask32 ne = _mm512_cmpneq_epi16_mask(a, b);
+      std::memcpy(bitmap + 2 * j, &ne, 4);
+      if (sampled || ne) {
+        const __m512i cls = _mm512_min_epu16(_mm512_subs_epu16(etop, _mm512_and_si512(_mm512_srl_epi16(a, shift), emask)),
+                                             fifteen);
+        if (sampled) {
+          const __m256i cb = _mm512_cvtepi16_epi8(cls);
+          cls8[i / 2] = i % 2 ? _mm512_inserti64x4(cls8[i / 2], cb, 1) : _mm512_castsi256_si512(cb);
+        }
+        if (ne) {
+          const __m512i ka = is_float ? kk.key(a) : a, kb = is_float ? kk.key(b) : b;
+          const __m512i d = _mm512_sub_epi16(kb, ka);
+          const __m512i v = _mm512_sub_epi16(_mm512_xor_si512(_mm512_slli_epi16(d, 1), _mm512_srai_epi16(d, 15)), kk.one);
+          acc_adj = _mm512_add_epi64(acc_adj, _mm512_sub_epi64(mix512(_mm512_xor_si512(b, kj)), ma));
+          compress_store32x16(v16 + k, ne, v);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(cls_ch + k), _mm512_cvtepi16_epi8(_mm512_maskz_compress_epi16(ne, cls)));
+          k += unsigned(__builtin_popcount(ne));
+          if (rows) {  // the rows with a change: 4 qwords each (room for 2 rows past nrows)
+            const __mmask8 rm = __mmask8((ne & 0xFFFF ? 0x0F : 0) | (ne >> 16 ? 0xF0 : 0));
+            _mm512_storeu_si512(words + nrows * kLanes, _mm512_maskz_compress_epi64(rm, a));
+            nrows += unsigned(__builtin_popcount(rm)) / 4;
+          }
+        }
+      }
+    }
+    if (sampled)
+      for (int h = 0; h < 4; ++h)
+        for (int q = 0; q < 16; ++q)
+          ex->counts[q] += uint64_t(__builtin_popcountll(_mm512_cmpeq_epi8_mask(cls8[h], _mm512_set1_epi8(char(q)))));
+    if (rows) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(ex->ctx + u * kLanes), _mm512_cvtepi32_epi8(tree.contexts(leaf)));
+      rows = k * kRowFlagsDensity <= 2 * (u + 1) * rows::kSuper + 4 * rows::kSuper;
+    }
+  }
+  *sum_old = reduce_add_u64(acc_old);
+  *adj = reduce_add_u64(acc_adj);
+  const uint64_t from = whole * rows::kSuper;
+  k = scalar16::scan(c, nw, first_word, is_float, bitmap, v16, cls_ch, sum_old, adj, from, k);
+  scalar16::sample_class_counts(c, ex->counts, from);
+  ex->counts_done = true;
+  if (!rows) return k;
+  for (uint64_t t = from / kLanes; t * kLanes < c.span; ++t) {  // the last rows: contexts and copies one by one
+    ex->ctx[t] = rows::context_of(c, t);
+    if (!bitmap[t]) continue;
+    std::memset(words + nrows * kLanes, 0, 2 * kLanes);
+    std::memcpy(words + nrows * kLanes, c.old + t * kLanes, 2 * size_t(std::min<uint64_t>(kLanes, c.span - t * kLanes)));
+    ++nrows;
+  }
+  ex->rows_done = true;
+  return k;
+}
+
 namespace {
 
 // Bit i: vector j0 + i (of 32 elements, below vecs) has a change.
@@ -414,6 +500,75 @@ SYNCD_512 uint64_t apply(uint16_t* target, uint64_t span, uint64_t first_word, c
                                                                                     v16, &acc);
   return (reduce_add_u64(acc)) +
          scalar16::apply(target, span, first_word, bitmap, v16, is_float, forward, vecs * 32, k);
+}
+
+// Mode 3's apply from the flagged rows' old words, two rows a vector: the target is written, never read.
+template <bool kFloat, bool kForward>
+SYNCD_512 uint64_t apply_rows_t(uint16_t* target, uint64_t first_word, const uint32_t* rows, const uint16_t* words,
+                                uint64_t n, const uint16_t* bitmap, const uint16_t* v16) {
+  const Keys16 kk;
+  const __m512i g4 = _mm512_set1_epi64(int64_t(4 * core::kGolden));
+  // the keys of words 0..3 of row 0 (first_word + 1 + i) * golden, twice; a row t adds 4t * golden
+  const __m512i base = _mm512_mullo_epi64(_mm512_add_epi64(_mm512_set1_epi64(int64_t(first_word + 1)),
+                                                           _mm512_set_epi64(3, 2, 1, 0, 3, 2, 1, 0)),
+                                          _mm512_set1_epi64(int64_t(core::kGolden)));
+  __m512i acc = _mm512_setzero_si512();
+  uint64_t k = 0;
+  for (uint64_t r = 0; r < n; r += 2) {
+    const uint64_t t0 = rows[r], t1 = r + 1 < n ? rows[r + 1] : t0;
+    const uint32_t bits = uint32_t(bitmap[t0]) | (r + 1 < n ? uint32_t(bitmap[t1]) << 16 : 0u);
+    const __m512i a = _mm512_loadu_si512(words + r * kLanes);  // the buffer has room for a row past the last
+    const __m512i b = kForward ? kk.changed(a, bits, v16 + k, kFloat, true) : a;  // undo: the old words
+    _mm256_mask_storeu_epi16(target + t0 * kLanes, __mmask16(bits), _mm512_castsi512_si256(b));
+    _mm256_mask_storeu_epi16(target + t1 * kLanes, __mmask16(bits >> 16), _mm512_extracti64x4_epi64(b, 1));
+    if (kForward) {
+      const __m512i key = _mm512_add_epi64(
+          base, _mm512_mullo_epi64(_mm512_mask_blend_epi64(0xF0, _mm512_set1_epi64(int64_t(t0)), _mm512_set1_epi64(int64_t(t1))), g4));
+      acc = _mm512_add_epi64(acc, _mm512_sub_epi64(mix512(_mm512_xor_si512(b, key)), mix512(_mm512_xor_si512(a, key))));
+    }
+    k += unsigned(__builtin_popcount(bits));
+  }
+  return reduce_add_u64(acc);
+}
+
+SYNCD_512 uint64_t apply_rows(uint16_t* target, uint64_t first_word, const uint32_t* rows, const uint16_t* words,
+                              uint64_t n, const uint16_t* bitmap, const uint16_t* v16, bool is_float, bool forward) {
+  return (is_float ? (forward ? apply_rows_t<true, true> : apply_rows_t<true, false>)
+                   : (forward ? apply_rows_t<false, true> : apply_rows_t<false, false>))(target, first_word, rows,
+                                                                                        words, n, bitmap, v16);
+}
+
+// 64 rows at a time: per context, a compare of the context bytes, counted alone and with the rows that changed.
+SYNCD_512 void context_counts(const uint8_t* ctx, const uint16_t* bitmap, uint64_t nrows, uint64_t rows[16],
+                              uint64_t hit[16]) {
+  uint64_t t = 0;
+  for (; t + 64 <= nrows; t += 64) {
+    const __m512i cx = _mm512_loadu_si512(ctx + t);
+    const __m512i b0 = _mm512_loadu_si512(bitmap + t), b1 = _mm512_loadu_si512(bitmap + t + 32);
+    const uint64_t changed = uint64_t(_mm512_test_epi16_mask(b0, b0)) | uint64_t(_mm512_test_epi16_mask(b1, b1)) << 32;
+    for (int c = 0; c < 16; ++c) {
+      const uint64_t m = _mm512_cmpeq_epi8_mask(cx, _mm512_set1_epi8(char(c)));
+      rows[c] += uint64_t(__builtin_popcountll(m));
+      hit[c] += uint64_t(__builtin_popcountll(m & changed));
+    }
+  }
+  context_counts_scalar(ctx, bitmap, t, nrows, rows, hit);
+}
+
+SYNCD_512 void row_contexts(const Classes16& c, uint8_t* ctx) {
+  (c.nibbles ? rows::contexts<true> : rows::contexts<false>)(c, ctx);
+}
+
+SYNCD_512 void encode_rows(const Classes16& c, const uint16_t* bitmap, const uint8_t* ctx, const uint32_t* pa,
+                           const uint16_t* words, BinGroupEncoder* enc, int gp) {
+  (c.nibbles ? rows::kEncode<true> : rows::kEncode<false>)[gp - 1](c, bitmap, ctx, pa, words, enc);
+}
+
+SYNCD_512 size_t decode_rows(const Classes16& c, const uint32_t* pa, BinGroupDecoder* dec, int gp, uint16_t* bitmap,
+                             uint8_t* cls_ch, size_t n_max, const std::string& what, uint64_t first_word,
+                             uint64_t* old_sum, FlaggedRows* fr) {
+  return (c.nibbles ? rows::kDecode<true> : rows::kDecode<false>)[gp - 1](c, pa, dec, bitmap, cls_ch, n_max, what,
+                                                                          first_word, old_sum, fr);
 }
 
 }  // namespace avx512_16

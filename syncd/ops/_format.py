@@ -36,10 +36,16 @@ ALPHABET = 256
 DIRECT_SYMBOLS = 16
 
 # ---- format 2, context blocks (``syncd/ops/reference/context.py``, ``binary_rans.py``, ``delta_v2.py``)
-#: block payload modes: 0 = the v1 payload (order-0, decodable without the base); 1 and 2 = context-modelled
-#: (2: the value decisions ordered by tree depth; encoders write 2, 1 stays readable).
-MODE_ORDER0, MODE_CONTEXT, MODE_CONTEXT_BY_DEPTH = 0, 1, 2
-CONTEXT_MODES = (MODE_CONTEXT, MODE_CONTEXT_BY_DEPTH)
+#: block payload modes: 0 = the v1 payload (order-0, decodable without the base); 1, 2 and 3 = context-modelled
+#: (2: the value decisions ordered by tree depth; 3: mode 2 whose positions are coded by row flags first).
+#: Encoders write 2 and 3 (see ``ROW_FLAGS_DENSITY``); 1 stays readable.
+MODE_ORDER0, MODE_CONTEXT, MODE_CONTEXT_BY_DEPTH, MODE_ROW_FLAGS = 0, 1, 2, 3
+CONTEXT_MODES = (MODE_CONTEXT, MODE_CONTEXT_BY_DEPTH, MODE_ROW_FLAGS)
+#: encoders write a context block in mode 3 when at most 1 / ROW_FLAGS_DENSITY of its elements change
+#: (most rows of 16 then have no change and cost one flag), else in mode 2.
+ROW_FLAGS_DENSITY = 32
+#: mode 3's chain probabilities: CHAIN_RECIPROCAL[m] = 2**18 // m, m = 1..15 (the leading 4 bits of a sum)
+CHAIN_RECIPROCAL = (0,) + tuple((1 << 18) // m for m in range(1, 16))
 #: context classes of an element (from its old value's exponent, relative to the block's ``e_top``).
 CLASSES = 16
 #: binary rANS: states in [BIN_L, 2**32), 16-bit renormalisation words, probabilities in 1/2**16.

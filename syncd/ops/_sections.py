@@ -90,9 +90,12 @@ def _v2_sections(payload: bytes, n_changed: int, what: str) -> dict:
     if payload[0] == fmt.MODE_ORDER0:
         return {"modes": 1, **_v1_sections(payload[1:], what)}
     r = Reader(payload, what)
-    _, _, gp, gv = fmt.CONTEXT_FIXED.unpack(r.take(fmt.CONTEXT_FIXED.size))
+    mode, _, gp, gv = fmt.CONTEXT_FIXED.unpack(r.take(fmt.CONTEXT_FIXED.size))
     (mask_p,) = struct.unpack("<H", r.take(2))
     r.take(2 * bin(mask_p).count("1"))
+    if mode == fmt.MODE_ROW_FLAGS:  # the row contexts' flag probabilities
+        (mask_r,) = struct.unpack("<H", r.take(2))
+        r.take(2 * bin(mask_r).count("1"))
     (mask_v,) = struct.unpack("<H", r.take(2))
     for _ in range(bin(mask_v).count("1")):
         r.take(2 * ((1 << r.take(1)[0]) - 1))

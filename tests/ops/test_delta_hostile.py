@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import struct
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -33,16 +34,25 @@ OLD, NEW, BLOB = _case()
 OLD32, NEW32, BLOB32 = _case(torch.float32, n=700, density=0.3, seed=1, block_log2=8)
 # dense blocks of ~1200 changes: long enough for the decoder's unchecked fast loop and the apply's dense mode
 OLDD, NEWD, BLOBD = _case(n=8192, density=0.3, seed=2, block_log2=12)
-# format 2: two context blocks of ~400 changes (bf16), a context block of wide values (float32), and a mode-0 one
+# format 2: two context blocks of ~400 changes (bf16, mode 2), a context block of wide values (float32), a mode-0
+# one, and two sparse blocks of ~400 changes in 16384 elements (mode 3: row flags; a partial last row)
 OLDV2, NEWV2, BLOBV2 = _case(n=8192, density=0.1, seed=3, block_log2=12, version=2)
 OLDV2W, NEWV2W, BLOBV2W = _case(torch.float32, n=4096, density=0.3, seed=4, block_log2=12, version=2)
 OLDV20, NEWV20, BLOBV20 = _case(n=3000, density=0.05, seed=5, block_log2=10, version=2)
-V2_CASES = {"context": (OLDV2, NEWV2, BLOBV2), "wide": (OLDV2W, NEWV2W, BLOBV2W), "mode0": (OLDV20, NEWV20, BLOBV20)}
+OLDV2R, NEWV2R, BLOBV2R = _case(n=32765, density=0.025, seed=6, block_log2=14, version=2)
+V2_CASES = {"context": (OLDV2, NEWV2, BLOBV2), "wide": (OLDV2W, NEWV2W, BLOBV2W), "mode0": (OLDV20, NEWV20, BLOBV20),
+            "rows": (OLDV2R, NEWV2R, BLOBV2R)}
 
 
-def test_format_2_cases_cover_both_modes():
+def _modes(blob):
+    return {blob[off] for off in _context_payloads(blob)}
+
+
+def test_format_2_cases_cover_every_mode():
     assert delta.inspect(BLOBV2)["context_blocks"] == 2 and delta.inspect(BLOBV2W)["context_blocks"] == 1
     assert delta.inspect(BLOBV20)["context_blocks"] == 0
+    assert _modes(BLOBV2) == {fmt.MODE_CONTEXT_BY_DEPTH} and _modes(BLOBV2R) == {fmt.MODE_ROW_FLAGS}
+    assert delta.inspect(BLOBV2R)["context_blocks"] == 2
 
 
 def _apply_expect_error(blob, backend, match=None, old=OLD, verify=True):
@@ -74,10 +84,12 @@ def _with_block_mode(blob, mode):
 @pytest.mark.parametrize("backend", DECODERS)
 def test_unknown_or_wrong_context_mode(backend):
     """An unknown mode is named; a mode-2 block relabelled mode 1 (its value decisions then read in another
-    order) fails cleanly, the target kept."""
-    assert {BLOBV2[off] for off in _context_payloads(BLOBV2)} == {fmt.MODE_CONTEXT_BY_DEPTH}
-    _apply_expect_error(_with_block_mode(BLOBV2, 3), backend, match="unknown block mode 3", old=OLDV2)
+    order) or mode 3 (its parameters then read as row flag probabilities), or a mode-3 block relabelled mode 2,
+    fails cleanly, the target kept."""
+    _apply_expect_error(_with_block_mode(BLOBV2, 4), backend, match="unknown block mode 4", old=OLDV2)
     _apply_expect_error(_with_block_mode(BLOBV2, fmt.MODE_CONTEXT), backend, old=OLDV2)
+    _apply_expect_error(_with_block_mode(BLOBV2, fmt.MODE_ROW_FLAGS), backend, old=OLDV2)
+    _apply_expect_error(_with_block_mode(BLOBV2R, fmt.MODE_CONTEXT_BY_DEPTH), backend, old=OLDV2R)
 
 
 @pytest.mark.parametrize("backend", DECODERS)
@@ -252,13 +264,15 @@ def test_fuzz_reference_decoder_format_2(data):
 
 
 @pytest.mark.parametrize("backend", DECODERS)
-def test_format_2_resealed_corruption_is_a_structural_error(backend):
+@pytest.mark.parametrize("case", ["context", "rows"])
+def test_format_2_resealed_corruption_is_a_structural_error(backend, case):
     """With every checksum recomputed, the context decoder's own checks catch damage to its parameters and
-    streams, and the target stays as it was."""
-    h = fmt.parse_header(BLOBV2, ref_ck.checksum_bytes)
-    offsets = list(range(h.header_bytes, h.header_bytes + 90)) + list(range(len(BLOBV2) - 30, len(BLOBV2)))
-    caught = _resealed_flips_caught(BLOBV2, OLDV2, NEWV2, offsets[:: 1 if backend == "cpu" else 6], backend)
-    assert caught > (100 if backend == "cpu" else 15)
+    streams (mode 3: its flag probabilities and flag rows too), and the target stays as it was."""
+    old, new, blob = V2_CASES[case]
+    h = fmt.parse_header(blob, ref_ck.checksum_bytes)
+    offsets = list(range(h.header_bytes, h.header_bytes + 90)) + list(range(len(blob) - 30, len(blob)))
+    caught = _resealed_flips_caught(blob, old, new, offsets[:: 1 if backend == "cpu" else 6], backend)
+    assert caught > (90 if backend == "cpu" else 12)  # of 120 and 20 (the others decode to exactly `new`)
 
 
 @settings(max_examples=max(20, FUZZ_EXAMPLES // 10), deadline=None, suppress_health_check=list(HealthCheck))
@@ -277,7 +291,7 @@ def test_fuzz_random_payloads_behind_a_valid_header(payload, nchg, version, cont
     from syncd.ops.reference import checksum as ck
 
     if version == 2 and context:
-        mode = fmt.CONTEXT_MODES[len(payload) % 2]
+        mode = fmt.CONTEXT_MODES[len(payload) % len(fmt.CONTEXT_MODES)]
         payload = bytes([mode, 0x7F, 0, 1 + payload[:1].hex().count("a") % 4, 1]) + payload
     nchg = nchg if payload else 0
     old = torch.zeros(256, dtype=torch.bfloat16)
@@ -297,8 +311,6 @@ def test_fuzz_random_payloads_behind_a_valid_header(payload, nchg, version, cont
 def test_fuzz_native_changed_words(code, nw, n, seed, sort):
     """The native half of delta.changed_words on arbitrary word lists and change lists (what a hand-made
     Changes could hand it): a result of the right shape, or DeltaError, and never a read or write out of bounds."""
-    import numpy as np
-
     from syncd.ops import _backend
 
     rng = np.random.default_rng(seed)
@@ -316,3 +328,123 @@ def test_fuzz_native_changed_words(code, nw, n, seed, sort):
         return
     assert old.size == new.size == pos.size and old.itemsize == new.itemsize == bits // 8 and 0 <= adj < 2**64
     assert set((pos // (64 // bits)).tolist()) == set(words.tolist())
+
+
+# ---------------------------------------------------------------------------------- mode 3 (row flags)
+
+
+def _payloads(blob):
+    h = fmt.parse_header(blob, ref_ck.checksum_bytes)
+    out, off = [], h.header_bytes
+    for plen, _, _ in h.blocks:
+        out.append(bytes(blob[off : off + plen]))
+        off += plen
+    return h, out
+
+
+def _rebuilt(blob, edit):
+    """The blob with ``edit(payload)`` applied to each context payload, its header (lengths, checksums) redone."""
+    h, payloads = _payloads(blob)
+    payloads = [edit(p) if p and p[0] in fmt.CONTEXT_MODES else p for p in payloads]
+    table = [(len(p), n, ref_ck.checksum_bytes(p) if p else 0) for p, (_, n, _) in zip(payloads, h.blocks)]
+    return fmt.pack_header(h.dtype, h.shape, h.block_log2, table, h.base_checksum, h.new_checksum,
+                           ref_ck.checksum_bytes, 2) + b"".join(payloads)
+
+
+def _flag_table_at(payload: bytes) -> int:
+    """Offset of a mode-3 payload's row context mask (after the mode, e_top, group counts and class list)."""
+    (mask_p,) = struct.unpack_from("<H", payload, fmt.CONTEXT_FIXED.size)
+    return fmt.CONTEXT_FIXED.size + 2 + 2 * bin(mask_p).count("1")
+
+
+@pytest.mark.parametrize("backend", DECODERS)
+def test_mode_3_zero_flag_probability_and_foreign_row_contexts(backend):
+    def zero_first(p):
+        at = _flag_table_at(p) + 2
+        return p[:at] + b"\0\0" + p[at + 2 :]
+    _apply_expect_error(_rebuilt(BLOBV2R, zero_first), backend, match="zero flag probability", old=OLDV2R)
+
+    def drop_table(p):  # no flag probabilities listed: no row is coded, no change is found
+        at = _flag_table_at(p)
+        (mask_r,) = struct.unpack_from("<H", p, at)
+        return p[:at] + b"\0\0" + p[at + 2 + 2 * bin(mask_r).count("1") :]
+    _apply_expect_error(_rebuilt(BLOBV2R, drop_table), backend, old=OLDV2R)
+
+
+@pytest.mark.parametrize("backend", DECODERS)
+def test_mode_3_row_contexts_of_an_integer_dtype(backend, monkeypatch):
+    """Integer dtypes have one class, so one row context: a block listing another is refused by name."""
+    from syncd.ops.reference import delta_v2
+
+    g = torch.Generator().manual_seed(9)
+    old = random_bits((16384,), torch.int16, g)
+    new = perturb(old, 0.02, g, max_step=40)
+    monkeypatch.setattr(delta_v2, "use_context", lambda n, span, dt: n >= 256 and span >= 4096)
+    blob = delta.encode(old, new, backend="reference", block_log2=14, version=2)
+    monkeypatch.undo()
+    assert _modes(blob) == {fmt.MODE_ROW_FLAGS}
+    for be in DECODERS:
+        assert same_bits(delta.decode(old, blob, backend=be), new), be
+
+    def second_context(p):
+        at = _flag_table_at(p)
+        (mask_r,) = struct.unpack_from("<H", p, at)
+        assert mask_r == 1
+        return p[:at] + struct.pack("<HHH", 3, *struct.unpack_from("<H", p, at + 2), 1000) + p[at + 4 :]
+    _apply_expect_error(_rebuilt(blob, second_context), backend, match="row contexts other than 0", old=old)
+
+
+def _blob_with_extra_flags(extra: int):
+    """BLOBV2R re-encoded by the reference with ``extra`` more rows flagged than have a change (each coded with
+    its chain probabilities and no change, as a decoder that finds none would read it)."""
+    from syncd.ops.reference import binary_rans as br
+    from syncd.ops.reference import rows as rf
+
+    def encode_positions(classes, p1, pa, groups, changed):
+        contexts, flags = rf.row_contexts(classes), rf.changed_rows(changed)
+        quiet = [t for t in range(flags.size) if not flags[t] and pa[contexts[t]]][:extra]
+        flags[quiet] = True
+        steps = []
+        for u in range((contexts.size + fmt.LANES - 1) // fmt.LANES):
+            t = u * fmt.LANES + np.arange(fmt.LANES)
+            exists = t < contexts.size
+            pr = np.where(exists, pa[contexts[np.minimum(t, contexts.size - 1)]], 0)
+            hit = flags[np.minimum(t, contexts.size - 1)] & (pr > 0)
+            steps.append((pr > 0, pr, hit))
+            for row in t[hit].tolist():
+                lo, hi = row * fmt.LANES, min(classes.size, (row + 1) * fmt.LANES)
+                p = np.zeros(fmt.LANES, np.int64)
+                p[: hi - lo] = p1[classes[lo:hi].astype(np.int64)]
+                q = rf.chain_probabilities(p)
+                bits = np.zeros(fmt.LANES, bool)
+                bits[: hi - lo] = changed[lo:hi]
+                first = int(np.argmax(bits)) if bits.any() else fmt.LANES
+                steps.append((p > 0, np.where(np.arange(fmt.LANES) <= first, q, p), bits))
+        return [br.encode_group(steps[g::groups]) for g in range(groups)]
+
+    orig = rf.encode_positions
+    rf.encode_positions = encode_positions
+    try:
+        return delta.encode(OLDV2R, NEWV2R, backend="reference", block_log2=14, version=2)
+    finally:
+        rf.encode_positions = orig
+
+
+@pytest.mark.parametrize("backend", DECODERS)
+def test_mode_3_flagged_rows_must_have_a_change(backend):
+    """A flag must mean a change: a flagged row that decodes none is refused by name (the streams themselves are
+    well formed), and a block table claiming fewer changes than the rows flagged stops the decode (which holds
+    a copy of each flagged row) as soon as either count passes it; the target kept."""
+    assert _blob_with_extra_flags(0) == BLOBV2R  # the helper codes what the encoders do
+    _apply_expect_error(_blob_with_extra_flags(1), backend, match="has no change", old=OLDV2R)
+    h, payloads = _payloads(BLOBV2R)
+    table = []
+    for i, (p, (_, n, _)) in enumerate(zip(payloads, h.blocks)):
+        if i == 0:  # claim a third of the changes: the sign bytes shrink to match
+            n //= 3
+            p = p[: len(p) - (h.blocks[0][1] + 7) // 8] + b"\0" * ((n + 7) // 8)
+            payloads[0] = p
+        table.append((len(p), n, ref_ck.checksum_bytes(p)))
+    few = fmt.pack_header(h.dtype, h.shape, h.block_log2, table, h.base_checksum, h.new_checksum,
+                          ref_ck.checksum_bytes, 2) + b"".join(payloads)
+    _apply_expect_error(few, backend, match="rows flagged, more than|more changes than", old=OLDV2R)

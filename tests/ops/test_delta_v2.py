@@ -41,6 +41,21 @@ def mode_1_blob(old, new, block_log2=16):
         delta_v2.encode_block = orig
 
 
+def forced_mode_blob(old, new, mode, block_log2=16):
+    """The blob the reference writes with every context block in ``mode`` (1 and 2: as encoders did before
+    mode 2 and mode 3 existed)."""
+    import functools
+
+    from syncd.ops.reference import delta_v2
+
+    orig = delta_v2.encode_block
+    delta_v2.encode_block = functools.partial(orig, mode=mode)
+    try:
+        return delta.encode(old, new, version=2, block_log2=block_log2, backend="reference")
+    finally:
+        delta_v2.encode_block = orig
+
+
 def block_modes(blob) -> list[int]:
     """The mode byte of each block payload of a format-2 blob (-1 for a block without changes)."""
     h = fmt.parse_header(blob, ref_ck.checksum_bytes)
@@ -298,9 +313,10 @@ import hashlib, sys, torch
 from syncd.ops import _backend, delta
 from tests.ops._util import perturb, random_bits
 sys.path.insert(0, ".")
-from tests.ops.test_delta_v2 import mode_1_blob, weight_pair
+from tests.ops.test_delta_v2 import block_modes as blob_modes, mode_1_blob, weight_pair
 out = [_backend.native().CODEC_SIMD]
-cases = [weight_pair(n, s, seed=n) for n, s in ((70_001, 1e-7), (300_000, 1e-6), (1 << 18, 3e-5), (99_999, 1e-3))]
+cases = [weight_pair(n, s, seed=n) for n, s in ((70_001, 1e-7), (300_000, 1e-6), (1 << 18, 3e-5), (99_999, 1e-3),
+                                                 (200_003, 3e-7), (1 << 17, 1e-6))]
 g = torch.Generator().manual_seed(5)
 for dt in (torch.bfloat16, torch.float16, torch.int16, torch.float32, torch.uint8):
     old = random_bits((50_000,), dt, g)
@@ -321,7 +337,7 @@ for old, new in cases:
         delta.apply_(back, bytes(bad))
     except Exception as e:
         kept = torch.equal(back.view(torch.uint8), old.view(torch.uint8))
-    out.append(f"{hashlib.sha256(blob).hexdigest()[:16]} {ok} {kept}")
+    out.append(f"{hashlib.sha256(blob).hexdigest()[:16]} {sorted(set(blob_modes(blob)))} {ok} {kept}")
 print("\n".join(out))
 """
 
@@ -346,6 +362,7 @@ def test_every_simd_level_writes_and_reads_the_same_bytes():
     first = runs["scalar"]
     assert all(line.endswith("True True") or line == "mode 1 True" for line in first), first
     assert sum(line.startswith("mode 1") for line in first) == 2, first
+    assert sum("3]" in line for line in first) >= 2 and sum("2]" in line for line in first) >= 2, first  # modes 3, 2
     for level, lines in runs.items():
         assert lines == first, level
 

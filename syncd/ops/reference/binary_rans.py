@@ -59,6 +59,11 @@ class GroupDecoder:
         self.words = np.frombuffer(data, "<u2", offset=4 * LANES).astype(np.uint64)
         self.pos = 0
 
+    def slots(self) -> np.ndarray:
+        """The low 16 bits of each state: lane ``l`` of the next row decodes 1 exactly when its slot is below
+        its probability."""
+        return self.x & np.uint64(0xFFFF)
+
     def row(self, coded, p1) -> np.ndarray:
         """Decodes one row; returns the bits (False where not coded)."""
         coded = np.asarray(coded, bool)

@@ -8,6 +8,8 @@ value ``v`` (as in format 1: zigzag of the key delta, minus one) as ``v = 2 m + 
 tree (a class whose changes all have ``nb = 0`` codes nothing). Decisions travel in binary rANS group
 streams (``binary_rans.py``). Mode 2, which encoders write, is mode 1 with the changes' value decisions
 ordered by their tree's depth (``value_order``), so that SIMD decoders step rows whose lanes all have work.
+Mode 3 is mode 2 with its positions coded by row flags first (``rows.py``): encoders write it for sparse
+blocks (``context_mode``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from syncd.ops.reference import binary_rans as br
 from syncd.ops.reference import block_v1 as v1
 from syncd.ops.reference import context as ctx
 from syncd.ops.reference import entropy as ent
+from syncd.ops.reference import rows as rf
 
 def bit_length(m: np.ndarray) -> np.ndarray:
     """Bit length of each uint64 (0 for 0), exactly."""
@@ -56,6 +59,12 @@ def use_context(n_changed: int, span: int, dtype: fmt.DType) -> bool:
     ends cost 128 bytes)."""
     return (bool(dtype.exp_bits) and dtype.bits >= 16 and span >= fmt.CONTEXT_MIN_SPAN
             and n_changed >= max(fmt.CONTEXT_MIN_CHANGES, fmt.CONTEXT_MIN_CHANGES_PER_GROUP * position_groups(span)))
+
+
+def context_mode(n_changed: int, span: int) -> int:
+    """The mode encoders write a context block of ``n_changed`` changes in ``span`` elements in: 3 (row flags)
+    when at most 1 / ROW_FLAGS_DENSITY of the elements change, else 2."""
+    return fmt.MODE_ROW_FLAGS if n_changed * fmt.ROW_FLAGS_DENSITY <= span else fmt.MODE_CONTEXT_BY_DEPTH
 
 
 # ------------------------------------------------------------------------------------------- rows
@@ -138,7 +147,7 @@ def _lanes(values: np.ndarray, lo: int, hi: int) -> np.ndarray:
 
 def value_order(cls_j: np.ndarray, depth: np.ndarray, mode: int) -> np.ndarray:
     """The order ``J`` codes its changes in, as indices into ``cls_j`` (the classes of the changes with a
-    value tree, in position order): position order in mode 1; in mode 2 by their class's tree depth, fewest
+    value tree, in position order): position order in mode 1; in modes 2 and 3 by their class's tree depth, fewest
     levels first, then position (so that the 16 lanes of a row have about the same number of levels)."""
     if mode == fmt.MODE_CONTEXT:
         return np.arange(cls_j.size)
@@ -146,13 +155,15 @@ def value_order(cls_j: np.ndarray, depth: np.ndarray, mode: int) -> np.ndarray:
 
 
 def encode_block(pos: np.ndarray, v: np.ndarray, classes: np.ndarray, e_top: int, dtype: fmt.DType,
-                 mode: int = fmt.MODE_CONTEXT_BY_DEPTH) -> bytes:
+                 mode: int | None = None) -> bytes:
     """Payload of one block: changes at block-relative ``pos`` (ascending) with values ``v``; ``classes`` of
     every element of the block (from the old values and ``e_top``). ``mode``: the context mode a context
-    block is written in (encoders write 2; 1 remains for reading blobs written before it)."""
+    block is written in (None: ``context_mode``'s choice, what encoders write; 1 and 2 for the blobs written
+    before mode 3, or mode 2, existed)."""
     span, n = classes.size, pos.size
     if not use_context(n, span, dtype):
         return bytes([fmt.MODE_ORDER0]) + v1.encode_block(pos, v)
+    mode = context_mode(n, span) if mode is None else mode
     v = v.astype(np.uint64)
     cls_ch = classes[pos].astype(np.int64)
     changed = np.zeros(span, bool)
@@ -166,7 +177,11 @@ def encode_block(pos: np.ndarray, v: np.ndarray, classes: np.ndarray, e_top: int
         nbc = nb[cls_ch == c]
         trees.append(tree_probabilities(nbc, tree_depth(int(nbc.max()) if nbc.size else 0)))
     gp = position_groups(span)
-    pos_streams = [br.encode_group(r) for r in position_rows(classes, p1, gp, changed)]
+    if mode == fmt.MODE_ROW_FLAGS:
+        pa = rf.flag_probabilities(rf.row_contexts(classes), rf.changed_rows(changed))
+        pos_streams = rf.encode_positions(classes, p1, pa, gp, changed)
+    else:
+        pos_streams = [br.encode_group(r) for r in position_rows(classes, p1, gp, changed)]
     depth, prob = tree_tables(trees)
     jsel = depth[cls_ch] > 0
     order = value_order(cls_ch[jsel], depth, mode)
@@ -191,6 +206,9 @@ def encode_block(pos: np.ndarray, v: np.ndarray, classes: np.ndarray, e_top: int
     out = bytearray(fmt.CONTEXT_FIXED.pack(mode, e_top, gp, gv))
     out += struct.pack("<H", sum(1 << c for c in range(fmt.CLASSES) if p1[c]))
     out += b"".join(struct.pack("<H", int(p1[c])) for c in range(fmt.CLASSES) if p1[c])
+    if mode == fmt.MODE_ROW_FLAGS:
+        out += struct.pack("<H", sum(1 << c for c in range(fmt.CLASSES) if pa[c]))
+        out += b"".join(struct.pack("<H", int(pa[c])) for c in range(fmt.CLASSES) if pa[c])
     out += struct.pack("<H", sum(1 << c for c in range(fmt.CLASSES) if trees[c]))
     for c in range(fmt.CLASSES):
         if trees[c]:
@@ -230,6 +248,16 @@ def decode_block(payload: bytes, n_changed: int, classes_for, span: int, dtype: 
             (p1[c],) = struct.unpack("<H", r.take(2))
             if not p1[c]:
                 raise DeltaError(f"{what}: class {c} listed with a zero change probability")
+    pa = np.zeros(fmt.CLASSES, np.int64)
+    if mode == fmt.MODE_ROW_FLAGS:
+        (mask_r,) = struct.unpack("<H", r.take(2))
+        if not dtype.exp_bits and mask_r & ~1:
+            raise DeltaError(f"{what}: row contexts other than 0 for {dtype.name}, which has no exponent")
+        for c in range(fmt.CLASSES):
+            if mask_r >> c & 1:
+                (pa[c],) = struct.unpack("<H", r.take(2))
+                if not pa[c]:
+                    raise DeltaError(f"{what}: row context {c} listed with a zero flag probability")
     (mask_v,) = struct.unpack("<H", r.take(2))
     if mask_v & ~mask_p:
         raise DeltaError(f"{what}: a value tree for a class that never changes")
@@ -251,12 +279,15 @@ def decode_block(payload: bytes, n_changed: int, classes_for, span: int, dtype: 
     if r.pos != len(payload):
         raise DeltaError(f"{what}: {len(payload) - r.pos} bytes after the sign bits")
     classes = classes_for(e_top)
-    changed = np.zeros(span, bool)
-    for g, rows in enumerate(position_rows(classes, p1, gp, None)):
-        for t, (coded, pl, _) in enumerate(rows):
-            lo = (t * gp + g) * fmt.LANES
-            hi = min(span, lo + fmt.LANES)
-            changed[lo:hi] = pos_dec[g].row(coded, pl)[: hi - lo]
+    if mode == fmt.MODE_ROW_FLAGS:
+        changed = rf.decode_positions(pos_dec, classes, p1, pa, n_changed, what)
+    else:
+        changed = np.zeros(span, bool)
+        for g, rows in enumerate(position_rows(classes, p1, gp, None)):
+            for t, (coded, pl, _) in enumerate(rows):
+                lo = (t * gp + g) * fmt.LANES
+                hi = min(span, lo + fmt.LANES)
+                changed[lo:hi] = pos_dec[g].row(coded, pl)[: hi - lo]
     for d in pos_dec:
         d.finish()
     pos = np.flatnonzero(changed)
