@@ -15,8 +15,9 @@ their sum; what overlaps is overlapped *inside* a stage:
   manifest reads), sends the plan with the manifest to every node, and the roots read every shard from the store:
   the store's egress (the long link) is shared by all roots, each root's own link caps what it reads.
 * ``broadcast``: from the last byte read from the store to the last node holding the version: the last chunk's
-  way down the tree (half a chunk on average; a relay's link is shared by its ``fanout`` children), plus whatever the links inside the
-  cluster need beyond the long link (every node receives every byte; relays send to their children).
+  way down the tree (half a chunk on average; a relay's link is shared by its ``fanout`` children, plus ``hop_s``
+  per level), and whatever the links inside the cluster need beyond the long link (every node receives every
+  byte on its own link).
 * ``stage``: the daemon's round (the engine check: a lease call and a scrub of ``scrub_bytes`` of weights), the
   cached shards re-hashed by the daemon and again by each engine process that reads them, and staging on the
   engine while it serves: on a CPU engine the delta decoded against the engine's weights and the base checksum
@@ -24,8 +25,8 @@ their sum; what overlaps is overlapped *inside* a stage:
   GPU copies and checksums at HBM rate.
 * ``pause``: apply the staged words, then the daemon's check of every parameter's checksum, while paused.
 
-CPU work that every node does at the same time shares ``node_cores`` cores per node (on this machine: the
-machine's cores divided by the simulated nodes). Pure functions; no I/O.
+CPU work that every node does at the same time shares ``node_cores`` cores per node (in the validation: what the
+simulated nodes' engines get of this machine's cores when they stage at once). Pure functions; no I/O.
 """
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ class Rates:
     ``decode``: the host decode of an engine on GPUs (``delta.changes`` alone); ``apply``: the scatter of the
     staged words (verified); ``checksum``: ``checksum_many``; ``sha256``: bytes of shard data per second;
     ``copy``: the publisher's snapshot copy; ``finite``: its check that the snapshot holds no NaN or infinity
-    (``syncd.publish.finite``); ``class_bytes_per_param``: what format 2's host decode needs copied
-    from each GPU (0 for format 1)."""
+    (``syncd.publish.finite``); ``class_bytes_per_param``: what format 2's host decode needs copied from each GPU
+    (0 for format 1)."""
 
     delta_bytes_per_param: float
     changed_per_param: float
@@ -74,20 +75,22 @@ class Rates:
 
 @dataclass(frozen=True)
 class Setup:
-    """A deployment. Bytes per second for links (``*_Bps``); seconds for intervals. ``params`` parameters of
-    ``weight_bytes_per_param`` bytes each (2: bf16).
+    """A deployment. Bytes per second for links (payload: :func:`link_Bps`), seconds for intervals.
 
-    ``trainer_hosts``/``trainer_cores``: hosts that publish (each its share of the weights) and the cores each
-    one's work uses, up to ``host_mem_Bps`` of memory traffic (the encode reads 2 bytes per weight byte, the snapshot
-    copy 2, the finite check 1); ``upload_Bps``: each trainer host's link to the store; ``long_Bps``: the store's egress
-    towards the cluster; ``intra_Bps``: each node's link (both ways). ``nodes``, ``fanout``, ``chunk_bytes``:
-    the cluster's; ``shard_bytes``/``tensor_params``/``upload_threads``: the publisher's; ``poll_s``: the
-    controller's poll interval; ``manifest_bytes``: one version's manifest (None: estimated from its tensors and
-    shards, :func:`manifest_estimate`); ``hop_s``: what a tree level adds beyond its chunk's transfer. ``engine``: ``"cpu"`` (one
-    weights-only engine per node, its weights in host memory) or ``"gpu"``; ``node_cores``: cores each node's
-    host work gets while every node stages at once; ``pause_cores``: those the last engine's pause gets (None:
-    ``node_cores``; the engines' stagings end at different times, so the last pause runs mostly alone); ``scrub_bytes``: weight bytes an engine check scrubs; ``rpc_s``: one call from a daemon to
-    its engine. GPU engines: ``gpus_per_node``, ``gpus_per_engine``, ``pcie_Bps``, ``hbm_Bps``,
+    ``params`` parameters of ``weight_bytes_per_param`` bytes each (2: bf16). ``trainer_hosts``, ``trainer_cores``:
+    hosts that publish (each its share of the weights) and the cores each one's work uses, up to ``host_mem_Bps`` of
+    memory traffic (the encode reads 2 bytes per weight byte, the snapshot copy 2, the finite check 1);
+    ``upload_Bps``: each trainer host's link to the store; ``long_Bps``: the store's egress towards the cluster;
+    ``intra_Bps``: each node's link (both ways). ``nodes``, ``fanout``, ``chunk_bytes``: the cluster's;
+    ``shard_bytes``, ``tensor_params``, ``upload_threads``: the publisher's; ``poll_s``: the controller's poll
+    interval; ``manifest_bytes``: one version's manifest (None: :func:`manifest_estimate`); ``hop_s``: what a tree
+    level adds beyond its chunk's transfer.
+
+    ``engine``: ``"cpu"`` (one weights-only engine per node, its weights in host memory) or ``"gpu"``;
+    ``node_cores``: the cores each node's host work gets while every node stages at once; ``pause_cores``: those
+    the last engine's pause gets (None: ``node_cores``; stagings end at different times, so the last pause runs
+    mostly alone); ``scrub_bytes``: weight bytes an engine check scrubs; ``rpc_s``: one call from a daemon to its
+    engine. GPU engines: ``gpus_per_node``, ``gpus_per_engine``, ``pcie_Bps``, ``hbm_Bps``,
     ``staged_bytes_per_change``."""
 
     params: float

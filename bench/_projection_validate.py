@@ -56,11 +56,15 @@ def cpu_probe(ks=(2,)) -> dict:
     return {"t1": t1, "cores": cores}
 
 
-def _units(fn, repeats: int, setup=None) -> float:
-    """The seconds of ``fn`` on one thread (the native codec and torch too) in probe units: the median over
-    ``repeats`` runs of its time over the probe job's, run just before it (a busy machine slows both alike)."""
+def _units(fn, repeats: int, setup=None, *, native_threads: str = "1") -> float:
+    """The seconds of ``fn`` on one thread (the native codec's ``native_threads``; "": as many as it takes, as an
+    engine process runs it; torch on one) in probe units: the median over ``repeats`` runs of its time over the
+    probe job's, run just before it (a busy machine slows both alike)."""
     before, threads = os.environ.get("SYNCD_NUM_THREADS"), torch.get_num_threads()
-    os.environ["SYNCD_NUM_THREADS"] = "1"
+    if native_threads:
+        os.environ["SYNCD_NUM_THREADS"] = native_threads
+    else:
+        os.environ.pop("SYNCD_NUM_THREADS", None)
     torch.set_num_threads(1)
     try:
         ratios = []
@@ -76,17 +80,62 @@ def _units(fn, repeats: int, setup=None) -> float:
     finally:
         torch.set_num_threads(threads)
         if before is None:
-            os.environ.pop("SYNCD_NUM_THREADS")
+            os.environ.pop("SYNCD_NUM_THREADS", None)
         else:
             os.environ["SYNCD_NUM_THREADS"] = before
 
 
-def measure_costs(params: int, tensor_params: int, density: float, fmt: int, repeats: int, seed: int = 0) -> dict:
+_FORKED = None  # the job forked workers run (set just before the fork; see _parallel_cores)
+
+
+def _forked(_=None) -> float:
+    t = time.perf_counter()
+    _FORKED()
+    return time.perf_counter() - t
+
+
+def _parallel_cores(fn, k: int, tries: int = 5, timeout_s: float = 120.0) -> float | None:
+    """The cores ``k`` forked processes running ``fn`` at once get together: ``k`` times its seconds alone over
+    their mean seconds (median of ``tries``). Unlike :func:`cpu_probe`'s compute-bound job, this sees the memory
+    traffic ``k`` engines share. Forked with torch and the codec on one thread (a forked OpenMP pool hangs); None
+    if a try does not end within ``timeout_s``."""
+    import multiprocessing
+
+    global _FORKED
+    threads, before = torch.get_num_threads(), os.environ.get("SYNCD_NUM_THREADS")
+    torch.set_num_threads(1)
+    os.environ["SYNCD_NUM_THREADS"] = "1"
+    _FORKED, ctx = fn, multiprocessing.get_context("fork")
+    got = []
+    try:
+        for _ in range(tries):
+            with ctx.Pool(1) as pool:
+                alone = pool.map_async(_forked, [0]).get(timeout_s)[0]
+            with ctx.Pool(k) as pool:
+                got.append(k * alone / statistics.mean(pool.map_async(_forked, range(k)).get(timeout_s)))
+    except multiprocessing.TimeoutError:
+        return None
+    finally:
+        _FORKED = None
+        torch.set_num_threads(threads)
+        if before is None:
+            os.environ.pop("SYNCD_NUM_THREADS", None)
+        else:
+            os.environ["SYNCD_NUM_THREADS"] = before
+    return min(float(os.cpu_count() or 1), statistics.median(got))
+
+
+def measure_costs(params: int, tensor_params: int, density: float, fmt: int, repeats: int, seed: int = 0,
+                  engines: int = 4) -> dict:
     """The cost of every operation the stages run, per byte of bf16 weights in probe units (:func:`_units`; SHA-256
     per byte of shard data), on ``params`` synthetic weights in tensors of ``tensor_params`` with an Adam-like step
-    changing ``density`` of the bf16 words: the publisher's encode and snapshot copy, and a headless engine's own
-    ``stage``, ``apply`` and ``checksum`` (``syncd.engine.StateDictEngine``, as the engine processes run them);
-    with the delta's bytes and changed words per parameter. :func:`rates_now` turns them into a :class:`Rates`."""
+    changing ``density`` of the bf16 words: the publisher's snapshot copy, finite check and encode, and a headless
+    engine's own ``stage``, ``apply`` and ``checksum`` (``syncd.engine.StateDictEngine``, as the engine processes
+    run them); with the delta's bytes and changed words per parameter, ``stage_cores``: the cores ``engines``
+    engines staging at once get together (:func:`_parallel_cores`; None if it could not be measured: then the
+    versions' probes stand in), and ``pause_cores``: the cores an engine's apply and checksum get on their own,
+    with the codec's threads (their one-thread time over their time so). :func:`rates_now` turns them into a
+    :class:`Rates`."""
     from bench.projection import weight_delta
     from syncd.engine.state_dict import StateDictEngine
     from syncd.engines.update import Update
@@ -128,9 +177,13 @@ def measure_costs(params: int, tensor_params: int, density: float, fmt: int, rep
         "copy": _units(lambda: [b.copy_(n) for b, n in zip(bufs, news.values())], repeats),
         "finite": _units(lambda: check_finite(news), repeats),
     }
+    pause_all = (_units(engine.apply, repeats, setup=staged, native_threads="")
+                 + _units(engine.checksum, repeats, native_threads=""))
     classes = sum((o.numel() + 1) // 2 for b, o in zip(blobs, olds.values()) if delta.inspect(b)["context_blocks"])
+    fresh = lambda: StateDictEngine({n: t.clone() for n, t in olds.items()}, 0).stage(update)  # noqa: E731
     return {"delta_bytes_per_param": len(data) / w_old.numel(), "changed_per_param": changed / w_old.numel(),
-            "class_bytes_per_param": classes / w_old.numel(),
+            "class_bytes_per_param": classes / w_old.numel(), "stage_cores": _parallel_cores(fresh, engines),
+            "pause_cores": (units["apply"] + units["checksum"]) / pause_all,
             "units_per_byte": {**{k: u / nbytes for k, u in units.items()},
                                "sha256": _units(lambda: hashlib.sha256(data).digest(), repeats) / len(data)}}
 
@@ -176,24 +229,26 @@ def cluster_setup(params: int, a) -> dict:
             "poll_s": a.cluster_poll_s, "fanout": a.fanout, "format": 1}
 
 
-def model_setup(cfg: dict, manifest_bytes: float, cpu: dict) -> Setup:
+def model_setup(cfg: dict, manifest_bytes: float, cpu: dict, stage_cores: float, pause_cores: float,
+                hop_s: float) -> Setup:
     """The model's :class:`Setup` for a simulated deployment: its shaped rates and settings; the cores the trainer's
-    two encode threads get, those each node gets while every node's engine stages at once, and those the last
-    engine's pause gets on its own (``cpu``: a :func:`cpu_probe` around the version)."""
+    two encode threads get (``cpu``: a :func:`cpu_probe` around the version), those each node gets while every
+    node's engine stages at once (``stage_cores`` for them all) and those the last engine's pause gets on its own
+    (``pause_cores``; both from :func:`measure_costs`); ``hop_s``: a tree level's overhead, as in the projection."""
     return Setup(params=cfg["params"], trainer_hosts=1, trainer_cores=cpu["cores"]["2"],
                  upload_Bps=link_Bps(cfg["upload_bps"]), long_Bps=link_Bps(cfg["long_bps"]),
                  intra_Bps=link_Bps(cfg["intra_bps"]),
                  nodes=cfg["nodes"], fanout=cfg["fanout"], chunk_bytes=cfg["chunk_bytes"],
                  shard_bytes=cfg["shard_bytes"], tensor_params=cfg["tensor_params"], poll_s=cfg["poll_s"],
-                 manifest_bytes=manifest_bytes, engine="cpu", node_cores=cpu["cores"][str(cfg["nodes"])] / cfg["nodes"],
-                 pause_cores=cpu["cores"]["2"])
+                 manifest_bytes=manifest_bytes, hop_s=hop_s, engine="cpu", node_cores=stage_cores / cfg["nodes"],
+                 pause_cores=pause_cores)
 
 
 def _probe_mean(a: dict, b: dict) -> dict:
     return {"t1": (a["t1"] + b["t1"]) / 2, "cores": {k: (a["cores"][k] + b["cores"][k]) / 2 for k in a["cores"]}}
 
 
-def run_size(cfg: dict, densities: list[float], a, workdir: Path) -> dict:
+def run_size(cfg: dict, densities: list[float], a, workdir: Path, hop_s: float) -> dict:
     """One cluster for one size: a full version unshaped, the one-core rates, then every density ``a.validate_repeats``
     times on the shaped links; per version its timeline, measured stages and the CPU probes around it."""
     from bench.netsim.cluster import SimCluster
@@ -201,7 +256,7 @@ def run_size(cfg: dict, densities: list[float], a, workdir: Path) -> dict:
     schedule = [d for _ in range(a.validate_repeats) for d in densities]
     sample = min(cfg["params"], a.sample_params)
     ks = sorted({2, cfg["nodes"]})
-    out = {"config": cfg, "versions": [], "costs": {}}
+    out = {"config": cfg, "versions": [], "costs": {}, "hop_s": hop_s}
     t0 = time.monotonic()
     with SimCluster(workdir, cfg["nodes"], params=cfg["params"], densities=schedule, shard_bytes=cfg["shard_bytes"],
                     tensor_elems=cfg["tensor_params"], delta_format=cfg["format"], poll_s=cfg["poll_s"],
@@ -211,7 +266,7 @@ def run_size(cfg: dict, densities: list[float], a, workdir: Path) -> dict:
         out["setup_s"] = time.monotonic() - t0
         for d in densities:  # measured here while the cluster idles
             out["costs"][str(d)] = measure_costs(sample, min(cfg["tensor_params"], sample), d, cfg["format"],
-                                                 a.rate_repeats)
+                                                 a.rate_repeats, engines=cfg["nodes"])
         c.shape(upload_bps=cfg["upload_bps"], long_bps=cfg["long_bps"], intra_bps=cfg["intra_bps"])
         for k, d in enumerate(schedule, 1):
             before = cpu_probe(ks)
@@ -229,8 +284,13 @@ def run_size(cfg: dict, densities: list[float], a, workdir: Path) -> dict:
 def predict(res: dict, v: dict) -> dict:
     """The model's stages for version ``v`` of a size's run ``res``: the costs measured in the run at the speed and
     with the cores this machine's CPUs gave around ``v`` (its probes)."""
-    rates = rates_now(res["costs"][str(v["density"])], v["cpu"]["t1"])
-    return stages(model_setup(res["config"], v["manifest_bytes"], v["cpu"]), rates)
+    costs = res["costs"][str(v["density"])]
+    rates = rates_now(costs, v["cpu"]["t1"])
+    # how many cores concurrent engines get is one property of the machine: the median over the densities
+    measured = [c["stage_cores"] for c in res["costs"].values() if c["stage_cores"]]
+    cores = statistics.median(measured) if measured else v["cpu"]["cores"][str(res["config"]["nodes"])]
+    pause = statistics.median(c["pause_cores"] for c in res["costs"].values())
+    return stages(model_setup(res["config"], v["manifest_bytes"], v["cpu"], cores, pause, res["hop_s"]), rates)
 
 
 def compare(res: dict) -> list[dict]:
@@ -249,15 +309,16 @@ def compare(res: dict) -> list[dict]:
     return rows
 
 
-def validate(a) -> dict:
-    """Every size of ``a.validate_params`` at every density of ``a.validate_densities`` (see the module docstring).
+def validate(a, hop_s: float = 0.0) -> dict:
+    """Every size of ``a.validate_params`` at every density of ``a.validate_densities`` (see the module docstring);
+    ``hop_s``: the tree level overhead the projection assumes.
     Returns ``{"validation": rows, "runs": per size}``."""
     densities = [float(x) for x in a.validate_densities.split(",")]
     runs, rows = [], []
     with tempfile.TemporaryDirectory(prefix="syncd-validate-") as tmp:
         work = Path(a.validate_workdir or tmp)
         for i, p in enumerate(int(float(x)) for x in a.validate_params.split(",")):
-            res = run_size(cluster_setup(p, a), densities, a, work / f"size{i}")
+            res = run_size(cluster_setup(p, a), densities, a, work / f"size{i}", hop_s)
             runs.append(res)
             rows += compare(res)
     return {"validation": rows, "runs": runs}
@@ -274,7 +335,7 @@ def accuracy(validation: list[dict]) -> dict:
             "within_0.8_1.25": sum(map(ok, validation)) / len(validation), "goal_met": all(map(ok, validation))}
 
 
-def run(a) -> dict | None:
+def run(a, hop_s: float = 0.0) -> dict | None:
     """``--validate``: :func:`validate`, its table printed and its :func:`accuracy` added (``"accuracy"``); None,
     after saying why on stderr, where network namespaces cannot be made."""
     import sys
@@ -285,7 +346,7 @@ def run(a) -> dict | None:
     if why:
         print(f"bench.projection --validate needs network namespaces: {why}", file=sys.stderr)
         return None
-    res = validate(a)
+    res = validate(a, hop_s)
     print(f"\nvalidation (real path in network namespaces, {a.nodes} nodes; predicted / measured, medians of "
           f"{a.validate_repeats}):")
     print(f"{'params':>8} {'density':>7} {'stage':>10} {'measured':>9} {'predicted':>9} {'ratio':>6}")

@@ -282,7 +282,7 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--validate", action="store_true", help="check the model against real runs, then project")
     v.add_argument("--validate-params", default="25e6,100e6,400e6", help="model sizes run")
     v.add_argument("--validate-densities", default="0.01,0.1", help="changed bf16 words of the deltas run")
-    v.add_argument("--validate-repeats", type=int, default=2, help="versions run per size and density")
+    v.add_argument("--validate-repeats", type=int, default=3, help="versions run per size and density")
     v.add_argument("--nodes", type=int, default=4, help="nodes of the simulated cluster (a daemon and an engine each)")
     v.add_argument("--long-mbit", type=float, default=10.0,
                    help="the simulated long link, Mbit/s per 100M parameters (rates scale with the size)")
@@ -364,11 +364,12 @@ def main(argv=None) -> int:
     if not 0.0 <= a.sliced_fraction <= 1.0:
         print(f"bench.projection: --sliced-fraction must be in [0, 1], got {a.sliced_fraction}", file=sys.stderr)
         return 2
+    hop = {"per_hop_s": a.hop_overhead_s, "assumed": True} if a.hop_overhead_s is not None else hop_overhead(a.repeats)
     val = None
     if a.validate:
         from bench import _projection_validate as pv
 
-        val = pv.run(a)
+        val = pv.run(a, hop["per_hop_s"])
         if val is None:
             return 2
     validation = val["validation"] if val else []
@@ -376,7 +377,6 @@ def main(argv=None) -> int:
     t0 = Stopwatch()
     measured = measure_codecs(densities, a.sample_mib, a.repeats)
     host = host_rates(a.sample_mib, a.repeats)
-    hop = {"per_hop_s": a.hop_overhead_s, "assumed": True} if a.hop_overhead_s is not None else hop_overhead(a.repeats)
     assumptions = {flag: getattr(a, flag.replace("-", "_")) for flag, _, _ in ASSUMPTIONS}
     print(f"syncd projection: measured here in {t0.elapsed:.0f}s (one core each): checksum "
           f"{host['checksum'] / 1e9:.2f} GB/s, SHA-256 {host['sha256'] / 1e9:.2f} GB/s; broadcast hop "
@@ -393,10 +393,10 @@ def main(argv=None) -> int:
     ok = goal["total_s"] <= a.goal_s and goal["pause_s"] <= a.pause_goal_s
     acc = val["accuracy"] if val else None
     print(f"\nprojection_1t_s ({a.params:.0e} bf16 at {100 * goal['density']:.2g}% over {a.long_gbit:g} Gb/s, "
-          f"format 1, the publisher's default): {goal['total_s']:.1f}s (goal {a.goal_s:g}s), pause {goal['pause_s']:.3f}s per "
-          f"engine (goal {a.pause_goal_s:g}s): {'met' if ok else 'NOT met'}; dominant stage: {goal['dominant']} "
-          f"({goal['stages_s'][goal['dominant']]:.1f}s); format 2: {v2['total_s']:.1f}s ({v2['dominant']} "
-          f"{v2['stages_s'][v2['dominant']]:.1f}s)")
+          f"format 1, the publisher's default): {goal['total_s']:.1f}s (goal {a.goal_s:g}s), pause "
+          f"{goal['pause_s']:.3f}s per engine (goal {a.pause_goal_s:g}s): {'met' if ok else 'NOT met'}; dominant "
+          f"stage: {goal['dominant']} ({goal['stages_s'][goal['dominant']]:.1f}s); format 2: {v2['total_s']:.1f}s "
+          f"({v2['dominant']} {v2['stages_s'][v2['dominant']]:.1f}s)")
     print("validation error: " + ("not validated in this run (--validate)" if acc is None else
           f"totals predicted/measured {acc['total_ratio_range'][0]:.2f}-{acc['total_ratio_range'][1]:.2f}, stages "
           f"{acc['stage_ratio_range'][0]:.2f}-{acc['stage_ratio_range'][1]:.2f}, "

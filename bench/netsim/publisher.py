@@ -9,11 +9,11 @@ zeros of the same names and shapes for engine processes to start from), from fp3
 0.02). Once they exist the child writes ``WORKDIR/ready.json`` (``{"tensors", "params", "weight_bytes"}``).
 Version ``k`` (``k = 0``: the initial weights, a full version; ``k >= 1``: one step whose size is set, on a probe
 of the master weights, so that ``Dk`` of the bf16 words change) is prepared first and published once the file
-``WORKDIR/gates/k`` exists. One JSON line per version goes to ``WORKDIR/published.jsonl`` once it is committed: ``k``, ``version``, ``kind``, ``density`` (asked),
-``density_measured`` and ``changed`` (bf16 words that changed), ``t_call`` (wall time ``publish()`` was called),
-``t_commit`` (its manifest write returned: the version is visible), ``stall_s``, ``snapshot_s``, ``encode_s``,
-``upload_s`` (the publisher's own ``VersionStats``), ``bytes`` (shard bytes), ``manifest_bytes`` and
-``weight_bytes``.
+``WORKDIR/gates/k`` exists. One JSON line per version goes to ``WORKDIR/published.jsonl`` once it is committed:
+``k``, ``version``, ``kind``, ``density`` (asked), ``density_measured`` and ``changed`` (bf16 words that changed),
+``t_call`` (wall time ``publish()`` was called), ``t_commit`` (its manifest write returned: the version is
+visible), ``stall_s``, ``snapshot_s``, ``encode_s``, ``upload_s`` (the publisher's own ``VersionStats``),
+``bytes`` (shard bytes), ``manifest_bytes`` and ``weight_bytes``.
 
 Version 0 is a full version, every later one a delta (``full_every`` is larger than the schedule). A store
 URL ``s3://...`` is written with single-request PUTs (``part_bytes`` of 1 GiB), as ``bench.netsim``'s writable
