@@ -427,7 +427,7 @@ def plot(r: dict, path, preset: str):
         f"engine update: {r['params'] / 1e6:.1f}M parameters, {100 * r['density']:.2f}% of the words changed "
         f"(lr {r['lr']:g}, preset {preset})\nfull reload / pause {r['ratio_reload_to_stall']:.1f}x; the memory "
         f"traffic allows {r['physical_limit_ratio']:.1f}x at this density"))
-    ax.yaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))
+    ax.yaxis.set_major_locator(LogLocator(subs=(1, 2, 3, 5)))
     ax.yaxis.set_major_formatter(ScalarFormatter())
     ax.yaxis.set_minor_formatter(NullFormatter())
     ax.title.set_fontsize(9)
