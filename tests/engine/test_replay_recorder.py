@@ -12,10 +12,10 @@ from syncd.engines.protocol import GenerationRequest, SamplingParams
 from syncd.engine.reference import ReferenceEngine
 from syncd.engine.reference.sampling import kept_set
 from syncd.engine.replay import ReplayRecorder, ReplayUploadError, list_requests, read_request, request_key
-from syncd.errors import StoreError
 from syncd.ops.replay import rebuild_kept
 from syncd.records.replay import KeptToRebuild
 from syncd.store import Store
+from tests.engine._refusing_store import RefusingStore
 
 PROMPT = (257, 84, 82, 68, 81, 198, 71)
 
@@ -59,17 +59,6 @@ def test_moe_engine_records_routing_kept_sets_and_logprobs(moe_dir, tmp_path, to
     assert all(c.prompt_routing is None for c in chunks[1:])
 
 
-class FlakyStore(Store):
-    def __init__(self, root):
-        super().__init__(root)
-        self.fail = True
-
-    def put(self, key, data, *, create=False):
-        if self.fail and "/replay/" in key:
-            raise StoreError(f"injected failure writing {key}")
-        return super().put(key, data, create=create)
-
-
 def _add(rec, rid, start, n, version=1, index0=0):
     for i in range(n):
         rec.add(rid, position=start + i, index=index0 + i, version=version, token_id=i, logprob=-0.5,
@@ -77,14 +66,14 @@ def _add(rec, rid, start, n, version=1, index0=0):
 
 
 def test_a_failing_store_loses_nothing(tmp_path):
-    store = FlakyStore(tmp_path)
+    store = RefusingStore(tmp_path)
     rec = ReplayRecorder(store, "r", vocab_size=100, chunk_tokens=3)
     _add(rec, "a", 10, 7)
     rec.finish("a")
     with pytest.raises(ReplayUploadError, match="3 replay chunk"):
         rec.flush(timeout=30)
     assert read_request(store, "r", "a") == []
-    store.fail = False
+    store.refuse = False
     rec.close(timeout=30)
     recs = [r for c in read_request(store, "r", "a") for r in c.records]
     assert [r.position for r in recs] == list(range(10, 17))

@@ -9,19 +9,7 @@ import time
 import torch
 
 from syncd.engine.replay import ReplayRecorder, read_request
-from syncd.errors import StoreError
-from syncd.store import Store
-
-
-class RefusingStore(Store):
-    def __init__(self, root):
-        super().__init__(root)
-        self.refuse = True
-
-    def put(self, key, data, *, create=False):
-        if self.refuse and "/replay/" in key:
-            raise StoreError(f"injected refusal writing {key}")
-        return super().put(key, data, create=create)
+from tests.engine._refusing_store import RefusingStore
 
 
 def _add(rec, rid, n=3):
