@@ -6,13 +6,10 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from syncd.trainer.rewards import RewardInputError, fbeta, fbeta_from_counts, fbeta_grad, pr_from_counts
-
-unit = st.floats(min_value=0.0, max_value=1.0, allow_nan=False)
-betas = st.floats(min_value=0.05, max_value=20.0, allow_nan=False)
+from tests.trainer.rewards._strategies import betas, reward_property, unit
 
 
 @pytest.mark.parametrize(
@@ -74,8 +71,7 @@ def test_gradient_matches_central_differences(p, r, beta):
     assert g_r == pytest.approx(fd_r, rel=1e-6)
 
 
-@settings(deadline=None)
-@given(p=unit, r=unit, beta=betas)
+@reward_property(p=unit, r=unit, beta=betas)
 def test_euler_identity_tangent_plane_through_origin(p, r, beta):
     # F is homogeneous of degree 1, so p*dF/dp + r*dF/dr = F.
     if p == 0.0 and r == 0.0:
@@ -94,8 +90,7 @@ def test_gradient_on_the_axes_and_undefined_at_origin():
         fbeta_grad(0.0, 0.0, b)
 
 
-@settings(deadline=None)
-@given(p=unit, r=unit, beta=betas)
+@reward_property(p=unit, r=unit, beta=betas)
 def test_fbeta_is_a_mean_of_p_and_r(p, r, beta):
     f = fbeta(p, r, beta)
     if p == 0.0 or r == 0.0:
@@ -104,15 +99,13 @@ def test_fbeta_is_a_mean_of_p_and_r(p, r, beta):
         assert min(p, r) <= f <= max(p, r)
 
 
-@settings(deadline=None)
-@given(p1=unit, p2=unit, r=unit, beta=betas)
+@reward_property(p1=unit, p2=unit, r=unit, beta=betas)
 def test_fbeta_monotone_in_precision(p1, p2, r, beta):
     lo, hi = sorted((p1, p2))
     assert fbeta(lo, r, beta) <= fbeta(hi, r, beta)
 
 
-@settings(deadline=None)
-@given(r1=unit, r2=unit, p=unit, beta=betas)
+@reward_property(r1=unit, r2=unit, p=unit, beta=betas)
 def test_fbeta_monotone_in_recall(r1, r2, p, beta):
     lo, hi = sorted((r1, r2))
     assert fbeta(p, lo, beta) <= fbeta(p, hi, beta)
@@ -132,13 +125,7 @@ def test_counts_edge_cases_follow_the_sample_convention():
     assert fbeta_from_counts(0, 3, 4, 1.0) == 0.0
 
 
-@settings(deadline=None)
-@given(
-    tp=st.integers(0, 1000),
-    fp=st.integers(0, 1000),
-    fn=st.integers(0, 1000),
-    beta=betas,
-)
+@reward_property(tp=st.integers(0, 1000), fp=st.integers(0, 1000), fn=st.integers(0, 1000), beta=betas)
 def test_counts_closed_form(tp, fp, fn, beta):
     b2 = beta * beta
     if tp == 0:

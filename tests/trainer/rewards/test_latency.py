@@ -6,7 +6,6 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from syncd.trainer.rewards import (
@@ -17,6 +16,7 @@ from syncd.trainer.rewards import (
     TwoPhaseReward,
     latency_penalty,
 )
+from tests.trainer.rewards._strategies import reward_property, token_counts
 
 # 40 users: 10 switched away within 5 s, 20 within 5-10 s, 10 within 10-20 s.
 EDGES = [0.0, 5.0, 10.0, 20.0]
@@ -116,8 +116,7 @@ histograms = st.integers(1, 8).flatmap(
 )
 
 
-@settings(deadline=None)
-@given(h=histograms, t1=st.floats(0.0, 1000.0), t2=st.floats(0.0, 1000.0))
+@reward_property(h=histograms, t1=st.floats(0.0, 1000.0), t2=st.floats(0.0, 1000.0))
 def test_penalty_bounded_and_monotone(h, t1, t2):
     widths, first, counts = h
     edges = first + np.concatenate([[0.0], np.cumsum(widths)])
@@ -196,13 +195,7 @@ def test_product_phase_subtracts_weighted_penalty():
     np.testing.assert_allclose(out, [1.0 - 0.2, 0.5])
 
 
-@settings(deadline=None)
-@given(
-    base=st.floats(0.0, 1.5),
-    tokens=st.integers(0, 100_000),
-    turns=st.integers(0, 50),
-    extra=st.integers(0, 10_000),
-)
+@reward_property(base=st.floats(0.0, 1.5), tokens=token_counts, turns=st.integers(0, 50), extra=st.integers(0, 10_000))
 def test_product_reward_in_range_and_decreasing_in_latency(base, tokens, turns, extra):
     sched = make_two_phase(weight=0.4)
     r = sched.reward(200, base, completion_tokens=tokens, tool_turns=turns)

@@ -6,10 +6,10 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from syncd.trainer.rewards import AlternatingLengthPenalty, CostWeights, LengthPhase, RewardInputError, zero_if_cheating
+from tests.trainer.rewards._strategies import reward_property, token_counts, unit
 
 U, B = LengthPhase.UNCONSTRAINED, LengthPhase.BUDGET
 # cost = tokens + 100 per turn + 10 per tool-second; budget 10_000
@@ -84,17 +84,9 @@ def test_zero_if_cheating():
         zero_if_cheating([1.0, 2.0], [True, False, True])
 
 
-@settings(deadline=None)
-@given(
-    step=st.integers(0, 1000),
-    base=st.floats(0.0, 10.0),
-    tokens=st.integers(0, 100_000),
-    more=st.integers(0, 100_000),
-    turns=st.integers(0, 100),
-    tool=st.floats(0.0, 1e4),
-    max_penalty=st.floats(0.0, 1.0),
-    saturate_at=st.floats(0.01, 10.0),
-)
+@reward_property(step=st.integers(0, 1000), base=st.floats(0.0, 10.0), tokens=token_counts, more=token_counts,
+                 turns=st.integers(0, 100), tool=st.floats(0.0, 1e4), max_penalty=unit,
+                 saturate_at=st.floats(0.01, 10.0))
 def test_reward_range_and_monotone_in_cost(step, base, tokens, more, turns, tool, max_penalty, saturate_at):
     alt = make(max_penalty=max_penalty, saturate_at=saturate_at)
     r = alt.reward(step, base, tokens=tokens, turns=turns, tool_time_s=tool)

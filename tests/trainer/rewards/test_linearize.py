@@ -8,10 +8,10 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from syncd.trainer.rewards import LinearizedReward, RewardInputError, fbeta, linearize
+from tests.trainer.rewards._strategies import reward_property, unit
 
 # R0/P0 = 1/(2·sqrt(2)) is the ratio at which β = 0.5 gives a = (R0 / (β·P0))² = 1/2.
 P0 = 0.6
@@ -51,12 +51,7 @@ def test_coefficients_match_finite_differences(beta, p0, r0):
     assert lin.scale * lin.a == pytest.approx(d_p, rel=1e-6)  # ∂F/∂P
 
 
-@settings(deadline=None)
-@given(
-    beta=st.floats(0.1, 5.0),
-    p0=st.floats(0.05, 0.99),
-    r0=st.floats(0.01, 0.99),
-)
+@reward_property(beta=st.floats(0.1, 5.0), p0=st.floats(0.05, 0.99), r0=st.floats(0.01, 0.99))
 def test_coefficients_match_finite_differences_property(beta, p0, r0):
     d_p, d_r = fd_slopes(p0, r0, beta, h=1e-5)
     assert linearize(beta, p0, r0)[0] == pytest.approx(d_p / d_r, rel=1e-4)
@@ -116,8 +111,7 @@ def test_no_error_along_the_calibration_ray():
         assert lin.linearization_error(t * P0, t * R0) == pytest.approx(0.0, abs=1e-14)
 
 
-@settings(deadline=None)
-@given(p=st.floats(0.0, 1.0), r=st.floats(0.0, 1.0), beta=st.floats(0.1, 5.0), ratio=st.floats(0.05, 3.0))
+@reward_property(p=unit, r=unit, beta=st.floats(0.1, 5.0), ratio=st.floats(0.05, 3.0))
 def test_linearization_is_an_upper_bound(p, r, beta, ratio):
     # F_β is concave, so its tangent plane lies above it everywhere on [0, 1]².
     p0 = 0.5
@@ -222,16 +216,7 @@ def test_reward_rejects_bad_inputs():
         lin(np.zeros(3), np.zeros(2))
 
 
-@settings(deadline=None)
-@given(
-    beta=st.floats(0.1, 5.0),
-    p0=st.floats(0.01, 1.0),
-    r0=st.floats(0.0, 1.0),
-    p=st.floats(0.0, 1.0),
-    r=st.floats(0.0, 1.0),
-    dp=st.floats(0.0, 1.0),
-    dr=st.floats(0.0, 1.0),
-)
+@reward_property(beta=st.floats(0.1, 5.0), p0=st.floats(0.01, 1.0), r0=unit, p=unit, r=unit, dp=unit, dr=unit)
 def test_reward_in_range_and_monotone(beta, p0, r0, p, r, dp, dr):
     lin = LinearizedReward.at(beta, p0, r0)
     value = lin(p, r)
