@@ -1,9 +1,14 @@
 """Self-compaction in the sandbox proxy: when an agent nears the context limit, ask it to summarize its working
 state and resume it from its own summary (the seed's long-horizon recipe), recorded so that it trains cleanly.
 
-Policy (:class:`CompactionConfig`): a ``/v1/completions`` request is compacted when its prompt plus its
-``max_tokens`` would pass ``trigger`` of the context window (``window`` tokens, the engine's positions). Then
-the proxy runs it as segments, each one upstream request recorded as a turn of the trajectory:
+Policy (:class:`CompactionConfig`): a ``/v1/completions`` or ``/v1/chat/completions`` request is compacted when
+its prompt plus its ``max_tokens`` would pass ``trigger`` of the context window (``window`` tokens, the engine's
+positions). A chat request's prompt is its ``messages`` rendered with the model's chat template
+(``syncd.engine.proxy.chat_template``, ``add_generation_prompt``) and tokenised by the proxy; its bound is
+``max_completion_tokens`` or ``max_tokens`` (a chat request with neither, or with ``tools``, passes through: the
+compacted answer is text, the frontend's tool-call parser never sees it). From there on both endpoints are one
+mechanism: the proxy runs the request as segments, each one upstream ``/v1/completions`` request with the prompt
+as token ids, recorded as a turn of the trajectory:
 
 1. **generate** -- the context ``C`` (the prompt's token ids) generates up to the budget
    ``floor(trigger * window) - len(C)`` tokens ``O``;
@@ -14,18 +19,26 @@ the proxy runs it as segments, each one upstream request recorded as a turn of t
    head and the summary's *sampled* ids, never detokenised and tokenised again) generates the next tokens; steps
    2-3 repeat until the request's ``max_tokens`` are made or the model stops (at most ``max_compactions``).
 
-Every segment is sent to the frontend as token ids (``prompt: [ids]``), so the engine sees exactly the ids the
-record holds; each turn carries the usual record (prompt ids, sampled ids, versions, log-probs, the engine
-request ids that join it to the replay records with its kept sets and routes) and a ``compaction`` member
-``{"request", "segment", "role": "generate" | "summary" | "continuation", "client_request"?}``; the
-trajectory's ``compactions`` member lists the boundaries (``syncd.records.trajectory``). The client gets one
-answer: the generate and continuation outputs concatenated (streamed clients get it as one chunk when the
-request ends), ``usage`` counting those tokens, and ``nvext.compactions``, the number of compactions.
+``summary`` selects what replaces the context at step 3, for ablations (``bench.compaction_recall``):
+``"model"`` (the default, above), ``"empty"`` (no summary segment; ``S`` is empty) or ``"truncate"`` (no summary
+segment; plain truncation: ``C' = C[:keep_prompt]`` and the last ``len(resume_prompt) + summary_tokens +
+len(continue_prompt)`` tokens of ``C + O``, a context as long as the model arm's). The ablations record no summary
+turns, so their records list no boundaries (``compactions`` is empty); ``nvext.compactions`` counts them all the same.
 
-A later request of a compacted trajectory whose prompt text extends what the client saw (its prompt and the
-answer) continues from the live context: the new text alone is tokenised and appended to ``C'`` and what it
-generated. Chat requests, ``n > 1``, prompts of several texts and prompts too long even to summarize pass
-through uncompacted.
+Every segment is sent to the frontend as token ids (``prompt: [ids]``; a chat body's sampling members are kept,
+its chat-only members dropped), so the engine sees exactly the ids the record holds; each turn carries the usual
+record (prompt ids, sampled ids, versions, log-probs, the engine request ids that join it to the replay records
+with its kept sets and routes) and a ``compaction`` member ``{"request", "segment", "role": "generate" |
+"summary" | "continuation", "client_request"?}`` (``client_request``: the client's body, chat or completions); the
+trajectory's ``compactions`` member lists the boundaries (``syncd.records.trajectory``). The client gets one
+answer in its endpoint's form (a ``text_completion``, or a ``chat.completion`` whose message is the text): the
+generate and continuation outputs concatenated (streamed clients get it as one chunk when the request ends),
+``usage`` counting those tokens, and ``nvext.compactions``, the number of compactions.
+
+A later request of a compacted trajectory whose prompt text (for chat: the rendered messages) extends what the
+client saw (its prompt and the answer) continues from the live context: the new text alone is tokenised and
+appended to ``C'`` and what it generated. ``n > 1``, prompts of several texts and prompts too long even to
+summarize pass through uncompacted, as do chat requests when the model folder has no chat template.
 
 Errors: a configuration that leaves no room (``trigger * window`` plus the summary prompt and tokens past the
 window, a continuation's fixed part filling the budget) raises ValueError at start-up; a live context too long to
@@ -35,21 +48,32 @@ summarize, or ``max_compactions`` used up, fails the request (HTTP 400, a failed
 from __future__ import annotations
 
 import json
+import logging
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
 
+from syncd.engine.proxy.chat_template import ChatTemplate
 from syncd.engine.proxy.record import Turn, now
 from syncd.engine.proxy import sse
 from syncd.engine.proxy.turn import (TRAJECTORY_HEADER, ClientStream, check_complete, client_wants, error_response,
                                upstream_body)
 from syncd.records.trajectory import COMPACTION_ROLES
 
-__all__ = ["CompactionConfig", "Compactor", "ROLES"]
+__all__ = ["CompactionConfig", "Compactor", "ROLES", "SUMMARY_MODES"]
+
+log = logging.getLogger(__name__)
 
 ROLES = COMPACTION_ROLES
+SUMMARY_MODES = ("model", "empty", "truncate")
+ENDPOINTS = ("completions", "chat/completions")
+#: members of a chat body that a completions segment has no use for (or reads otherwise: ``logprobs``)
+CHAT_ONLY = frozenset({"messages", "tools", "tool_choice", "parallel_tool_calls", "response_format", "logprobs",
+                       "top_logprobs", "max_completion_tokens", "chat_template", "chat_template_kwargs",
+                       "add_generation_prompt", "continue_final_message", "documents", "reasoning_effort"})
 SUMMARY_PROMPT = "\n\nYou are near the end of your context. Summarize your work so far: the task, what is done, " \
                  "what is left.\nSummary:"
 RESUME_PROMPT = "\n\nYour summary of your earlier work:\n"
@@ -61,7 +85,8 @@ class CompactionConfig:
     """``window``: the context window in tokens; ``tokenizer``: the model's ``tokenizer.json`` (or its folder);
     ``trigger``: the share of the window a segment may fill, in (0, 1]; ``summary_tokens``: the summary's
     ``max_tokens``; ``keep_prompt``: tokens of the original prompt kept at the head of a continuation (the task
-    statement); the three prompts are texts (tokenised once, at start-up)."""
+    statement); the three prompts are texts (tokenised once, at start-up); ``summary``: one of ``SUMMARY_MODES``
+    (``"model"``; ``"empty"`` and ``"truncate"`` are the ablations of the module docstring)."""
 
     window: int
     tokenizer: str
@@ -72,6 +97,7 @@ class CompactionConfig:
     summary_tokens: int = 64
     keep_prompt: int = 64
     max_compactions: int = 64
+    summary: str = "model"
 
     def __post_init__(self):
         if self.window < 8:
@@ -80,6 +106,8 @@ class CompactionConfig:
             raise ValueError(f"compaction trigger must be in (0, 1], got {self.trigger}")
         if self.summary_tokens < 1 or self.keep_prompt < 0 or self.max_compactions < 1:
             raise ValueError("compaction summary_tokens and max_compactions must be >= 1, keep_prompt >= 0")
+        if self.summary not in SUMMARY_MODES:
+            raise ValueError(f"compaction summary must be one of {', '.join(SUMMARY_MODES)}, got {self.summary!r}")
 
     @classmethod
     def for_model(cls, model_dir, **kw) -> "CompactionConfig":
@@ -119,6 +147,7 @@ class _Request:
     head: list[int]
     prompt_text: str | None
     max_tokens: int
+    endpoint: str = "completions"
     segments: list[Turn] = field(default_factory=list)
 
 
@@ -142,6 +171,9 @@ class Compactor:
             self.tokenizer = Tokenizer.from_file(str(path))
         except Exception as exc:  # noqa: BLE001 -- tokenizers raises a bare Exception for a missing or bad file
             raise ValueError(f"{path}: not a tokenizer the compactor can read: {exc}") from None
+        self.chat = ChatTemplate.from_folder(path.parent)
+        if self.chat is None:
+            log.warning("%s has no chat template: chat requests pass through uncompacted", path.parent)
         self.summary_ids = self.encode(config.summary_prompt)
         self.resume_ids = self.encode(config.resume_prompt)
         self.continue_ids = self.encode(config.continue_prompt)
@@ -180,19 +212,33 @@ class Compactor:
 
     # ------------------------------------------------------------------------------------ policy
 
-    def plan(self, tid: str, body: dict, endpoint: str) -> _Request | None:
-        """The compacted run of ``body``, or None when it goes the proxy's usual way."""
-        if endpoint != "completions" or (body.get("n") or 1) != 1 or body.get("echo"):
+    def _prompt(self, body: dict, endpoint: str):
+        """``(prompt, max_tokens)`` of a body this compactor may run (a text or token ids), else None."""
+        if endpoint not in ENDPOINTS or (body.get("n") or 1) != 1 or body.get("echo"):
             return None
-        prompt, max_tokens = body.get("prompt"), body.get("max_tokens")
-        max_tokens = 16 if max_tokens is None else max_tokens  # the OpenAI default
+        if endpoint == "completions":
+            prompt, max_tokens = body.get("prompt"), body.get("max_tokens")
+            max_tokens = 16 if max_tokens is None else max_tokens  # the OpenAI default
+        else:
+            max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+            if self.chat is None or body.get("tools") or max_tokens is None:
+                return None
+            prompt = self.chat.render(body)
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             return None  # the frontend answers what is wrong
+        return prompt, max_tokens
+
+    def plan(self, tid: str, body: dict, endpoint: str) -> _Request | None:
+        """The compacted run of ``body``, or None when it goes the proxy's usual way."""
+        got = self._prompt(body, endpoint)
+        if got is None:
+            return None
+        prompt, max_tokens = got
         live = self._live.get(tid)
         if isinstance(prompt, str):
             if live is not None and prompt.startswith(live.client_text):
                 return _Request(live.context + self.encode(prompt[len(live.client_text):]), live.head, prompt,
-                                max_tokens)
+                                max_tokens, endpoint)
             ids, text = self.encode(prompt), prompt
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
                                                            for t in prompt):
@@ -203,7 +249,7 @@ class Compactor:
             return None
         if len(ids) + len(self.summary_ids) + self.config.summary_tokens > self.config.window:
             return None  # too long even to summarize: the usual path, where the engine decides
-        return _Request(ids, ids[:self.config.keep_prompt], text, max_tokens)
+        return _Request(ids, ids[:self.config.keep_prompt], text, max_tokens, endpoint)
 
     # ------------------------------------------------------------------------------------ running
 
@@ -234,28 +280,34 @@ class Compactor:
             if len(context) + len(self.summary_ids) + cfg.summary_tokens > cfg.window:
                 return self._refuse(traj, number, "too_long", f"a context of {len(context)} tokens is too long to "
                                                               f"summarize within the {cfg.window}-token window")
-            summary, err = await self._segment(proxy, traj, tid, body, request, context + self.summary_ids,
-                                               cfg.summary_tokens,
-                                               {"request": number, "segment": segment, "role": "summary", **first})
-            segment, first = segment + 1, {}
-            if err is not None:
-                return err
+            if cfg.summary == "model":
+                summary, err = await self._segment(proxy, traj, tid, body, request, context + self.summary_ids,
+                                                   cfg.summary_tokens,
+                                                   {"request": number, "segment": segment, "role": "summary", **first})
+                segment, first = segment + 1, {}
+                if err is not None:
+                    return err
+                context = req.head + self.resume_ids + summary.output_token_ids + self.continue_ids
+            elif cfg.summary == "empty":
+                context = req.head + self.resume_ids + self.continue_ids
+            else:  # plain truncation, as long as a summarized context
+                context = req.head + context[-(len(self.resume_ids) + cfg.summary_tokens + len(self.continue_ids)):]
             compactions += 1
             self.compactions += 1
             if self._metrics is not None:
                 self._metrics[0].inc()
-            context = req.head + self.resume_ids + summary.output_token_ids + self.continue_ids
         last = visible[-1]
         text = "".join(t.text for t in visible)
         if req.prompt_text is not None:
             self._live[tid] = _Live(req.prompt_text + text, last.prompt_token_ids + last.output_token_ids,
                                     req.head)
-        return await self._answer(body, request, tid, visible, text, compactions, len(req.context))
+        return await self._answer(req.endpoint, body, request, tid, visible, text, compactions, len(req.context))
 
     async def _segment(self, proxy, traj, tid, body, request, prompt_ids, max_tokens, meta):
         """One upstream request of the compacted run, recorded as a turn; ``(turn, None)`` or ``(turn, the
         error response)``."""
-        seg_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+        drop = CHAT_ONLY if "messages" in body else ()
+        seg_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options") and k not in drop}
         seg_body.update(prompt=list(prompt_ids), max_tokens=max_tokens)
         turn = Turn(index=len(traj.turns), endpoint="completions", request=seg_body, stream=False)
         turn.compaction = meta
@@ -282,8 +334,9 @@ class Compactor:
         turn.fail(f"compaction: {reason}")
         return error_response(400, turn.error, "invalid_request_error")
 
-    async def _answer(self, body: dict, request: web.Request, tid: str, visible: list[Turn], text: str,
-                      compactions: int, prompt_tokens: int):
+    async def _answer(self, endpoint: str, body: dict, request: web.Request, tid: str, visible: list[Turn],
+                      text: str, compactions: int, prompt_tokens: int):
+        """The one answer of a compacted request, in the form of the client's ``endpoint``."""
         last = visible[-1]
         n_out = sum(len(t.output_token_ids) for t in visible)
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n_out, "total_tokens": prompt_tokens + n_out}
@@ -294,9 +347,17 @@ class Compactor:
                                     "token_ids": [x for t in visible for x in t.output_token_ids],
                                     "versions": [x for t in visible for x in t.versions],
                                     "logprobs": [x for t in visible for x in t.logprobs]}
-        out = {"id": visible[0].response_id, "object": "text_completion", "model": body.get("model"),
-               "choices": [{"index": 0, "text": text, "finish_reason": last.finish_reason, "logprobs": None}],
-               "usage": usage, "nvext": nvext}
+        chat = endpoint == "chat/completions"
+        if chat:
+            message = {"role": "assistant", "content": text}
+            choice = {"index": 0, ("delta" if body.get("stream") else "message"):
+                      message if body.get("stream") else {**message, "refusal": None}}
+            kind = "chat.completion.chunk" if body.get("stream") else "chat.completion"
+        else:
+            choice, kind = {"index": 0, "text": text}, "text_completion"
+        choice.update(finish_reason=last.finish_reason, logprobs=None)
+        out = {"id": visible[0].response_id, "object": kind, "created": int(time.time()), "model": body.get("model"),
+               "choices": [choice], "usage": usage, "nvext": nvext}
         headers = {TRAJECTORY_HEADER: tid, "X-Syncd-Turn": str(visible[0].index),
                    "X-Syncd-Compactions": str(compactions)}
         if not body.get("stream"):

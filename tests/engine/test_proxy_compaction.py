@@ -103,3 +103,45 @@ def test_malformed_compaction_members_are_refused(fn):
     fn(doc)
     with pytest.raises(RecordError, match="compaction"):
         parse(json.dumps(doc).encode())
+
+
+def test_a_chat_request_is_planned_from_its_rendered_messages(model):
+    c = _compactor(model)
+    messages = [{"role": "user", "content": "a:" + "a" * 40}]
+    text = "<|im_start|>user\na:" + "a" * 40 + "<|im_end|>\n<|im_start|>assistant\n"  # make_tiny's ChatML
+    req = c.plan("t", {"messages": messages, "max_tokens": 60}, "chat/completions")
+    assert req.endpoint == "chat/completions" and req.prompt_text == text and req.context == c.encode(text)
+    assert req.context[0] == 257 and req.head == req.context[:8]  # <|im_start|> is one special token
+    assert c.plan("t", {"messages": messages, "max_completion_tokens": 60, "max_tokens": 1},
+                  "chat/completions").max_tokens == 60
+    for body in [{"messages": messages, "max_tokens": 10},                       # fits
+                 {"messages": messages},                                         # no bound to compact against
+                 {"messages": messages, "max_tokens": 60, "tools": [{"type": "function"}]},  # tool calls: frontend's
+                 {"messages": "hi", "max_tokens": 60}, {"messages": [1], "max_tokens": 60}]:  # the frontend answers
+        assert c.plan("t", body, "chat/completions") is None
+
+
+def test_a_folder_without_a_chat_template_passes_chat_through(model, tmp_path):
+    import shutil
+
+    folder = tmp_path / "m"
+    shutil.copytree(model, folder)
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    del cfg["chat_template"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    c = _compactor(folder)
+    assert c.chat is None
+    assert c.plan("t", {"messages": [{"role": "user", "content": "a" * 90}], "max_tokens": 60},
+                  "chat/completions") is None
+    (folder / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert _compactor(folder).plan("t", {"messages": [{"role": "user", "content": "a" * 90}], "max_tokens": 60},
+                                   "chat/completions").prompt_text == "a" * 90  # the .jinja file wins
+    (folder / "chat_template.jinja").write_text("{% for m in messages %}")
+    with pytest.raises(ValueError, match="does not compile"):
+        _compactor(folder)
+
+
+def test_the_summary_modes_are_checked():
+    assert CompactionConfig(window=128, tokenizer="x", summary="truncate").summary == "truncate"
+    with pytest.raises(ValueError, match="compaction summary must be one of model, empty, truncate"):
+        CompactionConfig(window=128, tokenizer="x", summary="none")

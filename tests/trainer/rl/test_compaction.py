@@ -3,7 +3,9 @@ context, the sandbox proxy (``syncd.engine.proxy.Proxy``, in this process, with 
 it, a file store for the replay and trajectory records, and the trainer's reader (``syncd.trainer.rl.rollouts`` +
 ``syncd.trainer.rl.compaction``). A request for more tokens than the window holds is compacted into segments; each one
 is recorded with its exact ids and joins its replay records; every training sample cut from it is prefix-consistent
-and equals what the engine saw (a hypothesis property over compaction settings and requests)."""
+and equals what the engine saw (a hypothesis property over compaction settings and requests). Chat requests take the
+same path (their messages rendered by the model's chat template in the proxy, every segment sent as token ids), and
+the ablations (``summary="empty"``, ``"truncate"``) replace the summary as specified."""
 
 from __future__ import annotations
 
@@ -47,9 +49,9 @@ def node(tmp_path_factory):
         n.close()
 
 
-async def _session(node, compaction, requests, sandbox: str, reward: float = 0.5):
-    """Run ``requests`` (``(trajectory, body or body(replies so far))``) in order through a proxy, finish each trajectory with
-    ``reward``; returns the responses and the trajectory ids."""
+async def _session(node, compaction, requests, sandbox: str, reward: float = 0.5, endpoint: str = "completions"):
+    """Run ``requests`` (``(trajectory, body or body(replies so far))``) in order through a proxy at ``endpoint``,
+    finish each trajectory with ``reward``; returns the responses and the trajectory ids."""
     url, model, _, store = node
     proxy = Proxy(ProxyConfig(upstream=url, run_id=RUN, sandbox_id=sandbox, compaction=compaction), store)
     base = await proxy.start()
@@ -58,7 +60,7 @@ async def _session(node, compaction, requests, sandbox: str, reward: float = 0.5
         async with aiohttp.ClientSession() as http:
             for tid, body in requests:
                 body = body(replies) if callable(body) else body
-                async with http.post(f"{base}/v1/completions", json={"model": model, **body},
+                async with http.post(f"{base}/v1/{endpoint}", json={"model": model, **body},
                                      headers={"X-Syncd-Trajectory": tid}) as resp:
                     replies.append((resp.status, await resp.json(), dict(resp.headers)))
                 if tid not in tids:
@@ -299,3 +301,104 @@ def test_a_streaming_client_gets_the_compacted_answer_as_one_chunk(node):
     doc = read_record(store, RUN, "sb-stream", "s")
     visible = [t for t in doc["turns"] if t["compaction"]["role"] != "summary"]
     assert chunk["choices"][0]["text"] == "".join(t["text"] for t in visible) and chunk["nvext"]["compactions"] >= 2
+
+
+# ------------------------------------------------------------------------------------ chat
+
+CHAT = {"messages": [{"role": "system", "content": "Write letters."}, {"role": "user", "content": "a:" + "a" * 20}],
+        "max_tokens": 200, "ignore_eos": True, "temperature": 1.0, "top_p": 0.9, "seed": 7}
+
+
+def _chat_prompt_ids(node, messages) -> list[int]:
+    from syncd.engine.proxy.compaction import Compactor
+
+    c = Compactor(_compaction(node))
+    return c.encode(c.chat.render({"messages": messages}))
+
+
+def test_a_chat_request_is_compacted_end_to_end_and_reads_back_prefix_consistent(node):
+    (status, reply, headers), = asyncio.run(_session(node, _compaction(node), [("t-chat", CHAT)], "sb-chat",
+                                                    endpoint="chat/completions"))
+    assert status == 200, reply
+    n = reply["nvext"]["compactions"]
+    assert reply["object"] == "chat.completion" and reply["usage"]["completion_tokens"] == 200 and n >= 2
+    assert int(headers["X-Syncd-Compactions"]) == n
+    doc = read_record(node[3], RUN, "sb-chat", "t-chat")
+    turns = doc["turns"]
+    assert doc["status"] == "complete" and [t["compaction"]["role"] for t in turns] == \
+        ["generate"] + ["summary", "continuation"] * n
+    prompt = _chat_prompt_ids(node, CHAT["messages"])  # the chat template's text, tokenised by the proxy
+    assert turns[0]["prompt_token_ids"] == prompt and turns[0]["compaction"]["client_request"]["messages"]
+    for t in turns:  # every segment went upstream as completions with token ids, never as messages
+        assert t["endpoint"] == "completions" and t["request"]["prompt"] == t["prompt_token_ids"]
+        assert "messages" not in t["request"] and len(t["prompt_token_ids"]) + len(t["output_token_ids"]) <= WINDOW
+    assert turns[2]["prompt_token_ids"][:8] == prompt[:8]  # the head of the rendered chat
+    visible = [t for t in turns if t["compaction"]["role"] != "summary"]
+    assert reply["choices"][0]["message"] == {"role": "assistant", "content": "".join(t["text"] for t in visible),
+                                              "refusal": None}
+    samples = training_samples(_rollouts(node, "sb-chat").rollouts[0])
+    assert len(samples) == n + 1 and all(prefix_consistent(s, doc) for s in samples)
+
+
+def test_a_later_chat_request_continues_from_the_compacted_context(node):
+    def second(replies):
+        answer = replies[0][1]["choices"][0]["message"]["content"]
+        return {**CHAT, "max_tokens": 10, "messages": CHAT["messages"] + [
+            {"role": "assistant", "content": answer}, {"role": "user", "content": "b:"}]}
+
+    replies = asyncio.run(_session(node, _compaction(node), [("t-chat2", {**CHAT, "max_tokens": 120}),
+                                                             ("t-chat2", second)], "sb-chat2",
+                                   endpoint="chat/completions"))
+    assert [r[0] for r in replies] == [200, 200] and replies[0][1]["nvext"]["compactions"] >= 1
+    turns = read_record(node[3], RUN, "sb-chat2", "t-chat2")["turns"]
+    g2 = [t for t in turns if t["compaction"]["role"] == "generate"][-1]
+    before = [t for t in turns[:g2["index"]] if t["compaction"]["role"] != "summary"][-1]
+    ctx = before["prompt_token_ids"] + before["output_token_ids"]
+    assert g2["index"] > 0 and g2["prompt_token_ids"][:len(ctx)] == ctx  # the live context, extended
+    assert all(prefix_consistent(s, read_record(node[3], RUN, "sb-chat2", "t-chat2"))
+               for s in training_samples(_rollouts(node, "sb-chat2").rollouts[0]))
+
+
+def test_a_streaming_chat_client_gets_one_chunk(node):
+    body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+    url, model, _, store = node
+
+    async def go():
+        proxy = Proxy(ProxyConfig(upstream=url, run_id=RUN, sandbox_id="sb-chats", compaction=_compaction(node)),
+                      store)
+        base = await proxy.start()
+        try:
+            async with aiohttp.ClientSession() as http:
+                async with http.post(f"{base}/v1/chat/completions", json={"model": model, **body}) as r:
+                    assert r.status == 200
+                    return (await r.read()).decode()
+        finally:
+            await proxy.close()
+
+    events = [e[len("data: "):] for e in asyncio.run(go()).split("\n\n") if e.startswith("data: ")]
+    assert events[-1] == "[DONE]" and len(events) == 2
+    chunk = json.loads(events[0])
+    assert chunk["object"] == "chat.completion.chunk" and chunk["usage"]["completion_tokens"] == 200
+    assert chunk["choices"][0]["delta"]["role"] == "assistant" and len(chunk["choices"][0]["delta"]["content"]) > 0
+
+
+@pytest.mark.parametrize("mode", ["empty", "truncate"])
+def test_the_ablations_replace_the_summary_with_nothing_or_the_recent_tokens(node, mode):
+    cfg = _compaction(node, summary=mode)
+    sandbox = f"sb-{mode}"
+    (status, reply, _), = asyncio.run(_session(node, cfg, [("t", CHAT)], sandbox, endpoint="chat/completions"))
+    assert status == 200 and reply["usage"]["completion_tokens"] == 200 and reply["nvext"]["compactions"] >= 2
+    doc = read_record(node[3], RUN, sandbox, "t")
+    turns = doc["turns"]
+    assert {t["compaction"]["role"] for t in turns[1:]} == {"continuation"} and doc["compactions"] == []
+    from syncd.engine.proxy.compaction import Compactor
+
+    c = Compactor(cfg)
+    head = turns[0]["prompt_token_ids"][:8]
+    for prev, cont in zip(turns, turns[1:]):
+        if mode == "empty":
+            assert cont["prompt_token_ids"] == head + c.resume_ids + c.continue_ids
+        else:
+            keep = len(c.resume_ids) + cfg.summary_tokens + len(c.continue_ids)
+            assert cont["prompt_token_ids"] == head + (prev["prompt_token_ids"] + prev["output_token_ids"])[-keep:]
+    assert all(prefix_consistent(s, doc) for s in training_samples(_rollouts(node, sandbox).rollouts[0]))
