@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import json
-
 from bench import cache_verify
+from tests.bench._run import run_bench
 
 
 def test_cache_verify_benchmark_tiny(tmp_path, capsys):
-    out = tmp_path / "cache_verify.json"
-    assert cache_verify.main(["--preset", "tiny", "--rounds", "1", "--json", str(out)]) == 0
-    printed = capsys.readouterr().out
+    data, printed = run_bench(cache_verify, ["--preset", "tiny", "--rounds", "1"], tmp_path, capsys)
     assert "read pass (the limit)" in printed and "with re-hashed shards" in printed
-    data = json.loads(out.read_text())
     tp, up = data["throughput"], data["update"]
     assert tp["bytes"] == 16 << 20 and all(v > 0 for v in tp["gbps"].values())
     assert 0 < tp["vs_read"]["read_sha256"] and 0 < tp["vs_read"]["parallel_verified"]

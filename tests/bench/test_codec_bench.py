@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import json
-
 from bench import codec
+from tests.bench._run import run_bench
 
 
 def test_codec_benchmark_tiny(tmp_path, capsys):
-    out, png = tmp_path / "codec.json", tmp_path / "codec.png"
-    assert codec.main(["--preset", "tiny", "--lrs", "1e-5", "--ks", "1,2", "--repeats", "1", "--json", str(out),
-                       "--plot", str(png)]) == 0
-    printed = capsys.readouterr().out
+    png = tmp_path / "codec.png"
+    data, printed = run_bench(codec, ["--preset", "tiny", "--lrs", "1e-5", "--ks", "1,2", "--repeats", "1", "--plot",
+                                      str(png)], tmp_path, capsys)
     assert "v2/bnd" in printed and "zstd xor%" in printed and "format 2 against format 1" in printed
     assert png.stat().st_size > 1000
-    data = json.loads(out.read_text())
     assert [r["k"] for r in data["results"]] == [1, 2]
     for r in data["results"]:
         assert 0 < r["density"] < 1 and r["bound_bytes"] > 0 and r["numpy_read_gbps"] > 0

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import json
-
 from bench import nvfp4
+from tests.bench._run import run_bench
 
 
 def test_nvfp4_benchmark_tiny(tmp_path, capsys):
-    out = tmp_path / "nvfp4.json"
-    assert nvfp4.main(["--preset", "tiny", "--repeats", "1", "--json", str(out)]) == 0
-    printed = capsys.readouterr().out
+    data, printed = run_bench(nvfp4, ["--preset", "tiny", "--repeats", "1"], tmp_path, capsys)
     assert "quantize(pts)" in printed and "delta as % of the packed NVFP4 bytes" in printed
-    data = json.loads(out.read_text())
     tp = data["throughput"]
     assert tp["read_gbps"] > 0
     assert set(tp["backends"]) == {"cpu", "reference"}
