@@ -53,6 +53,18 @@ async def running_nodes(tmp_path, store, etcd, n):
             await node.stop()
 
 
+async def elected(nodes, what):
+    """The agreed ``(controller, term)`` of ``nodes``, awaited (for at most 10 TTLs)."""
+    return await until(lambda: agreed(nodes), 10 * TTL, what)
+
+
+@pytest.fixture
+def store(tmp_path):
+    """The cluster's file store (an empty folder)."""
+    (tmp_path / "store").mkdir()
+    return tmp_path / "store"
+
+
 def events(tmp_path, rank, ev):
     with open(tmp_path / f"node{rank}.events") as fh:
         return [e for e in map(json.loads, fh) if e["ev"] == ev]
@@ -77,13 +89,11 @@ def agreed(nodes):
     return None
 
 
-def test_one_controller_term_is_the_etcd_revision_and_a_takeover_raises_it(tmp_path, etcd):
-    store = tmp_path / "store"
-    store.mkdir()
+def test_one_controller_term_is_the_etcd_revision_and_a_takeover_raises_it(tmp_path, store, etcd):
 
     async def main():
         async with running_nodes(tmp_path, store, etcd, 3) as nodes:
-            ctrl, term = await until(lambda: agreed(nodes), 10 * TTL, "one controller all nodes agree on")
+            ctrl, term = await elected(nodes, "one controller all nodes agree on")
             client = EtcdClient(etcd.url)
             kv, _ = await client.leader(key_prefix(RUN) + b"controller")
             assert kv.create_revision == term, "the term is the leader key's creation revision"
@@ -94,7 +104,7 @@ def test_one_controller_term_is_the_etcd_revision_and_a_takeover_raises_it(tmp_p
             old = nodes[ctrl]
             t_stop = time.monotonic()
             await old.stop()  # revokes its lease: the next candidate leads at once
-            ctrl2, term2 = await until(lambda: agreed(nodes), 10 * TTL, "a new controller")
+            ctrl2, term2 = await elected(nodes, "a new controller")
             took = time.monotonic() - t_stop
             assert ctrl2 != ctrl and term2 > term, "a later controller has a higher term"
             assert took < 2 * TTL, f"a controller that stops hands over at once (took {took:.1f}s)"
@@ -108,13 +118,11 @@ def test_one_controller_term_is_the_etcd_revision_and_a_takeover_raises_it(tmp_p
     run(main())
 
 
-def test_a_controller_cut_off_from_etcd_steps_down_before_another_leads(tmp_path, etcd):
-    store = tmp_path / "store"
-    store.mkdir()
+def test_a_controller_cut_off_from_etcd_steps_down_before_another_leads(tmp_path, store, etcd):
 
     async def main():
         async with running_nodes(tmp_path, store, etcd, 2) as nodes:
-            ctrl, term = await until(lambda: agreed(nodes), 10 * TTL, "a controller")
+            ctrl, term = await elected(nodes, "a controller")
             cut = nodes[ctrl].heartbeats.election
             cut.client.endpoints = parse_endpoints(f"http://127.0.0.1:{free_port()}")  # etcd unreachable from it
             other = nodes[1 - ctrl]
@@ -130,20 +138,18 @@ def test_a_controller_cut_off_from_etcd_steps_down_before_another_leads(tmp_path
     run(main())
 
 
-def test_stale_plans_and_claims_are_refused(tmp_path, etcd, states):
-    store = tmp_path / "store"
-    store.mkdir()
+def test_stale_plans_and_claims_are_refused(tmp_path, store, etcd, states):
     pub = Publisher(store, states)
     v0 = pub.next()
     pub.close()
 
     async def main():
         async with running_nodes(tmp_path, store, etcd, 3) as nodes:
-            ctrl, term = await until(lambda: agreed(nodes), 10 * TTL, "a controller")
+            ctrl, term = await elected(nodes, "a controller")
             await until(lambda: all(n.delivered == v0 for n in nodes), 30, f"version {v0} everywhere")
             old_plan = nodes[ctrl].plans[v0]
             await nodes[ctrl].stop()
-            ctrl2, term2 = await until(lambda: agreed(nodes), 10 * TTL, "a new controller")
+            ctrl2, term2 = await elected(nodes, "a new controller")
             follower = next(n for n in nodes if n.running and n.rank != ctrl2)
             assert follower.heartbeats.election.max_term == term2
             before = follower.stats["stale_refused"]
@@ -168,12 +174,10 @@ def test_stale_plans_and_claims_are_refused(tmp_path, etcd, states):
     run(main())
 
 
-def test_hostile_etcd_contents_and_replies_are_counted_not_followed(tmp_path, etcd):
+def test_hostile_etcd_contents_and_replies_are_counted_not_followed(tmp_path, store, etcd):
     """A candidate and a member record in etcd not signed with the cluster secret are ignored (the forged
     candidate, oldest in the queue, holds etcd's lead: nobody follows it, nobody controls until it goes); a fake
     etcd answering garbage costs counted failures, never a task."""
-    store = tmp_path / "store"
-    store.mkdir()
 
     async def main():
         client = EtcdClient(etcd.url)
@@ -187,7 +191,7 @@ def test_hostile_etcd_contents_and_replies_are_counted_not_followed(tmp_path, et
             assert not any(n.is_controller for n in nodes) and all(n.summary()["controller"] is None for n in nodes)
             assert all(7 not in n.summary()["members"] for n in nodes), "an unsigned member record is ignored"
             await client.revoke(forged.id)
-            await until(lambda: agreed(nodes), 10 * TTL, "a controller once the forged candidate is gone")
+            await elected(nodes, "a controller once the forged candidate is gone")
             for n in nodes:
                 assert not n.supervisor.died(), n.supervisor.health()
 
