@@ -44,6 +44,13 @@ def ids_for(model, B=2, T=9, seed=0):
     return torch.randint(0, model.config.vocab_size, (B, T), generator=torch.Generator().manual_seed(seed))
 
 
+def routed(arch: str, *, B=2, T=9, **kw):
+    """``(model, ids, routes)``: a :func:`tiny` model (``kw``), token ids for it and the routes it chooses for them."""
+    model = tiny(arch, **kw)
+    ids = ids_for(model, B=B, T=T)
+    return model, ids, own_routes(model, ids)
+
+
 def grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -56,9 +63,7 @@ def loss_of(model, ids):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("impl", IMPLS)
 def test_replaying_the_models_own_routes_is_bit_identical(arch, impl):
-    model = tiny(arch, experts_impl=impl)
-    ids = ids_for(model)
-    routes = own_routes(model, ids)
+    model, ids, routes = routed(arch, experts_impl=impl)
     ref_logits = model(ids).logits
     ref_logits.float().pow(2).mean().backward()
     ref_grads = grads(model)
@@ -82,9 +87,7 @@ def test_replaying_the_models_own_routes_is_bit_identical(arch, impl):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_the_experts_run_the_recorded_routes_and_disagreement_is_counted(arch):
-    model = tiny(arch)
-    ids = ids_for(model)
-    own = own_routes(model, ids)
+    model, ids, own = routed(arch)
     recorded = own.clone()
     recorded[0, :4, 0] = (own[0, :4, 0] + 3) % 8  # another expert set at 4 positions of layer 0
     clash = recorded[0, :4, 0, 0] == recorded[0, :4, 0, 1]
@@ -106,9 +109,7 @@ def test_the_experts_run_the_recorded_routes_and_disagreement_is_counted(arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_the_router_gradient_matches_finite_differences(arch):
-    model = tiny(arch, dtype=torch.float64, experts_impl="eager")  # (grouped_mm has no float64 kernel)
-    ids = ids_for(model, B=1, T=6)
-    routes = own_routes(model, ids)
+    model, ids, routes = routed(arch, B=1, T=6, dtype=torch.float64, experts_impl="eager")  # (no float64 grouped_mm)
     routes[0, 2, 1] = (routes[0, 2, 1] + 5) % 8  # not the model's own choice: the gradient still flows
     routes[0, 2, 1, 0] = torch.where(routes[0, 2, 1, 0] == routes[0, 2, 1, 1], (routes[0, 2, 1, 1] + 1) % 8,
                                      routes[0, 2, 1, 0])
@@ -139,10 +140,8 @@ def test_the_router_gradient_matches_finite_differences(arch):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("where", ["inside", "after-exit", "reentrant-inside"])
 def test_activation_checkpointing_recomputes_with_the_same_routes(arch, where):
-    model = tiny(arch)
+    model, ids, routes = routed(arch)
     model.train()
-    ids = ids_for(model)
-    routes = own_routes(model, ids)
     g = torch.Generator().manual_seed(5)
     routes = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(routes[..., 0].numel())]).view_as(routes)
     with routing_replay(model, routes):
@@ -178,9 +177,7 @@ def test_activation_checkpointing_recomputes_with_the_same_routes(arch, where):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("impl", IMPLS)
 def test_padding_positions_get_no_expert(arch, impl):
-    model = tiny(arch, experts_impl=impl)
-    ids = ids_for(model)
-    routes = own_routes(model, ids)
+    model, ids, routes = routed(arch, experts_impl=impl)
     routes[1, 6:] = NO_ROUTE  # the second sequence is padding from position 6
     seen, outs = [], []
     for m in model.modules():
@@ -217,9 +214,7 @@ def test_padding_positions_get_no_expert(arch, impl):
 
 
 def test_bad_routes_and_misuse_raise_named_errors():
-    model = tiny("qwen3_moe")
-    ids = ids_for(model)
-    routes = own_routes(model, ids)
+    model, ids, routes = routed("qwen3_moe")
     with pytest.raises(RoutingReplayError, match=r"\[T, 2, 2\]"):
         routing_replay(model, routes[..., :1])
     with pytest.raises(RoutingReplayError, match="outside 0..7"):
@@ -247,9 +242,7 @@ def test_bad_routes_and_misuse_raise_named_errors():
 
 
 def test_bind_swaps_routes_between_cached_forwards():
-    model = tiny("mixtral")
-    ids = ids_for(model, B=1, T=10)
-    routes = own_routes(model, ids)
+    model, ids, routes = routed("mixtral", B=1, T=10)
     from transformers import DynamicCache
 
     import inspect
