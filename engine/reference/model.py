@@ -34,7 +34,7 @@ from syncd.engines.params import ParamPiece, ParamSpec, bf16_view_of_fp32
 
 log = logging.getLogger(__name__)
 
-__all__ = ["HFRunner", "load_folder_weights", "default_compute_dtype", "local_view"]
+__all__ = ["HFRunner", "ConfigLimits", "load_folder_weights", "default_compute_dtype", "local_view"]
 
 
 def default_compute_dtype(device: torch.device | str, weights_dtype: torch.dtype) -> torch.dtype:
@@ -70,7 +70,22 @@ def load_folder_weights(folder: str | Path) -> dict[str, torch.Tensor]:
     return out
 
 
-class HFRunner:
+class ConfigLimits:
+    """What the engine asks a runner about the model's HF ``config``: its vocabulary size and how many positions
+    it takes."""
+
+    config: object
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.vocab_size)
+
+    @property
+    def max_positions(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 1 << 30))
+
+
+class HFRunner(ConfigLimits):
     """A ``transformers`` causal LM built from ``config`` and loaded with ``weights`` (trainer names ->
     tensors, all of one floating dtype: the weights dtype; NVFP4 triples besides, which are dequantized to the
     weights dtype, the dtype ``syncd.trainer.qat.export_nvfp4`` cast the other tensors to). ``device``/
@@ -155,14 +170,6 @@ class HFRunner:
         tensor may have changed; ``applied`` is not needed here). Refreshes the dequantized copies of NVFP4
         weights whose packed parts changed; nothing else to do (the other tensors are the model's own)."""
         self.nvfp4.refresh(changed)
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.config.vocab_size)
-
-    @property
-    def max_positions(self) -> int:
-        return int(getattr(self.config, "max_position_embeddings", 1 << 30))
 
     @property
     def moe_layers(self) -> int:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from syncd.engines.params import ParamSpec, build_local
-from syncd.engine.reference.model import default_compute_dtype, local_view
+from syncd.engine.reference.model import ConfigLimits, default_compute_dtype, local_view
 from syncd.engine.sharding import tp_specs
 
 __all__ = ["TPRunner"]
@@ -36,7 +36,7 @@ class _Cache:
     length: int = 0
 
 
-class TPRunner:
+class TPRunner(ConfigLimits):
     """``world_size`` ranks of a dense Llama/Qwen2 ``config`` loaded from the trainer's ``weights``.
     Raises ValueError for another architecture, rope type or activation, or sizes that do not divide."""
 
@@ -94,14 +94,6 @@ class TPRunner:
     def rank_specs(self, rank: int) -> list[ParamSpec]:
         """Rank ``rank``'s specs under their plain (unprefixed) local names."""
         return list(self._rank_specs[rank])
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.config.vocab_size)
-
-    @property
-    def max_positions(self) -> int:
-        return int(getattr(self.config, "max_position_embeddings", 1 << 30))
 
     def new_cache(self) -> _Cache:
         return _Cache([[None] * self.layers for _ in range(self.world_size)],
