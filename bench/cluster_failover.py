@@ -118,16 +118,29 @@ class NetLab:
     """The store (a simulated S3 endpoint over ``store_dir``), etcd and ``n`` node processes, each in its own
     network namespace on one bridge (:class:`bench.netsim.Netns`); :meth:`cut` and :meth:`heal` a partition
     between node halves, the store reachable from both. Hosts: ``st``, ``et``, ``n0``.. ``args``: more flags for
-    every node. Needs root. A context manager: every process and namespace is gone on exit."""
+    every node. ``engines``: a model folder: each node is then a daemon keeping a reference engine of that model
+    (in the node's namespace) current, and a watcher on host ``ob`` (cut off from nobody) samples every engine's
+    version and checksums into :attr:`watch_log` (:mod:`bench.netsim.watch`). Needs root. A context manager:
+    every process and namespace is gone on exit."""
 
     def __init__(self, workdir, store_dir, n: int, *, run_id: str, signing_key: str, election: str = "etcd",
-                 heartbeat_s: float = 0.25, ttl_s: int = 2, secret: str | None = None, args=()):
+                 heartbeat_s: float = 0.25, ttl_s: int = 2, secret: str | None = None, args=(),
+                 engines: Path | None = None):
         from bench import netsim as sim
         from bench.netsim.etcd import EtcdServer
 
         self.workdir, self.n = Path(workdir), n
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.net = sim.Netns(["st", "et", *(f"n{r}" for r in range(n))])
+        self.net = sim.Netns(["st", "et", *(f"n{r}" for r in range(n)), *(["ob"] if engines else [])])
+        self.model = engines
+        self.watch_log = self.workdir / "watch.jsonl"
+        self.engine_procs: list[subprocess.Popen] = []
+        token = self.workdir / "engine-token"
+        engine_env = {"SYNCD_ENGINE_TOKEN_FILE": str(token)} if engines else {}
+        if engines:
+            token.write_text(secrets.token_hex(32))
+            token.chmod(0o600)
+        self.engine_urls = {r: f"http://{self.net.ip(f'n{r}')}:8101" for r in range(n)} if engines else {}
         self.store_log = self.workdir / "store.log"
         self._store_cmd = [*self.net.exec_prefix("st"), sys.executable, "-m", "bench.netsim", "s3serve",
                            str(store_dir), "--host", self.net.ip("st"), "--port", "8080", "--log", str(self.store_log),
@@ -138,8 +151,9 @@ class NetLab:
             self.workdir / "nodes", store="s3://simstore", run_id=run_id,
             secret=secret or "hex:" + secrets.token_hex(32), signing_key=signing_key, addrs={r: (self.net.ip(f"n{r}"), 7400) for r in range(n)},
             prefix={r: self.net.exec_prefix(f"n{r}") for r in range(n)},
-            env={**sim.s3_env(), "AWS_ENDPOINT_URL": f"http://{self.net.ip('st')}:8080"},
-            args=[*node_args(election, self.etcd and self.etcd.url, heartbeat_s, ttl_s), *args])
+            env={**sim.s3_env(), "AWS_ENDPOINT_URL": f"http://{self.net.ip('st')}:8080", **engine_env},
+            args=[*node_args(election, self.etcd and self.etcd.url, heartbeat_s, ttl_s), *args],
+            engines=self.engine_urls)
         self.srv: subprocess.Popen | None = None
         self.routes: list[tuple[str, str]] = []
 
@@ -150,6 +164,8 @@ class NetLab:
             self.nodes.wait(lambda: (self.workdir / "store.port").exists(), 20, "the store's S3 endpoint")
             if self.etcd is not None:
                 self.etcd.start()
+            if self.model is not None:
+                self._start_engines()
         except BaseException:
             self.close()
             raise
@@ -158,10 +174,27 @@ class NetLab:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _start_engines(self) -> None:
+        env = {**os.environ, **self.nodes.env}
+        ready = {r: self.workdir / f"engine{r}.ready" for r in range(self.n)}
+        for r in range(self.n):
+            with open(self.workdir / f"engine{r}.log", "ab") as log_file:
+                self.engine_procs.append(subprocess.Popen(
+                    [*self.net.exec_prefix(f"n{r}"), sys.executable, "-m", "syncd.engine.control_server", "--model",
+                     str(self.model), "--host", self.net.ip(f"n{r}"), "--port", "8101", "--ready-file",
+                     str(ready[r])], env=env, stdout=log_file, stderr=log_file, stdin=subprocess.DEVNULL))
+        self.nodes.wait(lambda: all(f.exists() for f in ready.values()), 300, "every engine to serve")
+        with open(self.workdir / "watch.log", "ab") as log_file:
+            self.engine_procs.append(subprocess.Popen(
+                [*self.net.exec_prefix("ob"), sys.executable, "-m", "bench.netsim", "watch",
+                 *(f"e{r}={u}" for r, u in self.engine_urls.items()), "--out", str(self.watch_log)],
+                env=env, stdout=log_file, stderr=log_file, stdin=subprocess.DEVNULL))
+
     def cut(self, side: set[str]) -> None:
-        """Partition hosts ``side`` from the other hosts but the store (``st``): blackhole routes both ways, so
-        packets vanish as on a broken link (established connections stall, they do not reset)."""
-        other = set(self.net.names) - set(side) - {"st"}
+        """Partition hosts ``side`` from the other hosts but the store (``st``) and the watcher (``ob``): blackhole
+        routes both ways, so packets vanish as on a broken link (established connections stall, they do not
+        reset)."""
+        other = set(self.net.names) - set(side) - {"st", "ob"}
         for a in side:
             for b in other:
                 for x, y in ((a, b), (b, a)):
@@ -186,6 +219,14 @@ class NetLab:
 
     def close(self) -> None:
         self.nodes.stop_all()
+        for p in reversed(self.engine_procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
         if self.etcd is not None:
             self.etcd.stop()
         if self.srv is not None and self.srv.poll() is None:

@@ -1,6 +1,7 @@
 """``python -m bench.netsim s3serve ROOT [--host H] [--port P] [--bucket B] [--log PATH] [--ready PATH]
 [--writable]``: serve a file store directory as an S3 bucket, read-only unless ``--writable``
-(:class:`bench.netsim.s3.S3FileServer`)."""
+(:class:`bench.netsim.s3.S3FileServer`). ``python -m bench.netsim watch NAME=URL ... --out FILE [--every-s S]``:
+sample engines' versions and checksums until SIGTERM (:mod:`bench.netsim.watch`)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,15 @@ def main(argv=None) -> int:
     s.add_argument("--log", default=None, help="append a JSON line per object body sent")
     s.add_argument("--ready", default=None, help="write the bound port here once listening")
     s.add_argument("--writable", action="store_true", help="accept PUT and DELETE (a publisher writes here)")
+    w = sub.add_parser("watch", help="sample engines' versions and weight checksums until SIGTERM")
+    w.add_argument("engines", nargs="+", metavar="NAME=URL")
+    w.add_argument("--out", required=True, help="append a JSON line per engine and round here")
+    w.add_argument("--every-s", type=float, default=0.3)
     a = p.parse_args(argv)
+    if a.cmd == "watch":
+        from bench.netsim import watch
+
+        return watch.main(a)
     srv = S3FileServer(a.root, a.host, a.port, bucket=a.bucket, log_path=a.log, writable=a.writable)
     if a.ready:
         tmp = a.ready + ".tmp"

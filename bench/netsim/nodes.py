@@ -1,5 +1,6 @@
 """Node processes of one simulated cluster (:class:`NodeProcs`): starts ``python -m syncd.cluster.node``
-processes (optionally inside network namespaces), kills (SIGKILL) and restarts them, and reads their event logs.
+processes, or node daemons keeping engines current (``engines``: ``python -m syncd.app.cli`` in cluster mode),
+optionally inside network namespaces; kills (SIGKILL) and restarts them, and reads their event logs.
 Used from one thread.
 """
 
@@ -18,11 +19,14 @@ __all__ = ["NodeProcs"]
 
 class NodeProcs:
     """Node processes of one simulated cluster. ``addrs``: ``{rank: (host, port)}``; ``prefix``:
-    ``{rank: argv prefix}`` (e.g. ``ip netns exec NS``); ``args``: extra flags for every node."""
+    ``{rank: argv prefix}`` (e.g. ``ip netns exec NS``); ``args``: extra flags for every node, in the node's
+    spelling (``--heartbeat-s``). ``engines``: ``{rank: control URL}``: each node is then a daemon keeping that
+    engine current (``--engine``; the node flags become its ``--cluster-*`` flags), with the same cache folder
+    and event log."""
 
     def __init__(self, workdir, *, store: str, run_id: str, secret: str, signing_key: str | None,
                  addrs: dict, prefix: dict | None = None, args=(), env: dict | None = None,
-                 log_level: str = "WARNING", discovery: str | None = None):
+                 log_level: str = "WARNING", discovery: str | None = None, engines: dict | None = None):
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.addrs, self.prefix = dict(addrs), dict(prefix or {})
@@ -33,10 +37,11 @@ class NodeProcs:
             self.env["SYNCD_SIGNING_KEY"] = signing_key
         self.env.pop("SYNCD_CLUSTER_SECRET", None)
         self.discovery = discovery
+        self.engines = dict(engines or {})
         members = (["--peers-from-store", discovery] if discovery else
                    ["--peers", ",".join(f"{r}={h}:{p}" for r, (h, p) in sorted(self.addrs.items()))])
-        self.common = ["--store", store, "--run-id", run_id, "--cluster-secret-file", str(self.secret_file),
-                       *members, "--log-level", log_level, *args]
+        self.common = ["--store", store, "--run-id", run_id, "--log-level", log_level]
+        self.node_flags = ["--cluster-secret-file", str(self.secret_file), *members, *args]
         self.procs: dict[int, subprocess.Popen] = {}
         self.extra: dict[int, list] = {}
 
@@ -48,11 +53,16 @@ class NodeProcs:
 
     def start(self, rank: int, extra=()) -> subprocess.Popen:
         self.extra[rank] = list(extra) or self.extra.get(rank, [])
-        argv = [*self.prefix.get(rank, []), sys.executable, "-m", "syncd.cluster.node", *self.common,
-                "--rank", str(rank), "--cache-root", str(self.cache(rank)), "--events", str(self.events_path(rank)),
-                *self.extra[rank]]
+        flags = [*self.node_flags, "--rank", str(rank), "--events", str(self.events_path(rank)), *self.extra[rank]]
         if self.discovery:
-            argv += ["--advertise", "%s:%d" % self.addrs[rank]]
+            flags += ["--advertise", "%s:%d" % self.addrs[rank]]
+        if rank in self.engines:
+            argv = [*self.prefix.get(rank, []), sys.executable, "-m", "syncd.app.cli", *self.common,
+                    "--cache-dir", str(self.cache(rank)), "--engine", f"e{rank}={self.engines[rank]}",
+                    "--engine-check-s", "0.5", "--metrics-port", "0", *_as_daemon_flags(flags)]
+        else:
+            argv = [*self.prefix.get(rank, []), sys.executable, "-m", "syncd.cluster.node", *self.common,
+                    "--cache-root", str(self.cache(rank)), *flags]
         errf = open(self.workdir / f"node{rank}.log", "ab")
         p = subprocess.Popen(argv, env=self.env, stdout=errf, stderr=errf, stdin=subprocess.DEVNULL)
         errf.close()
@@ -113,3 +123,9 @@ class NodeProcs:
             return (self.workdir / f"node{rank}.log").read_text()[-n:]
         except FileNotFoundError:
             return ""
+
+
+def _as_daemon_flags(flags: list[str]) -> list[str]:
+    """A node's flags as the daemon spells them: ``--heartbeat-s`` -> ``--cluster-heartbeat-s`` (the node's
+    ``--cluster-secret-file`` already is)."""
+    return [f"--cluster-{f[2:]}" if f.startswith("--") and not f.startswith("--cluster-") else f for f in flags]
