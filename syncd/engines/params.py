@@ -25,7 +25,7 @@ import torch
 
 from syncd.ops import checksum as _checksum
 
-__all__ = ["ParamPiece", "ParamSpec", "identity_specs", "check_spec", "map_positions", "build_local",
+__all__ = ["ParamPiece", "ParamSpec", "identity_specs", "check_spec", "check_like", "map_positions", "build_local",
            "expected_checksums", "slab", "local_slab", "word_view", "flat_view", "bf16_view_of_fp32"]
 
 
@@ -135,6 +135,13 @@ def local_slab(local: torch.Tensor, piece: ParamPiece) -> torch.Tensor:
     return local if piece.dim is None else local.narrow(piece.dim, piece.local_start, piece.stop - piece.start)
 
 
+def check_like(t, dtype: torch.dtype, shape, what: str, wanted: str, error: type[Exception] = ValueError) -> None:
+    """Raise ``error`` unless ``t`` (a tensor, or anything with a dtype and a shape) is ``dtype`` and ``shape``:
+    "``what`` <its dtype and shape>, ``wanted`` <dtype and shape>"."""
+    if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+        raise error(f"{what} {t.dtype}{list(t.shape)}, {wanted} {dtype}{list(shape)}")
+
+
 def build_local(spec: ParamSpec, full: Mapping[str, torch.Tensor], *, device=None) -> torch.Tensor:
     """The local tensor ``spec`` describes, cut (and fused) from the trainer's full tensors ``full``.
     Raises KeyError naming a missing source and ValueError for a dtype or shape mismatch."""
@@ -143,9 +150,7 @@ def build_local(spec: ParamSpec, full: Mapping[str, torch.Tensor], *, device=Non
         if p.source not in full:
             raise KeyError(f"trainer tensor {p.source!r} (needed by {spec.name!r}) is missing")
         t = full[p.source]
-        if t.dtype != spec.dtype or tuple(t.shape) != tuple(p.source_shape):
-            raise ValueError(f"trainer tensor {p.source!r} is {t.dtype}{list(t.shape)}, {spec.name!r} expects "
-                             f"{spec.dtype}{list(p.source_shape)}")
+        check_like(t, spec.dtype, p.source_shape, f"trainer tensor {p.source!r} is", f"{spec.name!r} expects")
         local_slab(out, p).copy_(slab(t, p))
     return out
 

@@ -52,8 +52,8 @@ from typing import Callable, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
-from syncd.engines.params import (ParamPiece, ParamSpec, build_local, check_spec, expected_checksums, flat_view,
-                                  local_slab, map_positions, slab, word_view)
+from syncd.engines.params import (ParamPiece, ParamSpec, build_local, check_like, check_spec, expected_checksums,
+                                  flat_view, local_slab, map_positions, slab, word_view)
 from syncd.engines.staging import StagedParam, StagedUpdate, fingerprint, write_staged
 from syncd.engines.update import Update
 from syncd.errors import DeltaError, IntegrityError
@@ -101,9 +101,7 @@ class WeightUpdater:
             if spec.name not in tensors:
                 raise ValueError(f"no tensor given for parameter {spec.name!r}")
             t = tensors[spec.name]
-            if t.dtype != spec.dtype or tuple(t.shape) != tuple(spec.shape):
-                raise ValueError(f"tensor {spec.name!r} is {t.dtype}{list(t.shape)}, its spec says "
-                                 f"{spec.dtype}{list(spec.shape)}")
+            check_like(t, spec.dtype, spec.shape, f"tensor {spec.name!r} is", "its spec says")
             self._tensors[spec.name] = t
             self._flat[spec.name] = flat_view(t, spec.name)
             if t.device.type == "cpu":
@@ -188,9 +186,8 @@ class WeightUpdater:
                 raise DeltaError(f"tensor {src!r}: {exc}") from None
             uses = self._by_source[src]
             spec0, piece0 = uses[0]
-            if ch.dtype != spec0.dtype or tuple(ch.shape) != tuple(piece0.source_shape):
-                raise DeltaError(f"tensor {src!r}: blob is for {ch.dtype}{list(ch.shape)}, the engine holds "
-                                 f"{spec0.dtype}{list(piece0.source_shape)}")
+            check_like(ch, spec0.dtype, piece0.source_shape, f"tensor {src!r}: blob is for", "the engine holds",
+                       DeltaError)
             want = update.checksums.get(src)
             if want is not None and int(want) != ch.new_checksum:
                 raise DeltaError(f"tensor {src!r}: blob's result checksum {ch.new_checksum:016x} is not the "
@@ -267,9 +264,8 @@ class WeightUpdater:
                 raise DeltaError(f"full version {update.version}: tensor {src!r} is a {type(t).__name__}, "
                                  "not a torch.Tensor")
             spec, piece = uses[0]
-            if t.dtype != spec.dtype or tuple(t.shape) != tuple(piece.source_shape):
-                raise DeltaError(f"full version {update.version}: tensor {src!r} is {t.dtype}{list(t.shape)}, "
-                                 f"the engine holds {spec.dtype}{list(piece.source_shape)}")
+            check_like(t, spec.dtype, piece.source_shape, f"full version {update.version}: tensor {src!r} is",
+                       "the engine holds", DeltaError)
             want = update.checksums.get(src)
             if want is not None and _checksum(t) != int(want):
                 raise IntegrityError(f"full version {update.version}: tensor {src!r} has checksum "
