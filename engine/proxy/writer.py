@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import secrets
 import time
 from pathlib import Path
 
 from syncd.engine.proxy.record import RecordError, Trajectory, check_id
+from syncd.engine.spill import spill, unspill
 
 log = logging.getLogger("syncd.engine.proxy.server")
 
@@ -115,37 +115,20 @@ class RecordWriter:
         """Blocking: write the pending record to ``<spill_dir>/<key>`` (create-if-absent, renamed on a
         clash with another record); logged and counted if the disk refuses."""
         for _ in range(MAX_RENAMES):
-            data = self.pending[id(traj)][1]
             path = Path(self.spill_dir, traj.key)
-            tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
             try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                with open(tmp, "xb") as fh:
-                    fh.write(data)
-                    fh.flush()
-                    os.fsync(fh.fileno())
-                try:
-                    os.link(tmp, path)  # create-if-absent, whole file or nothing
-                except FileExistsError:
-                    if path.read_bytes() != data:
-                        self._rename(traj)
-                        continue
-                self.spilled[id(traj)] = path
-                log.warning("trajectory record %s kept in %s until the store takes it", traj.key, path)
-                return
+                if not spill(path, self.pending[id(traj)][1]):
+                    self._rename(traj)
+                    continue
             except OSError as exc:
                 log.error("trajectory record %s could not be spilled to %s: %s", traj.key, self.spill_dir, exc)
                 return
-            finally:
-                tmp.unlink(missing_ok=True)
+            self.spilled[id(traj)] = path
+            log.warning("trajectory record %s kept in %s until the store takes it", traj.key, path)
+            return
 
     def _unspill(self, traj: Trajectory) -> None:
-        path = self.spilled.pop(id(traj), None)
-        if path is not None:
-            try:
-                path.unlink()
-            except OSError as exc:
-                log.warning("trajectory record %s is in the store; its spill file %s stays: %s", traj.key, path, exc)
+        unspill(self.spilled.pop(id(traj), None), f"trajectory record {traj.key}", log)
 
     # ------------------------------------------------------------------------------------ retrying
 

@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from syncd import manifest as mf
+from syncd.engine.spill import spill, unspill
 from syncd.errors import ObjectExists, SyncdError
 from syncd.records.replay import ReplayChunk, TokenRecord, encode_chunk
 from syncd.records.replay_kept import MAX_TOLERANCE
@@ -224,33 +225,18 @@ class ReplayRecorder:
         """Write a refused chunk to ``<spill_dir>/<key>`` (create-if-absent via a temporary file and a link);
         logged if the disk refuses too."""
         path = self.spill_dir / key
-        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "xb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            try:
-                os.link(tmp, path)
-            except FileExistsError:
-                if path.read_bytes() != data:
-                    log.error("replay chunk %s: %s holds other bytes; not spilled", key, path)
-                    return
-            self.spilled[key] = path
-            log.warning("replay chunk %s kept in %s until the store takes it", key, path)
+            if not spill(path, data):
+                log.error("replay chunk %s: %s holds other bytes; not spilled", key, path)
+                return
         except OSError as exc:
             log.error("replay chunk %s could not be spilled to %s: %s", key, self.spill_dir, exc)
-        finally:
-            tmp.unlink(missing_ok=True)
+            return
+        self.spilled[key] = path
+        log.warning("replay chunk %s kept in %s until the store takes it", key, path)
 
     def _unspill(self, key: str) -> None:
-        path = self.spilled.pop(key, None)
-        if path is not None:
-            try:
-                path.unlink()
-            except OSError as exc:
-                log.warning("replay chunk %s is in the store; its spill file %s stays: %s", key, path, exc)
+        unspill(self.spilled.pop(key, None), f"replay chunk {key}", log)
 
     def _spilled_earlier(self) -> list[tuple[str, bytes]]:
         """The chunks an earlier recorder spilled under this run (queued again, keys unchanged)."""
