@@ -56,13 +56,17 @@ def port_taken(host: str, port: int) -> str | None:
 
 
 def wait_until(predicate: Callable[[], object], timeout_s: float, what: str, *, interval_s: float = 0.1,
-               alive: Callable[[], str | None] | None = None):
+               alive: Callable[[], str | None] | None = None, not_yet: tuple[type[BaseException], ...] = ()):
     """Call ``predicate`` until it returns something truthy (returned) or ``timeout_s`` passes
     (:class:`TimeoutError` naming ``what``). ``alive()`` may return a reason to give up early (e.g. the
-    process being waited for has exited), raised as :class:`RuntimeError`."""
+    process being waited for has exited), raised as :class:`RuntimeError`. An exception of a type in ``not_yet``
+    from ``predicate`` counts as falsy (what it reads is not there yet, or half written)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        result = predicate()
+        try:
+            result = predicate()
+        except not_yet:
+            result = None
         if result:
             return result
         if alive is not None:

@@ -37,6 +37,7 @@ from syncd.app.demo_io import (Client, Display, delta_sizes, demo_keys, finish_w
                                plot_timeline, published_versions, run_demo, say)
 from syncd.app.interrupts import Interrupts
 from syncd.cli_help import HelpFormatter
+from syncd.procs import wait_until
 
 log = logging.getLogger(__name__)
 RUN = "demo"
@@ -116,20 +117,18 @@ def _spawn(args: list[str], env: dict, log_path: Path) -> subprocess.Popen:
         fh.close()
 
 
+def _exited(children: dict) -> str | None:
+    """Which children exited with an error, said in words (None: none did)."""
+    dead = [n for n, p in children.items() if p.poll() not in (None, 0)]
+    return f"{', '.join(dead)} exited" if dead else None
+
+
 def _wait(cond, what: str, timeout: float, children: dict):
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            got = cond()
-        except (OSError, ValueError, KeyError):
-            got = None
-        if got:
-            return got
-        dead = [n for n, p in children.items() if p.poll() not in (None, 0)]
-        if dead or time.monotonic() > deadline:
-            why = f"{', '.join(dead)} exited" if dead else f"timed out after {timeout:.0f}s"
-            raise RuntimeError(f"demo: {why} while waiting for {what}")
-        time.sleep(0.05)
+    try:
+        return wait_until(cond, timeout, what, interval_s=0.05, alive=lambda: _exited(children),
+                          not_yet=(OSError, ValueError, KeyError))
+    except (TimeoutError, RuntimeError) as exc:
+        raise RuntimeError(f"demo: {exc}") from None
 
 
 def run(args, work: Path, interrupts: Interrupts) -> dict:
@@ -207,9 +206,9 @@ def run(args, work: Path, interrupts: Interrupts) -> dict:
             engines = status.get("engines", {})
             if done and engines and all(e.get("version") == final for e in engines.values()):
                 break
-            dead = [n for n, p in children.items() if p.poll() not in (None, 0)]
+            dead = _exited(children)
             if dead or time.time() - t_start > args.timeout:
-                raise RuntimeError(f"demo: {', '.join(dead) + ' exited' if dead else 'timed out'}; logs in {logs}")
+                raise RuntimeError(f"demo: {dead or 'timed out'}; logs in {logs}")
             time.sleep(0.2)
         client.stop()
         display.close()

@@ -14,6 +14,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import syncd.procs
 from syncd.engines.client import RemoteAdapter
 from tests.daemon.conftest import KEY, RUN
 
@@ -49,17 +50,11 @@ class Procs:
         return "\n".join(out)
 
     def wait(self, cond, what: str, timeout: float = 90.0, interval: float = 0.05):
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                got = cond()
-            except (OSError, ValueError, KeyError):
-                got = None
-            if got:
-                return got
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{self.logs()}")
-            time.sleep(interval)
+        try:
+            return syncd.procs.wait_until(cond, timeout, what, interval_s=interval,
+                                          not_yet=(OSError, ValueError, KeyError))
+        except TimeoutError as exc:
+            raise AssertionError(f"{exc}\n{self.logs()}") from None
 
     def close(self) -> None:
         for _, p, _ in self.children:
