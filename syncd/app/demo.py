@@ -33,8 +33,8 @@ import sys
 import time
 from pathlib import Path
 
-from syncd.app.demo_io import (Client, Display, delta_sizes, demo_keys, finish_work_dir, how_to_read,
-                               plot_timeline, published_versions, run_demo, say)
+from syncd.app.demo_io import (Client, Display, add_common_flags, delta_sizes, demo_keys, finish_work_dir,
+                               how_to_read, plot_timeline, published_versions, run_demo, say)
 from syncd.app.interrupts import Interrupts
 from syncd.cli_help import HelpFormatter
 from syncd.procs import wait_until
@@ -342,28 +342,19 @@ def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
     """The demo's flags (also mounted as ``syncd demo`` by the CLI)."""
     p = argparse.ArgumentParser(prog="syncd demo --weights-only", description=__doc__.split("\n\n")[0].replace(
         "``", ""), add_help=add_help, formatter_class=HelpFormatter)
-    p.add_argument("--json", default=None, metavar="PATH", help="also write the summary here")
-    p.add_argument("--plot", default=None, metavar="PNG",
-                   help="the timeline (trainer's and engines' versions over time, pauses); '' for none (default: "
-                        "syncd-demo-weights.png in the work directory)")
     p.add_argument("--versions", type=int, default=16, help="versions the trainer publishes")
     p.add_argument("--every-k", type=int, default=2, help="optimizer steps per version")
     p.add_argument("--full-every", type=int, default=8, help="a full version every that many, deltas between")
     p.add_argument("--lr", type=float, default=1e-5, help="the trainer's AdamW learning rate (the delta's size "
                                                           "follows it)")
     p.add_argument("--seed", type=int, default=0, help="seed of the tiny model's random init")
-    p.add_argument("--delta-format", type=int, choices=(1, 2), default=2,
-                   help="codec format of the deltas (the engines hold every tensor whole, so format 2 decodes)")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between versions (a real RL step's pace)")
     p.add_argument("--workers", type=int, default=2, help="engine processes (python -m syncd.engine.control_server)")
     p.add_argument("--clients", type=int, default=4, help="client threads streaming requests")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens per request")
-    p.add_argument("--dir", default=None,
-                   help="work directory, kept (by default a temp dir, removed after but for the picture)")
-    p.add_argument("--keep", action="store_true",
-                   help="keep the temp work directory (logs, store and its signing keys, cache)")
-    p.add_argument("--plain", action="store_true", help="plain progress lines even on a terminal")
-    p.add_argument("--timeout", type=float, default=300, help="give up after this many seconds")
+    add_common_flags(p, plot="the timeline (trainer's and engines' versions over time, pauses); '' for none "
+                             "(default: syncd-demo-weights.png in the work directory)",
+                     pictures="picture", kept="logs, store and its signing keys, cache", timeout=300)
     return p
 
 

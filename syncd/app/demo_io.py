@@ -5,7 +5,7 @@ what was served and lost, ``syncd demo --weights-only``), :class:`Display` shows
 :func:`demo_keys` makes the Ed25519 key pair the run is signed with (next to the store) and :func:`how_to_read` says
 how to read the store with it; :func:`check_writable` refuses, before the work, an output a flag names that cannot
 be written; :func:`work_dir` and :func:`finish_work_dir` make and clear the work directory (the pictures drawn into
-it stay)."""
+it stay); :func:`add_common_flags` adds the flags both demos take."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from pathlib import Path
 from syncd import http_client
 
 __all__ = ["Client", "Display", "write_summary", "published_versions", "delta_sizes", "plot_timeline", "say",
-           "run_demo",
+           "run_demo", "add_common_flags",
            "demo_keys", "how_to_read", "work_dir", "finish_work_dir"]
 
 
@@ -53,6 +53,21 @@ def how_to_read(store: Path, run_id: str, public: Path, private: Path) -> str:
     return (f"the store is signed with the demo's Ed25519 key (public {public}, private {private}); read it with "
             f"`syncd ls --store {store} --run-id {run_id} --verify-key {public}` (the same --verify-key for "
             "syncd verify and syncd materialize)")
+
+
+def add_common_flags(p, *, plot: str, pictures: str, kept: str, timeout: float) -> None:
+    """The flags both demos take: the deltas' format, and what :func:`run_demo` and the progress read (``--json``,
+    ``--plot`` described by ``plot``, ``--dir`` and ``--keep``, whose folder holds ``kept`` and keeps the
+    ``pictures`` by default, ``--plain``, ``--timeout`` with its default)."""
+    p.add_argument("--delta-format", type=int, choices=(1, 2), default=2,
+                   help="codec format of the deltas (the engines hold every tensor whole, so format 2 decodes)")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the summary here")
+    p.add_argument("--plot", default=None, metavar="PNG", help=plot)
+    p.add_argument("--dir", default=None,
+                   help=f"work directory, kept (by default a temp dir, removed after but for the {pictures})")
+    p.add_argument("--keep", action="store_true", help=f"keep the temp work directory ({kept})")
+    p.add_argument("--plain", action="store_true", help="plain progress lines even on a terminal")
+    p.add_argument("--timeout", type=float, default=timeout, help="give up after this many seconds")
 
 
 def run_demo(args, *, name: str, prefix: str, run, print_summary, failures=(RuntimeError,)):

@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from syncd.app.demo_io import (delta_sizes, finish_work_dir, how_to_read, plot_timeline,
+from syncd.app.demo_io import (add_common_flags, delta_sizes, finish_work_dir, how_to_read, plot_timeline,
                                published_versions, run_demo, say)
 from syncd.app.interrupts import Interrupts
 from syncd.cli_help import HelpFormatter
@@ -61,19 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="learning rate: high, so that a tiny model learns in a minute (real RL runs use ~1e-6; the "
                         "delta's size follows it)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model's random init and of the trainer")
-    p.add_argument("--delta-format", type=int, choices=(1, 2), default=2,
-                   help="codec format of the deltas (the engines hold every tensor whole, so format 2 decodes)")
-    p.add_argument("--json", default=None, metavar="PATH", help="also write the summary here")
-    p.add_argument("--plot", default=None, metavar="PNG",
-                   help="the timeline (trainer's and engines' versions over time, pauses); the trainer's own "
-                        "picture (reward, mismatch) goes next to it as <name>-trainer.png; '' for none (default: "
-                        "syncd-demo.png in the work directory)")
-    p.add_argument("--dir", default=None,
-                   help="work directory, kept (by default a temp dir, removed after but for the pictures)")
-    p.add_argument("--keep", action="store_true",
-                   help="keep the temp work directory (logs, store and its signing keys, metrics)")
-    p.add_argument("--plain", action="store_true", help="plain progress lines even on a terminal")
-    p.add_argument("--timeout", type=float, default=600, help="give up after this many seconds")
+    add_common_flags(p, plot="the timeline (trainer's and engines' versions over time, pauses); the trainer's own "
+                             "picture (reward, mismatch) goes next to it as <name>-trainer.png; '' for none (default: "
+                             "syncd-demo.png in the work directory)",
+                     pictures="pictures", kept="logs, store and its signing keys, metrics", timeout=600)
     return p
 
 
