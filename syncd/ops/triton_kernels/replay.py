@@ -137,38 +137,41 @@ def unpack_routes(packed: torch.Tensor, count: int, bits: int) -> torch.Tensor:
 
 
 @triton.jit
-def _gather_kernel(probs_ptr, routes_ptr, out_ptr, n, k, E, BLOCK: tl.constexpr):
+def _routed(routes_ptr, n, k, E, BLOCK: tl.constexpr):
+    # this program's block of the n*k (token, slot) places: the places, which exist, which name an expert
+    # (route >= 0), and where that expert sits in a row-major [n, E] tensor
     p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = p < n * k
     r = tl.load(routes_ptr + p, mask=live, other=-1).to(tl.int64)
-    valid = live & (r >= 0)
-    v = tl.load(probs_ptr + (p // k) * E + r, mask=valid, other=0.0)
+    return p, live, live & (r >= 0), (p // k) * E + r
+
+
+@triton.jit
+def _gather_kernel(probs_ptr, routes_ptr, out_ptr, n, k, E, BLOCK: tl.constexpr):
+    p, live, valid, at = _routed(routes_ptr, n, k, E, BLOCK)
+    v = tl.load(probs_ptr + at, mask=valid, other=0.0)
     tl.store(out_ptr + p, tl.where(valid, v, 0.0), mask=live)
-
-
-def gather_routed(probs: torch.Tensor, routes: torch.Tensor) -> torch.Tensor:
-    n, k = routes.shape
-    out = torch.empty((n, k), dtype=probs.dtype, device=probs.device)
-    if n * k:
-        _gather_kernel[(triton.cdiv(n * k, GATHER_BLOCK),)](probs, routes, out, n, k, probs.shape[1],
-                                                           BLOCK=GATHER_BLOCK)
-    return out
 
 
 @triton.jit
 def _scatter_kernel(grad_ptr, routes_ptr, out_ptr, n, k, E, BLOCK: tl.constexpr):
-    p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    live = p < n * k
-    r = tl.load(routes_ptr + p, mask=live, other=-1).to(tl.int64)
-    valid = live & (r >= 0)
+    p, live, valid, at = _routed(routes_ptr, n, k, E, BLOCK)
     g = tl.load(grad_ptr + p, mask=valid, other=0.0)
-    tl.store(out_ptr + (p // k) * E + r, g, mask=valid)
+    tl.store(out_ptr + at, g, mask=valid)
+
+
+def _launch_routed(kernel, src: torch.Tensor, routes: torch.Tensor, out: torch.Tensor, num_experts: int):
+    n, k = routes.shape
+    if n * k:
+        kernel[(triton.cdiv(n * k, GATHER_BLOCK),)](src, routes, out, n, k, num_experts, BLOCK=GATHER_BLOCK)
+    return out
+
+
+def gather_routed(probs: torch.Tensor, routes: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(routes.shape, dtype=probs.dtype, device=probs.device)
+    return _launch_routed(_gather_kernel, probs, routes, out, probs.shape[1])
 
 
 def gather_routed_backward(grad: torch.Tensor, routes: torch.Tensor, num_experts: int) -> torch.Tensor:
-    n, k = routes.shape
-    out = torch.zeros((n, num_experts), dtype=grad.dtype, device=grad.device)
-    if n * k:
-        _scatter_kernel[(triton.cdiv(n * k, GATHER_BLOCK),)](grad, routes, out, n, k, num_experts,
-                                                            BLOCK=GATHER_BLOCK)
-    return out
+    out = torch.zeros((routes.shape[0], num_experts), dtype=grad.dtype, device=grad.device)
+    return _launch_routed(_scatter_kernel, grad, routes, out, num_experts)
