@@ -72,24 +72,26 @@ def checksum(t: torch.Tensor) -> int:
 
 
 @triton.jit
+def _flip(x, negative, W: tl.constexpr):
+    # the order-preserving map of W-bit float patterns, both ways: all bits flipped where ``negative``, else the top bit
+    allones = (1 << W) - 1 if W < 64 else 0xFFFFFFFFFFFFFFFF
+    return tl.where(negative, (~x) & allones, x ^ (1 << (W - 1)))
+
+
+@triton.jit
 def _key(b, W: tl.constexpr, IS_FLOAT: tl.constexpr):
-    # b: uint64 holding a W-bit pattern
+    # b: uint64 holding a W-bit pattern; a float's sign bit set: negative
     if IS_FLOAT:
-        sign = (b >> (W - 1)) & 1
-        allones = (1 << W) - 1 if W < 64 else 0xFFFFFFFFFFFFFFFF
-        signbit = 1 << (W - 1)
-        return tl.where(sign != 0, (~b) & allones, b | signbit)
+        return _flip(b, ((b >> (W - 1)) & 1) != 0, W)
     else:
         return b
 
 
 @triton.jit
 def _unkey(k, W: tl.constexpr, IS_FLOAT: tl.constexpr):
+    # the inverse of _key: a key's top bit clear came from a negative float
     if IS_FLOAT:
-        top = (k >> (W - 1)) & 1
-        allones = (1 << W) - 1 if W < 64 else 0xFFFFFFFFFFFFFFFF
-        signbit = 1 << (W - 1)
-        return tl.where(top != 0, k ^ signbit, (~k) & allones)
+        return _flip(k, ((k >> (W - 1)) & 1) == 0, W)
     else:
         return k
 
