@@ -20,7 +20,6 @@ Thread-safety: the Manager calls it from its quorum thread; one transfer staged 
 from __future__ import annotations
 
 import hashlib
-import http.client
 import io
 import json
 import logging
@@ -30,7 +29,8 @@ from syncd.trainer.ft.ckpt_format import (StateError, encode_manifest, frame_pre
                                           write_safetensors)
 from syncd.trainer.ft.state_tree import flatten, unflatten
 from syncd.trainer.ft.replica_server import ReplicaServer
-from syncd.trainer.ft.replica_wire import MIN_RATE, Deadline, ReplicaError, auth_header, connect, transfer_deadline
+from syncd.trainer.ft.replica_wire import MIN_RATE
+from syncd.trainer.ft.replicas import pull_frame
 
 log = logging.getLogger(__name__)
 
@@ -92,31 +92,12 @@ class VerifiedTransport(_transport_base()):
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta):
         url = str(metadata)
         t = max(1.0, timeout.total_seconds()) if timeout else self.timeout_s
-        conn = connect(url, t)
-        try:
-            with Deadline(conn.sock, 2 * t) as dl:  # the peer may first wait up to its timeout to stage the state
-                try:
-                    conn.request("GET", f"/v1/heal/{int(step)}", headers=auth_header(self.token))
-                    resp = conn.getresponse()
-                    if resp.status != 200:
-                        raise ReplicaError(f"{url}: HTTP {resp.status} for the live state of step {step}: "
-                                           f"{resp.read(2000).decode('utf-8', 'replace')}")
-                    length = resp.headers.get("Content-Length")
-                    if not (length and length.isdigit()):
-                        raise ReplicaError(f"{url}: the live state of step {step} has no Content-Length")
-                    dl.reset(transfer_deadline(int(length), t, self.min_rate))
-                    state = decode_state(resp.read, int(length), where=f"live state of step {step} from {url}",
-                                         step=step, signing_key=self.signing_key, max_bytes=self.max_bytes,
-                                         run_id=self.run_id)
-                except (OSError, http.client.HTTPException, StateError) as exc:
-                    if dl.fired:
-                        raise ReplicaError(f"{url}: live state of step {step}: not received within its deadline "
-                                           f"of {dl.seconds:.0f} s") from None
-                    if isinstance(exc, StateError):
-                        raise
-                    raise ReplicaError(f"{url}: live state of step {step}: {type(exc).__name__}: {exc}") from None
-        finally:
-            conn.close()
+        state = pull_frame(url, f"/v1/heal/{int(step)}", f"live state of step {step}", timeout_s=t,
+                           first_s=2 * t,  # the peer may first wait up to its timeout to stage the state
+                           min_rate=self.min_rate, token=self.token,
+                           receive=lambda resp, length, where: decode_state(
+                               resp.read, length, where=where, step=step, signing_key=self.signing_key,
+                               max_bytes=self.max_bytes, run_id=self.run_id))
         if not isinstance(state, dict) or "user" not in state or "torchft" not in state:
             raise StateError(f"live state of step {step} from {url}: not a torchft state (user, torchft)")
         self.received += 1

@@ -46,7 +46,8 @@ from syncd.trainer.ft.ckpt_dir import land_frame, parse_checkpoint
 from syncd.trainer.ft.ckpt_format import MANIFEST, StateError, check_owner, frame_prefix, read_frame
 from syncd.trainer.ft.replica_wire import MIN_RATE, Deadline, ReplicaError, auth_header, connect, transfer_deadline
 
-__all__ = ["place_replicas", "push_replica", "fetch_replica", "fetch_checkpoint", "list_replicas", "ReplicaError"]
+__all__ = ["place_replicas", "push_replica", "fetch_replica", "fetch_checkpoint", "list_replicas", "pull_frame",
+           "ReplicaError"]
 
 _IO_CHUNK = 8 << 20
 
@@ -120,57 +121,67 @@ def push_replica(url: str, path, *, owner: str, step: int, token: str | None = N
         conn.close()
 
 
-def list_replicas(url: str, owner: str, *, token: str | None = None, timeout_s: float = 10.0) -> list[int]:
-    """Steps of ``owner`` the server at ``url`` holds, newest first; ReplicaError when it cannot say."""
+def _get(url: str, path: str, what: str, token: str | None, timeout_s: float, receive, first_s: float | None = None):
+    """``receive(response, deadline)`` on ``GET path`` from the server at ``url`` (presenting ``token``; every read
+    waiting at most ``timeout_s``, all of it within ``first_s``, default ``timeout_s``, unless ``receive`` resets
+    the deadline): its result. A connection that fails, or a StateError once the deadline fired, is a ReplicaError
+    naming ``what``."""
     conn = connect(url, timeout_s)
     try:
-        with Deadline(conn.sock, timeout_s) as dl:
+        with Deadline(conn.sock, timeout_s if first_s is None else first_s) as dl:
             try:
-                conn.request("GET", f"/v1/replicas/{check_owner(owner)}", headers=auth_header(token))
-                resp = conn.getresponse()
-                raw = resp.read(1 << 20)
+                conn.request("GET", path, headers=auth_header(token))
+                return receive(conn.getresponse(), dl)
             except (OSError, http.client.HTTPException) as exc:
-                raise _failed(url, f"listing replicas of {owner}", exc, dl) from None
-        if resp.status != 200:
-            raise ReplicaError(f"{url}: HTTP {resp.status} listing replicas of {owner}: "
-                               f"{raw[:300].decode('utf-8', 'replace')}")
-        doc = jsonsafe.loads(raw, what=f"{url} replica listing", max_bytes=1 << 20, max_depth=3, floats=False,
-                             error=ReplicaError)
-        steps = doc.get("steps") if isinstance(doc, dict) else None
-        if not isinstance(steps, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
-                                                  for s in steps):
-            raise ReplicaError(f"{url}: malformed replica listing of {owner}")
-        return sorted(steps, reverse=True)
-    finally:
-        conn.close()
-
-
-def _pull(url: str, owner: str, step: int, timeout_s: float, min_rate: float, token: str | None, receive):
-    """``receive(response, length, where)`` on the body of ``GET /v1/replicas/<owner>/<step>`` (its headers within
-    ``timeout_s``, its body within :func:`~syncd.trainer.ft.replica_wire.transfer_deadline`); its result."""
-    where = f"replica of {owner} step {step} from {url}"
-    conn = connect(url, timeout_s)
-    try:
-        with Deadline(conn.sock, timeout_s) as dl:
-            try:
-                conn.request("GET", f"/v1/replicas/{check_owner(owner)}/{int(step)}", headers=auth_header(token))
-                resp = conn.getresponse()
-                if resp.status != 200:
-                    raise ReplicaError(f"{url}: HTTP {resp.status} for the replica of {owner} step {step}: "
-                                       f"{resp.read(2000).decode('utf-8', 'replace')}")
-                length = resp.headers.get("Content-Length")
-                if not (length and length.isdigit()):
-                    raise ReplicaError(f"{where}: no Content-Length")
-                dl.reset(transfer_deadline(int(length), timeout_s, min_rate))
-                return receive(resp, int(length), where)
-            except (OSError, http.client.HTTPException) as exc:
-                raise _failed(url, f"replica of {owner} step {step}", exc, dl) from None
+                raise _failed(url, what, exc, dl) from None
             except StateError as exc:
                 if dl.fired:
-                    raise _failed(url, f"replica of {owner} step {step}", exc, dl) from None
+                    raise _failed(url, what, exc, dl) from None
                 raise
     finally:
         conn.close()
+
+
+def list_replicas(url: str, owner: str, *, token: str | None = None, timeout_s: float = 10.0) -> list[int]:
+    """Steps of ``owner`` the server at ``url`` holds, newest first; ReplicaError when it cannot say."""
+    status, raw = _get(url, f"/v1/replicas/{check_owner(owner)}", f"listing replicas of {owner}", token, timeout_s,
+                       lambda resp, dl: (resp.status, resp.read(1 << 20)))
+    if status != 200:
+        raise ReplicaError(f"{url}: HTTP {status} listing replicas of {owner}: {raw[:300].decode('utf-8', 'replace')}")
+    doc = jsonsafe.loads(raw, what=f"{url} replica listing", max_bytes=1 << 20, max_depth=3, floats=False,
+                         error=ReplicaError)
+    steps = doc.get("steps") if isinstance(doc, dict) else None
+    if not isinstance(steps, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
+                                              for s in steps):
+        raise ReplicaError(f"{url}: malformed replica listing of {owner}")
+    return sorted(steps, reverse=True)
+
+
+def pull_frame(url: str, path: str, what: str, *, timeout_s: float, min_rate: float, token: str | None, receive,
+               first_s: float | None = None):
+    """``receive(response, length, where)`` on the framed bundle that ``GET path`` answers from the replica server at
+    ``url`` (``what`` it is, for the messages; its headers within ``first_s``, default ``timeout_s``, its body within
+    :func:`~syncd.trainer.ft.replica_wire.transfer_deadline`): its result. ReplicaError for a refusal, a reply
+    without its length, a failed or too slow connection."""
+    where = f"{what} from {url}"
+
+    def body(resp, dl):
+        if resp.status != 200:
+            raise ReplicaError(f"{url}: HTTP {resp.status} for the {what}: "
+                               f"{resp.read(2000).decode('utf-8', 'replace')}")
+        length = resp.headers.get("Content-Length")
+        if not (length and length.isdigit()):
+            raise ReplicaError(f"{where}: no Content-Length")
+        dl.reset(transfer_deadline(int(length), timeout_s, min_rate))
+        return receive(resp, int(length), where)
+
+    return _get(url, path, what, token, timeout_s, body, first_s)
+
+
+def _pull(url: str, owner: str, step: int, timeout_s: float, min_rate: float, token: str | None, receive):
+    """:func:`pull_frame` of ``GET /v1/replicas/<owner>/<step>``."""
+    return pull_frame(url, f"/v1/replicas/{check_owner(owner)}/{int(step)}", f"replica of {owner} step {step}",
+                      timeout_s=timeout_s, min_rate=min_rate, token=token, receive=receive)
 
 
 def fetch_replica(url: str, owner: str, step: int, dest_root, *, signing_key=None, timeout_s: float = 120.0,
