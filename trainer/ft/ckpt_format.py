@@ -237,14 +237,19 @@ def frame_prefix(raw_manifest: bytes) -> bytes:
     return struct.pack("<Q", len(raw_manifest))
 
 
-def _read_exact(read, n: int, what: str) -> bytes:
-    parts, left = [], n
+def _chunks(read, n: int, what: str):
+    """The next ``n`` bytes of ``read(k) -> bytes``, as it gives them; StateError naming ``what`` if they end early."""
+    left = n
     while left:
         b = read(min(left, _CHUNK))
         if not b:
-            raise StateError(f"{what}: ended {left} bytes early (torn)")
-        parts.append(b)
+            raise StateError(f"{what} ended {left} bytes early (torn)")
         left -= len(b)
+        yield b
+
+
+def _read_exact(read, n: int, what: str) -> bytes:
+    parts = list(_chunks(read, n, what))
     return b"".join(parts) if len(parts) != 1 else parts[0]
 
 
@@ -277,13 +282,9 @@ def read_frame(read, total: int | None, *, where: str, signing_key=None, owner: 
             files[name] = _read_verified(readinto, m["files"][name], f"{where}: {name}")
         return Bundle(m, files, raw)
     for name in sorted(m["files"]):
-        ent, h, left, parts = m["files"][name], hashlib.sha256(), m["files"][name]["bytes"], []
-        while left:
-            b = read(min(left, _CHUNK))
-            if not b:
-                raise StateError(f"{where}: {name} ended {left} bytes early (torn)")
+        ent, h, parts = m["files"][name], hashlib.sha256(), []
+        for b in _chunks(read, ent["bytes"], f"{where}: {name}"):
             h.update(b)
-            left -= len(b)
             (sink(name, b) if sink is not None else parts.append(b))
         if h.hexdigest() != ent["sha256"]:
             raise StateError(f"{where}: {name} does not match its SHA-256 in the manifest (corrupt)")
