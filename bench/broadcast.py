@@ -31,7 +31,6 @@ import logging
 import os
 import platform
 import secrets
-import signal
 import statistics
 import subprocess
 import sys
@@ -183,12 +182,10 @@ class Env:
         return self.sim.read_store_log(self.log)
 
     def close(self) -> None:
-        if self.srv is not None and self.srv.poll() is None:
-            self.srv.send_signal(signal.SIGTERM)
-            try:
-                self.srv.wait(5)
-            except subprocess.TimeoutExpired:
-                self.srv.kill()
+        from syncd.procs import stop_process
+
+        if self.srv is not None:
+            stop_process(self.srv, grace_s=5)
         if self.net is not None:
             self.net.close()
 

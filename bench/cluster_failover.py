@@ -29,7 +29,6 @@ import logging
 import os
 import platform
 import secrets
-import signal
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,7 @@ import time
 from pathlib import Path
 
 from bench._report import Row, finish, output_flags
+from bench.netsim.netns import Lab
 
 log = logging.getLogger("bench.cluster_failover")
 KEY = "bench-failover-signing-key-0123456789"
@@ -114,7 +114,7 @@ def failover_once(workdir: Path, states, election: str, n: int, heartbeat_s: flo
 # ---------------------------------------------------------------------------------------------- partition
 
 
-class NetLab:
+class NetLab(Lab):
     """The store (a simulated S3 endpoint over ``store_dir``), etcd and ``n`` node processes, each in its own
     network namespace on one bridge (:class:`bench.netsim.Netns`); :meth:`cut` and :meth:`heal` a partition
     between node halves, the store reachable from both. Hosts: ``st``, ``et``, ``n0``.. ``args``: more flags for
@@ -157,22 +157,14 @@ class NetLab:
         self.srv: subprocess.Popen | None = None
         self.routes: list[tuple[str, str]] = []
 
-    def __enter__(self) -> "NetLab":
-        self.net.__enter__()
-        try:
-            self.srv = subprocess.Popen(self._store_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            self.nodes.wait(lambda: (self.workdir / "store.port").exists(), 20, "the store's S3 endpoint")
-            if self.etcd is not None:
-                self.etcd.start()
-            if self.model is not None:
-                self._start_engines()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def start(self) -> None:
+        self.net.setup()
+        self.srv = subprocess.Popen(self._store_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.nodes.wait(lambda: (self.workdir / "store.port").exists(), 20, "the store's S3 endpoint")
+        if self.etcd is not None:
+            self.etcd.start()
+        if self.model is not None:
+            self._start_engines()
 
     def _start_engines(self) -> None:
         env = {**os.environ, **self.nodes.env}
@@ -218,23 +210,15 @@ class NetLab:
                 for e in sim.read_store_log(self.store_log) if "/shards/" in e["key"]]
 
     def close(self) -> None:
+        from syncd.procs import stop_process
+
         self.nodes.stop_all()
         for p in reversed(self.engine_procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+            stop_process(p)
         if self.etcd is not None:
             self.etcd.stop()
-        if self.srv is not None and self.srv.poll() is None:
-            self.srv.send_signal(signal.SIGTERM)
-            try:
-                self.srv.wait(5)
-            except subprocess.TimeoutExpired:
-                self.srv.kill()
+        if self.srv is not None:
+            stop_process(self.srv, grace_s=5)
         self.net.close()
 
 

@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.netsim.netns import Netns
+from bench.netsim.netns import Lab, Netns
 from bench.netsim.s3 import s3_env
 
 __all__ = ["SimCluster", "RUN", "KEY"]
@@ -40,7 +40,7 @@ KEY = "bench-netsim-signing-key-0123456789"
 ROOT = Path(__file__).resolve().parents[2]
 
 
-class SimCluster:
+class SimCluster(Lab):
     """``nodes`` nodes, a store and a trainer publishing ``params`` synthetic parameters (versions: a full one,
     then one delta per entry of ``densities``; see :mod:`bench.netsim.publisher`). ``poll_s``, ``heartbeat_s``,
     ``chunk_bytes``, ``fanout``, ``stall_s``: the nodes' cluster settings (``stall_s`` long: on a slow shaped link
@@ -65,17 +65,6 @@ class SimCluster:
         self.layout: dict | None = None
 
     # ------------------------------------------------------------------------------------------ start, stop
-
-    def __enter__(self) -> "SimCluster":
-        try:
-            self.start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     @property
     def endpoint(self) -> str:

@@ -16,7 +16,7 @@ import subprocess
 
 from syncd.procs import free_port
 
-__all__ = ["Netns", "netns_available", "free_port"]
+__all__ = ["Lab", "Netns", "netns_available", "free_port"]
 
 
 def netns_available() -> str | None:
@@ -33,13 +33,35 @@ def netns_available() -> str | None:
     return None
 
 
+class Lab:
+    """A context manager over ``start()`` and ``close()``: on entry ``start()``, and ``close()`` if it fails (so
+    ``close`` must be safe after a partial start); on exit ``close()``."""
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def _run(*cmd: str) -> None:
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed: {r.stderr.strip()}")
 
 
-class Netns:
+class Netns(Lab):
     """``hosts`` namespaces on one bridge. Host ``i`` is namespace :meth:`ns` ``(i)`` with address
     :meth:`ip` ``(i)`` on interface ``eth0``. Use as a context manager (always cleaned up)."""
 
@@ -59,16 +81,8 @@ class Netns:
     def exec_prefix(self, host: str) -> list[str]:
         return ["ip", "netns", "exec", self.ns(host)]
 
-    def __enter__(self) -> "Netns":
-        try:
-            self.setup()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def start(self) -> None:
+        self.setup()
 
     def setup(self) -> None:
         _run("ip", "netns", "add", self.switch)
