@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import threading
 
 import pytest
 import torch
@@ -26,6 +25,7 @@ from syncd.engines.update import Update
 from syncd.ops import checksum, nvfp4
 from syncd.store import Store
 from syncd.versions import fetch_shards, read_manifest
+from tests.engine._serving import check_served, serve_while_updating
 from tests.store._models import bits, train_steps
 from syncd.trainer import WeightPublisher
 from syncd.trainer.qat import disable_qat, enable_qat, export_nvfp4
@@ -146,51 +146,18 @@ def test_engine_serves_qat_versions_applied_as_nvfp4_deltas(trained):
     assert eng.version == 0 and eng.runner.nvfp4.names == trained.names
     packed = eng.runner.nvfp4.packed_bytes
     assert packed == sum(t.nbytes for k, t in trained.published[0].items() if k.endswith(nvfp4.SUFFIXES))
-    events: list = []  # appended by the scheduler thread only, in generation order
-    finished = threading.Event()
     requests = [GenerationRequest(f"r{i}", PROMPT[:3] + [40 + i],
                                   SamplingParams(max_tokens=40, temperature=0.0 if i % 2 else 1.0, top_p=0.9,
                                                  seed=i))
                 for i in range(5)]
+    applied = {}
 
-    def sink(ev):
-        events.append(ev)
-        if ev.finish_reason and sum(e.finish_reason is not None for e in events) == len(requests):
-            finished.set()
+    def check(v):
+        applied[v] = eng.updater.last_applied
+        _assert_engine_holds(eng, trained, v)
 
-    boundaries, applied, errors = {}, {}, []
-
-    def controller():
-        try:
-            _assert_engine_holds_while_paused(eng, trained, 0)
-            for v in range(1, N_DELTAS + 1):
-                want_tokens = len(events) + 6  # let some tokens of the previous version go out first
-                while len(events) < want_tokens and not finished.is_set():
-                    finished.wait(0.01)
-                eng.stage(trained.update(v))  # while serving
-                eng.pause()
-                boundaries[v] = len(events)
-                eng.apply()
-                applied[v] = eng.updater.last_applied
-                assert eng.version == v
-                _assert_engine_holds(eng, trained, v)
-                assert len(events) == boundaries[v]  # nothing ran while paused
-                eng.resume()
-        except BaseException as exc:  # surfaced by the main thread
-            errors.append(exc)
-            eng.resume()
-
-    try:
-        for r in requests:
-            eng.submit(r, sink)
-        t = threading.Thread(target=controller)
-        t.start()
-        t.join(120)
-        assert not t.is_alive(), "controller did not finish its updates within 120 s"
-        assert not errors, errors
-        assert finished.wait(120), "requests did not finish within 120 s"
-    finally:
-        eng.close()
+    events, boundaries = serve_while_updating(eng, requests, N_DELTAS, lambda v: eng.stage(trained.update(v)), check,
+                                              first=lambda: _assert_engine_holds_while_paused(eng, trained, 0))
 
     # the versions are deltas of the packed bytes: a small fraction of them
     for v in range(1, N_DELTAS + 1):
@@ -212,18 +179,7 @@ def test_engine_serves_qat_versions_applied_as_nvfp4_deltas(trained):
     assert whole and blockwise, (whole, blockwise)
 
     # no request lost or restarted; tokens after each apply carry the new version
-    by_req: dict = {}
-    for e in events:
-        by_req.setdefault(e.request_id, []).append(e)
-    assert sorted(by_req) == [r.request_id for r in requests]
-    for rid, evs in by_req.items():
-        assert [e.index for e in evs] == list(range(40)), rid
-        assert evs[-1].finish_reason == "length" and all(e.finish_reason is None for e in evs[:-1])
-        assert [e.version for e in evs] == sorted(e.version for e in evs)
-    for v, b in boundaries.items():
-        assert all(e.version < v for e in events[:b]) and all(e.version >= v for e in events[b:])
-    assert len({e.version for e in events}) == N_DELTAS + 1
-    assert any(len({e.version for e in evs}) > 1 for evs in by_req.values())  # requests spanned updates
+    by_req = check_served(events, boundaries, requests, N_DELTAS)
 
     # every token (greedy and sampled) is what the trainer's QAT model at the token's version gives
     for r in requests:

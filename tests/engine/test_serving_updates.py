@@ -5,8 +5,6 @@
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 import torch
@@ -19,6 +17,7 @@ from syncd.engines.update import Update
 from syncd.ops import checksum
 from syncd.store import Store
 from syncd.versions import fetch_shards, read_manifest
+from tests.engine._serving import check_served, serve_while_updating
 from tests.store._models import train_steps
 from syncd.trainer import WeightPublisher
 
@@ -52,72 +51,30 @@ def test_generation_continues_across_real_published_deltas(dense_dir, tmp_path, 
 
     eng = ReferenceEngine.from_store(store, RUN, 0, config=AutoConfig.from_pretrained(str(dense_dir)),
                                      signing_key=KEY, recorder=recorder, max_batch=3, tp_size=tp_size)
-    events: list = []  # appended by the scheduler thread only, in generation order
-    finished = threading.Event()
-    n_requests, max_tokens = 5, 60
+    requests = [GenerationRequest(f"r{i}", (257, 84, 82, 68, 81 + i),
+                                  SamplingParams(max_tokens=60, temperature=1.0, top_p=0.95, seed=i))
+                for i in range(5)]
+    manifests = {}
 
-    def sink(ev):
-        events.append(ev)
-        if ev.finish_reason and sum(e.finish_reason is not None for e in events) == n_requests:
-            finished.set()
+    def stage(v):
+        m = manifests[v] = read_manifest(store, RUN, v, signing_key=KEY)
+        eng.stage(Update.from_shards(m, fetch_shards(store, RUN, m)))
 
-    boundaries = {}  # version -> number of events generated before it was applied
-    errors = []
-
-    def controller():
-        try:
-            for v in range(1, N_DELTAS + 1):
-                want_tokens = len(events) + 6  # let some tokens of the previous version go out first
-                while len(events) < want_tokens and not finished.is_set():
-                    finished.wait(0.01)
-                m = read_manifest(store, RUN, v, signing_key=KEY)
-                eng.stage(Update.from_shards(m, fetch_shards(store, RUN, m)))  # while serving
-                eng.pause()
-                boundaries[v] = len(events)
-                eng.apply()
-                assert eng.version == v
-                got = eng.checksum()
-                assert got == expected_checksums(eng.parameters(), {t.name: t.checksum for t in m.tensors}) \
-                    if tp_size == 1 else got == expected_checksums(eng.parameters(), snaps[v])
-                assert len(events) == boundaries[v]  # nothing ran while paused
-                eng.resume()
-        except BaseException as exc:  # surfaced by the main thread
-            errors.append(exc)
-            eng.resume()
+    def check(v):
+        got = eng.checksum()
+        assert got == expected_checksums(eng.parameters(), {t.name: t.checksum for t in manifests[v].tensors}) \
+            if tp_size == 1 else got == expected_checksums(eng.parameters(), snaps[v])
 
     try:
-        prompts = [(257, 84, 82, 68, 81 + i) for i in range(n_requests)]
-        for i, p in enumerate(prompts):
-            eng.submit(GenerationRequest(f"r{i}", p, SamplingParams(max_tokens=max_tokens, temperature=1.0,
-                                                                    top_p=0.95, seed=i)), sink)
-        t = threading.Thread(target=controller)
-        t.start()
-        t.join(120)
-        assert not t.is_alive(), "controller did not finish its updates within 120 s"
-        assert not errors, errors
-        assert finished.wait(120), "requests did not finish within 120 s"
+        events, boundaries = serve_while_updating(eng, requests, N_DELTAS, stage, check)
     finally:
-        eng.close()
         recorder.close()
 
     assert eng.version == N_DELTAS
     assert eng.checksum() == expected_checksums(eng.parameters(), snaps[-1])
     if tp_size == 1:
         assert eng.checksum() == {k: checksum(v) for k, v in snaps[-1].items()}
-    by_req = {}
-    for e in events:
-        by_req.setdefault(e.request_id, []).append(e)
-    assert sorted(by_req) == [f"r{i}" for i in range(n_requests)]
-    for rid, evs in by_req.items():
-        assert [e.index for e in evs] == list(range(max_tokens)), rid  # none dropped or restarted
-        assert evs[-1].finish_reason == "length" and all(e.finish_reason is None for e in evs[:-1])
-        versions = [e.version for e in evs]
-        assert versions == sorted(versions)
-    # tokens before an apply carry older versions, tokens after it the new one (or newer)
-    for v, b in boundaries.items():
-        assert all(e.version < v for e in events[:b]) and all(e.version >= v for e in events[b:])
-    assert len({e.version for e in events}) == N_DELTAS + 1
-    assert any(len({e.version for e in evs}) > 1 for evs in by_req.values())  # requests spanned updates
+    by_req = check_served(events, boundaries, requests, N_DELTAS)
 
     # every token's replay record is in the store under runs/<run>/replay/<request>/
     for rid, evs in by_req.items():
