@@ -155,21 +155,6 @@ def _workers(node):
     return [RemoteAdapter(w["admin_url"]) for w in node.workers()]
 
 
-def _cache_version(store_url: str, run_id: str, version: int, cache_root: Path) -> bytes:
-    """Put ``version``'s shards in a node cache (what a node daemon fetches) and return its manifest's bytes."""
-    from syncd import manifest as mf
-    from syncd.cache import ShardCache
-    from syncd.store import Store
-    from syncd.versions import fetch_shards, read_manifest
-
-    store = Store(store_url)
-    m = read_manifest(store, run_id, version, signing_key=False)
-    cache = ShardCache(cache_root)
-    for entry, data in zip(m.shards, fetch_shards(store, run_id, m)):
-        cache.put(entry.sha256, data)
-    return bytes(store.get(mf.manifest_key(run_id, version)))
-
-
 def _stream(url: str, body: dict, tid: str, progress: list, k: int) -> dict:
     from syncd import http_client
 
@@ -259,7 +244,9 @@ def _update_mid_trajectory(node, trainer, pub, version: int, progress: list[int]
     data, gen) steps and publishes ``version``, which every worker stages and applies through its admin routes, as
     a node daemon does; resumed. Returns the served weights of ``version`` and the streams' tokens while paused.
     RuntimeError when a worker is not at ``version`` after applying it."""
+    from syncd.cache import ShardCache
     from syncd.engines.update import Update
+    from syncd.versions import cache_version
 
     model, opt, data, gen = trainer
     engines = _workers(node)
@@ -271,7 +258,7 @@ def _update_mid_trajectory(node, trainer, pub, version: int, progress: list[int]
         pub.publish(_published(model, nvfp4), version)
         pub.flush()
         served = _served(model)
-        raw = _cache_version(store_url, run_id, version, workdir / "cache")
+        raw = cache_version(store_url, run_id, version, ShardCache(workdir / "cache"), signing_key=False)
         for e in engines:
             e.stage(Update.from_cache(raw, workdir / "cache"))
             e.apply()

@@ -35,7 +35,7 @@ _warned_unsigned = False
 
 __all__ = ["latest_version", "poll_latest", "refuse_unchecked", "materialize", "read_manifest", "read_manifest_bytes",
            "resolve_chain", "walk_back", "check_link", "list_versions", "verify_run", "fetch_shard", "fetch_shards",
-           "load_full", "apply_delta", "VersionInfo"]
+           "cache_version", "load_full", "apply_delta", "VersionInfo"]
 
 
 def _resolve(signing_key):
@@ -238,6 +238,17 @@ def fetch_shards(store, run_id: str, m: mf.Manifest, *, threads: int = 4) -> lis
         return [one(m.shards[0])]
     with ThreadPoolExecutor(min(threads, len(m.shards)), thread_name_prefix="syncd-fetch") as pool:
         return list(pool.map(one, m.shards))
+
+
+def cache_version(store, run_id: str, version: int, cache, *, signing_key=None) -> bytes:
+    """Put ``version``'s shards, verified, into the node cache ``cache`` (a :class:`syncd.cache.ShardCache`), as a
+    node daemon would before an engine loads the version from it; returns the manifest's bytes (what the engine is
+    handed with the cache's folder)."""
+    store = Store.open(store, create=False)
+    m = read_manifest(store, run_id, version, signing_key=signing_key)
+    for s, data in zip(m.shards, fetch_shards(store, run_id, m)):
+        cache.put(s.sha256, data)
+    return bytes(store.get(mf.manifest_key(run_id, version)))
 
 
 def load_full(m: mf.Manifest, shards: list, *, device="cpu") -> dict:

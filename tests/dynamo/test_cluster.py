@@ -253,29 +253,17 @@ def _publish(model_dir: Path, store_url: str) -> None:
         pub.publish(model, 1)
 
 
-def _cache_version(store_url: str, version: int, cache_root: Path) -> bytes:
-    """Put the shards of ``version`` into a node cache (contract 2) and return the manifest's bytes."""
-    from syncd import manifest as mf
-    from syncd.cache import ShardCache
-    from syncd.store import Store
-    from syncd.versions import fetch_shards, read_manifest
-
-    store = Store(store_url)
-    m = read_manifest(store, RUN_ID, version, signing_key=False)
-    cache = ShardCache(cache_root)
-    for entry, data in zip(m.shards, fetch_shards(store, RUN_ID, m)):
-        cache.put(entry.sha256, data)
-    return bytes(store.get(mf.manifest_key(RUN_ID, version)))
-
-
 def test_weight_update_through_admin_routes_while_streaming(cluster, model_dir):
     from syncd.engines.client import RemoteAdapter
     from syncd import manifest as mf
+    from syncd.cache import ShardCache
+    from syncd.versions import cache_version
 
     c = cluster
     _publish(model_dir, c.store_url)
     cache_root = c.root / "cache"
-    raw0, raw1 = _cache_version(c.store_url, 0, cache_root), _cache_version(c.store_url, 1, cache_root)
+    # the shards of both versions in a node cache (contract 2)
+    raw0, raw1 = (cache_version(c.store_url, RUN_ID, v, ShardCache(cache_root), signing_key=False) for v in (0, 1))
     want1 = {t.name: t.checksum for t in mf.parse(raw1, key=None).tensors}
     want0 = {t.name: t.checksum for t in mf.parse(raw0, key=None).tensors}
     engines = [RemoteAdapter(w["admin_url"]) for w in c.node.workers()]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from syncd.cache import ShardCache
-from syncd.versions import fetch_shards, read_manifest
+from syncd.versions import cache_version
 from tests.daemon.conftest import KEY, RUN, Published
 
 
@@ -16,11 +16,6 @@ def setup(tmp_path):
     pub = Published(tmp_path / "store")
     pub.publish(3)
     cache = ShardCache(tmp_path / "cache")
-    raws = {}
-    for v in range(3):
-        m = read_manifest(pub.store, RUN, v, signing_key=KEY)
-        for s, data in zip(m.shards, fetch_shards(pub.store, RUN, m)):
-            cache.put(s.sha256, data)
-        raws[v] = pub.store.get(f"runs/{RUN}/versions/{v:012d}/manifest.json")
+    raws = {v: cache_version(pub.store, RUN, v, cache, signing_key=KEY) for v in range(3)}
     yield pub, cache, raws
     pub.close()

@@ -12,7 +12,7 @@ from syncd.cache import ShardCache
 from syncd.engines.local import InProcessLink
 from syncd.engines.update import Update
 from syncd.errors import IntegrityError
-from syncd.versions import fetch_shards, read_manifest
+from syncd.versions import cache_version, read_manifest
 from tests.daemon.conftest import KEY, RUN, Published
 from tests.engines._published import setup  # noqa: F401 (the fixture)
 from tests.store._models import assert_same
@@ -23,12 +23,7 @@ def test_an_update_from_the_cache_full_and_delta(tmp_path):
     try:
         pub.publish(2)
         cache = ShardCache(tmp_path / "c")
-        raws = {}
-        for v in (0, 1):
-            m = read_manifest(pub.store, RUN, v, signing_key=KEY)
-            for s, data in zip(m.shards, fetch_shards(pub.store, RUN, m)):
-                cache.put(s.sha256, data)
-            raws[v] = pub.store.get(f"runs/{RUN}/versions/{v:012d}/manifest.json")
+        raws = {v: cache_version(pub.store, RUN, v, cache, signing_key=KEY) for v in (0, 1)}
         full = Update.from_cache(raws[0], cache.root).load()
         assert full.kind == "full" and full.version == 0
         assert_same(dict(full.tensors), pub.states[0])
