@@ -23,8 +23,14 @@ sandbox escapes: ``syncd.trainer.rl.agent_tasks.ScriptedLookup``) run through th
 **QA** (``qa``): ``syncd.trainer.agent.qa`` over ``--qa-count`` bugfix and detect tasks plus three planted bad
 verifiers (one accepting an empty change, one rejecting the reference, one accepting a spray of findings):
 ``false_positive_rate``/``false_negative_rate`` of the shipped suite, ``after`` the quarantine, and
-``planted_caught`` per planted verifier. **Compaction for chat** (point 5 of the issue) is not built:
-``compaction`` says so.
+``planted_caught`` per planted verifier.
+
+**Compaction** (``compaction``): ``bench.compaction_recall`` (self-compaction of chat requests in the sandbox proxy,
+on a task whose answer is a key only the compacted-away context holds; a tiny policy taught to summarise by a short
+supervised warm-up on synthetic demonstrations, ``--compaction-warmup-steps``), ``--compaction-requests`` requests
+answered after the model's own summary, an empty summary and plain truncation, the same requests in each arm:
+``success_summary``, ``success_empty_summary``, ``success_truncation`` (goal: the summary arm above both ablations
+by at least 0.3, ``margin``), ``success_full_context`` (uncompacted) and ``prefix_consistent_frac`` (goal 1.0).
 """
 
 from __future__ import annotations
@@ -199,6 +205,22 @@ def qa(args) -> dict:
             "by_check": report["by_check"], "planted_caught": caught, "planted_reasons": got}
 
 
+def compaction(args) -> dict:
+    """``bench.compaction_recall`` with this run's seed: the figures the issue names, and its details."""
+    from bench import compaction_recall
+
+    return compaction_figures(compaction_recall.run(compaction_recall.parser().parse_args(
+        ["--requests", str(args.compaction_requests), "--warmup-steps", str(args.compaction_warmup_steps),
+         "--seed", str(args.seed)])))
+
+
+def compaction_figures(r: dict) -> dict:
+    """The ``compaction`` member from a ``bench.compaction_recall`` result ``r``."""
+    keys = ("success_summary", "success_empty_summary", "success_truncation", "success_full_context", "margin",
+            "prefix_consistent_frac", "summary_has_key", "task", "warm_up", "arms", "wall_s")
+    return {"bench": "bench.compaction_recall", "requests": r["config"]["requests"], **{k: r[k] for k in keys}}
+
+
 def run(args) -> dict:
     sw = Stopwatch()
     out = {"bench": "agent", "config": {k: v for k, v in vars(args).items() if k not in ("json", "plot")}}
@@ -210,10 +232,7 @@ def run(args) -> dict:
             out["cheating"] = cheating(stack, args)
         finally:
             stack.close()
-    out["compaction"] = {"success_summary": None, "success_empty_summary": None, "success_truncation": None,
-                         "prefix_consistent_frac": None,
-                         "not_done": "self-compaction for chat (point 5) is not built; bench.compaction measures "
-                                     "completions"}
+    out["compaction"] = compaction(args)
     out.update(wall_s=sw.elapsed, python=sys.version.split()[0], machine=platform.machine())
     return out
 
@@ -231,18 +250,25 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--attempt-rounds", type=int, default=2, help="rounds of the injected cheating attempts")
     p.add_argument("--qa-count", type=int, default=8, help="tasks per kind in the QA")
     p.add_argument("--timeout", type=float, default=7200, help="seconds the learning run may take")
+    p.add_argument("--compaction-requests", type=int, default=32, help="requests per arm of the compaction recall")
+    p.add_argument("--compaction-warmup-steps", type=int, default=200,
+                   help="supervised warm-up steps teaching the compaction policy to summarise")
     output_flags(p, "agent")
     return p
 
 
 def rows(out: dict) -> list[Row]:
-    lr, ch, q = out["learning"], out["cheating"], out["qa"]
+    lr, ch, q, c = out["learning"], out["cheating"], out["qa"], out["compaction"]
     return [Row("lookup: reward after", None, None, f"before {lr['reward_before']:.3f}",
                 f"{lr['steps']} steps, after {lr['reward_after']:.3f}", refcheck=lr["rise"] >= 0.3),
             Row("cheating zeroed", None, None, "", f"{ch['attempts']} attempts: {ch['zeroed_frac']:.2f}",
                 refcheck=ch["zeroed_frac"] == 1.0 and ch["false_zero_frac"] == 0.0),
             Row("qa", None, None, "", f"FP {q['false_positive_rate']:.2f} FN {q['false_negative_rate']:.2f}",
-                refcheck=all(q["planted_caught"].values()) and not q["quarantined"])]
+                refcheck=all(q["planted_caught"].values()) and not q["quarantined"]),
+            Row("compaction recall", None, None,
+                f"ablations {max(c['success_empty_summary'], c['success_truncation']):.2f}",
+                f"{c['requests']} req: summary {c['success_summary']:.2f}",
+                refcheck=c["margin"] >= 0.3 and c["prefix_consistent_frac"] == 1.0)]
 
 
 def plot(out: dict, path: Path) -> None:
@@ -268,6 +294,10 @@ def main(argv=None) -> int:
           f"{lr['tool_withheld']:.3f}")
     print(f"cheating: {ch['attempts']} injected attempts, zeroed {ch['zeroed_frac']:.2f}; {ch['clean_trajectories']} "
           f"clean trajectories, falsely zeroed {ch['false_zero_frac']:.3f}")
+    c = out["compaction"]
+    print(f"compaction (chat, {c['requests']} requests): success summary {c['success_summary']:.2f}, empty summary "
+          f"{c['success_empty_summary']:.2f}, truncation {c['success_truncation']:.2f} (margin {c['margin']:+.2f}); "
+          f"prefix-consistent {c['prefix_consistent_frac']:.3f}")
     print(f"qa: {q['tasks']} tasks, quarantined {len(q['quarantined'])}, FP {q['false_positive_rate']:.3f}, FN "
           f"{q['false_negative_rate']:.3f}; planted caught {q['planted_caught']}")
     return finish("agent", args, out, rows(out), lambda path: plot(out, path))

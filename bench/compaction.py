@@ -16,6 +16,12 @@ every request is one trajectory, finished with its reward. The compacted traject
 (``syncd.trainer.rl.rollouts`` + ``syncd.trainer.rl.compaction.training_samples``) and every sample is checked
 against its record (``prefix_consistent``).
 
+What this shows is that segmentation extends the output past the window; it cannot show that the summary carries
+the working state (the task's whole prompt is kept in every continuation, so any summary, even an empty one, does
+as well). ``bench.compaction_recall`` measures that, on chat requests, with the same proxy path and the same
+helpers (:func:`serve_arm`, :func:`serving`, :func:`samples`): a key only the compacted-away context holds, the
+model's summary against an empty summary and plain truncation.
+
 Figures (JSON; ``--plot`` draws them): per arm ``success`` (share of requests whose reward is at least
 ``--success-at``), ``complete`` (share whose answer has every one of the task's tokens), ``reward_mean``, tokens
 per request, compactions per request; the ratio of the success rates; ``prefix_consistent`` (samples, consistent,
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import platform
 import sys
@@ -103,12 +110,14 @@ def _model_folder(root: Path, args):
     return _write_folder(root / "model", cfg, model, state), loss
 
 
-async def _arm(node, compaction, sandbox: str, task, args) -> list[dict]:
-    """Every request of one arm through its own proxy; each trajectory finished with its reward."""
+async def serve_arm(node, compaction, sandbox: str, requests, score, *, endpoint: str = "completions") -> list[dict]:
+    """Every request of one arm through its own sandbox proxy (``compaction``: a ``CompactionConfig``, or None),
+    in order: ``requests`` are ``(item, body)``; ``score(item, reply)`` is the request's reward, with which its
+    trajectory (one per request, ``t000``, ``t001``, ...) is finished. Rows ``{"tid", "reward", "tokens",
+    "compactions", "text"}``; RuntimeError when a request or a finish fails."""
     import aiohttp
 
     from syncd.engine.proxy.server import Proxy, ProxyConfig
-    from syncd.trainer.rl.tasks import Sample
 
     proxy = Proxy(ProxyConfig(upstream=node.frontend_url, run_id=RUN, sandbox_id=sandbox, compaction=compaction),
                   node.store_url)
@@ -116,28 +125,42 @@ async def _arm(node, compaction, sandbox: str, task, args) -> list[dict]:
     rows = []
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
-            for k in range(args.requests):
-                item = task.item(k, args.seed)
-                body = {"model": node.config.model_name, "prompt": item.prompt, "max_tokens": task.max_tokens,
-                        "temperature": args.temperature, "top_k": 20, "seed": args.seed + k, "ignore_eos": True}
+            for k, (item, body) in enumerate(requests):
                 tid = f"t{k:03d}"
-                async with http.post(f"{base}/v1/completions", json=body, headers={"X-Syncd-Trajectory": tid}) as r:
+                async with http.post(f"{base}/v1/{endpoint}", json={"model": node.config.model_name, **body},
+                                     headers={"X-Syncd-Trajectory": tid}) as r:
                     reply = await r.json()
                     if r.status != 200:
                         raise RuntimeError(f"{sandbox} request {k}: HTTP {r.status}: {reply}")
-                ch = reply["choices"][0]
-                tokens = int(reply["usage"]["completion_tokens"])
-                reward = task.reward(Sample(item, ch["text"], ch["finish_reason"], tokens))
+                reward = score(item, reply)
                 async with http.post(f"{base}/syncd/trajectories/{tid}/finish",
                                      json={"metadata": {"reward": reward, "item": k}}) as r:
                     done = await r.json()
                     if not done.get("written") or done.get("status") != "complete":
                         raise RuntimeError(f"{sandbox} trajectory {tid}: {done}")
-                rows.append({"tid": tid, "reward": reward, "tokens": tokens,
-                             "compactions": (reply.get("nvext") or {}).get("compactions", 0)})
+                ch = reply["choices"][0]
+                rows.append({"tid": tid, "reward": reward, "tokens": int(reply["usage"]["completion_tokens"]),
+                             "compactions": (reply.get("nvext") or {}).get("compactions", 0),
+                             "text": ch["message"]["content"] if "message" in ch else ch["text"]})
     finally:
         await proxy.close()
     return rows
+
+
+async def _arm(node, compaction, sandbox: str, task, args) -> list[dict]:
+    """The repeat task's requests (items 0..N-1) through :func:`serve_arm`, scored by the task's reward."""
+    from syncd.trainer.rl.tasks import Sample
+
+    def score(item, reply):
+        ch = reply["choices"][0]
+        return task.reward(Sample(item, ch["text"], ch["finish_reason"], int(reply["usage"]["completion_tokens"])))
+
+    requests = []
+    for k in range(args.requests):
+        item = task.item(k, args.seed)
+        requests.append((item, {"prompt": item.prompt, "max_tokens": task.max_tokens, "temperature": args.temperature,
+                                "top_k": 20, "seed": args.seed + k, "ignore_eos": True}))
+    return await serve_arm(node, compaction, sandbox, requests, score)
 
 
 def _summary(rows: list[dict], length: int, success_at: float) -> dict:
@@ -148,7 +171,9 @@ def _summary(rows: list[dict], length: int, success_at: float) -> dict:
             "compactions_mean": sum(r["compactions"] for r in rows) / n}
 
 
-def _samples(store_url: str, sandbox: str) -> dict:
+def samples(store_url: str, sandbox: str) -> dict:
+    """The sandbox's compacted trajectories read back as training samples, each checked against its record:
+    ``{"trajectories", "dropped", "samples", "consistent", "fraction", "trained_tokens", "summary_token_share"}``."""
     from syncd.records.trajectory import read_record
     from syncd.trainer.rl.compaction import prefix_consistent, training_samples
     from syncd.trainer.rl.rollouts import MissingReplayError, read_rollouts
@@ -177,14 +202,31 @@ def _samples(store_url: str, sandbox: str) -> dict:
             "summary_token_share": summary / trained if trained else None}
 
 
-class _Node:
+class ServedNode:
+    """What an arm needs of a started ``syncd.engine.dynamo.node.Node``: its frontend, model name and store."""
+
     def __init__(self, node, store_url):
         self.node, self.store_url = node, store_url
         self.frontend_url, self.config = node.frontend_url, node.config
 
 
-def run(args) -> dict:
+@contextlib.contextmanager
+def serving(model_dir: Path, root: Path, prefix: str = "b"):
+    """A node serving ``model_dir`` (the Dynamo frontend and a reference-engine worker recording replay records to
+    a file store under ``root``) as a :class:`ServedNode`; closed on exit, after which its replay records are in."""
     from syncd.engine.dynamo.node import Node, NodeConfig
+
+    store = root / "store"
+    store.mkdir()
+    cfg = NodeConfig.recording(model_dir, root, store_url=store.as_uri(), run_id=RUN, prefix=prefix)
+    node = Node(cfg).start()
+    try:
+        yield ServedNode(node, store.as_uri())
+    finally:
+        node.close()  # the worker drains and flushes its replay records
+
+
+def run(args) -> dict:
     from syncd.engine.proxy.compaction import CompactionConfig
     from syncd.trainer.rl.tasks import get_task
 
@@ -195,26 +237,19 @@ def run(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-compaction-") as tmp:
         root = Path(tmp)
         model_dir, loss = _model_folder(root, args)
-        store = root / "store"
-        store.mkdir()
-        cfg = NodeConfig.recording(model_dir, root, store_url=store.as_uri(), run_id=RUN, prefix="b")
-        node = Node(cfg).start()
-        try:
-            n = _Node(node, store.as_uri())
+        with serving(model_dir, root) as n:
             compaction = CompactionConfig.for_model(model_dir, trigger=args.trigger, summary_tokens=args.summary_tokens,
                                                     keep_prompt=args.keep_prompt, summary_prompt=SEPARATOR,
                                                     resume_prompt=SEPARATOR, continue_prompt=SEPARATOR)
             without = asyncio.run(_arm(n, None, "sb-plain", task, args))
             with_ = asyncio.run(_arm(n, compaction, "sb-compact", task, args))
-        finally:
-            node.close()  # the worker drains and flushes its replay records
-        samples = _samples(store.as_uri(), "sb-compact")
+        consistent = samples(n.store_url, "sb-compact")
     a, b = _summary(with_, args.length, args.success_at), _summary(without, args.length, args.success_at)
     return {"bench": "compaction", "config": {k: v for k, v in vars(args).items() if k not in ("json", "plot")},
             "train_loss": loss, "with_compaction": a, "without_compaction": b,
             "success_ratio": a["success"] / b["success"] if b["success"] else None,
             "reward_ratio": a["reward_mean"] / b["reward_mean"] if b["reward_mean"] else None,
-            "prefix_consistent": samples, "rows": {"with": with_, "without": without},
+            "prefix_consistent": consistent, "rows": {"with": with_, "without": without},
             "wall_s": sw.elapsed, "python": sys.version.split()[0], "torch": torch.__version__,
             "machine": platform.machine()}
 
