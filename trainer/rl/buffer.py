@@ -2,21 +2,25 @@
 
 A :class:`Group` is the ``G`` completions of one task item, as read back from the store, with their rewards.
 Its **lag** at trainer version ``v`` is ``v - (the oldest weight version of any generated token in it)``: the
-largest version lag of any token of any of its samples. :meth:`RolloutBuffer.take` hands out the oldest groups
-whose lag is at most the staleness bound ``eta`` (``max_lag``) and drops the others, counting them
-(``dropped_stale``, and ``on_drop(n)`` is called, so that a producer can replace them): ``eta = 0`` trains
-on-policy only, larger values let generation run ahead of training. Groups are dropped whole, since their
-advantages are normalised within the group.
+largest version lag of any token of any of its samples. Which groups :meth:`RolloutBuffer.take` hands out, and
+which it drops, is the buffer's :class:`syncd.trainer.rl.buffer_policy.BufferPolicy` (the one mechanism, in steady
+state and after a restart): the staleness bound ``eta`` (``max_lag``; ``eta = 0`` trains on-policy only, larger
+values let generation run ahead of training), a cap per generating version, and a quota that holds the trained
+mix of tasks and lengths to the prompt source's own, oldest-first within it -- oldest-first within eta whenever
+every group is of one stratum (one fixed-length task). Every drop is counted by reason (:attr:`RolloutBuffer.dropped`;
+``dropped_stale`` the stale ones) and ``on_drop(n)`` is called, so that a producer can replace them. Groups are
+dropped whole, since their advantages are normalised within the group.
 
 :func:`group_advantages`: ``(r - mean) / (std + eps)`` within each group (population std), or ``r - mean``
 with ``scale=False``; a group whose rewards are all equal has advantages 0 (it carries no signal).
 
 The buffer also keeps the run's :class:`syncd.trainer.rl.rl_state.PromptLedger` under its lock (which prompt is fresh,
 in flight, buffered, planned, consumed or to be regenerated): producers ask it for the next prompt
-(:meth:`RolloutBuffer.next_prompt`), report a failure (:meth:`failed`), and a stale drop -- or a group the buffer's
+(:meth:`RolloutBuffer.next_prompt`), report a failure (:meth:`failed`), and a dropped group -- or one the buffer's
 ``vet`` refuses -- sends the prompt back to be regenerated, so that no prompt is lost. :meth:`snapshot` is the
-buffer's part of the RL-state checkpoint (the ledger and every buffered group with its per-token versions), taken
-atomically between two steps; :meth:`restore` puts back what :func:`syncd.trainer.rl.rl_state.restore_groups` kept.
+buffer's part of the RL-state checkpoint (the ledger, every buffered group with its per-token versions, the policy's
+state), taken atomically between two steps; :meth:`restore` puts back what
+:func:`syncd.trainer.rl.rl_state.restore_groups` kept.
 
 Thread-safety: every :class:`RolloutBuffer` method may be called from any thread.
 """
@@ -31,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from syncd.trainer.rl.buffer_policy import BufferPolicy
 from syncd.trainer.rl.rl_state import PromptLedger
 from syncd.trainer.rl.tasks import TaskItem
 
@@ -98,37 +103,47 @@ def group_advantages(rewards, *, scale: bool = True, eps: float = 1e-6) -> torch
 
 class RolloutBuffer:
     """Groups waiting for a training step (see the module docstring). ``max_lag``: the staleness bound eta;
-    ``on_drop(n)``: called (under the buffer's lock: it must not call back into the buffer) when ``n`` stale or
-    refused groups were dropped. ``vet(group) -> group``: the last check of a finished group before it may be
-    planned, called by :meth:`put` in the producer's thread (outside the lock); it may return the group changed
-    (e.g. its kept sets resolved) or raise: the group is then **refused** -- counted by error class in
-    :attr:`refused`, logged, its prompt regenerated."""
+    ``policy``: the :class:`~syncd.trainer.rl.buffer_policy.BufferPolicy` (default: ``BufferPolicy(max_lag)``; its
+    eta is the buffer's); ``on_drop(n)``: called (under the buffer's lock: it must not call back into the buffer)
+    when ``n`` groups were dropped (stale, over the cap per version, refused). ``vet(group) -> group``: the last
+    check of a finished group before it may be planned, called by :meth:`put` in the producer's thread (outside
+    the lock); it may return the group changed (e.g. its kept sets resolved) or raise: the group is then
+    **refused** -- counted by error class in :attr:`refused`, logged, its prompt regenerated."""
 
-    def __init__(self, max_lag: int, *, on_drop=None, vet=None):
+    def __init__(self, max_lag: int, *, on_drop=None, vet=None, policy: BufferPolicy | None = None):
         if max_lag < 0:
             raise ValueError(f"the staleness bound must be >= 0, got {max_lag}")
+        if policy is not None and policy.max_lag != max_lag:
+            raise ValueError(f"the policy's staleness bound {policy.max_lag} is not the buffer's {max_lag}")
         self.max_lag = max_lag
+        self.policy = policy if policy is not None else BufferPolicy(max_lag)
         self.on_drop, self.vet = on_drop, vet
         self.refused: dict[str, int] = {}
+        self.dropped: dict[str, int] = {}
         self._groups: deque[Group] = deque()
         self._cond = threading.Condition()
         self._closed = False
         self.ledger = PromptLedger()
         self.added = 0
         self.taken = 0
-        self.dropped_stale = 0
+
+    @property
+    def dropped_stale(self) -> int:
+        return self.dropped.get("stale", 0)
 
     def __len__(self) -> int:
         with self._cond:
             return len(self._groups)
 
-    def next_prompt(self, entry_of=None) -> tuple[int, int]:
+    def next_prompt(self, entry_of=None, accept=None) -> tuple[int, int] | None:
         """``(index, attempt)`` of the prompt to generate next, registered as in flight (``entry_of(index,
-        attempt)`` -> the ledger entry: trajectory ids, proxy, requested version)."""
+        attempt)`` -> the ledger entry: trajectory ids, proxy, requested version); ``accept(index)``: only a prompt
+        this producer serves (e.g. its task's; :meth:`PromptLedger.next_prompt`), None when none was found."""
         with self._cond:
-            index, attempt = self.ledger.next_prompt()
-            self.ledger.started(index, entry_of(index, attempt) if entry_of is not None else {})
-            return index, attempt
+            got = self.ledger.next_prompt(accept)
+            if got is not None:
+                self.ledger.started(got[0], entry_of(*got) if entry_of is not None else {})
+            return got
 
     def record_written(self, index: int, sandbox: str) -> None:
         with self._cond:
@@ -157,6 +172,7 @@ class RolloutBuffer:
                 return False
             self._groups.append(group)
             self.ledger.landed(group.item.index)
+            self.policy.observe(group)
             self.added += 1
             self._cond.notify_all()
             return True
@@ -178,54 +194,77 @@ class RolloutBuffer:
             return n
 
     def snapshot(self) -> dict:
-        """The ledger and every buffered group (its plan and per-token versions), atomically."""
+        """The ledger, every buffered group (its plan and per-token versions) and the policy's state, atomically."""
         with self._cond:
             return {"ledger": self.ledger.snapshot(),
                     "groups": [{**g.plan(), "token_versions": g.token_versions, "attempt": g.attempt}
                                for g in self._groups],
-                    "dropped_stale": self.dropped_stale}
+                    "dropped_stale": self.dropped_stale, "dropped": dict(self.dropped),
+                    "policy": self.policy.state_dict()}
 
-    def restore(self, ledger: PromptLedger, groups: list[Group], dropped_stale: int = 0) -> None:
+    def restore(self, ledger: PromptLedger, groups: list[Group], dropped_stale: int = 0, *,
+                dropped: dict | None = None) -> None:
         """Replace the ledger and the buffered groups with a restored run's
-        (:func:`syncd.trainer.rl.rl_state.restore_groups`)."""
+        (:func:`syncd.trainer.rl.rl_state.restore_groups`, which applied the policy); the policy observes them.
+        ``dropped``: the drop counters by reason (``dropped_stale`` overrides its ``stale``)."""
         with self._cond:
             self.ledger = ledger
             self._groups = deque(sorted(groups, key=lambda g: g.finished_at))
-            self.dropped_stale = dropped_stale
+            self.dropped = {k: int(v) for k, v in (dropped or {}).items()}
+            if dropped_stale:
+                self.dropped["stale"] = dropped_stale
+            for g in self._groups:
+                self.policy.observe(g)
             self._cond.notify_all()
 
-    def prune(self, version: int) -> int:
-        """Drop every group whose lag at ``version`` exceeds the bound (their prompts are regenerated);
-        returns how many."""
+    def stats(self) -> dict:
+        """JSON-able: buffered, added, taken, drops by reason, refused, and the policy's :meth:`BufferPolicy.stats`."""
         with self._cond:
-            keep = deque(g for g in self._groups if g.lag(version) <= self.max_lag)
-            n = len(self._groups) - len(keep)
-            for g in self._groups:
-                if g.lag(version) > self.max_lag:
-                    self.ledger.dropped(g.item.index)
-            self._groups = keep
-            self.dropped_stale += n
-            if n and self.on_drop is not None:
-                self.on_drop(n)
-            return n
+            return {"buffered": len(self._groups), "added": self.added, "taken": self.taken,
+                    "dropped": dict(self.dropped), "refused": dict(self.refused), "policy": self.policy.stats()}
+
+    def _drop(self, dropped: dict) -> None:
+        """Drop the policy's choice (under the lock): counted by reason, prompts regenerated, ``on_drop``."""
+        out = {id(g) for gs in dropped.values() for g in gs}
+        if not out:
+            return
+        self._groups = deque(g for g in self._groups if id(g) not in out)
+        for reason, gs in dropped.items():
+            self.dropped[reason] = self.dropped.get(reason, 0) + len(gs)
+            for g in gs:
+                self.ledger.dropped(g.item.index)
+            if reason != "stale":
+                log.info("buffer policy dropped %d group(s): %s", len(gs), reason)
+        self.policy.count_drops(dropped)
+        if self.on_drop is not None:
+            self.on_drop(len(out))
 
     def take(self, n: int, version: int, *, timeout_s: float | None = None) -> list[Group]:
-        """The ``n`` oldest groups within the bound at trainer ``version``, waiting for them as long as needed
-        (at most ``timeout_s``: TimeoutError). Raises :class:`BufferClosed` once :meth:`close` was called."""
+        """``n`` groups at trainer ``version`` as the policy selects them (oldest-first within eta and the quota;
+        the module docstring), waiting for them as long as needed (at most ``timeout_s``: TimeoutError). Raises
+        :class:`BufferClosed` once :meth:`close` was called."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
             while True:
                 if self._closed:
                     raise BufferClosed("the rollout buffer was closed")
-                self.prune(version)
-                if len(self._groups) >= n:
-                    out = [self._groups.popleft() for _ in range(n)]
-                    self.ledger.planned_for(g.item.index for g in out)
+                self.policy.settle(self.ledger.frontier())
+                force = self.policy.patience_over()
+                sel = self.policy.select(list(self._groups), n, version, force=force)
+                self._drop(sel.dropped)
+                if len(sel.take) == n:
+                    out = {id(g) for g in sel.take}
+                    self._groups = deque(g for g in self._groups if id(g) not in out)
+                    self.ledger.planned_for(g.item.index for g in sel.take)
                     self.taken += n
-                    return out
+                    self.policy.took(sel.take, version, forced=force)
+                    return sel.take
+                if sel.blocked:
+                    self.policy.blocked()
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise TimeoutError(f"{len(self._groups)} of {n} rollout groups after {timeout_s:.0f} s")
+                    raise TimeoutError(f"{len(self._groups)} of {n} rollout groups after {timeout_s:.0f} s"
+                                       + (" (held back by the buffer policy's quota)" if sel.blocked else ""))
                 self._cond.wait(0.5 if left is None else min(0.5, left))
 
     def close(self) -> None:

@@ -4,7 +4,8 @@ Every rank (or replica group) holds the model and its optimizer (``syncd.trainer
 the live side (:class:`syncd.trainer.rl.live.LiveSide`: rank 0, or replica group 0) publishes the initial weights as
 version 0 (``syncd.trainer.WeightPublisher``), starts the rollout workers (``syncd.trainer.rl.rollout_workers``:
 each task item's prompt ``G`` times through the sandbox proxy in front of the Dynamo frontend, records back through
-the store), and fills the rollout buffer (``syncd.trainer.rl.buffer``, staleness bound ``max_lag``). A step:
+the store), and fills the rollout buffer (``syncd.trainer.rl.buffer``, staleness bound ``max_lag``, its buffer policy
+``syncd.trainer.rl.buffer_policy``: what a step takes, what is dropped and why, in the step's metrics line). A step:
 
 1. the live side takes ``groups_per_step`` groups within the bound (waiting for them) and makes the step's
    **plan**: the trajectories, their rewards and the weight versions their tokens came from; the plan is recorded
@@ -140,7 +141,7 @@ def train(job: Job) -> dict:
         train_s = time.perf_counter() - t0
         if live is not None:
             live.finish_step(step, plan, [r for r in recs if r is not None], loss, grad_norm, train_s, loss_cfg,
-                             participants=n)
+                             participants=n, **_buffer_policy(live))
         job.plans.committed(step)
         if ckpts is not None:
             gated = live is not None and live.published_step == step  # its version waits for this checkpoint
@@ -158,6 +159,16 @@ def train(job: Job) -> dict:
 
         save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, str(job.weights_file))
     return summary
+
+
+def _buffer_policy(live) -> dict:
+    """The step line's view of the rollout buffer's policy (``syncd.trainer.rl.buffer_policy``): drops by reason
+    (``buffer_dropped``) and ``buffer_policy`` (quota waits and overrides, target shares, the trained window's mix)."""
+    buffer = getattr(live, "buffer", None)
+    if buffer is None:
+        return {}
+    stats = buffer.stats()
+    return {"buffer_dropped": stats["dropped"], "buffer_policy": stats["policy"]}
 
 
 def _sequences(cfg: LoopConfig, store, groups: list[dict], live, vocab_size: int, resolver: KeptResolver):

@@ -9,18 +9,24 @@ A prompt is a task item index ``0, 1, 2, ...``. :class:`PromptLedger` knows the 
 * **planned**: its group is in the step being trained;
 * **consumed**: trained in a committed step -- the per-prompt consumed bit, kept as ``low`` (every index below
   it is consumed) and the sorted indices above ``low`` that are (groups finish out of order);
-* **to regenerate** (``retry``): its group was dropped (stale, failed, or lost in flight); the next request
+* **to regenerate** (``retry``): its group was dropped (stale, over the buffer policy's cap, failed, or lost in
+  flight) -- or a producer serving other prompts passed it over (``next_prompt(accept=)``); the next request
   takes it before any fresh prompt.
 
-Every index below ``next`` is in exactly one of these states. A committed step moves its prompts to consumed,
+Every index below ``next`` is in exactly one of these states. The **frontier** (:meth:`PromptLedger.frontier`)
+is the lowest index in flight or to regenerate (``next`` if none): every prompt below it has landed, so the prompts
+below it are a sample of the prompt source fixed by dispatch order, not by generation speed (the buffer policy
+measures its target mix on them, ``syncd.trainer.rl.buffer_policy``). A committed step moves its prompts to consumed,
 so a restored run trains each prompt exactly once: never the consumed ones again (the TRL 7294 bug: a single
 low-water cursor pinned by a dropped id replays everything after it), never skipping the others.
 
-:func:`restore_groups` is the buffer policy after a restart, from one snapshot (``RolloutBuffer.snapshot``,
-saved in the step's checkpoint): every buffered group is read back from the store and checked against the
-per-token versions the snapshot recorded; a group within the staleness bound at the restored trainer version is
-**kept** (its importance weights are computed at training time from the recorded engine log-probs, as for any
-stale group), an older one is **dropped and counted** and its prompt regenerated, one whose records no longer
+:func:`restore_groups` applies the buffer policy (:class:`syncd.trainer.rl.buffer_policy.BufferPolicy`, the same
+one ``RolloutBuffer.take`` uses) after a restart, from one snapshot (``RolloutBuffer.snapshot``, saved in the step's
+checkpoint): every buffered group is read back from the store and checked against the per-token versions the
+snapshot recorded; a group within the staleness bound at the restored trainer version is **kept** (its importance
+weights are computed at training time from the recorded engine log-probs, as for any stale group), an older one is
+**dropped and counted** and its prompt regenerated, and so is the surplus over the policy's cap per version
+(``dropped_cap``, taken from the strata most over their target mix), one whose records no longer
 match or come from versions the restored trainer never published (a lost future) is dropped and regenerated
 too; an in-flight group whose records all made it to the store before the crash is **recovered**, the others
 are regenerated (their open trajectories closed by the caller). Buffered rollouts are never silently dropped on
@@ -35,6 +41,8 @@ import bisect
 import logging
 from collections import deque
 from dataclasses import dataclass, field
+
+from syncd.trainer.rl.buffer_policy import BufferPolicy
 
 log = logging.getLogger(__name__)
 
@@ -60,12 +68,33 @@ class PromptLedger:
 
     # ------------------------------------------------------------------------------------ transitions
 
-    def next_prompt(self) -> tuple[int, int]:
-        """``(index, attempt)`` to request next: a prompt to regenerate first, else a fresh one."""
-        index = self.retry.popleft() if self.retry else self._fresh()
+    def next_prompt(self, accept=None, max_scan: int = 4096) -> tuple[int, int] | None:
+        """``(index, attempt)`` to request next: a prompt to regenerate first, else a fresh one. ``accept(index)``:
+        only prompts this producer serves (e.g. one engine cluster per task): the first accepted one to regenerate,
+        else the next accepted fresh one, the fresh ones passed over queued (``retry``) for the other producers;
+        None when none is accepted within ``max_scan`` fresh prompts (those stay queued: none is lost)."""
+        if accept is None:
+            index = self.retry.popleft() if self.retry else self._fresh()
+        else:
+            index = next((i for i in self.retry if accept(i)), None)
+            if index is not None:
+                self.retry.remove(index)
+            else:
+                for _ in range(max_scan):
+                    i = self._fresh()
+                    if accept(i):
+                        index = i
+                        break
+                    self.retry.append(i)
+                if index is None:
+                    return None
         attempt = self.attempts.get(index, -1) + 1
         self.attempts[index] = attempt
         return index, attempt
+
+    def frontier(self) -> int:
+        """The lowest index in flight or to regenerate (``next`` if none): every prompt below it has landed."""
+        return min(min(self.inflight, default=self.next), min(self.retry, default=self.next), self.next)
 
     def _fresh(self) -> int:
         self.next += 1
@@ -165,28 +194,34 @@ class RestoreReport:
     dropped_mismatch: list = field(default_factory=list)
     dropped_foreign: list = field(default_factory=list)
     recovered: list = field(default_factory=list)
+    dropped_cap: list = field(default_factory=list)
     regenerated: list = field(default_factory=list)
 
     def counts(self) -> dict:
         return {k: len(v) for k, v in self.__dict__.items()}
 
 
-def restore_groups(snapshot: dict, *, version: int, max_lag: int, newest_published: int, reread, recover
-                   ) -> tuple[PromptLedger, list, RestoreReport]:
+def restore_groups(snapshot: dict, *, version: int, max_lag: int, newest_published: int, reread, recover,
+                   policy: BufferPolicy | None = None) -> tuple[PromptLedger, list, RestoreReport]:
     """Apply the buffer policy to a snapshot (see the module docstring). ``version``: the restored trainer's
     version; ``newest_published``: the newest version the restored trainer's lineage has published (tokens of
     later versions come from a lost future); ``reread(group_doc) -> Group`` reads a buffered group back from the
     store, checked against its recorded per-token versions (raising ValueError/SyncdError when it cannot);
-    ``recover(index, entry) -> Group | None`` rebuilds an in-flight group from records written before the crash.
-    Returns ``(ledger, groups to put back in the buffer, report)``."""
+    ``recover(index, entry) -> Group | None`` rebuilds an in-flight group from records written before the crash;
+    ``policy``: the restored buffer's (``RolloutBuffer.policy``; its state is loaded from the snapshot's), None:
+    a default ``BufferPolicy(max_lag)`` with the snapshot's state. Returns ``(ledger, groups to put back in the
+    buffer, report)``."""
     ledger = PromptLedger.from_snapshot(snapshot["ledger"])
     report, groups = RestoreReport(), []
+    if policy is None:
+        policy = BufferPolicy(max_lag)
+    policy.load_state_dict(snapshot.get("policy"))
 
     def judge(g, index) -> bool:
         newest_token = max(g.versions) if g.versions else g.requested_version
         if newest_token > newest_published:
             report.dropped_foreign.append(index)
-        elif g.lag(version) > max_lag:
+        elif g.lag(version) > max_lag or policy.is_stale(g, version):
             report.dropped_stale.append(index)
         else:
             return True
@@ -221,5 +256,14 @@ def restore_groups(snapshot: dict, *, version: int, max_lag: int, newest_publish
         elif g is None:
             ledger._requeue(index)
     ledger.inflight.clear()
+    for g in groups:
+        policy.observe(g)
+    policy.settle(ledger.frontier())
+    sel = policy.admit(groups, version)  # the stale ones are judged above: what it drops is over the cap
+    for g in (g for gs in sel.dropped.values() for g in gs):
+        report.dropped_cap.append(g.item.index)
+        ledger.buffered.discard(g.item.index)
+        ledger._requeue(g.item.index)
+    policy.count_drops(sel.dropped)
     report.regenerated = list(ledger.retry)
-    return ledger, groups, report
+    return ledger, sel.keep, report
