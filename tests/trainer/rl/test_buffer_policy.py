@@ -30,7 +30,8 @@ def test_after_an_outage_the_trained_task_mix_matches_a_run_without_one(seed):
     """Task A is 4x faster to generate than B (the same engines per task, 1 s against 4 s a group); the trainer is
     away 30 s (simulated) after step 20 while the pipeline stays warm. The task mix of the 8 steps after the restart
     is compared with the same steps of a run without the outage by a chi-square test: p >= 0.01 with the policy,
-    p < 0.01 with naive oldest-first on the very same backlog."""
+    p < 0.01 with naive oldest-first on the very same backlog. (Over seeds 0-9 the policy's p was 0.21-1 and the
+    naive one's 5e-6-0.084: below 0.01 on 9 of the 10.)"""
     ref = OutageSim(SimConfig(seed=seed, outage_s=None)).run()
     pol = OutageSim(SimConfig(seed=seed)).run()
     naive = OutageSim(SimConfig(seed=seed, after_restart="naive")).run()
@@ -50,9 +51,15 @@ def test_after_an_outage_the_trained_task_mix_matches_a_run_without_one(seed):
     assert p_pol >= 0.01, (pol.mix(r, WINDOW_STEPS), want, p_pol)
     assert p_naive < 0.01, (naive.mix(r, WINDOW_STEPS), want, p_naive)  # the test can fail
 
+    plain = OutageSim(SimConfig(seed=seed, outage_s=None))
+    plain.buffer.policy = BufferPolicy.oldest_first(plain.cfg.max_lag)
+    plain.run()  # without an imbalance the policy trains what oldest-first trains: the reference is no artefact
+    assert mix_p_value(plain.mix(r, WINDOW_STEPS), want)[0] >= 0.01
+    assert abs(plain.mix(0, 34)["A"] - ref.mix(0, 34)["A"]) <= 4
+
     stats = pol.buffer.stats()
     assert stats["dropped"]["version_cap"] > 0 and stats["policy"]["dropped"] == stats["dropped"]
-    for sim in (ref, pol, naive):
+    for sim in (ref, pol, naive, plain):
         _no_prompt_lost_or_trained_twice(sim)
 
 
