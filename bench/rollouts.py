@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from bench._sse import sse_json
 from bench._timing import Stopwatch
 
 log = logging.getLogger("bench.rollouts")
@@ -167,12 +168,9 @@ def _stream(url: str, body: dict, tid: str, progress: list, k: int) -> dict:
             raise RuntimeError(f"stream {tid}: HTTP {resp.status}: {resp.read()[:300]!r}")
         finish = None
         for line in resp:
-            line = line.strip()
-            if not line.startswith(b"data: {"):
+            obj = sse_json(line, f"stream {tid}")
+            if obj is None:
                 continue
-            obj = json.loads(line[6:])
-            if "error" in obj:
-                raise RuntimeError(f"stream {tid}: {obj['error']}")
             # tokens, not chunks: the frontend merges tokens that do not complete a character into one chunk
             progress[k] += len(((obj.get("nvext") or {}).get("engine_data") or {}).get("token_ids") or [])
             for ch in obj.get("choices") or []:

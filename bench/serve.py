@@ -36,6 +36,7 @@ import uuid
 from pathlib import Path
 
 from bench._report import Row, finish, output_flags
+from bench._sse import sse_json
 from bench._timing import Stopwatch
 
 log = logging.getLogger("bench.serve")
@@ -81,12 +82,9 @@ async def _http_stream(session, url: str, body: dict, on_token=None) -> int:
         if resp.status != 200:
             raise RuntimeError(f"{url}: HTTP {resp.status}: {(await resp.text())[:300]}")
         async for line in resp.content:
-            line = line.strip()
-            if not line.startswith(b"data: {"):
+            obj = sse_json(line, url)
+            if obj is None:
                 continue
-            obj = json.loads(line[6:])
-            if "error" in obj:
-                raise RuntimeError(f"{url}: {obj['error']}")
             if obj.get("usage"):
                 made = obj["usage"]["completion_tokens"]
             if obj.get("choices"):
