@@ -37,7 +37,9 @@ generate and continuation outputs concatenated (streamed clients get it as one c
 
 A later request of a compacted trajectory whose prompt text (for chat: the rendered messages) extends what the
 client saw (its prompt and the answer) continues from the live context: the new text alone is tokenised and
-appended to ``C'`` and what it generated. ``n > 1``, prompts of several texts and prompts too long even to
+appended to ``C'`` and what it generated (when the model stopped on a special token the client's text does not
+show, e.g. ``<|im_end|>``, and the new text starts with it -- a chat template closing the assistant's message --
+it is not appended twice). ``n > 1``, prompts of several texts and prompts too long even to
 summarize pass through uncompacted, as do chat requests when the model folder has no chat template.
 
 Errors: a configuration that leaves no room (``trigger * window`` plus the summary prompt and tokens past the
@@ -134,11 +136,15 @@ class CompactionConfig:
 
 @dataclass
 class _Live:
-    """A compacted trajectory's state: the text the client saw, and the context the engine holds for it."""
+    """A compacted trajectory's state: the text the client saw, and the context the engine holds for it;
+    ``unseen``: the text of a special token the model stopped on (``<|im_end|>``), in the context but not in the
+    client's text -- a next prompt that starts with it (a chat template closing the assistant's message) is not
+    given it twice."""
 
     client_text: str
     context: list[int]
     head: list[int]
+    unseen: str = ""
 
 
 @dataclass
@@ -210,6 +216,12 @@ class Compactor:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
+    def _unseen(self, ids: list[int]) -> str:
+        """The text of ``ids`` when they are special tokens (which the client's text does not show), else ""."""
+        if not ids or self.tokenizer.decode(ids, skip_special_tokens=True):
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
     # ------------------------------------------------------------------------------------ policy
 
     def _prompt(self, body: dict, endpoint: str):
@@ -237,7 +249,9 @@ class Compactor:
         live = self._live.get(tid)
         if isinstance(prompt, str):
             if live is not None and prompt.startswith(live.client_text):
-                return _Request(live.context + self.encode(prompt[len(live.client_text):]), live.head, prompt,
+                new = prompt[len(live.client_text):]
+                new = new[len(live.unseen):] if live.unseen and new.startswith(live.unseen) else new
+                return _Request(live.context + self.encode(new), live.head, prompt,
                                 max_tokens, endpoint)
             ids, text = self.encode(prompt), prompt
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
@@ -300,7 +314,7 @@ class Compactor:
         text = "".join(t.text for t in visible)
         if req.prompt_text is not None:
             self._live[tid] = _Live(req.prompt_text + text, last.prompt_token_ids + last.output_token_ids,
-                                    req.head)
+                                    req.head, self._unseen(last.output_token_ids[-1:]))
         return await self._answer(req.endpoint, body, request, tid, visible, text, compactions, len(req.context))
 
     async def _segment(self, proxy, traj, tid, body, request, prompt_ids, max_tokens, meta):

@@ -145,3 +145,12 @@ def test_the_summary_modes_are_checked():
     assert CompactionConfig(window=128, tokenizer="x", summary="truncate").summary == "truncate"
     with pytest.raises(ValueError, match="compaction summary must be one of model, empty, truncate"):
         CompactionConfig(window=128, tokenizer="x", summary="none")
+
+
+def test_a_special_token_the_model_stopped_on_is_not_given_twice(model):
+    c = _compactor(model)
+    assert c._unseen([258]) == "<|im_end|>" and c._unseen([64]) == "" and c._unseen([]) == ""
+    c._live["t"] = _Live("<|im_start|>assistant\nab", [1, 2, 258], [1], "<|im_end|>")  # stopped on <|im_end|>
+    req = c.plan("t", {"messages": [{"role": "assistant", "content": "ab"}, {"role": "user", "content": "c"}],
+                       "max_tokens": 4}, "chat/completions")
+    assert req.context == [1, 2, 258] + c.encode("\n<|im_start|>user\nc<|im_end|>\n<|im_start|>assistant\n")
