@@ -215,13 +215,15 @@ def restore_groups(snapshot: dict, *, version: int, max_lag: int, newest_publish
     report, groups = RestoreReport(), []
     if policy is None:
         policy = BufferPolicy(max_lag)
+    elif policy.max_lag != max_lag:
+        raise ValueError(f"the policy's staleness bound {policy.max_lag} is not max_lag={max_lag}")
     policy.load_state_dict(snapshot.get("policy"))
 
     def judge(g, index) -> bool:
         newest_token = max(g.versions) if g.versions else g.requested_version
         if newest_token > newest_published:
             report.dropped_foreign.append(index)
-        elif g.lag(version) > max_lag or policy.is_stale(g, version):
+        elif policy.is_stale(g, version):
             report.dropped_stale.append(index)
         else:
             return True
