@@ -1,7 +1,7 @@
-"""The buffer policy (``syncd.trainer.rl.buffer_policy``) with the real RolloutBuffer and prompt ledger: the bias test of
-issue 36 (a task 4x faster to generate, a 30 s trainer outage: the mix trained after the restart matches a run without
-an outage, while naive oldest-first on the same backlog does not), the chi-square function against table values, and
-each rule of the policy on its own."""
+"""The buffer policy (``syncd.trainer.rl.buffer_policy``) with the real RolloutBuffer and prompt ledger: the bias
+test of issue 36 (a task 4x faster to generate, a 30 s trainer outage: the mix trained after the restart matches a
+run without an outage, while naive oldest-first on the same backlog does not), the chi-square function against table
+values, and each rule of the policy on its own."""
 
 from __future__ import annotations
 
