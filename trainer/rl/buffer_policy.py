@@ -26,16 +26,19 @@ the source's:
   no cap before a version has been taken from): with a version published every ``k`` steps of ``n`` groups,
   exactly what the steps within the bound can train.
 * **Quota, oldest-first within it**: groups are taken oldest-first (the buffer's arrival order) among the strata
-  not over their share: stratum ``s`` may take one more while ``count_s + 1 <= share_s * (W + 1) + slack``,
-  counted over the last ``window`` groups taken (``W`` of them, this take's picks included). When no candidate
+  not over their share: stratum ``s`` may take one more while ``count_s + 1 <= share_s * W + slack``, counted
+  over the last ``window`` groups taken with the candidate (``W`` of them; the window slides through this take's
+  picks). When no candidate
   is eligible the take is short: the buffer waits for more groups (counted ``quota_waits``); once it has waited
   ``patience_s`` with enough groups present, it fills oldest-first regardless (``quota_overrides``), so a
   stratum whose producer died slows the trainer, never stops it.
 
-With a single stratum (a run of one fixed-length task, as every shipped task is) all of this is oldest-first
-within eta -- the behaviour before this policy. :meth:`BufferPolicy.oldest_first` is that naive policy for any
-mix. Every drop is counted by reason (:attr:`BufferPolicy.dropped`, :meth:`stats`); the buffer sends each
-dropped prompt back to the ledger to be regenerated.
+With a single stratum (a run of one fixed-length task, as every shipped single-turn task is) all of this is
+oldest-first within eta -- the behaviour before this policy -- but for the cap, which binds only on a backlog of
+one version larger than the steps within eta can train (groups that would go stale untrained).
+:meth:`BufferPolicy.oldest_first` is that naive policy for any mix. Every drop is counted by reason
+(:attr:`BufferPolicy.dropped`, :meth:`stats`); the buffer sends each dropped prompt back to the ledger to be
+regenerated.
 
 :func:`chi2_sf` and :func:`mix_p_value` test a trained mix against a reference (chi-square homogeneity test;
 the closed form of the regularised upper incomplete gamma function for integer degrees of freedom).
