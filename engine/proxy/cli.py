@@ -36,8 +36,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--close-timeout", type=float, default=30.0,
                    help="seconds a stopping proxy retries records the store refused before it reports them")
     p.add_argument("--compact-model", default=env("SYNCD_PROXY_COMPACT_MODEL"),
-                   help="self-compaction on: the model folder (its tokenizer, its max_position_embeddings as the "
-                        "window) (SYNCD_PROXY_COMPACT_MODEL)")
+                   help="self-compaction on: the model folder (its tokenizer, its chat template for chat requests, "
+                        "its max_position_embeddings as the window) (SYNCD_PROXY_COMPACT_MODEL)")
     p.add_argument("--compact-window", type=int, default=None, help="context window in tokens (default: the model's)")
     p.add_argument("--compact-trigger", type=float, default=0.75,
                    help="compact when prompt + max_tokens would pass this share of the window")
