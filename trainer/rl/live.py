@@ -140,6 +140,7 @@ class LiveSide:
             self._publish(self.step)
         ledger, groups, report = restore_groups(
             rl["buffer"], version=self.version, max_lag=self.buffer.max_lag, newest_published=lineage,
+            policy=self.buffer.policy,
             reread=lambda doc: self._resolved(self.workers.reread(doc)),
             recover=lambda index, entry: self._resolved(self.workers.recover(index, entry)))
         for index, entry in rl["buffer"]["ledger"]["inflight"].items():
