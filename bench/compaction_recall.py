@@ -3,6 +3,7 @@ holds, answered after the model's own summary, an empty summary, or plain trunca
 
     python -m bench.compaction_recall                     # window 64, 32 requests per arm, 200 warm-up steps
     python -m bench.compaction_recall --warmup-steps 0    # an untrained (random-init) policy: it should not win
+    python -m bench.compaction_recall --no-summary-demos  # a control: no summary is ever demonstrated
     python -m bench.compaction_recall --json r.json --plot r.png
 
 **Task.** One user message ``k=<key>;<filler>?`` (the key: ``--key-length`` letters of ``--keys``; the filler:
@@ -25,7 +26,8 @@ short supervised warm-up (``--warmup-steps`` AdamW steps, loss on the completion
 demonstrations built in token space from the proxy's own pieces (the chat template, the summary, resume and
 continue prompts of the same ``Compactor``), on items drawn apart from the benchmark's: the summary segment
 (rendered chat + summary prompt -> ``<key>.``), the continuation (head + resume + ``<key>.`` + continue ->
-``<key>``) and the direct answer (rendered chat -> ``<key>``). No demonstration is a benchmark request, and
+``<key>``) and the direct answer (rendered chat -> ``<key>``); ``--no-summary-demos`` leaves the summaries out (a
+control: the policy reads a summary back but was never taught to write one). No demonstration is a benchmark request, and
 nothing makes the summary arm win by construction: an untrained policy writes no key into its summary
 (``--warmup-steps 0`` scores as the ablations do). The warm-up is said in the figures (``warm_up``).
 
@@ -71,6 +73,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--key-length", type=int, default=2)
     p.add_argument("--warmup-steps", type=int, default=200, help="supervised warm-up steps (0: untrained policy)")
     p.add_argument("--warmup-batch", type=int, default=32)
+    p.add_argument("--no-summary-demos", action="store_true",
+                   help="a control: warm up on continuations and direct answers only (not taught to summarise)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of the requests")
@@ -111,6 +115,8 @@ class Recall:
         key, message = self.item(rng)
         ctx, c, summary = self.prompt_ids(message), self.c, self.c.encode(key + ".")
         kind = rng.random()
+        if self.args.no_summary_demos:
+            kind = 0.4 + 0.6 * kind
         if kind < 0.4:
             return ctx + c.summary_ids, summary
         if kind < 0.8:
@@ -217,6 +223,7 @@ def run(args) -> dict:
             "task": {"filler_tokens": list(recall.fill), "prompt_tokens": [recall.overhead + f for f in recall.fill],
                      "budget": recall.c.config.budget, "chance": len(args.keys) ** -args.key_length},
             "warm_up": {"steps": args.warmup_steps, "loss": loss, "wall_s": warm_s,
+                        "summary_demos": not args.no_summary_demos,
                         "demonstrations": "synthetic: summary (chat + summary prompt -> key.), continuation "
                         "(head + resume + key. + continue -> key), direct answer; items apart from the benchmark's"},
             "arms": figures, "success_summary": s["summary"], "success_empty_summary": s["empty_summary"],
