@@ -274,11 +274,13 @@ class Compactor:
         number = len(traj.turns)  # the client request is named by the index of its first segment
         context, left, compactions, visible = list(req.context), req.max_tokens, 0, []
         segment, first = 0, {"client_request": body}
+        drop = {"stream", "stream_options"} | (CHAT_ONLY if req.endpoint == "chat/completions" else set())
+        base = {k: v for k, v in body.items() if k not in drop}  # every segment's body, less its prompt and bound
         while True:
             room = cfg.budget - len(context)
             if room >= 1:
                 meta = {"request": number, "segment": segment, "role": "continuation" if compactions else "generate"}
-                turn, err = await self._segment(proxy, traj, tid, body, request, context, min(left, room),
+                turn, err = await self._segment(proxy, traj, tid, base, request, context, min(left, room),
                                                 {**meta, **first})
                 segment, first = segment + 1, {}
                 if err is not None:
@@ -295,7 +297,7 @@ class Compactor:
                 return self._refuse(traj, number, "too_long", f"a context of {len(context)} tokens is too long to "
                                                               f"summarize within the {cfg.window}-token window")
             if cfg.summary == "model":
-                summary, err = await self._segment(proxy, traj, tid, body, request, context + self.summary_ids,
+                summary, err = await self._segment(proxy, traj, tid, base, request, context + self.summary_ids,
                                                    cfg.summary_tokens,
                                                    {"request": number, "segment": segment, "role": "summary", **first})
                 segment, first = segment + 1, {}
@@ -317,12 +319,10 @@ class Compactor:
                                     req.head, self._unseen(last.output_token_ids[-1:]))
         return await self._answer(req.endpoint, body, request, tid, visible, text, compactions, len(req.context))
 
-    async def _segment(self, proxy, traj, tid, body, request, prompt_ids, max_tokens, meta):
-        """One upstream request of the compacted run, recorded as a turn; ``(turn, None)`` or ``(turn, the
-        error response)``."""
-        drop = CHAT_ONLY if "messages" in body else ()
-        seg_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options") and k not in drop}
-        seg_body.update(prompt=list(prompt_ids), max_tokens=max_tokens)
+    async def _segment(self, proxy, traj, tid, base, request, prompt_ids, max_tokens, meta):
+        """One upstream request of the compacted run (``base``: the client's body as a completions body), recorded
+        as a turn; ``(turn, None)`` or ``(turn, the error response)``."""
+        seg_body = {**base, "prompt": list(prompt_ids), "max_tokens": max_tokens}
         turn = Turn(index=len(traj.turns), endpoint="completions", request=seg_body, stream=False)
         turn.compaction = meta
         turn.prompt_token_ids = list(prompt_ids)  # the frontend annotates text prompts only
@@ -361,12 +361,10 @@ class Compactor:
                                     "token_ids": [x for t in visible for x in t.output_token_ids],
                                     "versions": [x for t in visible for x in t.versions],
                                     "logprobs": [x for t in visible for x in t.logprobs]}
-        chat = endpoint == "chat/completions"
-        if chat:
-            message = {"role": "assistant", "content": text}
-            choice = {"index": 0, ("delta" if body.get("stream") else "message"):
-                      message if body.get("stream") else {**message, "refusal": None}}
-            kind = "chat.completion.chunk" if body.get("stream") else "chat.completion"
+        if endpoint == "chat/completions":
+            message, stream = {"role": "assistant", "content": text}, bool(body.get("stream"))
+            choice = {"index": 0, "delta": message} if stream else {"index": 0, "message": {**message, "refusal": None}}
+            kind = "chat.completion.chunk" if stream else "chat.completion"
         else:
             choice, kind = {"index": 0, "text": text}, "text_completion"
         choice.update(finish_reason=last.finish_reason, logprobs=None)
