@@ -114,7 +114,9 @@ def refresh_quick(runs: int, groups: list[str], path: Path = g.GUARDS_JSON) -> d
     measured: dict = {}
     sizes: dict = {}
     before = load()
+    loads = {}
     for group in groups:
+        loads[group] = load()
         for i in range(runs):
             got = g.measure(group)
             if "_skipped" in got:
@@ -131,7 +133,7 @@ def refresh_quick(runs: int, groups: list[str], path: Path = g.GUARDS_JSON) -> d
         head = heads[k]
         figures[k] = {"what": g.FIGURES[k], "size": sizes[g.OF_GROUP[k]], "committed": statistics.median(vals),
                       "fraction": g.fraction_from_spread(vals), "runs": vals,
-                      "worst_over_median": min(vals) / statistics.median(vals),
+                      "worst_over_median": min(vals) / statistics.median(vals), "load": loads[g.OF_GROUP[k]],
                       "headline": None if head is None else {"value": head[0], "at": head[1]}}
     doc = {"about": "committed values of the quick figures (bench/_guards.py); the guard fails below fraction x "
                     "committed; refresh: python -m bench.guards --refresh",
