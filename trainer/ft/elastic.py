@@ -62,10 +62,11 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from datetime import timedelta
 
 import torch
+
+from syncd import http_client
 
 log = logging.getLogger(__name__)
 
@@ -124,12 +125,14 @@ def start_lighthouse(min_replicas: int, *, bind: str = "127.0.0.1:0", join_timeo
         url = f"http://{host}:{port}"
         while True:
             try:
-                urllib.request.urlopen(f"{url}/status", timeout=2).read()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the lighthouse at {url} did not answer") from None
-                time.sleep(0.05)
+                if http_client.request("GET", url, "/status", connect_timeout_s=2.0, timeout_s=2.0,
+                                       max_reply_bytes=1 << 20).status == 200:
+                    break
+            except http_client.Unreachable:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the lighthouse at {url} did not answer")
+            time.sleep(0.05)
     except BaseException:
         proc.kill()
         proc.wait()
@@ -148,8 +151,6 @@ class _LighthouseWatch:
         self._thread.start()
 
     def _run(self) -> None:
-        from syncd import http_client
-
         while not self._stop.wait(WATCH_INTERVAL_S):
             try:
                 http_client.request("GET", self.url, "/status", connect_timeout_s=1.0, timeout_s=2.0,
