@@ -72,11 +72,15 @@ def read_manifest_bytes(store, run_id: str, version: int) -> bytes:
 def read_manifest(store, run_id: str, version: int, *, signing_key=None) -> mf.Manifest:
     """The verified manifest of ``version``. Raises :class:`VersionNotFound` if it has none, and
     :class:`ManifestError` / :class:`SignatureError` / :class:`ManifestMismatch` if it is not acceptable."""
-    store = Store.open(store, create=False)
+    return _read_verified(Store.open(store, create=False), run_id, version, signing_key)[0]
+
+
+def _read_verified(store: Store, run_id: str, version: int, signing_key) -> tuple[mf.Manifest, bytes]:
+    """``read_manifest``'s manifest with the very bytes it was parsed from."""
     raw = read_manifest_bytes(store, run_id, version)
     key = _resolve(signing_key)
     return mf.parse(raw, key=None if key is UNCHECKED or key is False else key, run_id=run_id, version=version,
-                    where=f"{store.url}/{mf.manifest_key(run_id, version)}", allow_unsigned=key is UNCHECKED)
+                    where=f"{store.url}/{mf.manifest_key(run_id, version)}", allow_unsigned=key is UNCHECKED), raw
 
 
 def latest_version(store, run_id: str, *, signing_key=None) -> int | None:
@@ -243,12 +247,12 @@ def fetch_shards(store, run_id: str, m: mf.Manifest, *, threads: int = 4) -> lis
 def cache_version(store, run_id: str, version: int, cache, *, signing_key=None) -> bytes:
     """Put ``version``'s shards, verified, into the node cache ``cache`` (a :class:`syncd.cache.ShardCache`), as a
     node daemon would before an engine loads the version from it; returns the manifest's bytes (what the engine is
-    handed with the cache's folder)."""
+    handed with the cache's folder: the bytes that were verified, read once)."""
     store = Store.open(store, create=False)
-    m = read_manifest(store, run_id, version, signing_key=signing_key)
+    m, raw = _read_verified(store, run_id, version, signing_key)
     for s, data in zip(m.shards, fetch_shards(store, run_id, m)):
         cache.put(s.sha256, data)
-    return bytes(store.get(mf.manifest_key(run_id, version)))
+    return bytes(raw)
 
 
 def load_full(m: mf.Manifest, shards: list, *, device="cpu") -> dict:
