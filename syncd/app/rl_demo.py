@@ -17,7 +17,12 @@ trainer's output and the pictures (``syncd-demo.png``, ``syncd-demo-trainer.png`
 cannot be written is refused before the run (exit 2). Ctrl-C (once or more, at any point) stops every process the
 demo started and exits 130 (:mod:`syncd.app.interrupts`).
 
-    syncd demo [--steps 60] [--json PATH] [--plot PNG] [--dir DIR] [--keep] [--plain]
+With ``--engine vllm`` one vLLM worker (the ``vllm`` extra; a tiny model with head_dim 64, as vLLM's CPU attention
+needs) serves and records instead: kept sets by construction in syncd's logits processor, vLLM's processed
+log-probs for the importance correction. Its weights check covers vLLM's own parameters, the fused ones
+(``qkv_proj``, ``gate_up_proj``) against the same fusion of the materialized version; the demo prints what it compared.
+
+    syncd demo [--steps 60] [--engine reference|vllm] [--json PATH] [--plot PNG] [--dir DIR] [--keep] [--plain]
     syncd demo --weights-only [...]     the weight-sync demo (syncd.app.demo: a supervised trainer, a client)
 """
 
@@ -52,7 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights-only", action="store_true", help="run the weight-sync demo (syncd.app.demo) instead")
     p.add_argument("--steps", type=int, default=60, help="optimizer steps (a version each)")
     p.add_argument("--nproc", type=int, default=2, help="data-parallel trainer ranks")
-    p.add_argument("--workers", type=int, default=2, help="reference-engine workers under the Dynamo frontend")
+    p.add_argument("--engine", choices=("reference", "vllm"), default="reference",
+                   help="the engine the workers run: syncd's CPU reference engine, or vLLM (the vllm extra; its "
+                        "records come from syncd's logits processor and recorder inside vLLM)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="engine workers under the Dynamo frontend (default: 2 reference engines, 1 vLLM engine)")
     p.add_argument("--task", default="repeat", help="syncd.trainer.rl.tasks task the policy learns")
     p.add_argument("--every-k", type=int, default=1, help="publish a version every K steps")
     p.add_argument("--max-lag", type=int, default=2, help="staleness bound eta: versions a trained token may lag")
@@ -115,12 +124,13 @@ def run(args, work: Path, interrupts: Interrupts) -> dict:
     kept = bool(args.dir or args.keep)
     every = "a version per step" if args.every_k == 1 else f"a version every {args.every_k} steps"
     say(f"an RL run on this machine: the thin trainer ({args.nproc} ranks, {args.steps} steps, {every}), "
-        f"{args.workers} engines under Dynamo, the sandbox proxy and the syncd daemon; work dir "
+        f"{args.workers} {args.engine} engine{'s' if args.workers > 1 else ''} under Dynamo, the sandbox proxy and the syncd daemon; work dir "
         f"{work}{'' if kept else ' (removed at the end but for the pictures; --keep keeps it)'}")
     from syncd.app.rl_stack import RLStack, StackConfig
 
     t0 = time.time()
-    stack = RLStack(StackConfig(work, engines=args.workers, seed=args.seed))
+    stack = RLStack(StackConfig(work, engines=args.workers, engine=args.engine, seed=args.seed,
+                                startup_timeout_s=420.0 if args.engine == "vllm" else 240.0))
     trainer: list[subprocess.Popen] = []
     interrupts.watch(stack.processes)
     interrupts.watch(lambda: trainer)
@@ -160,6 +170,8 @@ def run(args, work: Path, interrupts: Interrupts) -> dict:
             "against its manifest")
         stack.wait_engines_at(final, timeout_s=120)
         exact = stack.engines_bit_exact(final)
+        for name, what in stack.checked.items():
+            say(f"{name}: checksums compared for {what}")
         proxy = stack.proxy_health()
         stack.stop_daemon()
         status = stack.daemon_status()
@@ -168,7 +180,8 @@ def run(args, work: Path, interrupts: Interrupts) -> dict:
         say("stopping the engines and the proxy (they write their last records)")
         if kept:
             say(how_to_read(work / "store", stack.run_id, stack.public_key_file, stack.private_key_file))
-        return summarize(args, trained, status, exact, proxy, time.time() - t0, work, versions, pictures)
+        return summarize(args, trained, status, exact, proxy, time.time() - t0, work, versions, pictures,
+                         stack.checked)
     finally:
         try:
             if display is not None:
@@ -210,7 +223,7 @@ def _pictures(args, work: Path, versions: list, updates: list, trainer_png: Path
 
 
 def summarize(args, trained: dict, status: dict, exact: dict, proxy: dict, wall_s: float, work: Path,
-              versions: list | None = None, pictures: dict | None = None) -> dict:
+              versions: list | None = None, pictures: dict | None = None, checked: dict | None = None) -> dict:
     """The demo's summary. Lost: rollout failures the trainer counted (requests, records, replay records, rewards)
     plus the proxy's failure counts (``/health``) and records it still has pending."""
     updates = [u for u in status.get("updates", []) if u.get("rebuild_from") is None]
@@ -223,8 +236,9 @@ def summarize(args, trained: dict, status: dict, exact: dict, proxy: dict, wall_
         "steps": trained.get("steps"), "reward_before": trained.get("reward_first"),
         "reward_after": trained.get("reward_last"), "reward_window": trained.get("reward_window"),
         "versions_published": trained.get("versions_published"), "final_version": trained.get("final_version"),
-        "versions_applied": len({u["version"] for u in updates}), "engines": len(exact),
+        "versions_applied": len({u["version"] for u in updates}), "engine": args.engine, "engines": len(exact),
         "engines_bit_exact": bool(exact) and all(exact.values()), "engine_bit_exact": exact,
+        "engine_weights_checked": checked or {},
         "pause_s_median": statistics.median(pauses) if pauses else None, "pause_s_max": max(pauses, default=None),
         "publish_to_serving_s_median": trained.get("publish_to_serving_s_median"),
         "staleness_mean": trained.get("staleness_mean"), "staleness_max": trained.get("staleness_max"),
@@ -249,7 +263,8 @@ def print_summary(s: dict) -> None:
             ("steps / versions published / applied",
              f"{s['steps']} / {s['versions_published']} (v0 full, then one per {args_k(s)}) / {applied} (the "
              "engines started on v0)"),
-            ("engines bit-exact on the last version", f"{s['engines_bit_exact']} (version {s['final_version']})"),
+            ("engines bit-exact on the last version", f"{s['engines_bit_exact']} (version {s['final_version']}, "
+                                                       f"{s.get('engines')} {s.get('engine', 'reference')} engine(s))"),
             ("rollout requests / lost", f"{s['rollout_requests']} / {s['rollouts_lost']}"),
             ("pause median / max", f"{f(s['pause_s_median'] and s['pause_s_median'] * 1e3, '.1f')} / "
                                    f"{f(s['pause_s_max'] and s['pause_s_max'] * 1e3, '.1f')} ms"),
@@ -299,6 +314,8 @@ def main(argv=None) -> int:
         return demo.main([a for a in argv if a != "--weights-only"])
     p = build_parser()
     args = p.parse_args(argv)
+    if args.workers is None:
+        args.workers = 1 if args.engine == "vllm" else 2
     if args.steps < 1 or args.nproc < 1 or args.workers < 1 or args.every_k < 1 or args.max_lag < 0:
         p.error("--steps, --nproc, --workers, --every-k must be >= 1 and --max-lag >= 0")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

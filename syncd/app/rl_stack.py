@@ -38,12 +38,15 @@ ROOT = Path(__file__).resolve().parents[1]
 @dataclass(frozen=True)
 class StackConfig:
     """``workdir``: everything goes below it (model, store, logs, cache); ``store_url``: None for a file store
-    in ``workdir``; ``engines``: Dynamo workers; the tiny model's ``arch``/``hidden``/``layers``/``seed``;
-    ``max_batch``: requests one engine runs at once; ``poll_interval_s``: the daemon's poll of the store."""
+    in ``workdir``; ``engines``: Dynamo workers; ``engine``: what they run (``reference``, or ``vllm``: the model
+    is then sized for vLLM's CPU attention, head_dim 64, and the workers get vLLM's flags only); the tiny model's
+    ``arch``/``hidden``/``layers``/``seed``; ``max_batch``: requests one engine runs at once;
+    ``poll_interval_s``: the daemon's poll of the store."""
 
     workdir: Path
     run_id: str = "rl"
     engines: int = 2
+    engine: str = "reference"
     arch: str = "qwen2"
     hidden: int = 64
     layers: int = 2
@@ -53,6 +56,21 @@ class StackConfig:
     poll_interval_s: float = 0.1
     sandbox_id: str = "rl-sandbox"
     startup_timeout_s: float = 240.0
+    max_model_len: int = 512  # vLLM's (its KV cache is sized for it)
+
+    def model_sizes(self) -> dict:
+        """``write_model``'s sizes: vLLM's CPU attention needs head_dim 64 (2 heads of 64, one KV head)."""
+        if self.engine == "vllm":
+            return dict(hidden=2 * 64, heads=2, kv_heads=1, intermediate=4 * 64, layers=self.layers)
+        return dict(hidden=self.hidden, layers=self.layers, intermediate=2 * self.hidden)
+
+    def worker_args(self) -> tuple[str, ...]:
+        """The engine workers' flags (beyond the replay store's): ``--threads`` is the reference engine's only."""
+        if self.engine == "vllm":
+            return ("--engine", "vllm", "--max-batch", str(self.max_batch), "--max-model-len", str(self.max_model_len))
+        if self.engine != "reference":
+            raise ValueError(f"engine must be 'reference' or 'vllm', got {self.engine!r}")
+        return ("--max-batch", str(self.max_batch), "--threads", "1")
 
 
 class RLStack:
@@ -80,14 +98,16 @@ class RLStack:
         self.proxy_url: str | None = None
         self.daemon: subprocess.Popen | None = None
         self.engines: dict[str, str] = {}  # worker name -> admin URL
+        self.checked: dict[str, str] = {}  # worker name -> what engines_bit_exact compared
 
     # ------------------------------------------------------------------------------------ start
 
     def start(self, say=None) -> "RLStack":
         """Start everything; ``say(text)`` (if given) hears each stage as it begins."""
         say = say or (lambda text: log.info("%s", text))
-        say(f"writing a tiny random-init {self.config.arch} model (hidden {self.config.hidden}, "
-            f"{self.config.layers} layers) and starting the Dynamo frontend and {self.config.engines} engine workers")
+        sizes = self.config.model_sizes()
+        say(f"writing a tiny random-init {self.config.arch} model (hidden {sizes['hidden']}, {sizes['layers']} "
+            f"layers) and starting the Dynamo frontend and {self.config.engines} {self.config.engine}-engine workers")
         from syncd.app.demo_io import demo_keys
         from syncd.engine.dynamo.node import Node, NodeConfig
         from syncd.engine.reference.make_tiny import write_model
@@ -101,12 +121,11 @@ class RLStack:
         self.reader_env["SYNCD_VERIFY_KEYS"] = str(self.public_key_file)
         if self.store_url.startswith("file://"):
             Path(self.store_url[len("file://"):]).mkdir(parents=True, exist_ok=True)
-        write_model(self.model_dir, arch=cfg.arch, seed=cfg.seed, hidden=cfg.hidden, layers=cfg.layers,
-                    intermediate=2 * cfg.hidden)
+        write_model(self.model_dir, arch=cfg.arch, seed=cfg.seed, **sizes)
         try:
             self.node = Node(NodeConfig.recording(
                 self.model_dir, self.workdir, store_url=self.store_url, run_id=self.run_id, prefix="rl",
-                workers=cfg.engines, worker_args=("--max-batch", str(cfg.max_batch), "--threads", "1"),
+                workers=cfg.engines, worker_args=cfg.worker_args(),
                 startup_timeout_s=cfg.startup_timeout_s,
                 worker_env={"SYNCD_SIGNING_KEY": "", "SYNCD_SIGNING_KEY_FILE": "",
                             "SYNCD_VERIFY_KEYS": str(self.public_key_file)}))
@@ -189,13 +208,36 @@ class RLStack:
                    f"every engine at version {version}", interval_s=0.2, alive=self.dead)
 
     def engines_bit_exact(self, version: int) -> dict[str, bool]:
-        """Per worker: does every tensor it serves have the checksum the manifest of ``version`` records?"""
+        """Per worker: does every parameter it serves have the checksum version ``version`` gives it? Each engine's
+        own parameters (:meth:`~syncd.engines.Adapter.parameters`): one that is a trainer tensor 1:1 against the
+        manifest's checksum; fused or sliced ones (vLLM's ``qkv_proj``, ``gate_up_proj``) against the checksum of
+        the same fusion built from the version's materialized (verified) tensors. What was checked, per worker, is
+        in :attr:`checked` (a sentence)."""
         from syncd.engines.client import RemoteAdapter
-        from syncd.versions import read_manifest
+        from syncd.engines.params import expected_checksums
+        from syncd.versions import materialize, read_manifest
 
         m = read_manifest(self.store_url, self.run_id, version, signing_key=self.verify_key)
-        want = {t.name: t.checksum for t in m.tensors}
-        return {n: RemoteAdapter(u, timeout_s=60).checksum() == want for n, u in self.engines.items()}
+        manifest = {t.name: t.checksum for t in m.tensors}
+        full = None
+        out: dict[str, bool] = {}
+        self.checked = {}
+        for n, u in self.engines.items():
+            remote = RemoteAdapter(u, timeout_s=60)
+            specs = list(remote.parameters())
+            want = expected_checksums(specs, manifest)
+            fused = [s for s in specs if s.name not in want]
+            if fused:
+                if full is None:
+                    full = materialize(self.store_url, self.run_id, version, signing_key=self.verify_key)
+                want = expected_checksums(specs, full)
+            got = remote.checksum(list(want))
+            covered = {p.source for s in specs if s.name in want for p in s.pieces}
+            out[n] = bool(want) and len(want) == len(specs) and all(got.get(k) == v for k, v in want.items())
+            self.checked[n] = (f"{len(want)} of its {len(specs)} parameters ({len(fused)} fused from several "
+                               f"trainer tensors, checked against the materialized version), covering "
+                               f"{len(covered & set(manifest))} of the manifest's {len(manifest)} tensors")
+        return out
 
     def processes(self) -> list[subprocess.Popen]:
         """Every process the stack started (running or not), each the leader of its own process group."""
