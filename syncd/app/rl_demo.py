@@ -21,8 +21,10 @@ With ``--engine vllm`` one vLLM worker (the ``vllm`` extra; a tiny model with he
 needs) serves and records instead: kept sets by construction in syncd's logits processor, vLLM's processed
 log-probs for the importance correction. Its weights check covers vLLM's own parameters, the fused ones
 (``qkv_proj``, ``gate_up_proj``) against the same fusion of the materialized version; the demo prints what it compared.
+``--moe``: a tiny Qwen3-MoE instead, whose records carry every token's routes for the trainer to replay.
 
-    syncd demo [--steps 60] [--engine reference|vllm] [--json PATH] [--plot PNG] [--dir DIR] [--keep] [--plain]
+    syncd demo [--steps 60] [--engine reference|vllm] [--moe] [--json PATH] [--plot PNG] [--dir DIR] [--keep]
+               [--plain]
     syncd demo --weights-only [...]     the weight-sync demo (syncd.app.demo: a supervised trainer, a client)
 """
 
@@ -60,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", choices=("reference", "vllm"), default="reference",
                    help="the engine the workers run: syncd's CPU reference engine, or vLLM (the vllm extra; its "
                         "records come from syncd's logits processor and recorder inside vLLM)")
+    p.add_argument("--moe", action="store_true",
+                   help="a tiny mixture-of-experts model (Qwen3-MoE, 8 experts, top-2): the engines record every "
+                        "token's routes and the trainer replays them (its metrics' routing_disagreement)")
     p.add_argument("--workers", type=int, default=None,
                    help="engine workers under the Dynamo frontend (default: 2 reference engines, 1 vLLM engine)")
     p.add_argument("--task", default="repeat", help="syncd.trainer.rl.tasks task the policy learns")
@@ -124,12 +129,14 @@ def run(args, work: Path, interrupts: Interrupts) -> dict:
     kept = bool(args.dir or args.keep)
     every = "a version per step" if args.every_k == 1 else f"a version every {args.every_k} steps"
     say(f"an RL run on this machine: the thin trainer ({args.nproc} ranks, {args.steps} steps, {every}), "
-        f"{args.workers} {args.engine} engine{'s' if args.workers > 1 else ''} under Dynamo, the sandbox proxy and the syncd daemon; work dir "
+        f"{args.workers} {args.engine} engine{'s' if args.workers > 1 else ''} under Dynamo, the sandbox proxy and "
+        f"the syncd daemon; work dir "
         f"{work}{'' if kept else ' (removed at the end but for the pictures; --keep keeps it)'}")
     from syncd.app.rl_stack import RLStack, StackConfig
 
     t0 = time.time()
     stack = RLStack(StackConfig(work, engines=args.workers, engine=args.engine, seed=args.seed,
+                                arch="qwen3_moe" if args.moe else "qwen2",
                                 startup_timeout_s=420.0 if args.engine == "vllm" else 240.0))
     trainer: list[subprocess.Popen] = []
     interrupts.watch(stack.processes)
