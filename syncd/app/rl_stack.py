@@ -234,8 +234,9 @@ class RLStack:
             got = remote.checksum(list(want))
             covered = {p.source for s in specs if s.name in want for p in s.pieces}
             out[n] = bool(want) and len(want) == len(specs) and all(got.get(k) == v for k, v in want.items())
-            self.checked[n] = (f"{len(want)} of its {len(specs)} parameters ({len(fused)} fused from several "
-                               f"trainer tensors, checked against the materialized version), covering "
+            how = (f"{len(fused)} fused from several trainer tensors, checked against the same fusion of the "
+                   "materialized version" if fused else "each a trainer tensor 1:1, against the manifest's checksum")
+            self.checked[n] = (f"{len(want)} of its {len(specs)} parameters ({how}), covering "
                                f"{len(covered & set(manifest))} of the manifest's {len(manifest)} tensors")
         return out
 
