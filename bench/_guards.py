@@ -180,16 +180,11 @@ def measure_replay(rounds: int = 7, T: int = 256, V: int = 32768) -> dict:
     public distribution (``bench.replay_bytes``), as in ``bench.replay``."""
     import torch
 
-    from bench.replay_bytes import kept_sizes_public, random_sets
-    from syncd.ops.replay import kept_logprobs, kept_rows
+    from bench.replay_bytes import kept_problem
+    from syncd.ops.replay import kept_logprobs
 
     gen = torch.Generator().manual_seed(0)
-    sizes = kept_sizes_public(T, gen, 1000)
-    sets = random_sets(sizes, V, gen)
-    ids = torch.cat(sets)
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)])
-    targets = torch.stack([s[torch.randint(0, s.numel(), (1,), generator=gen)][0] for s in sets])
-    rows = kept_rows(offsets)
+    ids, offsets, targets, rows = kept_problem(T, V, gen)
     x = torch.randn(T, V, generator=gen).requires_grad_()
 
     def naive():

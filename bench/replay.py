@@ -46,7 +46,7 @@ import torch
 
 from bench._report import Row, finish, output_flags
 from bench._timing import Stopwatch, time_and_peak
-from bench.replay_bytes import kept_sizes_public, print_bytes, random_sets, recorded_bytes, route_bytes
+from bench.replay_bytes import kept_problem, print_bytes, recorded_bytes, route_bytes
 from bench.replay_kept import public_kept
 
 PRESETS = {
@@ -210,16 +210,10 @@ OP_METHODS = {"cpu": dict(backend="cpu"), "reference": dict(backend="reference")
 def op_bench(T: int, V: int, H: int, repeats: int, seed: int, budget: int) -> dict:
     """The op alone (forward + backward into the logits), then the lm_head and the op together (forward and
     backward through ``linear(hidden [T, H], weight [V, H])``), each against the naive masked log-softmax."""
-    from syncd.ops.replay import kept_rows
     from syncd.ops.replay import kept_logprobs
 
     gen = torch.Generator().manual_seed(seed)
-    sizes = kept_sizes_public(T, gen, 1000)
-    sets = random_sets(sizes, V, gen)
-    ids = torch.cat(sets)
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)])
-    targets = torch.stack([s[torch.randint(0, s.numel(), (1,), generator=gen)][0] for s in sets])
-    rows = kept_rows(offsets)
+    ids, offsets, targets, rows = kept_problem(T, V, gen)
     grad_bytes = T * V * 4
 
     def naive_loss(x):

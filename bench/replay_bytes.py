@@ -30,6 +30,20 @@ def random_sets(sizes: torch.Tensor, V: int, gen: torch.Generator) -> list[torch
     return out
 
 
+def kept_problem(T: int, V: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """``T`` rows of kept sets over a vocabulary of ``V`` with the public size distribution, each with a target
+    inside its set: ``(ids, offsets, targets, rows)`` as ``syncd.ops.replay.kept_logprobs`` takes them (``rows``:
+    each id's row, ``kept_rows(offsets)``)."""
+    from syncd.ops.replay import kept_rows
+
+    sizes = kept_sizes_public(T, gen, 1000)
+    sets = random_sets(sizes, V, gen)
+    ids = torch.cat(sets)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)])
+    targets = torch.stack([s[torch.randint(0, s.numel(), (1,), generator=gen)][0] for s in sets])
+    return ids, offsets, targets, kept_rows(offsets)
+
+
 def recorded_bytes(store_url: str, run_id: str, resolved) -> dict:
     """Bytes per generated token in the run's replay records: kept sets as recorded (format 2) and by form, the same
     sets listed (format 1, from the ``resolved`` sequences) and as int32 ids, token routes, whole chunks."""
