@@ -1,7 +1,7 @@
 """vLLM under Dynamo records replay: a node of two ``--engine vllm --replay-store`` workers (a tiny Qwen2 with
 head_dim 64), the frontend and a sandbox proxy. The trainer's ``read_rollouts`` joins the engines' records with the
 proxy's trajectories token by token (ids, versions, log-probs, kept sets) -- also for a stream that migrated to the
-other worker when its first one stopped (SIGTERM, a 1 s drain timeout: the worker flushes its records and exits). A store
+other worker when its first one stopped (SIGTERM, a 0.2 s drain timeout: the worker flushes its records and exits). A store
 that refuses the records costs nothing: they are spilled and written once it takes them, and the requests are
 served meanwhile. Replay settings vLLM cannot record are refused with HTTP 400 naming the field, as is replay
 asked (``nvext.annotations: ["syncd.replay"]``) of a worker without a replay store."""
@@ -64,7 +64,7 @@ def cluster(tmp_path_factory):
                      settings=DynamoSettings(file_kv=root / "kv", namespace=f"v{uuid.uuid4().hex[:8]}"),
                      worker_args=("--engine", "vllm", "--max-model-len", "2048", "--weights-version", "0",
                                   "--replay-store", store.resolve().as_uri(), "--run-id", RUN_ID,
-                                  "--replay-spill-dir", str(spill), "--drain-timeout", "1"),
+                                  "--replay-spill-dir", str(spill), "--drain-timeout", "0.2"),
                      startup_timeout_s=420)
     node = Node(cfg).start()
     node.supervise(background=True)
@@ -141,7 +141,7 @@ def _joins(c, tid):
 def test_a_migrated_trajectory_joins_the_records_of_both_workers(cluster):
     c = cluster
     tid = f"mig-{uuid.uuid4().hex[:6]}"
-    n = 1900  # more than the stopped worker makes in its 1 s drain
+    n = 1900  # far more than the stopped worker makes in its 0.2 s drain (a quiet machine makes ~1900 tokens/s)
     body = {"model": c.model, "prompt": "a long story:", "max_tokens": n, "ignore_eos": True, "temperature": 1.0,
             "top_p": 0.95, "seed": 11, "nvext": {"extra_fields": ["worker_id"]}}
     stopped = {}
@@ -150,7 +150,7 @@ def test_a_migrated_trajectory_joins_the_records_of_both_workers(cluster):
         if i == 30:
             wid = ev["nvext"]["worker_id"]["decode_worker_id"]
             stopped.update(next(w for w in c.node.workers() if w["instance_id"] == wid))
-            os.kill(stopped["pid"], signal.SIGTERM)  # drains 1 s, flushes its records, exits: the stream migrates
+            os.kill(stopped["pid"], signal.SIGTERM)  # drains 0.2 s, flushes its records, exits: the stream migrates
 
     status, _, events = post_stream(f"{c.proxy.url}/v1/completions", body, headers={"X-Syncd-Trajectory": tid},
                                     on_event=stop_at, timeout=300)
