@@ -78,6 +78,15 @@ def cluster(tmp_path_factory):
         node.close()
 
 
+def _store_takes_records(c) -> None:
+    """Undo the fixture's refusing store (idempotent): the workers' retries then write what they spilled. The first
+    test does it after its check; the others call it too, so that each also runs alone."""
+    blocked = c.store / "runs" / RUN_ID / "replay"
+    if blocked.is_file():
+        blocked.unlink()
+        blocked.mkdir()
+
+
 def _spilled(spill: Path) -> list[Path]:
     return sorted(spill.rglob("*.srpl")) if spill.exists() else []
 
@@ -102,9 +111,7 @@ def test_a_store_refusing_records_loses_none_and_serves_the_requests(cluster):
     status, _, events = post_stream(f"{c.proxy.url}/v1/completions", body, headers={"X-Syncd-Trajectory": tid})
     assert status == 200 and finish_reason(events) == "length"  # served while nothing can be recorded
     wait_until(lambda: _spilled(c.spill), 60, "the refused replay chunk to be spilled")
-    blocked = c.store / "runs" / RUN_ID / "replay"
-    blocked.unlink()
-    blocked.mkdir()  # the store takes writes again: the workers' retries write the spilled chunks
+    _store_takes_records(c)
     wait_until(lambda: not _spilled(c.spill), 60, "the spilled chunks to be written and removed")
     c.finish(tid)
     _check_joined(c.rollout(tid), 16)
@@ -112,6 +119,7 @@ def test_a_store_refusing_records_loses_none_and_serves_the_requests(cluster):
 
 def test_trajectories_join_the_vllm_records(cluster):
     c = cluster
+    _store_takes_records(c)
     tid = f"join-{uuid.uuid4().hex[:6]}"
     hdr = {"X-Syncd-Trajectory": tid}
     first = {"model": c.model, "prompt": "one two three", "max_tokens": 12, "temperature": 0.8, "top_p": 0.8,
@@ -140,6 +148,7 @@ def _joins(c, tid):
 
 def test_a_migrated_trajectory_joins_the_records_of_both_workers(cluster):
     c = cluster
+    _store_takes_records(c)
     tid = f"mig-{uuid.uuid4().hex[:6]}"
     n = 1900  # far more than the stopped worker makes in its 0.2 s drain (a quiet machine makes ~1900 tokens/s)
     body = {"model": c.model, "prompt": "a long story:", "max_tokens": n, "ignore_eos": True, "temperature": 1.0,
