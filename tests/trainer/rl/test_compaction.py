@@ -278,23 +278,29 @@ def test_per_request_trajectories_are_written_when_a_compacted_request_ends(node
     assert len(read_record(store, RUN, "sb-per", tid)["compactions"]) >= 2
 
 
-def test_a_streaming_client_gets_the_compacted_answer_as_one_chunk(node):
+def _stream_events(node, sandbox: str, path: str, body: dict, headers=None) -> list[str]:
+    """POST ``body`` (streamed) through a compacting proxy of ``sandbox`` to ``path``; the SSE data lines."""
     url, model, _, store = node
 
     async def go():
-        proxy = Proxy(ProxyConfig(upstream=url, run_id=RUN, sandbox_id="sb-stream", compaction=_compaction(node)),
-                      store)
+        proxy = Proxy(ProxyConfig(upstream=url, run_id=RUN, sandbox_id=sandbox, compaction=_compaction(node)), store)
         base = await proxy.start()
         try:
             async with aiohttp.ClientSession() as http:
-                body = {"model": model, **BODY, "stream": True, "stream_options": {"include_usage": True}}
-                async with http.post(f"{base}/v1/completions", json=body, headers={"X-Syncd-Trajectory": "s"}) as r:
+                async with http.post(f"{base}/v1/{path}", json={"model": model, **body}, headers=headers) as r:
                     assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
                     return (await r.read()).decode()
         finally:
             await proxy.close()
 
-    events = [e[len("data: "):] for e in asyncio.run(go()).split("\n\n") if e.startswith("data: ")]
+    return [e[len("data: "):] for e in asyncio.run(go()).split("\n\n") if e.startswith("data: ")]
+
+
+def test_a_streaming_client_gets_the_compacted_answer_as_one_chunk(node):
+    store = node[3]
+    events = _stream_events(node, "sb-stream", "completions", {**BODY, "stream": True,
+                                                                "stream_options": {"include_usage": True}},
+                            headers={"X-Syncd-Trajectory": "s"})
     assert events[-1] == "[DONE]" and len(events) == 2
     chunk = json.loads(events[0])
     assert chunk["usage"]["completion_tokens"] == 300 and chunk["choices"][0]["finish_reason"] == "length"
@@ -361,21 +367,7 @@ def test_a_later_chat_request_continues_from_the_compacted_context(node):
 
 def test_a_streaming_chat_client_gets_one_chunk(node):
     body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
-    url, model, _, store = node
-
-    async def go():
-        proxy = Proxy(ProxyConfig(upstream=url, run_id=RUN, sandbox_id="sb-chats", compaction=_compaction(node)),
-                      store)
-        base = await proxy.start()
-        try:
-            async with aiohttp.ClientSession() as http:
-                async with http.post(f"{base}/v1/chat/completions", json={"model": model, **body}) as r:
-                    assert r.status == 200
-                    return (await r.read()).decode()
-        finally:
-            await proxy.close()
-
-    events = [e[len("data: "):] for e in asyncio.run(go()).split("\n\n") if e.startswith("data: ")]
+    events = _stream_events(node, "sb-chats", "chat/completions", body)
     assert events[-1] == "[DONE]" and len(events) == 2
     chunk = json.loads(events[0])
     assert chunk["object"] == "chat.completion.chunk" and chunk["usage"]["completion_tokens"] == 200
