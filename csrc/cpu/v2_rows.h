@@ -80,6 +80,19 @@ inline void check_flagged(size_t flagged, size_t n_max, const std::string& what)
 // ---- portable kernels over `classes(t, cls)`: fills cls[0..16) with row t's classes (0 past its live lanes)
 // and returns its live lanes
 
+// A flagged row's lanes: cls[l] its classes, p[l] = p1 of lane l's class (0 past the live lanes); returns the
+// coded lanes' mask.
+template <class RowClasses>
+inline uint32_t lane_probabilities(RowClasses& classes, uint64_t t, const uint32_t* p1, uint8_t* cls, uint32_t* p) {
+  const int live = classes(t, cls);
+  uint32_t coded = 0;
+  for (int l = 0; l < kLanes; ++l) {
+    p[l] = l < live ? p1[cls[l]] : 0;
+    coded |= uint32_t(p[l] != 0) << l;
+  }
+  return coded;
+}
+
 template <class RowClasses>
 void row_contexts_scalar(RowClasses&& classes, uint64_t span, uint8_t* ctx) {
   for (uint64_t t = 0; t * kLanes < span; ++t) {
@@ -107,12 +120,8 @@ void encode_rows_scalar(RowClasses&& classes, uint64_t span, const uint32_t* p1,
       const uint64_t t = u * kLanes + 31 - __builtin_clz(f);
       const uint32_t bits = bitmap[t];
       uint8_t cls[kLanes];
-      const int live = classes(t, cls);
-      uint32_t p[kLanes], q[kLanes], rc = 0;
-      for (int l = 0; l < kLanes; ++l) {
-        p[l] = l < live ? p1[cls[l]] : 0;
-        rc |= uint32_t(p[l] != 0) << l;
-      }
+      uint32_t p[kLanes], q[kLanes];
+      const uint32_t rc = lane_probabilities(classes, t, p1, cls, p);
       chain_row(p, __builtin_ctz(bits), q);
       enc[--step % uint64_t(gp)].put_row(rc, q, bits & rc);
     }
@@ -146,12 +155,8 @@ size_t decode_rows_scalar(RowClasses&& classes, uint64_t span, const uint32_t* p
     for (uint32_t m = f; m; m &= m - 1) {
       const uint64_t t = u * kLanes + __builtin_ctz(m);
       uint8_t cls[kLanes];
-      const int live = classes(t, cls);
-      uint32_t p[kLanes], q[kLanes], rc = 0;
-      for (int l = 0; l < kLanes; ++l) {
-        p[l] = l < live ? p1[cls[l]] : 0;
-        rc |= uint32_t(p[l] != 0) << l;
-      }
+      uint32_t p[kLanes], q[kLanes];
+      const uint32_t rc = lane_probabilities(classes, t, p1, cls, p);
       BinGroupDecoder& d = dec[step++ % uint64_t(gp)];
       chain_row(p, chain_first(d.x, p), q);
       uint32_t bits = d.row(rc, q);
