@@ -5,10 +5,14 @@ Policy (:class:`CompactionConfig`): a ``/v1/completions`` or ``/v1/chat/completi
 its prompt plus its ``max_tokens`` would pass ``trigger`` of the context window (``window`` tokens, the engine's
 positions). A chat request's prompt is its ``messages`` rendered with the model's chat template
 (``syncd.engine.proxy.chat_template``, ``add_generation_prompt``) and tokenised by the proxy; its bound is
-``max_completion_tokens`` or ``max_tokens`` (a chat request with neither, or with ``tools``, passes through: the
-compacted answer is text, the frontend's tool-call parser never sees it). From there on both endpoints are one
-mechanism: the proxy runs the request as segments, each one upstream ``/v1/completions`` request with the prompt
-as token ids, recorded as a turn of the trajectory:
+``max_completion_tokens`` or ``max_tokens`` (a chat request with neither passes through). A chat with ``tools``
+is compacted like any other (the template renders the tools: an agent harness's tool-calling episodes outlive the
+window); its answer's message is the text, on which the frontend's tool-call parsing is not run (syncd's workers
+register no parser; the client reads the calls from the text, as ``syncd.trainer.agent.envs`` does). A chat whose
+``tool_choice`` forces a call (``"required"``, a named function) or whose ``response_format`` constrains the text
+passes through: a segment sent as a plain completion would lose the constraint. From there on both endpoints are
+one mechanism: the proxy runs the request as segments, each one upstream ``/v1/completions`` request with the
+prompt as token ids, recorded as a turn of the trajectory:
 
 1. **generate** -- the context ``C`` (the prompt's token ids) generates up to the budget
    ``floor(trigger * window) - len(C)`` tokens ``O``;
@@ -39,12 +43,15 @@ A later request of a compacted trajectory whose prompt text (for chat: the rende
 client saw (its prompt and the answer) continues from the live context: the new text alone is tokenised and
 appended to ``C'`` and what it generated (when the model stopped on a special token the client's text does not
 show, e.g. ``<|im_end|>``, and the new text starts with it -- a chat template closing the assistant's message --
-it is not appended twice). ``n > 1``, prompts of several texts and prompts too long even to
-summarize pass through uncompacted, as do chat requests when the model folder has no chat template.
+it is not appended twice). When the live context and the new text (a tool's long output) would leave no room to
+summarize, the live context is compacted first and the new text appended to the continuation. ``n > 1``, prompts
+of several texts and prompts too long even to summarize pass through uncompacted, as do chat requests when the
+model folder has no chat template.
 
 Errors: a configuration that leaves no room (``trigger * window`` plus the summary prompt and tokens past the
-window, a continuation's fixed part filling the budget) raises ValueError at start-up; a live context too long to
-summarize, or ``max_compactions`` used up, fails the request (HTTP 400, a failed turn saying why). Thread-safety: one asyncio loop, like the proxy.
+window, a continuation's fixed part filling the budget) raises ValueError at start-up; a context too long to
+summarize (new text longer than what a continuation leaves), or ``max_compactions`` used up, fails the request
+(HTTP 400, a failed turn saying why). Thread-safety: one asyncio loop, like the proxy.
 """
 
 from __future__ import annotations
@@ -149,15 +156,26 @@ class _Live:
 
 @dataclass
 class _Request:
+    """A compacted run: ``context`` (the ids to generate from), ``head`` (kept at every continuation's head);
+    ``tail``: for a later request of a live trajectory, the ids of its new text, not yet in ``context``."""
+
     context: list[int]
     head: list[int]
     prompt_text: str | None
     max_tokens: int
     endpoint: str = "completions"
-    segments: list[Turn] = field(default_factory=list)
+    tail: list[int] = field(default_factory=list)
 
 
 REFUSALS = ("max_compactions", "too_long")
+
+
+def _constrained(body: dict) -> bool:
+    """Whether a chat body asks the frontend to constrain its output (a forced tool call, a response format):
+    what a compacted run, whose segments are plain completions, cannot keep."""
+    choice, fmt = body.get("tool_choice"), body.get("response_format")
+    forced = choice is not None and choice not in ("auto", "none")
+    return forced or (fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"))
 
 
 class Compactor:
@@ -233,7 +251,7 @@ class Compactor:
             max_tokens = 16 if max_tokens is None else max_tokens  # the OpenAI default
         else:
             max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-            if self.chat is None or body.get("tools") or max_tokens is None:
+            if self.chat is None or max_tokens is None or _constrained(body):
                 return None
             prompt = self.chat.render(body)
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
@@ -251,8 +269,7 @@ class Compactor:
             if live is not None and prompt.startswith(live.client_text):
                 new = prompt[len(live.client_text):]
                 new = new[len(live.unseen):] if live.unseen and new.startswith(live.unseen) else new
-                return _Request(live.context + self.encode(new), live.head, prompt,
-                                max_tokens, endpoint)
+                return _Request(live.context, live.head, prompt, max_tokens, endpoint, self.encode(new))
             ids, text = self.encode(prompt), prompt
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
                                                            for t in prompt):
@@ -269,20 +286,24 @@ class Compactor:
 
     async def run(self, proxy, req: _Request, traj, tid: str, body: dict, request: web.Request):
         """Run ``req`` (segments, summaries, continuations), record each segment in ``traj``, answer the client.
-        A context that leaves no room to generate (a long prompt, a long live context) is summarized first."""
+        A context that leaves no room to generate (a long prompt, a long live context) is summarized first; a
+        later request's new text (``req.tail``: a tool's output, the next user message) that would leave no room
+        to summarize after it is appended after a compaction of the live context instead."""
         cfg = self.config
-        number = len(traj.turns)  # the client request is named by the index of its first segment
-        context, left, compactions, visible = list(req.context), req.max_tokens, 0, []
-        segment, first = 0, {"client_request": body}
-        drop = {"stream", "stream_options"} | (CHAT_ONLY if req.endpoint == "chat/completions" else set())
-        base = {k: v for k, v in body.items() if k not in drop}  # every segment's body, less its prompt and bound
+        run = _Run(self, proxy, traj, tid, request, number=len(traj.turns), first={"client_request": body},
+                   base={k: v for k, v in body.items() if k not in {"stream", "stream_options"} |
+                         (CHAT_ONLY if req.endpoint == "chat/completions" else set())})
+        context, left, visible = list(req.context), req.max_tokens, []
+        if req.tail and len(context) + len(req.tail) + len(self.summary_ids) + cfg.summary_tokens > cfg.window:
+            context, err = await run.compact(req, context)
+            if err is not None:
+                return err
+        context += req.tail
         while True:
             room = cfg.budget - len(context)
             if room >= 1:
-                meta = {"request": number, "segment": segment, "role": "continuation" if compactions else "generate"}
-                turn, err = await self._segment(proxy, traj, tid, base, request, context, min(left, room),
-                                                {**meta, **first})
-                segment, first = segment + 1, {}
+                role = "continuation" if run.compactions else "generate"
+                turn, err = await run.segment(context, min(left, room), role)
                 if err is not None:
                     return err
                 visible.append(turn)
@@ -290,34 +311,16 @@ class Compactor:
                 if turn.finish_reason != "length" or left <= 0:
                     break
                 context = context + turn.output_token_ids
-            if compactions == cfg.max_compactions:
-                return self._refuse(traj, number, "max_compactions",
-                                    f"{compactions} compactions and {left} tokens still to make")
-            if len(context) + len(self.summary_ids) + cfg.summary_tokens > cfg.window:
-                return self._refuse(traj, number, "too_long", f"a context of {len(context)} tokens is too long to "
-                                                              f"summarize within the {cfg.window}-token window")
-            if cfg.summary == "model":
-                summary, err = await self._segment(proxy, traj, tid, base, request, context + self.summary_ids,
-                                                   cfg.summary_tokens,
-                                                   {"request": number, "segment": segment, "role": "summary", **first})
-                segment, first = segment + 1, {}
-                if err is not None:
-                    return err
-                context = req.head + self.resume_ids + summary.output_token_ids + self.continue_ids
-            elif cfg.summary == "empty":
-                context = req.head + self.resume_ids + self.continue_ids
-            else:  # plain truncation, as long as a summarized context
-                context = req.head + context[-(len(self.resume_ids) + cfg.summary_tokens + len(self.continue_ids)):]
-            compactions += 1
-            self.compactions += 1
-            if self._metrics is not None:
-                self._metrics[0].inc()
+            context, err = await run.compact(req, context, f" and {left} tokens still to make")
+            if err is not None:
+                return err
         last = visible[-1]
         text = "".join(t.text for t in visible)
         if req.prompt_text is not None:
             self._live[tid] = _Live(req.prompt_text + text, last.prompt_token_ids + last.output_token_ids,
                                     req.head, self._unseen(last.output_token_ids[-1:]))
-        return await self._answer(req.endpoint, body, request, tid, visible, text, compactions, len(req.context))
+        return await self._answer(req.endpoint, body, request, tid, visible, text, run.compactions,
+                                  len(req.context) + len(req.tail))
 
     async def _segment(self, proxy, traj, tid, base, request, prompt_ids, max_tokens, meta):
         """One upstream request of the compacted run (``base``: the client's body as a completions body), recorded
@@ -384,3 +387,45 @@ class Compactor:
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+
+class _Run:
+    """One client request's compacted run: numbers its segments and counts its compactions (``Compactor.run``)."""
+
+    def __init__(self, compactor: Compactor, proxy, traj, tid: str, request: web.Request, *, number: int,
+                 first: dict, base: dict):
+        self.c, self.proxy, self.traj, self.tid, self.request = compactor, proxy, traj, tid, request
+        self.number, self.first, self.base = number, first, base  # base: every segment's body, less prompt and bound
+        self.segments = self.compactions = 0
+
+    async def segment(self, prompt_ids: list[int], max_tokens: int, role: str):
+        """Send and record the next segment; ``(turn, error response or None)``."""
+        meta = {"request": self.number, "segment": self.segments, "role": role, **self.first}
+        self.segments, self.first = self.segments + 1, {}
+        return await self.c._segment(self.proxy, self.traj, self.tid, self.base, self.request, prompt_ids,
+                                     max_tokens, meta)
+
+    async def compact(self, req: _Request, context: list[int], left: str = ""):
+        """``context`` compacted as the configuration says: ``(the continuation's context, None)``, or
+        ``(None, an error response)`` when it cannot be (``max_compactions`` used up, too long to summarize)."""
+        c, cfg = self.c, self.c.config
+        if self.compactions == cfg.max_compactions:
+            return None, c._refuse(self.traj, self.number, "max_compactions", f"{self.compactions} compactions{left}")
+        if len(context) + len(c.summary_ids) + cfg.summary_tokens > cfg.window:
+            return None, c._refuse(self.traj, self.number, "too_long",
+                                   f"a context of {len(context)} tokens is too long to summarize within the "
+                                   f"{cfg.window}-token window")
+        if cfg.summary == "model":
+            summary, err = await self.segment(context + c.summary_ids, cfg.summary_tokens, "summary")
+            if err is not None:
+                return None, err
+            context = req.head + c.resume_ids + summary.output_token_ids + c.continue_ids
+        elif cfg.summary == "empty":
+            context = req.head + c.resume_ids + c.continue_ids
+        else:  # plain truncation, as long as a summarized context
+            context = req.head + context[-(len(c.resume_ids) + cfg.summary_tokens + len(c.continue_ids)):]
+        self.compactions += 1
+        c.compactions += 1
+        if c._metrics is not None:
+            c._metrics[0].inc()
+        return context, None

@@ -53,7 +53,7 @@ def test_a_later_request_of_a_compacted_trajectory_extends_its_live_context(mode
     c = _compactor(model)
     c._live["t"] = _Live("a:xyz", [1, 2, 3], [1])
     req = c.plan("t", {"prompt": "a:xyz ok:", "max_tokens": 4}, "completions")
-    assert req.context == [1, 2, 3] + c.encode(" ok:") and req.head == [1]  # even when it fits: the live context
+    assert req.context == [1, 2, 3] and req.tail == c.encode(" ok:") and req.head == [1]  # even when it fits
     assert c.plan("t", {"prompt": "b:", "max_tokens": 4}, "completions") is None  # another history: a fresh one
     assert c.plan("u", {"prompt": "a:xyz ok:", "max_tokens": 4}, "completions") is None
 
@@ -116,9 +116,22 @@ def test_a_chat_request_is_planned_from_its_rendered_messages(model):
                   "chat/completions").max_tokens == 60
     for body in [{"messages": messages, "max_tokens": 10},                       # fits
                  {"messages": messages},                                         # no bound to compact against
-                 {"messages": messages, "max_tokens": 60, "tools": [{"type": "function"}]},  # tool calls: frontend's
                  {"messages": "hi", "max_tokens": 60}, {"messages": [1], "max_tokens": 60}]:  # the frontend answers
         assert c.plan("t", body, "chat/completions") is None
+
+
+def test_a_chat_with_tools_is_compacted_unless_its_output_is_constrained(model):
+    c = _compactor(model)
+    body = {"messages": [{"role": "user", "content": "a:" + "a" * 40}], "max_tokens": 60, "tools": [_TOOL]}
+    assert c.plan("t", body, "chat/completions") is not None
+    for extra in [{"tool_choice": "auto"}, {"tool_choice": "none"}, {"response_format": {"type": "text"}}]:
+        assert c.plan("t", {**body, **extra}, "chat/completions") is not None
+    for extra in [{"tool_choice": "required"}, {"tool_choice": {"type": "function", "function": {"name": "f"}}},
+                  {"response_format": {"type": "json_object"}}]:  # a segment sent as a completion would lose it
+        assert c.plan("t", {**body, **extra}, "chat/completions") is None
+
+
+_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 
 
 def test_a_folder_without_a_chat_template_passes_chat_through(model, tmp_path):
@@ -153,4 +166,5 @@ def test_a_special_token_the_model_stopped_on_is_not_given_twice(model):
     c._live["t"] = _Live("<|im_start|>assistant\nab", [1, 2, 258], [1], "<|im_end|>")  # stopped on <|im_end|>
     req = c.plan("t", {"messages": [{"role": "assistant", "content": "ab"}, {"role": "user", "content": "c"}],
                        "max_tokens": 4}, "chat/completions")
-    assert req.context == [1, 2, 258] + c.encode("\n<|im_start|>user\nc<|im_end|>\n<|im_start|>assistant\n")
+    assert req.context == [1, 2, 258]
+    assert req.tail == c.encode("\n<|im_start|>user\nc<|im_end|>\n<|im_start|>assistant\n")

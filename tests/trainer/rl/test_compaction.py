@@ -1,11 +1,12 @@
 """Self-compaction end to end on real parts: a reference-engine worker under the Dynamo frontend with a 128-token
-context, the sandbox proxy (``syncd.engine.proxy.Proxy``, in this process, with ``syncd.engine.proxy.compaction`` on) in front of
-it, a file store for the replay and trajectory records, and the trainer's reader (``syncd.trainer.rl.rollouts`` +
-``syncd.trainer.rl.compaction``). A request for more tokens than the window holds is compacted into segments; each one
-is recorded with its exact ids and joins its replay records; every training sample cut from it is prefix-consistent
-and equals what the engine saw (a hypothesis property over compaction settings and requests). Chat requests take the
-same path (their messages rendered by the model's chat template in the proxy, every segment sent as token ids), and
-the ablations (``summary="empty"``, ``"truncate"``) replace the summary as specified."""
+context, the sandbox proxy (``syncd.engine.proxy.Proxy``, in this process, with ``syncd.engine.proxy.compaction``
+on) in front of it, a file store for the replay and trajectory records, and the trainer's reader
+(``syncd.trainer.rl.rollouts`` + ``syncd.trainer.rl.compaction``). A request for more tokens than the window holds
+is compacted into segments; each one is recorded with its exact ids and joins its replay records; every training
+sample cut from it is prefix-consistent and equals what the engine saw (a hypothesis property over compaction
+settings and requests). Chat requests take the same path (their messages rendered by the model's chat template in
+the proxy, every segment sent as token ids), tool-calling episodes of the agent harness too (through a proxy
+process), and the ablations (``summary="empty"``, ``"truncate"``) replace the summary as specified."""
 
 from __future__ import annotations
 
@@ -394,3 +395,96 @@ def test_the_ablations_replace_the_summary_with_nothing_or_the_recent_tokens(nod
             keep = len(c.resume_ids) + cfg.summary_tokens + len(c.continue_ids)
             assert cont["prompt_token_ids"] == head + (prev["prompt_token_ids"] + prev["output_token_ids"])[-keep:]
     assert all(prefix_consistent(s, doc) for s in training_samples(_rollouts(node, sandbox).rollouts[0]))
+
+
+class _ToolEnv:
+    """The task's side of a tool-calling episode (``syncd.trainer.agent.episode.Environment``), scripted: a
+    ``lookup`` call on every turn whatever the random model wrote, whose output the next turn's prompt carries."""
+
+    OUTPUT = "b" * 40  # the live context, this and the summary's room pass the 128-token window
+
+    def messages(self):
+        return [{"role": "system", "content": "Use the tool."}, {"role": "user", "content": "a:" + "a" * 20}]
+
+    def tools(self):
+        from syncd.trainer.agent.envs import LOOKUP_TOOLS
+
+        return LOOKUP_TOOLS
+
+    def calls(self, turn, message):
+        from syncd.trainer.agent.episode import Call
+
+        return [Call(f"call-{turn}", "lookup", json.dumps({"query": "q"}))]
+
+    def run(self, call):
+        from syncd.trainer.agent.episode import ToolRun
+
+        return ToolRun(self.OUTPUT, output_bytes=len(self.OUTPUT))
+
+
+def test_a_tool_calling_episode_is_compacted_turn_after_turn_and_trains_prefix_consistent(node, tmp_path):
+    """The agent harness's loop (``run_episode``: chat with ``tools``, tool calls posted, tool outputs appended)
+    through a compacting proxy process: every turn is compacted (its messages and tools rendered by the chat
+    template), a later turn continues from the live context with the tool's output appended, the record holds
+    every turn and tool call, and the trainer's samples are prefix-consistent."""
+    from syncd import http_client
+    from syncd.engine.proxy.compaction import Compactor
+    from syncd.engine.proxy.procs import start_proxy
+    from syncd.procs import stop_process
+    from syncd.trainer.agent.episode import run_episode
+
+    url, model, folder, store = node
+    sandbox, tid = "sb-tools", "t-tools"
+    proc, base = start_proxy(tmp_path, url, store, RUN, sandbox, "--compact-model", str(folder),
+                             "--compact-trigger", "0.5", "--compact-summary-tokens", "12", "--compact-keep-prompt", "8",
+                             "--compact-summary-prompt", "\nSummarize:", "--compact-resume-prompt", "\nNotes:",
+                             "--compact-continue-prompt", "\nGo on:")
+    headers = {"X-Syncd-Trajectory": tid}
+    try:
+        def chat(body):
+            status, reply = http_client.request_json(
+                "POST", base, "/v1/chat/completions", {"model": model, **body, "max_tokens": 80, "ignore_eos": True,
+                                                        "temperature": 1.0, "seed": 11}, headers=headers, timeout_s=120)
+            assert status == 200, reply
+            return reply
+
+        def post(calls):
+            status, reply = http_client.request_json("POST", base, f"/syncd/trajectories/{tid}/tool_calls",
+                                                     {"tool_calls": calls}, timeout_s=30)
+            assert status == 200, reply
+
+        ep = run_episode(chat, _ToolEnv(), max_turns=3, post_calls=post)
+        status, reply = http_client.request_json("POST", base, f"/syncd/trajectories/{tid}/finish",
+                                                 {"metadata": {"reward": 1.0}}, timeout_s=30)
+        assert status == 200 and reply["written"], reply
+    finally:
+        stop_process(proc, 10)
+    assert ep.turns == 3 and [c["name"] for c in ep.tool_calls] == ["lookup", "lookup"]
+    doc = read_record(store, RUN, sandbox, tid)
+    assert doc["status"] == "complete"
+    assert [(c["id"], c["output"]) for c in doc["tool_calls"]] == [("call-0", _ToolEnv.OUTPUT),
+                                                                   ("call-1", _ToolEnv.OUTPUT)]
+    turns = doc["turns"]
+    firsts = [t for t in turns if "client_request" in t["compaction"]]  # each client request's first segment
+    assert len(firsts) == 3 and all(t["compaction"]["client_request"]["tools"] == _ToolEnv().tools() for t in firsts)
+    assert all(t["endpoint"] == "completions" and "tools" not in t["request"] for t in turns)
+    summarize = Compactor(_compaction(node)).encode("\nSummarize:")
+    out = Compactor(_compaction(node)).encode(_ToolEnv.OUTPUT)
+    for k in (1, 2):  # each later request: the live context summarized first (with the tool's output after it,
+        n = firsts[k]["index"]  # there would be no room to summarize), then the output appended and compacted
+        before = [t for t in turns[:n] if t["compaction"]["role"] != "summary"][-1]
+        ctx = before["prompt_token_ids"] + before["output_token_ids"]
+        assert turns[n]["compaction"]["role"] == "summary" and turns[n]["prompt_token_ids"] == ctx + summarize
+        assert _holds(turns[n + 1]["prompt_token_ids"], out)  # the continuation, with the tool's output
+    assert doc["compactions"] and all(len(t["prompt_token_ids"]) + len(t["output_token_ids"]) <= WINDOW
+                                      for t in turns)
+    samples = training_samples(_rollouts(node, sandbox).rollouts[0])
+    assert samples and all(prefix_consistent(s, doc) for s in samples)
+    trained = sum(int(s.sequence.loss_mask.sum()) for s in samples)
+    assert trained == sum(len(t["output_token_ids"]) for t in turns)  # every sampled token, once, summaries too
+    visible = [t for t in turns if t["compaction"]["role"] != "summary"]
+    assert ep.completion_tokens == sum(len(t["output_token_ids"]) for t in visible)
+
+
+def _holds(ids: list[int], part: list[int]) -> bool:
+    return any(ids[i:i + len(part)] == part for i in range(len(ids) - len(part) + 1))
