@@ -47,7 +47,7 @@ def _band(text: str) -> tuple[float, float]:
 
 
 def parser() -> argparse.ArgumentParser:
-    from syncd.trainer.rl.tasks import DEFAULT_TASK, task_names
+    from syncd.trainer.rl.rollout_service import rollout_flags
 
     env = os.environ.get
     p = argparse.ArgumentParser(prog="syncd train", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
@@ -57,24 +57,13 @@ def parser() -> argparse.ArgumentParser:
     a("--run-id", default=env("SYNCD_RUN_ID"), help="run id of versions, replay and trajectory records [SYNCD_RUN_ID]")
     a("--proxy", action="append", default=[], metavar="URL", help="sandbox proxy in front of the frontend (repeat)")
     a("--out", required=True, help="folder for metrics.jsonl, plans.jsonl, summary.json, run.png")
-    a("--task", default=DEFAULT_TASK, metavar="NAME[:OPTIONS]",
-      help=f"one of {', '.join(task_names())} (syncd.trainer.rl.tasks; lookup, bugfix and detect are multi-turn, "
-           "with tools in sandboxes: syncd.trainer.rl.agent_tasks); OPTIONS set the reward stack on the trajectory "
-           "record, e.g. lookup:length=50/20/40,latency=100/0.5 (docs/agent-harness.md)")
-    a("--task-length", type=int, default=8, help="answer length in tokens")
-    a("--reward", default=None, metavar="MODULE:ATTR",
-      help="reward function replacing the task's (syncd.trainer.rl.tasks.Sample -> float)")
+    rollout_flags(p, workers_help="groups generated at once (default: groups-per-step)")
     a("--steps", type=int, default=30, help="optimizer steps")
-    a("--group-size", type=int, default=8, help="G: samples per prompt")
     a("--groups-per-step", type=int, default=4, help="prompts (groups) per step")
     a("--every-k", type=int, default=1, help="K: publish a version every K steps")
     a("--max-lag", type=int, default=2, help="eta: drop groups with a token more than eta versions behind")
     a("--lookahead", type=int, default=None,
       help="groups requested ahead of training (default: 2 x groups-per-step; 1 x with eta 0)")
-    a("--workers", type=int, default=None, help="groups generated at once (default: groups-per-step)")
-    a("--temperature", type=float, default=1.0)
-    a("--top-p", type=float, default=1.0)
-    a("--top-k", type=int, default=0, help="0: off")
     a("--optimizer", default="adamw", help="adamw, or muon (Muon for hidden matrices, AdamW for the rest)")
     a("--lr", type=float, default=1e-2)
     a("--weight-decay", type=float, default=0.0)

@@ -182,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("train", add_help=False,
                    help="the thin RL trainer (python -m syncd.trainer.run; syncd train --help)")
     sub.add_parser("tasks", add_help=False, help="the agent task family and its verifier QA (syncd tasks --help)")
+    sub.add_parser("rollouts", add_help=False,
+                   help="the rollout service: prompt dispatch into the run's queue in the store, whether or not a "
+                        "trainer runs (syncd rollouts --help)")
     sub.add_parser("serve", add_help=False,
                    help="start and supervise this node's Dynamo engine workers and frontend "
                         "(python -m syncd.engine.dynamo.serve; syncd serve --help)")
@@ -354,6 +357,10 @@ def main(argv=None) -> int:
         from syncd.trainer.run import main as train_main
 
         return train_main(argv[1:])
+    if argv[:1] == ["rollouts"]:  # its own flags (syncd.trainer.rl.rollout_service)
+        from syncd.trainer.rl.rollout_service import main as rollouts_main
+
+        return rollouts_main(argv[1:])
     if argv[:1] == ["tasks"]:  # its own flags (syncd.app.tasks_cli)
         from syncd.app.tasks_cli import main as tasks_main
 

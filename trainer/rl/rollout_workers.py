@@ -130,7 +130,9 @@ def _tids(life: str, index: int, attempt: int, group_size: int) -> list[str]:
 
 class RolloutWorkers:
     """See the module docstring. ``version()``/``step()``: the trainer's current version and step (recorded with
-    each group, and given to the reward). ``workers``: groups produced at once."""
+    each group, and given to the reward). ``workers``: groups produced at once. ``buffer``: where prompts come from
+    and groups go: a :class:`RolloutBuffer`, or the rollout service's queue
+    (:class:`syncd.trainer.rl.rollout_service.QueueSink`, whose ``next_prompt`` answers None once it stopped)."""
 
     def __init__(self, *, proxies: list[str], model_name: str, task: Task, reward: RewardFn, group_size: int,
                  sampling: Sampling, store, run_id: str, buffer: RolloutBuffer, version: Callable[[], int],
@@ -196,7 +198,10 @@ class RolloutWorkers:
                     return
                 self._credit -= 1
                 self._inflight += 1
-            index, attempt = self.buffer.next_prompt(self._entry)
+            got = self.buffer.next_prompt(self._entry)
+            if got is None:  # the sink stopped (syncd.trainer.rl.rollout_service.QueueSink)
+                return
+            index, attempt = got
             try:
                 group = self._group(index, attempt)
             except Exception as exc:  # noqa: BLE001 -- counted, logged, the credit given back, the worker goes on
