@@ -8,7 +8,7 @@ state and after a restart): the staleness bound ``eta`` (``max_lag``; ``eta = 0`
 values let generation run ahead of training), a cap per generating version, and a quota that holds the trained
 mix of tasks and lengths to the prompt source's own, oldest-first within it -- oldest-first within eta whenever
 every group is of one stratum (one fixed-length task). Every drop is counted by reason (:attr:`RolloutBuffer.dropped`;
-``dropped_stale`` the stale ones) and ``on_drop(n)`` is called, so that a producer can replace them. Groups are
+``dropped_stale`` the stale ones) and ``on_drop(groups)`` is called, so that a producer can replace them. Groups are
 dropped whole, since their advantages are normalised within the group.
 
 :func:`group_advantages`: ``(r - mean) / (std + eps)`` within each group (population std), or ``r - mean``
@@ -104,20 +104,23 @@ def group_advantages(rewards, *, scale: bool = True, eps: float = 1e-6) -> torch
 class RolloutBuffer:
     """Groups waiting for a training step (see the module docstring). ``max_lag``: the staleness bound eta;
     ``policy``: the :class:`~syncd.trainer.rl.buffer_policy.BufferPolicy` (default: ``BufferPolicy(max_lag)``; its
-    eta is the buffer's); ``on_drop(n)``: called (under the buffer's lock: it must not call back into the buffer)
-    when ``n`` groups were dropped (stale, over the cap per version, refused). ``vet(group) -> group``: the last
+    eta is the buffer's); ``on_drop(groups)``: called (under the buffer's lock: it must not call back into the
+    buffer, nor wait on I/O) with the groups just dropped (stale, over the cap per version, refused);
+    ``frontier()``: the lowest prompt index not yet landed, where the prompts come from elsewhere than the
+    buffer's own ledger (the rollout service's queue); default the ledger's. ``vet(group) -> group``: the last
     check of a finished group before it may be planned, called by :meth:`put` in the producer's thread (outside
     the lock); it may return the group changed (e.g. its kept sets resolved) or raise: the group is then
     **refused** -- counted by error class in :attr:`refused`, logged, its prompt regenerated."""
 
-    def __init__(self, max_lag: int, *, on_drop=None, vet=None, policy: BufferPolicy | None = None):
+    def __init__(self, max_lag: int, *, on_drop=None, vet=None, policy: BufferPolicy | None = None,
+                 frontier=None):
         if max_lag < 0:
             raise ValueError(f"the staleness bound must be >= 0, got {max_lag}")
         if policy is not None and policy.max_lag != max_lag:
             raise ValueError(f"the policy's staleness bound {policy.max_lag} is not the buffer's {max_lag}")
         self.max_lag = max_lag
         self.policy = policy if policy is not None else BufferPolicy(max_lag)
-        self.on_drop, self.vet = on_drop, vet
+        self.on_drop, self.vet, self._frontier = on_drop, vet, frontier
         self.refused: dict[str, int] = {}
         self.dropped: dict[str, int] = {}
         self._groups: deque[Group] = deque()
@@ -165,7 +168,7 @@ class RolloutBuffer:
                     self.refused[type(exc).__name__] = self.refused.get(type(exc).__name__, 0) + 1
                     self.ledger.failed(group.item.index)
                     if self.on_drop is not None:
-                        self.on_drop(1)
+                        self.on_drop([group])
                 return False
         with self._cond:
             if self._closed:
@@ -237,7 +240,7 @@ class RolloutBuffer:
                 log.info("buffer policy dropped %d group(s): %s", len(gs), reason)
         self.policy.count_drops(dropped)
         if self.on_drop is not None:
-            self.on_drop(len(out))
+            self.on_drop([g for gs in dropped.values() for g in gs])
 
     def take(self, n: int, version: int, *, timeout_s: float | None = None) -> list[Group]:
         """``n`` groups at trainer ``version`` as the policy selects them (oldest-first within eta and the quota;
@@ -248,7 +251,7 @@ class RolloutBuffer:
             while True:
                 if self._closed:
                     raise BufferClosed("the rollout buffer was closed")
-                self.policy.settle(self.ledger.frontier())
+                self.policy.settle(self.ledger.frontier() if self._frontier is None else self._frontier())
                 force = self.policy.patience_over()
                 sel = self.policy.select(list(self._groups), n, version, force=force)
                 self._drop(sel.dropped)

@@ -148,21 +148,30 @@ class GroupQueue:
         """The services that wrote groups."""
         return [d for d in self.store.list_dirs(self.prefix + "groups/") if _SERVICE.match(d)]
 
-    def read_groups(self, service: str, start: int, *, limit: int = PAGE) -> tuple[list[dict], int]:
+    def read_groups(self, service: str, start: int, *, limit: int = PAGE) -> tuple[list, int]:
         """The groups of ``service`` from number ``start`` on, in order, as far as they are contiguous (at most
-        ``limit``; one store listing per page touched): ``(docs, the next number to read)``. A group object that
-        does not check raises :class:`QueueError` (the consumer decides: count it, skip its number)."""
+        ``limit``; one store listing per page touched): ``(items, the next number to read)``, an item being the
+        group's doc or, for an object that does not check, the :class:`QueueError` naming it (its number is
+        passed: the consumer counts it and sends the attempt back)."""
         out, seq = [], start
         while len(out) < limit:
             page = seq // PAGE
             names = self._page(service, page)
             while len(out) < limit and seq // PAGE == page and (seq % PAGE) in names:
-                key = names[seq % PAGE]
-                out.append(self._group(key, service, seq))
+                try:
+                    out.append(self._group(names[seq % PAGE], service, seq))
+                except (QueueError, ObjectNotFound) as exc:
+                    out.append(exc if isinstance(exc, QueueError) else QueueError(str(exc)))
                 seq += 1
             if seq // PAGE == page:  # a gap in this page: the next group is not written yet
                 break
         return out, seq
+
+    @staticmethod
+    def attempt_of(key_or_error) -> tuple[int, int] | None:
+        """``(index, attempt)`` named by a group object's key (in a :class:`QueueError`'s message too)."""
+        m = re.search(r"/\d{3}-(\d{10})-(\d{3})\.json", str(key_or_error))
+        return (int(m.group(1)), int(m.group(2))) if m else None
 
     def state(self, service: str, *, accept=None) -> QueueState:
         """Every claim, landed group of ``service`` and failure, from listings (claims are read: they hold the

@@ -107,7 +107,7 @@ class LiveSide:
         self.pub = WeightPublisher(cfg.store, cfg.run_id, every_k=1, full_every=cfg.full_every,
                                    commit_gate=self.commit_gate, delta_format=cfg.delta_format,
                                    sliced_tensors=cfg.sliced_tensors)
-        self.buffer = RolloutBuffer(0 if cfg.sync else cfg.max_lag, on_drop=lambda n: self.workers.allow(n),
+        self.buffer = RolloutBuffer(0 if cfg.sync else cfg.max_lag, on_drop=lambda gs: self.workers.allow(len(gs)),
                                     vet=self._vet)
         self.resolver = KeptResolver(self.model, cfg.store, cfg.run_id)  # kept sets to rebuild, as groups land
         self.workers = RolloutWorkers(

@@ -194,8 +194,14 @@ class QueueSink:
 
     def put(self, group) -> bool:
         """Append the finished group to the queue as this service's next one (retried through store failures
-        until written or the service stops: a number once given is never left empty)."""
-        doc = {**group.plan(), "token_versions": group.token_versions, "attempt": group.attempt}
+        until written or the service stops: a number once given is never left empty), with the service's
+        ``frontier``: the lowest prompt of its share not landed (what the trainer's buffer policy measures its
+        target mix below, ``syncd.trainer.rl.buffer_policy``)."""
+        with self._lock:  # every prompt of this share below it has landed (this one does now)
+            frontier = min([self.cursor, *(i for i, _ in self._regen),
+                            *(i for i in self._inflight if i != group.item.index)])
+        doc = {**group.plan(), "token_versions": group.token_versions, "attempt": group.attempt,
+               "frontier": frontier}
         backoff = 0.2
         with self._append:
             while True:

@@ -164,8 +164,8 @@ class OutageSim:
                 return task
         return task
 
-    def _credit_back(self, n: int) -> None:
-        self.credit += n
+    def _credit_back(self, groups: list) -> None:
+        self.credit += len(groups)
 
     def _backlog(self) -> int:
         return len(self.buffer.ledger.inflight) + len(self.buffer)

@@ -160,7 +160,8 @@ def test_targets_fix_task_shares_and_the_frontier_measures_only_landed_prompts()
 
 def test_the_cap_per_version_drops_the_surplus_of_the_strata_over_target_and_regenerates_it():
     dropped = []
-    buf = RolloutBuffer(1, on_drop=dropped.append, policy=BufferPolicy(1, targets={"A": 1, "B": 1}))
+    buf = RolloutBuffer(1, on_drop=lambda gs: dropped.append(len(gs)),
+                        policy=BufferPolicy(1, targets={"A": 1, "B": 1}))
     for _ in range(16):
         index, _ = buf.next_prompt()
     for i in range(4):

@@ -88,7 +88,7 @@ def _group(gid, versions, requested=0):
 
 def test_buffer_drops_groups_beyond_the_staleness_bound_and_reports_them():
     dropped = []
-    buf = RolloutBuffer(1, on_drop=dropped.append)
+    buf = RolloutBuffer(1, on_drop=lambda gs: dropped.append(len(gs)))
     buf.put(_group(0, [0]))          # lag 3 at version 3: dropped
     buf.put(_group(1, [1, 2]))       # its oldest token is 2 behind: dropped
     buf.put(_group(2, [2, 3]))       # lag 1: kept
@@ -136,10 +136,10 @@ def test_a_group_the_buffers_vet_refuses_is_counted_and_its_prompt_regenerated()
         return g
 
     dropped = []
-    buf = RolloutBuffer(2, on_drop=dropped.append, vet=vet)
+    buf = RolloutBuffer(2, on_drop=lambda gs: dropped.append([g.item.index for g in gs]), vet=vet)
     for _ in range(3):
         buf.next_prompt()
     assert buf.put(_group(0, [0])) and not buf.put(_group(1, [0])) and buf.put(_group(2, [0]))
-    assert buf.refused == {"UnpublishedVersionError": 1} and dropped == [1] and len(buf) == 2
+    assert buf.refused == {"UnpublishedVersionError": 1} and dropped == [[1]] and len(buf) == 2
     assert list(buf.ledger.retry) == [1] and 1 not in buf.ledger.inflight and buf.next_prompt() == (1, 1)
     assert [g.rewards for g in buf.take(2, version=0, timeout_s=1)] == [[1.0, 2.0], [1.0, 2.0]]
