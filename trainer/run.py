@@ -55,7 +55,10 @@ def parser() -> argparse.ArgumentParser:
     a("--model", required=True, help="the model folder the engines serve as version 0 (config.json, weights)")
     a("--store", default=env("SYNCD_STORE"), help="store URL for versions and records [SYNCD_STORE]")
     a("--run-id", default=env("SYNCD_RUN_ID"), help="run id of versions, replay and trajectory records [SYNCD_RUN_ID]")
-    a("--proxy", action="append", default=[], metavar="URL", help="sandbox proxy in front of the frontend (repeat)")
+    a("--proxy", action="append", default=[], metavar="URL",
+      help="sandbox proxy in front of the frontend (repeat): the trainer starts the rollout service in its process")
+    a("--external-rollouts", action="store_true",
+      help="the groups come from `syncd rollouts` processes through the run's queue; the trainer starts none")
     a("--out", required=True, help="folder for metrics.jsonl, plans.jsonl, summary.json, run.png")
     rollout_flags(p, workers_help="groups generated at once (default: groups-per-step)")
     a("--steps", type=int, default=30, help="optimizer steps")
@@ -145,6 +148,7 @@ def config_from_args(args):
 
     return LoopConfig(
         model=args.model, store=args.store, run_id=args.run_id, out=args.out, proxies=tuple(args.proxy),
+        external_rollouts=args.external_rollouts,
         task=args.task, task_length=args.task_length, reward=args.reward, steps=args.steps, group_size=args.group_size,
         groups_per_step=args.groups_per_step, every_k=args.every_k, max_lag=args.max_lag, lookahead=args.lookahead,
         workers=args.workers, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,

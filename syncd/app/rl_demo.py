@@ -2,12 +2,13 @@
 
 The serving side (``syncd.app.rl_stack``): a tiny random-init model, two reference-engine workers under the NVIDIA
 Dynamo frontend (recording replay records), the sandbox proxy (recording trajectories) and the ``syncd`` node
-daemon. The trainer (``python -m syncd.trainer.run``, two data-parallel ranks) sends each prompt of the ``repeat`` task
-8 times through the proxy, reads trajectories and replay records back from the store, takes a replay-corrected
-policy-gradient step and publishes a version every step; the daemon applies it to both engines in place while
-they keep generating. Progress shows the step, the reward, the staleness and each engine's version; the summary
-gives the reward before and after, versions published and applied, pauses, staleness and the trainer/engine
-mismatch, and is written as JSON with ``--json``. Exit status 0 only when no rollout was lost (every request
+daemon. The rollout service (``syncd rollouts``, its own process) sends each prompt of the ``repeat`` task 8 times
+through the proxy, scores the answers and writes each group to the run's queue in the store; the trainer (``python -m
+syncd.trainer.run --external-rollouts``, two data-parallel ranks) reads the queue, reads trajectories and replay
+records back from the store, takes a replay-corrected policy-gradient step and publishes a version every step; the
+daemon applies it to both engines in place while they keep generating. Progress shows the step, the reward, the
+staleness and each engine's version; the summary gives the reward before and after, versions published and
+applied, pauses, staleness and the trainer/engine mismatch, and is written as JSON with ``--json``. Exit status 0 only when no rollout was lost (every request
 answered, every record complete) and every engine ended bit-exact (whole fp32 words) on the trainer's last version.
 
 Files: everything goes into the work directory (``--dir``, or a temporary one that is removed at the end but for the
@@ -145,15 +146,21 @@ def run(args, work: Path, interrupts: Interrupts) -> dict:
     try:
         stack.start(say=say)
         out = work / "trainer"
+        task = ("--task", args.task, "--top-p", str(args.top_p), "--seed", str(args.seed))
         argv = stack.trainer_argv("--out", str(out), "--nproc", str(args.nproc), "--steps", str(args.steps),
-                                  "--every-k", str(args.every_k), "--max-lag", str(args.max_lag), "--task", args.task,
-                                  "--top-p", str(args.top_p), "--seed", str(args.seed), "--lr", str(args.lr),
-                                  "--delta-format", str(args.delta_format))
-        say(f"engines serving version 0 after {time.time() - t0:.0f} s; starting the trainer")
+                                  "--every-k", str(args.every_k), "--max-lag", str(args.max_lag), *task,
+                                  "--lr", str(args.lr), "--delta-format", str(args.delta_format),
+                                  external_rollouts=True)
+        say(f"engines serving version 0 after {time.time() - t0:.0f} s; starting the rollout service (syncd "
+            "rollouts, its own process) and the trainer")
+        with open(stack.logs / "rollouts.log", "wb") as err:  # the rollout service: prompts, rewards, the queue
+            trainer.append(subprocess.Popen(stack.rollouts_argv(*task), env=stack.env, cwd=ROOT,
+                                            stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL,
+                                            start_new_session=True))
         with open(stack.logs / "trainer.log", "wb") as err:  # its own process group: its ranks stop with it
             trainer.append(subprocess.Popen(argv, env=stack.env, cwd=ROOT, stdout=subprocess.PIPE, stderr=err,
                                             stdin=subprocess.DEVNULL, start_new_session=True))
-        proc = trainer[0]
+        service, proc = trainer
         if not args.plain and sys.stdout.isatty():
             try:
                 from rich.progress import BarColumn, Progress, TextColumn
@@ -172,6 +179,7 @@ def run(args, work: Path, interrupts: Interrupts) -> dict:
             raise RuntimeError(f"demo: the trainer exited with status {proc.returncode}: "
                                f"{stack.log_tail('trainer', 3000)}")
         trained = json.loads(reply[-1])
+        trained["rollouts"] = _service_stats(service, stack)  # the requests and failures are the service's
         final = trained["final_version"]
         say(f"the trainer is done; waiting for every engine to serve version {final}, then checking their weights "
             "against its manifest")
@@ -198,6 +206,17 @@ def run(args, work: Path, interrupts: Interrupts) -> dict:
             stack.close()
         finally:
             finish_work_dir(work, kept, [v for k, v in pictures.items() if k.endswith("_png")])
+
+
+def _service_stats(service: subprocess.Popen, stack) -> dict:
+    """Stop the rollout service (SIGTERM) and return its rollout workers' stats from its last line."""
+    from syncd.procs import stop_process
+
+    code = stop_process(service, 30)
+    lines = service.stdout.read().decode(errors="replace").strip().splitlines()
+    if code != 0 or not lines:
+        raise RuntimeError(f"demo: the rollout service exited with status {code}: {stack.log_tail('rollouts', 3000)}")
+    return json.loads(lines[-1]).get("workers") or {}
 
 
 def _stop_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:

@@ -254,11 +254,20 @@ class RLStack:
             return f"the node failed: {self.node.failed}"
         return None
 
-    def trainer_argv(self, *extra: str) -> list[str]:
-        """``python -m syncd.trainer.run`` against this stack, plus ``extra`` flags."""
-        return [sys.executable, "-m", "syncd.trainer.run", "--proxy", self.proxy_url, "--store", self.store_url,
+    def trainer_argv(self, *extra: str, external_rollouts: bool = False) -> list[str]:
+        """``python -m syncd.trainer.run`` against this stack, plus ``extra`` flags: with the rollout service in
+        its process (``--proxy``), or reading the queue of ``syncd rollouts`` processes (``external_rollouts``)."""
+        source = ["--external-rollouts"] if external_rollouts else ["--proxy", self.proxy_url]
+        return [sys.executable, "-m", "syncd.trainer.run", *source, "--store", self.store_url,
                 "--run-id", self.run_id, "--model", str(self.model_dir), "--daemon-status", str(self.status_file),
                 *extra]
+
+    def rollouts_argv(self, *extra: str) -> list[str]:
+        """``python -m syncd.trainer.rl.rollout_service`` (``syncd rollouts``) against this stack's proxy and store,
+        plus ``extra`` flags (the task and sampling flags must be the trainer's)."""
+        vocab = json.loads((self.model_dir / "config.json").read_text())["vocab_size"]
+        return [sys.executable, "-m", "syncd.trainer.rl.rollout_service", "--proxy", self.proxy_url, "--store",
+                self.store_url, "--run-id", self.run_id, "--vocab-size", str(vocab), "--log-level", "INFO", *extra]
 
     # ------------------------------------------------------------------------------------ stop
 

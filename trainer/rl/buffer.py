@@ -148,6 +148,17 @@ class RolloutBuffer:
                 self.ledger.started(got[0], entry_of(*got) if entry_of is not None else {})
             return got
 
+    def holds(self, index: int) -> bool:
+        """Whether prompt ``index`` is buffered, planned or consumed (a group of it read again is not needed)."""
+        with self._cond:
+            led = self.ledger
+            return index in led.buffered or index in led.planned or led.is_consumed(index)
+
+    def indices(self) -> list[int]:
+        """The prompts of the buffered groups."""
+        with self._cond:
+            return [g.item.index for g in self._groups]
+
     def record_written(self, index: int, sandbox: str) -> None:
         with self._cond:
             self.ledger.finished(index, sandbox)

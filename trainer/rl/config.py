@@ -28,6 +28,7 @@ class LoopConfig:
     run_id: str
     out: str
     proxies: tuple[str, ...] = ()
+    external_rollouts: bool = False
     task: str = "repeat"
     task_length: int = 8
     reward: str | None = None
@@ -114,8 +115,10 @@ class LoopConfig:
                  (self.threads >= 1, "--threads", f"must be >= 1, got {self.threads}"),
                  (self.optimizer in OPTIMIZERS, "--optimizer",
                   f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}"),
-                 (self.plans is not None or bool(self.proxies), "--proxy",
-                  "at least one proxy URL is needed (or --plans to train offline)"),
+                 (self.plans is not None or bool(self.proxies) or self.external_rollouts, "--proxy",
+                  "at least one proxy URL is needed (or --external-rollouts, or --plans to train offline)"),
+                 (not (self.external_rollouts and self.proxies), "--external-rollouts",
+                  "the groups come from syncd rollouts processes: give them the --proxy URLs, not the trainer"),
                  (not self.sync or self.daemon_status is not None, "--daemon-status",
                   "the synchronous baseline (--sync) waits for the engines through the daemon's status file"),
                  (not (self.sync and self.plans), "--sync", "cannot be combined with --plans"),

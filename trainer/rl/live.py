@@ -1,13 +1,20 @@
-"""The live side of the thin trainer (rank 0, or replica group 0): publishing, rollout workers, the rollout
+"""The live side of the thin trainer (rank 0, or replica group 0): publishing, the rollout queue, the rollout
 buffer, plans, metrics -- and the RL state that survives a restart.
+
+The trainer never dispatches a prompt: the groups come from the rollout service through the run's queue in the store
+(:mod:`syncd.trainer.rl.rollout_service`, :mod:`syncd.trainer.rl.queue_feed`). With ``--proxy`` the service runs in
+this process (one machine: the same code as ``syncd rollouts``, on the trainer's task object and version); with
+``--external-rollouts`` it runs as its own processes, which keep generating while the trainer is away. What the
+buffer drops or refuses goes back to the service to be generated again; in the synchronous baseline the trainer's
+position is written only once the engines serve its version, so each step's groups are generated on it.
 
 :meth:`LiveSide.snapshot` is the RL-state part of a step's checkpoint, taken between two steps: the trainer
 step, the trainer version, the difficulty filter's state (with curation), the rollout buffer's snapshot (the
-prompt ledger -- cursor, per-prompt consumed bits, prompts to regenerate, the in-flight request ledger -- and
-every buffered group with its per-token versions).
-:meth:`LiveSide.start` with a restored snapshot applies the buffer policy
-(:func:`syncd.trainer.rl.rl_state.restore_groups`), closes the earlier life's trajectories still open in the proxy, and
-keeps the versions monotonic: the publisher numbers after the run's newest *valid* version, and when that is not the
+prompt ledger's consumed bits, every buffered group with its per-token versions, the policy's state) and the
+queue position (``queue``: where to read on). :meth:`LiveSide.start` with a restored snapshot applies the buffer
+policy (:func:`syncd.trainer.rl.rl_state.restore_groups`), sends what it drops back to the service, reads the queue on
+from the checkpointed position (skipping what is buffered, trained or was sent back), and keeps the versions
+monotonic: the publisher numbers after the run's newest *valid* version, and when that is not the
 version the restored step had published (it never committed, or -- with fewer durable replicas than asked -- a newer one
 from a lost future exists), the restored weights are published at once as a full version, so the engines leave any
 weights the restored trainer cannot continue from. With checkpoints on, a version becomes visible only once its step's
@@ -67,7 +74,7 @@ class LiveSide:
                 _truncate_jsonl(out / "plans.jsonl", lambda d: d["step"] <= resume_step)
         self.metrics = MetricsLog(out / "metrics.jsonl", truncate=resume_step is None)
         self.version, self.step, self.published_step = 0, 0, None
-        self.pub = self.workers = self.watcher = self.buffer = self.resolver = None
+        self.pub = self.workers = self.watcher = self.buffer = self.resolver = self.feed = self.service = None
         self._recorded = None if cfg.plans else open(out / "plans.jsonl", "w" if resume_step is None else "a")
         self._plans = None
         self._live_groups: dict[int, list] = {}
@@ -86,12 +93,17 @@ class LiveSide:
             return
         from syncd.publish.publisher import WeightPublisher
         from syncd.versions import has_versions, latest_version
+        from syncd.trainer.rl import episodes
+        from syncd.trainer.rl.group_queue import GroupQueue
         from syncd.trainer.rl.kept_resolver import KeptResolver
-        from syncd.trainer.rl.rollout_workers import ProxyError, RolloutWorkers, Sampling, proxy_models
+        from syncd.trainer.rl.queue_feed import QueueFeed
+        from syncd.trainer.rl.rollout_service import RolloutService, ServiceConfig
+        from syncd.trainer.rl.rollout_workers import GroupReader, ProxyError, proxy_models
         from syncd.trainer.rl.tasks import get_task, load_reward
 
         try:
-            names = [proxy_models(u) for u in cfg.proxies]
+            for u in cfg.proxies:
+                proxy_models(u)
         except ProxyError as exc:
             raise ConfigError(f"--proxy: no engines reachable: {exc}") from None
         if restored is None and has_versions(cfg.store, cfg.run_id):
@@ -107,28 +119,36 @@ class LiveSide:
         self.pub = WeightPublisher(cfg.store, cfg.run_id, every_k=1, full_every=cfg.full_every,
                                    commit_gate=self.commit_gate, delta_format=cfg.delta_format,
                                    sliced_tensors=cfg.sliced_tensors)
-        self.buffer = RolloutBuffer(0 if cfg.sync else cfg.max_lag, on_drop=lambda gs: self.workers.allow(len(gs)),
-                                    vet=self._vet)
+        reader = GroupReader(cfg.store, cfg.run_id, vocab_size=self.model.config.vocab_size,
+                             record_timeout_s=cfg.record_timeout_s, multi_turn=episodes.episodic(task) is not None)
+        self.buffer = RolloutBuffer(0 if cfg.sync else cfg.max_lag, on_drop=lambda gs: self.feed.send_back_groups(gs),
+                                    vet=self._vet, frontier=lambda: self.feed.frontier())
         self.resolver = KeptResolver(self.model, cfg.store, cfg.run_id)  # kept sets to rebuild, as groups land
-        self.workers = RolloutWorkers(
-            proxies=list(cfg.proxies), model_name=names[0][0], task=task, reward=reward, group_size=cfg.group_size,
-            sampling=Sampling(cfg.temperature, cfg.top_p, cfg.top_k), store=cfg.store, run_id=cfg.run_id,
-            buffer=self.buffer, version=lambda: self.version, step=lambda: self.step,
-            workers=cfg.workers or cfg.groups_per_step, seed=cfg.seed, vocab_size=self.model.config.vocab_size,
-            request_timeout_s=cfg.request_timeout_s, record_timeout_s=cfg.record_timeout_s)
-        target = cfg.lookahead or cfg.groups_per_step * (1 + min(cfg.max_lag, 1))
+        self.feed = QueueFeed(GroupQueue(cfg.store, cfg.run_id), self.buffer,
+                              lambda doc: self._resolved(reader.reread(doc)),
+                              positions=(restored or {}).get("queue"), step=lambda: self.step,
+                              version=lambda: self.version, auto_publish=not cfg.sync,
+                              lookahead=cfg.groups_per_step if cfg.sync else
+                              cfg.lookahead or cfg.groups_per_step * (1 + min(cfg.max_lag, 1)))
         if restored is None:
             self.pub.publish_model_files(cfg.model)  # config + tokenizer: `syncd materialize` needs no --config-from
             self._publish(0)
-            kept = 0
         else:
-            kept = self._restore(restored, newest)
-        self.workers.start()
-        if not cfg.sync:
-            self.workers.allow(max(0, target - kept))
+            self._restore(restored, newest, reader)
+        if cfg.proxies:  # one machine: the rollout service runs in this process, on the trainer's task object
+            self.service = RolloutService(ServiceConfig(
+                store=cfg.store, run_id=cfg.run_id, proxies=list(cfg.proxies), task=cfg.task,
+                task_length=cfg.task_length, reward=cfg.reward, group_size=cfg.group_size,
+                workers=cfg.workers or cfg.groups_per_step, temperature=cfg.temperature, top_p=cfg.top_p,
+                top_k=cfg.top_k, seed=cfg.seed, max_backlog=self.feed.lookahead, poll_interval_s=0.05,
+                vocab_size=self.model.config.vocab_size, request_timeout_s=cfg.request_timeout_s,
+                record_timeout_s=cfg.record_timeout_s), task=task, reward=reward, version=lambda: self.version,
+                step=lambda: self.step).start()
+            self.workers = self.service.workers
+        self.feed.start()
 
-    def _restore(self, rl: dict, newest: int | None) -> int:
-        """Apply the buffer policy to the restored RL state; returns how many groups were kept."""
+    def _restore(self, rl: dict, newest: int | None, reader) -> None:
+        """Apply the buffer policy to the restored RL state; what it drops goes back to the rollout service."""
         from syncd.trainer.rl.rl_state import restore_groups
 
         self.step, self.version = int(rl["step"]), int(rl["version"])
@@ -140,19 +160,19 @@ class LiveSide:
             self._publish(self.step)
         ledger, groups, report = restore_groups(
             rl["buffer"], version=self.version, max_lag=self.buffer.max_lag, newest_published=lineage,
-            policy=self.buffer.policy,
-            reread=lambda doc: self._resolved(self.workers.reread(doc)),
-            recover=lambda index, entry: self._resolved(self.workers.recover(index, entry)))
-        for index, entry in rl["buffer"]["ledger"]["inflight"].items():
-            if int(index) not in report.recovered:
-                self.workers.close_open(entry)
+            policy=self.buffer.policy, reread=lambda doc: self._resolved(reader.reread(doc)),
+            recover=lambda index, entry: None)  # nothing is in flight in the trainer: the service owns dispatch
+        attempts = {int(d["item"]["index"]): int(d.get("attempt") or 0) for d in rl["buffer"].get("groups", [])}
+        for reason in ("dropped_stale", "dropped_mismatch", "dropped_foreign", "dropped_cap"):
+            for index in getattr(report, reason):
+                if index in attempts:
+                    self.feed.send_back(index, attempts[index], f"{reason} when the trainer restored step {self.step}")
         self.buffer.restore(ledger, groups, int(rl["buffer"].get("dropped_stale", 0)) + len(report.dropped_stale))
         if self.curated is not None and rl.get("curation") is not None:
             self.curated.load_state_dict(rl["curation"])  # the difficulty filter's estimates survive the restart
         self.restore_report = report.counts()
         self.metrics.write("restore", step=self.step, version=self.version, newest_valid=newest, **report.counts())
         log.warning("restore: step %d, version %d, buffer: %s", self.step, self.version, report.counts())
-        return len(groups)
 
     def _vet(self, group):
         """A finished group, checked before the buffer takes it (``RolloutBuffer(vet=)``; raising refuses it, its
@@ -180,7 +200,8 @@ class LiveSide:
         curation = self.curated.state_dict() if self.curated is not None else None
         if self.buffer is None:
             return {"step": self.step, "version": self.version, "buffer": None, "curation": curation}
-        return {"step": self.step, "version": self.version, "buffer": self.buffer.snapshot(), "curation": curation}
+        return {"step": self.step, "version": self.version, "buffer": self.buffer.snapshot(), "curation": curation,
+                "queue": self.feed.positions()}
 
     def _publish(self, step: int) -> None:
         t = time.time()
@@ -199,19 +220,35 @@ class LiveSide:
         cfg, t0 = self.cfg, time.perf_counter()
         if cfg.sync:
             self._wait_engines(self.version)
-            self.workers.allow(cfg.groups_per_step)
+            self._let_generate()
         try:
             groups = self.buffer.take(cfg.groups_per_step, self.version, timeout_s=cfg.rollout_timeout_s)
         except (TimeoutError, BufferClosed) as exc:
-            raise RuntimeError(f"no rollouts: {exc}; rollout workers: {self.workers.stats()}") from None
-        if not cfg.sync:
-            self.workers.allow(cfg.groups_per_step)
+            raise RuntimeError(f"no rollouts: {exc}; {self.rollout_stats()}") from None
         for g in groups:
             self._live_groups[g.gid] = g.rollouts
         plan = {"kind": "plan", "step": step, "version": self.version, "wait_s": time.perf_counter() - t0,
                 "groups": [g.plan() for g in groups]}
         self.record(plan)
         return plan
+
+    def _let_generate(self) -> None:
+        """Synchronous baseline: the engines serve the trainer's version; the services may generate a step."""
+        from syncd.errors import StoreError
+
+        deadline = time.monotonic() + self.cfg.engine_timeout_s
+        while True:
+            try:
+                return self.feed.publish_position()
+            except StoreError as exc:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"cannot write the trainer's position to the rollout queue: {exc}") from None
+                time.sleep(0.5)
+
+    def rollout_stats(self) -> dict:
+        """The rollout queue feed's counts and, with the service in this process, its own."""
+        return {"feed": self.feed.stats() if self.feed is not None else None,
+                "service": self.service.stats() if self.service is not None else None}
 
     def record(self, plan: dict) -> None:
         """Append ``plan`` to ``plans.jsonl`` (nothing when training offline on recorded plans)."""
@@ -274,9 +311,11 @@ class LiveSide:
     def close(self, summary: dict) -> dict:
         if self.pub is not None:
             self.pub.close()
-        if self.workers is not None:
-            self.workers.stop()
-            summary["rollouts"] = {**self.workers.stats(), "kept_resolved": self.resolver.stats()}
+        if self.feed is not None:
+            self._stop_rollouts()
+            summary["rollouts"] = {**(self.workers.stats() if self.workers is not None else {}),
+                                   "queue": self.feed.stats(), "kept_resolved": self.resolver.stats(),
+                                   "service": self.service.stats()["queue"] if self.service is not None else None}
         if self.watcher is not None:
             if self.pub is not None:
                 self._wait_engines_quietly()  # the engines' last versions belong in the metrics and the plot
@@ -304,9 +343,14 @@ class LiveSide:
         except RuntimeError as exc:
             log.warning("%s", exc)
 
+    def _stop_rollouts(self, timeout_s: float = 30.0) -> None:
+        if self.service is not None:
+            self.service.stop(timeout_s)
+        if self.feed is not None:
+            self.feed.stop(timeout_s)
+
     def abort(self) -> None:
-        if self.workers is not None:
-            self.workers.stop(5)
+        self._stop_rollouts(5)
         if self.buffer is not None:
             self.buffer.close()
         if self.watcher is not None:

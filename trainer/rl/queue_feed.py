@@ -12,8 +12,11 @@ from a checkpoint older than the return never trains a prompt that is being gene
 consumed (trained in a committed step). Otherwise ``rebuild(doc)`` reads it back from its records (the trainer
 trusts a group only after that) and the buffer takes it; a group that cannot be rebuilt, a malformed object, and a
 group the buffer drops or refuses are **sent back** (``failed/<index>-<attempt>``, ``by: "trainer"``), so the
-service generates the prompt again: none is lost. After each poll the trainer's position is written
-(``consumer.json``, with ``step()`` and ``version()``): the services bound their backlog by it.
+service generates the prompt again: none is lost; a group whose prompt is already buffered (read again after a
+restart) is skipped. After each poll the trainer's position is written (``consumer.json``: ``read``, and ``held``,
+how many of each service's groups wait in the buffer, with ``step()`` and ``version()``): a service keeps its
+unread, held and in-flight groups within its backlog, so a group taken by a step frees a place, as the trainer's
+credit did.
 
 :meth:`positions` is the part of the trainer's checkpoint that says where to read on after a restart (taken between
 two steps, with the buffer's snapshot); a restored feed reads the groups after it again, and the buffer's ledger
@@ -21,8 +24,11 @@ says which were trained. :meth:`frontier` is the lowest prompt index not yet lan
 newest group of each), for the buffer policy's target mix.
 
 Failures (the store, a service's malformed object) are logged, counted in :meth:`stats` and retried at the next
-poll; the thread never dies of one. ``hold()`` stops the position from moving on (a synchronous step waits for the
-engines before the services may generate more); ``release()`` lets it. Thread-safety: every method from any thread;
+poll; the thread never dies of one. The position doc is also the trainer's heartbeat (written every poll, with
+``lookahead``: the groups the trainer wants generated ahead, which a service keeps to while the heartbeat is fresh,
+growing to its own ``--max-backlog`` only while the trainer is away). ``auto_publish=False`` moves the ``read``
+position it shows only when :meth:`publish_position` is called (a synchronous step lets the services generate the
+next step's groups once the engines serve its version). Thread-safety: every method from any thread;
 ``send_back_groups`` only queues (it is called under the buffer's lock) and the thread writes.
 """
 
@@ -48,17 +54,21 @@ class QueueFeed:
     ``positions``: ``{service: next seq}`` of a restored checkpoint."""
 
     def __init__(self, queue: GroupQueue, buffer, rebuild, *, positions: dict | None = None, step=lambda: 0,
-                 version=lambda: 0, poll_interval_s: float = 0.2):
+                 version=lambda: 0, poll_interval_s: float = 0.2, auto_publish: bool = True,
+                 lookahead: int | None = None):
         self.q, self.buffer, self.rebuild = queue, buffer, rebuild
         self.step, self.version, self.poll_interval_s = step, version, poll_interval_s
         self._lock = threading.Lock()
         self._pos: dict[str, int] = {str(k): int(v) for k, v in (positions or {}).items()}
         self._frontiers: dict[str, int] = {}
         self._back: deque[tuple[int, int, str]] = deque()
-        self._held = False
+        self.auto_publish, self.lookahead = auto_publish, lookahead
+        self._shown: dict[str, int] = dict(self._pos)  # the read position the services see
+        self._owner: dict[int, str] = {}  # prompt -> the service its buffered group came from
         self.errors = Failures(ERROR_KINDS)
-        self.counts = {"read": 0, "buffered": 0, "skipped_returned": 0, "skipped_consumed": 0, "sent_back": 0}
+        self.counts = {"read": 0, "buffered": 0, "skipped_returned": 0, "skipped_held": 0, "sent_back": 0}
         self._stop = threading.Event()
+        self._wake = threading.Event()  # something to send back: the thread writes it now, not at the next poll
         self._thread = threading.Thread(target=self._run, name="queue-feed", daemon=True)
 
     # ------------------------------------------------------------------------------------ control
@@ -69,17 +79,29 @@ class QueueFeed:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
         self._flush_back()  # what was dropped at the end still goes back
 
-    def hold(self) -> None:
+    def publish_position(self, *, move: bool = True) -> None:
+        """Write the trainer's position now (``read``, ``held``, ``lookahead``, step, version; with ``move=False``
+        the ``read`` shown before: a heartbeat); StoreError when it cannot."""
+        held: dict[str, int] = {}
+        indices = self.buffer.indices()
         with self._lock:
-            self._held = True
-
-    def release(self) -> None:
-        with self._lock:
-            self._held = False
+            for i in indices:
+                s = self._owner.get(i)
+                if s is not None:
+                    held[s] = held.get(s, 0) + 1
+            if len(self._owner) > 4 * len(indices) + 1024:  # trained prompts' entries, kept no longer
+                keep = set(indices)
+                self._owner = {i: s for i, s in self._owner.items() if i in keep}
+            if move:
+                self._shown = dict(self._pos)
+            read = dict(self._shown)
+        extra = {} if self.lookahead is None else {"lookahead": int(self.lookahead)}
+        self.q.set_consumer(read, held=held, step=int(self.step()), version=int(self.version()), **extra)
 
     def positions(self) -> dict:
         with self._lock:
@@ -100,6 +122,11 @@ class QueueFeed:
         with self._lock:
             for g in groups:
                 self._back.append((g.item.index, g.attempt, "dropped or refused by the trainer's buffer"))
+        self._wake.set()
+
+    def send_back(self, index: int, attempt: int, reason: str) -> None:
+        """Send attempt ``attempt`` of prompt ``index`` back now (e.g. dropped when a checkpoint was restored)."""
+        self._back_now(index, attempt, reason)
 
     # ------------------------------------------------------------------------------------ the thread
 
@@ -110,14 +137,12 @@ class QueueFeed:
             except Exception:  # noqa: BLE001 -- the feed must outlive anything: counted, logged, retried
                 self.errors("store")
                 log.exception("rollout queue feed")
-            self._stop.wait(self.poll_interval_s)
+            self._wake.wait(self.poll_interval_s)
+            self._wake.clear()
 
     def poll(self) -> int:
         """One pass over every service; returns how many groups the buffer took."""
         self._flush_back()
-        with self._lock:
-            if self._held:
-                return 0
         taken = 0
         try:
             services = self.q.services()
@@ -139,7 +164,7 @@ class QueueFeed:
             with self._lock:
                 self._pos[service] = nxt
         try:
-            self.q.set_consumer(self.positions(), step=int(self.step()), version=int(self.version()))
+            self.publish_position(move=self.auto_publish)
         except StoreError as exc:
             self.errors("store")
             log.warning("writing the trainer's position: %s", exc)
@@ -158,8 +183,8 @@ class QueueFeed:
             self.counts["read"] += 1
             if isinstance(item.get("frontier"), int) and not isinstance(item["frontier"], bool):
                 self._frontiers[service] = max(self._frontiers.get(service, 0), item["frontier"])
-        if self.buffer.ledger.is_consumed(index):
-            self.counts["skipped_consumed"] += 1
+        if self.buffer.holds(index):
+            self.counts["skipped_held"] += 1
             return 0
         if self.q.store.exists(self.q.failed_key(index, attempt)):
             self.counts["skipped_returned"] += 1
@@ -173,6 +198,8 @@ class QueueFeed:
             self._back_now(index, attempt, f"not read back: {type(exc).__name__}: {exc}")
             return 0
         group.attempt = attempt
+        with self._lock:
+            self._owner[index] = service
         if self.buffer.put(group):  # a refusal was queued to go back by on_drop
             self.counts["buffered"] += 1
             return 1

@@ -109,8 +109,11 @@ class PromptLedger:
             self.inflight[index]["sandbox"] = sandbox
 
     def landed(self, index: int) -> None:
+        """A group of ``index`` is in the buffer (from this ledger's dispatch, or from the rollout queue, whose
+        service dispatches: the cursor then follows the prompts that landed)."""
         self.inflight.pop(index, None)
         self.buffered.add(index)
+        self.next = max(self.next, index + 1)
 
     def failed(self, index: int) -> None:
         self.inflight.pop(index, None)

@@ -17,11 +17,14 @@ replay records) and writes each finished group to the run's queue in the store
   finished as dropped, and the prompt is sent again as the next attempt. Fresh prompts continue after the highest
   one claimed. No prompt is lost.
 
-**Backlog.** Groups written and not yet read by the trainer (its ``consumer.json``), plus those in flight, never
-exceed ``--max-backlog``: past it the service pauses dispatch (nothing is dropped) until the trainer reads; with no
-trainer alive it fills the backlog and waits, so the engines keep generating through a trainer outage for as long
-as the backlog lasts. Several services split the prompts (``--share K/N``: the indices ``i`` with ``i % N == K``),
-each with its own ``--service-id``.
+**Backlog.** Groups written and not yet read by the trainer (its ``consumer.json``), those it read and holds in
+its buffer, not yet taken by a step (``held``), plus those in flight, never exceed the limit: past it the service
+pauses dispatch (nothing is dropped) until the trainer takes some. While the trainer's position doc changes (its
+heartbeat, every poll of its feed) the limit is the trainer's ``lookahead`` (what it wants generated ahead, as its
+staleness bound allows); once it has not changed for ``--trainer-timeout-s`` (the trainer is away) the limit is
+``--max-backlog``, so the engines keep generating through a trainer outage for as long as that backlog lasts.
+Several services split the prompts (``--share K/N``: the indices ``i`` with ``i % N == K``), each with its own
+``--service-id``.
 
 A group records the newest valid version in the store at its request (``requested_version``, refreshed every
 ``--poll-interval-s``, at least 2 s) and the trainer's step from its position (what a reward with phases by step
@@ -36,202 +39,25 @@ workers, and ``main`` exits 1 naming it. Thread-safety: :meth:`start`, :meth:`st
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
-import secrets
 import signal
 import sys
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
-from syncd.errors import ObjectExists, StoreError
+from syncd.errors import StoreError
 from syncd.supervise import Failures
-from syncd.trainer.rl.group_queue import MAX_ATTEMPT, GroupQueue, QueueError, check_service
+from syncd.trainer.rl.group_queue import GroupQueue, QueueError, check_service
+from syncd.trainer.rl.queue_ledger import QueueSink
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ServiceConfig", "RolloutService", "QueueSink", "rollout_flags", "main"]
+__all__ = ["ServiceConfig", "RolloutService", "rollout_flags", "main"]
 
 ERROR_KINDS = ("consumer", "failed_poll", "version", "store")
-
-
-class QueueSink:
-    """The rollout workers' side of the queue (what :class:`RolloutWorkers` calls its buffer): which prompt comes
-    next, what failed, where a finished group goes -- every decision durable in the store before it takes effect
-    (the module docstring). ``share``: ``(k, n)``; ``close_open(claim)``: finishes an orphaned attempt's open
-    trajectories. Thread-safety: every method from any thread."""
-
-    def __init__(self, queue: GroupQueue, service: str, *, share: tuple[int, int] = (0, 1), stop: threading.Event,
-                 backoff_max_s: float = 5.0):
-        self.q, self.service, (self.k, self.n), self._stop = queue, check_service(service), share, stop
-        self.backoff_max_s = backoff_max_s
-        self._lock = threading.Lock()
-        self._append = threading.Lock()  # groups are numbered in the order they are written: no gap survives
-        self._regen: deque[tuple[int, int]] = deque()
-        self._latest: dict[int, int] = {}  # prompt -> its newest claimed attempt
-        self._inflight: dict[int, int] = {}
-        self._seen_failed: set[tuple[int, int]] = set()
-        self.cursor, self.next_seq = self.k, 0
-        self.counts = {"claimed": 0, "landed": 0, "failed": 0, "orphaned": 0, "returned": 0, "abandoned": 0}
-        self.closed = False
-
-    def mine(self, index: int) -> bool:
-        return index % self.n == self.k
-
-    def recover(self, close_open) -> dict:
-        """Rebuild the ledger from the store (module docstring); returns what it found."""
-        st = self.q.state(self.service, accept=self.mine)
-        for (i, a) in st.claims:
-            self._latest[i] = max(a, self._latest.get(i, -1))
-        orphans = []
-        for i, a in sorted(self._latest.items()):
-            if (i, a) in st.failed:
-                self._again(i, a)
-            elif (i, a) not in st.landed:
-                orphans.append((i, a))
-        for i, a in orphans:
-            self.q.fail(i, a, "orphaned: the rollout service restarted while it was in flight", by="service")
-            close_open(st.claims[(i, a)])
-            self._again(i, a)
-        self._seen_failed = set(st.failed) | set(orphans)
-        top = max(self._latest, default=-1)
-        self.cursor = top + 1 + (self.k - (top + 1)) % self.n
-        self.next_seq = st.next_seq
-        self.counts["orphaned"] = len(orphans)
-        found = {"claims": len(st.claims), "landed": len(st.landed), "failed": len(st.failed),
-                 "orphaned": len(orphans), "regenerate": len(self._regen), "cursor": self.cursor,
-                 "next_seq": self.next_seq, "skipped": len(st.skipped)}
-        for key, why in st.skipped.items():
-            log.warning("rollout queue: skipped %s: %s", key, why)
-        return found
-
-    def _again(self, index: int, attempt: int) -> None:
-        if attempt >= MAX_ATTEMPT:
-            self.counts["abandoned"] += 1
-            log.error("prompt %d failed %d attempts: abandoned", index, attempt + 1)
-            return
-        self._regen.append((index, attempt + 1))
-
-    def poll_returned(self) -> int:
-        """Prompts the trainer sent back since the last poll, queued to be sent again; returns how many."""
-        st_failed = {}
-        for info in self.q.store.list(self.q.prefix + "failed/"):
-            name = info.key.rsplit("/", 1)[-1]
-            try:
-                i, a = int(name[:10]), int(name[11:14])
-            except ValueError:
-                continue
-            st_failed[(i, a)] = info.key
-        n = 0
-        with self._lock:
-            for (i, a) in sorted(st_failed):
-                if (i, a) in self._seen_failed or not self.mine(i):
-                    continue
-                self._seen_failed.add((i, a))
-                if self._latest.get(i) == a and i not in self._inflight:
-                    self._again(i, a)
-                    self.counts["returned"] += 1
-                    n += 1
-        return n
-
-    # ------------------------------------------------------------------------------------ RolloutWorkers' calls
-
-    def next_prompt(self, entry_of=None, accept=None) -> tuple[int, int] | None:
-        """The next ``(index, attempt)``, claimed in the store; blocks through store failures (retried with
-        backoff); None once the service stops."""
-        backoff = 0.2
-        while True:
-            if self._stop.is_set() or self.closed:
-                return None
-            with self._lock:
-                if self._regen:
-                    i, a = self._regen.popleft()
-                else:
-                    i, a = self.cursor, 0
-                    self.cursor += self.n
-            entry = entry_of(i, a) if entry_of is not None else {}
-            try:
-                self.q.claim(i, a, {**entry, "service": self.service})
-            except ObjectExists:  # sent before, by another life or another copy of this service: never again
-                log.error("attempt %d of prompt %d was claimed before; it is sent as the next attempt", a, i)
-                self.q.fail(i, a, "claimed twice", by="service")
-                with self._lock:
-                    self._latest[i] = max(a, self._latest.get(i, -1))
-                    self._again(i, a)
-                continue
-            except StoreError as exc:
-                log.warning("claiming attempt %d of prompt %d: %s (retried)", a, i, exc)
-                with self._lock:
-                    self._regen.appendleft((i, a))
-                self._stop.wait(backoff)
-                backoff = min(self.backoff_max_s, backoff * 2)
-                continue
-            with self._lock:
-                self._latest[i] = a
-                self._inflight[i] = a
-                self.counts["claimed"] += 1
-            return i, a
-
-    def record_written(self, index: int, sandbox: str) -> None:
-        """(The workers report the first record of a group; the queue needs nothing from it.)"""
-
-    def failed(self, index: int) -> None:
-        """The in-flight group of ``index`` failed: marked so, its prompt sent again."""
-        with self._lock:
-            a = self._inflight.pop(index, None)
-            if a is None:
-                return
-            self._seen_failed.add((index, a))
-            self.counts["failed"] += 1
-        try:
-            self.q.fail(index, a, "the group failed in the rollout service", by="service")
-        except StoreError as exc:  # a restart would find it orphaned and mark it then
-            log.warning("marking attempt %d of prompt %d failed: %s", a, index, exc)
-        with self._lock:
-            self._again(index, a)
-
-    def put(self, group) -> bool:
-        """Append the finished group to the queue as this service's next one (retried through store failures
-        until written or the service stops: a number once given is never left empty), with the service's
-        ``frontier``: the lowest prompt of its share not landed (what the trainer's buffer policy measures its
-        target mix below, ``syncd.trainer.rl.buffer_policy``)."""
-        with self._lock:  # every prompt of this share below it has landed (this one does now)
-            frontier = min([self.cursor, *(i for i, _ in self._regen),
-                            *(i for i in self._inflight if i != group.item.index)])
-        doc = {**group.plan(), "token_versions": group.token_versions, "attempt": group.attempt,
-               "frontier": frontier}
-        backoff = 0.2
-        with self._append:
-            while True:
-                try:
-                    self.q.append(self.service, self.next_seq, doc)
-                    break
-                except ObjectExists:
-                    log.error("group number %d of service %s was written by another writer: is a second copy of "
-                              "this service running? Stopping.", self.next_seq, self.service)
-                    self.close()
-                    return False
-                except StoreError as exc:
-                    if self._stop.is_set():
-                        return False
-                    log.warning("writing group %d of prompt %d: %s (retried)", self.next_seq, group.item.index, exc)
-                    self._stop.wait(backoff)
-                    backoff = min(self.backoff_max_s, backoff * 2)
-            self.next_seq += 1
-        with self._lock:
-            self._inflight.pop(group.item.index, None)
-            self.counts["landed"] += 1
-        return True
-
-    def close(self) -> None:
-        self.closed = True
-
-    def stats(self) -> dict:
-        with self._lock:
-            return {**self.counts, "cursor": self.cursor, "next_seq": self.next_seq, "inflight": len(self._inflight),
-                    "regenerate": len(self._regen)}
 
 
 @dataclass
@@ -254,6 +80,7 @@ class ServiceConfig:
     seed: int = 0
     max_backlog: int = 16
     poll_interval_s: float = 0.5
+    trainer_timeout_s: float = 10.0
     vocab_size: int | None = None
     request_timeout_s: float = 120.0
     record_timeout_s: float = 60.0
@@ -264,21 +91,27 @@ class ServiceConfig:
         k, n = self.share
         for flag, ok in (("--share", n >= 1 and 0 <= k < n), ("--max-backlog", self.max_backlog >= 1),
                          ("--group-size", self.group_size >= 2), ("--workers", self.workers >= 1),
-                         ("--proxy", bool(self.proxies)), ("--poll-interval-s", 0 < self.poll_interval_s < 3600)):
+                         ("--proxy", bool(self.proxies)), ("--poll-interval-s", 0 < self.poll_interval_s < 3600),
+                         ("--trainer-timeout-s", 0 < self.trainer_timeout_s < 86400)):
             if not ok:
                 raise ValueError(f"{flag}: out of range in {self}")
 
 
 class RolloutService:
-    """The service (module docstring): :meth:`start` recovers the ledger, starts the workers and the pacer."""
+    """The service (module docstring): :meth:`start` recovers the ledger, starts the workers and the pacer. Started
+    inside a trainer's process (one machine), it is given the trainer's ``task`` object (a curated one keeps its
+    estimates in the trainer's checkpoint), ``reward``, and ``version()``/``step()`` instead of reading them from the
+    store."""
 
-    def __init__(self, cfg: ServiceConfig):
+    def __init__(self, cfg: ServiceConfig, *, task=None, reward=None, version=None, step=None):
         self.cfg = cfg
+        self._task, self._reward, self._version_of, self._step_of = task, reward, version, step
         self.queue = GroupQueue(cfg.store, cfg.run_id)
         self._stop = threading.Event()
         self.sink = QueueSink(self.queue, cfg.service_id, share=cfg.share, stop=self._stop)
         self.errors = Failures(ERROR_KINDS)
         self.version = self.step = 0
+        self.trainer_alive = False
         self.workers = None
         self.recovered: dict | None = None
         self._pacer = threading.Thread(target=self._pace, name="rollout-service-pacer", daemon=True)
@@ -288,12 +121,13 @@ class RolloutService:
         from syncd.trainer.rl.tasks import get_task, load_reward
 
         cfg = self.cfg
-        task = get_task(cfg.task, length=cfg.task_length)
+        task = self._task or get_task(cfg.task, length=cfg.task_length)
+        reward = self._reward or (load_reward(cfg.reward) if cfg.reward else task.reward)
         self.workers = RolloutWorkers(
-            proxies=list(cfg.proxies), model_name=proxy_models(cfg.proxies[0])[0], task=task,
-            reward=load_reward(cfg.reward) if cfg.reward else task.reward, group_size=cfg.group_size,
-            sampling=Sampling(cfg.temperature, cfg.top_p, cfg.top_k), store=cfg.store, run_id=cfg.run_id,
-            buffer=self.sink, version=lambda: self.version, step=lambda: self.step, workers=cfg.workers, seed=cfg.seed,
+            proxies=list(cfg.proxies), model_name=proxy_models(cfg.proxies[0])[0], task=task, reward=reward,
+            group_size=cfg.group_size, sampling=Sampling(cfg.temperature, cfg.top_p, cfg.top_k), store=cfg.store,
+            run_id=cfg.run_id, buffer=self.sink, version=self._version_of or (lambda: self.version),
+            step=self._step_of or (lambda: self.step), workers=cfg.workers, seed=cfg.seed,
             vocab_size=cfg.vocab_size, request_timeout_s=cfg.request_timeout_s,
             record_timeout_s=cfg.record_timeout_s)
         self._refresh_version()
@@ -317,12 +151,16 @@ class RolloutService:
         return self._stop.is_set() or self.sink.closed
 
     def stats(self) -> dict:
-        return {"service": self.cfg.service_id, "version": self.version, "queue": self.sink.stats(),
+        return {"service": self.cfg.service_id, "version": self.version, "trainer_alive": self.trainer_alive,
+                "queue": self.sink.stats(),
                 "workers": self.workers.stats() if self.workers is not None else None,
                 "errors": self.errors.totals, "recovered": self.recovered}
 
     def _refresh_version(self) -> None:
         from syncd.versions import latest_version
+
+        if self._version_of is not None:
+            return
 
         try:
             v = latest_version(self.cfg.store, self.cfg.run_id)
@@ -334,6 +172,7 @@ class RolloutService:
     def _pace(self) -> None:
         """Keep ``unread + in flight + credit`` at ``--max-backlog``; take back what the trainer returned."""
         cfg, last_version = self.cfg, 0.0
+        beat, beat_at = None, -float("inf")  # the trainer's last heartbeat seen, and when (this clock)
         while not self._stop.wait(cfg.poll_interval_s):
             try:
                 if time.monotonic() - last_version > max(2.0, cfg.poll_interval_s):
@@ -347,6 +186,12 @@ class RolloutService:
                 try:
                     consumer = self.queue.consumer()
                     read = int(consumer["read"].get(cfg.service_id, 0))
+                    held = consumer.get("held") if isinstance(consumer.get("held"), dict) else {}
+                    held = held.get(cfg.service_id, 0)
+                    held = held if isinstance(held, int) and not isinstance(held, bool) and held >= 0 else 0
+                    if consumer.get("t") != beat:
+                        beat, beat_at = consumer.get("t"), time.monotonic()
+                    ahead = consumer.get("lookahead")
                     step = consumer.get("step")
                     self.step = step if isinstance(step, int) and not isinstance(step, bool) else self.step
                 except (StoreError, QueueError) as exc:
@@ -355,7 +200,12 @@ class RolloutService:
                     continue
                 w = self.workers.stats()
                 unread = max(0, self.sink.next_seq - read)
-                want = cfg.max_backlog - unread - w["inflight"] - w["credit"]
+                limit = cfg.max_backlog
+                if isinstance(ahead, int) and not isinstance(ahead, bool) and ahead >= 1 \
+                        and time.monotonic() - beat_at < cfg.trainer_timeout_s:
+                    limit = min(limit, ahead)
+                self.trainer_alive = time.monotonic() - beat_at < cfg.trainer_timeout_s
+                want = limit - unread - held - w["inflight"] - w["credit"]
                 if want > 0:
                     self.workers.allow(want)
             except Exception:  # noqa: BLE001 -- the pacer must outlive anything; counted and logged
@@ -403,8 +253,11 @@ def parser() -> argparse.ArgumentParser:
     a("--service-id", default=env("SYNCD_ROLLOUT_SERVICE", "rollouts-0"),
       help="this service's name in the queue [SYNCD_ROLLOUT_SERVICE]")
     a("--share", type=_share, default="0/1", metavar="K/N", help="the prompts i with i %% N == K")
-    a("--max-backlog", type=int, default=16, help="groups written and unread by the trainer, plus in flight")
+    a("--max-backlog", type=int, default=16,
+      help="groups written and not taken by the trainer, plus in flight, while the trainer is away")
     a("--poll-interval-s", type=float, default=0.5, help="how often the trainer's position is read")
+    a("--trainer-timeout-s", type=float, default=10.0,
+      help="the trainer's position unchanged this long: it is away, and the backlog grows to --max-backlog")
     a("--seed", type=int, default=0, help="the run's seed (task items, sampling seeds)")
     a("--vocab-size", type=int, default=None, help="the model's vocabulary, to check recorded token ids")
     a("--request-timeout-s", type=float, default=120.0)
@@ -415,7 +268,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    """Entry point of ``syncd rollouts``: serves until SIGTERM/SIGINT (exit 0) or a fatal error (exit 1)."""
+    """Entry point of ``syncd rollouts``: serves until SIGTERM/SIGINT (exit 0) or a fatal error (exit 1), then
+    prints its stats as one JSON line."""
     from syncd.urls import check_http_url
 
     args = parser().parse_args(argv)
@@ -433,7 +287,8 @@ def main(argv=None) -> int:
                             task_length=args.task_length, reward=args.reward, group_size=args.group_size,
                             workers=args.workers or 4, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, max_backlog=args.max_backlog,
-                            poll_interval_s=args.poll_interval_s, vocab_size=args.vocab_size,
+                            poll_interval_s=args.poll_interval_s, trainer_timeout_s=args.trainer_timeout_s,
+                            vocab_size=args.vocab_size,
                             request_timeout_s=args.request_timeout_s, record_timeout_s=args.record_timeout_s)
         svc = RolloutService(cfg).start()
     except ValueError as exc:
@@ -449,6 +304,7 @@ def main(argv=None) -> int:
         pass
     failed = svc.stopped and not done.is_set()
     svc.stop()
+    print(json.dumps(svc.stats()), flush=True)  # the last line: what it did (requests, failures, the queue)
     if failed:
         print(f"syncd rollouts: stopped: {svc.stats()['workers']['last_error']}", file=sys.stderr)
         return 1

@@ -54,7 +54,7 @@ from syncd.store import Store
 from syncd.supervise import Failures
 from syncd.trainer.rl import episodes
 from syncd.trainer.rl.buffer import Group, RolloutBuffer
-from syncd.trainer.rl.rollouts import MissingReplayError, RolloutError, read_rollouts
+from syncd.trainer.rl.group_reader import GroupReader, _Failed, _make_group
 from syncd.trainer.rl.tasks import RewardFn, Sample, Task, TaskItem
 
 log = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ class RolloutWorkers:
     """See the module docstring. ``version()``/``step()``: the trainer's current version and step (recorded with
     each group, and given to the reward). ``workers``: groups produced at once. ``buffer``: where prompts come from
     and groups go: a :class:`RolloutBuffer`, or the rollout service's queue
-    (:class:`syncd.trainer.rl.rollout_service.QueueSink`, whose ``next_prompt`` answers None once it stopped)."""
+    (:class:`syncd.trainer.rl.queue_ledger.QueueSink`, whose ``next_prompt`` answers None once it stopped)."""
 
     def __init__(self, *, proxies: list[str], model_name: str, task: Task, reward: RewardFn, group_size: int,
                  sampling: Sampling, store, run_id: str, buffer: RolloutBuffer, version: Callable[[], int],
@@ -149,6 +149,8 @@ class RolloutWorkers:
         self.request_timeout_s, self.record_timeout_s = request_timeout_s, record_timeout_s
         self.life = secrets.token_hex(3)  # trajectory ids unique to this trainer life
         self.multi_turn = episodes.episodic(task) is not None
+        self.reader = GroupReader(self.store, run_id, vocab_size=vocab_size, record_timeout_s=record_timeout_s,
+                                  multi_turn=self.multi_turn)
         self.with_record = self.multi_turn or episodes.wants_record(reward)
         self.failures, self.last_error = Failures(FAILURE_KINDS), None
         self.groups = self.requests = self.tokens = self._credit = self._inflight = 0
@@ -199,7 +201,7 @@ class RolloutWorkers:
                 self._credit -= 1
                 self._inflight += 1
             got = self.buffer.next_prompt(self._entry)
-            if got is None:  # the sink stopped (syncd.trainer.rl.rollout_service.QueueSink)
+            if got is None:  # the sink stopped (syncd.trainer.rl.queue_ledger.QueueSink)
                 return
             index, attempt = got
             try:
@@ -318,7 +320,7 @@ class RolloutWorkers:
             ids.append(_ids_of(reply, self.run_id))
             if j == 0:
                 self.buffer.record_written(index, ids[0][0])
-        rollouts = self._read(ids)
+        rollouts = self.reader.read(ids)
         counted = [int((out.get("usage") or {}).get("completion_tokens") or -1) for out in outs]
         return _make_group(index, item, ids, rewards, rollouts, counted, version, requested_at, time.time(),
                            multi_turn=self.multi_turn)
@@ -326,22 +328,8 @@ class RolloutWorkers:
     # ------------------------------------------------------------------------------------ after a restart
 
     def reread(self, doc: dict) -> Group:
-        """A buffered group of a checkpointed RL state (its plan with ``token_versions``), read back from the
-        store; ``_Failed`` when the records are gone or no longer carry the recorded per-token versions."""
-        ids = [tuple(t) for t in doc["trajectories"]]
-        rollouts = self._read(ids)
-        want = doc.get("token_versions")
-        got = [_token_versions(ro) for ro in rollouts]
-        if want is not None and got != want:
-            raise _Failed("record", f"group of prompt {doc['item']['index']}: the records' token versions differ "
-                                    "from the checkpoint's")
-        it = doc["item"]
-        item = TaskItem(int(it["index"]), str(it["prompt"]), it.get("target"), dict(it.get("meta") or {}))
-        g = _make_group(item.index, item, ids, [float(r) for r in doc["rewards"]], rollouts, None,
-                        int(doc["requested_version"]), float(doc["requested_at"]), float(doc["finished_at"]),
-                        multi_turn=self.multi_turn)
-        g.attempt = int(doc.get("attempt") or 0)
-        return g
+        """A group of a checkpointed RL state or of the rollout queue, read back (:meth:`GroupReader.reread`)."""
+        return self.reader.reread(doc)
 
     def recover(self, index: int, entry: dict) -> Group | None:
         """An in-flight group of an earlier life, if every one of its trajectories was written complete, with its
@@ -363,8 +351,8 @@ class RolloutWorkers:
                 return None
             rewards.append(float(reward))
         item = self.task.item(index, self.seed)
-        g = _make_group(index, item, ids, rewards, self._read(ids), None, int(entry.get("requested_version", 0)),
-                        time.time(), time.time(), multi_turn=self.multi_turn)
+        g = _make_group(index, item, ids, rewards, self.reader.read(ids), None,
+                        int(entry.get("requested_version", 0)), time.time(), time.time(), multi_turn=self.multi_turn)
         g.attempt = int(entry.get("attempt") or 0)
         return g
 
@@ -376,64 +364,6 @@ class RolloutWorkers:
                       {"metadata": {"dropped": reason}}, timeout_s=10)
             except (ProxyError, ValueError):
                 pass
-
-    def _read(self, ids: list[tuple[str, str]]) -> list:
-        """The group's rollouts, once every replay record is in the store (the engines write them just after a
-        request ends)."""
-        deadline = time.monotonic() + self.record_timeout_s
-        wait = 0.02
-        while True:
-            try:
-                rs = read_rollouts(self.store, self.run_id, trajectories=ids, vocab_size=self.vocab_size)
-                break
-            except (MissingReplayError, ObjectNotFound) as exc:
-                if time.monotonic() > deadline:
-                    raise _Failed("replay", f"records still incomplete after {self.record_timeout_s:.0f} s: "
-                                            f"{exc}") from exc
-                time.sleep(wait)
-                wait = min(0.5, wait * 2)
-            except (RolloutError, ValueError) as exc:  # mismatched or corrupt records, malformed trajectories
-                raise _Failed("replay", f"{type(exc).__name__}: {exc}") from exc
-        if len(rs.rollouts) != len(ids) or rs.skipped_failed:
-            raise _Failed("record", f"{len(rs.rollouts)} of {len(ids)} trajectories complete")
-        return rs.rollouts
-
-
-def _token_versions(ro) -> list[int]:
-    """The weight version of each generated token of a rollout, over its sequences (a compacted request has one
-    per context window, its summaries too)."""
-    return [int(v) for seq in ro.sequences for v in seq.versions[seq.loss_mask].tolist()]
-
-
-def _make_group(index, item, ids, rewards, rollouts, counted, version, requested_at, finished_at, *,
-                multi_turn: bool = False) -> Group:
-    """A group from its read-back rollouts (one sequence each, or one per context window for a compacted request,
-    ``syncd.engine.proxy.compaction``, or for a multi-turn episode one per run of turns that extend each other;
-    ``counted``: the token counts the responses reported, checked when given: equal, or at most the recorded ones
-    when compacted)."""
-    versions: dict[int, int] = {}
-    tokens, per_token = 0, []
-    for j, ro in enumerate(rollouts):
-        if len(ro.sequences) != 1 and not ((ro.compaction or multi_turn) and ro.sequences):
-            raise _Failed("record", f"trajectory {ro.trajectory_id}: {len(ro.sequences)} sequences, want 1")
-        vs = _token_versions(ro)
-        n = len(vs)
-        if counted is not None and counted[j] >= 0 and (n < counted[j] if ro.compaction else n != counted[j]):
-            raise _Failed("record", f"trajectory {ro.trajectory_id}: {n} recorded tokens, the response "
-                                    f"counted {counted[j]}")
-        per_token.append(vs)
-        for v in vs:
-            versions[v] = versions.get(v, 0) + 1
-        tokens += n
-    return Group(index, item, list(ids), list(rewards), rollouts, versions, tokens, version, requested_at,
-                 finished_at, per_token)
-
-
-class _Failed(RuntimeError):
-    def __init__(self, kind: str, msg: str):
-        super().__init__(msg)
-        self.kind = kind
-
 
 def _ids_of(reply: dict, run_id: str) -> tuple[str, str]:
     """``(sandbox_id, trajectory_id)`` of a written record, from the key the proxy answered."""

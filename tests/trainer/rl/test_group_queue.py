@@ -14,7 +14,7 @@ import pytest
 
 from syncd.errors import ObjectExists
 from syncd.trainer.rl.group_queue import PAGE, GroupQueue, QueueError
-from syncd.trainer.rl.rollout_service import QueueSink
+from syncd.trainer.rl.queue_ledger import QueueSink
 
 RUN = "q"
 

@@ -72,8 +72,9 @@ def test_a_nan_log_prob_costs_its_group_not_the_run(tmp_path, model_dir, monkeyp
 
 
 def test_records_of_a_version_never_published_are_refused(tmp_path, model_dir, monkeypatch):
-    lie = {"version": 7}
-    run = _train(tmp_path, model_dir, monkeypatch, tamper=lambda tid: lie if tid.endswith("-g000001-s00") else None)
+    lie = {"version": 7}  # 6 steps: the refused group goes back to the rollout service and its prompt comes again
+    run = _train(tmp_path, model_dir, monkeypatch, tamper=lambda tid: lie if tid.endswith("-g000001-s00") else None,
+                 steps=6)
     assert run["summary"]["refused_groups"] == {"UnpublishedVersionError": 1}, run["summary"]
     assert "claim version 7, which the trainer never published" in run["stderr"]
     trained = _trained(run["plans"], 1)

@@ -77,7 +77,7 @@ def test_a_restart_from_an_older_position_skips_what_was_sent_back_or_trained(qu
     again, buf2 = _feed(queue, positions={"a": 0})  # restored from a checkpoint taken before both
     buf2.ledger.consume([0])  # (the checkpoint's ledger says which prompts were trained)
     assert again.poll() == 2 and sorted(g.item.index for g in buf2.take(2, version=0, timeout_s=1)) == [2, 3]
-    assert again.stats()["skipped_consumed"] == 1 and again.stats()["skipped_returned"] == 1
+    assert again.stats()["skipped_held"] == 1 and again.stats()["skipped_returned"] == 1
 
 
 def test_what_is_not_trained_is_sent_back_with_its_reason(queue):
@@ -97,10 +97,19 @@ def test_what_is_not_trained_is_sent_back_with_its_reason(queue):
     assert feed.stats()["errors"]["malformed"] == 1 and feed.stats()["sent_back"] == 4
 
 
-def test_a_held_feed_does_not_move_its_position(queue):
+def test_the_position_says_what_waits_in_the_buffer_and_is_written_when_asked(queue):
     queue.append("a", 0, _doc(0))
+    queue.append("a", 1, _doc(1))
     feed, buf = _feed(queue)
-    feed.hold()
-    assert feed.poll() == 0 and feed.positions() == {}
-    feed.release()
-    assert feed.poll() == 1
+    feed.auto_publish = False  # a synchronous step writes it once the engines serve its version
+    feed.lookahead = 3
+    assert feed.poll() == 2
+    beat = queue.consumer()  # the heartbeat: what waits in the buffer, the read position shown before
+    assert beat["read"] == {} and beat["held"] == {"a": 2} and beat["lookahead"] == 3
+    buf.take(1, version=0, timeout_s=1)
+    feed.publish_position()
+    assert queue.consumer()["read"] == {"a": 2} and queue.consumer()["held"] == {"a": 1}
+    assert queue.consumer()["t"] > beat["t"]
+    again, buf2 = _feed(queue, positions={"a": 0})  # read again after a restart: what is buffered is skipped
+    buf2.put(_rebuild(_doc(1)))
+    assert again.poll() == 1 and again.stats()["skipped_held"] == 1
