@@ -10,16 +10,15 @@ its metadata (so the store holds the reward with the record), and reads the grou
 which they write in the background once a request ends. The group (rewards, versions of its tokens) goes into the
 :class:`~syncd.trainer.rl.buffer.RolloutBuffer`.
 
-Which prompt comes next is the buffer's prompt ledger's answer (:meth:`RolloutBuffer.next_prompt`): a prompt
-whose group was dropped (stale or failed) is regenerated before a fresh one, as attempt 1, 2, ... (its
-trajectory ids ``<life>-g<index>r<attempt>-s<j>``, unique per trainer life). After a restart,
-:meth:`RolloutWorkers.reread` and :meth:`RolloutWorkers.recover` rebuild the buffered and in-flight groups of
-the checkpointed RL state from the store, and :meth:`close_open` finishes an earlier life's trajectories still
-open in the proxy.
+Which prompt comes next is the sink's answer: the rollout service's ledger in the run's queue
+(:class:`syncd.trainer.rl.queue_ledger.QueueSink`, what the trainer's groups come from), or a local
+:class:`RolloutBuffer`'s prompt ledger (:meth:`RolloutBuffer.next_prompt`; benchmarks and tests that generate
+without a trainer): a prompt whose group failed is regenerated before a fresh one, as attempt 1, 2, ... (its
+trajectory ids ``<life>-g<index>r<attempt>-s<j>``, unique per life of the workers). :meth:`close_open` finishes an
+earlier life's trajectories still open in the proxy.
 
-Production is paced by credit: :meth:`RolloutWorkers.allow` lets ``n`` more groups start. The asynchronous loop
-keeps a look-ahead of credit; the synchronous baseline allows one step's groups once the engines serve the
-trainer's newest version.
+Production is paced by credit: :meth:`RolloutWorkers.allow` lets ``n`` more groups start (the rollout service
+keeps its backlog with it: ``syncd.trainer.rl.rollout_service``).
 
 Failures (HTTP errors, a record not written or incomplete, records that do not join) never reach the buffer:
 the group is dropped whole (its trajectories still open in the proxy are finished with ``{"dropped": reason}``),
@@ -49,7 +48,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 from syncd import http_client
-from syncd.errors import ObjectNotFound
 from syncd.store import Store
 from syncd.supervise import Failures
 from syncd.trainer.rl import episodes
@@ -326,35 +324,6 @@ class RolloutWorkers:
                            multi_turn=self.multi_turn)
 
     # ------------------------------------------------------------------------------------ after a restart
-
-    def reread(self, doc: dict) -> Group:
-        """A group of a checkpointed RL state or of the rollout queue, read back (:meth:`GroupReader.reread`)."""
-        return self.reader.reread(doc)
-
-    def recover(self, index: int, entry: dict) -> Group | None:
-        """An in-flight group of an earlier life, if every one of its trajectories was written complete, with its
-        reward, before the crash; else None (it is regenerated)."""
-        sandbox = entry.get("sandbox")
-        if not sandbox:
-            return None
-        from syncd.records.trajectory import read_record
-
-        ids, rewards = [(sandbox, t) for t in entry["trajectories"]], []
-        for sb, tid in ids:
-            try:
-                doc = read_record(self.store, self.run_id, sb, tid)
-            except ObjectNotFound:
-                return None
-            reward = (doc.get("metadata") or {}).get("reward")
-            if doc["status"] != "complete" or not isinstance(reward, (int, float)) or isinstance(reward, bool) \
-                    or reward != reward or abs(reward) == float("inf"):
-                return None
-            rewards.append(float(reward))
-        item = self.task.item(index, self.seed)
-        g = _make_group(index, item, ids, rewards, self.reader.read(ids), None,
-                        int(entry.get("requested_version", 0)), time.time(), time.time(), multi_turn=self.multi_turn)
-        g.attempt = int(entry.get("attempt") or 0)
-        return g
 
     def close_open(self, entry: dict, reason: str = "the trainer restarted") -> None:
         """Finish an earlier life's trajectories that the proxy may still hold open, marked dropped (best effort)."""

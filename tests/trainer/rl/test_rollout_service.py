@@ -54,8 +54,8 @@ def _service(stack, log_name: str) -> subprocess.Popen:
     url, _, store, root = stack
     log = open(root / log_name, "ab")
     return subprocess.Popen([sys.executable, "-m", "syncd.trainer.rl.rollout_service", "--store", store,
-                             "--run-id", RUN, "--proxy", url, "--service-id", "svc", "--task", "repeat", "--task-length", "24",
-                             "--group-size", "2", "--workers", "2", "--max-backlog", str(BACKLOG),
+                             "--run-id", RUN, "--proxy", url, "--service-id", "svc", "--task", "repeat",
+                             "--task-length", "24", "--group-size", "2", "--workers", "2", "--max-backlog", str(BACKLOG),
                              "--poll-interval-s", "0.2", "--vocab-size", "320"],
                             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
 
@@ -66,10 +66,9 @@ def _claims_in_flight(q: GroupQueue) -> set:
 
 
 def test_killed_mid_dispatch_no_attempt_is_sent_twice_none_is_lost_and_the_backlog_holds(stack):
-    from syncd.trainer.rl.rollout_workers import RolloutWorkers, Sampling
-    from syncd.trainer.rl.tasks import get_task
+    from syncd.trainer.rl.group_reader import GroupReader
 
-    url, model, store, root = stack
+    store = stack[2]
     q = GroupQueue(store, RUN)
     svc = _service(stack, "service-1.log")
     try:
@@ -131,10 +130,7 @@ def test_killed_mid_dispatch_no_attempt_is_sent_twice_none_is_lost_and_the_backl
     assert lives and all(len(v) == 1 for v in lives.values()), {k: v for k, v in lives.items() if len(v) > 1}
     assert len({life for v in lives.values() for life in v}) == 2  # both lives sent requests
     # the trainer rebuilds every group it read from the records (per-token versions checked)
-    task = get_task("repeat", length=24)
-    w = RolloutWorkers(proxies=[url], model_name=model, task=task, reward=task.reward, group_size=2,
-                       sampling=Sampling(), store=store, run_id=RUN, buffer=None, version=lambda: 0,
-                       step=lambda: 0, workers=1, vocab_size=320)
+    reader = GroupReader(store, RUN, vocab_size=320)
     for d in docs:
-        g = w.reread(d)
+        g = reader.reread(d)
         assert g.item.index == d["item"]["index"] and g.tokens == 2 * 24
