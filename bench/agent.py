@@ -1,19 +1,25 @@
 """The agent harness, measured: a learning run on a multi-turn tool task, cheating detection over injected attempts
 and clean trajectories, and the verifier QA of the shipped task suite with planted bad verifiers.
 
-    python -m bench.agent --json agent.json                  # 120 steps of lookup, QA of 8 + 8 tasks
+    python -m bench.agent --json agent.json                  # 160 steps of lookup, QA of 8 + 8 tasks
     python -m bench.agent --steps 40 --qa-count 2 --json a.json
+    python -m bench.agent --sections learning --seed 2       # the learning run alone
 
 **Learning** (``learning``): the serving side of ``syncd.app.rl_stack`` (a tiny random-init Qwen2 under the Dynamo
 frontend with two reference-engine workers recording replay records, the sandbox proxy, the node daemon), its chat
 template replaced by the compact one (``syncd.trainer.agent.warmup.COMPACT_TEMPLATE``; no warm-up, no
-demonstration: the weights are the random init), and ``syncd train --task lookup`` (``syncd.trainer.rl.agent_tasks``:
-turn 1 a query, passed to the ``lookup`` tool, which reads the answer -- a letter of ``abcd`` -- from the
-trajectory's sandbox; turn 2 the answer, ``--task-length`` tokens; reward: the share of them equal to the letter,
-through the record-based reward stack with cheating detection on). ``reward_before`` is the mean reward of the
-first 5 steps, ``reward_after`` of the last 10 (goal: a rise of at least 0.3). A policy that ignores the tool's
-output scores 0.25 at best; ``tool_withheld`` evaluates the final policy with the tool answering a wrong letter
-(the share of answers equal to the true one), next to ``tool_given`` (the tool as trained).
+demonstration: the weights are the random init), and ``syncd train --task lookup:targets=balanced``
+(``syncd.trainer.rl.agent_tasks``: turn 1 a query, passed to the ``lookup`` tool, which reads the answer -- a
+letter of ``abcd`` -- from the trajectory's sandbox; turn 2 the answer, ``--task-length`` tokens; reward: the share
+of them equal to the letter, through the record-based reward stack with cheating detection on). ``--targets
+balanced`` (the default) makes every 4 consecutive items a permutation of ``abcd`` (a step's 4 groups hold each
+letter once, up to the groups the buffer drops as stale), so that the step's gradient has no net pull towards one
+letter and what is left is reading the tool; ``--targets random`` draws each item's letter independently (the
+setting before: ``--seed 2`` then rose only 0.19 in 160 steps). ``reward_before`` is the mean reward of the first 5
+steps, ``reward_after`` of the last 10 (goal: a rise of at least 0.3). A policy that ignores the tool's output
+scores 0.25 at best (exactly that with balanced letters); ``tool_withheld`` evaluates the final policy with the
+tool answering a wrong letter (the share of answers equal to the true one), next to ``tool_given`` (the tool as
+trained), on items of the same task (``--eval-groups`` of them).
 
 **Cheating** (``cheating``): trajectories whose first tool call is an injected attempt (the QA's exploits and
 sandbox escapes: ``syncd.trainer.rl.agent_tasks.ScriptedLookup``) run through the same proxy and engines;
@@ -31,6 +37,9 @@ supervised warm-up on synthetic demonstrations, ``--compaction-warmup-steps``), 
 answered after the model's own summary, an empty summary and plain truncation, the same requests in each arm:
 ``success_summary``, ``success_empty_summary``, ``success_truncation`` (goal: the summary arm above both ablations
 by at least 0.3, ``margin``), ``success_full_context`` (uncompacted) and ``prefix_consistent_frac`` (goal 1.0).
+
+``--sections`` runs a subset of the four (e.g. ``learning``: the JSON then holds only those members; cheating
+without learning has no clean trajectories to check).
 """
 
 from __future__ import annotations
@@ -132,8 +141,9 @@ def learning(stack, workdir: Path, args) -> dict:
     from syncd.trainer.rl.tasks import get_task
 
     out = workdir / "out"
+    spec = "lookup" if args.targets == "random" else f"lookup:targets={args.targets}"
     flags = ["--out", str(out), "--steps", str(args.steps), "--nproc", "1", "--groups-per-step",
-             str(args.groups_per_step), "--group-size", str(args.group_size), "--task", "lookup",
+             str(args.groups_per_step), "--group-size", str(args.group_size), "--task", spec,
              "--task-length", str(args.task_length), "--seed", str(args.seed), "--lr", str(args.lr),
              "--max-lag", "2", "--no-plot"]
     t0 = Stopwatch()
@@ -145,7 +155,7 @@ def learning(stack, workdir: Path, args) -> dict:
     steps = [ln["reward_mean"] for ln in lines if ln["kind"] == "step"]
     version = max(ln["version"] for ln in lines if ln["kind"] == "publish")
     stack.wait_engines_at(version, timeout_s=300)
-    task = get_task("lookup", length=args.task_length)
+    task = get_task(spec, length=args.task_length)
     evals = {}
     for name, withheld in (("tool_given", False), ("tool_withheld", True)):
         groups = _groups(stack, _Withheld(task, withheld), 8, args.eval_groups)
@@ -224,25 +234,45 @@ def compaction_figures(r: dict) -> dict:
 def run(args) -> dict:
     sw = Stopwatch()
     out = {"bench": "agent", "config": {k: v for k, v in vars(args).items() if k not in ("json", "plot")}}
-    out["qa"] = qa(args)
-    with tempfile.TemporaryDirectory(prefix="bench-agent-") as tmp:
-        stack = _stack(Path(tmp) / "stack", args)
-        try:
-            out["learning"] = learning(stack, Path(tmp), args)
-            out["cheating"] = cheating(stack, args)
-        finally:
-            stack.close()
-    out["compaction"] = compaction(args)
+    sections = set(args.sections)
+    if "qa" in sections:
+        out["qa"] = qa(args)
+    if sections & {"learning", "cheating"}:
+        with tempfile.TemporaryDirectory(prefix="bench-agent-") as tmp:
+            stack = _stack(Path(tmp) / "stack", args)
+            try:
+                if "learning" in sections:
+                    out["learning"] = learning(stack, Path(tmp), args)
+                if "cheating" in sections:
+                    out["cheating"] = cheating(stack, args)
+            finally:
+                stack.close()
+    if "compaction" in sections:
+        out["compaction"] = compaction(args)
     out.update(wall_s=sw.elapsed, python=sys.version.split()[0], machine=platform.machine())
     return out
 
 
+SECTIONS = ("learning", "cheating", "qa", "compaction")
+
+
+def _sections(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in names if x not in SECTIONS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"sections are a comma-separated subset of {','.join(SECTIONS)}, got {text!r}")
+    return [x for x in SECTIONS if x in names]
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.agent", description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=120, help="trainer steps of the learning run")
+    p.add_argument("--steps", type=int, default=160, help="trainer steps of the learning run")
     p.add_argument("--groups-per-step", type=int, default=4)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--task-length", type=int, default=4, help="answer tokens of the lookup task")
+    p.add_argument("--targets", choices=("balanced", "random"), default="balanced",
+                   help="the lookup task's letters: balanced (each letter once in every 4 consecutive items) or "
+                        "independent draws (syncd.trainer.rl.agent_tasks)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--engines", type=int, default=2)
     p.add_argument("--seed", type=int, default=1)
@@ -253,22 +283,36 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--compaction-requests", type=int, default=32, help="requests per arm of the compaction recall")
     p.add_argument("--compaction-warmup-steps", type=int, default=200,
                    help="supervised warm-up steps teaching the compaction policy to summarise")
+    p.add_argument("--sections", type=_sections, default=list(SECTIONS), metavar="NAMES",
+                   help="comma-separated sections to run (default all: learning,cheating,qa,compaction); cheating "
+                        "without learning has no clean trajectories to check")
     output_flags(p, "agent")
     return p
 
 
 def rows(out: dict) -> list[Row]:
-    lr, ch, q, c = out["learning"], out["cheating"], out["qa"], out["compaction"]
-    return [Row("lookup: reward after", None, None, f"before {lr['reward_before']:.3f}",
-                f"{lr['steps']} steps, after {lr['reward_after']:.3f}", refcheck=lr["rise"] >= 0.3),
-            Row("cheating zeroed", None, None, "", f"{ch['attempts']} attempts: {ch['zeroed_frac']:.2f}",
-                refcheck=ch["zeroed_frac"] == 1.0 and ch["false_zero_frac"] == 0.0),
-            Row("qa", None, None, "", f"FP {q['false_positive_rate']:.2f} FN {q['false_negative_rate']:.2f}",
-                refcheck=all(q["planted_caught"].values()) and not q["quarantined"]),
-            Row("compaction recall", None, None,
-                f"ablations {max(c['success_empty_summary'], c['success_truncation']):.2f}",
-                f"{c['requests']} req: summary {c['success_summary']:.2f}",
-                refcheck=c["margin"] >= 0.3 and c["prefix_consistent_frac"] == 1.0)]
+    out_rows = []
+    if "learning" in out:
+        lr = out["learning"]
+        out_rows.append(Row("lookup: reward after", None, None, f"before {lr['reward_before']:.3f}",
+                            f"{lr['steps']} steps, after {lr['reward_after']:.3f}", refcheck=lr["rise"] >= 0.3))
+    if "cheating" in out:
+        ch = out["cheating"]
+        out_rows.append(Row("cheating zeroed", None, None, "", f"{ch['attempts']} attempts: {ch['zeroed_frac']:.2f}",
+                            refcheck=ch["zeroed_frac"] == 1.0 and (ch["false_zero_frac"] == 0.0 or (
+                                "learning" not in out and ch["false_zero_frac"] is None))))
+    if "qa" in out:
+        q = out["qa"]
+        out_rows.append(Row("qa", None, None, "",
+                            f"FP {q['false_positive_rate']:.2f} FN {q['false_negative_rate']:.2f}",
+                            refcheck=all(q["planted_caught"].values()) and not q["quarantined"]))
+    if "compaction" in out:
+        c = out["compaction"]
+        out_rows.append(Row("compaction recall", None, None,
+                            f"ablations {max(c['success_empty_summary'], c['success_truncation']):.2f}",
+                            f"{c['requests']} req: summary {c['success_summary']:.2f}",
+                            refcheck=c["margin"] >= 0.3 and c["prefix_consistent_frac"] == 1.0))
+    return out_rows
 
 
 def plot(out: dict, path: Path) -> None:
@@ -288,19 +332,26 @@ def plot(out: dict, path: Path) -> None:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     out = run(args)
-    lr, ch, q = out["learning"], out["cheating"], out["qa"]
-    print(f"learning (lookup, {lr['steps']} steps): reward {lr['reward_before']:.3f} -> {lr['reward_after']:.3f} "
-          f"(rise {lr['rise']:+.3f}); final policy: tool given {lr['tool_given']:.3f}, withheld "
-          f"{lr['tool_withheld']:.3f}")
-    print(f"cheating: {ch['attempts']} injected attempts, zeroed {ch['zeroed_frac']:.2f}; {ch['clean_trajectories']} "
-          f"clean trajectories, falsely zeroed {ch['false_zero_frac']:.3f}")
-    c = out["compaction"]
-    print(f"compaction (chat, {c['requests']} requests): success summary {c['success_summary']:.2f}, empty summary "
-          f"{c['success_empty_summary']:.2f}, truncation {c['success_truncation']:.2f} (margin {c['margin']:+.2f}); "
-          f"prefix-consistent {c['prefix_consistent_frac']:.3f}")
-    print(f"qa: {q['tasks']} tasks, quarantined {len(q['quarantined'])}, FP {q['false_positive_rate']:.3f}, FN "
-          f"{q['false_negative_rate']:.3f}; planted caught {q['planted_caught']}")
-    return finish("agent", args, out, rows(out), lambda path: plot(out, path))
+    if "learning" in out:
+        lr = out["learning"]
+        print(f"learning (lookup, {lr['steps']} steps, {lr['wall_s']:.0f} s): reward {lr['reward_before']:.3f} -> "
+              f"{lr['reward_after']:.3f} (rise {lr['rise']:+.3f}); final policy: tool given {lr['tool_given']:.3f}, "
+              f"withheld {lr['tool_withheld']:.3f}")
+    if "cheating" in out:
+        ch = out["cheating"]
+        false_zero = "-" if ch["false_zero_frac"] is None else f"{ch['false_zero_frac']:.3f}"
+        print(f"cheating: {ch['attempts']} injected attempts, zeroed {ch['zeroed_frac']:.2f}; "
+              f"{ch['clean_trajectories']} clean trajectories, falsely zeroed {false_zero}")
+    if "compaction" in out:
+        c = out["compaction"]
+        print(f"compaction (chat, {c['requests']} requests): success summary {c['success_summary']:.2f}, empty "
+              f"summary {c['success_empty_summary']:.2f}, truncation {c['success_truncation']:.2f} (margin "
+              f"{c['margin']:+.2f}); prefix-consistent {c['prefix_consistent_frac']:.3f}")
+    if "qa" in out:
+        q = out["qa"]
+        print(f"qa: {q['tasks']} tasks, quarantined {len(q['quarantined'])}, FP {q['false_positive_rate']:.3f}, FN "
+              f"{q['false_negative_rate']:.3f}; planted caught {q['planted_caught']}")
+    return finish("agent", args, out, rows(out), (lambda path: plot(out, path)) if "learning" in out else None)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,12 @@ the length penalty and the latency phase).
 * ``lookup`` (the task a tiny model learns on two cores): the answer is a letter of ``abcd`` that only the
   sandbox's ``secret.txt`` holds; turn 1 is the query, passed to the ``lookup`` tool, turn 2 the answer
   (``length`` tokens). Reward: the share of the answer's ``length`` characters equal to the letter (a policy that
-  does not read the tool's output scores at most 0.25 on average).
+  does not read the tool's output scores at most 0.25 on average). ``lookup:targets=balanced``: the letters of
+  items ``4k .. 4k+3`` are a permutation of ``abcd`` (drawn from the seed and ``k``) instead of independent
+  draws -- stratified targets: each letter is the answer equally often in every block of consecutive items (a
+  step's groups), so the part of the step's gradient that favours one letter whatever the tool says cancels and
+  what is left is the reading of the tool's output. Nothing of it is visible to the policy (the prompt and the
+  sandbox are those of a random item), and a policy that ignores the tool still scores exactly 0.25 at best.
 * ``bugfix``, ``detect`` (``syncd.trainer.agent.repos``): tools ``bash``, ``read_file``, ``write_file``; up to
   ``turns`` turns (default 8). ``bugfix`` scores 1 when the hidden tests pass on the final state (else 0);
   ``detect`` scores the final report with :class:`syncd.trainer.rewards.SWECheckReward` (its length penalty and
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import random
 
 from syncd.trainer.rl.tasks import Task, TaskItem
 
@@ -84,9 +90,26 @@ class AgentTask(Task):
 class LookupTask(AgentTask):
     name = "lookup"
     default_turns = 2
+    target_modes = ("random", "balanced")
 
-    def __init__(self, length: int = 4, turns=None, **options):
+    def __init__(self, length: int = 4, turns=None, targets: str = "random", **options):
         super().__init__(length, turns, **options)
+        if targets not in self.target_modes:
+            raise ValueError(f"lookup targets must be one of {', '.join(self.target_modes)}, got {targets!r}")
+        self.targets = targets
+
+    def item(self, index: int, seed: int = 0) -> TaskItem:
+        """Item ``index``; with ``targets="balanced"`` its letter is place ``index % 4`` of block ``index // 4``'s
+        permutation of the alphabet (module docstring)."""
+        if self.targets == "random":
+            return super().item(index, seed)
+        n = len(LOOKUP_ALPHABET)
+        letters = list(LOOKUP_ALPHABET)
+        random.Random(f"{self.name}:{seed}:block:{index // n}").shuffle(letters)
+        return TaskItem(index, "q", letters[index % n], {"kind": "lookup"})
+
+    def describe(self) -> dict:
+        return {**super().describe(), "targets": self.targets}
 
     @property
     def max_tokens(self) -> int:
