@@ -2,7 +2,7 @@
 failures. Each figure next to its baseline, measured in the same process, medians of interleaved rounds.
 
     python -m bench.trainer_ft [--stall-params 25e6] [--rebuild-params 100e6] [--goodput-steps 40 --fail-every 10]
-                               [--sections stall,rebuild,goodput] [--json ft.json] [--plot ft.png]
+                               [--sections stall,rebuild,goodput,outage] [--json ft.json] [--plot ft.png]
 
 * **stall**: a real AdamW training step of an MLP, three ways in interleaved rounds: no checkpoint, the per-step
   asynchronous :class:`syncd.trainer.ft.checkpoint.Checkpointer` (stall = the time the training thread spends in
@@ -20,6 +20,9 @@ failures. Each figure next to its baseline, measured in the same process, median
   rollouts, ``bench.ft_data``) killed with SIGKILL every ``--fail-every`` steps and resumed, against a
   failure-free run of the same steps: steps lost per failure (trained before the kill, minus the resume step)
   and goodput (steps per wall second, process starts included); ``--busy`` is the trainer's ``--checkpoint-busy``.
+* **outage** (not in the default sections: it starts the RL stack): the trainer killed with SIGKILL mid-run while
+  ``syncd rollouts`` keeps generating, restored after ``--outage-s`` (:mod:`bench.trainer_outage`): generation
+  tokens/s before and during the outage, restart to the first step, prompts lost and duplicated.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from pathlib import Path
 from bench._plot import pyplot, save
 from bench._report import Row, finish, output_flags
 from bench.ft_goodput import bench_goodput
+from bench.trainer_outage import bench_outage
 from bench._timing import clock, median, paired_rounds
 
 __all__ = ["main"]
@@ -221,7 +225,7 @@ def _projection(peer_rate: float, store_rate: float) -> dict:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.trainer_ft", description=__doc__.split("\n\n")[0])
     a = p.add_argument
-    a("--sections", default="stall,rebuild,goodput", help="comma-separated: stall, rebuild, goodput")
+    a("--sections", default="stall,rebuild,goodput", help="comma-separated: stall, rebuild, goodput, outage")
     a("--stall-params", type=float, default=25e6, help="parameters of the stall benchmark's model")
     a("--rebuild-params", type=float, default=100e6, help="parameters of the rebuilt rank's model (AdamW state too)")
     a("--width", type=int, default=2048, help="hidden width of the MLPs")
@@ -234,6 +238,9 @@ def parser() -> argparse.ArgumentParser:
     a("--busy", choices=("wait", "skip"), default="wait",
       help="the trainer's --checkpoint-busy in the goodput runs (wait, its default: every step checkpointed; "
            "skip: no stall)")
+    a("--outage-steps", type=int, default=16, help="steps of the outage run (killed at half)")
+    a("--outage-s", type=float, default=15.0, help="seconds the trainer stays away (outage)")
+    a("--outage-backlog", type=int, default=64, help="the rollout service's --max-backlog (outage)")
     a("--workdir", default=None, help="keep the files here (default: a temporary folder)")
     output_flags(p, "trainer_ft")
     return p
@@ -256,16 +263,21 @@ def rows(out: dict) -> list[Row]:
         g = out["goodput"]
         table.append(Row(f"kill -9 every {g['fail_every']} steps", 1 / g["goodput_failing"], g["goodput_ratio"],
                          "failure-free run", f"{g['steps']} steps"))
+    if "outage" in out:
+        o = out["outage"]
+        table.append(Row("generation during a trainer outage", None, o["during_over_before"],
+                         "before the outage (tokens/s)", f"{o['outage_s']:.0f} s away",
+                         refcheck=o["prompts_lost"] == 0 and o["prompts_duplicated"] == 0))
     return table
 
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     sections = [s for s in args.sections.split(",") if s]
-    bad = [s for s in sections if s not in ("stall", "rebuild", "goodput")]
+    bad = [s for s in sections if s not in ("stall", "rebuild", "goodput", "outage")]
     if bad or not sections:
-        print(f"bench.trainer_ft: --sections: unknown {', '.join(bad) or '(none)'}; use stall, rebuild, goodput",
-              file=sys.stderr)
+        print(f"bench.trainer_ft: --sections: unknown {', '.join(bad) or '(none)'}; use stall, rebuild, goodput, "
+              "outage", file=sys.stderr)
         return 2
     if args.fail_every < 1 or args.goodput_steps <= args.fail_every:
         print("bench.trainer_ft: --fail-every must be >= 1 and below --goodput-steps", file=sys.stderr)
@@ -275,7 +287,8 @@ def main(argv=None) -> int:
     out = {"bench": "trainer_ft", "host": platform.node(), "cpus": os.cpu_count(),
            "config": {k: v for k, v in vars(args).items() if k not in ("json", "plot", "workdir")}}
     try:
-        for name, fn in (("stall", bench_stall), ("rebuild", bench_rebuild), ("goodput", bench_goodput)):
+        for name, fn in (("stall", bench_stall), ("rebuild", bench_rebuild), ("goodput", bench_goodput),
+                         ("outage", bench_outage)):
             if name in sections:
                 (work / name).mkdir(parents=True, exist_ok=True)
                 out[name] = fn(args, work / name)
@@ -321,6 +334,15 @@ def _report(out: dict) -> None:
             print(f"  failure-free run: {g['plain_checkpoints_saved']} checkpoints per rank, "
                   f"{g['plain_checkpoints_skipped']} skipped; checkpoint stall {g['plain_checkpoint_stall_s']:.2f} s = "
                   f"{g['plain_checkpoint_stall_s'] / g['plain_wall_s']:.1%} of its wall time (process start included)")
+    if "outage" in out:
+        o = out["outage"]
+        print(f"outage ({o['steps']} steps, the trainer killed after step {o['killed_after_step']} and away "
+              f"{o['outage_s']:.0f} s, the service's backlog {o['backlog']} groups): generation "
+              f"{o['gen_tokens_per_s_during']:.1f} tokens/s during against {o['gen_tokens_per_s_before']:.1f} before "
+              f"({o['during_over_before']:.2f}x; goal >= 0.8); restart to first step "
+              f"{o['restart_to_first_step_s']:.1f} s; prompts lost {o['prompts_lost']}, duplicated "
+              f"{o['prompts_duplicated']}; {o['groups_written']} groups written, {o['groups_trained']} trained, "
+              f"{o['groups_sent_back']} sent back (stale after the outage, or refused)")
 
 
 def plot(out: dict, path: Path) -> None:

@@ -35,3 +35,16 @@ def test_trainer_ft_benchmark_tiny(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert trainer_ft.main(["--sections", "later"]) == 2
     assert trainer_ft.main(["--fail-every", "50", "--goodput-steps", "40"]) == 2
+
+
+def test_the_outage_section_measures_generation_through_a_trainer_kill(tmp_path, capsys):
+    """The outage section with a short run: the figures the issue names, computed from the run's own records."""
+    out = tmp_path / "outage.json"
+    assert trainer_ft.main(["--sections", "outage", "--outage-steps", "6", "--outage-s", "8", "--outage-backlog", "16",
+                            "--json", str(out)]) == 0
+    assert "generation" in capsys.readouterr().out
+    o = json.loads(out.read_text())["outage"]
+    assert o["prompts_lost"] == 0 and o["prompts_duplicated"] == 0  # checked: a skipped or twice-trained prompt
+    assert o["gen_tokens_per_s_before"] > 0 and o["gen_tokens_per_s_during"] > 0  # the service worked while away
+    assert 0 < o["restart_to_first_step_s"] < 600 and o["groups_trained"] == 6 * 2
+    assert o["task_mix_p_value"] is None  # one task: the mix test is the buffer policy's

@@ -1,0 +1,127 @@
+"""A trainer outage with the rollout pipeline warm (``python -m bench.trainer_ft --sections outage``): the RL stack
+(``syncd.app.rl_stack``: reference engines under the Dynamo frontend, the sandbox proxy, the node daemon), ``syncd
+rollouts`` as its own process and ``syncd train --external-rollouts --checkpoint-dir``. The trainer runs, is killed
+with SIGKILL, stays away ``--outage-s`` seconds, and is started again with ``--resume`` to the end of the run.
+
+Figures (``outage.*``), every one from the run's own records:
+
+* ``gen_tokens_per_s_before`` / ``gen_tokens_per_s_during``: tokens of the groups the service wrote to the queue
+  (each group's ``tokens``, at its ``finished_at``) per second, from the trainer's first step to the kill (the
+  service is started once the trainer's heartbeat is there, so this is the steady state) and over the outage (goal: during >= 0.8 x before -- the engines do not idle while the trainer is down;
+  before is paced by the trainer's lookahead, during by ``--outage-backlog``);
+* ``restart_to_first_step_s``: from starting the restored trainer to its first committed step (its metrics line);
+* ``prompts_duplicated``: prompts trained more than once; ``prompts_lost``: prompts below the highest one the service
+  claimed that it never claimed (a skipped prompt), plus trained groups not in the queue as an attempt the trainer
+  kept (goal 0 and 0);
+* ``task_mix_p_value``: None here -- the run has one task; the chi-square test of the mix after an outage is the
+  buffer policy's test (``tests/trainer/rl/test_buffer_policy.py``, docs/trainer.md).
+
+What the outage costs: the service generates on the last published version while the trainer is away; the restored
+trainer can train at most ``(eta + 1) x groups per step`` of one version (the buffer policy's cap) before they are
+stale, and sends the rest back to be generated again (``groups_sent_back``): ``--max-backlog`` trades engine work
+during an outage against that waste.
+
+The model is the stack's tiny one, not 100M parameters: ``restart_to_first_step_s`` is the restart's process, load
+and queue path, not a 100M checkpoint's transfer (the ``rebuild`` section measures that from a peer).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from bench.ft_goodput import kill_process_tree
+
+__all__ = ["bench_outage"]
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _steps(out: Path) -> list[dict]:
+    lines = []
+    path = out / "metrics.jsonl"
+    for ln in (path.read_text().splitlines() if path.exists() else []):
+        try:
+            doc = json.loads(ln)
+        except ValueError:  # a killed trainer's torn last line
+            continue
+        if doc.get("kind") == "step":
+            lines.append(doc)
+    return lines
+
+
+def _rate(groups: list[dict], t0: float, t1: float) -> float:
+    return sum(g["tokens"] for g in groups if t0 <= g["finished_at"] < t1) / (t1 - t0)
+
+
+def bench_outage(args, work: Path) -> dict:
+    """One outage run (module docstring); the ``outage`` member of bench.trainer_ft's JSON."""
+    from syncd.app.rl_stack import RLStack, StackConfig
+    from syncd.procs import stop_process, wait_until
+    from syncd.trainer.rl.group_queue import GroupQueue
+
+    stack = RLStack(StackConfig(work / "stack", run_id="outage", engines=2, seed=1)).start()
+    flags = ("--task", "repeat", "--task-length", "8", "--group-size", "4")
+    out, ckpt = work / "out", work / "ckpt"
+    argv = [*stack.trainer_argv("--out", str(out), "--steps", str(args.outage_steps), "--groups-per-step", "2",
+                                "--max-lag", "2", "--no-plot", "--checkpoint-dir", str(ckpt), "--replicas", "0",
+                                "--rollout-timeout", "300", *flags, external_rollouts=True)]
+    logs = {name: open(work / f"{name}.log", "ab") for name in ("rollouts", "trainer-1", "trainer-2")}
+    q = GroupQueue(stack.store_url, stack.run_id)
+    trainer = svc = None
+    try:  # the trainer first: the service starts paced by its heartbeat, so "before" is the steady state
+        trainer = subprocess.Popen(argv, env=stack.env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                                   stderr=logs["trainer-1"], start_new_session=True)
+        wait_until(lambda: "lookahead" in q.consumer(), 300, "the trainer's heartbeat", interval_s=0.1,
+                   alive=lambda: trainer.poll() is not None and f"the trainer exited {trainer.returncode}")
+        svc = subprocess.Popen(stack.rollouts_argv(*flags, "--max-backlog", str(args.outage_backlog),
+                                                   "--trainer-timeout-s", "2", "--poll-interval-s", "0.1"),
+                               env=stack.env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=logs["rollouts"],
+                               start_new_session=True)
+        kill_at = args.outage_steps // 2
+        wait_until(lambda: len(_steps(out)) >= kill_at, 900, f"the trainer's step {kill_at}", interval_s=0.1,
+                   alive=lambda: trainer.poll() is not None and f"the trainer exited {trainer.returncode}")
+        kill_process_tree(trainer)
+        killed = time.time()
+        time.sleep(args.outage_s)
+        restarted = time.time()
+        trainer = subprocess.Popen([*argv, "--resume"], env=stack.env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                                   stderr=logs["trainer-2"], start_new_session=True)
+        if trainer.wait(1800) != 0:
+            raise RuntimeError(f"the restored trainer exited {trainer.returncode}: see {work / 'trainer-2.log'}")
+    finally:
+        if trainer is not None and trainer.poll() is None:
+            kill_process_tree(trainer)
+        if svc is not None:
+            stop_process(svc, 30, signal.SIGTERM)
+        for f in logs.values():
+            f.close()
+        stack.close()
+
+    items, _ = q.read_groups("rollouts-0", 0, limit=10 ** 6)
+    groups = [d for d in items if isinstance(d, dict)]
+    plans = [json.loads(ln) for ln in (out / "plans.jsonl").read_text().splitlines()]
+    trained = [g["item"]["index"] for p in plans for g in p["groups"]]
+    st = q.state("rollouts-0")
+    claimed = {i for i, _ in st.claims}
+    written = {(d["item"]["index"], tuple(map(tuple, d["trajectories"]))) for d in groups}
+    missing = sum((g["item"]["index"], tuple(map(tuple, g["trajectories"]))) not in written
+                  for p in plans for g in p["groups"])
+    steps = _steps(out)
+    first_step = min(s["t"] for s in steps if s["t"] >= restarted)  # the restored trainer's first line
+    started = min(s["t"] for s in steps)  # the steady state: from the first step to the kill
+    before_rate = _rate(groups, started, killed)
+    during_rate = _rate(groups, killed, restarted)
+    return {"steps": args.outage_steps, "killed_after_step": kill_at, "outage_s": restarted - killed,
+            "backlog": args.outage_backlog, "gen_tokens_per_s_before": before_rate,
+            "gen_tokens_per_s_during": during_rate,
+            "during_over_before": during_rate / before_rate if before_rate else None,
+            "restart_to_first_step_s": first_step - restarted,
+            "prompts_duplicated": len(trained) - len(set(trained)),
+            "prompts_lost": len(set(range(max(claimed, default=-1) + 1)) - claimed) + missing,
+            "task_mix_p_value": None, "groups_written": len(groups), "groups_trained": len(trained),
+            "groups_sent_back": sum(1 for k in st.failed if k in st.landed),
+            "params": "the stack's tiny model (hidden 64, 2 layers)"}
