@@ -144,3 +144,16 @@ def test_the_difficulty_filter_runs_on_the_agent_tasks():
         task.observe(items[1], [0.0] * 4)
     assert task.stats()["verdicts"] == {"too_easy": 1, "too_hard": 1, "kept": 2}
     assert all(task.item(i).meta["curation"]["task_id"] in (2, 3) for i in range(8))
+
+
+def test_balanced_lookup_letters_are_a_permutation_per_block_and_invisible_to_the_policy():
+    balanced, plain = get_task("lookup:targets=balanced", length=4), get_task("lookup", length=4)
+    for seed in (0, 1, 2):
+        items = [balanced.item(i, seed) for i in range(40)]
+        for k in range(10):  # every block of 4 consecutive items: each letter once
+            assert sorted(it.target for it in items[4 * k:4 * k + 4]) == list("abcd")
+        assert [(it.prompt, it.meta) for it in items] == [(plain.item(i, seed).prompt, plain.item(i, seed).meta)
+                                                          for i in range(40)]  # what the policy sees is unchanged
+    assert len({tuple(balanced.item(i, 0).target for i in range(4 * k, 4 * k + 4)) for k in range(10)}) > 1
+    with pytest.raises(ValueError, match="targets"):
+        get_task("lookup:targets=sorted")
