@@ -8,8 +8,9 @@ syncd.trainer.run --external-rollouts``, two data-parallel ranks) reads the queu
 records back from the store, takes a replay-corrected policy-gradient step and publishes a version every step; the
 daemon applies it to both engines in place while they keep generating. Progress shows the step, the reward, the
 staleness and each engine's version; the summary gives the reward before and after, versions published and
-applied, pauses, staleness and the trainer/engine mismatch, and is written as JSON with ``--json``. Exit status 0 only when no rollout was lost (every request
-answered, every record complete) and every engine ended bit-exact (whole fp32 words) on the trainer's last version.
+applied, pauses, staleness and the trainer/engine mismatch, and is written as JSON with ``--json``. Exit status 0
+only when no rollout was lost (every request answered, every record complete) and every engine ended bit-exact
+(whole fp32 words) on the trainer's last version.
 
 Files: everything goes into the work directory (``--dir``, or a temporary one that is removed at the end but for the
 pictures): the store, signed with an Ed25519 key pair made next to it (``signing.key``, ``signing.pub``; with
@@ -151,8 +152,8 @@ def run(args, work: Path, interrupts: Interrupts) -> dict:
                                   "--every-k", str(args.every_k), "--max-lag", str(args.max_lag), *task,
                                   "--lr", str(args.lr), "--delta-format", str(args.delta_format),
                                   external_rollouts=True)
-        say(f"engines serving version 0 after {time.time() - t0:.0f} s; starting the rollout service (syncd "
-            "rollouts, its own process) and the trainer")
+        say(f"engines serving version 0 after {time.time() - t0:.0f} s; starting the trainer and the rollout service "
+            "(syncd rollouts, its own process)")
         with open(stack.logs / "rollouts.log", "wb") as err:  # the rollout service: prompts, rewards, the queue
             trainer.append(subprocess.Popen(stack.rollouts_argv(*task), env=stack.env, cwd=ROOT,
                                             stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL,

@@ -108,4 +108,4 @@ def test_ctrl_c_once_while_the_trainer_runs(tmp_path):
     time.sleep(2.0)
     demo.ctrl_c()
     rc, err = demo.finish()
-    _check_stopped(demo, rc, err, at_least=5)  # worker, frontend, proxy, daemon, trainer
+    _check_stopped(demo, rc, err, at_least=6)  # worker, frontend, proxy, daemon, rollout service, trainer
