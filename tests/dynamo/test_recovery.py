@@ -97,10 +97,13 @@ def test_sigkilled_worker_is_restarted_rebuilt_and_routed_to_only_once_current(e
 
     if engine == "vllm" and os.environ.get("SYNCD_VLLM") == "off":
         pytest.skip("SYNCD_VLLM=off: the vllm extra is not installed on this machine")
-    # vLLM streams the tiny model at up to about 1900 tokens/s: its stream is longer, so that it outlasts the kill
+    # vLLM streams the tiny model at up to about 1900 tokens/s, faster than a starved client reads: on two busy cores
+    # the whole stream was made before the client's third event, and nothing migrated. Its model is deeper and
+    # wider (about 6M parameters, head_dim 64) and its stream longer, so that the stream outlasts the kill.
     n = 3000 if engine == "vllm" else 900
-    model_dir = write_model(tmp_path / "model", arch="qwen2", seed=5, **SIZES,
-                            **(dict(max_positions=4096) if engine == "vllm" else {}))
+    sizes = dict(SIZES, hidden=256, heads=4, intermediate=1024, layers=6, max_positions=4096) if engine == "vllm" \
+        else SIZES
+    model_dir = write_model(tmp_path / "model", arch="qwen2", seed=5, **sizes)
     trainer = Trainer(model_dir, Store(tmp_path / "store"))
     for _ in range(2):
         trainer.step()  # versions 0 (full), 1, 2
