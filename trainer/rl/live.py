@@ -95,10 +95,11 @@ class LiveSide:
         from syncd.versions import has_versions, latest_version
         from syncd.trainer.rl import episodes
         from syncd.trainer.rl.group_queue import GroupQueue
+        from syncd.trainer.rl.group_reader import GroupReader
         from syncd.trainer.rl.kept_resolver import KeptResolver
         from syncd.trainer.rl.queue_feed import QueueFeed
         from syncd.trainer.rl.rollout_service import RolloutService, ServiceConfig
-        from syncd.trainer.rl.rollout_workers import GroupReader, ProxyError, proxy_models
+        from syncd.trainer.rl.rollout_workers import ProxyError, proxy_models
         from syncd.trainer.rl.tasks import get_task, load_reward
 
         try:
