@@ -65,7 +65,7 @@ def _check_attempt(index, attempt) -> None:
 
 @dataclass
 class QueueState:
-    """What a service's part of the queue holds (:meth:`GroupQueue.state`): ``claims`` ``{(index, attempt): claim}``,
+    """What a service's part of the queue holds (:meth:`GroupQueue.state`): ``claims`` ``{(index, attempt): key}``,
     ``landed`` ``{(index, attempt): seq}``, ``failed`` ``{(index, attempt): reason}``, ``next_seq`` (the next group's
     number), ``skipped`` (objects whose names or contents did not check, by key)."""
 
@@ -174,20 +174,15 @@ class GroupQueue:
         return (int(m.group(1)), int(m.group(2))) if m else None
 
     def state(self, service: str, *, accept=None) -> QueueState:
-        """Every claim, landed group of ``service`` and failure, from listings (claims are read: they hold the
-        trajectories to close); ``accept(index)``: only prompts of this service's share."""
+        """Every claim, landed group of ``service`` and failure, from listings alone (``claims`` maps an attempt to
+        its key: :meth:`read_claim` reads the few a caller needs); ``accept(index)``: only prompts of this service's
+        share."""
         st = QueueState()
         accept = accept or (lambda index: True)
         for info in self.store.list(self.prefix + "attempts/"):
             got = self._name(info.key, "attempts/", _ATTEMPT_NAME, st)
             if got is not None and accept(got[0]):
-                try:
-                    doc = self._load(info.key)
-                    if (doc.get("index"), doc.get("attempt")) != got or not isinstance(doc.get("trajectories"), list):
-                        raise QueueError(f"{info.key}: names another attempt or has no trajectories")
-                    st.claims[got] = doc
-                except (QueueError, ObjectNotFound) as exc:
-                    st.skipped[info.key] = str(exc)
+                st.claims[got] = info.key
         for info in self.store.list(self.prefix + "failed/"):
             got = self._name(info.key, "failed/", _ATTEMPT_NAME, st)
             if got is not None and accept(got[0]):
@@ -202,6 +197,15 @@ class GroupQueue:
             st.landed[(int(m.group(3)), int(m.group(4)))] = seq
             st.next_seq = max(st.next_seq, seq + 1)
         return st
+
+    def read_claim(self, index: int, attempt: int) -> dict:
+        """The claim of an attempt (its trajectories, proxy, service, life); :class:`QueueError` when it is not one,
+        :class:`syncd.errors.ObjectNotFound` when there is none."""
+        key = self.attempt_key(index, attempt)
+        doc = self._load(key)
+        if (doc.get("index"), doc.get("attempt")) != (index, attempt) or not isinstance(doc.get("trajectories"), list):
+            raise QueueError(f"{key}: names another attempt or has no trajectories")
+        return doc
 
     def _page(self, service: str, page: int) -> dict[int, str]:
         base = f"{self.prefix}groups/{check_service(service)}/{page:09d}/"

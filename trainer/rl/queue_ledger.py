@@ -11,8 +11,8 @@ import logging
 import threading
 from collections import deque
 
-from syncd.errors import ObjectExists, StoreError
-from syncd.trainer.rl.group_queue import MAX_ATTEMPT, GroupQueue, check_service
+from syncd.errors import ObjectExists, ObjectNotFound, StoreError
+from syncd.trainer.rl.group_queue import MAX_ATTEMPT, GroupQueue, QueueError, check_service
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,10 @@ class QueueSink:
                 orphans.append((i, a))
         for i, a in orphans:
             self.q.fail(i, a, "orphaned: the rollout service restarted while it was in flight", by="service")
-            close_open(st.claims[(i, a)])
+            try:
+                close_open(self.q.read_claim(i, a))
+            except (QueueError, ObjectNotFound) as exc:  # its trajectories cannot be closed; the prompt still goes out
+                log.warning("orphaned attempt %d of prompt %d: %s", a, i, exc)
             self._again(i, a)
         self._seen_failed = set(st.failed) | set(orphans)
         top = max(self._latest, default=-1)

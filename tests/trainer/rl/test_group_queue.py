@@ -127,6 +127,11 @@ def test_hostile_names_and_contents_are_skipped_by_recovery(queue):
     queue.store.put(queue.attempt_key(7, 0), b"[1, 2]")  # not an object
     queue.store.put(queue.prefix + "consumer.json", b'{"read": {"svc": -1}}')
     st = queue.state("svc")
-    assert set(st.claims) == {(0, 0)} and len(st.skipped) == 2
+    assert set(st.claims) == {(0, 0), (7, 0)} and list(st.skipped) == [queue.prefix + "attempts/junk.json"]
+    with pytest.raises(QueueError, match="not a JSON object"):
+        queue.read_claim(7, 0)
+    closed = []
+    found = _sink(queue).recover(closed.append)  # the unreadable orphan is failed and sent again, not closed
+    assert found["orphaned"] == 2 and [c["index"] for c in closed] == [0]
     with pytest.raises(QueueError, match="consumer.json"):
         queue.consumer()
