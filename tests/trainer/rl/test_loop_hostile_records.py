@@ -101,9 +101,9 @@ def test_a_checkpoint_holding_a_poisoned_group_resumes_without_it(tmp_path, mode
     (NonFiniteError), dropped and its prompt regenerated -- where every --resume used to put it back and die again."""
     import time
 
-    from syncd.trainer.rl.buffer import RolloutBuffer
+    from syncd.trainer.rl.group_reader import GroupReader
     from syncd.trainer.rl.rl_state import PromptLedger, restore_groups
-    from syncd.trainer.rl.rollout_workers import RolloutWorkers, Sampling, complete
+    from syncd.trainer.rl.rollout_workers import complete
     from syncd.trainer.rl.tasks import get_task
 
     store = (tmp_path / "store").as_uri()
@@ -115,9 +115,7 @@ def test_a_checkpoint_holding_a_poisoned_group_resumes_without_it(tmp_path, mode
         for j, tid in enumerate(("old-s0", "old-s1")):
             complete(stand.url, {"model": "tiny", "prompt": item.prompt, "max_tokens": 4, "seed": j}, tid)
             stand._finish(tid, {"reward": 0.5})
-        workers = RolloutWorkers(proxies=[stand.url], model_name="tiny", task=task, reward=task.reward, group_size=2,
-                                 sampling=Sampling(), store=store, run_id="rl", buffer=RolloutBuffer(2),
-                                 version=lambda: 0, step=lambda: 1, vocab_size=320, record_timeout_s=5)
+        reader = GroupReader(store, "rl", vocab_size=320, record_timeout_s=5)  # what the trainer reads back with
         ledger = PromptLedger()
         index, _ = ledger.next_prompt()
         ledger.started(index, {})
@@ -127,7 +125,7 @@ def test_a_checkpoint_holding_a_poisoned_group_resumes_without_it(tmp_path, mode
                "tokens": 8, "requested_version": 0, "requested_at": time.time(), "finished_at": time.time(),
                "token_versions": None, "attempt": 0}
         got, groups, report = restore_groups({"ledger": ledger.snapshot(), "groups": [doc]}, version=1, max_lag=2,
-                                             newest_published=1, reread=workers.reread, recover=workers.recover)
+                                             newest_published=1, reread=reader.reread, recover=lambda i, e: None)
     finally:
         stand.close()
     assert report.dropped_mismatch == [0] and not groups and list(got.retry) == [0], report
