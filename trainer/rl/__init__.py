@@ -5,9 +5,12 @@ Modules, one concept each. ``config`` (:class:`LoopConfig`, a run's settings, an
 step: ``loop`` (:func:`train`, the step loop written once over a data-parallel
 object), ``plans`` (where a step's plan comes from), ``objective`` (the loss), ``correction`` (importance
 correction), ``logprobs`` (the trainer's log-probabilities, with kept-set and routing replay: ``kept``, ``replay``),
-``batch`` (collation). The live side: ``live`` (:class:`LiveSide`: publishing, rollout workers, buffer, plans,
-metrics), ``tasks`` (prompts and rewards), ``curation`` (the difficulty filter), ``rollout_workers`` (generation
-through the sandbox proxies), ``rollouts`` (reading rollouts back from the store), ``compaction`` (training samples
+``batch`` (collation). The live side: ``live`` (:class:`LiveSide`: publishing, the rollout queue's feed, buffer,
+plans, metrics), ``tasks`` (prompts and rewards), ``curation`` (the difficulty filter). Rollouts:
+``rollout_service`` (``syncd rollouts``: prompt dispatch into the run's queue), ``group_queue`` (the queue in the
+store), ``queue_ledger`` (the service's prompt ledger in it), ``queue_feed`` (the trainer's side: groups into the
+buffer, returns to the service), ``rollout_workers`` (generation through the sandbox proxies), ``group_reader``
+(a group read back from its records), ``rollouts`` (reading rollouts back from the store), ``compaction`` (training samples
 of self-compacted trajectories), ``buffer`` (the rollout buffer, staleness bound), ``rl_state`` (the RL state a
 restart restores), ``metrics`` and ``plots`` (the run's metrics lines and picture).
 
@@ -39,7 +42,12 @@ _MODULES = {
     "plots": ("plot_run",),
     "replay": ("RoutingReplay", "RoutingReplayError", "SUPPORTED_ROUTERS", "moe_routers", "observe_routing",
                "routing_replay"),
+    "group_queue": ("GroupQueue", "QueueError", "QueueState"),
+    "group_reader": ("GroupReader",),
+    "queue_feed": ("QueueFeed",),
+    "queue_ledger": ("QueueSink",),
     "rl_state": ("LedgerError", "PromptLedger", "RestoreReport", "restore_groups"),
+    "rollout_service": ("RolloutService", "ServiceConfig"),
     "rollout_workers": ("FAILURE_KINDS", "ProxyError", "RolloutWorkers", "Sampling", "complete", "proxy_models"),
     "rollouts": ("KeptSetError", "MissingReplayError", "NO_VERSION", "NonFiniteError", "PendingKept",
                  "RecordMismatchError", "Rollout", "RolloutError", "RolloutSequence", "RolloutSet", "RouteError",
