@@ -28,19 +28,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 @pytest.fixture(scope="module")
 def frontend(tmp_path_factory):
     """``(frontend URL, model name, store URL, workdir)`` of one node: a frontend and one worker."""
-    from syncd.engine.dynamo.node import Node, NodeConfig
     from syncd.engine.reference.make_tiny import write_model
+    from tests.dynamo._recording import recording_node
 
     root = tmp_path_factory.mktemp("proxy-records")
     model = write_model(root / "tiny", arch="qwen2", seed=3)
-    store = root / "store"
-    store.mkdir()
-    cfg = NodeConfig.recording(model, root, store_url=store.as_uri(), run_id=RUN_ID, prefix="t")
-    node = Node(cfg).start()
-    try:
-        yield node.frontend_url, cfg.model_name, store.as_uri(), root
-    finally:
-        node.close()
+    with recording_node(root, model, RUN_ID, "t") as (node, cfg, store, _):
+        yield node.frontend_url, cfg.model_name, store, root
 
 
 def post_raw(url: str, raw: bytes, headers: dict) -> tuple[int, dict]:

@@ -31,28 +31,16 @@ RUN = "agent"
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     """``(proxy URL, model name, store URL)``: a warmed-up tiny model behind one worker, the frontend, a proxy."""
-    from syncd.engine.dynamo.serve import Node, NodeConfig
-    from syncd.engine.proxy.procs import start_proxy
     from syncd.engine.reference.make_tiny import write_model
-    from syncd.procs import stop_process
     from syncd.trainer.agent.warmup import lookup_format_demos, use_template, warm_up
+    from tests.dynamo._recording import recording_node
 
     root = tmp_path_factory.mktemp("agent")
     model = write_model(root / "tiny", arch="qwen2", seed=3)
     use_template(model)
     warm_up(model, lookup_format_demos(256), steps=40)
-    store = root / "store"
-    store.mkdir()
-    cfg = NodeConfig.recording(model, root, store_url=store.as_uri(), run_id=RUN, prefix="ag")
-    node = Node(cfg).start()
-    proxy = None
-    try:
-        proxy, url = start_proxy(root, node.frontend_url, store.as_uri(), RUN, "sb-agent")
-        yield url, cfg.model_name, store.as_uri()
-    finally:
-        if proxy is not None:
-            stop_process(proxy, 10)
-        node.close()
+    with recording_node(root, model, RUN, "ag", sandbox="sb-agent") as (_, cfg, store, url):
+        yield url, cfg.model_name, store
 
 
 def _workers(stack, task, group_size=4, **kw) -> tuple[RolloutWorkers, RolloutBuffer]:

@@ -35,19 +35,13 @@ WINDOW = 128
 @pytest.fixture(scope="module")
 def node(tmp_path_factory):
     """``(frontend URL, model name, model folder, store URL)``: one worker whose model has 128 positions."""
-    from syncd.engine.dynamo.node import Node, NodeConfig
     from syncd.engine.reference.make_tiny import write_model
+    from tests.dynamo._recording import recording_node
 
     root = tmp_path_factory.mktemp("compaction")
     model = write_model(root / "tiny", arch="qwen2", seed=3, max_positions=WINDOW)
-    store = root / "store"
-    store.mkdir()
-    cfg = NodeConfig.recording(model, root, store_url=store.as_uri(), run_id=RUN, prefix="c")
-    n = Node(cfg).start()
-    try:
-        yield n.frontend_url, cfg.model_name, model, store.as_uri()
-    finally:
-        n.close()
+    with recording_node(root, model, RUN, "c") as (n, cfg, store, _):
+        yield n.frontend_url, cfg.model_name, model, store
 
 
 async def _session(node, compaction, requests, sandbox: str, reward: float = 0.5, endpoint: str = "completions"):

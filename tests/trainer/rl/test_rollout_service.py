@@ -30,24 +30,13 @@ BACKLOG = 6
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     """``(proxy URL, model name, store URL, root)``: one recording worker, the frontend, a proxy process."""
-    from syncd.engine.dynamo.node import Node, NodeConfig
-    from syncd.engine.proxy.procs import start_proxy
     from syncd.engine.reference.make_tiny import write_model
+    from tests.dynamo._recording import recording_node
 
     root = tmp_path_factory.mktemp("rollout-service")
     model = write_model(root / "tiny", arch="qwen2", seed=3)
-    store = root / "store"
-    store.mkdir()
-    cfg = NodeConfig.recording(model, root, store_url=store.as_uri(), run_id=RUN, prefix="rs")
-    node = Node(cfg).start()
-    proxy = None
-    try:
-        proxy, url = start_proxy(root, node.frontend_url, store.as_uri(), RUN, "sb-svc")
-        yield url, cfg.model_name, store.as_uri(), root
-    finally:
-        if proxy is not None:
-            stop_process(proxy, 10)
-        node.close()
+    with recording_node(root, model, RUN, "rs", sandbox="sb-svc") as (_, cfg, store, url):
+        yield url, cfg.model_name, store, root
 
 
 def _service(stack, log_name: str) -> subprocess.Popen:
