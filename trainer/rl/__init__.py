@@ -3,7 +3,8 @@
 
 Modules, one concept each. ``config`` (:class:`LoopConfig`, a run's settings, and :class:`ConfigError`). The
 step: ``loop`` (:func:`train`, the step loop written once over a data-parallel
-object), ``plans`` (where a step's plan comes from), ``objective`` (the loss), ``correction`` (importance
+object), ``plans`` (where a step's plan comes from), ``leadership`` (which replica group of an elastic job runs the
+live side), ``objective`` (the loss), ``correction`` (importance
 correction), ``logprobs`` (the trainer's log-probabilities, with kept-set and routing replay: ``kept``, ``replay``),
 ``batch`` (collation). The live side: ``live`` (:class:`LiveSide`: publishing, the rollout queue's feed, buffer,
 plans, metrics), ``tasks`` (prompts and rewards), ``curation`` (the difficulty filter). Rollouts:
@@ -33,6 +34,7 @@ _MODULES = {
     "curation": ("CuratedTask", "CurationConfig", "CurationExhausted", "Curator", "Estimate", "KEPT", "TOO_EASY",
                  "TOO_HARD", "beta_tail"),
     "kept": ("FilledKept", "KeptRebuildError", "fill_kept"),
+    "leadership": ("Deposed", "Leadership"),
     "live": ("LiveSide",),
     "logprobs": ("ReplayedLogprobs", "resolve_kept", "sampler_logprobs", "trainer_logprobs"),
     "loop": ("Job", "train"),
