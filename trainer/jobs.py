@@ -22,20 +22,23 @@ before any rank closes its replica server. A failed rank stops the job, which is
 (groups on several nodes: the same replica secret on each, ``SYNCD_REPLICA_SECRET_FILE``,
 :mod:`syncd.trainer.ft.replica_secret`; a group's own checkpoints of another run are refused, exit 2).
 
-Group 0 runs the live side and writes each step's plan to the store's plan log before anyone trains it; the
-others read it there (:class:`syncd.trainer.rl.plans.LoggedPlans`; with ``--plans`` every group reads the recorded
-plans). A group joins each step's quorum (one behind the others heals there from a live peer,
-:class:`syncd.trainer.ft.heal.VerifiedTransport`, served from its replica server), trains its share, and steps only
-if every participant voted the step whole; otherwise it retries the same plan on the next quorum. After a commit
-it checkpoints (``group-<i>``; group 0's checkpoint holds the RL state) and replicates to ``--replicas`` other
-groups. A group that dies is restarted with the same command line (by whatever runs the job): it restores its
-newest checkpoint (local, else rebuilt from the replicas its peers hold), tells torchft its step, and joins; if
-the others went on without it, it heals to their step, and group 0 first accounts for the plans trained while it
-was away. A dead group 0 pauses the pipeline -- the others wait for the next plan -- but nobody restarts; the job
-never restarts as a whole, nor when the lighthouse restarts (the groups rejoin it). Each group writes
+The live side (publishing, the queue feed, the buffer, the plans) runs in the group that leads
+(:mod:`syncd.trainer.rl.leadership`): a fresh job's group 0 first; when the leader dies, a group waiting for the next
+plan claims the next term once its heartbeat has been silent ``--leader-timeout`` seconds and takes the live side
+over from the RL state the leader logged after its last committed step (:class:`syncd.trainer.rl.plans.LoggedPlans`);
+a restarted group follows, unless the newest term was its own earlier life's (then it claims the next at once).
+Every step's plan is in the store's plan log before anyone trains it (with ``--plans``
+every group reads the recorded plans). A group joins each step's quorum (one behind the others heals there from a
+live peer, :class:`syncd.trainer.ft.heal.VerifiedTransport`, served from its replica server), trains its share, and
+steps only if every participant voted the step whole; otherwise it retries the same plan on the next quorum. After a
+commit it checkpoints (``group-<i>``) and replicates to ``--replicas`` other groups. A group that dies is restarted
+with the same command line (by whatever runs the job): it restores its newest checkpoint (local, else rebuilt from
+the replicas its peers hold), tells torchft its step, and joins; if the others went on without it, it heals to
+their step. The job never restarts as a whole, nor when the lighthouse restarts (the groups rejoin it), and no group
+is special: the rollout service feeds whichever leads through the store. Each group writes
 ``OUT/group-<i>/ft.jsonl``: ``restored`` (step, source), one ``attempt`` line per try of a step (``step``,
-``committed``, ``participants``, ``rank``, ``loss``, ``healed``, ``quorum_s``, ``step_s``), ``end``; group 0 also
-the live side's files there.
+``committed``, ``participants``, ``rank``, ``loss``, ``healed``, ``quorum_s``, ``step_s``), ``end``; the group that
+leads also the live side's files there (``metrics.jsonl``: the steps it led).
 """
 
 from __future__ import annotations
@@ -103,7 +106,7 @@ def plain_job(cfg: LoopConfig) -> Iterator[Job]:
             stack.callback(live.abort)
         dp.broadcast_result((lambda: live.start(restored.state if restored is not None else None))
                             if live is not None else None)
-        yield Job(cfg, dp, model, opt, BroadcastPlans(dp, live), live=live,
+        yield Job(cfg, dp, model, opt, BroadcastPlans(dp, live),
                   checkpoints=StepCheckpoints(ft, ranks=dp) if ft is not None else None,
                   weights_file=Path(cfg.out, "weights.safetensors") if dp.is_main else None)
 
@@ -247,15 +250,28 @@ def elastic_job(cfg: LoopConfig) -> Iterator[Job]:
         start = restored.step if restored is not None else 0
         if start:
             dp.set_step(start)
-        live = None
-        if group == 0 and not cfg.plans:
-            live = LiveSide(gcfg, model, resume_step=start if restored is not None else None,
+        lead = states = None
+        if not cfg.plans:
+            from syncd.trainer.ft.plan_log import LiveStateLog
+            from syncd.trainer.rl.leadership import Leadership
+
+            lead = Leadership(cfg.store, cfg.run_id, group, timeout_s=cfg.leader_timeout_s)
+            stack.callback(lead.close)
+            states = LiveStateLog(cfg.store, cfg.run_id)
+
+        def make_live(state_step: int, state: dict | None, settled: list) -> LiveSide:
+            live = LiveSide(gcfg, model, resume_step=state_step if state is not None else None,
                             commit_gate=ft.durable if ft is not None else None)
             stack.callback(live.abort)
-            live.start(restored.state if restored is not None else None)
-        yield Job(gcfg, dp, model, opt, LoggedPlans(gcfg, live, PlanLog(cfg.store, cfg.run_id), start), live=live,
-                  checkpoints=StepCheckpoints(ft) if ft is not None else None, attempts=attempts,
-                  weights_file=out / "weights.safetensors")
+            live.start(state, settled)
+            return live
+
+        plans = LoggedPlans(gcfg, PlanLog(cfg.store, cfg.run_id), start, lead=lead, states=states,
+                            make_live=make_live)
+        if lead is not None and lead.may_claim_at_start() and lead.claim():
+            plans.take_over(start + 1)
+        yield Job(gcfg, dp, model, opt, plans, checkpoints=StepCheckpoints(ft) if ft is not None else None,
+                  attempts=attempts, weights_file=out / "weights.safetensors")
 
 
 def _group_token(cfg: LoopConfig) -> str | None:

@@ -115,9 +115,12 @@ def parser() -> argparse.ArgumentParser:
     b("--lighthouse", default=env("TORCHFT_LIGHTHOUSE"), metavar="URL",
       help="elastic job: torchft lighthouse URL; this process is one replica group [TORCHFT_LIGHTHOUSE]")
     b("--replica-groups", type=int, default=1, help="elastic job: how many replica groups it has")
-    b("--replica-group", type=int, default=0, help="elastic job: this process's group (0 runs the live side)")
+    b("--replica-group", type=int, default=0, help="elastic job: this process's group (a fresh job's group 0 runs "
+      "the live side first; another takes it over when its leader is gone)")
     b("--min-replicas", type=int, default=1, help="elastic job: fewer participants never commit a step")
     b("--ft-timeout", type=float, default=30.0, help="elastic job: seconds before a silent peer counts as dead")
+    b("--leader-timeout", type=float, default=10.0, help="elastic job: seconds without the leading group's "
+      "heartbeat before a waiting group takes the live side over")
     a("--log-level", default=env("SYNCD_LOG_LEVEL", "WARNING"))
     return p
 
@@ -161,7 +164,8 @@ def config_from_args(args):
         checkpoint_dir=args.checkpoint_dir, resume=args.resume, replicas=args.replicas,
         keep_checkpoints=args.keep_checkpoints, checkpoint_busy=args.checkpoint_busy, node=args.node,
         ft_host=args.ft_host, lighthouse=args.lighthouse, replica_group=args.replica_group,
-        replica_groups=args.replica_groups, min_replicas=args.min_replicas, ft_timeout_s=args.ft_timeout)
+        replica_groups=args.replica_groups, min_replicas=args.min_replicas, ft_timeout_s=args.ft_timeout,
+        leader_timeout_s=args.leader_timeout)
 
 
 def _check_writable(folder, flag: str) -> None:

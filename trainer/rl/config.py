@@ -77,6 +77,7 @@ class LoopConfig:
     replica_groups: int = 1
     min_replicas: int = 1
     ft_timeout_s: float = 30.0
+    leader_timeout_s: float = 10.0
     curation: object | None = None  # a syncd.trainer.rl.curation.CurationConfig: the task sampler's difficulty filter
 
     def check(self) -> None:
@@ -132,6 +133,8 @@ class LoopConfig:
                   f"must be in [0, --replica-groups={self.replica_groups}), got {self.replica_group}"),
                  (1 <= self.min_replicas <= self.replica_groups, "--min-replicas",
                   f"must be in [1, --replica-groups={self.replica_groups}], got {self.min_replicas}"),
+                 (_finite(self.leader_timeout_s) and self.leader_timeout_s > 1.0, "--leader-timeout",
+                  f"must be a number of seconds above 1, got {self.leader_timeout_s}"),
                  (self.lighthouse is None or not self.sync, "--sync", "the elastic job (--lighthouse) runs async"),
                  (self.delta_format in (1, 2), "--delta-format", f"must be 1 or 2, got {self.delta_format!r}")]
         for ok, flag, msg in rules:

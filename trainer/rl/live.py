@@ -1,4 +1,4 @@
-"""The live side of the thin trainer (rank 0, or replica group 0): publishing, the rollout queue, the rollout
+"""The live side of the thin trainer (rank 0, or the leading replica group): publishing, the rollout queue, the rollout
 buffer, plans, metrics -- and the RL state that survives a restart.
 
 The trainer never dispatches a prompt: the groups come from the rollout service through the run's queue in the store
@@ -82,8 +82,10 @@ class LiveSide:
         self.restore_report: dict | None = None
         self.curated = None
 
-    def start(self, restored: dict | None = None) -> None:
-        """Start publishing and generating; ``restored``: the RL state of a restored checkpoint."""
+    def start(self, restored: dict | None = None, settled=()) -> None:
+        """Start publishing and generating; ``restored``: the RL state of a restored checkpoint (or of the live
+        state another replica group logged); ``settled``: the plans trained after that state (their prompts
+        consumed before the queue feed reads anything)."""
         cfg = self.cfg
         self.metrics.write("start", config={k: v for k, v in asdict(cfg).items()}, resumed=restored is not None)
         if cfg.daemon_status:
@@ -136,6 +138,8 @@ class LiveSide:
             self._publish(0)
         else:
             self._restore(restored, newest, reader)
+        for plan in settled:
+            self.adopt(plan, consumed=True)
         if cfg.proxies:  # one machine: the rollout service runs in this process, on the trainer's task object
             self.service = RolloutService(ServiceConfig(
                 store=cfg.store, run_id=cfg.run_id, proxies=list(cfg.proxies), task=cfg.task,
@@ -232,6 +236,17 @@ class LiveSide:
                 "groups": [g.plan() for g in groups]}
         self.record(plan)
         return plan
+
+    def adopt(self, plan: dict, *, consumed: bool) -> None:
+        """A plan this live side did not make (logged by an earlier leader, :mod:`syncd.trainer.rl.plans`): its
+        prompts leave the buffer (``consumed``: trained already); one still to train is recorded as its own are."""
+        indices = [g["item"]["index"] for g in plan["groups"]]
+        if self.buffer is not None:
+            self.buffer.remove(indices)
+            if consumed:
+                self.buffer.consume(indices)
+        if not consumed:
+            self.record(plan)
 
     def _let_generate(self) -> None:
         """Synchronous baseline: the engines serve the trainer's version; the services may generate a step."""

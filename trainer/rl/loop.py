@@ -1,7 +1,7 @@
 """The thin trainer's asynchronous RL step loop, :func:`train`, written once for every kind of job.
 
 Every rank (or replica group) holds the model and its optimizer (``syncd.trainer.optim``). The process that runs
-the live side (:class:`syncd.trainer.rl.live.LiveSide`: rank 0, or replica group 0) publishes the initial weights as
+the live side (:class:`syncd.trainer.rl.live.LiveSide`: rank 0, or the leading replica group) publishes the initial weights as
 version 0 (``syncd.trainer.WeightPublisher``), starts the rollout workers (``syncd.trainer.rl.rollout_workers``:
 each task item's prompt ``G`` times through the sandbox proxy in front of the Dynamo frontend, records back through
 the store), and fills the rollout buffer (``syncd.trainer.rl.buffer``, staleness bound ``max_lag``, its buffer policy
@@ -77,8 +77,8 @@ class Job:
     (:class:`syncd.trainer.dist.DataParallel` or :class:`syncd.trainer.ft.elastic.ElasticDP`: ``step``,
     ``begin_step()``, ``all_reduce_grads``, ``all_reduce_sum``, ``commit()``, ``healed``, ``gather``,
     ``summary``). ``model``, ``opt``: this process's model and optimizer. ``plans``: the plan source
-    (:mod:`syncd.trainer.rl.plans`). ``live``: the live side, where this process runs it
-    (:class:`syncd.trainer.rl.live.LiveSide`). ``checkpoints``:
+    (:mod:`syncd.trainer.rl.plans`; its ``live`` is the live side while this process runs it,
+    :class:`syncd.trainer.rl.live.LiveSide`, else None: in an elastic job it moves between groups). ``checkpoints``:
     :class:`syncd.trainer.ft.step_checkpoints.StepCheckpoints` (None: no checkpoints). ``attempts``: a
     :class:`syncd.trainer.rl.metrics.MetricsLog` for one ``attempt`` line per try of a step and the ``end`` line (None:
     none). ``weights_file``: where this process writes its final weights with ``cfg.save_weights`` (None: another
@@ -89,7 +89,6 @@ class Job:
     model: torch.nn.Module
     opt: torch.optim.Optimizer
     plans: object
-    live: object | None = None
     checkpoints: object | None = None
     attempts: object | None = None
     weights_file: Path | None = None
@@ -99,7 +98,7 @@ def train(job: Job) -> dict:
     """Train until ``job.dp.step`` reaches ``cfg.steps`` committed steps; returns the summary (the live side's,
     where this process runs it, is complete). Raises RuntimeError when the run cannot go on (no rollouts, a
     missing trajectory, another rank stopped the run)."""
-    cfg, dp, model, opt, live, ckpts = job.cfg, job.dp, job.model, job.opt, job.live, job.checkpoints
+    cfg, dp, model, opt, ckpts = job.cfg, job.dp, job.model, job.opt, job.checkpoints
     params = [p for p in model.parameters() if p.requires_grad]
     loss_cfg = LossConfig(cfg.is_cap, cfg.is_band, cfg.is_seq_band, cfg.micro_batch)
     store = Store.open(cfg.store)
@@ -115,6 +114,7 @@ def train(job: Job) -> dict:
             if step > cfg.steps:
                 break
             plan = job.plans.get(step)
+        live = job.plans.live  # after get(): this group may have just taken the live side over
         mine = [g for i, g in enumerate(plan["groups"]) if rank >= 0 and i % n == rank]
         seqs, adv = _sequences(cfg, store, mine, live, model.config.vocab_size, resolver)
         normalizer = max(1, sum(g["tokens"] for g in plan["groups"]))
@@ -147,6 +147,7 @@ def train(job: Job) -> dict:
             gated = live is not None and live.published_step == step  # its version waits for this checkpoint
             ckpts.save(step, model, opt, state=live.snapshot() if live is not None else {"step": step},
                        must=gated or step == cfg.steps)
+    live = job.plans.live
     summary = dp.summary(model)
     if ckpts is not None:
         summary["checkpoints"] = ckpts.flush()

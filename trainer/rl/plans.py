@@ -7,10 +7,13 @@ trained and committed; called once per committed step, in order).
 * :class:`BroadcastPlans`, a plain data-parallel job: rank 0's live side makes the plan (or reads it from the
   recorded plans, offline), every rank receives it (:meth:`syncd.trainer.dist.DataParallel.broadcast_result`).
 * :class:`LoggedPlans`, an elastic job: the store's plan log (:class:`syncd.trainer.ft.plan_log.PlanLog`) is the
-  source of truth. Group 0 -- the live side -- writes step ``N``'s plan there before anyone trains it (or finds
-  it there, written by its earlier life), the other groups read it; with ``--plans`` every group reads the
-  recorded plans. A group 0 that restarts behind the others first accounts for the plans they trained while it
-  was away (their prompts consumed).
+  source of truth. The group that leads (:mod:`syncd.trainer.rl.leadership`: a fresh job's group 0, later whoever
+  claims the next term) runs the live side and writes step ``N``'s plan there before anyone trains it (or finds it
+  there, written by an earlier leader); the others read it. After each committed step the leader logs its RL state
+  (:class:`syncd.trainer.ft.plan_log.LiveStateLog`). A follower waiting for a plan whose leader is gone claims the
+  next term and takes the live side over: from the newest logged RL state, with the plans trained after it
+  accounted for (their prompts consumed) before its queue feed reads anything. With ``--plans`` every group reads
+  the recorded plans.
 
 Thread-safety: the training thread only.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -43,22 +47,46 @@ class BroadcastPlans:
 
 class LoggedPlans:
     """An elastic replica group's plans (module docstring). ``cfg``: the run's configuration (``plans``,
-    ``rollout_timeout_s``); ``live``: group 0's live side, else None; ``plan_log``: the run's
-    :class:`~syncd.trainer.ft.plan_log.PlanLog`; ``start_step``: the step this group restored (the live side's RL
-    state includes every plan up to it)."""
+    ``rollout_timeout_s``); ``plan_log``: the run's :class:`~syncd.trainer.ft.plan_log.PlanLog`; ``start_step``: the
+    step this group restored. Live (no ``--plans``): ``lead``, this group's
+    :class:`~syncd.trainer.rl.leadership.Leadership`; ``states``, the run's
+    :class:`~syncd.trainer.ft.plan_log.LiveStateLog`; ``make_live(state_step, state, settled)``, a started live side
+    from a logged RL state (None: a fresh run) with the plans trained after it (``settled``) accounted for.
+    :attr:`live` is this group's live side while it leads, else None."""
 
-    def __init__(self, cfg, live, plan_log, start_step: int):
-        self.cfg, self.live, self.log = cfg, live, plan_log
-        self.accounted = start_step  # the live side's RL state includes every plan up to here
+    def __init__(self, cfg, plan_log, start_step: int, *, lead=None, states=None, make_live=None):
+        self.cfg, self.log, self.lead, self.states, self.make_live = cfg, plan_log, lead, states, make_live
+        self.live = None
+        self.accounted = start_step  # with a live side: every plan up to here is in its RL state
         self.offline = None
         if cfg.plans:
             self.offline = [json.loads(ln) for ln in Path(cfg.plans).read_text().splitlines() if ln.strip()]
+
+    def take_over(self, step: int) -> None:
+        """Start this group's live side to make step ``step``'s plan: from the newest logged RL state before it
+        and the plans logged after that state (trained by the groups meanwhile)."""
+        got = self.states.newest(step - 1)
+        if got is None and step > 1:
+            raise RuntimeError(f"step {step}: no live state of an earlier step in the store to take the live side "
+                               "over from")
+        state_step, state = got if got is not None else (0, None)
+        settled = [self.log.wait(s, 60) for s in range(state_step + 1, step)]
+        self.live = self.make_live(state_step, state, settled)
+        self.accounted = step - 1
+        if state is None:
+            log.warning("group %d starts the live side (a fresh run)", self.lead.group)
+        else:
+            log.warning("group %d took the live side over at step %d, from the RL state of step %d and %d plan(s) "
+                        "after it", self.lead.group, step, state_step, len(settled))
 
     def get(self, step: int) -> dict:
         if self.offline is not None:
             return self.offline[step - 1]
         if self.live is None:
-            return self.log.wait(step, self.cfg.rollout_timeout_s)
+            plan = self._follow(step)
+            if plan is not None:
+                return plan
+        self.lead.check()
         for s in range(self.accounted + 1, step):  # trained by the others while this group was away
             self._adopt(self.log.wait(s, 60), consumed=True)
         self.accounted = max(self.accounted, step - 1)
@@ -68,16 +96,32 @@ class LoggedPlans:
             return plan
         return self.log.put(step, self.live.plan(step))
 
+    def _follow(self, step: int) -> dict | None:
+        """Step ``step``'s plan from the log; None once this group took the live side over (its leader gone)."""
+        patience = self.cfg.rollout_timeout_s + (self.lead.timeout_s if self.lead is not None else 0)
+        deadline, wait = time.monotonic() + patience, 0.05
+        while True:
+            plan = self.log.get(step)
+            if plan is not None:
+                return plan
+            if self.lead is not None and self.lead.leader_gone() and self.lead.claim():
+                self.take_over(step)
+                return None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no plan for step {step} in the plan log after {patience:.0f} s, and its "
+                                   "leader still beats")
+            time.sleep(wait)
+            wait = min(1.0, wait * 1.5)
+
     def committed(self, step: int) -> None:
+        """The step committed; the leader logs its RL state (another group takes over from it) and stops if it
+        was deposed meanwhile."""
         self.accounted = step
+        if self.live is not None and self.states is not None:
+            self.lead.check()
+            self.states.put(step, self.live.snapshot())
+            if step % 8 == 0:
+                self.states.prune(step - 4)
 
     def _adopt(self, plan: dict, *, consumed: bool) -> None:
-        """A plan the live side did not make in this life: its prompts leave the buffer (``consumed``: trained
-        already); one still to train is recorded as the live side records its own."""
-        indices = [g["item"]["index"] for g in plan["groups"]]
-        if self.live.buffer is not None:
-            self.live.buffer.remove(indices)
-            if consumed:
-                self.live.buffer.consume(indices)
-        if not consumed:
-            self.live.record(plan)
+        self.live.adopt(plan, consumed=consumed)
