@@ -2,7 +2,7 @@
 failures. Each figure next to its baseline, measured in the same process, medians of interleaved rounds.
 
     python -m bench.trainer_ft [--stall-params 25e6] [--rebuild-params 100e6] [--goodput-steps 40 --fail-every 10]
-                               [--sections stall,rebuild,goodput,outage] [--json ft.json] [--plot ft.png]
+                               [--sections stall,rebuild,goodput,outage,elastic] [--json ft.json] [--plot ft.png]
 
 * **stall**: a real AdamW training step of an MLP, three ways in interleaved rounds: no checkpoint, the per-step
   asynchronous :class:`syncd.trainer.ft.checkpoint.Checkpointer` (stall = the time the training thread spends in
@@ -23,6 +23,10 @@ failures. Each figure next to its baseline, measured in the same process, median
 * **outage** (not in the default sections: it starts the RL stack): the trainer killed with SIGKILL mid-run while
   ``syncd rollouts`` keeps generating, restored after ``--outage-s`` (:mod:`bench.trainer_outage`): generation
   tokens/s before and during the outage, restart to the first step, prompts lost and duplicated.
+* **elastic** (not in the default sections: it starts the RL stack): two replica groups on torchft fed by ``syncd
+  rollouts``, the leading group killed with SIGKILL and restarted (:mod:`bench.trainer_elastic`): kill to the first
+  step without it (shrink), to the survivor's first step as leader (takeover), restart to its first committed step
+  (regrow), goodput against a failure-free run of the same steps.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from pathlib import Path
 from bench._plot import pyplot, save
 from bench._report import Row, finish, output_flags
 from bench.ft_goodput import bench_goodput
+from bench.trainer_elastic import bench_elastic
 from bench.trainer_outage import bench_outage
 from bench._timing import clock, median, paired_rounds
 
@@ -225,7 +230,8 @@ def _projection(peer_rate: float, store_rate: float) -> dict:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.trainer_ft", description=__doc__.split("\n\n")[0])
     a = p.add_argument
-    a("--sections", default="stall,rebuild,goodput", help="comma-separated: stall, rebuild, goodput, outage")
+    a("--sections", default="stall,rebuild,goodput",
+      help="comma-separated: stall, rebuild, goodput, outage, elastic")
     a("--stall-params", type=float, default=25e6, help="parameters of the stall benchmark's model")
     a("--rebuild-params", type=float, default=100e6, help="parameters of the rebuilt rank's model (AdamW state too)")
     a("--width", type=int, default=2048, help="hidden width of the MLPs")
@@ -241,6 +247,8 @@ def parser() -> argparse.ArgumentParser:
     a("--outage-steps", type=int, default=16, help="steps of the outage run (killed at half)")
     a("--outage-s", type=float, default=15.0, help="seconds the trainer stays away (outage)")
     a("--outage-backlog", type=int, default=64, help="the rollout service's --max-backlog (outage)")
+    a("--elastic-steps", type=int, default=120, help="steps of each elastic run")
+    a("--elastic-kill-at", type=int, default=8, help="the leading group is killed after this step (elastic)")
     a("--workdir", default=None, help="keep the files here (default: a temporary folder)")
     output_flags(p, "trainer_ft")
     return p
@@ -268,16 +276,24 @@ def rows(out: dict) -> list[Row]:
         table.append(Row("generation during a trainer outage", None, o["during_over_before"],
                          "before the outage (tokens/s)", f"{o['outage_s']:.0f} s away",
                          refcheck=o["prompts_lost"] == 0 and o["prompts_duplicated"] == 0))
+    if "elastic" in out:
+        e = out["elastic"]
+        table.append(Row("leader killed, live side taken over", 1 / e["goodput_failing"], e["goodput_ratio"],
+                         "failure-free run", f"{e['steps']} steps",
+                         refcheck=e["weights_equal"] and e["prompts_duplicated"] == 0))
     return table
 
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     sections = [s for s in args.sections.split(",") if s]
-    bad = [s for s in sections if s not in ("stall", "rebuild", "goodput", "outage")]
+    bad = [s for s in sections if s not in ("stall", "rebuild", "goodput", "outage", "elastic")]
     if bad or not sections:
         print(f"bench.trainer_ft: --sections: unknown {', '.join(bad) or '(none)'}; use stall, rebuild, goodput, "
-              "outage", file=sys.stderr)
+              "outage, elastic", file=sys.stderr)
+        return 2
+    if not 1 <= args.elastic_kill_at < args.elastic_steps:
+        print("bench.trainer_ft: --elastic-kill-at must be >= 1 and below --elastic-steps", file=sys.stderr)
         return 2
     if args.fail_every < 1 or args.goodput_steps <= args.fail_every:
         print("bench.trainer_ft: --fail-every must be >= 1 and below --goodput-steps", file=sys.stderr)
@@ -288,7 +304,7 @@ def main(argv=None) -> int:
            "config": {k: v for k, v in vars(args).items() if k not in ("json", "plot", "workdir")}}
     try:
         for name, fn in (("stall", bench_stall), ("rebuild", bench_rebuild), ("goodput", bench_goodput),
-                         ("outage", bench_outage)):
+                         ("outage", bench_outage), ("elastic", bench_elastic)):
             if name in sections:
                 (work / name).mkdir(parents=True, exist_ok=True)
                 out[name] = fn(args, work / name)
@@ -343,6 +359,14 @@ def _report(out: dict) -> None:
               f"{o['restart_to_first_step_s']:.1f} s; prompts lost {o['prompts_lost']}, duplicated "
               f"{o['prompts_duplicated']}; {o['groups_written']} groups written, {o['groups_trained']} trained, "
               f"{o['groups_sent_back']} sent back (stale after the outage, or refused)")
+    if "elastic" in out:
+        e = out["elastic"]
+        fmt = lambda x: "n/a" if x is None else f"{x:.1f} s"  # noqa: E731
+        print(f"elastic ({e['steps']} steps, 2 replica groups, the leader killed after step {e['killed_after_step']}"
+              f", {e['restart']}): shrink {fmt(e['shrink_s'])}, takeover {fmt(e['takeover_s'])} (leader timeout "
+              f"{e['leader_timeout_s']:.0f} s), regrow {fmt(e['regrow_s'])}; goodput {e['goodput_failing']:.2f} "
+              f"against {e['goodput_plain']:.2f} steps/s failure-free ({e['goodput_ratio']:.2f}x); prompts "
+              f"duplicated {e['prompts_duplicated']}, weights equal {e['weights_equal']}")
 
 
 def plot(out: dict, path: Path) -> None:
