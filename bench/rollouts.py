@@ -8,11 +8,12 @@
    the model folder a node serves;
 3. a node (``syncd.engine.dynamo.serve.Node``: the Dynamo frontend and reference-engine workers recording replay
    records to the store) and a sandbox proxy (``python -m syncd.engine.proxy``, recording trajectories) start;
-4. ``requests`` streamed completions (temperature, top-p, top-k as configured) run through the proxy while a
-   controller makes ``updates`` more real optimizer steps, publishing each as a delta and applying it on every
-   worker through its admin routes once every stream has made ``update_every`` more tokens (the workers pause
-   while the trainer steps, publishes and they stage and apply): the streams carry on with the new weights,
-   mid-trajectory, keeping their KV caches;
+4. ``requests`` streamed completions (temperature, top-p, top-k as configured) run through the proxy, started
+   together (sent to paused workers, resumed once they hold every one), while a controller makes ``updates``
+   more real optimizer steps, publishing each as a delta and applying it on every worker through its admin
+   routes once every stream has made ``update_every`` more tokens (the workers pause, in steps up to that
+   point, while the trainer steps, publishes and they stage and apply): the streams carry on with the new
+   weights, mid-trajectory, keeping their KV caches;
 5. the proxy writes every trajectory, the workers flush their replay records, everything stops.
 
 The returned :class:`RolloutRun` says where the records are and holds the weights each version served, as the
@@ -236,22 +237,121 @@ def _start_streams(node, proxy_url: str, cfg: RolloutConfig, tids: list[str], pr
     return threads, errors
 
 
-def _update_mid_trajectory(node, trainer, pub, version: int, progress: list[int], store_url: str, run_id: str,
-                           workdir: Path, nvfp4: bool) -> tuple[dict, list[int]]:
-    """Step 4, one version: every worker paused (the streams held mid-trajectory) while the trainer (model, opt,
-    data, gen) steps and publishes ``version``, which every worker stages and applies through its admin routes, as
-    a node daemon does; resumed. Returns the served weights of ``version`` and the streams' tokens while paused.
+def _held(node) -> int:
+    """The requests the node's workers hold: the sum of their generate endpoints' in-flight gauges (Dynamo's
+    ``dynamo_component_inflight_requests`` on each worker's system port, ``/metrics``)."""
+    from syncd import http_client
+
+    total = 0
+    for w in node.workers():
+        reply = http_client.request("GET", w["admin_url"], "/metrics", timeout_s=30)
+        if reply.status != 200:
+            raise RuntimeError(f"{w['name']}: GET /metrics: HTTP {reply.status}")
+        for line in reply.body.decode(errors="replace").splitlines():
+            if line.startswith("dynamo_component_inflight_requests{") and 'dynamo_endpoint="generate"' in line:
+                total += int(float(line.rsplit(" ", 1)[1]))
+    return total
+
+
+class _Pacer:
+    """Step 4's control of the streams' pace through every worker's admin routes (one lease each, taken by the
+    first pause, released by :meth:`close`).
+
+    :meth:`start` sends the streams while the workers are paused (the engines queue them) and resumes them once
+    the workers hold all ``cfg.requests`` (their in-flight gauges): the streams start on the same engine step and
+    advance together (``cfg.concurrency`` of them at once). Sent to running engines, a stream whose request reached
+    its worker late (a busy machine) started that much later, and the first ones could end before it had made
+    ``update_every`` tokens.
+
+    :meth:`pause_at` pauses the workers with every stream at ``target`` tokens or more. On a busy machine the
+    clients see the tokens late and in bursts: a pause sent when the clients reached 16 tokens held engines at
+    nearly 60, and one sent when they first had a token, engines that had already ended the streams. So the engines
+    never run while the controller waits for the clients: they run in steps, a resume followed at once by a pause
+    (an engine makes in a step only what it makes while those two calls go through). After a round of steps the
+    controller waits until the clients have caught up with the held engines (no stream grows for a while). A
+    round is one step until the clients have seen tokens from a step, then as many steps as should cover half the
+    distance left to ``target`` at the most tokens a step has made."""
+
+    def __init__(self, node, cfg: RolloutConfig, progress: list[int]):
+        self.node, self.cfg, self.progress = node, cfg, progress
+        self.engines = _workers(node)
+        self.threads: list[threading.Thread] = []
+        self.errors: list = []
+        self.pause_s = 0.0  # the last pause's round trip
+
+    def running(self) -> bool:
+        return any(t.is_alive() for t in self.threads)
+
+    def pause(self) -> None:
+        t = time.monotonic()
+        for e in self.engines:
+            e.pause()
+        self.pause_s = time.monotonic() - t
+
+    def resume(self) -> None:
+        for e in self.engines:
+            e.resume()
+
+    def close(self) -> None:
+        for e in self.engines:
+            try:
+                e.release()
+            except Exception as exc:  # noqa: BLE001 -- a worker gone with the failure being reported
+                log.warning("%s: lease not released: %s", e, exc)
+
+    def start(self, proxy_url: str, tids: list[str], timeout_s: float = 300.0) -> None:
+        """Send the streams to the paused workers; resume them once they hold every stream (RuntimeError when they
+        do not within ``timeout_s``); the streams' errors are appended to ``self.errors``."""
+        self.pause()
+        try:
+            self.threads, self.errors = _start_streams(self.node, proxy_url, self.cfg, tids, self.progress)
+            deadline = time.monotonic() + timeout_s
+            while not self.errors and (held := _held(self.node)) < self.cfg.requests:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the workers hold {held} of the {self.cfg.requests} streams {timeout_s:.0f} s "
+                                       "after they were sent")
+                time.sleep(0.01)
+        finally:
+            self.resume()
+
+    def caught_up(self, limit_s: float = 60.0) -> list[int]:
+        """The streams' tokens once none has grown for five pause round trips (at least 50 ms): with the engines
+        paused, what the clients have of every token made before the pause."""
+        quiet = max(0.05, 5 * self.pause_s)
+        last, since, end = list(self.progress), time.monotonic(), time.monotonic() + limit_s
+        while time.monotonic() - since < quiet and time.monotonic() < end:
+            time.sleep(quiet / 20)
+            if self.progress != last:
+                last, since = list(self.progress), time.monotonic()
+        return last
+
+    def pause_at(self, target: int) -> list[int]:
+        """Pause the workers (running, just resumed) with every stream at ``target`` tokens or more, or every
+        stream ended; returns the streams' tokens then."""
+        self.pause()
+        at, per_step = self.caught_up(), 0
+        while min(at) < target and self.running():
+            steps = max(1, (target - min(at)) // (2 * per_step)) if per_step else 1
+            for _ in range(steps):
+                self.resume()
+                self.pause()
+            before, at = min(at), self.caught_up()
+            per_step = max(per_step, -(-(min(at) - before) // steps))
+        return at
+
+
+def _update_mid_trajectory(engines, trainer, pub, version: int, store_url: str, run_id: str, workdir: Path,
+                           nvfp4: bool) -> dict:
+    """Step 4, one version, with every worker paused (the streams held mid-trajectory, :meth:`_Pacer.pause_at`):
+    the trainer (model, opt, data, gen) steps and publishes ``version``, which every worker stages and applies
+    through its admin routes, as a node daemon does; resumed. Returns the served weights of ``version``.
     RuntimeError when a worker is not at ``version`` after applying it."""
     from syncd.cache import ShardCache
     from syncd.engines.update import Update
     from syncd.versions import cache_version
 
     model, opt, data, gen = trainer
-    engines = _workers(node)
-    for e in engines:
-        e.pause()
     try:
-        at = list(progress)
         train_step(model, opt, data, gen)
         pub.publish(_published(model, nvfp4), version)
         pub.flush()
@@ -265,8 +365,7 @@ def _update_mid_trajectory(node, trainer, pub, version: int, progress: list[int]
     finally:
         for e in engines:
             e.resume()
-            e.release()  # the next round's clients are other lease holders
-    return served, at
+    return served
 
 
 def _finish_trajectories(proxy_url: str, tids: list[str]) -> None:
@@ -311,17 +410,20 @@ def generate(workdir: Path, store_url: str, cfg: RolloutConfig, *, run_id: str |
         node.start()
         node.supervise(background=True)
         proxy, proxy_url = _start_proxy(workdir, node.frontend_url, store_url, run_id)
-        threads, errors = _start_streams(node, proxy_url, cfg, tids, progress)
-        for version in range(1, cfg.updates + 1):
-            while min(progress) < version * cfg.update_every and any(t.is_alive() for t in threads):
-                time.sleep(0.002)
-            weights[version], applied[version] = _update_mid_trajectory(node, trainer, pub, version, progress,
-                                                                        store_url, run_id, workdir, cfg.nvfp4)
-            log.info("version %d applied with %s tokens per stream", version, applied[version])
-        for t in threads:
+        pacer = _Pacer(node, cfg, progress)
+        try:
+            pacer.start(proxy_url, tids)
+            for version in range(1, cfg.updates + 1):
+                applied[version] = pacer.pause_at(version * cfg.update_every)
+                weights[version] = _update_mid_trajectory(pacer.engines, trainer, pub, version, store_url, run_id,
+                                                          workdir, cfg.nvfp4)
+                log.info("version %d applied with %s tokens per stream", version, applied[version])
+        finally:
+            pacer.close()
+        for t in pacer.threads:
             t.join(600)
-        if errors:
-            raise RuntimeError(f"{len(errors)} stream(s) failed: {errors[0]}")
+        if pacer.errors:
+            raise RuntimeError(f"{len(pacer.errors)} stream(s) failed: {pacer.errors[0]}")
         _finish_trajectories(proxy_url, tids)
     finally:
         pub.close()

@@ -25,8 +25,9 @@ from syncd.trainer.rl.rollouts import read_rollouts
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-# The update is applied once every stream has made 16 tokens; the other 80 are the margin for the controller to
-# notice and pause the engines on a busy machine (48 tokens in all were not enough at load ~10).
+# The streams start on the same engine step and the update is applied once every stream has made 16 tokens; the
+# engines are paused in steps up to there (bench.rollouts), so they hold the streams near 16 tokens even where the
+# clients see the tokens late and in bursts (a busy machine). The other 80 are the margin for a step that runs long.
 CFG = dict(requests=3, max_tokens=96, concurrency=3, updates=1, update_every=16, pretrain_steps=30, hidden=32,
            kept_tolerance=1e-3)
 N = CFG["max_tokens"]
