@@ -190,6 +190,9 @@ class CuratedTask(Task):
     def max_tokens(self) -> int:
         return self.task.max_tokens
 
+    def max_tokens_for(self, item: TaskItem) -> int:
+        return self.task.max_tokens_for(item)
+
     def item(self, index: int, seed: int = 0) -> TaskItem:
         """The item of draw ``index``: a pure function of ``index`` and the curator's estimates, so a draw gets the
         same task whichever rollout thread asks for it and whenever (the workers' per-index seeds stay

@@ -243,7 +243,8 @@ class RolloutWorkers:
     def _complete(self, proxy: str, tid: str, item: TaskItem, seed: int) -> dict:
         with self._cond:
             self.requests += 1
-        return complete(proxy, {**self._body(), "prompt": item.prompt, "seed": seed}, tid, timeout_s=self.request_timeout_s)
+        return complete(proxy, {**self._body(), "max_tokens": self.task.max_tokens_for(item), "prompt": item.prompt,
+                                "seed": seed}, tid, timeout_s=self.request_timeout_s)
 
     def _episode(self, proxy: str, tid: str, item: TaskItem, seed: int) -> dict:
         out = episodes.run_episode(episodes.episodic(self.task), item, url=proxy, tid=tid, body=self._body(),

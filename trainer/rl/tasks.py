@@ -28,6 +28,10 @@ are measured by ``python -m bench.rl_loop`` and ``docs/trainer.md``):
   are lowercase ASCII letters (a random model: about 0.1; learnt in a few dozen steps).
 * ``reverse``: the prompt is ``length`` letters of ``abcd`` and a colon; the answer is the prompt reversed,
   scored like ``repeat`` (harder: the model must attend to every prompt position).
+* ``mix``: two tasks in one prompt sequence, alternating by index: even items are ``repeat`` (``length`` tokens),
+  odd ones ``reverse`` with 4x the answer length, so one task generates about 4x faster than the other. Each item's
+  ``meta`` names its task (``task``: the buffer policy's stratum) and its answer length (``max_tokens``,
+  :meth:`Task.max_tokens_for`).
 
 Answers are scored over exactly ``length`` characters (missing ones count as wrong; EOS is ignored by the
 engines so every answer has ``length`` tokens). Pure Python; thread-safe.
@@ -40,7 +44,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable
 
-__all__ = ["TaskItem", "Sample", "RewardFn", "Task", "TASKS", "get_task", "task_names", "load_reward",
+__all__ = ["TaskItem", "Sample", "RewardFn", "Task", "MixTask", "TASKS", "get_task", "task_names", "load_reward",
            "DEFAULT_TASK"]
 
 DEFAULT_TASK = "repeat"
@@ -104,6 +108,11 @@ class Task:
     def max_tokens(self) -> int:
         return self.length
 
+    def max_tokens_for(self, item: TaskItem) -> int:
+        """The answer length of ``item`` (``max_tokens`` of its requests): :attr:`max_tokens` unless the task
+        varies it per item."""
+        return self.max_tokens
+
     def item(self, index: int, seed: int = 0) -> TaskItem:
         """Item ``index`` of the sequence made from ``seed`` (the same arguments give the same item)."""
         return self.make(index, random.Random(f"{self.name}:{seed}:{index}"))
@@ -154,7 +163,30 @@ class ReverseTask(Task):
         return _match_score(completion, item.target, ALPHABET)
 
 
-TASKS: dict[str, type[Task]] = {t.name: t for t in (RepeatTask, LettersTask, ReverseTask)}
+class MixTask(Task):
+    """``repeat`` and a 4x longer ``reverse``, alternating by index (module docstring)."""
+
+    name = "mix"
+    SLOWER = 4
+
+    def make(self, index, rng):
+        task, n = ("repeat", self.length) if index % 2 == 0 else ("reverse", self.SLOWER * self.length)
+        item = (RepeatTask if task == "repeat" else ReverseTask)(n).make(index, rng)
+        return TaskItem(index, item.prompt, item.target, {"task": task, "max_tokens": n})
+
+    @property
+    def max_tokens(self) -> int:
+        return self.SLOWER * self.length
+
+    def max_tokens_for(self, item):
+        n = item.meta.get("max_tokens")
+        return n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= self.max_tokens else self.length
+
+    def score(self, item, completion):
+        return _match_score(completion, item.target, ALPHABET)
+
+
+TASKS: dict[str, type[Task]] = {t.name: t for t in (RepeatTask, LettersTask, ReverseTask, MixTask)}
 
 
 def _agent_tasks() -> dict[str, type]:

@@ -50,8 +50,22 @@ def test_repeat_and_reverse_rewards_by_hand():
     assert get_task("letters", length=4).score(TaskItem(0, "xyz:"), "ab1?") == 0.5
 
 
+def test_the_mix_task_alternates_a_short_and_a_4x_longer_task_and_names_each_items_task_and_length():
+    mix = get_task("mix", length=3)
+    items = [mix.item(i) for i in range(6)]
+    assert [it.meta["task"] for it in items] == ["repeat", "reverse"] * 3
+    assert [mix.max_tokens_for(it) for it in items] == [3, 12] * 3 and mix.max_tokens == 12
+    assert all(len(it.target) == mix.max_tokens_for(it) for it in items)
+    rev = items[1]
+    assert rev.target == rev.prompt[:-1][::-1] and mix.score(rev, rev.target) == 1.0
+    # a hostile or missing length in a read-back item's meta falls back to the short answer, never past the longest
+    for meta in ({}, {"max_tokens": 10 ** 6}, {"max_tokens": True}, {"max_tokens": "12"}):
+        assert mix.max_tokens_for(TaskItem(1, "ab:", "ba", meta)) == 3
+    assert get_task("repeat").max_tokens_for(items[1]) == 8  # a task of one length ignores the meta
+
+
 def test_unknown_task_and_bad_rewards_are_named():
-    with pytest.raises(ValueError, match="unknown task 'nope'; choose one of letters, repeat, reverse"):
+    with pytest.raises(ValueError, match="unknown task 'nope'; choose one of letters, mix, repeat, reverse"):
         get_task("nope")
     with pytest.raises(ValueError, match="at least one token"):
         get_task("repeat", length=0)
