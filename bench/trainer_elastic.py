@@ -12,8 +12,11 @@ every one from the groups' own ``ft.jsonl`` and metrics lines:
 * ``shrink_s``: the kill to the first step committed without the dead group;
 * ``takeover_s``: the kill to the survivor's first step as the live side's leader (its heartbeat timeout, ``--leader-
   timeout``, is most of it);
-* ``regrow_s``: the restart to the restarted group's first committed step (rebuilt from its peer's replica, healed
-  live);
+* ``regrow_s``: the restart to the restarted group's first step committed with the survivor (rebuilt from its
+  peer's replica, healed live); None, and ``rejoined`` false, when the survivor finished first (the restarted group
+  then replays the logged plans alone, from scratch if its peer's replicas went with the peer, and its weights
+  differ from the survivor's by the rounding of one participant's sums against two's). ``--elastic-spare`` restarts
+  it from a warm spare (imports done), as a scheduler's pre-started replacement;
 * ``goodput``: committed steps per second of the failing run (first commit to the last) against the failure-free
   run's (``goodput_ratio``), rollout-bound on this tiny model;
 * ``prompts_duplicated``, ``weights_equal`` (the two groups' digests at the end).
@@ -217,28 +220,35 @@ def bench_elastic(args, work: Path) -> dict:
     try:
         for g in (0, 1):
             run.start(g)
+        spare = run.start(0, spare=True) if args.elastic_spare else None  # its imports done before the kill
         run.wait(f"group 0 at step {kill_at}", lambda: any(e["step"] >= kill_at for e in run.committed(0)), 0)
         held = run.node(1) / "group-1" / "held" / "group-0"
         run.wait("a replica of group 0 on group 1's node", lambda: held.exists() and any(held.iterdir()), 1)
         t_kill = run.kill(0)
         run.wait("group 1 leading", lambda: run.leading_since(1, t_kill), 1)
-        t_restart = time.time()
-        run.start(0)
+        if spare is not None:
+            t_restart = time.time()
+            run.go(0, spare)
+        else:
+            t_restart = time.time()
+            run.start(0)
         summary = run.finish()
         goodput_failing = _goodput(run)
         alone = [e for e in run.committed(1, t_kill) if e["participants"] == 1]
         led = [ln["t"] for ln in run.metrics(1) if ln.get("kind") == "step" and ln["t"] > t_kill]
-        back = run.committed(0, t_restart)
+        back = [e for e in run.committed(0, t_restart) if e["participants"] == 2]
         trained = _trained(run)
     finally:
         run.close()
     return {"steps": steps, "killed_after_step": kill_at, "leader_timeout_s": 3.0,
             "shrink_s": alone[0]["t"] - t_kill if alone else None, "takeover_s": min(led) - t_kill,
-            "regrow_s": back[0]["t"] - t_restart if back else None,
+            "regrow_s": back[0]["t"] - t_restart if back else None, "rejoined": bool(back),
             "goodput_plain": goodput_plain, "goodput_failing": goodput_failing,
             "goodput_ratio": goodput_failing / goodput_plain if goodput_plain else None,
             "prompts_duplicated": len(trained) - len(set(trained)),
             "weights_equal": summary[0]["digest"] == summary[1]["digest"],
             "plain_weights_equal": plain_summary[0]["digest"] == plain_summary[1]["digest"],
-            "restart": "cold (a new process: imports, restore from the peer's replica, quorum, live heal)",
+            "restart": "a warm spare (imports done: restore from the peer's replica, quorum, live heal)"
+            if args.elastic_spare else "cold (a new process: imports, restore from the peer's replica, quorum, live "
+            "heal)",
             "params": "the stack's tiny model (hidden 64, 2 layers)"}

@@ -246,9 +246,12 @@ def parser() -> argparse.ArgumentParser:
            "skip: no stall)")
     a("--outage-steps", type=int, default=16, help="steps of the outage run (killed at half)")
     a("--outage-s", type=float, default=15.0, help="seconds the trainer stays away (outage)")
-    a("--outage-backlog", type=int, default=64, help="the rollout service's --max-backlog (outage)")
+    a("--outage-backlog", type=int, default=160, help="the rollout service's --max-backlog (outage; the default "
+      "covers the default outage at this machine's generation rate)")
     a("--elastic-steps", type=int, default=120, help="steps of each elastic run")
     a("--elastic-kill-at", type=int, default=8, help="the leading group is killed after this step (elastic)")
+    a("--elastic-spare", action="store_true", help="restart the killed group from a warm spare, imports done "
+      "(elastic; default: a cold start)")
     a("--workdir", default=None, help="keep the files here (default: a temporary folder)")
     output_flags(p, "trainer_ft")
     return p
@@ -280,7 +283,7 @@ def rows(out: dict) -> list[Row]:
         e = out["elastic"]
         table.append(Row("leader killed, live side taken over", 1 / e["goodput_failing"], e["goodput_ratio"],
                          "failure-free run", f"{e['steps']} steps",
-                         refcheck=e["weights_equal"] and e["prompts_duplicated"] == 0))
+                         refcheck=(e["weights_equal"] or not e["rejoined"]) and e["prompts_duplicated"] == 0))
     return table
 
 
@@ -358,13 +361,15 @@ def _report(out: dict) -> None:
               f"({o['during_over_before']:.2f}x; goal >= 0.8); restart to first step "
               f"{o['restart_to_first_step_s']:.1f} s; prompts lost {o['prompts_lost']}, duplicated "
               f"{o['prompts_duplicated']}; {o['groups_written']} groups written, {o['groups_trained']} trained, "
-              f"{o['groups_sent_back']} sent back (stale after the outage, or refused)")
+              f"{o['groups_sent_back']} sent back (stale after the outage, or refused); task mix after the restart "
+              f"{o['task_mix']['after']} against {o['task_mix']['before']} before, p = {o['task_mix_p_value']:.3f} "
+              "(goal >= 0.01)")
     if "elastic" in out:
         e = out["elastic"]
         fmt = lambda x: "n/a" if x is None else f"{x:.1f} s"  # noqa: E731
         print(f"elastic ({e['steps']} steps, 2 replica groups, the leader killed after step {e['killed_after_step']}"
               f", {e['restart']}): shrink {fmt(e['shrink_s'])}, takeover {fmt(e['takeover_s'])} (leader timeout "
-              f"{e['leader_timeout_s']:.0f} s), regrow {fmt(e['regrow_s'])}; goodput {e['goodput_failing']:.2f} "
+              f"{e['leader_timeout_s']:.0f} s), regrow {fmt(e['regrow_s'])} (rejoined {e['rejoined']}); goodput {e['goodput_failing']:.2f} "
               f"against {e['goodput_plain']:.2f} steps/s failure-free ({e['goodput_ratio']:.2f}x); prompts "
               f"duplicated {e['prompts_duplicated']}, weights equal {e['weights_equal']}")
 

@@ -13,8 +13,11 @@ Figures (``outage.*``), every one from the run's own records:
 * ``prompts_duplicated``: prompts trained more than once; ``prompts_lost``: prompts below the highest one the service
   claimed that it never claimed (a skipped prompt), plus trained groups not in the queue as an attempt the trainer
   kept (goal 0 and 0);
-* ``task_mix_p_value``: None here -- the run has one task; the chi-square test of the mix after an outage is the
-  buffer policy's test (``tests/trainer/rl/test_buffer_policy.py``, docs/trainer.md).
+* ``task_mix_p_value``: the run's task is ``mix`` (``repeat`` and a 4x longer ``reverse``, alternating prompts:
+  the short task's groups pile up faster during the outage); the chi-square test of homogeneity
+  (:func:`syncd.trainer.rl.buffer_policy.mix_p_value`) of the task mix trained in the steps after the restart against
+  the mix trained before the kill, the same run's steady state without an outage (goal >= 0.01; the buffer policy's
+  own test, ``tests/trainer/rl/test_buffer_policy.py``, compares with a separate run and shows a naive policy fail).
 
 What the outage costs: the service generates on the last published version while the trainer is away; the restored
 trainer can train at most ``(eta + 1) x groups per step`` of one version (the buffer policy's cap) before they are
@@ -61,10 +64,11 @@ def bench_outage(args, work: Path) -> dict:
     """One outage run (module docstring); the ``outage`` member of bench.trainer_ft's JSON."""
     from syncd.app.rl_stack import RLStack, StackConfig
     from syncd.procs import stop_process, wait_until
+    from syncd.trainer.rl.buffer_policy import mix_p_value
     from syncd.trainer.rl.group_queue import GroupQueue
 
     stack = RLStack(StackConfig(work / "stack", run_id="outage", engines=2, seed=1)).start()
-    flags = ("--task", "repeat", "--task-length", "8", "--group-size", "4")
+    flags = ("--task", "mix", "--task-length", "8", "--group-size", "4")
     out, ckpt = work / "out", work / "ckpt"
     argv = [*stack.trainer_argv("--out", str(out), "--steps", str(args.outage_steps), "--groups-per-step", "2",
                                 "--max-lag", "2", "--no-plot", "--checkpoint-dir", str(ckpt), "--replicas", "0",
@@ -111,6 +115,14 @@ def bench_outage(args, work: Path) -> dict:
     missing = sum((g["item"]["index"], tuple(map(tuple, g["trajectories"]))) not in written
                   for p in plans for g in p["groups"])
     steps = _steps(out)
+    resumed_at = min(s["step"] for s in steps if s["t"] >= restarted)  # the restored trainer's first step
+    mix = {"before": {}, "after": {}}
+    for p in plans:
+        side = mix["before" if p["step"] < resumed_at else "after"]
+        for g in p["groups"]:
+            task = (g["item"].get("meta") or {}).get("task", "")
+            side[task] = side.get(task, 0) + 1
+    p_value = mix_p_value(mix["after"], mix["before"])[0]
     first_step = min(s["t"] for s in steps if s["t"] >= restarted)  # the restored trainer's first line
     started = min(s["t"] for s in steps)  # the steady state: from the first step to the kill
     before_rate = _rate(groups, started, killed)
@@ -122,6 +134,6 @@ def bench_outage(args, work: Path) -> dict:
             "restart_to_first_step_s": first_step - restarted,
             "prompts_duplicated": len(trained) - len(set(trained)),
             "prompts_lost": len(set(range(max(claimed, default=-1) + 1)) - claimed) + missing,
-            "task_mix_p_value": None, "groups_written": len(groups), "groups_trained": len(trained),
+            "task_mix_p_value": p_value, "task_mix": mix, "groups_written": len(groups), "groups_trained": len(trained),
             "groups_sent_back": sum(1 for k in st.failed if k in st.landed),
             "params": "the stack's tiny model (hidden 64, 2 layers)"}

@@ -47,4 +47,21 @@ def test_the_outage_section_measures_generation_through_a_trainer_kill(tmp_path,
     assert o["prompts_lost"] == 0 and o["prompts_duplicated"] == 0  # checked: a skipped or twice-trained prompt
     assert o["gen_tokens_per_s_before"] > 0 and o["gen_tokens_per_s_during"] > 0  # the service worked while away
     assert 0 < o["restart_to_first_step_s"] < 600 and o["groups_trained"] == 6 * 2
-    assert o["task_mix_p_value"] is None  # one task: the mix test is the buffer policy's
+    mix = o["task_mix"]  # the mix task: a short and a 4x longer task, before the kill and after the restart
+    assert sum(mix["before"].values()) + sum(mix["after"].values()) == 6 * 2
+    assert set(mix["before"]) | set(mix["after"]) <= {"repeat", "reverse"} and sum(mix["after"].values()) > 0
+    assert 0.0 <= o["task_mix_p_value"] <= 1.0
+
+
+def test_the_elastic_section_kills_the_leader_and_reports_shrink_takeover_and_goodput(tmp_path, capsys):
+    """The elastic section with short runs, the killed group restarted from a warm spare so that it is back while
+    the survivor still trains."""
+    out = tmp_path / "elastic.json"
+    assert trainer_ft.main(["--sections", "elastic", "--elastic-steps", "60", "--elastic-kill-at", "4",
+                            "--elastic-spare", "--json", str(out)]) == 0
+    assert "takeover" in capsys.readouterr().out
+    e = json.loads(out.read_text())["elastic"]
+    assert e["rejoined"] and e["regrow_s"] > 0
+    assert e["weights_equal"] and e["plain_weights_equal"] and e["prompts_duplicated"] == 0
+    assert 0 < e["shrink_s"] <= e["takeover_s"] < 600 and e["goodput_plain"] > 0 and e["goodput_failing"] > 0
+    assert trainer_ft.main(["--sections", "elastic", "--elastic-steps", "4", "--elastic-kill-at", "4"]) == 2

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 #: long enough that the survivor still trains when the restarted group is back (a step of this tiny model takes a
 #: fraction of a second; the restart is a warm spare's, its imports done before the kill)
-STEPS, GROUPS = 48, 2
+STEPS, GROUPS = 64, 2
 
 
 def test_the_live_side_moves_to_a_surviving_group_and_the_killed_group_regrows_from_replicas(tmp_path):
