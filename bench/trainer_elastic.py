@@ -66,10 +66,11 @@ class ElasticRun:
     FLAGS = ("--task", "repeat", "--task-length", "8", "--group-size", "4")
 
     def __init__(self, work: Path, *, steps: int, groups_per_step: int = 2, backlog: int = 8,
-                 leader_timeout_s: float = 3.0, min_replicas: int = 1, run_id: str = "elastic"):
+                 leader_timeout_s: float = 5.0, min_replicas: int = 1, run_id: str = "elastic"):
         from syncd.app.rl_stack import RLStack, StackConfig
 
         self.work, self.steps, self.procs, self.lives, self.spares = work, steps, {}, {}, []
+        self.leader_timeout_s = leader_timeout_s
         self.min_replicas, self.svc = min_replicas, None
         self.stack = RLStack(StackConfig(work / "stack", run_id=run_id, engines=2, seed=1)).start()
         self.out = work / "out"
@@ -240,7 +241,7 @@ def bench_elastic(args, work: Path) -> dict:
         trained = _trained(run)
     finally:
         run.close()
-    return {"steps": steps, "killed_after_step": kill_at, "leader_timeout_s": 3.0,
+    return {"steps": steps, "killed_after_step": kill_at, "leader_timeout_s": run.leader_timeout_s,
             "shrink_s": alone[0]["t"] - t_kill if alone else None, "takeover_s": min(led) - t_kill,
             "regrow_s": back[0]["t"] - t_restart if back else None, "rejoined": bool(back),
             "goodput_plain": goodput_plain, "goodput_failing": goodput_failing,
