@@ -259,9 +259,14 @@ def elastic_job(cfg: LoopConfig) -> Iterator[Job]:
             stack.callback(lead.close)
             states = LiveStateLog(cfg.store, cfg.run_id)
 
+        def commit_gate(step: int) -> None:  # the checkpoint on the holders, then this group still leads
+            if ft is not None:
+                ft.durable(step)
+            lead.fence()
+
         def make_live(state_step: int, state: dict | None, settled: list) -> LiveSide:
             live = LiveSide(gcfg, model, resume_step=state_step if state is not None else None,
-                            commit_gate=ft.durable if ft is not None else None)
+                            commit_gate=commit_gate)
             stack.callback(live.abort)
             live.start(state, settled)
             return live

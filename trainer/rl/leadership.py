@@ -13,9 +13,10 @@ and when another group takes it over. No group is special: the first to claim a 
   within ``timeout_s`` of this follower's start, or the newest term is this group's own previous life (a restarted
   leader knows it is dead). The leader rewrites the heartbeat every ``beat_s`` on its own thread.
 * **Deposed**: a leader that finds a newer term claimed (its heartbeat thread looks each beat) stops leading:
-  :meth:`Leadership.check` raises :class:`Deposed` (the group exits and is restarted as a follower); plans are
-  create-only, so even before it notices it cannot log a second plan for a step. The window it leaves is one beat
-  during which a version could still be published by it.
+  :meth:`Leadership.check` raises :class:`Deposed` (the group exits and is restarted as a follower). Plans are
+  create-only, so even before it notices it cannot log a second plan for a step, and :meth:`Leadership.fence`
+  looks again right before each of its versions becomes visible (the publisher's commit gate): what is left is the
+  moment between that look and the manifest's write.
 
 What a new leader starts from is the live side's newest logged RL state (:class:`syncd.trainer.ft.plan_log.LiveStateLog`)
 and the plans logged after it (:class:`syncd.trainer.rl.plans.LoggedPlans`).
@@ -156,6 +157,15 @@ class Leadership:
         if self._deposed.is_set():
             raise Deposed(f"group {self.group}: a newer term than its term {self.term} was claimed; it no longer "
                           "runs the live side (restart it: it rejoins as a follower)")
+
+    def fence(self) -> None:
+        """:meth:`check`, after one look at the store for a newer term: the publisher's commit gate calls it just
+        before a version becomes visible, so a deposed leader's version fails instead of reaching the engines.
+        StoreError when the store cannot be read (the version fails too)."""
+        self.check()
+        if self.term is not None and self.store.exists(f"{self._prefix()}{self.term + 1:012d}.json"):
+            self._deposed.set()
+            self.check()
 
     def _write_beat(self, n: int) -> None:
         doc = {"term": self.term, "group": self.group, "life": self.life, "beat": n}

@@ -107,6 +107,19 @@ def test_a_deposed_leader_learns_it_within_a_beat_or_two(store):
     new.close()
 
 
+def test_the_publish_fence_looks_at_the_store_itself(store):
+    old = _lead(store, 0)
+    assert old.claim()
+    old._stop.set()  # its heartbeat thread would notice within a beat: the fence must not wait for it
+    old._thread.join()
+    old.fence()
+    new = _lead(store, 1)
+    assert not new.leader_gone() and new.claim()
+    with pytest.raises(Deposed):
+        old.fence()
+    new.close()
+
+
 def test_a_malformed_claim_is_ignored_and_counted(store):
     lead = _lead(store, 0)
     lead.store.put("runs/run/trainer/leaders/000000000007.json", b'{"term": 7, "group": "x"}')
