@@ -1,18 +1,24 @@
-"""vLLM under Dynamo records replay: a node of two ``--engine vllm --replay-store`` workers (a tiny Qwen2 with
-head_dim 64), the frontend and a sandbox proxy. The trainer's ``read_rollouts`` joins the engines' records with the
-proxy's trajectories token by token (ids, versions, log-probs, kept sets) -- also for a stream that migrated to the
-other worker when its first one stopped (SIGTERM, a 0.2 s drain timeout: the worker flushes its records and exits). A store
-that refuses the records costs nothing: they are spilled and written once it takes them, and the requests are
-served meanwhile. Replay settings vLLM cannot record are refused with HTTP 400 naming the field, as is replay
-asked (``nvext.annotations: ["syncd.replay"]``) of a worker without a replay store."""
+"""vLLM under Dynamo records replay: a node of two ``--engine vllm --replay-store`` workers (a tiny Qwen2 with head_dim
+64), the frontend and a sandbox proxy. The trainer's ``read_rollouts`` joins the engines' records with the proxy's
+trajectories token by token (ids, versions, log-probs, kept sets) -- also for a stream that migrated to the other
+worker when its first one stopped (held paused after its first tokens, then SIGTERM, a 0.2 s drain timeout: the
+worker flushes its records and exits). A store that refuses the records costs nothing: they are spilled and written
+once it takes them, and the requests are served meanwhile. Replay settings vLLM cannot record are refused with HTTP
+400 naming the field, as is replay asked (``nvext.annotations: ["syncd.replay"]``) of a worker without a replay
+store."""
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import signal
+import threading
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -55,14 +61,14 @@ def cluster(tmp_path_factory):
     if os.environ.get("SYNCD_VLLM") == "off":
         pytest.skip("SYNCD_VLLM=off: the vllm extra is not installed on this machine")
     root = tmp_path_factory.mktemp("vllm-cluster")
-    model = write_model(root / "tiny", arch="qwen2", seed=5, **SIZES)
+    model = write_model(root / "tiny", arch="qwen2", seed=5, max_positions=8192, **SIZES)
     store, spill = root / "store", root / "spill"
     blocked = store / "runs" / RUN_ID / "replay"
     blocked.parent.mkdir(parents=True)
     blocked.write_text("a file where the replay folder goes: the store refuses every replay chunk")
     cfg = NodeConfig(model=model, run_dir=root / "node", workers=2, frontend=True, migration_limit=3,
                      settings=DynamoSettings(file_kv=root / "kv", namespace=f"v{uuid.uuid4().hex[:8]}"),
-                     worker_args=("--engine", "vllm", "--max-model-len", "2048", "--weights-version", "0",
+                     worker_args=("--engine", "vllm", "--max-model-len", "8192", "--weights-version", "0",
                                   "--replay-store", store.resolve().as_uri(), "--run-id", RUN_ID,
                                   "--replay-spill-dir", str(spill), "--drain-timeout", "0.2"),
                      startup_timeout_s=420)
@@ -146,27 +152,109 @@ def _joins(c, tid):
         return None
 
 
+def _holder(workers: dict) -> str | None:
+    """The instance id of the worker whose generate endpoint holds a request (its in-flight gauge, Dynamo's
+    ``/metrics`` on the worker's system port), or None."""
+    from syncd import http_client
+
+    for wid, w in workers.items():
+        text = http_client.request("GET", w["admin_url"], "/metrics", timeout_s=30).body.decode(errors="replace")
+        for line in text.splitlines():
+            if (line.startswith("dynamo_component_inflight_requests{") and 'dynamo_endpoint="generate"' in line
+                    and float(line.rsplit(" ", 1)[1]) > 0):
+                return wid
+    return None
+
+
+def _step(engine) -> None:
+    """Resume the paused ``engine`` with a pause sent right behind the resume (once the resume is on the wire): a
+    pause that reaches a worker streaming its tokens took seconds on a busy machine, one the worker serves as the
+    resume ends does not. The worker does not always serve them in that order (the first pause is then a no-op);
+    a second pause makes sure of it, at once where the first one held."""
+    u = urlsplit(engine.base_url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
+    try:
+        conn.request("POST", "/engine/weights/resume", body=json.dumps(engine.credentials()),
+                     headers={"Content-Type": "application/json"})
+        engine.pause()
+        reply = conn.getresponse()
+        assert reply.status == 200, reply.read()[:300]
+    finally:
+        conn.close()
+    engine.pause()
+
+
+def _in_steps(engine, seen, enough: int, alive, timeout_s: float = 240.0) -> int:
+    """Let the paused ``engine`` generate in steps (:func:`_step`) until the client has ``enough`` events
+    (``seen()``) once it has caught up with the engine (no new event for five times as long as the step took, at
+    least 50 ms); returns with it paused and the events seen. A step lets the engine make only what it makes
+    between a resume and a pause, however late its events reach the client."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        t = time.monotonic()
+        _step(engine)
+        quiet = max(0.05, 5 * (time.monotonic() - t))
+        last, since = seen(), time.monotonic()
+        while time.monotonic() - since < quiet:
+            time.sleep(quiet / 20)
+            if seen() != last:
+                last, since = seen(), time.monotonic()
+        if last >= enough or not alive():
+            return last
+        assert time.monotonic() < deadline, f"{last} events {timeout_s:.0f} s into the stream"
+
+
 def test_a_migrated_trajectory_joins_the_records_of_both_workers(cluster):
+    from syncd.engines.client import RemoteAdapter
+    from syncd.records.trajectory import read_record
+
     c = cluster
     _store_takes_records(c)
     tid = f"mig-{uuid.uuid4().hex[:6]}"
-    n = 1900  # far more than the stopped worker makes in its 0.2 s drain (a quiet machine makes ~1900 tokens/s)
+    # far more than a worker makes in a step of _in_steps: a quiet machine makes ~1900 tokens/s, a busy one (load
+    # ~7 on two cores) ~300, where a pause that reached a worker streaming its tokens took up to 6 s
+    n = 8000
     body = {"model": c.model, "prompt": "a long story:", "max_tokens": n, "ignore_eos": True, "temperature": 1.0,
             "top_p": 0.95, "seed": 11, "nvext": {"extra_fields": ["worker_id"]}}
-    stopped = {}
+    workers = {w["instance_id"]: w for w in c.node.workers()}
+    engines = {wid: RemoteAdapter(w["admin_url"]) for wid, w in workers.items()}
+    events: list = []
+    result: list = []
+    # The stream is sent to paused workers; the one that holds it is let on in steps until the client has 31 of
+    # its events, and stopped while paused, so that it cannot finish the stream in its drain: the stream migrates
+    # to the other, resumed then. (Stopped as the client saw its 31st event, a worker that had run on meanwhile --
+    # on a busy machine the client sees the tokens late -- could finish the stream before it exited.)
+    for e in engines.values():
+        e.pause()
 
-    def stop_at(i, ev):
-        if i == 30:
-            wid = ev["nvext"]["worker_id"]["decode_worker_id"]
-            stopped.update(next(w for w in c.node.workers() if w["instance_id"] == wid))
-            os.kill(stopped["pid"], signal.SIGTERM)  # drains 0.2 s, flushes its records, exits: the stream migrates
+    def run():
+        try:
+            result.append(post_stream(f"{c.proxy.url}/v1/completions", body, headers={"X-Syncd-Trajectory": tid},
+                                      on_event=lambda i, ev: events.append(ev), timeout=300))
+        except Exception as exc:  # noqa: BLE001 -- reported below
+            result.append(exc)
 
-    status, _, events = post_stream(f"{c.proxy.url}/v1/completions", body, headers={"X-Syncd-Trajectory": tid},
-                                    on_event=stop_at, timeout=300)
-    assert stopped and status == 200 and finish_reason(events) == "length"
+    stream = threading.Thread(target=run, daemon=True)
+    stream.start()
+    stopped = None
+    try:
+        holder = wait_until(lambda: _holder(workers), 120, "a worker to hold the stream",
+                            alive=lambda: None if stream.is_alive() else f"the stream ended: {result}")
+        _in_steps(engines[holder], lambda: len(events), 31, stream.is_alive)
+        ids = {ev["nvext"]["worker_id"]["decode_worker_id"] for ev in events if "worker_id" in (ev.get("nvext") or {})}
+        assert len(events) >= 31 and ids == {holder}, (len(events), ids, holder)
+        os.kill(workers[holder]["pid"], signal.SIGTERM)  # drains 0.2 s, flushes its records, exits: it migrates
+        stopped = holder
+    finally:
+        for wid, e in engines.items():
+            if wid != stopped:
+                e.resume()
+                e.release()
+    stream.join(300)
+    assert result and not isinstance(result[0], Exception), result
+    [(status, _, got)] = result
+    assert status == 200 and finish_reason(got) == "length"
     c.finish(tid)
-    from syncd.records.trajectory import read_record
-
     [turn] = read_record(str(c.store), RUN_ID, SANDBOX, tid)["turns"]
     assert len(turn["segments"]) >= 2 and turn["segments"][0]["count"] >= 30, "the stream did not migrate"
     rollout = wait_until(lambda: _joins(c, tid), 30, "the records of the migrated turn")
