@@ -21,9 +21,10 @@ and when another group takes it over. No group is special: the first to claim a 
 What a new leader starts from is the live side's newest logged RL state (:class:`syncd.trainer.ft.plan_log.LiveStateLog`)
 and the plans logged after it (:class:`syncd.trainer.rl.plans.LoggedPlans`).
 
-Every object read is hostile: bounded, strict JSON, members typed; one that is not is treated as absent and logged.
-Thread-safety: :meth:`claim`, :meth:`leader_gone` and :meth:`check` from the training thread; the heartbeat thread
-only writes the heartbeat and sets the deposed flag.
+Every object read is hostile: a claim is bounded, strict JSON with typed members (one that is not is no claim:
+logged and counted); the heartbeat is only compared byte for byte with the last one seen. Thread-safety:
+:meth:`claim`, :meth:`leader_gone` and :meth:`check` from the training thread, :meth:`fence` from the publisher's;
+the heartbeat thread only writes the heartbeat and sets the deposed flag.
 """
 
 from __future__ import annotations
