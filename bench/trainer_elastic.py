@@ -33,7 +33,7 @@ from pathlib import Path
 
 from bench.ft_goodput import kill_process_tree
 
-__all__ = ["ElasticRun", "bench_elastic", "read_lines"]
+__all__ = ["ElasticRun", "SPARE", "bench_elastic", "read_lines"]
 
 ROOT = Path(__file__).resolve().parents[1]
 

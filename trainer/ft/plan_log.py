@@ -118,17 +118,20 @@ class PlanLog(_StepLog):
     def _valid(self, body: dict) -> bool:
         return isinstance(body.get("groups"), list)
 
-    def wait(self, step: int, timeout_s: float, *, poll_s: float = 0.05) -> dict:
-        """Step ``step``'s plan once logged; TimeoutError after ``timeout_s``."""
+    def wait(self, step: int, timeout_s: float, *, poll_s: float = 0.05, until=None) -> dict | None:
+        """Step ``step``'s plan once logged, polled every ``poll_s`` growing to 1 s; None as soon as ``until()``
+        (asked after each look that found none) is true; TimeoutError after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         wait = poll_s
         while True:
             plan = self.get(step)
             if plan is not None:
                 return plan
+            if until is not None and until():
+                return None
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no plan for step {step} in the plan log after {timeout_s:.0f} s (is the "
-                                   "replica group that runs the live side down?)")
+                                   "replica group that runs the live side down, or waiting for rollouts?)")
             time.sleep(wait)
             wait = min(1.0, wait * 1.5)
 

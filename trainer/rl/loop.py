@@ -142,10 +142,12 @@ def train(job: Job) -> dict:
         if live is not None:
             live.finish_step(step, plan, [r for r in recs if r is not None], loss, grad_norm, train_s, loss_cfg,
                              participants=n, **_buffer_policy(live))
-        job.plans.committed(step)
+        # the RL state of this boundary, taken once for the checkpoint and the plan source that logs it
+        state = live.snapshot() if live is not None and (ckpts is not None or job.plans.wants_state) else None
+        job.plans.committed(step, state)
         if ckpts is not None:
             gated = live is not None and live.published_step == step  # its version waits for this checkpoint
-            ckpts.save(step, model, opt, state=live.snapshot() if live is not None else {"step": step},
+            ckpts.save(step, model, opt, state=state if state is not None else {"step": step},
                        must=gated or step == cfg.steps)
     live = job.plans.live
     summary = dp.summary(model)

@@ -1,8 +1,9 @@
 """Where the step loop (:func:`syncd.trainer.rl.loop.train`) gets step ``N``'s plan: the trajectories it trains, their
 rewards and the weight versions their tokens came from (made by the live side, :class:`syncd.trainer.rl.live.LiveSide`).
 
-Both sources have ``get(step) -> plan`` (blocking until the plan exists) and ``committed(step)`` (the step was
-trained and committed; called once per committed step, in order).
+Both sources have ``get(step) -> plan`` (blocking until the plan exists) and ``committed(step, state)`` (the step
+was trained and committed, ``state`` the live side's RL state of that boundary where this process runs it; called
+once per committed step, in order).
 
 * :class:`BroadcastPlans`, a plain data-parallel job: rank 0's live side makes the plan (or reads it from the
   recorded plans, offline), every rank receives it (:meth:`syncd.trainer.dist.DataParallel.broadcast_result`).
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -34,6 +34,8 @@ class BroadcastPlans:
     """A plain job's plans (module docstring). ``dp``: the job's :class:`~syncd.trainer.dist.DataParallel`;
     ``live``: rank 0's live side (None on the other ranks)."""
 
+    wants_state = False  # committed() does nothing with the RL state
+
     def __init__(self, dp, live):
         self.dp, self.live = dp, live
 
@@ -41,7 +43,7 @@ class BroadcastPlans:
         """Step ``step``'s plan on every rank; rank 0's failure to make it is raised on every rank."""
         return self.dp.broadcast_result((lambda: self.live.plan(step)) if self.live is not None else None)
 
-    def committed(self, step: int) -> None:
+    def committed(self, step: int, state: dict | None = None) -> None:
         """Nothing to do: the live side accounts for the step in ``finish_step``."""
 
 
@@ -98,28 +100,26 @@ class LoggedPlans:
 
     def _follow(self, step: int) -> dict | None:
         """Step ``step``'s plan from the log; None once this group took the live side over (its leader gone)."""
-        patience = self.cfg.rollout_timeout_s + (self.lead.timeout_s if self.lead is not None else 0)
-        deadline, wait = time.monotonic() + patience, 0.05
-        while True:
-            plan = self.log.get(step)
-            if plan is not None:
-                return plan
-            if self.lead is not None and self.lead.leader_gone() and self.lead.claim():
-                self.take_over(step)
-                return None
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no plan for step {step} in the plan log after {patience:.0f} s, and its "
-                                   "leader still beats")
-            time.sleep(wait)
-            wait = min(1.0, wait * 1.5)
+        lead = self.lead
+        patience = self.cfg.rollout_timeout_s + (lead.timeout_s if lead is not None else 0)
+        plan = self.log.wait(step, patience, until=None if lead is None else
+                             lambda: lead.leader_gone() and lead.claim())
+        if plan is None:
+            self.take_over(step)
+        return plan
 
-    def committed(self, step: int) -> None:
-        """The step committed; the leader logs its RL state (another group takes over from it) and stops if it
-        was deposed meanwhile."""
+    @property
+    def wants_state(self) -> bool:
+        """Whether :meth:`committed` logs the RL state (this group leads)."""
+        return self.live is not None and self.states is not None
+
+    def committed(self, step: int, state: dict | None = None) -> None:
+        """The step committed; the leader logs its RL state ``state`` (its live side's snapshot of this boundary:
+        another group takes over from it) and stops if it was deposed meanwhile."""
         self.accounted = step
         if self.live is not None and self.states is not None:
             self.lead.check()
-            self.states.put(step, self.live.snapshot())
+            self.states.put(step, state if state is not None else self.live.snapshot())
             if step % 8 == 0:
                 self.states.prune(step - 4)
 

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.trainer_elastic import SPARE  # a replica group's warm spare: imports done, waits for a line
+
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -58,16 +60,6 @@ def data(tmp_path_factory):
                                        "groups": [groups[k % len(groups)] for k in range(SHRINK_GROUPS)]}) + "\n"
                            for s in range(1, SHRINK_STEPS + 1)))
     return {"root": root, "model": model, "plans": plans, "plans-big": big}
-
-
-SPARE = r"""
-import json, sys
-import torch, torchft, transformers  # noqa: F401 -- the slow part of a start
-import syncd.trainer.jobs, syncd.trainer.run  # noqa: F401
-print("ready", file=sys.stderr, flush=True)
-sys.stdin.readline()
-sys.exit(syncd.trainer.run.main(json.loads(sys.argv[1])))
-"""
 
 
 class Job:
