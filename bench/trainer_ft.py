@@ -248,6 +248,11 @@ def parser() -> argparse.ArgumentParser:
     a("--outage-s", type=float, default=15.0, help="seconds the trainer stays away (outage)")
     a("--outage-backlog", type=int, default=160, help="the rollout service's --max-backlog (outage; the default "
       "covers the default outage at this machine's generation rate)")
+    a("--outage-hidden", type=int, default=64, help="hidden size of the outage run's model (1024 with 10 layers: "
+      "about 100M parameters)")
+    a("--outage-layers", type=int, default=2, help="layers of the outage run's model")
+    a("--outage-replicas", type=int, default=0, help="the outage run's trainer as two ranks on two nodes, each "
+      "checkpoint replicated to K holders (0: one rank, no replicas)")
     a("--elastic-steps", type=int, default=120, help="steps of each elastic run")
     a("--elastic-kill-at", type=int, default=8, help="the leading group is killed after this step (elastic)")
     a("--elastic-spare", action="store_true", help="restart the killed group from a warm spare, imports done "
@@ -355,7 +360,8 @@ def _report(out: dict) -> None:
                   f"{g['plain_checkpoint_stall_s'] / g['plain_wall_s']:.1%} of its wall time (process start included)")
     if "outage" in out:
         o = out["outage"]
-        print(f"outage ({o['steps']} steps, the trainer killed after step {o['killed_after_step']} and away "
+        print(f"outage ({o['params'] / 1e6:.1f}M params, {o['replicas']} replica(s) on peers, {o['steps']} steps, "
+              f"the trainer killed after step {o['killed_after_step']} and away "
               f"{o['outage_s']:.0f} s, the service's backlog {o['backlog']} groups): generation "
               f"{o['gen_tokens_per_s_during']:.1f} tokens/s during against {o['gen_tokens_per_s_before']:.1f} before "
               f"({o['during_over_before']:.2f}x; goal >= 0.8); restart to first step "

@@ -24,13 +24,15 @@ trainer can train at most ``(eta + 1) x groups per step`` of one version (the bu
 stale, and sends the rest back to be generated again (``groups_sent_back``): ``--max-backlog`` trades engine work
 during an outage against that waste.
 
-The model is the stack's tiny one, not 100M parameters: ``restart_to_first_step_s`` is the restart's process, load
-and queue path, not a 100M checkpoint's transfer (the ``rebuild`` section measures that from a peer).
+The model is the stack's tiny one by default; ``--outage-hidden`` and ``--outage-layers`` size it (hidden 1024, 10
+layers: about 100M parameters, engines and trainer alike), and ``--outage-replicas K`` runs the trainer as two
+ranks on two nodes, each rank's checkpoint replicated to the other (``params``, ``replicas`` in the JSON).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import signal
 import subprocess
 import time
@@ -67,12 +69,16 @@ def bench_outage(args, work: Path) -> dict:
     from syncd.trainer.rl.buffer_policy import mix_p_value
     from syncd.trainer.rl.group_queue import GroupQueue
 
-    stack = RLStack(StackConfig(work / "stack", run_id="outage", engines=2, seed=1)).start()
+    stack = RLStack(StackConfig(work / "stack", run_id="outage", engines=2, seed=1, hidden=args.outage_hidden,
+                                layers=args.outage_layers)).start()
     flags = ("--task", "mix", "--task-length", "8", "--group-size", "4")
     out, ckpt = work / "out", work / "ckpt"
+    # with replicas: two ranks on two "nodes", each rank's checkpoint replicated to the other's holder
+    ranks = ("--nproc", "2", "--node", "node-{rank}", "--replicas", str(args.outage_replicas)) \
+        if args.outage_replicas else ("--replicas", "0")
     argv = [*stack.trainer_argv("--out", str(out), "--steps", str(args.outage_steps), "--groups-per-step", "2",
-                                "--max-lag", "2", "--no-plot", "--checkpoint-dir", str(ckpt), "--replicas", "0",
-                                "--rollout-timeout", "300", *flags, external_rollouts=True)]
+                                "--max-lag", "2", "--no-plot", "--checkpoint-dir", str(ckpt), *ranks,
+                                "--rollout-timeout", "900", *flags, external_rollouts=True)]
     logs = {name: open(work / f"{name}.log", "ab") for name in ("rollouts", "trainer-1", "trainer-2")}
     q = GroupQueue(stack.store_url, stack.run_id)
     trainer = svc = None
@@ -136,4 +142,13 @@ def bench_outage(args, work: Path) -> dict:
             "prompts_lost": len(set(range(max(claimed, default=-1) + 1)) - claimed) + missing,
             "task_mix_p_value": p_value, "task_mix": mix, "groups_written": len(groups), "groups_trained": len(trained),
             "groups_sent_back": sum(1 for k in st.failed if k in st.landed),
-            "params": "the stack's tiny model (hidden 64, 2 layers)"}
+            "params": _params(stack.model_dir), "hidden": args.outage_hidden, "layers": args.outage_layers,
+            "replicas": args.outage_replicas}
+
+
+def _params(model_dir: Path) -> int:
+    """Parameters of the stack's model (from its safetensors header: shapes only)."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(model_dir) / "model.safetensors"), "pt") as f:
+        return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
