@@ -17,8 +17,8 @@ every one from the groups' own ``ft.jsonl`` and metrics lines:
   then replays the logged plans alone, from scratch if its peer's replicas went with the peer, and its weights
   differ from the survivor's by the rounding of one participant's sums against two's). ``--elastic-spare`` restarts
   it from a warm spare (imports done), as a scheduler's pre-started replacement;
-* ``goodput``: committed steps per second of the failing run (first commit to the last) against the failure-free
-  run's (``goodput_ratio``), rollout-bound on this tiny model;
+* ``goodput`` (= ``goodput_ratio``): committed steps per second of the failing run (first commit to the last,
+  ``goodput_failing``) over the failure-free run's (``goodput_plain``), rollout-bound on this tiny model;
 * ``prompts_duplicated``, ``weights_equal`` (the two groups' digests at the end).
 """
 
@@ -246,6 +246,7 @@ def bench_elastic(args, work: Path) -> dict:
             "regrow_s": back[0]["t"] - t_restart if back else None, "rejoined": bool(back),
             "goodput_plain": goodput_plain, "goodput_failing": goodput_failing,
             "goodput_ratio": goodput_failing / goodput_plain if goodput_plain else None,
+            "goodput": goodput_failing / goodput_plain if goodput_plain else None,  # the issue's name for the ratio
             "prompts_duplicated": len(trained) - len(set(trained)),
             "weights_equal": summary[0]["digest"] == summary[1]["digest"],
             "plain_weights_equal": plain_summary[0]["digest"] == plain_summary[1]["digest"],

@@ -64,4 +64,5 @@ def test_the_elastic_section_kills_the_leader_and_reports_shrink_takeover_and_go
     assert e["rejoined"] and e["regrow_s"] > 0
     assert e["weights_equal"] and e["plain_weights_equal"] and e["prompts_duplicated"] == 0
     assert 0 < e["shrink_s"] <= e["takeover_s"] < 600 and e["goodput_plain"] > 0 and e["goodput_failing"] > 0
+    assert e["goodput"] == e["goodput_failing"] / e["goodput_plain"]
     assert trainer_ft.main(["--sections", "elastic", "--elastic-steps", "4", "--elastic-kill-at", "4"]) == 2
