@@ -21,7 +21,8 @@ another run is refused (:class:`~syncd.trainer.ft.ckpt_format.RunMismatch`, both
 **Restore**: :meth:`FaultTolerance.available` lists the steps this owner may restore (its own checkpoints with a
 manifest, and the steps its holders list) -- candidates, not promises: a holder's replica may be corrupt or
 foreign. :meth:`FaultTolerance.load` verifies one step completely (its own checkpoint, else each holder's replica
-against its owner's record) without changing anything; :meth:`FaultTolerance.adopt` makes a loaded step this
+against its owner's record) without changing anything -- or takes ``preloaded``, the same step read and verified
+ahead (:mod:`syncd.trainer.ft.prefetch`), while its manifest is still the one on disk; :meth:`FaultTolerance.adopt` makes a loaded step this
 life's start (later steps dropped, the step re-offered to the holders, a rebuilt one written back in the
 background). A plain data-parallel job restores the newest step *every* rank has actually loaded
 (:func:`restore_together`: agree on a candidate, every rank loads it, and if one cannot, the next older common
@@ -49,7 +50,12 @@ from syncd.trainer.ft.replicas import list_replicas, place_replicas
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FTConfig", "FaultTolerance", "agree_step", "default_node", "restore_together"]
+__all__ = ["FTConfig", "FaultTolerance", "agree_step", "default_node", "own_dir", "restore_together"]
+
+
+def own_dir(root, owner: str) -> Path:
+    """Where ``owner`` keeps its own checkpoints under the node-local ``root``."""
+    return Path(root) / owner / "own"
 
 
 def default_node() -> str:
@@ -95,8 +101,8 @@ class FaultTolerance:
 
     def __init__(self, cfg: FTConfig):
         self.cfg = cfg
-        base = Path(cfg.root) / cfg.owner
-        self.own, self.held = base / "own", base / "held"
+        self.own, self.held = own_dir(cfg.root, cfg.owner), Path(cfg.root) / cfg.owner / "held"
+        self.preloaded = None  # a syncd.trainer.ft.prefetch.Prefetched: load() uses it while it is current
         secret = cfg.secret if cfg.secret is not None else job_secret(cfg.root)
         self.token = replica_token(secret, cfg.run_id)
         self.server = ReplicaServer(self.held, host=cfg.host, keep=cfg.keep, signing_key=cfg.signing_key,
@@ -144,6 +150,8 @@ class FaultTolerance:
         the holders' replicas (each against its owner's record; a bad one is skipped with the reason and the next
         tried) -- and changing nothing on disk; None if there is none. RunMismatch for another run's local one."""
         key = self.cfg.signing_key
+        if self.preloaded is not None and self.preloaded.current(self.own, step):
+            return self.preloaded.checkpoint  # read and verified ahead (a warm standby's), still the one on disk
         c = newest_checkpoint(self.own, owner=self.cfg.owner, signing_key=key, step=step, run_id=self.cfg.run_id)
         if c is not None:
             return c
@@ -157,15 +165,17 @@ class FaultTolerance:
 
     def adopt(self, c: Checkpoint) -> Checkpoint:
         """Make the loaded ``c`` this life's start: later local steps are dropped (a lineage that did not survive);
-        a local one is durable at once and offered to the holders again (they may have lost it); a rebuilt one is
+        a local one is durable at once and offered to the holders again (they may have lost it; one that lists exactly
+        its manifest is not sent it again); a rebuilt one is
         written to local disk (and offered to the holders) in the background."""
         self._drop_later(c.step)
+        self.preloaded = None
         bundle, c.bundle = c.bundle, None
         if bundle is None:
             log.warning("%s: restoring step %d from the local checkpoint %s", self.cfg.owner, c.step, c.path)
             self.checkpointer.mark_durable(c.step)
             if self.replicator is not None:
-                self.replicator(c.step, c.path)
+                self.replicator(c.step, c.path, again=True)
             return c
         c.path = step_dir(self.own, c.step)
         self._persisting = threading.Thread(target=self._persist, args=(bundle, c.step), name="ft-persist",

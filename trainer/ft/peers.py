@@ -27,7 +27,7 @@ from pathlib import Path
 from syncd import jsonsafe
 from syncd import manifest as mf
 from syncd.trainer.ft.ckpt_format import MANIFEST, StateError, check_owner, manifest_digest
-from syncd.trainer.ft.replicas import ReplicaError, fetch_checkpoint, list_replicas, push_replica
+from syncd.trainer.ft.replicas import ReplicaError, fetch_checkpoint, held_manifests, list_replicas, push_replica
 
 log = logging.getLogger(__name__)
 
@@ -136,11 +136,12 @@ class Replicator:
         self._thread = threading.Thread(target=self._work, name=f"replicator-{owner}", daemon=True)
         self._thread.start()
 
-    def __call__(self, step: int, path) -> None:
-        """The checkpointer's listener: replicate ``path`` (step ``step``)."""
+    def __call__(self, step: int, path, *, again: bool = False) -> None:
+        """The checkpointer's listener: replicate ``path`` (step ``step``). ``again``: a checkpoint offered once
+        more (a restore's): a holder whose listing shows exactly its manifest counts as having taken it, unsent."""
         with self._cond:
             self._handed += 1
-            self._queue.put((self._handed, step, Path(path)))
+            self._queue.put((self._handed, step, Path(path), again))
 
     def acked(self, step: int) -> set:
         with self._cond:
@@ -187,9 +188,9 @@ class Replicator:
                 job = nxt
             if job is None:
                 return
-            seq, step, path = job
+            seq, step, path, again = job
             try:
-                self._replicate(step, path)
+                self._replicate(step, path, again)
             except Exception:  # noqa: BLE001 -- the replicator outlives any one checkpoint
                 self.failures += 1
                 log.exception("%s: replicating step %d failed", self.owner, step)
@@ -198,8 +199,9 @@ class Replicator:
                     self._done = max(self._done, seq)
                     self._cond.notify_all()
 
-    def _record(self, step: int, path: Path) -> bool:
-        """Add ``step``'s manifest digest to this owner's record in the store; False (logged, counted) if not."""
+    def _record(self, step: int, path: Path) -> str | None:
+        """Add ``step``'s manifest digest to this owner's record in the store; the digest, or None (logged,
+        counted) if it was not recorded."""
         try:
             digest = manifest_digest((path / MANIFEST).read_bytes())
             if self._records is None:
@@ -208,24 +210,27 @@ class Replicator:
                     raise OSError("the earlier record is unreadable")
             self._records[step] = digest
             self.directory.record(self.owner, self._records)
-            return True
+            return digest
         except Exception as exc:  # noqa: BLE001 -- the store or the disk failed: this step is not replicated
             self.failures += 1
             self.last_error = f"step {step} not recorded: {exc}"
             log.warning("%s: step %d not recorded in the store, so not replicated: %s", self.owner, step, exc)
-            return False
+            return None
 
-    def _replicate(self, step: int, path: Path) -> None:
-        recorded = self._record(step, path)
+    def _replicate(self, step: int, path: Path, again: bool = False) -> None:
+        digest = self._record(step, path)
         for holder in self.holders:
             ok = False
-            if recorded:
+            if digest is not None:
                 try:
                     where = self.directory.lookup(holder)
                     if where is None:
                         raise ReplicaError(f"{holder} has not announced a replica server")
-                    push_replica(where["url"], path, owner=self.owner, step=step, token=self.token,
-                                 timeout_s=self.timeout_s)
+                    if again and self._holds(where["url"], step) == digest:
+                        log.info("%s: %s still holds step %d as recorded; not sent again", self.owner, holder, step)
+                    else:
+                        push_replica(where["url"], path, owner=self.owner, step=step, token=self.token,
+                                     timeout_s=self.timeout_s)
                     ok = True
                 except (ReplicaError, OSError) as exc:
                     self.failures += 1
@@ -239,6 +244,14 @@ class Replicator:
                     self._tried.pop(old, None)
                     self._acks.pop(old, None)
                 self._cond.notify_all()
+
+    def _holds(self, url: str, step: int) -> str | None:
+        """The manifest digest of ``step`` that the holder at ``url`` lists (None: not held, or it cannot say)."""
+        try:
+            return held_manifests(url, self.owner, token=self.token).get(step)
+        except ReplicaError as exc:
+            log.info("%s: %s cannot list its replicas (%s): sending step %d", self.owner, url, exc, step)
+            return None
 
 
 def rebuild_from_peers(owner: str, holders: list[str], directory: PeerDirectory, *, signing_key=None,

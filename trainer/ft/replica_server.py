@@ -3,7 +3,8 @@ state a healing peer asks for (the protocol and its clients: :mod:`syncd.trainer
 
 * ``PUT /v1/replicas/<owner>/<step>``: a framed bundle, checked (owner, step, run, every hash) while it streams into
   a temporary folder, renamed into place only whole; the newest ``keep`` steps per owner are kept.
-* ``GET /v1/replicas/<owner>`` lists the steps held; ``GET /v1/replicas/<owner>/<step>`` sends one back;
+* ``GET /v1/replicas/<owner>`` lists the steps held (and each one's manifest digest);
+  ``GET /v1/replicas/<owner>/<step>`` sends one back;
   ``GET /v1/heal/<step>`` the live state staged by :class:`syncd.trainer.ft.heal.VerifiedTransport`.
 * Every request must present the job's token (:mod:`syncd.trainer.ft.replica_wire`): anything else is answered 401
   before a byte of its body is read, logged and counted (``unauthorized``, ``refused``).
@@ -30,7 +31,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from syncd.trainer.ft.ckpt_dir import TMP_PREFIX, land_frame, list_steps, step_dir
-from syncd.trainer.ft.ckpt_format import MANIFEST, StateError, check_owner, frame_prefix
+from syncd.trainer.ft.ckpt_format import MANIFEST, StateError, check_owner, frame_prefix, manifest_digest
 from syncd.trainer.ft.replica_wire import MIN_RATE, Deadline, authorized, transfer_deadline
 
 log = logging.getLogger(__name__)
@@ -150,8 +151,9 @@ class ReplicaServer:
                         return self._error(404, f"no such resource {self.path[:200]}")
                     owner, step = m.group(1), m.group(2)
                     if owner and not step:
-                        return self._reply(200, json.dumps({"owner": owner,
-                                                            "steps": list_steps(outer.root / owner)}).encode())
+                        steps = list_steps(outer.root / owner)
+                        return self._reply(200, json.dumps({"owner": owner, "steps": steps,
+                                                            "manifests": _digests(outer.root / owner, steps)}).encode())
                     if not (owner and step):
                         return self._error(404, "GET /v1/replicas/<owner>[/<step>]")
                     path = step_dir(outer.root / owner, int(step))
@@ -257,3 +259,15 @@ def _remove_partials(root: Path) -> None:
         for tmp in d.glob(f"{TMP_PREFIX}*"):
             log.info("replica server: removing %s, left by a transfer that never finished", tmp)
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _digests(root: Path, steps: list[int]) -> dict[str, str]:
+    """``{step: the SHA-256 of its manifest}`` for the held ``steps`` (one that vanished meanwhile is left out): what
+    lets an owner see that a holder already has exactly its checkpoint."""
+    out = {}
+    for s in steps:
+        try:
+            out[str(s)] = manifest_digest((step_dir(root, s) / MANIFEST).read_bytes())
+        except OSError:
+            continue
+    return out

@@ -144,6 +144,21 @@ def _get(url: str, path: str, what: str, token: str | None, timeout_s: float, re
 
 def list_replicas(url: str, owner: str, *, token: str | None = None, timeout_s: float = 10.0) -> list[int]:
     """Steps of ``owner`` the server at ``url`` holds, newest first; ReplicaError when it cannot say."""
+    return sorted(_listing(url, owner, token, timeout_s)["steps"], reverse=True)
+
+
+def held_manifests(url: str, owner: str, *, token: str | None = None, timeout_s: float = 10.0) -> dict[int, str]:
+    """``{step: manifest digest}`` of ``owner``'s replicas that the server at ``url`` holds (a step whose digest it
+    could not give is left out); ReplicaError when it cannot say."""
+    doc = _listing(url, owner, token, timeout_s)
+    found = doc.get("manifests")
+    if not isinstance(found, dict):
+        return {}
+    return {int(k): v for k, v in found.items() if k.isdigit() and int(k) in doc["steps"] and isinstance(v, str)}
+
+
+def _listing(url: str, owner: str, token: str | None, timeout_s: float) -> dict:
+    """The replica server's listing of ``owner`` (``steps``: a list of step numbers, checked)."""
     status, raw = _get(url, f"/v1/replicas/{check_owner(owner)}", f"listing replicas of {owner}", token, timeout_s,
                        lambda resp, dl: (resp.status, resp.read(1 << 20)))
     if status != 200:
@@ -154,7 +169,7 @@ def list_replicas(url: str, owner: str, *, token: str | None = None, timeout_s: 
     if not isinstance(steps, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
                                               for s in steps):
         raise ReplicaError(f"{url}: malformed replica listing of {owner}")
-    return sorted(steps, reverse=True)
+    return doc
 
 
 def pull_frame(url: str, path: str, what: str, *, timeout_s: float, min_rate: float, token: str | None, receive,
