@@ -96,7 +96,8 @@ def plain_job(cfg: LoopConfig) -> Iterator[Job]:
         make_deterministic(cfg.seed, cfg.threads)
         model = _load_model(cfg, dp.device)
         opt = build_optimizer(model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay)
-        ft, restored = _rank_checkpoints(cfg, dp, model, opt, stack)
+        preloaded = _stand_by(cfg, dp) if cfg.standby else None
+        ft, restored = _rank_checkpoints(cfg, dp, model, opt, stack, preloaded)
         start = restored.step if restored is not None else 0
         dp.set_step(start)
         live = None
@@ -111,10 +112,28 @@ def plain_job(cfg: LoopConfig) -> Iterator[Job]:
                   weights_file=Path(cfg.out, "weights.safetensors") if dp.is_main else None)
 
 
-def _rank_checkpoints(cfg: LoopConfig, dp: DataParallel, model, opt, stack: ExitStack):
+def _stand_by(cfg: LoopConfig, dp: DataParallel):
+    """A warm standby's hold (:mod:`syncd.trainer.standby`): until the supervisor's signal, this rank reads each
+    newer checkpoint of its own ahead of the restore; the newest read (a
+    :class:`~syncd.trainer.ft.prefetch.Prefetched`, or None)."""
+    from syncd.trainer.ft.fault_tolerance import own_dir
+    from syncd.trainer.ft.prefetch import CheckpointPrefetch
+    from syncd.trainer.standby import wait_for_takeover
+
+    owner = f"rank-{dp.rank}"
+    pre = CheckpointPrefetch(own_dir(cfg.checkpoint_dir, owner), owner=owner, run_id=cfg.run_id).start()
+    try:
+        wait_for_takeover(dp)
+    finally:
+        got = pre.stop()
+    log.warning("rank %d: standby: %s", dp.rank, f"step {got.step} read ahead" if got else "no checkpoint read ahead")
+    return got
+
+
+def _rank_checkpoints(cfg: LoopConfig, dp: DataParallel, model, opt, stack: ExitStack, preloaded=None):
     """``(FaultTolerance or None, restored Checkpoint or None)`` for a plain data-parallel job: every rank's
     checkpoints and replica server (closed by ``stack``); with ``resume``, the newest step every rank can
-    restore, applied."""
+    restore, applied (``preloaded``: this rank's checkpoint read ahead by a standby, used if still current)."""
     if cfg.checkpoint_dir is None:
         return None, None
     from syncd.trainer.ft.fault_tolerance import FaultTolerance, FTConfig, default_node, restore_together
@@ -144,6 +163,7 @@ def _rank_checkpoints(cfg: LoopConfig, dp: DataParallel, model, opt, stack: Exit
             raise ConfigError(f"--checkpoint-dir: {cfg.checkpoint_dir} holds checkpoints of an earlier life of run "
                               f"{cfg.run_id}: pass --resume to continue it, or use another folder")
         return ft, None
+    ft.preloaded = preloaded
     ckpt = restore_together(ft, dp)
     if ckpt is None:
         raise ConfigError(f"--resume: no checkpoint step that every rank can restore in {cfg.checkpoint_dir} "

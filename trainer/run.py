@@ -103,6 +103,8 @@ def parser() -> argparse.ArgumentParser:
       help="node-local folder for per-step checkpoints (each rank's) and the replicas it holds for its peers")
     b("--resume", action="store_true", help="continue the run from the newest step every rank can restore "
       "(its checkpoints in --checkpoint-dir, else the replicas its peers hold)")
+    b("--standby", action="store_true", help="with --resume: start warm (imports, model, optimizer, ranks "
+      "connected) and hold until rank 0's process receives SIGUSR1, then take the run over (docs/trainer.md)")
     b("--replicas", type=int, default=1, help="k: peers on other nodes that hold a copy of each rank's checkpoint")
     b("--keep-checkpoints", type=int, default=2, help="checkpoints kept per rank (and replicas per peer)")
     b("--checkpoint-busy", choices=("wait", "skip"), default="wait",
@@ -161,7 +163,7 @@ def config_from_args(args):
         delta_format=_delta_format(args.delta_format), sliced_tensors=args.sliced_tensors or None,
         daemon_status=args.daemon_status, sync=args.sync, plans=args.plans, save_weights=args.save_weights,
         plot=not args.no_plot, rollout_timeout_s=args.rollout_timeout, curation=_curation(args),
-        checkpoint_dir=args.checkpoint_dir, resume=args.resume, replicas=args.replicas,
+        checkpoint_dir=args.checkpoint_dir, resume=args.resume, standby=args.standby, replicas=args.replicas,
         keep_checkpoints=args.keep_checkpoints, checkpoint_busy=args.checkpoint_busy, node=args.node,
         ft_host=args.ft_host, lighthouse=args.lighthouse, replica_group=args.replica_group,
         replica_groups=args.replica_groups, min_replicas=args.min_replicas, ft_timeout_s=args.ft_timeout,
@@ -278,6 +280,10 @@ def _run_rank(argv: list[str]) -> int:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
+    if args.standby:  # before the slow imports: SIGUSR1's default action would end the process
+        from syncd.trainer import standby
+
+        standby.arm()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("torchao", "torch.utils._pytree"):
         logging.getLogger(noisy).setLevel(logging.ERROR)

@@ -67,6 +67,7 @@ class LoopConfig:
     engine_timeout_s: float = 120.0
     checkpoint_dir: str | None = None
     resume: bool = False
+    standby: bool = False
     replicas: int = 1
     keep_checkpoints: int = 2
     checkpoint_busy: str = "wait"
@@ -125,6 +126,10 @@ class LoopConfig:
                  (not (self.sync and self.plans), "--sync", "cannot be combined with --plans"),
                  (self.checkpoint_dir is not None or not self.resume, "--resume",
                   "needs --checkpoint-dir (where the run's checkpoints are)"),
+                 (not self.standby or self.resume, "--standby",
+                  "a standby takes a run over from its checkpoints: it needs --resume (and --checkpoint-dir)"),
+                 (not (self.standby and self.lighthouse), "--standby",
+                  "is for the plain job; an elastic job's restarted group joins the others as it is"),
                  (self.replicas >= 0, "--replicas", f"must be >= 0, got {self.replicas}"),
                  (self.keep_checkpoints >= 1, "--keep-checkpoints", f"must be >= 1, got {self.keep_checkpoints}"),
                  (self.checkpoint_busy in ("skip", "wait"), "--checkpoint-busy",

@@ -4,7 +4,10 @@ reference-engine workers under the Dynamo frontend, the sandbox proxy, the node 
 
 The trainer is killed with SIGKILL mid-run: the service keeps generating while it is away (groups land in the queue
 until the backlog is full), and ``--resume`` continues from the checkpoint, reading the queue on from the
-checkpointed position. Asserted: every step once; no prompt trained twice; every trained group is one the service
+checkpointed position. The restart is a warm standby (``--resume --standby``, started before the kill, holding
+until ``SIGUSR1``; the cold ``--resume`` is tested by ``tests/trainer/ft/test_resume.py``); the trainer is two ranks
+on two nodes, each rank's checkpoints replicated to the other. Asserted: the standby wrote nothing before the
+signal, and each of its ranks read a checkpoint ahead; every step once; no prompt trained twice; every trained group is one the service
 wrote and the trainer never sent back; the groups generated during the outage are trained after it; the engines
 end on the trainer's last version."""
 
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -60,11 +64,17 @@ def test_the_service_generates_through_a_trainer_kill_and_the_resumed_trainer_lo
             "--run-id", stack.run_id, "--model", str(stack.model_dir), "--daemon-status", str(stack.status_file),
             "--out", str(out), "--steps", str(STEPS), "--groups-per-step", str(GROUPS), "--group-size", str(G),
             "--task", "repeat", "--task-length", "8", "--max-lag", "2", "--no-plot", "--checkpoint-dir", str(ckpt),
-            "--replicas", "0", "--rollout-timeout", "240"]
-    trainer = None
+            "--nproc", "2", "--node", "node-{rank}", "--replicas", "1", "--rollout-timeout", "240"]
+    trainer = standby = None
     try:
         trainer = subprocess.Popen(argv, env=stack.env, cwd=ROOT, stdout=subprocess.DEVNULL,
                                    stderr=open(tmp_path / "trainer-1.err", "w"), start_new_session=True)
+        # the restart is a warm standby's: imported, model and optimizer built, holding until SIGUSR1
+        standby_err = tmp_path / "trainer-2.err"
+        standby = subprocess.Popen([*argv, "--resume", "--standby"], env=stack.env, cwd=ROOT, stdout=subprocess.PIPE,
+                                   stderr=open(standby_err, "w"), text=True, start_new_session=True)
+        wait_until(lambda: "standby: ready" in standby_err.read_text(), 300, "the standby's warm start",
+                   interval_s=0.1, alive=lambda: standby.poll() is not None and standby_err.read_text()[-3000:])
         wait_until(lambda: len(_steps(out)) >= 4, 300, "the trainer's fourth step", interval_s=0.1,
                    alive=lambda: trainer.poll() is not None and (tmp_path / "trainer-1.err").read_text()[-3000:])
         kill_process_tree(trainer)
@@ -75,15 +85,18 @@ def test_the_service_generates_through_a_trainer_kill_and_the_resumed_trainer_lo
         assert svc.poll() is None
         assert during >= 1, "nothing was generated while the trainer was down"
 
-        trainer = subprocess.Popen([*argv, "--resume"], env=stack.env, cwd=ROOT, stdout=subprocess.PIPE,
-                                   stderr=open(tmp_path / "trainer-2.err", "w"), text=True, start_new_session=True)
+        starts = [ln for ln in (out / "metrics.jsonl").read_text().splitlines() if '"kind": "start"' in ln]
+        assert len(starts) == 1 and standby.poll() is None  # the standby held: it wrote nothing, it did not exit
+        trainer = standby
+        trainer.send_signal(signal.SIGUSR1)
         stdout, _ = trainer.communicate(timeout=600)
         assert trainer.returncode == 0, (tmp_path / "trainer-2.err").read_text()[-3000:]
         summary = json.loads(stdout.strip().splitlines()[-1])
         stack.wait_engines_at(summary["final_version"], timeout_s=120)
     finally:
-        if trainer is not None and trainer.poll() is None:
-            kill_process_tree(trainer)
+        for proc in (trainer, standby):
+            if proc is not None and proc.poll() is None:
+                kill_process_tree(proc)
         stop_process(svc, 30)
         svc_log.close()
         stack.close()
@@ -103,5 +116,7 @@ def test_the_service_generates_through_a_trainer_kill_and_the_resumed_trainer_lo
     st = GroupQueue(stack.store_url, stack.run_id).state("rollouts-0")
     for key in trained:  # each trained group is an attempt the service wrote and the trainer never sent back
         assert key in st.landed and key not in st.failed, key
-    assert killed_after < STEPS and (tmp_path / "trainer-2.err").read_text().count("restore:") >= 1
+    err = (tmp_path / "trainer-2.err").read_text()
+    assert killed_after < STEPS and err.count("restore:") >= 1
+    assert "rank 0: standby: step" in err and "rank 1: standby: step" in err  # each rank read a checkpoint ahead
     assert summary["final_version"] >= STEPS - 1
