@@ -9,7 +9,11 @@ Figures (``outage.*``), every one from the run's own records:
   (each group's ``tokens``, at its ``finished_at``) per second, from the trainer's first step to the kill (the
   service is started once the trainer's heartbeat is there, so this is the steady state) and over the outage (goal: during >= 0.8 x before -- the engines do not idle while the trainer is down;
   before is paced by the trainer's lookahead, during by ``--outage-backlog``);
-* ``restart_to_first_step_s``: from starting the restored trainer to its first committed step (its metrics line);
+* ``restart_to_first_step_s``: from the restart to the restored trainer's first committed step (its metrics line),
+  and ``restart_to_restore_s`` to its ``restore`` line (checkpoint loaded, live side started). ``restart``
+  (``--outage-restart``) says which restart: ``standby`` (the default), a warm standby started before the kill
+  (``--resume --standby``: imported, model and optimizer built, ranks connected; the restart is the ``SIGUSR1`` the
+  benchmark sends it, as a supervisor would), or ``cold``, a new ``--resume`` process (its imports included);
 * ``prompts_duplicated``: prompts trained more than once; ``prompts_lost``: prompts below the highest one the service
   claimed that it never claimed (a skipped prompt), plus trained groups not in the queue as an attempt the trainer
   kept (goal 0 and 0);
@@ -23,6 +27,13 @@ What the outage costs: the service generates on the last published version while
 trainer can train at most ``(eta + 1) x groups per step`` of one version (the buffer policy's cap) before they are
 stale, and sends the rest back to be generated again (``groups_sent_back``): ``--max-backlog`` trades engine work
 during an outage against that waste.
+
+CPU shares (``--outage-priority``, ``priority`` in the JSON): everything runs on this machine's cores, where in
+production the trainer has machines of its own. With ``trainer`` (the default) every process of the stack and of
+the rollout service runs at nice 19 (each thread: Linux's nice is per thread), so the trainer computes as if alone
+and the engines generate with what it leaves; ``equal`` shares the cores evenly, and a restored trainer's first
+step then competes with the engines' generation. ``trainer`` lowers ``gen_tokens_per_s_before`` (the engines wait
+while the trainer steps) and so raises ``during_over_before``: quote both settings.
 
 The model is the stack's tiny one by default; ``--outage-hidden`` and ``--outage-layers`` size it (hidden 1024, 10
 layers: about 100M parameters, engines and trainer alike), and ``--outage-replicas K`` runs the trainer as two
@@ -45,17 +56,15 @@ __all__ = ["bench_outage"]
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _lines(out: Path) -> list[dict]:
+    """The trainer's metrics lines (a killed trainer's torn last line skipped)."""
+    from bench.trainer_elastic import read_lines
+
+    return read_lines(out / "metrics.jsonl")
+
+
 def _steps(out: Path) -> list[dict]:
-    lines = []
-    path = out / "metrics.jsonl"
-    for ln in (path.read_text().splitlines() if path.exists() else []):
-        try:
-            doc = json.loads(ln)
-        except ValueError:  # a killed trainer's torn last line
-            continue
-        if doc.get("kind") == "step":
-            lines.append(doc)
-    return lines
+    return [d for d in _lines(out) if d.get("kind") == "step"]
 
 
 def _rate(groups: list[dict], t0: float, t1: float) -> float:
@@ -71,6 +80,9 @@ def bench_outage(args, work: Path) -> dict:
 
     stack = RLStack(StackConfig(work / "stack", run_id="outage", engines=2, seed=1, hidden=args.outage_hidden,
                                 layers=args.outage_layers)).start()
+    background = [p.pid for p in stack.processes()]
+    if args.outage_priority == "trainer":
+        _lowest_priority(background)
     flags = ("--task", "mix", "--task-length", "8", "--group-size", "4")
     out, ckpt = work / "out", work / "ckpt"
     # with replicas: two ranks on two "nodes", each rank's checkpoint replicated to the other's holder
@@ -81,30 +93,45 @@ def bench_outage(args, work: Path) -> dict:
                                 "--rollout-timeout", "900", *flags, external_rollouts=True)]
     logs = {name: open(work / f"{name}.log", "ab") for name in ("rollouts", "trainer-1", "trainer-2")}
     q = GroupQueue(stack.store_url, stack.run_id)
-    trainer = svc = None
+    trainer = svc = standby = None
     try:  # the trainer first: the service starts paced by its heartbeat, so "before" is the steady state
         trainer = subprocess.Popen(argv, env=stack.env, cwd=ROOT, stdout=subprocess.DEVNULL,
                                    stderr=logs["trainer-1"], start_new_session=True)
+        if args.outage_restart == "standby":
+            standby = subprocess.Popen([*argv, "--resume", "--standby"], env=stack.env, cwd=ROOT,
+                                       stdout=subprocess.DEVNULL, stderr=logs["trainer-2"], start_new_session=True)
+            wait_until(lambda: "standby: ready" in (work / "trainer-2.log").read_text(), 600, "the standby's warm "
+                       "start", interval_s=0.1, alive=lambda: standby.poll() is not None and "the standby exited")
         wait_until(lambda: "lookahead" in q.consumer(), 300, "the trainer's heartbeat", interval_s=0.1,
                    alive=lambda: trainer.poll() is not None and f"the trainer exited {trainer.returncode}")
         svc = subprocess.Popen(stack.rollouts_argv(*flags, "--max-backlog", str(args.outage_backlog),
                                                    "--trainer-timeout-s", "2", "--poll-interval-s", "0.1"),
                                env=stack.env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=logs["rollouts"],
                                start_new_session=True)
+        background.append(svc.pid)
+        if args.outage_priority == "trainer":
+            _lowest_priority(background)
         kill_at = args.outage_steps // 2
         wait_until(lambda: len(_steps(out)) >= kill_at, 900, f"the trainer's step {kill_at}", interval_s=0.1,
                    alive=lambda: trainer.poll() is not None and f"the trainer exited {trainer.returncode}")
+        if args.outage_priority == "trainer":  # threads started since by a thread not yet lowered
+            _lowest_priority(background)
         kill_process_tree(trainer)
         killed = time.time()
         time.sleep(args.outage_s)
         restarted = time.time()
-        trainer = subprocess.Popen([*argv, "--resume"], env=stack.env, cwd=ROOT, stdout=subprocess.DEVNULL,
-                                   stderr=logs["trainer-2"], start_new_session=True)
+        if standby is not None:
+            trainer = standby
+            trainer.send_signal(signal.SIGUSR1)
+        else:
+            trainer = subprocess.Popen([*argv, "--resume"], env=stack.env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                                       stderr=logs["trainer-2"], start_new_session=True)
         if trainer.wait(1800) != 0:
             raise RuntimeError(f"the restored trainer exited {trainer.returncode}: see {work / 'trainer-2.log'}")
     finally:
-        if trainer is not None and trainer.poll() is None:
-            kill_process_tree(trainer)
+        for proc in (trainer, standby):
+            if proc is not None and proc.poll() is None:
+                kill_process_tree(proc)
         if svc is not None:
             stop_process(svc, 30, signal.SIGTERM)
         for f in logs.values():
@@ -130,6 +157,7 @@ def bench_outage(args, work: Path) -> dict:
             side[task] = side.get(task, 0) + 1
     p_value = mix_p_value(mix["after"], mix["before"])[0]
     first_step = min(s["t"] for s in steps if s["t"] >= restarted)  # the restored trainer's first line
+    restored_at = min(d["t"] for d in _lines(out) if d.get("kind") == "restore" and d["t"] >= restarted)
     started = min(s["t"] for s in steps)  # the steady state: from the first step to the kill
     before_rate = _rate(groups, started, killed)
     during_rate = _rate(groups, killed, restarted)
@@ -137,13 +165,33 @@ def bench_outage(args, work: Path) -> dict:
             "backlog": args.outage_backlog, "gen_tokens_per_s_before": before_rate,
             "gen_tokens_per_s_during": during_rate,
             "during_over_before": during_rate / before_rate if before_rate else None,
+            "restart": args.outage_restart, "priority": args.outage_priority,
             "restart_to_first_step_s": first_step - restarted,
+            "restart_to_restore_s": restored_at - restarted,
             "prompts_duplicated": len(trained) - len(set(trained)),
             "prompts_lost": len(set(range(max(claimed, default=-1) + 1)) - claimed) + missing,
             "task_mix_p_value": p_value, "task_mix": mix, "groups_written": len(groups), "groups_trained": len(trained),
             "groups_sent_back": sum(1 for k in st.failed if k in st.landed),
             "params": _params(stack.model_dir), "hidden": args.outage_hidden, "layers": args.outage_layers,
             "replicas": args.outage_replicas}
+
+
+def _lowest_priority(sessions: list[int]) -> None:
+    """Nice 19 for every thread of every process in the sessions led by ``sessions`` (the stack's processes and the
+    service each lead one); threads they start later inherit it from the thread that starts them."""
+    import os
+
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            sid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[3])
+            if sid not in sessions:
+                continue
+            for task in (proc / "task").iterdir():
+                os.setpriority(os.PRIO_PROCESS, int(task.name), 19)
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            continue
 
 
 def _params(model_dir: Path) -> int:

@@ -47,6 +47,7 @@ def test_the_outage_section_measures_generation_through_a_trainer_kill(tmp_path,
     assert o["prompts_lost"] == 0 and o["prompts_duplicated"] == 0  # checked: a skipped or twice-trained prompt
     assert o["gen_tokens_per_s_before"] > 0 and o["gen_tokens_per_s_during"] > 0  # the service worked while away
     assert 0 < o["restart_to_first_step_s"] < 600 and o["groups_trained"] == 6 * 2
+    assert o["restart"] == "standby" and 0 < o["restart_to_restore_s"] <= o["restart_to_first_step_s"]
     mix = o["task_mix"]  # the mix task: a short and a 4x longer task, before the kill and after the restart
     assert sum(mix["before"].values()) + sum(mix["after"].values()) == 6 * 2
     assert set(mix["before"]) | set(mix["after"]) <= {"repeat", "reverse"} and sum(mix["after"].values()) > 0
