@@ -68,6 +68,10 @@ def _run(capsys, model_dir, tmp_path, *flags, proxy=None, store=None):
     (["--curate", "0.5,0.2"], "--curate/--curate-pool/--curate-confidence: curation band must be 0 <= low < high"),
     (["--curate", "0.05,0.5", "--curate-confidence", "0.3"], "curation confidence must be in (0.5, 1), got 0.3"),
     (["--is-band", "1.5,2"], "--is-cap/--is-band/--is-seq-band/--micro-batch: is_band must be (low, high)"),
+    (["--standby"], "--standby: a standby takes a run over from its checkpoints: it needs --resume"),
+    (["--standby", "--resume"], "--resume: needs --checkpoint-dir"),
+    (["--standby", "--resume", "--checkpoint-dir", "ck", "--lighthouse", "http://127.0.0.1:9"],
+     "--standby: is for the plain job"),
     (["--delta-format", "3"], "--delta-format (or SYNCD_DELTA_FORMAT): must be 1 or 2, got '3'"),
     (["--delta-format", "2", "--sliced-tensors", "(q"], "--sliced-tensors: sliced_tensors '(q' is not a regular"),
 ])
