@@ -255,9 +255,6 @@ def parser() -> argparse.ArgumentParser:
       "checkpoint replicated to K holders (0: one rank, no replicas)")
     a("--outage-restart", choices=("standby", "cold"), default="standby", help="how the trainer comes back "
       "(outage): a warm standby started before the kill (--resume --standby, told by SIGUSR1) or a cold --resume")
-    a("--outage-priority", choices=("trainer", "equal"), default="trainer", help="the outage run's CPU shares: "
-      "the stack and the service at nice 19, the trainer first, as on machines of its own (trainer), or all at "
-      "one priority (equal)")
     a("--elastic-steps", type=int, default=120, help="steps of each elastic run")
     a("--elastic-kill-at", type=int, default=8, help="the leading group is killed after this step (elastic)")
     a("--elastic-spare", action="store_true", help="restart the killed group from a warm spare, imports done "
@@ -370,8 +367,8 @@ def _report(out: dict) -> None:
               f"{o['outage_s']:.0f} s, the service's backlog {o['backlog']} groups): generation "
               f"{o['gen_tokens_per_s_during']:.1f} tokens/s during against {o['gen_tokens_per_s_before']:.1f} before "
               f"({o['during_over_before']:.2f}x; goal >= 0.8); restart ({o['restart']}) to first step "
-              f"{o['restart_to_first_step_s']:.1f} s (restored after {o['restart_to_restore_s']:.1f} s; CPU priority: "
-              f"{o['priority']}); prompts lost {o['prompts_lost']}, duplicated "
+              f"{o['restart_to_first_step_s']:.1f} s (restored after {o['restart_to_restore_s']:.1f} s); prompts lost "
+              f"{o['prompts_lost']}, duplicated "
               f"{o['prompts_duplicated']}; {o['groups_written']} groups written, {o['groups_trained']} trained, "
               f"{o['groups_sent_back']} sent back (stale after the outage, or refused); task mix after the restart "
               f"{o['task_mix']['after']} against {o['task_mix']['before']} before, p = {o['task_mix_p_value']:.3f} "

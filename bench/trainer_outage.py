@@ -28,13 +28,6 @@ trainer can train at most ``(eta + 1) x groups per step`` of one version (the bu
 stale, and sends the rest back to be generated again (``groups_sent_back``): ``--max-backlog`` trades engine work
 during an outage against that waste.
 
-CPU shares (``--outage-priority``, ``priority`` in the JSON): everything runs on this machine's cores, where in
-production the trainer has machines of its own. With ``trainer`` (the default) every process of the stack and of
-the rollout service runs at nice 19 (each thread: Linux's nice is per thread), so the trainer computes as if alone
-and the engines generate with what it leaves; ``equal`` shares the cores evenly, and a restored trainer's first
-step then competes with the engines' generation. ``trainer`` lowers ``gen_tokens_per_s_before`` (the engines wait
-while the trainer steps) and so raises ``during_over_before``: quote both settings.
-
 The model is the stack's tiny one by default; ``--outage-hidden`` and ``--outage-layers`` size it (hidden 1024, 10
 layers: about 100M parameters, engines and trainer alike), and ``--outage-replicas K`` runs the trainer as two
 ranks on two nodes, each rank's checkpoint replicated to the other (``params``, ``replicas`` in the JSON).
@@ -80,9 +73,6 @@ def bench_outage(args, work: Path) -> dict:
 
     stack = RLStack(StackConfig(work / "stack", run_id="outage", engines=2, seed=1, hidden=args.outage_hidden,
                                 layers=args.outage_layers)).start()
-    background = [p.pid for p in stack.processes()]
-    if args.outage_priority == "trainer":
-        _lowest_priority(background)
     flags = ("--task", "mix", "--task-length", "8", "--group-size", "4")
     out, ckpt = work / "out", work / "ckpt"
     # with replicas: two ranks on two "nodes", each rank's checkpoint replicated to the other's holder
@@ -108,14 +98,9 @@ def bench_outage(args, work: Path) -> dict:
                                                    "--trainer-timeout-s", "2", "--poll-interval-s", "0.1"),
                                env=stack.env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=logs["rollouts"],
                                start_new_session=True)
-        background.append(svc.pid)
-        if args.outage_priority == "trainer":
-            _lowest_priority(background)
         kill_at = args.outage_steps // 2
         wait_until(lambda: len(_steps(out)) >= kill_at, 900, f"the trainer's step {kill_at}", interval_s=0.1,
                    alive=lambda: trainer.poll() is not None and f"the trainer exited {trainer.returncode}")
-        if args.outage_priority == "trainer":  # threads started since by a thread not yet lowered
-            _lowest_priority(background)
         kill_process_tree(trainer)
         killed = time.time()
         time.sleep(args.outage_s)
@@ -165,7 +150,7 @@ def bench_outage(args, work: Path) -> dict:
             "backlog": args.outage_backlog, "gen_tokens_per_s_before": before_rate,
             "gen_tokens_per_s_during": during_rate,
             "during_over_before": during_rate / before_rate if before_rate else None,
-            "restart": args.outage_restart, "priority": args.outage_priority,
+            "restart": args.outage_restart,
             "restart_to_first_step_s": first_step - restarted,
             "restart_to_restore_s": restored_at - restarted,
             "prompts_duplicated": len(trained) - len(set(trained)),
@@ -174,24 +159,6 @@ def bench_outage(args, work: Path) -> dict:
             "groups_sent_back": sum(1 for k in st.failed if k in st.landed),
             "params": _params(stack.model_dir), "hidden": args.outage_hidden, "layers": args.outage_layers,
             "replicas": args.outage_replicas}
-
-
-def _lowest_priority(sessions: list[int]) -> None:
-    """Nice 19 for every thread of every process in the sessions led by ``sessions`` (the stack's processes and the
-    service each lead one); threads they start later inherit it from the thread that starts them."""
-    import os
-
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            sid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[3])
-            if sid not in sessions:
-                continue
-            for task in (proc / "task").iterdir():
-                os.setpriority(os.PRIO_PROCESS, int(task.name), 19)
-        except (OSError, ValueError, IndexError):  # gone meanwhile
-            continue
 
 
 def _params(model_dir: Path) -> int:
