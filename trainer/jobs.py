@@ -120,7 +120,7 @@ def _stand_by(cfg: LoopConfig, dp: DataParallel):
     from syncd.trainer.ft.prefetch import CheckpointPrefetch
     from syncd.trainer.standby import wait_for_takeover
 
-    owner = f"rank-{dp.rank}"
+    owner = _owner(dp.rank)
     pre = CheckpointPrefetch(own_dir(cfg.checkpoint_dir, owner), owner=owner, run_id=cfg.run_id).start()
     try:
         wait_for_takeover(dp)
@@ -128,6 +128,11 @@ def _stand_by(cfg: LoopConfig, dp: DataParallel):
         got = pre.stop()
     log.warning("rank %d: standby: %s", dp.rank, f"step {got.step} read ahead" if got else "no checkpoint read ahead")
     return got
+
+
+def _owner(rank: int) -> str:
+    """A plain job's checkpoint owner name for ``rank``."""
+    return f"rank-{rank}"
 
 
 def _rank_checkpoints(cfg: LoopConfig, dp: DataParallel, model, opt, stack: ExitStack, preloaded=None):
@@ -140,7 +145,7 @@ def _rank_checkpoints(cfg: LoopConfig, dp: DataParallel, model, opt, stack: Exit
 
     node = cfg.node.replace("{rank}", str(dp.rank)) if cfg.node else default_node()
     nodes = dp.broadcast(dp.gather(node))
-    owners = tuple(f"rank-{r}" for r in range(dp.world))
+    owners = tuple(_owner(r) for r in range(dp.world))
     k = min(cfg.replicas, len(set(nodes)) - 1)
     if k < cfg.replicas and dp.is_main:
         log.warning("--replicas %d: the %d ranks are on %d node(s); keeping %d replica(s) (a replica on the "

@@ -22,12 +22,12 @@ another run is refused (:class:`~syncd.trainer.ft.ckpt_format.RunMismatch`, both
 manifest, and the steps its holders list) -- candidates, not promises: a holder's replica may be corrupt or
 foreign. :meth:`FaultTolerance.load` verifies one step completely (its own checkpoint, else each holder's replica
 against its owner's record) without changing anything -- or takes ``preloaded``, the same step read and verified
-ahead (:mod:`syncd.trainer.ft.prefetch`), while its manifest is still the one on disk; :meth:`FaultTolerance.adopt` makes a loaded step this
-life's start (later steps dropped, the step re-offered to the holders, a rebuilt one written back in the
-background). A plain data-parallel job restores the newest step *every* rank has actually loaded
-(:func:`restore_together`: agree on a candidate, every rank loads it, and if one cannot, the next older common
-step is tried); an elastic replica group restores its newest (:meth:`FaultTolerance.restore`) and lets torchft
-heal it from a live peer if that is behind the others.
+ahead (:mod:`syncd.trainer.ft.prefetch`), while its manifest is still the one on disk;
+:meth:`FaultTolerance.adopt` makes a loaded step this life's start (later steps dropped, the step re-offered to the
+holders that lack it, a rebuilt one written back in the background). A plain data-parallel job restores the newest
+step *every* rank has actually loaded (:func:`restore_together`: agree on a candidate, every rank loads it, and if
+one cannot, the next older common step is tried); an elastic replica group restores its newest
+(:meth:`FaultTolerance.restore`) and lets torchft heal it from a live peer if that is behind the others.
 """
 
 from __future__ import annotations
@@ -165,9 +165,9 @@ class FaultTolerance:
 
     def adopt(self, c: Checkpoint) -> Checkpoint:
         """Make the loaded ``c`` this life's start: later local steps are dropped (a lineage that did not survive);
-        a local one is durable at once and offered to the holders again (they may have lost it; one that lists exactly
-        its manifest is not sent it again); a rebuilt one is
-        written to local disk (and offered to the holders) in the background."""
+        a local one is durable at once and offered to the holders again (they may have lost it; one that lists
+        exactly its manifest is not sent it again); a rebuilt one is written to local disk (and offered to the
+        holders) in the background."""
         self._drop_later(c.step)
         self.preloaded = None
         bundle, c.bundle = c.bundle, None
