@@ -96,7 +96,7 @@ def plain_job(cfg: LoopConfig) -> Iterator[Job]:
         make_deterministic(cfg.seed, cfg.threads)
         model = _load_model(cfg, dp.device)
         opt = build_optimizer(model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay)
-        preloaded = _stand_by(cfg, dp) if cfg.standby else None
+        preloaded = _stand_by(cfg, dp) if cfg.standby else []
         ft, restored = _rank_checkpoints(cfg, dp, model, opt, stack, preloaded)
         start = restored.step if restored is not None else 0
         dp.set_step(start)
@@ -114,8 +114,8 @@ def plain_job(cfg: LoopConfig) -> Iterator[Job]:
 
 def _stand_by(cfg: LoopConfig, dp: DataParallel):
     """A warm standby's hold (:mod:`syncd.trainer.standby`): until the supervisor's signal, this rank reads each
-    newer checkpoint of its own ahead of the restore; the newest read (a
-    :class:`~syncd.trainer.ft.prefetch.Prefetched`, or None)."""
+    newer checkpoint of its own ahead of the restore; those read (:class:`~syncd.trainer.ft.prefetch.Prefetched`,
+    newest first)."""
     from syncd.trainer.ft.fault_tolerance import own_dir
     from syncd.trainer.ft.prefetch import CheckpointPrefetch
     from syncd.trainer.standby import wait_for_takeover
@@ -126,7 +126,7 @@ def _stand_by(cfg: LoopConfig, dp: DataParallel):
         wait_for_takeover(dp)
     finally:
         got = pre.stop()
-    log.warning("rank %d: standby: %s", dp.rank, f"step {got.step} read ahead" if got else "no checkpoint read ahead")
+    log.warning("rank %d: standby: steps read ahead: %s", dp.rank, [p.step for p in got])
     return got
 
 
@@ -135,10 +135,10 @@ def _owner(rank: int) -> str:
     return f"rank-{rank}"
 
 
-def _rank_checkpoints(cfg: LoopConfig, dp: DataParallel, model, opt, stack: ExitStack, preloaded=None):
+def _rank_checkpoints(cfg: LoopConfig, dp: DataParallel, model, opt, stack: ExitStack, preloaded=()):
     """``(FaultTolerance or None, restored Checkpoint or None)`` for a plain data-parallel job: every rank's
     checkpoints and replica server (closed by ``stack``); with ``resume``, the newest step every rank can
-    restore, applied (``preloaded``: this rank's checkpoint read ahead by a standby, used if still current)."""
+    restore, applied (``preloaded``: this rank's checkpoints read ahead by a standby, one used if still current)."""
     if cfg.checkpoint_dir is None:
         return None, None
     from syncd.trainer.ft.fault_tolerance import FaultTolerance, FTConfig, default_node, restore_together
@@ -168,7 +168,7 @@ def _rank_checkpoints(cfg: LoopConfig, dp: DataParallel, model, opt, stack: Exit
             raise ConfigError(f"--checkpoint-dir: {cfg.checkpoint_dir} holds checkpoints of an earlier life of run "
                               f"{cfg.run_id}: pass --resume to continue it, or use another folder")
         return ft, None
-    ft.preloaded = preloaded
+    ft.preloaded = list(preloaded)
     ckpt = restore_together(ft, dp)
     if ckpt is None:
         raise ConfigError(f"--resume: no checkpoint step that every rank can restore in {cfg.checkpoint_dir} "

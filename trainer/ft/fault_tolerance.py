@@ -21,7 +21,7 @@ another run is refused (:class:`~syncd.trainer.ft.ckpt_format.RunMismatch`, both
 **Restore**: :meth:`FaultTolerance.available` lists the steps this owner may restore (its own checkpoints with a
 manifest, and the steps its holders list) -- candidates, not promises: a holder's replica may be corrupt or
 foreign. :meth:`FaultTolerance.load` verifies one step completely (its own checkpoint, else each holder's replica
-against its owner's record) without changing anything -- or takes ``preloaded``, the same step read and verified
+against its owner's record) without changing anything -- or takes one of ``preloaded``, the same step read and verified
 ahead (:mod:`syncd.trainer.ft.prefetch`), while its manifest is still the one on disk;
 :meth:`FaultTolerance.adopt` makes a loaded step this life's start (later steps dropped, the step re-offered to the
 holders that lack it, a rebuilt one written back in the background). A plain data-parallel job restores the newest
@@ -102,7 +102,7 @@ class FaultTolerance:
     def __init__(self, cfg: FTConfig):
         self.cfg = cfg
         self.own, self.held = own_dir(cfg.root, cfg.owner), Path(cfg.root) / cfg.owner / "held"
-        self.preloaded = None  # a syncd.trainer.ft.prefetch.Prefetched: load() uses it while it is current
+        self.preloaded = []  # syncd.trainer.ft.prefetch.Prefetched: load() uses one while it is current
         secret = cfg.secret if cfg.secret is not None else job_secret(cfg.root)
         self.token = replica_token(secret, cfg.run_id)
         self.server = ReplicaServer(self.held, host=cfg.host, keep=cfg.keep, signing_key=cfg.signing_key,
@@ -150,8 +150,9 @@ class FaultTolerance:
         the holders' replicas (each against its owner's record; a bad one is skipped with the reason and the next
         tried) -- and changing nothing on disk; None if there is none. RunMismatch for another run's local one."""
         key = self.cfg.signing_key
-        if self.preloaded is not None and self.preloaded.current(self.own, step):
-            return self.preloaded.checkpoint  # read and verified ahead (a warm standby's), still the one on disk
+        for pre in self.preloaded:  # read and verified ahead (a warm standby's), used while still the one on disk
+            if pre.current(self.own, step):
+                return pre.checkpoint
         c = newest_checkpoint(self.own, owner=self.cfg.owner, signing_key=key, step=step, run_id=self.cfg.run_id)
         if c is not None:
             return c
@@ -169,7 +170,7 @@ class FaultTolerance:
         exactly its manifest is not sent it again); a rebuilt one is written to local disk (and offered to the
         holders) in the background."""
         self._drop_later(c.step)
-        self.preloaded = None
+        self.preloaded = []
         bundle, c.bundle = c.bundle, None
         if bundle is None:
             log.warning("%s: restoring step %d from the local checkpoint %s", self.cfg.owner, c.step, c.path)

@@ -3,14 +3,15 @@ restore without reading a checkpoint at its takeover.
 
     pre = CheckpointPrefetch(own_dir, owner="rank-0", run_id=run_id).start()
     ...                                  # the run's trainer checkpoints every step into own_dir
-    ft.preloaded = pre.stop()            # the newest one read, verified and parsed (or None)
+    ft.preloaded = pre.stop()            # the newest ones read, verified and parsed (newest first)
     restore_together(ft, dp)             # FaultTolerance.load uses it if it is still the one on disk
 
 One background thread polls ``own_dir`` and reads each newer checkpoint completely, verified exactly as a restore
 reads it (:func:`~syncd.trainer.ft.ckpt_format.read_dir`: manifest, signature, owner, step, run, every file's
 SHA-256), at the lowest CPU priority (Linux's nice is per thread), so that on a shared machine it takes nothing
-from the trainer that writes the checkpoints. It holds one checkpoint at a time (the older one is dropped before
-a newer is read: one checkpoint's memory, not two). A folder that fails to verify is logged and counted, and read
+from the trainer that writes the checkpoints. It keeps the newest ``depth`` checkpoints (default 2: the step a
+job's ranks agree on can be one behind a rank's newest, because the ranks' checkpoints of the last step land at
+different times), and drops the oldest before it reads a newer one: ``depth`` checkpoints' memory at most. A folder that fails to verify is logged and counted, and read
 again only once its manifest changes (or a newer one lands); the thread survives any failure and ends only when
 stopped.
 """
@@ -59,11 +60,14 @@ class CheckpointPrefetch:
     what a restore checks each manifest against; ``poll_s``: seconds between looks. Thread-safe: :meth:`stop` may be
     called from any thread."""
 
-    def __init__(self, own, *, owner: str, run_id: str | None, signing_key=None, poll_s: float = 1.0):
+    def __init__(self, own, *, owner: str, run_id: str | None, signing_key=None, poll_s: float = 1.0,
+                 depth: int = 2):
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
         self.own, self.owner, self.run_id, self.signing_key = Path(own), owner, run_id, signing_key
-        self.poll_s = poll_s
+        self.poll_s, self.depth = poll_s, depth
         self.reads = self.failures = 0
-        self._have: Prefetched | None = None
+        self._have: list[Prefetched] = []  # newest first
         self._refused: tuple[int, str] | None = None  # (step, manifest digest) of the last folder that failed
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -73,12 +77,12 @@ class CheckpointPrefetch:
         self._thread.start()
         return self
 
-    def stop(self) -> Prefetched | None:
-        """Stop polling; the newest checkpoint read completely (None: none yet). A read in flight is not waited for:
-        its result is dropped (the thread ends when it returns)."""
+    def stop(self) -> list[Prefetched]:
+        """Stop polling; the checkpoints read completely, newest first (empty: none yet). A read in flight is not
+        waited for: its result is dropped (the thread ends when it returns)."""
         self._stop.set()
         with self._lock:
-            have, self._have = self._have, None
+            have, self._have = self._have, []
         return have
 
     def _run(self) -> None:
@@ -96,7 +100,7 @@ class CheckpointPrefetch:
     def _look(self) -> None:
         steps = list_steps(self.own)
         with self._lock:
-            if not steps or (self._have is not None and self._have.step >= steps[0]):
+            if not steps or (self._have and self._have[0].step >= steps[0]):
                 return
         step = steps[0]
         path = step_dir(self.own, step)
@@ -107,7 +111,7 @@ class CheckpointPrefetch:
         if self._refused == (step, manifest):  # the same bad folder is not read again every poll
             return
         with self._lock:
-            self._have = None  # one checkpoint's memory at a time
+            self._have = self._have[:self.depth - 1]  # room for the one read next
         try:
             bundle = read_dir(path, signing_key=self.signing_key, owner=self.owner, step=step, run_id=self.run_id)
             got = Prefetched(step, manifest_digest(bundle.raw_manifest), parse_checkpoint(bundle, str(path)))
@@ -119,4 +123,4 @@ class CheckpointPrefetch:
         self.reads += 1
         with self._lock:
             if not self._stop.is_set():
-                self._have = got
+                self._have = [got, *self._have][:self.depth]

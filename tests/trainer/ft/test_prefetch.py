@@ -1,6 +1,6 @@
-"""``syncd.trainer.ft.prefetch`` and what a restore does with it, on a real disk and real replica servers: a checkpoint
-read ahead is the one a restore uses while its manifest is still the one on disk (a step written again is read
-again), a corrupt folder is refused as a restore refuses it and is not read again every poll, the reading thread
+"""``syncd.trainer.ft.prefetch`` and what a restore does with it, on a real disk and real replica servers: the newest
+two checkpoints read ahead are what a restore uses while each one's manifest is still the one on disk (a step
+written again is read again), a corrupt folder is refused as a restore refuses it and is not read again every poll, the reading thread
 runs at the lowest CPU priority; and a restore's re-offer to the holders sends nothing to a holder that lists
 exactly that checkpoint, but sends it to one that lost it."""
 
@@ -42,18 +42,22 @@ def test_a_checkpoint_read_ahead_is_used_while_current_and_a_step_written_again_
         wait_until(lambda: pre.reads >= 1, 30, "the first read ahead")
         assert os.getpriority(os.PRIO_PROCESS, pre._thread.native_id) == 19  # this thread only
         assert os.getpriority(os.PRIO_PROCESS, 0) == 0
+        m3 = _model(3)  # the next step lands: kept with the one before (the ranks may agree on either)
+        ft.checkpointer.save(3, m3, None, state={"step": 3}, wait=True)
+        assert ft.checkpointer.flush(30)
+        wait_until(lambda: pre.reads >= 2, 30, "the second read ahead")
         got = pre.stop()
-        assert got.step == 2 and torch.equal(got.checkpoint.model["weight"], m2.weight)
+        assert [p.step for p in got] == [3, 2] and torch.equal(got[1].checkpoint.model["weight"], m2.weight)
         # the disk copy rots after it was read: the restore uses the copy verified when read ahead
         body = step_dir(ft.own, 2) / "model.safetensors"
         raw = bytearray(body.read_bytes())
         raw[-5] ^= 0x01
         body.write_bytes(bytes(raw))
         ft.preloaded = got
-        assert ft.load(2) is got.checkpoint
+        assert ft.load(2) is got[1].checkpoint and ft.load(3) is got[0].checkpoint
         assert ft.load(1).step == 1  # another step: read from disk
         ft.adopt(ft.load(2))
-        assert ft.preloaded is None  # dropped once adopted
+        assert ft.preloaded == []  # dropped once adopted
     finally:
         ft.close()
 
@@ -61,12 +65,12 @@ def test_a_checkpoint_read_ahead_is_used_while_current_and_a_step_written_again_
     ft = _ft(tmp_path / "n0")
     try:
         ft.adopt(ft.load(1))
-        m3 = _model(3)
-        ft.checkpointer.save(2, m3, None, state={"step": 2}, wait=True)
+        m4 = _model(4)
+        ft.checkpointer.save(2, m4, None, state={"step": 2}, wait=True)
         assert ft.checkpointer.flush(30)
         ft.preloaded = got
         c = ft.load(2)
-        assert c is not got.checkpoint and torch.equal(c.model["weight"], m3.weight)
+        assert c is not got[1].checkpoint and torch.equal(c.model["weight"], m4.weight)
     finally:
         ft.close()
 
@@ -89,7 +93,7 @@ def test_a_corrupt_checkpoint_is_refused_once_and_the_next_is_read(tmp_path, cap
         ft.checkpointer.save(2, m2, None, state={"step": 2}, wait=True)
         wait_until(lambda: pre.reads >= 1, 30, "the next checkpoint read ahead")
         got = pre.stop()
-        assert got.step == 2 and torch.equal(got.checkpoint.model["bias"], m2.bias)
+        assert [p.step for p in got] == [2] and torch.equal(got[0].checkpoint.model["bias"], m2.bias)
     finally:
         ft.close()
 
