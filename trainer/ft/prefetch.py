@@ -9,11 +9,11 @@ restore without reading a checkpoint at its takeover.
 One background thread polls ``own_dir`` and reads each newer checkpoint completely, verified exactly as a restore
 reads it (:func:`~syncd.trainer.ft.ckpt_format.read_dir`: manifest, signature, owner, step, run, every file's
 SHA-256), at the lowest CPU priority (Linux's nice is per thread), so that on a shared machine it takes nothing
-from the trainer that writes the checkpoints. It keeps the newest ``depth`` checkpoints (default 2: the step a
-job's ranks agree on can be one behind a rank's newest, because the ranks' checkpoints of the last step land at
-different times), and drops the oldest before it reads a newer one: ``depth`` checkpoints' memory at most. A folder that fails to verify is logged and counted, and read
-again only once its manifest changes (or a newer one lands); the thread survives any failure and ends only when
-stopped.
+from the trainer that writes the checkpoints. It keeps the newest ``depth`` checkpoints (default 2: the step a job's
+ranks agree on can be one behind a rank's newest, because the ranks' checkpoints of the last step land at different
+times), and drops the oldest before it reads a newer one: ``depth`` checkpoints' memory at most. A folder that fails
+to verify is logged and counted, and read again only once its manifest changes (or a newer one lands); the thread
+survives any failure and ends only when stopped.
 """
 
 from __future__ import annotations

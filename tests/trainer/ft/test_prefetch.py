@@ -1,8 +1,8 @@
 """``syncd.trainer.ft.prefetch`` and what a restore does with it, on a real disk and real replica servers: the newest
-two checkpoints read ahead are what a restore uses while each one's manifest is still the one on disk (a step
-written again is read again), a corrupt folder is refused as a restore refuses it and is not read again every poll, the reading thread
-runs at the lowest CPU priority; and a restore's re-offer to the holders sends nothing to a holder that lists
-exactly that checkpoint, but sends it to one that lost it."""
+two checkpoints read ahead are what a restore uses while each one's manifest is still the one on disk (a step written
+again is read again), a corrupt folder is refused as a restore refuses it and is not read again every poll, the
+reading thread runs at the lowest CPU priority; and a restore's re-offer to the holders sends nothing to a holder that
+lists exactly that checkpoint, but sends it to one that lost it."""
 
 from __future__ import annotations
 

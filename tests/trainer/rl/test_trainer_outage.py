@@ -6,10 +6,10 @@ The trainer is killed with SIGKILL mid-run: the service keeps generating while i
 until the backlog is full), and ``--resume`` continues from the checkpoint, reading the queue on from the
 checkpointed position. The restart is a warm standby (``--resume --standby``, started before the kill, holding
 until ``SIGUSR1``; the cold ``--resume`` is tested by ``tests/trainer/ft/test_resume.py``); the trainer is two ranks
-on two nodes, each rank's checkpoints replicated to the other. Asserted: the standby wrote nothing before the
-signal, and each of its ranks read a checkpoint ahead; every step once; no prompt trained twice; every trained group is one the service
-wrote and the trainer never sent back; the groups generated during the outage are trained after it; the engines
-end on the trainer's last version."""
+on two nodes, each rank's checkpoints replicated to the other. Asserted: the standby wrote nothing before the signal,
+and each of its ranks read a checkpoint ahead; every step once; no prompt trained twice; every trained group is one
+the service wrote and the trainer never sent back; the groups generated during the outage are trained after it; the
+engines end on the trainer's last version."""
 
 from __future__ import annotations
 
