@@ -59,8 +59,8 @@ def test_etcd_killed_and_restarted_mid_run(tmp_path, states, make_cluster, etcd)
                   "the controller to step down once its lease may have expired")
     assert "etcd unreachable" in down[0]["why"]
     v2 = pub.next()  # published while etcd is down
+    t_back = time.time()  # from here etcd may answer: a node can win before start() has seen it healthy
     etcd.start()
-    t_back = time.time()
     v3 = pub.next()
     pub.close()
     c.wait(lambda: all(v3 in c.delivered(r) for r in range(n)), WAIT, f"version {v3} everywhere after the restart")
