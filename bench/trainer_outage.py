@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 
 from bench.ft_goodput import kill_process_tree
+from bench.trainer_elastic import read_lines
 
 __all__ = ["bench_outage"]
 
@@ -55,8 +56,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _lines(out: Path) -> list[dict]:
     """The trainer's metrics lines (a killed trainer's torn last line skipped)."""
-    from bench.trainer_elastic import read_lines
-
     return read_lines(out / "metrics.jsonl")
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from bench.ft_goodput import kill_process_tree
+from bench.trainer_elastic import read_lines
 from syncd.app.rl_stack import RLStack, StackConfig
 from syncd.procs import stop_process, wait_until
 from syncd.trainer.rl.group_queue import GroupQueue
@@ -35,16 +36,7 @@ STEPS, GROUPS, G, BACKLOG = 14, 2, 4, 8  # the trainer's lookahead: 2 x (1 + 1) 
 
 
 def _steps(out: Path) -> list[dict]:
-    path = out / "metrics.jsonl"
-    if not path.exists():
-        return []
-    lines = []
-    for ln in path.read_text().splitlines():
-        try:
-            lines.append(json.loads(ln))
-        except ValueError:  # a torn last line of a killed trainer
-            continue
-    return [ln for ln in lines if ln.get("kind") == "step"]
+    return [ln for ln in read_lines(out / "metrics.jsonl") if ln.get("kind") == "step"]
 
 
 def test_the_service_generates_through_a_trainer_kill_and_the_resumed_trainer_loses_and_repeats_nothing(tmp_path):
