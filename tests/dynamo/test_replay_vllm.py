@@ -9,16 +9,12 @@ store."""
 
 from __future__ import annotations
 
-import http.client
-import json
 import os
 import signal
 import threading
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import pytest
 
@@ -26,6 +22,7 @@ from syncd.engine.dynamo.serve import Node, NodeConfig
 from syncd.engine.dynamo.settings import DynamoSettings
 from syncd.procs import wait_until
 from tests.dynamo._client import finish_reason, post_json, post_stream
+from tests.dynamo._stepping import holder, in_steps
 from tests.dynamo.conftest import RUN_ID, start_proxy
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -152,58 +149,6 @@ def _joins(c, tid):
         return None
 
 
-def _holder(workers: dict) -> str | None:
-    """The instance id of the worker whose generate endpoint holds a request (its in-flight gauge, Dynamo's
-    ``/metrics`` on the worker's system port), or None."""
-    from syncd import http_client
-
-    for wid, w in workers.items():
-        text = http_client.request("GET", w["admin_url"], "/metrics", timeout_s=30).body.decode(errors="replace")
-        for line in text.splitlines():
-            if (line.startswith("dynamo_component_inflight_requests{") and 'dynamo_endpoint="generate"' in line
-                    and float(line.rsplit(" ", 1)[1]) > 0):
-                return wid
-    return None
-
-
-def _step(engine) -> None:
-    """Resume the paused ``engine`` with a pause sent right behind the resume (once the resume is on the wire): a
-    pause that reaches a worker streaming its tokens took seconds on a busy machine, one the worker serves as the
-    resume ends does not. The worker does not always serve them in that order (the first pause is then a no-op);
-    a second pause makes sure of it, at once where the first one held."""
-    u = urlsplit(engine.base_url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
-    try:
-        conn.request("POST", "/engine/weights/resume", body=json.dumps(engine.credentials()),
-                     headers={"Content-Type": "application/json"})
-        engine.pause()
-        reply = conn.getresponse()
-        assert reply.status == 200, reply.read()[:300]
-    finally:
-        conn.close()
-    engine.pause()
-
-
-def _in_steps(engine, seen, enough: int, alive, timeout_s: float = 240.0) -> int:
-    """Let the paused ``engine`` generate in steps (:func:`_step`) until the client has ``enough`` events
-    (``seen()``) once it has caught up with the engine (no new event for five times as long as the step took, at
-    least 50 ms); returns with it paused and the events seen. A step lets the engine make only what it makes
-    between a resume and a pause, however late its events reach the client."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        t = time.monotonic()
-        _step(engine)
-        quiet = max(0.05, 5 * (time.monotonic() - t))
-        last, since = seen(), time.monotonic()
-        while time.monotonic() - since < quiet:
-            time.sleep(quiet / 20)
-            if seen() != last:
-                last, since = seen(), time.monotonic()
-        if last >= enough or not alive():
-            return last
-        assert time.monotonic() < deadline, f"{last} events {timeout_s:.0f} s into the stream"
-
-
 def test_a_migrated_trajectory_joins_the_records_of_both_workers(cluster):
     from syncd.engines.client import RemoteAdapter
     from syncd.records.trajectory import read_record
@@ -211,7 +156,7 @@ def test_a_migrated_trajectory_joins_the_records_of_both_workers(cluster):
     c = cluster
     _store_takes_records(c)
     tid = f"mig-{uuid.uuid4().hex[:6]}"
-    # far more than a worker makes in a step of _in_steps: a quiet machine makes ~1900 tokens/s, a busy one (load
+    # far more than a worker makes in a step of in_steps: a quiet machine makes ~1900 tokens/s, a busy one (load
     # ~7 on two cores) ~300, where a pause that reached a worker streaming its tokens took up to 6 s
     n = 8000
     body = {"model": c.model, "prompt": "a long story:", "max_tokens": n, "ignore_eos": True, "temperature": 1.0,
@@ -238,13 +183,13 @@ def test_a_migrated_trajectory_joins_the_records_of_both_workers(cluster):
     stream.start()
     stopped = None
     try:
-        holder = wait_until(lambda: _holder(workers), 120, "a worker to hold the stream",
-                            alive=lambda: None if stream.is_alive() else f"the stream ended: {result}")
-        _in_steps(engines[holder], lambda: len(events), 31, stream.is_alive)
+        holding = wait_until(lambda: holder(workers), 120, "a worker to hold the stream",
+                             alive=lambda: None if stream.is_alive() else f"the stream ended: {result}")
+        in_steps(engines[holding], lambda: len(events), 31, stream.is_alive)
         ids = {ev["nvext"]["worker_id"]["decode_worker_id"] for ev in events if "worker_id" in (ev.get("nvext") or {})}
-        assert len(events) >= 31 and ids == {holder}, (len(events), ids, holder)
-        os.kill(workers[holder]["pid"], signal.SIGTERM)  # drains 0.2 s, flushes its records, exits: it migrates
-        stopped = holder
+        assert len(events) >= 31 and ids == {holding}, (len(events), ids, holding)
+        os.kill(workers[holding]["pid"], signal.SIGTERM)  # drains 0.2 s, flushes its records, exits: it migrates
+        stopped = holding
     finally:
         for wid, e in engines.items():
             if wid != stopped:

@@ -1,0 +1,120 @@
+"""Holding a Dynamo worker's stream at a chosen point, so that a test can stop or kill the worker in the middle of
+it on any machine: a worker makes thousands of tokens a second on a quiet machine and far fewer on a busy one, and a
+starved client reads them late. Two ways, both letting the worker generate only in short steps until the client has
+seen enough events:
+
+* paused through its admin routes (:func:`in_steps`; :func:`holder` finds the worker that holds the request). A
+  pause that reaches a worker streaming on a busy machine can take seconds to land (17 s was seen), and the worker
+  generates meanwhile;
+* its engine processes stopped with SIGSTOP (:func:`frozen_steps`, :func:`engine_processes`): for a worker whose
+  engine runs in processes of its own (vLLM), exact however busy the machine, since the engine runs only in the
+  steps."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import time
+from urllib.parse import urlsplit
+
+
+def holder(workers: dict) -> str | None:
+    """The instance id of the worker (``{instance_id: node.workers() entry}``) whose generate endpoint holds a
+    request (its in-flight gauge, Dynamo's ``/metrics`` on the worker's system port), or None."""
+    from syncd import http_client
+
+    for wid, w in workers.items():
+        text = http_client.request("GET", w["admin_url"], "/metrics", timeout_s=30).body.decode(errors="replace")
+        for line in text.splitlines():
+            if (line.startswith("dynamo_component_inflight_requests{") and 'dynamo_endpoint="generate"' in line
+                    and float(line.rsplit(" ", 1)[1]) > 0):
+                return wid
+    return None
+
+
+def step(engine) -> None:
+    """Resume the paused ``engine`` (a ``RemoteAdapter`` holding its lease) with a pause sent right behind the
+    resume (once the resume is on the wire): a pause that reaches a worker streaming its tokens took seconds on a
+    busy machine, one the worker serves as the resume ends does not. The worker does not always serve them in that
+    order (the first pause is then a no-op); a second pause makes sure of it, at once where the first one held."""
+    u = urlsplit(engine.base_url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
+    try:
+        conn.request("POST", "/engine/weights/resume", body=json.dumps(engine.credentials()),
+                     headers={"Content-Type": "application/json"})
+        engine.pause()
+        reply = conn.getresponse()
+        assert reply.status == 200, reply.read()[:300]
+    finally:
+        conn.close()
+    engine.pause()
+
+
+def in_steps(engine, seen, enough: int, alive, timeout_s: float = 240.0) -> int:
+    """Let the paused ``engine`` generate in steps (:func:`step`) until the client has ``enough`` events
+    (``seen()``) once it has caught up with the engine (no new event for five times as long as the step took, at
+    least 50 ms); returns with it paused and the events seen. A step lets the engine make only what it makes
+    between a resume and a pause, however late its events reach the client. Stops early once ``alive()`` is
+    false (the stream ended)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        t = time.monotonic()
+        step(engine)
+        quiet = max(0.05, 5 * (time.monotonic() - t))
+        last, since = seen(), time.monotonic()
+        while time.monotonic() - since < quiet:
+            time.sleep(quiet / 20)
+            if seen() != last:
+                last, since = seen(), time.monotonic()
+        if last >= enough or not alive():
+            return last
+        assert time.monotonic() < deadline, f"{last} events {timeout_s:.0f} s into the stream"
+
+
+def engine_processes(worker_pid: int) -> list[int]:
+    """The pids of a Dynamo worker's engine processes: every other member of its process group (the node runs each
+    worker in a session of its own), for a vLLM worker its EngineCore and vLLM worker processes."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == worker_pid:
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:  # gone meanwhile
+            continue
+        pgrp = int(stat.rsplit(")", 1)[1].split()[2])  # fields after the command: state, ppid, pgrp
+        if pgrp == worker_pid:
+            pids.append(int(entry))
+    return pids
+
+
+def signal_all(pids, sig: int) -> None:
+    """Send ``sig`` to each of ``pids`` that still exists."""
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def frozen_steps(pids, seen, enough: int, alive, *, step_s: float = 0.05, timeout_s: float = 240.0) -> int:
+    """With the engine processes ``pids`` stopped (SIGSTOP), let them run ``step_s`` at a time (SIGCONT, sleep,
+    SIGSTOP) until the client has ``enough`` events (``seen()``) once it has caught up (no new event for 0.2 s);
+    returns with them stopped and the events seen. The engines make tokens only while they run, however slowly the
+    machine serves the client or an admin route; stops early once ``alive()`` is false (the stream ended)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        signal_all(pids, signal.SIGCONT)
+        time.sleep(step_s)
+        signal_all(pids, signal.SIGSTOP)
+        last, since = seen(), time.monotonic()
+        while time.monotonic() - since < 0.2:
+            time.sleep(0.01)
+            if seen() != last:
+                last, since = seen(), time.monotonic()
+        if last >= enough or not alive():
+            return last
+        assert time.monotonic() < deadline, f"{last} events {timeout_s:.0f} s into the stream"
