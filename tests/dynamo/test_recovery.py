@@ -1,13 +1,14 @@
-"""The recovery path end to end under ``syncd serve``'s node (``syncd.engine.dynamo.serve.Node``): a real frontend, two
-workers (started without ``--weights-version``: they wait for the daemon) and a real node daemon driving them through their admin routes, following a run a
-real trainer publishes (AdamW steps, ``WeightPublisher``).
+"""The recovery path end to end under ``syncd serve``'s node (``syncd.engine.dynamo.serve.Node``): a real frontend,
+two workers (started without ``--weights-version``: they wait for the daemon) and a real node daemon driving them
+through their admin routes, following a run a real trainer publishes (AdamW steps, ``WeightPublisher``).
 
 1. The workers come up with weights of no version; the daemon rebuilds each from the newest full version plus
    the deltas after it, and only then do they register with the frontend (their ready files name the version).
-2. A worker is killed with SIGKILL in the middle of a stream: the frontend migrates the stream to the other
-   worker (it ends complete, at full length), the supervisor restarts the killed one and kills what was left
-   of its process group, the daemon rebuilds it (from its node cache: nothing is downloaded again) and the
-   frontend routes to it only once it holds the current version, bit for bit.
+2. A worker is killed with SIGKILL in the middle of a stream (held there: ``_kill_mid_stream``): the frontend
+   migrates the stream to the other worker (it ends complete, at full length), the supervisor restarts the
+   killed one and kills what was left of its process group, the daemon rebuilds it (from its node cache:
+   nothing is downloaded again) and the frontend routes to it only once it holds the current version, bit for
+   bit.
 
 Parametrized over the reference engine and vLLM (``--engine vllm``; a vLLM worker is three processes)."""
 
@@ -18,6 +19,7 @@ import os
 import random
 import signal
 import socket
+import subprocess
 import threading
 import time
 import uuid
@@ -32,6 +34,7 @@ from syncd.engines.client import RemoteAdapter
 from syncd.engines.params import expected_checksums
 from syncd.store import Store
 from tests.dynamo._client import finish_reason, post_stream
+from tests.dynamo._stepping import engine_processes, frozen_steps, holder, in_steps, signal_all
 from tests.engine._trainer import KEY, RUN, Trainer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -81,12 +84,75 @@ class DaemonThread:
         self._thread.join(60)
 
 
+def _busiest(n: int = 12) -> str:
+    """The ``n`` processes of this machine busiest over their lifetimes (ps's %CPU), for a timeout's message."""
+    out = subprocess.run(["ps", "-eo", "pid,ppid,pgid,pcpu,etimes,rss,args", "--sort=-pcpu"], capture_output=True,
+                         text=True, timeout=30).stdout
+    return "\n".join(line[:200] for line in out.splitlines()[:n + 1])
+
+
 def _pgid_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
         return True
     except ProcessLookupError:
         return False
+
+
+def _worker_ids(events: list) -> set:
+    """The instance ids of the workers that made ``events`` (their ``nvext.worker_id``)."""
+    return {ev["nvext"]["worker_id"]["decode_worker_id"] for ev in events if "worker_id" in ev.get("nvext", {})}
+
+
+def _tokens(events: list) -> int:
+    """How many tokens ``events`` carry (a busy worker can send several in one event)."""
+    return sum(len(ev["nvext"]["engine_data"]["token_ids"]) for ev in events if "engine_data" in ev.get("nvext", {}))
+
+
+def _kill_mid_stream(engine: str, node, daemon, stream: threading.Thread, events: list, result: list) -> dict:
+    """Start ``stream`` (a thread posting the long request, appending its events to ``events``) with both
+    workers held, let the one that holds it make tokens until the client has 32 of them, and SIGKILL that
+    worker while it is held: in the middle of the stream on any machine (a quiet one makes the tiny model's tokens
+    faster than a starved client reads them). Returns the killed worker's ``node.workers()`` entry.
+
+    A vLLM worker is held by stopping its engine processes (SIGSTOP; they run ``frozen_steps``' short steps): a
+    pause sent to a worker streaming on a busy machine took up to 17 s to land, and vLLM made the whole stream
+    meanwhile. The reference engine runs inside the worker process, so it is held paused (under the daemon's own
+    leases) and let on in ``in_steps``."""
+    workers = {w["instance_id"]: w for w in node.workers()}
+    killed: dict = {}
+    if engine == "vllm":
+        held = {wid: engine_processes(w["pid"]) for wid, w in workers.items()}
+        assert all(held.values()), held
+        every = [p for pids in held.values() for p in pids]
+        signal_all(every, signal.SIGSTOP)
+        try:
+            stream.start()
+            frozen_steps(every, lambda: _tokens(events), 32, stream.is_alive)  # only the holder has work
+            holding = _worker_ids(events)
+            assert _tokens(events) >= 32 and len(holding) == 1, (_tokens(events), holding, result)
+            killed.update(workers[holding.pop()])
+            os.kill(killed["pid"], signal.SIGKILL)
+        finally:
+            signal_all(every, signal.SIGCONT)  # the killed worker's too: the node kills what is left of its group
+        return killed
+    engines = {wid: daemon.daemon.drivers[w["name"]].adapter for wid, w in workers.items()}
+    for e in engines.values():
+        e.pause()
+    try:
+        stream.start()
+        holding = wait_until(lambda: holder(workers), 120, "a worker to hold the stream",
+                             alive=lambda: None if stream.is_alive() else f"the stream ended: {result}")
+        in_steps(engines[holding], lambda: _tokens(events), 32, stream.is_alive)
+        ids = _worker_ids(events)
+        assert _tokens(events) >= 32 and ids == {holding}, (_tokens(events), ids, holding)
+        killed.update(workers[holding])
+        os.kill(killed["pid"], signal.SIGKILL)
+    finally:
+        for wid, e in engines.items():
+            if wid != killed.get("instance_id"):
+                e.resume()
+    return killed
 
 
 @pytest.mark.parametrize("engine", ["reference", "vllm"])
@@ -97,15 +163,10 @@ def test_sigkilled_worker_is_restarted_rebuilt_and_routed_to_only_once_current(e
 
     if engine == "vllm" and os.environ.get("SYNCD_VLLM") == "off":
         pytest.skip("SYNCD_VLLM=off: the vllm extra is not installed on this machine")
-    if engine == "vllm" and os.environ.get("SYNCD_VLLM_RECOVERY") != "1":
-        pytest.skip("SYNCD_VLLM_RECOVERY=1 runs the vLLM variant (2-5 min on two cores; in a clean-clone run of the "
-                    "suite beside a busy loop its restarted worker had not registered 240 s after the kill, 7x the "
-                    "node's own start: too slow for the suite on shared cores, docs/dynamo.md); tests/engine/vllm "
-                    "test vLLM under the daemon")
-    # vLLM streams the tiny model at up to about 1900 tokens/s, faster than a starved client reads: on two busy cores
-    # the whole stream was made before the client's third event, and nothing migrated. Its model is deeper and
-    # wider (about 6M parameters, head_dim 64) and its stream longer, so that the stream outlasts the kill.
-    n = 3000 if engine == "vllm" else 900
+    # vLLM streams the tiny model at up to about 1900 tokens/s (about 95 in a step of frozen_steps): its stream is
+    # longer, and its model deeper and wider (about 6M parameters, head_dim 64); the rest of the stream is made on
+    # the other worker while the killed one restarts, so it is kept short
+    n = 1200 if engine == "vllm" else 900
     sizes = dict(SIZES, hidden=256, heads=4, intermediate=1024, layers=6, max_positions=4096) if engine == "vllm" \
         else SIZES
     model_dir = write_model(tmp_path / "model", arch="qwen2", seed=5, **sizes)
@@ -144,22 +205,21 @@ def test_sigkilled_worker_is_restarted_rebuilt_and_routed_to_only_once_current(e
 
         body = {"model": cfg.model_name, "prompt": "a long story:", "max_tokens": n, "seed": 7,
                 "ignore_eos": True, "temperature": 1.0, "nvext": {"extra_fields": ["worker_id", "engine_data"]}}
-        # A node's first stream reached the client late under load (4.4 s, when vLLM had made 500 tokens): two short
-        # requests first, so that the stream below reaches the client at once and the kill lands in its middle
-        for k in range(2):
-            status, _, _ = post_stream(f"{node.frontend_url}/v1/completions", {**body, "max_tokens": 2, "seed": k},
-                                       timeout=120)
-            assert status == 200
-        killed = {}
+        events: list = []
+        result: list = []
 
-        def kill_at(i, ev):
-            if i == 2:
-                wid = ev["nvext"]["worker_id"]["decode_worker_id"]
-                killed.update(next(w for w in node.workers() if w["instance_id"] == wid))
-                os.kill(killed["pid"], signal.SIGKILL)
+        def run():
+            try:
+                result.append(post_stream(f"{node.frontend_url}/v1/completions", body,
+                                          on_event=lambda i, ev: events.append(ev), timeout=300))
+            except Exception as exc:  # noqa: BLE001 -- reported below
+                result.append(exc)
 
-        status, _, events = post_stream(f"{node.frontend_url}/v1/completions", body, on_event=kill_at, timeout=300)
-        assert killed, "the stream ended before a worker could be killed"
+        stream = threading.Thread(target=run, daemon=True)
+        killed = _kill_mid_stream(engine, node, daemon, stream, events, result)
+        stream.join(300)
+        assert result and not isinstance(result[0], Exception), result
+        [(status, _, events)] = result
         assert status == 200 and finish_reason(events) == "length"
         data = [ev["nvext"]["engine_data"] for ev in events if "engine_data" in ev.get("nvext", {})]
         ids = [t for d in data for t in d["token_ids"]]
@@ -188,7 +248,10 @@ def test_sigkilled_worker_is_restarted_rebuilt_and_routed_to_only_once_current(e
             wait_until(lambda: child.restarts >= 1 and child.info.get("instance_id"), budget,
                        "the restarted worker to register again", interval_s=0.2, alive=restart_failed)
         except TimeoutError as exc:
-            raise AssertionError(f"{exc} (the node started in {start_s:.0f} s); {child.name}'s log ends:\n"
+            d = daemon.daemon.drivers[child.name]
+            raise AssertionError(f"{exc} (the node started in {start_s:.0f} s; load {os.getloadavg()}); the daemon "
+                                 f"sees it {d.state!r} ({d.error}; retry in {d.retry_at - time.monotonic():.0f} s); "
+                                 f"the busiest processes:\n{_busiest()}\n{child.name}'s log ends:\n"
                                  f"{node._log_tail(child)}") from None
         assert child.info["version"] == 2 and child.info["instance_id"] != killed["instance_id"]
         a = RemoteAdapter(urls[int(killed["name"][-1])], token_file=token_file)
@@ -202,7 +265,7 @@ def test_sigkilled_worker_is_restarted_rebuilt_and_routed_to_only_once_current(e
             status, _, evs = post_stream(f"{node.frontend_url}/v1/completions",
                                          {**body, "max_tokens": 2, "seed": k}, timeout=120)
             assert status == 200
-            seen |= {ev["nvext"]["worker_id"]["decode_worker_id"] for ev in evs if "worker_id" in ev.get("nvext", {})}
+            seen |= _worker_ids(evs)
         assert len(seen) == 2
     finally:
         node.close()
