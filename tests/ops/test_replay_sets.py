@@ -58,6 +58,22 @@ def test_kept_sets_match_the_per_row_specification(dtype, params):
         assert torch.equal(a, b)  # one row (the engine's call) is the specification bit for bit
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("params", [(1.0, 20, 0.8), (1.0, 0, 0.8), (0.7, 5, 1.0), (0.0, 0, 0.3), (1.3, 299, 0.95),
+                                    (1.0, 20, 1 - 1e-9), (1.0, 1, 0.5)])
+@pytest.mark.parametrize("V", [2, 300])
+def test_rows_sharing_scalar_parameters_get_the_general_paths_bits(dtype, params, V):
+    """Scalar parameters take the sampler's few-op path (``_uniform``); the same parameters given one per row take
+    the general one: every field must be equal bit for bit, logprobs and gaps included."""
+    x = _logits(24, V, 5, dtype) if V > 2 else torch.tensor([[1.0, 1.0], [0.5, -0.5], [-1.0, 2.0]], dtype=dtype)
+    T = x.shape[0]
+    temp, top_k, top_p = params
+    fast = replay.kept_sets(x, temp, top_k, top_p)
+    general = replay.kept_sets(x, torch.full((T,), temp), torch.full((T,), top_k), torch.full((T,), top_p))
+    for f in fast._fields:
+        assert torch.equal(getattr(fast, f), getattr(general, f)), f
+
+
 @pytest.mark.parametrize("V", [2, 17, 300, 5000])
 def test_sizes_keep_the_first_ranks_exactly_as_the_sampler_ranks(V):
     x = _logits(12, V, 3)

@@ -142,11 +142,13 @@ def kept_sets(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0, *, size
     name = resolve("kept_sets", backend, logits.device.type)
     T, V = logits.shape
     dev = logits.device
-    if T == 1 and sizes is None and name != "reference" and all(isinstance(v, (int, float)) for v in (
-            temperature, top_k, top_p)):
-        if not (math.isfinite(temperature) and temperature >= 0 and 0 < top_p <= 1):
-            raise ValueError("kept_sets: temperature must be finite and >= 0, top_p in (0, 1]")
-        return _one(logits[0], float(temperature), int(top_k), float(top_p))  # the sampler's call, token by token
+    if T and T * V <= _BLOCK and sizes is None and name != "reference" and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in (temperature, top_k, top_p)):
+        if not (math.isfinite(temperature) and temperature >= 0):
+            raise ValueError("kept_sets: temperatures must be finite and >= 0")
+        if not 0 < top_p <= 1:
+            raise ValueError("kept_sets: top_p must be in (0, 1]")
+        return _uniform(logits, float(temperature), int(top_k), float(top_p))  # a sampler's call, step by step
     temp = _per_row(temperature, T, torch.float32, "temperature", dev)
     if T and (bool((temp < 0).any()) or not bool(torch.isfinite(temp).all())):
         raise ValueError("kept_sets: temperatures must be finite and >= 0")
@@ -198,22 +200,32 @@ def _sets_vectorised(logits, temp, k, p, sizes) -> KeptSets:
     return KeptSets(out[0], offsets, *out[1:])
 
 
-def _one(x: torch.Tensor, temperature: float, top_k: int, top_p: float) -> KeptSets:
-    """:func:`kept_sets` of one row with scalar parameters, in few ops (the engine samples token by token)."""
-    V = x.numel()
+def _uniform(x: torch.Tensor, temperature: float, top_k: int, top_p: float) -> KeptSets:
+    """:func:`kept_sets` of the rows ``x`` ``[T, V]`` (``T * V <= _BLOCK``: one block of :func:`_sets`) with the
+    same scalar parameters, in fewer ops: a sampler calls it once per step on a few rows, where the general path's
+    per-row parameters, checks and CSR cuts cost more than the ranking. The same operations on the same shapes as
+    :func:`_block` and :func:`_sets`, so the same bits (``tests/ops/test_replay_sets.py`` compares them)."""
+    T, V = x.shape
+    dev = x.device
     greedy = temperature == 0
     k = 1 if greedy else top_k if 0 < top_k < V else V
-    vals, ids = _rank(x[None], x.new_full((1,), 1.0 if greedy else temperature, dtype=torch.float32), k)
-    vals, ids = vals[0], ids[0]
-    n = k
-    if not greedy and top_p < 1.0:
-        cum = torch.cumsum(torch.log_softmax(vals[:k], dim=0).exp(), dim=0)
+    vals, ids = _rank(x, torch.full((T,), 1.0 if greedy else temperature, dtype=torch.float32, device=dev), k)
+    p = torch.full((T, 1), top_p, dtype=torch.float32, device=dev)
+    if not greedy and float(p[0, 0]) < 1.0:  # top_p as the general path holds it (float32: 1 - 1e-9 is 1)
+        cum = torch.cumsum(torch.log_softmax(vals[:, :k].contiguous(), dim=1).exp(), dim=1)
         # smallest prefix whose mass reaches top_p (at least one token)
-        at = int(torch.searchsorted(cum, torch.tensor([top_p], dtype=cum.dtype, device=cum.device))[0])
-        n = max(1, min(at + 1, k))
-    lp = torch.zeros(1) if greedy else torch.log_softmax(vals[:n], dim=0)
-    return KeptSets(ids[:n].clone(), torch.tensor([0, n], device=x.device), vals[:n].clone(), vals[:n] - vals[1:n + 1],
-                    lp.to(x.device))
+        cut = torch.searchsorted(cum, p)[:, 0] + 1
+        n = cut.clamp_(min=1, max=k)
+    else:
+        n = torch.full((T,), k, dtype=torch.int64, device=dev)
+    nmax = int(n.max())
+    gaps = vals[:, :nmax] - vals[:, 1:nmax + 1]
+    vals, ids = vals[:, :nmax].contiguous(), ids[:, :nmax].contiguous()
+    drop = torch.arange(nmax, device=dev)[None, :] >= n[:, None]
+    lp = torch.zeros_like(vals) if greedy else torch.log_softmax(vals.masked_fill(drop, float("-inf")), dim=1)
+    kept = (~drop).view(-1).nonzero().view(-1)  # one nonzero for the four CSR cuts
+    ids, vals, gaps, lp = (b.reshape(-1).index_select(0, kept) for b in (ids, vals, gaps, lp))
+    return KeptSets(ids, torch.cat([n.new_zeros(1), n.cumsum(0)]), vals, gaps, lp)
 
 
 def _sets(logits, temp, greedy, k, p, sizes, block: int) -> KeptSets:
