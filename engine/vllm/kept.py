@@ -160,14 +160,21 @@ class SyncdKeptSets(LogitsProcessor):
         if not rows:
             return logits
         t0 = time.perf_counter()
-        index = torch.tensor(rows, device=logits.device)
-        z = logits.index_select(0, index)
-        args = [self.rows[i] for i in rows]
-        ks = kept_sets(z, 1.0, [a.top_k for a in args], [a.top_p for a in args])
-        sizes = ks.offsets[1:] - ks.offsets[:-1]
-        keep = torch.zeros_like(z, dtype=torch.bool)
-        keep[torch.repeat_interleave(torch.arange(len(rows), device=z.device), sizes), ks.ids] = True
-        logits.index_copy_(0, index, z.masked_fill_(~keep, float("-inf")))
+        whole = len(rows) == logits.shape[0]  # every row (distinct, sorted): the logits themselves, masked in place
+        index = None if whole else torch.tensor(rows, device=logits.device)
+        z = logits if whole else logits.index_select(0, index)
+        shared = {(self.rows[i].top_k, self.rows[i].top_p) for i in rows}
+        if len(shared) == 1:  # scalars: kept_sets' few-op path for rows that share their parameters
+            (top_k, top_p), = shared
+        else:
+            top_k, top_p = [self.rows[i].top_k for i in rows], [self.rows[i].top_p for i in rows]
+        ks = kept_sets(z, 1.0, top_k, top_p)
+        drop = torch.ones_like(z, dtype=torch.bool)
+        drop[torch.repeat_interleave(torch.arange(len(rows), device=z.device), ks.offsets.diff(),
+                                     output_size=ks.ids.numel()), ks.ids] = False
+        z.masked_fill_(drop, float("-inf"))
+        if not whole:
+            logits.index_copy_(0, index, z)
         ids, gaps, lps = (t.cpu().numpy() for t in (ks.ids, ks.gaps, ks.logprobs))
         off = ks.offsets.tolist()
         self.step = {row: KeptRow(ids[off[j]:off[j + 1]], gaps[off[j]:off[j + 1]], lps[off[j]:off[j + 1]])
