@@ -22,12 +22,17 @@ replayed and the versions exact, what remains of the mismatch is the numerics of
 trainer's (the reference engine computes with transformers' own modules, vLLM with its CPU kernels).
 
 Also per model: vLLM's generation tokens/s with recording on against off (the same engine and streams, no updates,
-alternating rounds), and the bytes per token of the records.
+``speed_rounds`` pairs of rounds, the median of the pairs' ratios), and the bytes per token of the records. The
+tiny models' decode step is about 3 ms on two CPU cores, most of it Python, so recording's fixed cost per step
+(the processor ranks and masks every row, the tap reads the step) weighs more there than at any real size: the
+same measurement also runs on a larger dense model (``speed_hidden``, ``speed_layers``; default about 90M
+parameters), the ``speed`` row.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import tempfile
 import time
 from dataclasses import dataclass
@@ -37,8 +42,10 @@ import torch
 
 __all__ = ["PRESETS", "run", "main_with"]
 
-PRESETS = {"default": dict(requests=8, max_tokens=512, updates=2, update_every=160, pretrain_steps=60),
-           "tiny": dict(requests=2, max_tokens=24, updates=1, update_every=8, pretrain_steps=4)}
+PRESETS = {"default": dict(requests=8, max_tokens=512, updates=2, update_every=160, pretrain_steps=60, speed_rounds=6,
+                           speed_hidden=1024, speed_layers=8, speed_pairs=4),
+           "tiny": dict(requests=2, max_tokens=24, updates=1, update_every=8, pretrain_steps=4, speed_rounds=2,
+                        speed_hidden=128, speed_layers=1, speed_pairs=1)}
 MODELS = {"dense": "qwen2", "moe": "qwen3_moe"}
 SIZES = dict(hidden=128, heads=2, kv_heads=1, intermediate=256, layers=2, experts=8, top_k=2)
 SAMPLING = dict(temperature=1.0, top_p=0.8, top_k=20)
@@ -275,10 +282,12 @@ def _bytes(store: Path, run_id: str, reqs, tokens: int) -> dict:
 # ---------------------------------------------------------------------------------------------- one model
 
 
-def _throughput(eng, cfg: dict, rounds: int = 2) -> dict:
+def _throughput(eng, cfg: dict, rounds: int) -> dict:
     """vLLM's generation tokens/s with recording on against off on the same recording engine, the same streams (no
-    updates), alternating off/on ``rounds`` times after a warm-up: a request without replay is vLLM's own sampling
-    (no processor, no records), so the difference is what recording costs. Medians of the rounds."""
+    updates), after a warm-up: ``rounds`` pairs, each one round off and one on, in the order off-on, on-off, ...
+    (a drift in the machine's load then favours neither). A request without replay is vLLM's own sampling (no
+    processor, no records), so the difference is what recording costs. ``ratio``: the median over the pairs of
+    on/off tokens/s (each pair ran side by side); ``tokens_per_s``: medians of the rounds."""
     import statistics
 
     async def streams(reqs, replay):
@@ -290,14 +299,15 @@ def _throughput(eng, cfg: dict, rounds: int = 2) -> dict:
     rates = {"off": [], "on": []}
     tokens = {}
     for k in range(rounds):
-        for label in ("off", "on"):
+        for label in (("off", "on") if k % 2 == 0 else ("on", "off")):
             t0 = time.perf_counter()
             events = asyncio.run(streams(_requests(cfg, f"speed-{label}{k}"), label == "on"))
             tokens[label] = sum(len(e) for e in events)
             rates[label].append(tokens[label] / (time.perf_counter() - t0))
     out = {label: {"tokens": tokens[label], "tokens_per_s": statistics.median(r), "rounds": r}
            for label, r in rates.items()}
-    out["ratio"] = out["on"]["tokens_per_s"] / out["off"]["tokens_per_s"]
+    out["pair_ratios"] = [on / off for on, off in zip(rates["on"], rates["off"])]
+    out["ratio"] = statistics.median(out["pair_ratios"])
     w = eng.flush_replay()  # the worker's own account: seconds in the processor and the tap, per sampling step
     out["worker"] = dict(w, processor_ms_per_step=1e3 * w["processor_s"] / max(w["processor_calls"], 1),
                          record_ms_per_step=1e3 * w["record_s"] / max(w["processor_calls"], 1))
@@ -315,7 +325,7 @@ def model_rows(name: str, cfg: dict, root: Path) -> dict:
         eng = _start(kind, trained, store, run_id, cfg)
         try:
             if kind == "vllm":
-                result["recording"] = _throughput(eng, cfg)
+                result["recording"] = _throughput(eng, cfg, cfg["speed_rounds"])
             events, wall = _serve(eng, reqs, trained.updates, cfg["update_every"])
             _flush(eng)
         finally:
@@ -326,11 +336,44 @@ def model_rows(name: str, cfg: dict, root: Path) -> dict:
     return result
 
 
+def speed_row(cfg: dict, root: Path) -> dict:
+    """Recording's cost at a model whose decode step is not mostly Python: a dense Qwen2 of ``speed_hidden`` and
+    ``speed_layers`` (head_dim 64, random weights: the rate does not depend on them), the same streams and
+    sampling as the tiny models', ``speed_pairs`` pairs of rounds (:func:`_throughput`)."""
+    from syncd.engine.reference.make_tiny import write_model
+    from syncd.engine.vllm import ReplayConfig, VLLMEngine
+
+    h = cfg["speed_hidden"]
+    folder = write_model(root / "speed" / "model", arch="qwen2", seed=3, hidden=h, heads=h // 64,
+                         kv_heads=max(1, h // 256), intermediate=h * 11 // 4, layers=cfg["speed_layers"],
+                         max_positions=cfg["max_tokens"] + 128)
+    params = _parameters(folder)
+    eng = VLLMEngine(folder, version=0, max_model_len=cfg["max_tokens"] + 64, max_num_seqs=cfg["requests"],
+                     replay=ReplayConfig(str(root / "speed" / "replay"), "speed"))
+    try:
+        rec = _throughput(eng, cfg, cfg["speed_pairs"])
+    finally:
+        eng.close()
+    return {"model": f"dense {params / 1e6:.3g}M", "params": params, "hidden": h, "layers": cfg["speed_layers"],
+            "recording": rec}
+
+
+def _parameters(folder: Path) -> int:
+    """How many parameters the model folder's safetensors hold."""
+    from safetensors import safe_open
+
+    total = 0
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            total += sum(math.prod(st.get_slice(k).get_shape()) for k in st.keys())
+    return total
+
+
 def run(cfg: dict, models: list[str]) -> dict:
-    """The whole comparison (module docstring) for ``models`` (keys of :data:`MODELS`)."""
+    """The whole comparison (module docstring) for ``models`` (keys of :data:`MODELS`), and :func:`speed_row`."""
     with tempfile.TemporaryDirectory(prefix="bench-replay-vllm-") as tmp:
         return {"bench": "replay", "engine": "vllm", "config": cfg, "sampling": SAMPLING, "sizes": SIZES,
-                "models": [model_rows(m, cfg, Path(tmp)) for m in models]}
+                "models": [model_rows(m, cfg, Path(tmp)) for m in models], "speed": speed_row(cfg, Path(tmp))}
 
 
 def print_rows(results: dict) -> None:
@@ -341,12 +384,17 @@ def print_rows(results: dict) -> None:
             rd = "-" if r["routing_disagreement"] is None else f"{r['routing_disagreement']:.4f}"
             print(f"{r['engine']:<10} {r['model']:<6} {r['replay']:<6} {r['tokens']:>6} {r['is_mean']:>9.5f} "
                   f"{r['is_outside_frac']:>8.4f} {r['max_abs_dlogp']:>11.3e} {rd:>8} {r['kept_mass_gap']:>9.4f}")
-        s = m["recording"]
-        print(f"  {m['model']}: vLLM {s['off']['tokens_per_s']:.1f} tokens/s with recording off, "
-              f"{s['on']['tokens_per_s']:.1f} with (ratio {s['ratio']:.3f}; the processor "
-              f"{s['worker']['processor_ms_per_step']:.2f} ms and the tap {s['worker']['record_ms_per_step']:.2f} ms "
-              "per step); bytes per token: "
+        print(f"  {m['model']}: {_recording_text(m['recording'])}; bytes per token: "
               + ", ".join(f"{k} {b['bytes_per_token']:.1f}" for k, b in m["bytes"].items()))
+    sp = results["speed"]
+    print(f"  {sp['model']} (hidden {sp['hidden']}, {sp['layers']} layers): {_recording_text(sp['recording'])}")
+
+
+def _recording_text(r: dict) -> str:
+    return (f"vLLM {r['off']['tokens_per_s']:.1f} tokens/s with recording off, {r['on']['tokens_per_s']:.1f} with "
+            f"(median of {len(r['pair_ratios'])} paired ratios {r['ratio']:.3f}; the processor "
+            f"{r['worker']['processor_ms_per_step']:.2f} ms and the tap {r['worker']['record_ms_per_step']:.2f} ms "
+            "per step)")
 
 
 def main_with(args, *, models_given: bool) -> int:
@@ -367,7 +415,7 @@ def main_with(args, *, models_given: bool) -> int:
                  f"{r['tokens']} tokens") for m in results["models"] for r in m["rows"]]
     table += [Row(f"vllm {m['model']} recording on", None, m["recording"]["ratio"],
                   "recording off (tokens/s)", f"{m['recording']['on']['tokens']} tokens")
-              for m in results["models"]]
+              for m in results["models"] + [results["speed"]]]
     return finish("replay", args, results, table, lambda path: plot(results, path))
 
 

@@ -312,7 +312,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.replay", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="default")
     for k in ("requests", "max_tokens", "concurrency", "updates", "update_every", "pretrain_steps", "hidden", "vocab",
-              "lm_hidden", "repeats", "synthetic"):
+              "lm_hidden", "repeats", "synthetic", "speed_rounds", "speed_hidden", "speed_layers", "speed_pairs"):
         p.add_argument("--" + k.replace("_", "-"), type=int, default=None)
     p.add_argument("--rows", default=None, help="comma-separated T values for the op (default: the preset's)")
     p.add_argument("--tolerance", type=float, default=None,

@@ -5,6 +5,8 @@ PNG."""
 from __future__ import annotations
 
 import json
+import os
+import statistics
 
 import pytest
 
@@ -55,3 +57,27 @@ def test_replay_benchmark_tiny(tmp_path, capsys):
     routes = data["bytes"]["routes"]
     assert routes["per_token"] == 48 * 8 * 7 / 8 and routes["int32_per_token"] == 48 * 8 * 4
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_replay_benchmark_on_vllm_tiny(tmp_path, capsys):
+    """``--engine vllm``: vLLM beside the reference engine on the same streams and update, every replay mode's row,
+    recording's cost as paired rounds on the tiny model and on the ``speed`` model, the records' bytes."""
+    if os.environ.get("SYNCD_VLLM") == "off":
+        pytest.skip("SYNCD_VLLM=off: the vllm extra is not installed on this machine")
+    out = tmp_path / "replay-vllm.json"
+    assert replay.main(["--engine", "vllm", "--preset", "tiny", "--models", "dense", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "recording off" in printed and "paired ratios" in printed
+    data = json.loads(out.read_text())
+    [m] = data["models"]
+    rows = {(r["engine"], r["replay"]): r for r in m["rows"]}
+    assert set(rows) == {(e, mode) for e in ("vllm", "reference") for mode in ("none", "kept", "full")}
+    for e in ("vllm", "reference"):
+        kept, none = rows[e, "kept"], rows[e, "none"]
+        assert kept["tokens"] == none["tokens"] == 48 and kept["is_outside_frac"] == 0 < none["is_outside_frac"]
+        assert abs(kept["is_mean"] - 1) < 1e-3 and kept["max_abs_dlogp"] < 1e-3 < none["max_abs_dlogp"]
+    for rec in (m["recording"], data["speed"]["recording"]):
+        assert len(rec["pair_ratios"]) == len(rec["on"]["rounds"]) == len(rec["off"]["rounds"]) >= 1
+        assert rec["ratio"] == statistics.median(rec["pair_ratios"]) > 0
+        assert rec["worker"]["processor_calls"] > 0 and rec["worker"]["written"] > 0 and rec["on"]["tokens"] == 48
+    assert data["speed"]["params"] > 0 and m["bytes"]["vllm"]["bytes_per_token"] > 0
