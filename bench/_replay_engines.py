@@ -32,7 +32,6 @@ parameters), the ``speed`` row.
 from __future__ import annotations
 
 import asyncio
-import math
 import tempfile
 import time
 from dataclasses import dataclass
@@ -340,6 +339,7 @@ def speed_row(cfg: dict, root: Path) -> dict:
     """Recording's cost at a model whose decode step is not mostly Python: a dense Qwen2 of ``speed_hidden`` and
     ``speed_layers`` (head_dim 64, random weights: the rate does not depend on them), the same streams and
     sampling as the tiny models', ``speed_pairs`` pairs of rounds (:func:`_throughput`)."""
+    from bench._report import model_params
     from syncd.engine.reference.make_tiny import write_model
     from syncd.engine.vllm import ReplayConfig, VLLMEngine
 
@@ -347,7 +347,7 @@ def speed_row(cfg: dict, root: Path) -> dict:
     folder = write_model(root / "speed" / "model", arch="qwen2", seed=3, hidden=h, heads=h // 64,
                          kv_heads=max(1, h // 256), intermediate=h * 11 // 4, layers=cfg["speed_layers"],
                          max_positions=cfg["max_tokens"] + 128)
-    params = _parameters(folder)
+    params = model_params(folder)
     eng = VLLMEngine(folder, version=0, max_model_len=cfg["max_tokens"] + 64, max_num_seqs=cfg["requests"],
                      replay=ReplayConfig(str(root / "speed" / "replay"), "speed"))
     try:
@@ -356,17 +356,6 @@ def speed_row(cfg: dict, root: Path) -> dict:
         eng.close()
     return {"model": f"dense {params / 1e6:.3g}M", "params": params, "hidden": h, "layers": cfg["speed_layers"],
             "recording": rec}
-
-
-def _parameters(folder: Path) -> int:
-    """How many parameters the model folder's safetensors hold."""
-    from safetensors import safe_open
-
-    total = 0
-    for f in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as st:
-            total += sum(math.prod(st.get_slice(k).get_shape()) for k in st.keys())
-    return total
 
 
 def run(cfg: dict, models: list[str]) -> dict:

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
-__all__ = ["Row", "output_flags", "finish", "format_table", "CHECK_FAILED", "COLUMNS"]
+__all__ = ["Row", "output_flags", "finish", "format_table", "model_params", "CHECK_FAILED", "COLUMNS"]
 
 #: the exit status of a routine whose reference check failed (2 stays the status of a refused command line)
 CHECK_FAILED = 1
@@ -47,6 +47,18 @@ class Row:
     sizes: str = ""
     device: str = "cpu"
     refcheck: bool | None = None
+
+
+def model_params(folder) -> int:
+    """How many parameters a model folder's safetensors files hold, for a routine's report (from their headers:
+    shapes only, no tensor is read)."""
+    from safetensors import safe_open
+
+    total = 0
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            total += sum(math.prod(st.get_slice(k).get_shape()) for k in st.keys())
+    return total
 
 
 def output_flags(parser, routine: str, *, refcheck: str | None = None) -> None:

@@ -40,12 +40,12 @@ ranks on two nodes, each rank's checkpoint replicated to the other (``params``, 
 from __future__ import annotations
 
 import json
-import math
 import signal
 import subprocess
 import time
 from pathlib import Path
 
+from bench._report import model_params
 from bench.ft_goodput import kill_process_tree
 from bench.trainer_elastic import read_lines
 
@@ -169,13 +169,5 @@ def bench_outage(args, work: Path) -> dict:
             "prompts_lost": len(set(range(max(claimed, default=-1) + 1)) - claimed) + missing,
             "task_mix_p_value": p_value, "task_mix": mix, "groups_written": len(groups), "groups_trained": len(trained),
             "groups_sent_back": sum(1 for k in st.failed if k in st.landed),
-            "params": _params(stack.model_dir), "hidden": args.outage_hidden, "layers": args.outage_layers,
+            "params": model_params(stack.model_dir), "hidden": args.outage_hidden, "layers": args.outage_layers,
             "replicas": args.outage_replicas}
-
-
-def _params(model_dir: Path) -> int:
-    """Parameters of the stack's model (from its safetensors header: shapes only)."""
-    from safetensors import safe_open
-
-    with safe_open(str(Path(model_dir) / "model.safetensors"), "pt") as f:
-        return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
