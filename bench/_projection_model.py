@@ -113,7 +113,7 @@ class Setup:
     engine: str = "gpu"
     node_cores: float = 32.0
     pause_cores: float | None = None
-    scrub_bytes: float = 64 << 20
+    scrub_bytes: float = 128 << 20
     rpc_s: float = 0.002
     gpus_per_node: int = 8
     gpus_per_engine: int = 16

@@ -59,14 +59,14 @@ ENV = {
     "poll_interval_s": ("SYNCD_POLL_INTERVAL_S", "0.5"),
     "poll_jitter": ("SYNCD_POLL_JITTER", "0.2"),
     "backoff_max_s": ("SYNCD_BACKOFF_MAX_S", "10"),
-    "engine_check_s": ("SYNCD_ENGINE_CHECK_S", "1"),
+    "engine_check_s": ("SYNCD_ENGINE_CHECK_S", "2"),
     "download_concurrency": ("SYNCD_DOWNLOAD_CONCURRENCY", "8"),
     "metrics_port": ("SYNCD_METRICS_PORT", ""),
     "metrics_addr": ("SYNCD_METRICS_ADDR", "127.0.0.1"),
     "status_file": ("SYNCD_STATUS_FILE", None),
     "allow_unsigned": ("SYNCD_ALLOW_UNSIGNED", ""),
     "engine_lease_s": ("SYNCD_ENGINE_LEASE_S", "10"),
-    "engine_scrub_bytes": ("SYNCD_ENGINE_SCRUB_BYTES", "64M"),
+    "engine_scrub_bytes": ("SYNCD_ENGINE_SCRUB_BYTES", "128M"),
     "engine_token_file": ("SYNCD_ENGINE_TOKEN_FILE", None),
 }
 

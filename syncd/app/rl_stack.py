@@ -159,8 +159,7 @@ class RLStack:
 
         argv = ["-m", "syncd.app.cli", "--run-id", self.run_id, "--store", self.store_url, "--cache-dir",
                 str(self.workdir / "cache"), "--status-file", str(self.status_file), "--poll-interval-s",
-                str(self.config.poll_interval_s), "--poll-jitter", "0", "--engine-check-s", "0.5",
-                "--log-level", "INFO"]
+                str(self.config.poll_interval_s), "--poll-jitter", "0", "--log-level", "INFO"]
         for name, url in self.engines.items():
             argv += ["--engine", f"{name}={url}"]
         proc = self._spawn("daemon", argv)

@@ -34,7 +34,9 @@ class DaemonConfig:
     ``poll_interval_s`` between conditional GETs of ``latest.json`` (each waits ``±poll_jitter`` of it at
     random); after a store error the wait doubles per failure up to ``backoff_max_s``. Every
     ``list_every_s`` the version listing is read too (a hint that lags is caught). ``engine_check_s``:
-    how often each engine's version is asked (a restarted engine is noticed within that).
+    how often each engine's version is asked (a restarted engine is noticed within that); 2 s by default, because
+    a vLLM worker busy-polls its message queue for 1 s after each call that reaches it (the scrub's), so checks
+    under 1 s apart keep an idle vLLM worker spinning on a core (docs/dynamo.md).
     ``download_concurrency``: shards downloaded at once. ``cache_dir`` / ``cache_max_bytes``: the node's
     shard cache. ``metrics_port``: Prometheus on ``metrics_addr`` (None: off; 0: a free port).
     ``status_file``: where the node state is written for ``syncd status`` (None: in the cache dir).
@@ -54,7 +56,7 @@ class DaemonConfig:
     poll_jitter: float = 0.2
     backoff_max_s: float = 10.0
     list_every_s: float = 30.0
-    engine_check_s: float = 1.0
+    engine_check_s: float = 2.0
     download_concurrency: int = 8
     metrics_port: int | None = None
     metrics_addr: str = "127.0.0.1"
@@ -63,7 +65,7 @@ class DaemonConfig:
     store_options: dict = field(default_factory=dict)
     store_endpoint: str | None = None
     engine_lease_s: float = 10.0
-    engine_scrub_bytes: int = 64 << 20
+    engine_scrub_bytes: int = 128 << 20
     engine_token_file: Path | None = None
 
     def __post_init__(self):
