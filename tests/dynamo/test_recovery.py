@@ -23,6 +23,7 @@ import subprocess
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -34,7 +35,8 @@ from syncd.engines.client import RemoteAdapter
 from syncd.engines.params import expected_checksums
 from syncd.store import Store
 from tests.dynamo._client import finish_reason, post_stream
-from tests.dynamo._stepping import engine_processes, frozen_steps, holder, in_steps, process_stat, signal_all
+from tests.dynamo._paced_vllm import paced_marker, worker_env
+from tests.dynamo._stepping import holder, in_steps
 from tests.engine._trainer import KEY, RUN, Trainer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -99,11 +101,6 @@ def _pgid_alive(pgid: int) -> bool:
         return False
 
 
-def _comms(held: dict) -> dict:
-    """``{worker: {pid: (command name, state) or None}}`` of the engine processes a test holds."""
-    return {wid: {pid: (st[:2] if (st := process_stat(pid)) else None) for pid in pids} for wid, pids in held.items()}
-
-
 def _worker_ids(events: list) -> set:
     """The instance ids of the workers that made ``events`` (their ``nvext.worker_id``)."""
     return {ev["nvext"]["worker_id"]["decode_worker_id"] for ev in events if "worker_id" in ev.get("nvext", {})}
@@ -114,33 +111,33 @@ def _tokens(events: list) -> int:
     return sum(len(ev["nvext"]["engine_data"]["token_ids"]) for ev in events if "engine_data" in ev.get("nvext", {}))
 
 
-def _kill_mid_stream(engine: str, node, daemon, stream: threading.Thread, events: list, result: list) -> dict:
+def _kill_mid_stream(engine: str, node, daemon, stream: threading.Thread, events: list, result: list,
+                     hold: Path) -> dict:
     """Start ``stream`` (a thread posting the long request, appending its events to ``events``) with both
-    workers held, let the one that holds it make tokens until the client has 32 of them, and SIGKILL that
-    worker while it is held, in the middle of the stream (a quiet machine makes the tiny model's tokens faster than
-    a starved client reads them). Returns the killed worker's ``node.workers()`` entry.
+    workers held back, wait until the client has 32 tokens, and SIGKILL the worker that holds the stream, in the
+    middle of it (a quiet machine makes the tiny model's tokens faster than a starved client reads them). Returns
+    the killed worker's ``node.workers()`` entry.
 
-    A vLLM worker is held by stopping its engine processes (SIGSTOP; they run ``frozen_steps``' short steps): a
-    pause sent to a worker streaming on a busy machine took up to 17 s to land, and vLLM made the whole stream
-    meanwhile (the stopped engine did too in 4 of 14 runs, which is why this variant is opt-in). The reference
-    engine runs inside the worker process, so it is held paused (under the daemon's own leases) and let on in
+    vLLM workers are paced (``tests/dynamo/_paced_vllm.py``: while the file ``hold`` exists each sampling step
+    sleeps 50 ms first, so the stream cannot end before the client has read its first tokens however late it reads
+    them); ``hold`` is removed after the kill, so the survivor finishes the stream at full speed. The reference
+    engine runs inside its worker process, so it is held paused (under the daemon's own leases) and let on in
     ``in_steps``."""
     workers = {w["instance_id"]: w for w in node.workers()}
     killed: dict = {}
     if engine == "vllm":
-        held = {wid: engine_processes(w["pid"]) for wid, w in workers.items()}
-        assert all(held.values()), held
-        every = [p for pids in held.values() for p in pids]
-        signal_all(every, signal.SIGSTOP)
+        hold.touch()
         try:
             stream.start()
-            frozen_steps(every, lambda: _tokens(events), 32, stream.is_alive)  # only the holder has work
+            wait_until(lambda: _tokens(events) >= 32, 240, "the client to have 32 tokens", interval_s=0.01,
+                       alive=lambda: None if stream.is_alive() else f"the stream ended: {result}")
             holding = _worker_ids(events)
-            assert _tokens(events) >= 32 and len(holding) == 1, (_tokens(events), holding, result)
-            killed.update(workers[holding.pop()], seen_at_kill=_tokens(events), held=_comms(held))
+            assert len(holding) == 1, (_tokens(events), holding)
+            assert paced_marker(hold).exists(), "vLLM did not load the pacing processor (its plugin)"
+            killed.update(workers[holding.pop()], seen_at_kill=_tokens(events))
             os.kill(killed["pid"], signal.SIGKILL)
         finally:
-            signal_all(every, signal.SIGCONT)  # the killed worker's too: the node kills what is left of its group
+            hold.unlink(missing_ok=True)
         return killed
     engines = {wid: daemon.daemon.drivers[w["name"]].adapter for wid, w in workers.items()}
     for e in engines.values():
@@ -169,13 +166,9 @@ def test_sigkilled_worker_is_restarted_rebuilt_and_routed_to_only_once_current(e
 
     if engine == "vllm" and os.environ.get("SYNCD_VLLM") == "off":
         pytest.skip("SYNCD_VLLM=off: the vllm extra is not installed on this machine")
-    if engine == "vllm" and os.environ.get("SYNCD_VLLM_RECOVERY") != "1":
-        pytest.skip("SYNCD_VLLM_RECOVERY=1 runs the vLLM variant: beside busy loops vLLM still made a whole stream "
-                    "before the kill in 4 of 14 runs, its engine processes stopped between the steps (not understood, "
-                    "docs/dynamo.md); tests/engine/vllm test vLLM under the daemon")
-    # vLLM streams the tiny model at up to about 1900 tokens/s (about 95 in a step of frozen_steps): its stream is
-    # longer, and its model deeper and wider (about 6M parameters, head_dim 64)
-    n = 3000 if engine == "vllm" else 900
+    # vLLM's stream is paced until the kill (at least 50 ms a token: 100 s for the whole stream), its model deeper
+    # and wider (about 6M parameters; vLLM's CPU attention needs head_dim 64)
+    n = 2000 if engine == "vllm" else 900
     sizes = dict(SIZES, hidden=256, heads=4, intermediate=1024, layers=6, max_positions=4096) if engine == "vllm" \
         else SIZES
     model_dir = write_model(tmp_path / "model", arch="qwen2", seed=5, **sizes)
@@ -185,11 +178,15 @@ def test_sigkilled_worker_is_restarted_rebuilt_and_routed_to_only_once_current(e
     token_file = tmp_path / "engine-token"
     base = _two_free_ports()
     extra = ("--engine", engine, "--engine-token-file", str(token_file), "--drain-timeout", "5")
+    hold = tmp_path / "hold"  # vLLM's pace (tests/dynamo/_paced_vllm.py) holds while it exists
+    env = {}
     if engine == "vllm":
         extra += ("--max-model-len", "4096")
+        env = worker_env(tmp_path / "plugins", hold)
     cfg = NodeConfig(model=model_dir, run_dir=tmp_path / "node", workers=2, frontend=True, migration_limit=3,
                      settings=DynamoSettings(file_kv=tmp_path / "kv", namespace=f"t{uuid.uuid4().hex[:8]}"),
-                     system_port_base=base, worker_args=extra, startup_timeout_s=420, stop_grace_s=20)
+                     system_port_base=base, worker_args=extra, worker_env=env, startup_timeout_s=420,
+                     stop_grace_s=20)
     urls = [f"http://127.0.0.1:{base + i}" for i in range(2)]
     # An engine check scrubs weights through the engine, which for vLLM is a call into its worker process; after
     # each call that process busy-polls vLLM's message queue for 1 s, so checks under 1 s apart keep an idle vLLM
@@ -235,7 +232,7 @@ def test_sigkilled_worker_is_restarted_rebuilt_and_routed_to_only_once_current(e
                 result.append(exc)
 
         stream = threading.Thread(target=run, daemon=True)
-        killed = _kill_mid_stream(engine, node, daemon, stream, events, result)
+        killed = _kill_mid_stream(engine, node, daemon, stream, events, result, hold)
         stream.join(300)
         assert result and not isinstance(result[0], Exception), result
         [(status, _, events)] = result
@@ -247,8 +244,7 @@ def test_sigkilled_worker_is_restarted_rebuilt_and_routed_to_only_once_current(e
         runs = [d["index"] for d in data]
         # a second engine request continued the stream (migrated)
         assert runs[-1] < n - 1 and runs.count(0) == 2, (f"not migrated: the client had {killed['seen_at_kill']} "
-                                                         f"tokens at the kill; engine indices {runs[:3]}..{runs[-3:]}; "
-                                                         f"held: {killed.get('held')}")
+                                                         f"tokens at the kill; engine indices {runs[:3]}..{runs[-3:]}")
 
         wait_until(lambda: not _pgid_alive(killed["pid"]), 30, "the killed worker's process group to be gone")
         child = next(c for c in node.children if c.name == killed["name"])

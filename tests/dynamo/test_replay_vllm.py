@@ -1,8 +1,8 @@
 """vLLM under Dynamo records replay: a node of two ``--engine vllm --replay-store`` workers (a tiny Qwen2 with head_dim
 64), the frontend and a sandbox proxy. The trainer's ``read_rollouts`` joins the engines' records with the proxy's
 trajectories token by token (ids, versions, log-probs, kept sets) -- also for a stream that migrated to the other
-worker when its first one stopped (held paused after its first tokens, then SIGTERM, a 0.2 s drain timeout: the
-worker flushes its records and exits). A store that refuses the records costs nothing: they are spilled and written
+worker when its first one stopped (paced by ``tests/dynamo/_paced_vllm.py`` until the client has its first
+tokens, then SIGTERM, a 0.2 s drain timeout: the worker flushes its records and exits). A store that refuses the records costs nothing: they are spilled and written
 once it takes them, and the requests are served meanwhile. Replay settings vLLM cannot record are refused with HTTP
 400 naming the field, as is replay asked (``nvext.annotations: ["syncd.replay"]``) of a worker without a replay
 store."""
@@ -22,7 +22,7 @@ from syncd.engine.dynamo.serve import Node, NodeConfig
 from syncd.engine.dynamo.settings import DynamoSettings
 from syncd.procs import wait_until
 from tests.dynamo._client import finish_reason, post_json, post_stream
-from tests.dynamo._stepping import holder, in_steps
+from tests.dynamo._paced_vllm import paced_marker, worker_env
 from tests.dynamo.conftest import RUN_ID, start_proxy
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -38,6 +38,7 @@ class VLLMCluster:
     store: Path
     spill: Path
     model: str
+    hold: Path  # the workers' vLLM is paced while it exists
 
     def finish(self, tid: str) -> None:
         status, _, reply = post_json(f"{self.proxy.url}/syncd/trajectories/{tid}/finish", {})
@@ -68,13 +69,13 @@ def cluster(tmp_path_factory):
                      worker_args=("--engine", "vllm", "--max-model-len", "8192", "--weights-version", "0",
                                   "--replay-store", store.resolve().as_uri(), "--run-id", RUN_ID,
                                   "--replay-spill-dir", str(spill), "--drain-timeout", "0.2"),
-                     startup_timeout_s=420)
+                     worker_env=worker_env(root / "plugins", root / "hold"), startup_timeout_s=420)
     node = Node(cfg).start()
     node.supervise(background=True)
     proxy = None
     try:
         proxy = start_proxy(root, node.frontend_url, store.resolve().as_uri(), SANDBOX)
-        yield VLLMCluster(node, proxy, store, spill, cfg.model_name)
+        yield VLLMCluster(node, proxy, store, spill, cfg.model_name, root / "hold")
     finally:
         if proxy is not None:
             proxy.stop()
@@ -150,27 +151,19 @@ def _joins(c, tid):
 
 
 def test_a_migrated_trajectory_joins_the_records_of_both_workers(cluster):
-    from syncd.engines.client import RemoteAdapter
     from syncd.records.trajectory import read_record
 
     c = cluster
     _store_takes_records(c)
     tid = f"mig-{uuid.uuid4().hex[:6]}"
-    # far more than a worker makes in a step of in_steps: a quiet machine makes ~1900 tokens/s, a busy one (load
-    # ~7 on two cores) ~300, where a pause that reached a worker streaming its tokens took up to 6 s
-    n = 8000
+    # paced, the workers make at most 20 tokens a second: the stream cannot end before the client has read its first
+    # events however late it reads them, nor in the 0.2 s drain; unpaced, the other worker finishes it in seconds
+    n = 2000
     body = {"model": c.model, "prompt": "a long story:", "max_tokens": n, "ignore_eos": True, "temperature": 1.0,
             "top_p": 0.95, "seed": 11, "nvext": {"extra_fields": ["worker_id"]}}
     workers = {w["instance_id"]: w for w in c.node.workers()}
-    engines = {wid: RemoteAdapter(w["admin_url"]) for wid, w in workers.items()}
     events: list = []
     result: list = []
-    # The stream is sent to paused workers; the one that holds it is let on in steps until the client has 31 of
-    # its events, and stopped while paused, so that it cannot finish the stream in its drain: the stream migrates
-    # to the other, resumed then. (Stopped as the client saw its 31st event, a worker that had run on meanwhile --
-    # on a busy machine the client sees the tokens late -- could finish the stream before it exited.)
-    for e in engines.values():
-        e.pause()
 
     def run():
         try:
@@ -180,21 +173,17 @@ def test_a_migrated_trajectory_joins_the_records_of_both_workers(cluster):
             result.append(exc)
 
     stream = threading.Thread(target=run, daemon=True)
-    stream.start()
-    stopped = None
+    c.hold.touch()
     try:
-        holding = wait_until(lambda: holder(workers), 120, "a worker to hold the stream",
-                             alive=lambda: None if stream.is_alive() else f"the stream ended: {result}")
-        in_steps(engines[holding], lambda: len(events), 31, stream.is_alive)
+        stream.start()
+        wait_until(lambda: len(events) >= 31, 240, "the client to have 31 events", interval_s=0.01,
+                   alive=lambda: None if stream.is_alive() else f"the stream ended: {result}")
         ids = {ev["nvext"]["worker_id"]["decode_worker_id"] for ev in events if "worker_id" in (ev.get("nvext") or {})}
-        assert len(events) >= 31 and ids == {holding}, (len(events), ids, holding)
-        os.kill(workers[holding]["pid"], signal.SIGTERM)  # drains 0.2 s, flushes its records, exits: it migrates
-        stopped = holding
+        assert len(ids) == 1, (len(events), ids)
+        assert paced_marker(c.hold).exists(), "vLLM did not load the pacing processor (its plugin)"
+        os.kill(workers[ids.pop()]["pid"], signal.SIGTERM)  # drains 0.2 s, flushes its records, exits: it migrates
     finally:
-        for wid, e in engines.items():
-            if wid != stopped:
-                e.resume()
-                e.release()
+        c.hold.unlink(missing_ok=True)
     stream.join(300)
     assert result and not isinstance(result[0], Exception), result
     [(status, _, got)] = result
