@@ -89,7 +89,8 @@ class Setup:
     ``engine``: ``"cpu"`` (one weights-only engine per node, its weights in host memory) or ``"gpu"``;
     ``node_cores``: the cores each node's host work gets while every node stages at once; ``pause_cores``: those
     the last engine's pause gets (None: ``node_cores``; stagings end at different times, so the last pause runs
-    mostly alone); ``scrub_bytes``: weight bytes an engine check scrubs; ``rpc_s``: one call from a daemon to its
+    mostly alone); ``scrub_bytes``: weight bytes the round's engine check scrubs (the daemon's default per scrub, taken
+    as due: it comes every ``--engine-scrub-s``); ``rpc_s``: one call from a daemon to its
     engine. GPU engines: ``gpus_per_node``, ``gpus_per_engine``, ``pcie_Bps``, ``hbm_Bps``,
     ``staged_bytes_per_change``."""
 
@@ -113,7 +114,7 @@ class Setup:
     engine: str = "gpu"
     node_cores: float = 32.0
     pause_cores: float | None = None
-    scrub_bytes: float = 128 << 20
+    scrub_bytes: float = 640 << 20
     rpc_s: float = 0.002
     gpus_per_node: int = 8
     gpus_per_engine: int = 16

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from bench._projection_model import STAGES, Rates, Setup, link_Bps, stages
+from bench.netsim.nodes import SCRUB_BYTES
 
 __all__ = ["cpu_probe", "measure_costs", "rates_now", "measured_stages", "validate", "cluster_setup", "accuracy", "run"]
 
@@ -241,7 +242,7 @@ def model_setup(cfg: dict, manifest_bytes: float, cpu: dict, stage_cores: float,
                  nodes=cfg["nodes"], fanout=cfg["fanout"], chunk_bytes=cfg["chunk_bytes"],
                  shard_bytes=cfg["shard_bytes"], tensor_params=cfg["tensor_params"], poll_s=cfg["poll_s"],
                  manifest_bytes=manifest_bytes, hop_s=hop_s, engine="cpu", node_cores=stage_cores / cfg["nodes"],
-                 pause_cores=pause_cores)
+                 pause_cores=pause_cores, scrub_bytes=SCRUB_BYTES)
 
 
 def _probe_mean(a: dict, b: dict) -> dict:

@@ -14,7 +14,10 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["NodeProcs"]
+__all__ = ["NodeProcs", "SCRUB_BYTES"]
+
+#: engine weight bytes a simulated node's daemon scrubs at each of its engine checks (every 0.5 s)
+SCRUB_BYTES = 64 << 20
 
 
 class NodeProcs:
@@ -59,7 +62,8 @@ class NodeProcs:
         if rank in self.engines:
             argv = [*self.prefix.get(rank, []), sys.executable, "-m", "syncd.app.cli", *self.common,
                     "--cache-dir", str(self.cache(rank)), "--engine", f"e{rank}={self.engines[rank]}",
-                    "--engine-check-s", "0.5", "--metrics-port", "0", *_as_daemon_flags(flags)]
+                    "--engine-check-s", "0.5", "--engine-scrub-s", "0.5", "--engine-scrub-bytes", str(SCRUB_BYTES),
+                    "--metrics-port", "0", *_as_daemon_flags(flags)]
         else:
             argv = [*self.prefix.get(rank, []), sys.executable, "-m", "syncd.cluster.node", *self.common,
                     "--cache-root", str(self.cache(rank)), *flags]

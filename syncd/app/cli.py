@@ -59,14 +59,15 @@ ENV = {
     "poll_interval_s": ("SYNCD_POLL_INTERVAL_S", "0.5"),
     "poll_jitter": ("SYNCD_POLL_JITTER", "0.2"),
     "backoff_max_s": ("SYNCD_BACKOFF_MAX_S", "10"),
-    "engine_check_s": ("SYNCD_ENGINE_CHECK_S", "2"),
+    "engine_check_s": ("SYNCD_ENGINE_CHECK_S", "1"),
     "download_concurrency": ("SYNCD_DOWNLOAD_CONCURRENCY", "8"),
     "metrics_port": ("SYNCD_METRICS_PORT", ""),
     "metrics_addr": ("SYNCD_METRICS_ADDR", "127.0.0.1"),
     "status_file": ("SYNCD_STATUS_FILE", None),
     "allow_unsigned": ("SYNCD_ALLOW_UNSIGNED", ""),
     "engine_lease_s": ("SYNCD_ENGINE_LEASE_S", "10"),
-    "engine_scrub_bytes": ("SYNCD_ENGINE_SCRUB_BYTES", "128M"),
+    "engine_scrub_bytes": ("SYNCD_ENGINE_SCRUB_BYTES", "640M"),
+    "engine_scrub_s": ("SYNCD_ENGINE_SCRUB_S", "10"),
     "engine_token_file": ("SYNCD_ENGINE_TOKEN_FILE", None),
 }
 
@@ -123,8 +124,9 @@ def _daemon_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-lease-s", default=s, type=float, metavar="S",
                    help="seconds this daemon's lease on each engine lasts without renewal [SYNCD_ENGINE_LEASE_S]")
     p.add_argument("--engine-scrub-bytes", default=s, metavar="N",
-                   help="engine weight bytes checksummed per engine check, e.g. 64M (0: off) "
-                        "[SYNCD_ENGINE_SCRUB_BYTES]")
+                   help="engine weight bytes checksummed per scrub, e.g. 640M (0: off) [SYNCD_ENGINE_SCRUB_BYTES]")
+    p.add_argument("--engine-scrub-s", default=s, type=float, metavar="S",
+                   help="seconds between scrubs of each engine's weights [SYNCD_ENGINE_SCRUB_S]")
     p.add_argument("--engine-token-file", default=s, metavar="PATH",
                    help="the node's engine control token [SYNCD_ENGINE_TOKEN_FILE; default "
                         "~/.config/syncd/engine-token]")
@@ -269,6 +271,7 @@ def _daemon_config(args):
         metrics_addr=args.metrics_addr, status_file=Path(args.status_file) if args.status_file else None,
         engine_lease_s=value(args, "engine_lease_s", float),
         engine_scrub_bytes=value(args, "engine_scrub_bytes", size, what),
+        engine_scrub_s=value(args, "engine_scrub_s", float),
         engine_token_file=Path(args.engine_token_file) if args.engine_token_file else None)
 
 

@@ -34,16 +34,16 @@ class DaemonConfig:
     ``poll_interval_s`` between conditional GETs of ``latest.json`` (each waits ``±poll_jitter`` of it at
     random); after a store error the wait doubles per failure up to ``backoff_max_s``. Every
     ``list_every_s`` the version listing is read too (a hint that lags is caught). ``engine_check_s``:
-    how often each engine's version is asked (a restarted engine is noticed within that); 2 s by default, because
-    a vLLM worker busy-polls its message queue for 1 s after each call that reaches it (the scrub's), so checks
-    under 1 s apart keep an idle vLLM worker spinning on a core (docs/dynamo.md).
+    how often each engine's version is asked (a restarted engine is noticed within that).
     ``download_concurrency``: shards downloaded at once. ``cache_dir`` / ``cache_max_bytes``: the node's
     shard cache. ``metrics_port``: Prometheus on ``metrics_addr`` (None: off; 0: a free port).
     ``status_file``: where the node state is written for ``syncd status`` (None: in the cache dir).
     ``retry_failed_s``: how long a version that failed verification is left alone before another try.
     ``engine_lease_s``: the lease this daemon holds on each engine process (renewed every engine check; a
     daemon that dies frees its engines that long after). ``engine_scrub_bytes``: weight bytes of each engine
-    checksummed per engine check against the manifest (0: none; see ``docs/engine.md``).
+    checksummed against the manifest per scrub (0: none; see ``docs/engine.md``), at most one scrub per engine
+    every ``engine_scrub_s`` (made by the first engine check after it is due): a scrub is a call into the engine,
+    and a vLLM worker busy-polls a core for 1 s after each call that reaches it (docs/dynamo.md).
     ``engine_token_file``: the node's engine-control token (None: ``syncd.engine_token.token_path``).
     """
 
@@ -56,7 +56,7 @@ class DaemonConfig:
     poll_jitter: float = 0.2
     backoff_max_s: float = 10.0
     list_every_s: float = 30.0
-    engine_check_s: float = 2.0
+    engine_check_s: float = 1.0
     download_concurrency: int = 8
     metrics_port: int | None = None
     metrics_addr: str = "127.0.0.1"
@@ -65,7 +65,8 @@ class DaemonConfig:
     store_options: dict = field(default_factory=dict)
     store_endpoint: str | None = None
     engine_lease_s: float = 10.0
-    engine_scrub_bytes: int = 128 << 20
+    engine_scrub_bytes: int = 640 << 20
+    engine_scrub_s: float = 10.0
     engine_token_file: Path | None = None
 
     def __post_init__(self):
@@ -80,6 +81,8 @@ class DaemonConfig:
                              f"({2 * self.engine_check_s:g}s) and at most 300s")
         if self.engine_scrub_bytes < 0:
             raise ValueError("engine scrub bytes must not be negative")
+        if not self.engine_scrub_s > 0:
+            raise ValueError(f"engine scrub interval must be positive, got {self.engine_scrub_s:g}s")
         if self.download_concurrency < 1:
             raise ValueError("download concurrency must be at least 1")
         names = [e.name for e in self.engines]

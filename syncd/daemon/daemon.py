@@ -338,4 +338,5 @@ class NodeDaemon:
 
     def _refresh(self, d: EngineDriver) -> None:
         """Blocking: one engine check (lease, state, verification or scrub; :meth:`EngineDriver.refresh`)."""
-        d.refresh(self.manifests, run_id=self.run_id, scrub_bytes=self.config.engine_scrub_bytes)
+        d.refresh(self.manifests, run_id=self.run_id, scrub_bytes=self.config.engine_scrub_bytes,
+                  scrub_every_s=self.config.engine_scrub_s)

@@ -64,6 +64,7 @@ class EngineDriver:
         self.name, self.adapter, self.metrics = name, adapter, metrics
         self.known: tuple | None = None
         self._scrub_at = 0  # index into the sorted parameter names where the next scrub starts
+        self._scrub_due = 0.0  # time.monotonic() from which the next engine check scrubs
         self.version: int | None = None  # the last version verified on the engine
         self.verified = False
         self.needs_rebuild = False
@@ -134,11 +135,13 @@ class EngineDriver:
         got = self.adapter.checksum(picked)
         return [n for n in picked if got.get(n) != exp[n]]
 
-    def refresh(self, manifests, *, run_id: str, scrub_bytes: int) -> None:
+    def refresh(self, manifests, *, run_id: str, scrub_bytes: int, scrub_every_s: float = 0.0) -> None:
         """Blocking, once per engine check: renew the lease and read the engine's state; verify its weights
-        when they are new to this daemon, were written by someone else, or are another run's; scrub a
-        slice of them otherwise. Leaves ``state``/``error`` saying what was found; never raises for the
-        engine's sake (a store error reading a manifest propagates)."""
+        when they are new to this daemon, were written by someone else, or are another run's; otherwise scrub
+        ``scrub_bytes`` of them once ``scrub_every_s`` seconds have passed since the last scrub ended (0: every
+        check).
+        Leaves ``state``/``error`` saying what was found; never raises for the engine's sake (a store error
+        reading a manifest propagates)."""
         from syncd.errors import LeaseHeld, ManifestError, StoreError, VersionNotFound
 
         try:
@@ -171,15 +174,18 @@ class EngineDriver:
         other_run = st["run_id"] is not None and st["run_id"] != run_id
         if (self.verified and v == self.version and not self.needs_rebuild and not foreign and not restarted
                 and not other_run):
-            if scrub_bytes > 0 and v is not None:
-                bad = self.scrub(manifests.get(v), scrub_bytes)
+            if scrub_bytes > 0 and v is not None and time.monotonic() >= self._scrub_due:
+                try:
+                    bad = self.scrub(manifests.get(v), scrub_bytes)
+                finally:
+                    self._scrub_due = time.monotonic() + scrub_every_s
                 if bad:
                     log.error("engine %s: %d parameter(s) no longer match version %d (first: %s): its weights "
                               "changed behind the daemon's back; rebuilding", self.name, len(bad), v, bad[0])
                     self._count("unexpected_write")
                     self.version, self.verified, self.needs_rebuild, self.state = None, False, True, "needs rebuild"
                     self.error = f"weights changed outside the daemon ({len(bad)} parameters, first {bad[0]})"
-                return
+                    return
             if self.state in ("unknown", "unreachable", "held by another controller"):
                 self.state, self.error = "serving", None
             return

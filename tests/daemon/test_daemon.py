@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import threading
+import time
 import urllib.request
 
 import pytest
@@ -138,6 +139,48 @@ def test_rebuilds_follows_and_skips_ahead(tmp_path, published):
     assert {n: e["version"] for n, e in status["engines"].items()} == {"e0": 7, "e1": 7}
     assert [r["version"] for r in records] == [2, 2, 3, 6, 7]
     assert all(set(r["pause_s"]) == {"e0", "e1"} for r in records[2:])
+
+
+class TimedChecksums:
+    """A real StateDictEngine whose ``checksum`` calls are timed (``calls``: their ``time.monotonic()``); a
+    wrapper, nothing else changed."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    @property
+    def version(self):
+        return self.inner.version
+
+    def checksum(self, names=None):
+        self.calls.append(time.monotonic())
+        return self.inner.checksum(names)
+
+
+def test_scrubs_are_spaced_by_the_scrub_interval_not_made_at_every_check(tmp_path, published):
+    """A scrub is a call into the engine (a vLLM worker then busy-polls a core for 1 s): with checks every 20 ms and
+    scrubs every 0.4 s, an idle engine's checksum is called, and at most once per 0.4 s."""
+    published.publish(2)
+    eng = TimedChecksums(engine.StateDictEngine(published.zeros(), None))
+    cfg = DaemonConfig(run_id=RUN, cache_dir=tmp_path / "cache", poll_interval_s=0.05, engine_check_s=0.02,
+                       engine_scrub_s=0.4, engine_scrub_bytes=1)  # one parameter per scrub
+    d = NodeDaemon(cfg, adapters={"e": eng}, store=published.store, signing_key=KEY)
+
+    async def main():
+        task = asyncio.ensure_future(d.run())
+        await wait_until(lambda: eng.version == 1 and d.drivers["e"].state == "serving", "version 1 serving")
+        start = len(eng.calls)
+        await wait_until(lambda: len(eng.calls) >= start + 4, "four scrubs")
+        d.request_stop()
+        await task
+        return eng.calls[start:]
+
+    scrubs = asyncio.run(main())
+    gaps = [b - a for a, b in zip(scrubs, scrubs[1:])]
+    assert min(gaps) >= 0.4, gaps  # the next scrub is due 0.4 s after the last one ended (checks: every 20 ms)
 
 
 def test_checksum_mismatch_rolls_back_then_retries(tmp_path, published):

@@ -137,7 +137,7 @@ def test_weights_changed_behind_the_daemons_back_are_found_and_repaired(tmp_path
     eng, url = procs.engine(model_dir, headless=True, module="tests.daemon._corruptible_engine")
     cache = tmp_path / "cache"
     check_s = 0.2
-    procs.daemon(run.root, cache, [url], extra=["--engine-check-s", str(check_s)])
+    procs.daemon(run.root, cache, [url], extra=["--engine-check-s", str(check_s), "--engine-scrub-s", str(check_s)])
     procs.wait(lambda: engine_version(url) == 1 and status(cache)["engines"]["e0"]["state"] == "serving",
                "version 1")
     t0 = time.monotonic()
@@ -151,7 +151,8 @@ def test_weights_changed_behind_the_daemons_back_are_found_and_repaired(tmp_path
     procs.wait(lambda: status(cache)["engines"]["e0"]["state"] == "serving", "the engine shown serving")
     with capsys.disabled():
         print(f"\nweights changed behind the daemon's back: found after {found:.3f}s, repaired after "
-              f"{repaired:.3f}s (--engine-check-s {check_s}s; goal: found within it, repaired one apply later)")
+              f"{repaired:.3f}s (--engine-check-s and --engine-scrub-s {check_s}s; goal: found within it, repaired one "
+              "apply later)")
 
 
 def test_a_write_made_while_the_daemons_lease_lapsed_is_noticed(tmp_path, procs, model_dir, run):

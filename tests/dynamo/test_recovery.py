@@ -188,11 +188,10 @@ def test_sigkilled_worker_is_restarted_rebuilt_and_routed_to_only_once_current(e
                      system_port_base=base, worker_args=extra, worker_env=env, startup_timeout_s=420,
                      stop_grace_s=20)
     urls = [f"http://127.0.0.1:{base + i}" for i in range(2)]
-    # An engine check scrubs weights through the engine, which for vLLM is a call into its worker process; after
-    # each call that process busy-polls vLLM's message queue for 1 s, so checks under 1 s apart keep an idle vLLM
-    # worker spinning on a whole core (seen: 100% of a core while idle), and the restart below got the rest
-    check_s = 2.0 if engine == "vllm" else 0.2
-    dcfg = DaemonConfig(run_id=RUN, cache_dir=tmp_path / "cache", poll_interval_s=0.1, engine_check_s=check_s,
+    # Scrubs keep the daemon's default spacing (10 s): a scrub is a call into vLLM's worker process, which then
+    # busy-polls vLLM's message queue for 1 s; scrubbed at every 0.2 s check, an idle vLLM worker spun on a whole
+    # core and the restart below crawled (145 s against 27 s, docs/dynamo.md)
+    dcfg = DaemonConfig(run_id=RUN, cache_dir=tmp_path / "cache", poll_interval_s=0.1, engine_check_s=0.2,
                         engines=tuple(EngineSpec(f"worker{i}", u) for i, u in enumerate(urls)),
                         engine_token_file=token_file)
     daemon = DaemonThread(dcfg, trainer.store)  # it finds the workers once their admin routes answer

@@ -2,10 +2,10 @@
 64), the frontend and a sandbox proxy. The trainer's ``read_rollouts`` joins the engines' records with the proxy's
 trajectories token by token (ids, versions, log-probs, kept sets) -- also for a stream that migrated to the other
 worker when its first one stopped (paced by ``tests/dynamo/_paced_vllm.py`` until the client has its first
-tokens, then SIGTERM, a 0.2 s drain timeout: the worker flushes its records and exits). A store that refuses the records costs nothing: they are spilled and written
-once it takes them, and the requests are served meanwhile. Replay settings vLLM cannot record are refused with HTTP
-400 naming the field, as is replay asked (``nvext.annotations: ["syncd.replay"]``) of a worker without a replay
-store."""
+tokens, then SIGTERM, a 0.2 s drain timeout: the worker flushes its records and exits). A store that refuses the
+records costs nothing: they are spilled and written once it takes them, and the requests are served meanwhile.
+Replay settings vLLM cannot record are refused with HTTP 400 naming the field, as is replay asked
+(``nvext.annotations: ["syncd.replay"]``) of a worker without a replay store."""
 
 from __future__ import annotations
 
