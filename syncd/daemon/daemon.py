@@ -10,8 +10,9 @@ The loop (asyncio; store and engine calls run in worker threads):
    set (restarted), holding another run's weights, or whose weights were written by someone else (its
    write counter moved) has its checksums compared with that version's manifest: if they match the daemon
    continues from there (and resumes it, in case a previous daemon died while it was paused), else the
-   engine is rebuilt. A healthy engine has a slice of its weights checksummed (the scrub). An engine whose
-   lease another daemon holds is left alone and shown as such.
+   engine is rebuilt. A healthy engine has a slice of its weights checksummed every ``engine_scrub_s`` (the
+   scrub: a call into the engine, so not at every check). An engine whose lease another daemon holds is left
+   alone and shown as such.
 3. *Plan* (``planner``): delta chain or newer full version, whichever moves fewer bytes; around rejected
    versions. *Fetch*, *stage*, *apply*, *rebuild*, *retain*: :mod:`syncd.daemon.updates`.
 
