@@ -89,10 +89,9 @@ class Setup:
     ``engine``: ``"cpu"`` (one weights-only engine per node, its weights in host memory) or ``"gpu"``;
     ``node_cores``: the cores each node's host work gets while every node stages at once; ``pause_cores``: those
     the last engine's pause gets (None: ``node_cores``; stagings end at different times, so the last pause runs
-    mostly alone); ``scrub_bytes``: weight bytes the round's engine check scrubs (the daemon's default per scrub, taken
-    as due: it comes every ``--engine-scrub-s``); ``rpc_s``: one call from a daemon to its
-    engine. GPU engines: ``gpus_per_node``, ``gpus_per_engine``, ``pcie_Bps``, ``hbm_Bps``,
-    ``staged_bytes_per_change``."""
+    mostly alone); ``scrub_bytes``: weight bytes the round's engine check scrubs (the daemon's default per scrub,
+    taken as due: one comes every ``--engine-scrub-s``); ``rpc_s``: one call from a daemon to its engine. GPU
+    engines: ``gpus_per_node``, ``gpus_per_engine``, ``pcie_Bps``, ``hbm_Bps``, ``staged_bytes_per_change``."""
 
     params: float
     weight_bytes_per_param: float = 2.0

@@ -139,9 +139,8 @@ class EngineDriver:
         """Blocking, once per engine check: renew the lease and read the engine's state; verify its weights
         when they are new to this daemon, were written by someone else, or are another run's; otherwise scrub
         ``scrub_bytes`` of them once ``scrub_every_s`` seconds have passed since the last scrub ended (0: every
-        check).
-        Leaves ``state``/``error`` saying what was found; never raises for the engine's sake (a store error
-        reading a manifest propagates)."""
+        check). Leaves ``state``/``error`` saying what was found; never raises for the engine's sake (a store
+        error reading a manifest propagates)."""
         from syncd.errors import LeaseHeld, ManifestError, StoreError, VersionNotFound
 
         try:
