@@ -7,7 +7,8 @@ full speed again.
 It reaches an unmodified ``--engine vllm`` worker through vLLM's own plugin mechanism: vLLM loads every class
 published in the ``vllm.logits_processors`` entry-point group (``vllm/v1/sample/logits_processor/__init__.py``).
 :func:`worker_env` writes a distribution's metadata that publishes it and puts it on a worker's ``PYTHONPATH``;
-the worker's vLLM loads it in its worker process. A mock of nothing: a real processor in a real vLLM, used to slow it.
+the worker's vLLM loads it in its worker process. Not a mock: a real processor in a real vLLM, used only to slow
+it.
 
 Why not a pause, or SIGSTOP: a pause sent to a worker streaming on a busy machine took 17 s to land, and with the
 engine processes stopped between short SIGSTOP steps vLLM still made a whole 3000-token stream before the client
