@@ -35,7 +35,7 @@ from syncd.engines.client import RemoteAdapter
 from syncd.engines.params import expected_checksums
 from syncd.store import Store
 from tests.dynamo._client import finish_reason, post_stream
-from tests.dynamo._paced_vllm import paced_marker, worker_env
+from tests.dynamo._pacing import paced_marker, worker_env
 from tests.dynamo._stepping import holder, in_steps
 from tests.engine._trainer import KEY, RUN, Trainer
 

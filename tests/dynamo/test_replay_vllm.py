@@ -22,7 +22,7 @@ from syncd.engine.dynamo.serve import Node, NodeConfig
 from syncd.engine.dynamo.settings import DynamoSettings
 from syncd.procs import wait_until
 from tests.dynamo._client import finish_reason, post_json, post_stream
-from tests.dynamo._paced_vllm import paced_marker, worker_env
+from tests.dynamo._pacing import paced_marker, worker_env
 from tests.dynamo.conftest import RUN_ID, start_proxy
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
