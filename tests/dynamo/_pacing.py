@@ -2,12 +2,16 @@
 so these import without it, as on a machine set up with ``SYNCD_VLLM=off``): :func:`worker_env` makes an unmodified
 ``--engine vllm`` worker load :class:`tests.dynamo._paced_vllm.PacedSteps` through vLLM's plugin group
 ``vllm.logits_processors``; while the hold file exists every sampling step sleeps :data:`PACE_S`;
-:func:`paced_marker` is the file the processor creates once it has paced a step."""
+:func:`paced_marker` is the file the processor creates once it has paced a step; :func:`paced_stream` holds a
+stream while a test acts on it."""
 
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
+
+from syncd.procs import wait_until
 
 #: the variable naming the hold file (read in the vLLM worker process)
 HOLD_VAR = "PACED_VLLM_HOLD"
@@ -33,3 +37,21 @@ def worker_env(folder: Path, hold: Path) -> dict:
     (info / "entry_points.txt").write_text(f"[vllm.logits_processors]\npaced = {PROCESSOR}\n")
     paths = [folder, Path(__file__).resolve().parents[2], os.environ.get("PYTHONPATH")]
     return {HOLD_VAR: str(hold), "PYTHONPATH": os.pathsep.join(str(p) for p in paths if p)}
+
+
+@contextmanager
+def paced_stream(hold: Path, stream, seen, enough: int, result: list):
+    """Pace the workers (create ``hold``), start ``stream`` (a thread posting the request; ``result``: what it
+    ended with, for the message), wait until the client has ``enough`` (``seen()``), check that vLLM paced, and
+    run the block (e.g. kill the worker holding the stream); ``hold`` is removed on leaving, so the workers run at
+    full speed again. Raises TimeoutError after 240 s, RuntimeError if the stream ends first, AssertionError if
+    vLLM did not load the processor."""
+    hold.touch()
+    try:
+        stream.start()
+        wait_until(lambda: seen() >= enough, 240, f"the client to have {enough}", interval_s=0.01,
+                   alive=lambda: None if stream.is_alive() else f"the stream ended: {result}")
+        assert paced_marker(hold).exists(), "vLLM did not load the pacing processor (its plugin)"
+        yield
+    finally:
+        hold.unlink(missing_ok=True)

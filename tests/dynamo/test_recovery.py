@@ -35,7 +35,7 @@ from syncd.engines.client import RemoteAdapter
 from syncd.engines.params import expected_checksums
 from syncd.store import Store
 from tests.dynamo._client import finish_reason, post_stream
-from tests.dynamo._pacing import paced_marker, worker_env
+from tests.dynamo._pacing import paced_stream, worker_env
 from tests.dynamo._stepping import holder, in_steps
 from tests.engine._trainer import KEY, RUN, Trainer
 
@@ -126,18 +126,11 @@ def _kill_mid_stream(engine: str, node, daemon, stream: threading.Thread, events
     workers = {w["instance_id"]: w for w in node.workers()}
     killed: dict = {}
     if engine == "vllm":
-        hold.touch()
-        try:
-            stream.start()
-            wait_until(lambda: _tokens(events) >= 32, 240, "the client to have 32 tokens", interval_s=0.01,
-                       alive=lambda: None if stream.is_alive() else f"the stream ended: {result}")
+        with paced_stream(hold, stream, lambda: _tokens(events), 32, result):
             holding = _worker_ids(events)
             assert len(holding) == 1, (_tokens(events), holding)
-            assert paced_marker(hold).exists(), "vLLM did not load the pacing processor (its plugin)"
             killed.update(workers[holding.pop()], seen_at_kill=_tokens(events))
             os.kill(killed["pid"], signal.SIGKILL)
-        finally:
-            hold.unlink(missing_ok=True)
         return killed
     engines = {wid: daemon.daemon.drivers[w["name"]].adapter for wid, w in workers.items()}
     for e in engines.values():

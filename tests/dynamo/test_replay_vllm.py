@@ -22,7 +22,7 @@ from syncd.engine.dynamo.serve import Node, NodeConfig
 from syncd.engine.dynamo.settings import DynamoSettings
 from syncd.procs import wait_until
 from tests.dynamo._client import finish_reason, post_json, post_stream
-from tests.dynamo._pacing import paced_marker, worker_env
+from tests.dynamo._pacing import paced_stream, worker_env
 from tests.dynamo.conftest import RUN_ID, start_proxy
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -173,17 +173,10 @@ def test_a_migrated_trajectory_joins_the_records_of_both_workers(cluster):
             result.append(exc)
 
     stream = threading.Thread(target=run, daemon=True)
-    c.hold.touch()
-    try:
-        stream.start()
-        wait_until(lambda: len(events) >= 31, 240, "the client to have 31 events", interval_s=0.01,
-                   alive=lambda: None if stream.is_alive() else f"the stream ended: {result}")
+    with paced_stream(c.hold, stream, lambda: len(events), 31, result):
         ids = {ev["nvext"]["worker_id"]["decode_worker_id"] for ev in events if "worker_id" in (ev.get("nvext") or {})}
         assert len(ids) == 1, (len(events), ids)
-        assert paced_marker(c.hold).exists(), "vLLM did not load the pacing processor (its plugin)"
         os.kill(workers[ids.pop()]["pid"], signal.SIGTERM)  # drains 0.2 s, flushes its records, exits: it migrates
-    finally:
-        c.hold.unlink(missing_ok=True)
     stream.join(300)
     assert result and not isinstance(result[0], Exception), result
     [(status, _, got)] = result
