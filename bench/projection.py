@@ -160,17 +160,27 @@ def monotone(measured: list[dict]) -> list[dict]:
 
 def host_rates(sample_mib: float, repeats: int) -> dict:
     """Bytes per second on one core of the checksum, SHA-256 (what the publisher, the daemon and the engine hash
-    shards with), a copy (the publisher's snapshot) and the publisher's finite check of bf16 weights."""
+    shards with), a copy (the publisher's snapshot) and the publisher's finite check of bf16 weights, with
+    ``finite_mask`` beside it: the same check by a mask of ``~isfinite`` (what the publisher ran before its min/max
+    reduction), its baseline."""
     import hashlib
 
-    from syncd.publish.finite import check_finite
+    from syncd.publish.finite import SLICE_ELEMS, check_finite
+
+    def finite_by_mask(tensors):
+        for t in tensors.values():
+            flat = t.reshape(-1)
+            for start in range(0, flat.numel(), SLICE_ELEMS):
+                if (~torch.isfinite(flat[start:start + SLICE_ELEMS])).any():
+                    raise ValueError("not finite")
 
     x = torch.randint(0, 256, (int(sample_mib * (1 << 20)),), dtype=torch.uint8)
     y, raw, w = torch.empty_like(x), x.numpy().tobytes(), {"w": torch.zeros(x.numel() // 2, dtype=torch.bfloat16)}
     return {"checksum": x.numel() / one_core(lambda: checksum_many([x]), repeats),
             "sha256": len(raw) / one_core(lambda: hashlib.sha256(raw).digest(), repeats),
             "copy": x.numel() / one_core(lambda: y.copy_(x), repeats),
-            "finite": x.numel() / one_core(lambda: check_finite(w), repeats)}
+            "finite": x.numel() / one_core(lambda: check_finite(w), repeats),
+            "finite_mask": x.numel() / one_core(lambda: finite_by_mask(w), repeats)}
 
 
 def hop_overhead(repeats: int) -> dict:
@@ -379,7 +389,8 @@ def main(argv=None) -> int:
     host = host_rates(a.sample_mib, a.repeats)
     assumptions = {flag: getattr(a, flag.replace("-", "_")) for flag, _, _ in ASSUMPTIONS}
     print(f"syncd projection: measured here in {t0.elapsed:.0f}s (one core each): checksum "
-          f"{host['checksum'] / 1e9:.2f} GB/s, SHA-256 {host['sha256'] / 1e9:.2f} GB/s; broadcast hop "
+          f"{host['checksum'] / 1e9:.2f} GB/s, SHA-256 {host['sha256'] / 1e9:.2f} GB/s, finite check "
+          f"{host['finite'] / 1e9:.2f} GB/s ({host['finite'] / host['finite_mask']:.1f}x an isfinite mask); broadcast hop "
           f"{1e3 * hop['per_hop_s']:.1f} ms"
           f"{' (assumed)' if hop.get('assumed') else ' (bench.broadcast, loopback, N=2 vs 4)'}")
     print("assumptions: " + ", ".join(f"{k} {v:g}" for k, v in assumptions.items()))

@@ -364,3 +364,27 @@ def test_check_finite_counts_every_slice_and_names_the_first(monkeypatch):
     check_finite({"f8": f8})
     with pytest.raises(NonFiniteWeights, match="'f8'"):
         check_finite({"f8": torch.tensor([0.0, float("nan")]).to(torch.float8_e4m3fn)})
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e5m2])
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), float("-inf")])
+def test_check_finite_finds_one_bad_value_anywhere_in_any_float_dtype(monkeypatch, dtype, poison):
+    """The check reduces each slice to its minimum and maximum: one NaN or infinity at a slice's first, last or a
+    middle element (slices of 37, so past the SIMD widths), or in a one-element slice, is found in every float
+    dtype; the largest finite values of each dtype, and a float64 value past float32's range, are finite."""
+    from syncd.publish import finite
+    from syncd.publish.finite import NonFiniteWeights, check_finite
+
+    monkeypatch.setattr(finite, "SLICE_ELEMS", 37)
+    info = torch.finfo(dtype)
+    edges = torch.tensor([info.max, info.min, info.tiny, -info.tiny, 0.0], dtype=torch.float64).to(dtype)
+    check_finite({"edges": edges})
+    if dtype == torch.float64:
+        check_finite({"wide": torch.tensor([1e300, -1e300], dtype=torch.float64)})
+    n = 3 * 37 + 1  # the last slice holds one element
+    for at in (0, 36, 37, 55, 73, n - 1):
+        w = torch.linspace(-1, 1, n, dtype=torch.float64).to(dtype)
+        w[at] = poison
+        with pytest.raises(NonFiniteWeights, match=rf"has 1 of {n} values NaN or \+-inf \(the first at flat index "
+                                                   rf"{at}: "):
+            check_finite({"w": w})
