@@ -82,9 +82,10 @@ def one_core(fn, repeats: int, setup=None) -> float:
 
 def host_decode(blobs: list, olds: list):
     """What an engine whose weights are on GPUs does on its host: parse each blob into positions and values
-    (``delta.changes``; format 2 with its base, whose classes a GPU computes and copies over, half a byte
-    each: the host decodes those as fast as it reads them from the base)."""
-    return lambda: [delta.changes(b, base=o) for b, o in zip(blobs, olds)]
+    (``delta.changes``; format 2 from the classes of its base, which a GPU computes and copies over, half a byte
+    each: ``delta.base_classes``, computed here untimed)."""
+    classes = [delta.base_classes(b, o) for b, o in zip(blobs, olds)]
+    return lambda: [delta.changes(b, classes=c) for b, c in zip(blobs, classes)]
 
 
 def codec_rates(olds: list, news: list, repeats: int) -> dict:

@@ -65,20 +65,29 @@ def _pack_cpu(dt, shape, block_log2, pos, v, base_ck, new_ck, version, context) 
 
 
 def unpack(blob, h: fmt.Header, dt: fmt.DType, shape, base: torch.Tensor | None = None,
-           e_tops: list[int] | None = None) -> tuple[np.ndarray, np.ndarray, int, int]:
+           e_tops: list[int] | None = None, nibbles: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, int, int]:
     """Positions (uint64), values and checksums of a blob (``h``: its parsed header) for a target of
     ``dt``/``shape``. ``base`` (any device) is the tensor the blob applies to; format 2's context blocks cannot be
-    decoded without it. ``e_tops``: the blob's :func:`block_e_tops` if the caller has them."""
+    decoded without it or ``nibbles``, its classes (:func:`base_nibbles`; ``base`` is then not read).
+    ``e_tops``: the blob's :func:`block_e_tops` if the caller has them."""
     fmt.check_target(h, dt, shape)
-    host = nibbles = None
-    if base is not None and h.version == 2:
-        check_base(base, getattr(torch, h.dtype.name), h.shape)
+    host = None
+    if nibbles is None and base is not None and h.version == 2:
         if base.device.type == "cpu":
+            check_base(base, getattr(torch, h.dtype.name), h.shape)
             host = plain(base)
         else:
-            tops = torch.tensor([max(0, e) for e in (e_tops or block_e_tops(blob))], dtype=torch.int64)
-            nibbles = _context.class_nibbles(base.detach().contiguous(), dt, h.block_log2, tops)[0].cpu().numpy()
+            nibbles = base_nibbles(blob, h, base, e_tops).cpu().numpy()
     return dispatch("unpack_changes", "auto", "cpu")(blob, dt, shape, host, nibbles)
+
+
+def base_nibbles(blob, h: fmt.Header, base: torch.Tensor, e_tops: list[int] | None = None) -> torch.Tensor:
+    """The classes of ``base``'s elements for ``blob``'s context blocks, on ``base``'s device: uint8, two per byte
+    (``_context.class_nibbles`` with the blob's e_top per block). ``DeltaError`` for a base of another dtype or
+    shape."""
+    check_base(base, getattr(torch, h.dtype.name), h.shape)
+    tops = torch.tensor([max(0, e) for e in (e_tops or block_e_tops(blob))], dtype=torch.int64)
+    return _context.class_nibbles(base.detach().contiguous(), h.dtype, h.block_log2, tops)[0]
 
 
 @kernel("unpack_changes", "cpu")

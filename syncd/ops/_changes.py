@@ -18,12 +18,12 @@ from syncd.ops import _backend
 from syncd.ops import _checksum_math as cm
 from syncd.ops import _format as fmt
 from syncd.ops._bits import apply_values
-from syncd.ops._blob import check_base, context_e_tops, header, native_call, unpack
+from syncd.ops._blob import base_nibbles, check_base, context_e_tops, header, native_call, unpack
 from syncd.ops._checksum import checksum
 from syncd.ops._dispatch import dispatch, kernel
 from syncd.ops._tensors import even_stride, int_view
 
-__all__ = ["Changes", "changes", "needs_base", "apply_changes_", "changed_words"]
+__all__ = ["Changes", "changes", "base_classes", "needs_base", "apply_changes_", "changed_words"]
 
 
 @dataclass(frozen=True)
@@ -52,17 +52,36 @@ def needs_base(blob) -> bool:
     return context_e_tops(blob, header(blob)) is not None
 
 
-def changes(blob, base: torch.Tensor | None = None) -> Changes:
+def base_classes(blob, base: torch.Tensor) -> torch.Tensor | None:
+    """What decoding ``blob`` needs of ``base`` (the tensor it applies to): the classes of its elements, on
+    ``base``'s device (uint8, two per byte: element ``2i`` in the low nibble of byte ``i``), or None when the blob has
+    no context block. A GPU computes them where the base lives, and only these half bytes per element cross to the
+    host decoder (``changes(blob, classes=...)``); ``changes(blob, base=gpu_tensor)`` does exactly that. Raises
+    ``DeltaError`` for a malformed blob or a base of another dtype or shape."""
+    h = header(blob)
+    e_tops = context_e_tops(blob, h)
+    return None if e_tops is None else base_nibbles(blob, h, base, e_tops)
+
+
+def changes(blob, base: torch.Tensor | None = None, *, classes: torch.Tensor | None = None) -> Changes:
     """Parse and fully validate ``blob`` (every block checksum) into its change list. A format-2 blob's
     context blocks need ``base``, the tensor the blob applies to (any device; only read, and only when the
-    blob has context blocks: a caller that holds the base may always pass it). Raises ``DeltaError`` (also
-    for a context block without a base, or a base of another dtype or shape, when the base is needed)."""
+    blob has context blocks: a caller that holds the base may always pass it), or ``classes``, what
+    :func:`base_classes` gives for it (then ``base`` is not read). Raises ``DeltaError`` (also for a context block
+    without either, a base of another dtype or shape, or classes of another length than ceil(numel / 2) bytes)."""
     h = header(blob)
     torch_dtype = getattr(torch, h.dtype.name)
+    nibbles = None
+    if classes is not None:
+        want = (h.numel + 1) // 2
+        if classes.dtype != torch.uint8 or classes.dim() != 1 or classes.numel() != want:
+            raise DeltaError(f"classes must be a 1-D uint8 tensor of {want} bytes (base_classes), got "
+                             f"{str(classes.dtype).removeprefix('torch.')}{list(classes.shape)}")
+        nibbles, base = classes.detach().cpu().contiguous().numpy(), None
     e_tops = context_e_tops(blob, h) if base is not None else None
     if e_tops is None:
         base = None  # no context block: the base would only be checked (and a strided one copied) for nothing
-    pos, v, base_ck, new_ck = unpack(blob, h, h.dtype, tuple(h.shape), base, e_tops)
+    pos, v, base_ck, new_ck = unpack(blob, h, h.dtype, tuple(h.shape), base, e_tops, nibbles)
     return Changes(torch_dtype, tuple(h.shape), torch.from_numpy(np.asarray(pos).view(np.int64)),
                    torch.from_numpy(np.asarray(v).view(np.int64)), base_ck, new_ck)
 

@@ -27,14 +27,14 @@ from syncd.errors import DeltaError
 from syncd.ops import _backend, _context
 from syncd.ops import _format as fmt
 from syncd.ops._blob import header, native_call, pack, plain, unpack
-from syncd.ops._changes import Changes, apply_changes_, changed_words, changes, needs_base
+from syncd.ops._changes import Changes, apply_changes_, base_classes, changed_words, changes, needs_base
 from syncd.ops._dispatch import dispatch, kernel, kernel_of, register, resolve
 from syncd.ops._sections import V1_SECTIONS, V2_SECTIONS, sections
 from syncd.ops._tensors import byte_view, raw_ptr, shape_of
 
-__all__ = ["encode", "decode", "apply_", "inspect", "encode_many", "apply_many", "Changes", "changes", "needs_base",
-           "apply_changes_", "changed_words", "find_changes", "DEFAULT_BLOCK_LOG2", "DEFAULT_FORMAT", "FORMAT_VERSIONS",
-           "dtype_format"]
+__all__ = ["encode", "decode", "apply_", "inspect", "encode_many", "apply_many", "Changes", "changes", "base_classes",
+           "needs_base", "apply_changes_", "changed_words", "find_changes", "DEFAULT_BLOCK_LOG2", "DEFAULT_FORMAT",
+           "FORMAT_VERSIONS", "dtype_format"]
 
 #: format facts tools and benchmarks use (the format itself, ``syncd.ops._format``, is private to the ops)
 DEFAULT_BLOCK_LOG2 = fmt.DEFAULT_BLOCK_LOG2

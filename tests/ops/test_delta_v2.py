@@ -184,6 +184,28 @@ def test_context_blocks_need_the_base():
         delta.changes(blob, base=old[:-1])
 
 
+def test_changes_from_the_base_classes_alone_match_changes_from_the_base():
+    """``base_classes`` (what a GPU holding the base computes; here on the CPU) is all ``changes`` needs of the
+    base: the same change list; a blob without a context block needs none; classes of another length or dtype
+    are refused by name."""
+    old, new = weight_pair((1 << 16) + 3, 1e-5)
+    blob = delta.encode(old, new, version=2, block_log2=14)
+    cls = delta.base_classes(blob, old)
+    assert cls.dtype == torch.uint8 and cls.numel() == (old.numel() + 1) // 2
+    c1, c2 = delta.changes(blob, base=old), delta.changes(blob, classes=cls)
+    assert torch.equal(c1.positions, c2.positions) and torch.equal(c1.values, c2.values)
+    assert (c1.base_checksum, c1.new_checksum) == (c2.base_checksum, c2.new_checksum)
+    assert delta.base_classes(delta.encode(old, new), old) is None
+    for bad in (cls[:-1], cls.to(torch.int16), cls.view(1, -1)):
+        with pytest.raises(DeltaError, match=r"classes must be a 1-D uint8 tensor of 32770 bytes \(base_classes\)"):
+            delta.changes(blob, classes=bad)
+    with pytest.raises(DeltaError, match="base is"):
+        delta.base_classes(blob, old[:-1])
+    wrong = delta.base_classes(blob, old * 4)  # another tensor's classes: the decode fails, it does not guess
+    with pytest.raises(DeltaError):
+        delta.changes(blob, classes=wrong)
+
+
 @pytest.mark.parametrize("step", [3e-7, 3e-6, 1e-2])  # about 1%, 10% and every element changed
 def test_changes_list_every_change_in_order_at_any_density(step):
     """The context blocks' change lists (positions from the bitmap, 64 elements a step, and a partial end) are
