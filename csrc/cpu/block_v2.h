@@ -73,6 +73,7 @@ struct BlockChanges {
   // mode 3 (16-bit dtypes, from the old words): the flagged rows and a copy of each one's 16 old words, which
   // apply writes from (the old words are not read again) and undo restores
   bool has_rows = false;
+  bool rows_listed = false;  // a mode-3 decode (16-bit dtypes) filled rows[0..nrows), with or without old words
   uint64_t nrows = 0;
   PodBuffer<uint32_t> rows;
   PodBuffer<uint16_t> row_words;
@@ -81,6 +82,9 @@ struct BlockChanges {
   // Block-relative positions and values (for mode 0 and for unpack), in position order; `pos` must have room
   // for n + 8 entries (the ones past n are scratch).
   void list(uint32_t* pos, uint64_t* v) const;
+  // The same as positions start + p, from the flagged rows when a mode-3 decode listed them (else from the
+  // bitmap, as list()); nothing is written past pos[n - 1].
+  void list_at(uint64_t start, uint64_t* pos, uint64_t* v) const;
 };
 
 // About the bytes a BlockChanges holds for a block of `span` elements with n changes (BlockChanges::reset and a

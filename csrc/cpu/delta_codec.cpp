@@ -594,10 +594,7 @@ void delta_unpack_into(const Header& h, const uint8_t* blob, uint64_t* pos, uint
       // pooled buffers: fresh ones cost a page fault per 4 KiB on every block
       PooledChanges ch = take_changes(decoded_bytes(h.block_span(b), e.n_changed, h.dtype));
       dec.decode(cs, *ch);
-      thread_local PodBuffer<uint32_t> rel;
-      uint32_t* r = rel.scratch(e.n_changed + 8);
-      ch->list(r, vb);
-      for (size_t i = 0; i < e.n_changed; ++i) pb[i] = start + r[i];
+      ch->list_at(start, pb, vb);  // pb, vb: exactly this block's n_changed entries (other threads write the next)
       return;
     }
     BlockDecoder dec(payload, len, e.n_changed, h.block_span(b), h.dtype.bits, b);
