@@ -412,7 +412,10 @@ def main(argv=None) -> int:
     print("validation error: " + ("not validated in this run (--validate)" if acc is None else
           f"totals predicted/measured {acc['total_ratio_range'][0]:.2f}-{acc['total_ratio_range'][1]:.2f}, stages "
           f"{acc['stage_ratio_range'][0]:.2f}-{acc['stage_ratio_range'][1]:.2f}, "
-          f"{100 * acc['within_0.8_1.25']:.0f}% within 0.8-1.25"))
+          f"{100 * acc['within_0.8_1.25']:.0f}% within 0.8-1.25; rows whose repeats agree within 1.25: "
+          f"{acc['repeatable_rows']} of {len(validation)}"
+          + ("" if acc["repeatable_rows"] == 0 else
+             f", {100 * acc['repeatable_within_0.8_1.25']:.0f}% of them within 0.8-1.25")))
     out = {"bench": "projection", "assumptions": assumptions, "host_rates": host, "broadcast": hop,
            "measured": measured, "projected_from": used, "projections": projections, "goal": {"case": goal, "met": ok},
            "projection_1t_s": goal["total_s"], "projection_1t": {"case": goal, "format_2": v2,

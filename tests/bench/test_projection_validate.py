@@ -47,6 +47,23 @@ def test_validate_smallest_size(tmp_path, capsys):
         assert len(v["timeline"]["nodes"]) == 4 and v["delta_bytes"] > 0
     assert math.isfinite(data["projection_1t_s"]) and data["projection_1t_s"] > 0
     err = data["projection_1t"]["validation_error"]
-    assert set(err) == {"total_ratio_range", "stage_ratio_range", "within_0.8_1.25", "goal_met"}
+    assert set(err) == {"total_ratio_range", "stage_ratio_range", "within_0.8_1.25", "goal_met", "repeatable_rows",
+                        "repeatable_within_0.8_1.25"}
+    assert all(r["spread"] == 1.0 for r in rows) and err["repeatable_rows"] == len(rows)  # one repeat each
     assert "validation (real path in network namespaces, 4 nodes" in printed
     assert "validation error: totals predicted/measured" in printed
+
+
+def test_accuracy_holds_the_model_to_the_rows_the_measurement_repeats():
+    """``accuracy`` judges every row for ``goal_met``, and beside it only the rows whose repeats agree within
+    1.25: a stage that took 10 ms once and 20 ms the next time cannot be predicted within 25% of both."""
+    from bench._projection_validate import accuracy
+
+    def row(stage, ratio, spread):
+        return {"stage": stage, "ratio": ratio, "spread": spread}
+    rows = [row("total", 0.97, 1.02), row("long link", 1.01, 1.03), row("pause", 1.7, 2.0), row("stage", 0.7, 1.1)]
+    acc = accuracy(rows)
+    assert acc["within_0.8_1.25"] == 0.5 and not acc["goal_met"]
+    assert acc["repeatable_rows"] == 3 and acc["repeatable_within_0.8_1.25"] == pytest.approx(2 / 3)
+    assert acc["total_ratio_range"] == [0.97, 0.97] and acc["stage_ratio_range"] == [0.7, 1.7]
+    assert accuracy([row("total", 1.0, 1.5), row("pause", 1.0, 1.3)])["repeatable_within_0.8_1.25"] is None
