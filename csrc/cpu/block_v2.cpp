@@ -177,41 +177,54 @@ void BlockChanges::reset(uint64_t span_, bool wide_, uint64_t n_max) {
   else v16.reserve(size_t(n_max) + 64);
 }
 
+namespace {
+
+// Writes base + the index of each set bit of x (cnt of them), lowest first, at out. With `eight` (8 entries are
+// writable) and at most 8 bits, all 8 entries are written whatever x holds, the extra ones for the caller's next
+// write to overwrite: a branch per set bit would mispredict on most words at a few percent changed.
+template <class P>
+inline void put_bits(P* out, P base, uint64_t x, unsigned cnt, bool eight) {
+  if (__builtin_expect(eight && cnt <= 8, 1)) {
+    for (int j = 0; j < 8; ++j) {  // the top bit keeps ctz defined once x runs out
+      out[j] = base + P(__builtin_ctzll(x | 0x8000000000000000ull));
+      x &= x - 1;
+    }
+  } else {
+    for (; x; x &= x - 1) *out++ = base + P(__builtin_ctzll(x));
+  }
+}
+
+}  // namespace
+
+void BlockChanges::values(uint64_t* v) const {
+  if (wide) {
+    std::memcpy(v, v64.data(), size_t(n) * sizeof(uint64_t));
+  } else {
+    const uint16_t* v16p = v16.data();
+    for (uint64_t i = 0; i < n; ++i) v[i] = v16p[i];
+  }
+}
+
 SYNCD_CLONES
 void BlockChanges::list(uint32_t* pos, uint64_t* v) const {
-  // 64 elements a step, 8 positions written whatever the step holds (the next step overwrites the extra ones):
-  // a branch per set bit or per bitmap word mispredicts on most of them at a few percent changed
+  // 64 elements a step (4 rows)
   const uint16_t* bm = bitmap.data();
   const uint64_t words = (span + kLanes - 1) / kLanes;
   uint64_t k = 0, t = 0;
   for (; t + 4 <= words; t += 4) {
     uint64_t w;
     std::memcpy(&w, bm + t, 8);
-    const uint32_t base = uint32_t(t * kLanes);
     const unsigned cnt = unsigned(__builtin_popcountll(w));
-    if (__builtin_expect(cnt <= 8, 1)) {
-      uint64_t x = w;
-      for (int j = 0; j < 8; ++j) {  // the top bit keeps ctz defined once x runs out
-        pos[k + j] = base + uint32_t(__builtin_ctzll(x | 0x8000000000000000ull));
-        x &= x - 1;
-      }
-    } else {
-      uint64_t j = k;
-      for (uint64_t x = w; x; x &= x - 1) pos[j++] = base + uint32_t(__builtin_ctzll(x));
-    }
+    put_bits<uint32_t>(pos + k, uint32_t(t * kLanes), w, cnt, true);
     k += cnt;
   }
-  for (; t < words; ++t)
-    for (uint32_t bits = bm[t]; bits; bits &= bits - 1) pos[k++] = uint32_t(t * kLanes + __builtin_ctz(bits));
-  if (wide) {
-    std::memcpy(v, v64.data(), size_t(k) * sizeof(uint64_t));
-  } else {
-    const uint16_t* v16p = v16.data();
-    for (uint64_t i = 0; i < k; ++i) v[i] = v16p[i];
+  for (; t < words; ++t) {
+    put_bits<uint32_t>(pos + k, uint32_t(t * kLanes), bm[t], unsigned(__builtin_popcount(bm[t])), false);
+    k += unsigned(__builtin_popcount(bm[t]));
   }
+  values(v);
 }
 
-SYNCD_CLONES
 void BlockChanges::list_at(uint64_t start, uint64_t* pos, uint64_t* v) const {
   if (!rows_listed) {
     thread_local PodBuffer<uint32_t> rel;
@@ -220,33 +233,17 @@ void BlockChanges::list_at(uint64_t start, uint64_t* pos, uint64_t* v) const {
     for (uint64_t i = 0; i < n; ++i) pos[i] = start + r[i];
     return;
   }
-  // only the flagged rows (about a sixth of a block's rows at 1% changed), 8 positions written per row whatever it
-  // holds (the next row overwrites the extra ones; not past n): a branch per set bit would mispredict on most rows
+  // only the flagged rows (about a sixth of a block's rows at 1% changed), never writing past pos[n - 1]
   const uint16_t* bm = bitmap.data();
   const uint32_t* fr = rows.data();
   uint64_t k = 0;
   for (uint64_t r = 0; r < nrows; ++r) {
     const uint32_t bits = bm[fr[r]];
-    const uint64_t base = start + uint64_t(fr[r]) * kLanes;
     const unsigned cnt = unsigned(__builtin_popcount(bits));
-    if (__builtin_expect(cnt <= 8 && k + 8 <= n, 1)) {
-      uint32_t x = bits;
-      for (int j = 0; j < 8; ++j) {  // bit 16 keeps ctz defined once x runs out
-        pos[k + j] = base + unsigned(__builtin_ctz(x | 0x10000u));
-        x &= x - 1;
-      }
-    } else {
-      uint64_t j = k;
-      for (uint32_t x = bits; x; x &= x - 1) pos[j++] = base + unsigned(__builtin_ctz(x));
-    }
+    put_bits<uint64_t>(pos + k, start + uint64_t(fr[r]) * kLanes, bits, cnt, k + 8 <= n);
     k += cnt;
   }
-  if (wide) {
-    std::memcpy(v, v64.data(), size_t(n) * sizeof(uint64_t));
-  } else {
-    const uint16_t* v16p = v16.data();
-    for (uint64_t i = 0; i < n; ++i) v[i] = v16p[i];
-  }
+  values(v);
 }
 
 // ---------------------------------------------------------------------------------------------- encoder

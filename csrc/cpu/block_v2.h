@@ -85,6 +85,8 @@ struct BlockChanges {
   // The same as positions start + p, from the flagged rows when a mode-3 decode listed them (else from the
   // bitmap, as list()); nothing is written past pos[n - 1].
   void list_at(uint64_t start, uint64_t* pos, uint64_t* v) const;
+  // The n values, widened to 64 bits, into v.
+  void values(uint64_t* v) const;
 };
 
 // About the bytes a BlockChanges holds for a block of `span` elements with n changes (BlockChanges::reset and a
