@@ -391,8 +391,8 @@ def main(argv=None) -> int:
     assumptions = {flag: getattr(a, flag.replace("-", "_")) for flag, _, _ in ASSUMPTIONS}
     print(f"syncd projection: measured here in {t0.elapsed:.0f}s (one core each): checksum "
           f"{host['checksum'] / 1e9:.2f} GB/s, SHA-256 {host['sha256'] / 1e9:.2f} GB/s, finite check "
-          f"{host['finite'] / 1e9:.2f} GB/s ({host['finite'] / host['finite_mask']:.1f}x an isfinite mask); broadcast hop "
-          f"{1e3 * hop['per_hop_s']:.1f} ms"
+          f"{host['finite'] / 1e9:.2f} GB/s ({host['finite'] / host['finite_mask']:.1f}x an isfinite mask); "
+          f"broadcast hop {1e3 * hop['per_hop_s']:.1f} ms"
           f"{' (assumed)' if hop.get('assumed') else ' (bench.broadcast, loopback, N=2 vs 4)'}")
     print("assumptions: " + ", ".join(f"{k} {v:g}" for k, v in assumptions.items()))
     used = monotone(measured)

@@ -65,7 +65,8 @@ def _pack_cpu(dt, shape, block_log2, pos, v, base_ck, new_ck, version, context) 
 
 
 def unpack(blob, h: fmt.Header, dt: fmt.DType, shape, base: torch.Tensor | None = None,
-           e_tops: list[int] | None = None, nibbles: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, int, int]:
+           e_tops: list[int] | None = None,
+           nibbles: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, int, int]:
     """Positions (uint64), values and checksums of a blob (``h``: its parsed header) for a target of
     ``dt``/``shape``. ``base`` (any device) is the tensor the blob applies to; format 2's context blocks cannot be
     decoded without it or ``nibbles``, its classes (:func:`base_nibbles`; ``base`` is then not read).
