@@ -91,7 +91,9 @@ class Setup:
     the last engine's pause gets (None: ``node_cores``; stagings end at different times, so the last pause runs
     mostly alone); ``scrub_bytes``: weight bytes the round's engine check scrubs (the daemon's default per scrub,
     taken as due: one comes every ``--engine-scrub-s``); ``rpc_s``: one call from a daemon to its engine. GPU
-    engines: ``gpus_per_node``, ``gpus_per_engine``, ``pcie_Bps``, ``hbm_Bps``, ``staged_bytes_per_change``."""
+    engines: ``gpus_per_node``, ``gpus_per_engine``, ``pcie_Bps``, ``hbm_Bps``, ``staged_bytes_per_change``, and
+    ``decode_cores_per_gpu``: the host cores each GPU's engine process decodes its deltas on while it serves (at most
+    the node's ``node_cores`` among them all)."""
 
     params: float
     weight_bytes_per_param: float = 2.0
@@ -120,6 +122,7 @@ class Setup:
     pcie_Bps: float = 40e9
     hbm_Bps: float = 3.5e12
     staged_bytes_per_change: float = 6.0
+    decode_cores_per_gpu: float = 1.0
 
     def with_(self, **kw) -> "Setup":
         return replace(self, **kw)
@@ -215,14 +218,15 @@ def _engine_cpu(s: Setup, r: Rates, weights: float, delta: float) -> tuple[float
 def _engine_gpu(s: Setup, r: Rates, weights: float, delta: float) -> tuple[float, float]:
     """``(stage, pause)`` of GPU engines (one worker process per GPU, as vLLM's): the daemon re-hashes the cached
     shards on the node's cores; each worker reads every shard (hashed, 4 threads) and decodes the deltas of the
-    weights its GPU holds on one core; format 2's classes cross PCIe; each GPU copies and checksums its base and
+    weights its GPU holds on ``decode_cores_per_gpu`` cores (the node's cores at most); format 2's classes cross PCIe; each GPU copies and checksums its base and
     result at HBM rate. The pause: the staged words over PCIe, their scatter, and the daemon's checksum of the
     weights (HBM rate)."""
     node_weights = weights * min(1.0, s.gpus_per_node / s.gpus_per_engine)
     per_gpu = node_weights / s.gpus_per_node
     procs = min(s.node_cores, s.gpus_per_node)
     hashing = delta / (r.sha256 * s.node_cores) + delta / (r.sha256 * min(4.0, s.node_cores / procs))
-    stage = (hashing + node_weights / (r.decode * procs) + per_gpu / 2 * r.class_bytes_per_param / s.pcie_Bps
+    decoding = min(s.node_cores, s.gpus_per_node * s.decode_cores_per_gpu)
+    stage = (hashing + node_weights / (r.decode * decoding) + per_gpu / 2 * r.class_bytes_per_param / s.pcie_Bps
              + 4 * per_gpu / s.hbm_Bps + min(s.scrub_bytes, per_gpu) / s.hbm_Bps)
     changed_per_gpu = s.params * r.changed_per_param / s.gpus_per_engine
     pause = (changed_per_gpu * s.staged_bytes_per_change / s.pcie_Bps + changed_per_gpu * 64 / s.hbm_Bps

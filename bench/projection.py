@@ -226,7 +226,7 @@ def setup_of(a, kind: str, weight_bytes_per_param: float, hop_s: float) -> model
         gpus_per_node=a.gpus_per_node,
         gpus_per_engine=a.gpus_per_engine_bf16 if kind == "bf16" else a.gpus_per_engine_nvfp4,
         pcie_Bps=a.pcie_gbps * 1e9, hbm_Bps=a.hbm_gbps * 1e9, staged_bytes_per_change=a.staged_bytes_per_change,
-        hop_s=hop_s)
+        decode_cores_per_gpu=a.decode_cores_per_gpu, hop_s=hop_s)
 
 
 def project(row: dict, kind: str, fmt_v: str, a: argparse.Namespace, host: dict, hop_s: float) -> dict:
@@ -263,7 +263,9 @@ ASSUMPTIONS = (  # flag, default, meaning
     ("intra-gbit", 100.0, "links inside the remote cluster, Gb/s per node"),
     ("cluster-nodes", 64, "nodes of the remote cluster"),
     ("fanout", 2, "broadcast tree fanout"),
-    ("gpus-per-node", 8, "GPUs per node (one engine process each: the host decode runs on this many cores)"),
+    ("gpus-per-node", 8, "GPUs per node (one engine process each)"),
+    ("decode-cores-per-gpu", 1.0, "host cores each GPU's engine process decodes its deltas on while it serves (the "
+                                  "native decoder would take every core its process may)"),
     ("gpus-per-engine-bf16", 16, "GPUs per engine for bf16 weights (2 TB of HBM for 1T parameters)"),
     ("gpus-per-engine-nvfp4", 8, "GPUs per engine for NVFP4 weights"),
     ("pcie-gbps", 40.0, "host-to-GPU copy rate per GPU, GB/s (PCIe 5 x16, achieved)"),

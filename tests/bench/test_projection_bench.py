@@ -76,6 +76,19 @@ def test_projection_tiny(tmp_path, capsys):
         assert not worse, (kind, v, d, worse, ps, qs)
 
 
+def test_engines_decoding_on_more_host_cores_stage_sooner():
+    """--decode-cores-per-gpu: the GPU engines' host decode, the largest part of their stage at 1T, runs on that many
+    cores per GPU process (at most the node's cores); nothing else changes."""
+    r = model.Rates(delta_bytes_per_param=0.01, changed_per_param=0.01, encode=1e9, stage=1e9, decode=1e9, apply=1e9,
+                    checksum=1e10, sha256=1e9, copy=1e10, finite=1e10)
+    base = model.Setup(params=1e12, node_cores=32, gpus_per_node=8, gpus_per_engine=16)
+    one, four, many = (model.stages(base.with_(decode_cores_per_gpu=c), r)["stages_s"] for c in (1, 4, 100))
+    node_weights = 2e12 * 8 / 16
+    assert one["stage"] - four["stage"] == pytest.approx(node_weights / 1e9 * (1 / 8 - 1 / 32))
+    assert many["stage"] == pytest.approx(four["stage"])  # 32 cores is all the node has
+    assert {k: v for k, v in one.items() if k != "stage"} == {k: v for k, v in four.items() if k != "stage"}
+
+
 def test_monotone_keeps_the_slower_side():
     """A timing that drops at a higher density (noise) is raised to the lower density's, per weight byte."""
     def row(d, t):
