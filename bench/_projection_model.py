@@ -218,8 +218,8 @@ def _engine_cpu(s: Setup, r: Rates, weights: float, delta: float) -> tuple[float
 def _engine_gpu(s: Setup, r: Rates, weights: float, delta: float) -> tuple[float, float]:
     """``(stage, pause)`` of GPU engines (one worker process per GPU, as vLLM's): the daemon re-hashes the cached
     shards on the node's cores; each worker reads every shard (hashed, 4 threads) and decodes the deltas of the
-    weights its GPU holds on ``decode_cores_per_gpu`` cores (the node's cores at most); format 2's classes cross PCIe; each GPU copies and checksums its base and
-    result at HBM rate. The pause: the staged words over PCIe, their scatter, and the daemon's checksum of the
+    weights its GPU holds on ``decode_cores_per_gpu`` cores (the node's cores at most); format 2's classes cross
+    PCIe; each GPU copies and checksums its base and result at HBM rate. The pause: the staged words over PCIe, their scatter, and the daemon's checksum of the
     weights (HBM rate)."""
     node_weights = weights * min(1.0, s.gpus_per_node / s.gpus_per_engine)
     per_gpu = node_weights / s.gpus_per_node
